@@ -1,0 +1,124 @@
+"""Builds small random models as real HF model directories (config, safetensors, tokenizer).
+
+No weights can be downloaded, so the demo and the tests make their own: a byte-level BPE
+tokenizer trained on a fixed text, a chat template, and random weights from a fixed
+seed. They load through the same code path as any model directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A paged attention engine keeps the key and
+value cache in fixed-size blocks, so requests of any length share one pool of memory.
+Schedulers admit requests first come, first served; when memory runs short the newest
+request is preempted and the oldest keeps running. Hello, world! How are you today?
+Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000. Émile ate crème brûlée in Zürich; 東京は大きい。
+Ünïcödé, emojis 🙂🚀 and symbols → ← ∑ π keep the detokenizer honest.
+def main():\n    return 42\n
+"""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Shapes by family; every one is a few MB in fp32.
+ARCHS: dict[str, dict[str, Any]] = {
+    "qwen2": dict(cls="Qwen2Config", model_type="qwen2"),
+    "llama": dict(cls="LlamaConfig", model_type="llama"),
+    "qwen3": dict(cls="Qwen3Config", model_type="qwen3"),
+    "mistral": dict(cls="MistralConfig", model_type="mistral"),
+}
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model_dir(
+    path: str | Path,
+    arch: str = "qwen2",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    dtype: str = "float32",
+    **extra_config: Any,
+) -> Path:
+    """Write a random ``arch`` model with a local tokenizer into ``path``; returns it."""
+    import torch
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown demo architecture {arch!r}; choose one of {sorted(ARCHS)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config_cls = getattr(transformers, ARCHS[arch]["cls"])
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.2,  # wide logits: greedy ties between engines are unlikely
+        **extra_config,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    meta = {"pagedserve_demo": True, "arch": arch, "seed": seed}
+    (path / "pagedserve_demo.json").write_text(json.dumps(meta))
+    return path
+
+
+def build_demo_model(path: str | Path) -> Path:
+    """The embedded default: a small random Qwen2-family model with a chat template."""
+    return build_model_dir(
+        path, "qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        intermediate_size=256, vocab_size=1024, max_position_embeddings=4096, seed=1234,
+    )

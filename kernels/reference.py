@@ -1,0 +1,113 @@
+"""Plain-torch references of every kernel: the CPU path and the oracle for the Triton ones.
+
+Cache layout (one tensor per worker): ``kv_cache[layer, 0|1, block, slot, kv_head, dim]``
+with 0 = K and 1 = V, so ``kv_cache[l, 0]`` is layer l's K cache in blocks of
+``block_size`` tokens. A host (swap) cache has the same layout with its own block count.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def zero_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Zero the listed blocks in every layer, K and V."""
+    if block_ids.numel() == 0:
+        return
+    kv_cache.index_fill_(2, block_ids.to(kv_cache.device, torch.long), 0)
+
+
+def copy_blocks(kv_cache: torch.Tensor, mapping: torch.Tensor) -> None:
+    """Copy block ``mapping[i, 0]`` onto block ``mapping[i, 1]`` in every layer, K and V."""
+    if mapping.numel() == 0:
+        return
+    mapping = mapping.to(kv_cache.device, torch.long)
+    kv_cache[:, :, mapping[:, 1]] = kv_cache[:, :, mapping[:, 0]]
+
+
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch.Tensor) -> None:
+    """Copy block ``mapping[i, 0]`` of ``src_cache`` to block ``mapping[i, 1]`` of ``dst_cache``.
+
+    The caches may live on different devices (device <-> pinned host).
+    """
+    if mapping.numel() == 0:
+        return
+    src_idx = mapping[:, 0].to(src_cache.device, torch.long)
+    dst_idx = mapping[:, 1].to(dst_cache.device, torch.long)
+    moved = src_cache.index_select(2, src_idx).to(dst_cache.device, non_blocking=True)
+    dst_cache.index_copy_(2, dst_idx, moved)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write rows ``key[t]``/``value[t]`` ([T, kv_heads, dim]) into flat slot ``slot_mapping[t]``.
+
+    ``k_cache``/``v_cache`` are one layer's [blocks, block_size, kv_heads, dim]; slot -1
+    marks padding and is skipped.
+    """
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping.long(), key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping.long(), value.to(v_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+) -> torch.Tensor:
+    """Causal attention of a ragged batch of queries over their paged context.
+
+    query: [T, q_heads, dim], request b's queries are rows
+    ``query_start_loc[b]:query_start_loc[b+1]`` and sit at the last positions of its
+    ``seq_lens[b]`` tokens (cached context followed by this step's tokens, whose K/V have
+    already been written). block_tables: [B, max_blocks] int32. Returns [T, q_heads, dim].
+    A key at position p is visible to a query at position i when p <= i and, with a
+    sliding window w, i - p < w.
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q = query[starts[b] : starts[b + 1]]
+        q_len = q.shape[0]
+        if q_len == 0:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[b, :num_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        # [heads, q_len, dim] x [heads, dim, seq_len]
+        qh = q.transpose(0, 1).float()
+        kh = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
+        vh = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
+        scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        visible = k_pos <= q_pos
+        if sliding_window is not None and sliding_window > 0:
+            visible &= (q_pos - k_pos) < sliding_window
+        # Masked positions are dropped with where(), not multiplied by zero, so a stale
+        # NaN in an unused slot can never leak into a row.
+        scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
+        probs = torch.softmax(scores, dim=-1)
+        out[starts[b] : starts[b + 1]] = torch.matmul(probs, vh).transpose(0, 1).to(query.dtype)
+    return out

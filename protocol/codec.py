@@ -1,0 +1,54 @@
+"""msgpack framing: every frame is ``[PROTOCOL_VERSION, message]``, validated on decode.
+
+Any bad frame (garbage, truncated, oversized, unknown type, wrong field types, another
+protocol version) raises :class:`ProtocolError`; receivers log it and keep running.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+T = TypeVar("T")
+
+
+class ProtocolError(ValueError):
+    """A frame that cannot be accepted; the message says why."""
+
+
+_envelope_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+
+
+def encode(msg: Any) -> bytes:
+    return _envelope_encoder.encode((PROTOCOL_VERSION, msg))
+
+
+class Decoder(Generic[T]):
+    """Decodes frames of one channel's union type (see protocol.messages)."""
+
+    def __init__(self, union: Any, max_frame_bytes: int = MAX_FRAME_BYTES):
+        self._body = msgspec.msgpack.Decoder(union)
+        self.max_frame_bytes = max_frame_bytes
+
+    def decode(self, frame: bytes | memoryview) -> T:
+        if len(frame) > self.max_frame_bytes:
+            raise ProtocolError(
+                f"frame of {len(frame)} bytes exceeds the limit of {self.max_frame_bytes}"
+            )
+        try:
+            version, body = _header_decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"malformed frame header: {exc}") from None
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version {version} is not supported (this build speaks {PROTOCOL_VERSION})"
+            )
+        try:
+            return self._body.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"invalid message: {exc}") from None

@@ -1,0 +1,225 @@
+"""Typed messages: the only vocabulary two kinds of pagedserve process share.
+
+Each channel has its own tagged union (see the bottom of this file), so a frame that is
+valid on one socket is rejected on another. Field names follow vLLM's where one exists.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+
+class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=False):
+    """Base of every message; the class name is the wire tag."""
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: Optional[int] = None  # None: the scheduler assigns one, so traces replay exactly
+    n: int = 1
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: bool = False  # return the sampled token's logprob
+
+
+# ------------------------------------------------------------ frontend -> scheduler
+
+
+class AddRequest(Msg):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: list[int] = []
+    arrival_time: float = 0.0
+
+
+class AbortRequest(Msg):
+    request_ids: list[str]
+
+
+class Drain(Msg):
+    """Stop admitting new requests; finish what is in flight."""
+
+
+# ------------------------------------------------------------ scheduler -> frontend
+
+
+class RequestDelta(Msg):
+    request_id: str
+    index: int  # which of the n parallel samples
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    error: Optional[str] = None
+    error_kind: Optional[str] = None  # "invalid_request" (-> 4xx) | "engine" (-> 5xx)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: Optional[list[float]] = None
+    stop_token_id: Optional[int] = None
+
+
+class RequestOutputs(Msg):
+    replica: int
+    step: int
+    deltas: list[RequestDelta]
+
+
+class SchedulerStats(Msg):
+    replica: int
+    state: str  # "starting" | "ready" | "recovering" | "draining"
+    step: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_gpu_blocks: int = 0
+    num_free_gpu_blocks: int = 0
+    num_cpu_blocks: int = 0
+    num_free_cpu_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    num_blocks_copied: int = 0
+    num_blocks_zeroed: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    recomputed_tokens: int = 0
+    num_finished: int = 0
+    busy_time_s: float = 0.0
+    worker_forward_time_s: float = 0.0
+    worker_idle_time_s: float = 0.0
+    worker_restarts: int = 0
+    max_model_len: int = 0
+    block_size: int = 0
+
+
+# ------------------------------------------------------------ scheduler <-> worker
+
+
+class WorkerHello(Msg):
+    """First message of a worker: who it is and how many KV blocks would fit."""
+
+    rank: int
+    pid: int
+    device: str
+    model_id: str  # architecture + hash of config.json
+    num_layers: int
+    block_bytes: int  # bytes of one block across all layers, K and V, on this rank
+    max_gpu_blocks: int  # what fits in the memory this worker may use
+
+
+class WorkerInit(Msg):
+    """The scheduler's answer to every worker's hello: the cache to build."""
+
+    replica: int
+    tp_size: int
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    seed: int
+    debug_invariants: bool = False
+
+
+class WorkerReady(Msg):
+    rank: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+
+class NewRequestData(Msg):
+    """A request the workers do not know yet (or resume after preemption), in full."""
+
+    req_id: str
+    token_ids: list[int]  # prompt followed by outputs so far
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling: SamplingParams
+
+
+class CachedRequestData(Msg):
+    """A request the workers already hold: only what changed since its last step."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens appended since the workers last saw it
+    new_block_ids: list[int]  # appended to its block table
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+class SchedulerOutput(Msg):
+    """One step: the same bytes go to every worker of the replica."""
+
+    step: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    finished_req_ids: list[str]  # finished, aborted or preempted: drop their state
+    blocks_to_swap_out: list[tuple[int, int]]  # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]]  # (host block, device block)
+    blocks_to_copy: list[tuple[int, int]]  # (src device block, dst device block)
+    new_block_ids_to_zero: list[int]
+    total_num_scheduled_tokens: int
+
+
+class StepResult(Msg):
+    step: int
+    rank: int
+    req_ids: list[str]  # requests that sampled a token this step, in batch order
+    sampled_token_ids: list[int]
+    logprobs: Optional[list[float]] = None
+    error: Optional[str] = None
+    forward_time_s: float = 0.0
+    idle_time_s: float = 0.0  # since the previous result was sent
+
+
+class Shutdown(Msg):
+    reason: str = ""
+
+
+# ------------------------------------------------------------ any process -> supervisor
+
+
+class ProcessReady(Msg):
+    role: str  # "frontend" | "scheduler" | "worker"
+    replica: int
+    rank: int
+    pid: int
+
+
+class ProcessFailed(Msg):
+    role: str
+    replica: int
+    rank: int
+    pid: int
+    reason: str
+
+
+class RestartWorkers(Msg):
+    """Scheduler -> supervisor: my workers died or hung; give me fresh ones."""
+
+    replica: int
+    reason: str
+
+
+# ------------------------------------------------------------ one union per channel
+
+FrontendToScheduler = Union[AddRequest, AbortRequest, Drain]
+SchedulerToFrontend = Union[RequestOutputs, SchedulerStats]
+SchedulerToWorker = Union[WorkerInit, SchedulerOutput, Shutdown]
+WorkerToScheduler = Union[WorkerHello, WorkerReady, StepResult]
+ToSupervisor = Union[ProcessReady, ProcessFailed, RestartWorkers]
