@@ -36,7 +36,10 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch
         return
     src_idx = mapping[:, 0].to(src_cache.device, torch.long)
     dst_idx = mapping[:, 1].to(dst_cache.device, torch.long)
-    moved = src_cache.index_select(2, src_idx).to(dst_cache.device, non_blocking=True)
+    # Non-blocking only towards a device: a non-blocking device->host copy returns before the
+    # data has landed, and the host-side index_copy_ below would read it too early.
+    towards_device = dst_cache.device.type != "cpu"
+    moved = src_cache.index_select(2, src_idx).to(dst_cache.device, non_blocking=towards_device)
     dst_cache.index_copy_(2, dst_idx, moved)
 
 

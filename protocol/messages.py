@@ -53,7 +53,7 @@ class Drain(Msg):
 # ------------------------------------------------------------ scheduler -> frontend
 
 
-class RequestDelta(Msg):
+class RequestDelta(Msg, gc=False):  # holds only scalars and int lists: no cycles possible
     request_id: str
     index: int  # which of the n parallel samples
     new_token_ids: list[int]
@@ -152,7 +152,7 @@ class NewRequestData(Msg):
     sampling: SamplingParams
 
 
-class CachedRequestData(Msg):
+class CachedRequestData(Msg, gc=False):  # one per running request per step: keep the GC out
     """A request the workers already hold: only what changed since its last step."""
 
     req_id: str

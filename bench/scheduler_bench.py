@@ -1,0 +1,169 @@
+"""Scheduler + block manager cost per step, without a model.
+
+Default: N running decode sequences (prompts uniform in 100..1024 tokens) for N in
+256/1024/4096, block sizes 16 and 256, prefix caching off and on; times ``schedule()``
+plus ``update_from_output()`` with fabricated StepResults (the fabrication is not timed)
+and prints microseconds per running sequence per step, with Python's cyclic garbage
+collector as it is by default and paused during the timed steps (what the scheduler
+itself costs, without the collector walking the process's objects).
+
+``--soak``: a steady workload (requests arriving and finishing) for many steps; reports
+traced Python memory and RSS growth between an early and the final sample.
+
+    python bench/scheduler_bench.py
+    python bench/scheduler_bench.py --soak --steps 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+import tracemalloc
+
+import psutil
+
+from pagedserve.protocol.messages import AddRequest, SamplingParams, StepResult
+from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.scheduler import Scheduler
+
+TOKEN = 5  # never an eos id here
+
+
+class FakeDriver:
+    """Plays the driver worker: tracks each request's token count and samples ``TOKEN``."""
+
+    def __init__(self) -> None:
+        self.num_tokens: dict[str, int] = {}
+
+    def step(self, out) -> StepResult:
+        counts = self.num_tokens
+        for req_id in out.finished_req_ids:
+            del counts[req_id]
+        ids = []
+        for r in out.new_requests:
+            counts[r.req_id] = len(r.token_ids)
+            if r.num_computed_tokens + r.num_scheduled_tokens == len(r.token_ids):
+                ids.append(r.req_id)
+        for r in out.cached_requests:
+            total = counts[r.req_id] + len(r.new_token_ids)
+            counts[r.req_id] = total
+            if r.num_computed_tokens + r.num_scheduled_tokens == total:
+                ids.append(r.req_id)
+        return StepResult(step=out.step, rank=0, req_ids=ids, sampled_token_ids=[TOKEN] * len(ids))
+
+
+def add(sched: Scheduler, request_id: str, prompt_len: int, max_tokens: int, rng: random.Random,
+        prefix: tuple = ()) -> None:
+    prompt = list(prefix) + [rng.randrange(10, 30000) for _ in range(prompt_len)]
+    sched.add_request(AddRequest(request_id=request_id, prompt_token_ids=prompt,
+                                 sampling=SamplingParams(max_tokens=max_tokens, seed=1)))
+
+
+def steady_decode_cost(num_seqs: int, block_size: int, prefix: bool, steps: int, collect: bool = True) -> float:
+    """Microseconds per running sequence per step once all ``num_seqs`` are decoding."""
+    rng = random.Random(0)
+    max_len = 1024 + steps + 64
+    blocks = num_seqs * (-(-max_len // block_size)) + 16
+    config = SchedulerConfig(block_size=block_size, num_gpu_blocks=blocks, max_num_seqs=num_seqs,
+                             max_num_batched_tokens=num_seqs * 1100, max_model_len=max_len,
+                             enable_prefix_caching=prefix)
+    sched = Scheduler(config)
+    driver = FakeDriver()
+    for i in range(num_seqs):
+        add(sched, f"req-{i}", rng.randint(100, 1024), steps + 32, rng)
+    for _ in range(3):  # prefill, then the first decodes
+        out = sched.schedule()
+        sched.update_from_output(out, driver.step(out))
+    assert sched.stats()["num_running"] == num_seqs
+    gc.collect()
+    if not collect:
+        gc.disable()
+    elapsed = 0.0
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = sched.schedule()
+        mid = time.perf_counter()
+        result = driver.step(out)
+        resume = time.perf_counter()
+        sched.update_from_output(out, result)
+        elapsed += (mid - start) + (time.perf_counter() - resume)
+    gc.enable()
+    assert sched.stats()["num_preemptions_recompute"] == 0
+    return elapsed / steps / num_seqs * 1e6
+
+
+def table(steps: int) -> None:
+    print("us per running sequence per step (schedule + update_from_output)")
+    print("| running | block size | prefix cache | default gc | gc paused |")
+    print("|--------:|-----------:|:------------:|-----------:|----------:|")
+    results = {}
+    for block_size in (16, 256):
+        for prefix in (False, True):
+            for num_seqs in (256, 1024, 4096):
+                cost = steady_decode_cost(num_seqs, block_size, prefix, steps)
+                paused = steady_decode_cost(num_seqs, block_size, prefix, steps, collect=False)
+                results[(num_seqs, block_size, prefix)] = (cost, paused)
+                print(f"| {num_seqs:7d} | {block_size:10d} | {'on' if prefix else 'off':^12} | {cost:10.3f} "
+                      f"| {paused:9.3f} |", flush=True)
+    for block_size in (16, 256):
+        for prefix in (False, True):
+            (big, big_paused), (mid, mid_paused) = results[(4096, block_size, prefix)], results[(1024, block_size, prefix)]
+            print(f"step cost 4096 vs 1024 (block {block_size}, prefix {'on' if prefix else 'off'}): "
+                  f"{4 * big / mid:.2f}x with default gc, {4 * big_paused / mid_paused:.2f}x with gc paused")
+
+
+def soak(steps: int, concurrency: int, trace: bool) -> None:
+    """Shared prefixes (cache hits), a cache small enough to preempt (swap and recompute), aborts."""
+    rng = random.Random(0)
+    prefixes = [tuple(rng.randrange(10, 30000) for _ in range(64)) for _ in range(8)]
+    config = SchedulerConfig(block_size=16, num_gpu_blocks=640, num_cpu_blocks=128, max_num_seqs=concurrency,
+                             max_num_batched_tokens=2048, max_model_len=1024, enable_prefix_caching=True)
+    sched = Scheduler(config)
+    driver = FakeDriver()
+    process = psutil.Process()
+    next_id = 0
+    if trace:
+        tracemalloc.start()
+    baseline = None
+    start = time.perf_counter()
+    for step in range(steps):
+        while len(sched.requests) < concurrency:
+            add(sched, f"soak-{next_id}", rng.randint(16, 300), rng.randint(8, 200), rng, rng.choice(prefixes))
+            next_id += 1
+        if step % 97 == 0 and sched.requests:
+            sched.abort_requests([next(iter(sched.requests))])
+        out = sched.schedule()
+        sched.update_from_output(out, driver.step(out))
+        if step == steps // 10:
+            gc.collect()
+            baseline = (tracemalloc.get_traced_memory()[0], process.memory_info().rss)
+    gc.collect()
+    traced, rss = tracemalloc.get_traced_memory()[0], process.memory_info().rss
+    if trace:
+        tracemalloc.stop()
+    seconds = time.perf_counter() - start
+    print(f"soak: {steps} steps, {next_id} requests, {seconds:.1f} s")
+    if trace:
+        print(f"traced Python memory growth since step {steps // 10}: {(traced - baseline[0]) / 2**20:.3f} MiB")
+    print(f"RSS growth since step {steps // 10}: {(rss - baseline[1]) / 2**20:.3f} MiB")
+    print(f"stats: {sched.stats()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 200; soak 100000)")
+    parser.add_argument("--soak", action="store_true", help="long steady workload; report memory growth")
+    parser.add_argument("--concurrency", type=int, default=64, help="soak: requests in flight")
+    parser.add_argument("--tracemalloc", action="store_true",
+                        help="soak: also trace Python allocations (about 2x slower; its own bookkeeping adds RSS)")
+    args = parser.parse_args()
+    if args.soak:
+        soak(args.steps or 100_000, args.concurrency, args.tracemalloc)
+    else:
+        table(args.steps or 200)
+
+
+if __name__ == "__main__":
+    main()

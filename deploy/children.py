@@ -1,0 +1,66 @@
+"""Child processes of the supervisor: started so they can never outlive it."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int):
+    def hook() -> None:
+        # Runs in the child between fork and exec: the kernel sends SIGKILL when the
+        # supervisor dies, however it dies (SIGKILL included).
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return hook
+
+
+@dataclass
+class Child:
+    role: str
+    replica: int
+    rank: int
+    popen: subprocess.Popen
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.replica}.{self.rank} (pid {self.popen.pid})"
+
+    def terminate(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+    def wait_or_kill(self, timeout_s: float) -> None:
+        try:
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def spawn(role: str, replica: int, rank: int, cmd: list[str]) -> Child:
+    # Own process group: a terminal's Ctrl-C reaches only the supervisor, which then
+    # drains and stops the children in order.
+    popen = subprocess.Popen(cmd, preexec_fn=_die_with_parent(os.getpid()), process_group=0)
+    return Child(role, replica, rank, popen)
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

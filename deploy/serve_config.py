@@ -1,0 +1,160 @@
+"""``pagedserve serve`` options, validated once, and the command line of every child process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A serve option that cannot work; the message says which and why."""
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_gpu_blocks: Optional[int] = None
+    kv_cache_memory_gib: Optional[float] = None
+    swap_space: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: Optional[int] = None
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    seed: int = 0
+    debug_invariants: bool = False
+    record_trace: Optional[str] = None
+    step_timeout_s: float = 60.0
+    replica_timeout_s: float = 5.0
+    drain_timeout_s: float = 30.0
+    max_restarts: int = 5
+    restart_window_s: float = 300.0
+    run_dir_parent: Optional[str] = None
+    num_threads: Optional[int] = None
+    poison_kv_cache: bool = False
+    log_level: str = "INFO"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        cfg_path = Path(self.model) / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"{self.model} is not a model directory (no config.json)")
+        model_cfg = json.loads(cfg_path.read_text())
+        limit = int(model_cfg.get("max_position_embeddings") or 2048)
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        if self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size and --data-parallel-size must be >= 1")
+        if self.port < 0 or self.port > 65535:
+            raise ConfigError(f"--port {self.port} is not a TCP port")
+        if self.served_model_name is None:
+            self.served_model_name = Path(self.model).resolve().name
+
+    # ------------------------------------------------------------------ children
+
+    def _py(self, module: str) -> list[str]:
+        return [sys.executable, "-m", f"pagedserve.{module}"]
+
+    def frontend_cmd(self, run_dir: str) -> list[str]:
+        cmd = self._py("frontend_proc") + [
+            "--run-dir", run_dir, "--model", self.model, "--served-model-name", self.served_model_name,
+            "--host", self.host, "--port", str(self.port), "--num-replicas", str(self.data_parallel_size),
+            "--max-model-len", str(self.max_model_len), "--replica-timeout-s", str(self.replica_timeout_s),
+            "--drain-timeout-s", str(self.drain_timeout_s), "--log-level", self.log_level.lower()]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        return cmd
+
+    def scheduler_cmd(self, run_dir: str, replica: int) -> list[str]:
+        cmd = self._py("scheduler_proc") + [
+            "--run-dir", run_dir, "--model", self.model, "--replica", str(replica),
+            "--tp-size", str(self.tensor_parallel_size),
+            "--block-size", str(self.block_size), "--swap-space-gib", str(self.swap_space),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--max-model-len", str(self.max_model_len), "--preemption-mode", self.preemption_mode,
+            "--seed", str(self.seed + replica), "--step-timeout-s", str(self.step_timeout_s),
+            "--log-level", self.log_level]
+        if self.num_gpu_blocks:
+            cmd += ["--num-gpu-blocks", str(self.num_gpu_blocks)]
+        cmd.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
+        cmd.append("--enable-chunked-prefill" if self.enable_chunked_prefill else "--no-enable-chunked-prefill")
+        if self.debug_invariants:
+            cmd.append("--debug-invariants")
+        if self.record_trace:
+            path = self.record_trace if self.data_parallel_size == 1 else f"{self.record_trace}.{replica}"
+            cmd += ["--record-trace", path]
+        return cmd
+
+    def worker_cmd(self, run_dir: str, replica: int, rank: int, dist_init: Optional[str]) -> list[str]:
+        cmd = self._py("worker_proc") + [
+            "--run-dir", run_dir, "--model", self.model, "--replica", str(replica), "--rank", str(rank),
+            "--tp-size", str(self.tensor_parallel_size), "--device", self.device, "--dtype", self.dtype,
+            "--block-size", str(self.block_size), "--log-level", self.log_level]
+        if dist_init:
+            cmd += ["--dist-init", dist_init]
+        if self.kv_cache_memory_gib:
+            cmd += ["--kv-cache-memory-gib", str(self.kv_cache_memory_gib)]
+        if self.num_threads:
+            cmd += ["--num-threads", str(self.num_threads)]
+        if self.poison_kv_cache:
+            cmd.append("--poison-kv-cache")
+        return cmd
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model directory (config.json + safetensors); default: the demo model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int, help="KV blocks per device (default: as many as fit)")
+    p.add_argument("--kv-cache-memory-gib", type=float, help="memory budget for the KV cache per device")
+    p.add_argument("--swap-space", type=float, default=1.0, help="host swap space per replica, GiB")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--debug-invariants", action="store_true", help="check block-manager invariants every step")
+    p.add_argument("--record-trace", metavar="PATH", help="record the protocol to a trace file")
+    p.add_argument("--step-timeout-s", type=float, default=60.0, help="a step slower than this is a hung worker")
+    p.add_argument("--replica-timeout-s", type=float, default=5.0)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM grace period")
+    p.add_argument("--max-restarts", type=int, default=5)
+    p.add_argument("--restart-window-s", type=float, default=300.0)
+    p.add_argument("--run-dir-parent", help="where the private 0700 run directory is created")
+    p.add_argument("--num-threads", type=int, help="CPU threads per worker")
+    p.add_argument("--poison-kv-cache", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--log-level", default="INFO")
+
+
+def serve_config_from_args(ns: argparse.Namespace, model: str) -> ServeConfig:
+    names = ServeConfig.__dataclass_fields__.keys() - {"model", "extra"}
+    return ServeConfig(model=model, **{k: getattr(ns, k) for k in names})

@@ -1,0 +1,81 @@
+"""Entry point: python -m pagedserve.frontend_proc --run-dir DIR --model DIR ...
+
+Starts the HTTP server and, once it is accepting connections, tells the supervisor
+with a ProcessReady(role="frontend").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+import uvicorn
+import zmq
+
+from pagedserve.frontend_proc.app import build_app
+from pagedserve.frontend_proc.args import FrontendConfig, parse_args
+from pagedserve.frontend_proc.engine_client import EngineClient
+from pagedserve.frontend_proc.metrics import FrontendMetrics
+from pagedserve.frontend_proc.router import Router
+from pagedserve.frontend_proc.serving import Serving
+from pagedserve.frontend_proc.tokenization import PromptTokenizer
+from pagedserve.protocol.messages import ProcessReady
+from pagedserve.protocol.zmq_io import Endpoints, Sender
+
+log = logging.getLogger("pagedserve.frontend_proc")
+
+
+def _announce_ready(endpoints: Endpoints) -> None:
+    ctx = zmq.Context()
+    sender = Sender(ctx, endpoints.supervisor())
+    try:
+        sender.send(ProcessReady(role="frontend", replica=-1, rank=0, pid=os.getpid()))
+    finally:
+        # A short linger so the frame leaves before the socket goes away.
+        sender.sock.close(linger=2000)
+        ctx.term()
+
+
+async def serve(config: FrontendConfig) -> None:
+    endpoints = Endpoints(config.run_dir)
+    tokenizer = PromptTokenizer(config.model)
+    router = Router(config.num_replicas, config.replica_timeout_s)
+    engine = EngineClient(endpoints, router)
+    metrics = FrontendMetrics(router)
+    serving = Serving(config.served_model_name, config.max_model_len, engine, tokenizer,
+                      metrics)
+    app = build_app(serving, router, metrics, config.api_key)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level,
+        access_log=config.log_level == "debug", timeout_graceful_shutdown=config.drain_timeout_s))
+    engine.start()
+    serve_task = asyncio.create_task(server.serve())
+    try:
+        while not server.started and not serve_task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            await asyncio.to_thread(_announce_ready, endpoints)
+            log.info("frontend serving %s on http://%s:%d for %d replica(s)",
+                     config.served_model_name, config.host, config.port, config.num_replicas)
+        await serve_task
+    finally:
+        await engine.close()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        config = parse_args(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

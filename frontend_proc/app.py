@@ -1,0 +1,86 @@
+"""HTTP routes of the OpenAI-compatible API, and errors rendered as OpenAI error bodies."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedserve.frontend_proc.auth import make_api_key_check
+from pagedserve.frontend_proc.errors import APIError, InvalidRequest
+from pagedserve.frontend_proc.metrics import FrontendMetrics
+from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest, CompletionRequest
+from pagedserve.frontend_proc.router import Router
+from pagedserve.frontend_proc.serving import Serving, error_response
+
+log = logging.getLogger(__name__)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first validation error as one sentence, and the field it concerns."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid value")
+    if param:
+        message = f"{param}: {message}"
+    return message, param
+
+
+def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
+              api_key: str | None) -> FastAPI:
+    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
+    authorized = [Depends(make_api_key_check(api_key))]
+    started = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(InvalidRequest(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        body = APIError(str(exc.detail)).body()
+        body["error"]["type"] = "invalid_request_error" if exc.status_code < 500 else "error"
+        return JSONResponse(body, status_code=exc.status_code)
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completion(body, request)
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": serving.served_model_name, "object": "model", "created": started,
+            "owned_by": "pagedserve", "max_model_len": serving.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        live = router.any_live()
+        body = {"status": "ok" if live else "unavailable", "replicas": router.describe()}
+        return Response(json.dumps(body), status_code=200 if live else 503,
+                        media_type="application/json")
+
+    @app.get("/metrics", dependencies=authorized)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

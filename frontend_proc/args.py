@@ -1,0 +1,87 @@
+"""Command line of the frontend process, parsed once into a validated FrontendConfig."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    run_dir: Path
+    model: Path
+    served_model_name: str
+    host: str
+    port: int
+    num_replicas: int
+    max_model_len: int
+    api_key: Optional[str]
+    replica_timeout_s: float
+    log_level: str
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"--num-replicas must be at least 1, got {self.num_replicas}")
+        if self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.replica_timeout_s <= 0:
+            raise ValueError(f"--replica-timeout-s must be positive, got {self.replica_timeout_s}")
+        if not (0 <= self.port < 65536):
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pagedserve.frontend_proc",
+        description="pagedserve OpenAI-compatible HTTP frontend",
+    )
+    p.add_argument("--run-dir", required=True, type=Path,
+                   help="the deployment's private (0700) directory holding its ipc sockets")
+    p.add_argument("--model", required=True, type=Path,
+                   help="HF model directory (tokenizer, config.json, generation_config.json)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients must use (default: the model dir's basename)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--num-replicas", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output token limit (default: max_position_embeddings)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--replica-timeout-s", type=float, default=5.0,
+                   help="a replica whose last stats are older than this is down")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests may take to finish")
+    p.add_argument("--log-level", default="info", type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def _default_max_model_len(model_dir: Path) -> int:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return 2048
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> FrontendConfig:
+    ns = build_parser().parse_args(argv)
+    model = ns.model.resolve()
+    return FrontendConfig(
+        run_dir=ns.run_dir,
+        model=model,
+        served_model_name=ns.served_model_name or model.name,
+        host=ns.host,
+        port=ns.port,
+        num_replicas=ns.num_replicas,
+        max_model_len=ns.max_model_len or _default_max_model_len(model),
+        api_key=ns.api_key,
+        replica_timeout_s=ns.replica_timeout_s,
+        log_level=ns.log_level,
+        drain_timeout_s=ns.drain_timeout_s,
+    )

@@ -1,0 +1,27 @@
+"""Bearer-token check for every endpoint but /health (used as a FastAPI dependency)."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable, Optional
+
+from fastapi import Request
+
+from pagedserve.frontend_proc.errors import Unauthorized
+
+
+def make_api_key_check(api_key: Optional[str]) -> Callable[[Request], None]:
+    """A dependency that accepts every request when no key is configured."""
+
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    def require_api_key(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        # compare_digest: the time taken must not reveal how much of the key matched.
+        if not secrets.compare_digest(given, expected):
+            raise Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+
+    return require_api_key

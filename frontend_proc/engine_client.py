@@ -1,0 +1,160 @@
+"""The frontend's side of the scheduler replicas: submit, abort, and deltas per request.
+
+One PULL socket receives every replica's RequestOutputs and SchedulerStats; one PUSH
+socket per replica carries AddRequest / AbortRequest. Each submitted request gets a
+queue of its RequestDeltas; a watchdog turns a replica that stops sending stats (or
+leaves the ready/draining states) into a ReplicaFailed event for its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import zmq
+import zmq.asyncio
+
+from pagedserve.frontend_proc.errors import ServiceUnavailable
+from pagedserve.frontend_proc.router import Router
+from pagedserve.frontend_proc.zmq_async import AsyncReceiver
+from pagedserve.protocol.messages import (
+    AbortRequest, AddRequest, RequestDelta, RequestOutputs, SchedulerStats,
+    SchedulerToFrontend)
+from pagedserve.protocol.zmq_io import Endpoints, Sender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ReplicaFailed:
+    message: str
+
+
+Event = Union[RequestDelta, ReplicaFailed]
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    request_id: str
+    replica: int
+    num_seqs: int
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished_indexes: set[int] = field(default_factory=set)
+    done: bool = False  # the scheduler holds nothing more for it (or we stopped listening)
+
+
+class EngineClient:
+    def __init__(self, endpoints: Endpoints, router: Router):
+        self.router = router
+        self._ctx = zmq.asyncio.Context()
+        self._outputs: AsyncReceiver[SchedulerToFrontend] = AsyncReceiver(
+            self._ctx, endpoints.frontend_outputs(), SchedulerToFrontend)
+        # Sends never block (unlimited queue), so they can happen anywhere, even in a
+        # cancelled task's cleanup: plain synchronous sockets on their own context.
+        self._send_ctx = zmq.Context()
+        self._inputs = [Sender(self._send_ctx, endpoints.scheduler_inputs(r))
+                        for r in range(len(router.replicas))]
+        self._requests: dict[str, RequestHandle] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive_loop(), name="receive-outputs"),
+                       asyncio.create_task(self._watchdog_loop(), name="replica-watchdog")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._outputs.close()
+        for sender in self._inputs:
+            sender.close()
+        self._ctx.term()
+        self._send_ctx.term()
+
+    def submit(self, request: AddRequest) -> RequestHandle:
+        replica = self.router.pick()
+        if replica is None:
+            raise ServiceUnavailable("no scheduler replica is ready; see GET /health")
+        handle = RequestHandle(request.request_id, replica, request.sampling.n)
+        self._requests[request.request_id] = handle
+        self.router.assign(replica, request.request_id, handle.num_seqs)
+        self._inputs[replica].send(request)
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Stop a request the client no longer needs; the scheduler frees its blocks."""
+        if handle.done:
+            return
+        self._forget(handle)
+        self._inputs[handle.replica].send(AbortRequest([handle.request_id]))
+
+    def _forget(self, handle: RequestHandle) -> None:
+        handle.done = True
+        self._requests.pop(handle.request_id, None)
+        self.router.release(handle.replica, handle.request_id, handle.num_seqs)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            msg = await self._outputs.recv()
+            try:
+                if isinstance(msg, SchedulerStats):
+                    if not self.router.update(msg):
+                        log.warning("stats from unknown replica %d ignored", msg.replica)
+                elif isinstance(msg, RequestOutputs):
+                    for delta in msg.deltas:
+                        self._dispatch(delta)
+            except Exception:  # one bad message must not stop every request's output
+                log.exception("failed to handle %s", type(msg).__name__)
+
+    def _dispatch(self, delta: RequestDelta) -> None:
+        handle = self._requests.get(delta.request_id)
+        if handle is None:
+            log.debug("delta for unknown or finished request %s dropped", delta.request_id)
+            return
+        handle.events.put_nowait(delta)
+        if delta.finish_reason is not None:
+            handle.finished_indexes.add(delta.index)
+            if len(handle.finished_indexes) >= handle.num_seqs:
+                self._forget(handle)
+
+    async def _watchdog_loop(self) -> None:
+        period = min(0.25, self.router.timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                for replica in self.router.failed_replicas(time.monotonic()):
+                    self._fail_requests_on(replica.replica)
+            except Exception:  # the watchdog must outlive any one failure
+                log.exception("replica watchdog check failed")
+
+    def _fail_requests_on(self, replica: int) -> None:
+        status = self.router.replicas[replica]
+        state = status.stats.state if status.stats else "unknown"
+        if status.is_fresh(time.monotonic(), self.router.timeout_s):
+            reason = f"scheduler replica {replica} went to state {state!r}"
+        else:
+            reason = (f"scheduler replica {replica} sent no stats for "
+                      f"{self.router.timeout_s:g} s")
+        request_ids = sorted(status.request_ids)
+        log.error("%s; failing %d in-flight request(s)", reason, len(request_ids))
+        for request_id in request_ids:
+            handle = self._requests.get(request_id)
+            if handle is None:
+                self.router.release(replica, request_id, 0)
+                continue
+            handle.events.put_nowait(ReplicaFailed(f"{reason}; the request was lost, retry it"))
+            self._forget(handle)
+        # Fire-and-forget: if the replica comes back it frees whatever it still holds.
+        self._inputs[replica].send(AbortRequest(request_ids))
+
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    def num_rejected_frames(self) -> int:
+        return self._outputs.num_rejected
+
+    def get_handle(self, request_id: str) -> Optional[RequestHandle]:
+        return self._requests.get(request_id)

@@ -1,0 +1,45 @@
+"""Errors that reach an HTTP client, each carrying its status and OpenAI-style body."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class APIError(Exception):
+    """An error with the HTTP status and the OpenAI error object to answer with."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, *, param: Optional[str] = None,
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type,
+                          "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(APIError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(APIError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class NotFound(APIError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class ServiceUnavailable(APIError):
+    """No live replica, or the replica serving the request failed (retrying may help)."""
+
+    status_code = 503
+    error_type = "service_unavailable"

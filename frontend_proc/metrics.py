@@ -1,0 +1,104 @@
+"""Prometheus metrics: scheduler stats summed over replicas, plus latencies seen here.
+
+Scheduler counters are cumulative per replica; a restarted replica starts again at zero,
+which Prometheus reads as a counter reset. Gauges count only replicas that are still
+sending stats, so a dead replica's last queue lengths do not linger.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pagedserve.frontend_proc.router import Router
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# metric name -> (help, how to read it from one SchedulerStats)
+_GAUGES = {
+    "pagedserve_num_requests_running": ("Requests running, all replicas", lambda s: s.num_running),
+    "pagedserve_num_requests_waiting": ("Requests waiting, all replicas", lambda s: s.num_waiting),
+    "pagedserve_num_requests_swapped": ("Requests swapped to host memory",
+                                        lambda s: s.num_swapped),
+}
+_COUNTERS = {
+    "pagedserve_num_preemptions_total": (
+        "Preemptions (recompute + swap)",
+        lambda s: s.num_preemptions_recompute + s.num_preemptions_swap),
+    "pagedserve_prefix_cache_queries_total": ("Prompt tokens looked up in the prefix cache",
+                                              lambda s: s.prefix_cache_queries),
+    "pagedserve_prefix_cache_hits_total": ("Prompt tokens found in the prefix cache",
+                                           lambda s: s.prefix_cache_hits),
+    "pagedserve_prompt_tokens_total": ("Prompt tokens prefilled", lambda s: s.prompt_tokens),
+    "pagedserve_generation_tokens_total": ("Tokens generated", lambda s: s.generation_tokens),
+    "pagedserve_recomputed_tokens_total": ("Tokens recomputed after preemption",
+                                           lambda s: s.recomputed_tokens),
+    "pagedserve_num_swapped_blocks_total": (
+        "KV blocks swapped out plus swapped in",
+        lambda s: s.num_blocks_swapped_out + s.num_blocks_swapped_in),
+}
+
+
+class SchedulerStatsCollector(Collector):
+    """Reads the router's latest stats at scrape time."""
+
+    def __init__(self, router: Router):
+        self.router = router
+
+    def collect(self):
+        now = time.monotonic()
+        known = [r for r in self.router.replicas if r.stats is not None]
+        fresh = [r for r in known if r.is_fresh(now, self.router.timeout_s)]
+        for name, (help_text, read) in _GAUGES.items():
+            yield GaugeMetricFamily(name, help_text, value=sum(read(r.stats) for r in fresh))
+        usage = [r.stats.kv_cache_usage for r in fresh]
+        yield GaugeMetricFamily("pagedserve_kv_cache_usage_ratio",
+                                "KV-cache usage, mean over live replicas (0..1)",
+                                value=sum(usage) / len(usage) if usage else 0.0)
+        for name, (help_text, read) in _COUNTERS.items():
+            yield CounterMetricFamily(name, help_text, value=sum(read(r.stats) for r in known))
+        yield from self._per_replica(now)
+
+    def _per_replica(self, now: float):
+        up = GaugeMetricFamily("pagedserve_replica_up",
+                               "1 when the replica is live (fresh stats, state ready)",
+                               labels=["replica"])
+        running = GaugeMetricFamily("pagedserve_replica_num_requests_running",
+                                    "Requests running per replica", labels=["replica"])
+        waiting = GaugeMetricFamily("pagedserve_replica_num_requests_waiting",
+                                    "Requests waiting per replica", labels=["replica"])
+        usage = GaugeMetricFamily("pagedserve_replica_kv_cache_usage_ratio",
+                                  "KV-cache usage per replica (0..1)", labels=["replica"])
+        for r in self.router.replicas:
+            label = [str(r.replica)]
+            up.add_metric(label, 1.0 if r.is_live(now, self.router.timeout_s) else 0.0)
+            if r.stats is not None and r.is_fresh(now, self.router.timeout_s):
+                running.add_metric(label, r.stats.num_running)
+                waiting.add_metric(label, r.stats.num_waiting)
+                usage.add_metric(label, r.stats.kv_cache_usage)
+        yield from (up, running, waiting, usage)
+
+
+class FrontendMetrics:
+    def __init__(self, router: Router):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(SchedulerStatsCollector(router))
+        self.time_to_first_token = Histogram(
+            "pagedserve_time_to_first_token_seconds", "Arrival to first output token",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.time_per_output_token = Histogram(
+            "pagedserve_time_per_output_token_seconds", "Mean gap between output tokens",
+            buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e_request_latency = Histogram(
+            "pagedserve_e2e_request_latency_seconds", "Arrival to last output token",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.request_success = Counter(
+            "pagedserve_request_success", "Finished sequences by finish reason",
+            labelnames=["finish_reason"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

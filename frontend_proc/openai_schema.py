@@ -1,0 +1,115 @@
+"""Pydantic models of the OpenAI request bodies we accept (unknown extra fields are ignored).
+
+Strict mode: a string where a number belongs is a 400, not a silent coercion.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class SamplingFields(_Lenient):
+    """Fields common to /v1/completions and /v1/chat/completions (vLLM names for extras)."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, gt=0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=-1)
+    seed: Optional[int] = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_are_not_empty(cls, value: Optional[Union[str, list[str]]]):
+        strings = [value] if isinstance(value, str) else (value or [])
+        if any(s == "" for s in strings):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_non_empty_prompt(cls, value: Any):
+        if isinstance(value, list):
+            if len(value) == 0:
+                raise ValueError("prompt must not be empty")
+            if isinstance(value[0], (str, list)):
+                if len(value) != 1:
+                    raise ValueError("batched prompts are not supported; send one prompt "
+                                     "per request")
+                value = value[0]
+        if len(value) == 0:
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_unsupported(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+
+    def text(self) -> str:
+        """The content as one string; only text parts are understood."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, gt=0)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs

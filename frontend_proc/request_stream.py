@@ -1,0 +1,131 @@
+"""One request's token deltas turned into text updates per choice (detokenize, stop strings).
+
+Errors surface as APIError exceptions so the caller can answer with a status code before
+streaming starts or with an SSE error event after. A stop string ends its choice here;
+once every choice has ended here but not at the scheduler, the request is aborted there
+so its KV blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from pagedserve.frontend_proc.detokenizer import IncrementalDetokenizer
+from pagedserve.frontend_proc.engine_client import EngineClient, ReplicaFailed, RequestHandle
+from pagedserve.frontend_proc.errors import APIError, InvalidRequest, ServiceUnavailable
+from pagedserve.frontend_proc.metrics import FrontendMetrics
+from pagedserve.frontend_proc.stop_strings import StopStringMatcher
+from pagedserve.frontend_proc.tokenization import PromptTokenizer
+from pagedserve.protocol.messages import RequestDelta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    index: int
+    text: str
+    token_ids: list[int] = field(default_factory=list)  # rendered tokens, for logprobs
+    logprobs: Optional[list[float]] = None
+    finish_reason: Optional[str] = None
+
+
+class ChoiceState:
+    def __init__(self, index: int, tokenizer: PromptTokenizer, stop_strings: list[str]):
+        self.index = index
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stop_matcher = StopStringMatcher(stop_strings)
+        self.num_tokens = 0
+        self.finish_reason: Optional[str] = None
+
+    def apply(self, delta: RequestDelta) -> ChoiceUpdate:
+        self.num_tokens += len(delta.new_token_ids)
+        rendered, logprobs = delta.new_token_ids, delta.logprobs
+        if (delta.stop_token_id is not None and rendered
+                and rendered[-1] == delta.stop_token_id):
+            rendered = rendered[:-1]  # EOS / stop_token_ids are not part of the text
+            logprobs = logprobs[:len(rendered)] if logprobs is not None else None
+        check = self.stop_matcher.feed(self.detokenizer.add(rendered))
+        text, finish_reason = check.text, None
+        if check.matched is not None:
+            finish_reason = "stop"
+        elif delta.finish_reason is not None:
+            text += self.stop_matcher.feed(self.detokenizer.flush()).text
+            if self.stop_matcher.matched is not None:
+                finish_reason = "stop"
+            else:
+                text += self.stop_matcher.flush()
+                finish_reason = delta.finish_reason
+        self.finish_reason = finish_reason
+        return ChoiceUpdate(self.index, text, list(rendered), logprobs, finish_reason)
+
+
+def _delta_error(delta: RequestDelta) -> APIError:
+    message = delta.error or "the request failed in the engine"
+    if delta.error_kind == "invalid_request":
+        return InvalidRequest(message)
+    return ServiceUnavailable(message)
+
+
+class RequestStream:
+    def __init__(self, engine: EngineClient, handle: RequestHandle, tokenizer: PromptTokenizer,
+                 stop_strings: list[str], num_prompt_tokens: int, metrics: FrontendMetrics):
+        self.engine = engine
+        self.handle = handle
+        self.num_prompt_tokens = num_prompt_tokens
+        self.metrics = metrics
+        self.choices = [ChoiceState(i, tokenizer, stop_strings) for i in range(handle.num_seqs)]
+        self.arrival = time.monotonic()
+        self.first_token_time: Optional[float] = None
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def is_finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
+        """Yield the choices' updates per arriving delta until every choice finished."""
+        while not self.is_finished():
+            event = await self.handle.events.get()
+            if isinstance(event, ReplicaFailed):
+                raise ServiceUnavailable(event.message)
+            if event.finish_reason == "error":
+                self.abort()
+                raise _delta_error(event)
+            update = self._apply(event)
+            if update is None:
+                continue
+            if self.is_finished():
+                self.abort()  # ended by stop strings: free the blocks now
+                self._observe_finished()
+            yield [update]
+
+    def _apply(self, delta: RequestDelta) -> Optional[ChoiceUpdate]:
+        if not 0 <= delta.index < len(self.choices):
+            log.warning("delta index %d out of range for %s", delta.index, delta.request_id)
+            return None
+        choice = self.choices[delta.index]
+        if choice.finish_reason is not None:
+            return None  # already ended by a stop string; the scheduler lags behind
+        if delta.new_token_ids and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+            self.metrics.time_to_first_token.observe(self.first_token_time - self.arrival)
+        return choice.apply(delta)
+
+    def abort(self) -> None:
+        """Free the request at the scheduler unless it already finished there."""
+        self.engine.abort(self.handle)
+
+    def _observe_finished(self) -> None:
+        now = time.monotonic()
+        self.metrics.e2e_request_latency.observe(now - self.arrival)
+        for choice in self.choices:
+            self.metrics.request_success.labels(finish_reason=choice.finish_reason).inc()
+            if self.first_token_time is not None and choice.num_tokens > 1:
+                self.metrics.time_per_output_token.observe(
+                    (now - self.first_token_time) / (choice.num_tokens - 1))

@@ -1,0 +1,85 @@
+"""The OpenAI response shapes of /v1/completions and /v1/chat/completions, full and chunked."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Optional
+
+LogprobEntries = list[tuple[str, float]]  # (token text, logprob of the sampled token)
+
+
+class CompletionFormat:
+    id_prefix = "cmpl"
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def __init__(self, model: str):
+        self.model = model
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self._text_offsets: dict[int, int] = {}
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def full_choice(self, index: int, text: str, logprobs: Optional[LogprobEntries],
+                    finish_reason: Optional[str]) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": self._logprobs(index, logprobs),
+                "finish_reason": finish_reason}
+
+    def chunk_choice(self, index: int, text: str, logprobs: Optional[LogprobEntries],
+                     finish_reason: Optional[str]) -> dict[str, Any]:
+        return self.full_choice(index, text, logprobs, finish_reason)
+
+    def opening_chunk_choices(self, n: int) -> list[dict[str, Any]]:
+        return []
+
+    def _logprobs(self, index: int, entries: Optional[LogprobEntries]) -> Optional[dict]:
+        if entries is None:
+            return None
+        offset = self._text_offsets.get(index, 0)
+        offsets = []
+        for token, _ in entries:
+            offsets.append(offset)
+            offset += len(token)
+        self._text_offsets[index] = offset
+        return {"tokens": [t for t, _ in entries],
+                "token_logprobs": [lp for _, lp in entries],
+                "top_logprobs": [{t: lp} for t, lp in entries],
+                "text_offset": offsets}
+
+
+class ChatFormat(CompletionFormat):
+    id_prefix = "chatcmpl"
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def full_choice(self, index: int, text: str, logprobs: Optional[LogprobEntries],
+                    finish_reason: Optional[str]) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": self._logprobs(index, logprobs), "finish_reason": finish_reason}
+
+    def chunk_choice(self, index: int, text: str, logprobs: Optional[LogprobEntries],
+                     finish_reason: Optional[str]) -> dict[str, Any]:
+        delta = {"content": text} if text or finish_reason is None else {}
+        return {"index": index, "delta": delta, "logprobs": self._logprobs(index, logprobs),
+                "finish_reason": finish_reason}
+
+    def opening_chunk_choices(self, n: int) -> list[dict[str, Any]]:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for i in range(n)]
+
+    def _logprobs(self, index: int, entries: Optional[LogprobEntries]) -> Optional[dict]:
+        if entries is None:
+            return None
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": t, "logprob": lp,
+                                               "bytes": list(t.encode())}]}
+                            for t, lp in entries]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,105 @@
+"""Replica health from SchedulerStats heartbeats, and least-loaded routing across replicas.
+
+Stats lag behind: a request sent a moment ago is not in any replica's counts yet. The
+frontend therefore also counts the sequences it has in flight on each replica, and uses
+the larger of the two views, plus the waiting queue again (a queue means the replica is
+out of room, not merely busy). KV-cache usage breaks ties, then the replica index.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagedserve.protocol.messages import SchedulerStats
+
+ROUTABLE_STATES = ("ready",)
+SERVING_STATES = ("ready", "draining")  # in-flight requests may continue in these
+
+
+@dataclass(slots=True)
+class ReplicaStatus:
+    replica: int
+    stats: Optional[SchedulerStats] = None
+    last_seen: float = 0.0  # monotonic time of the last stats
+    in_flight: int = 0  # sequences this frontend sent and has not seen finish
+    request_ids: set[str] = field(default_factory=set)
+
+    def is_fresh(self, now: float, timeout_s: float) -> bool:
+        return self.stats is not None and now - self.last_seen < timeout_s
+
+    def is_live(self, now: float, timeout_s: float) -> bool:
+        return self.is_fresh(now, timeout_s) and self.stats.state in ROUTABLE_STATES
+
+    def is_serving(self, now: float, timeout_s: float) -> bool:
+        return self.is_fresh(now, timeout_s) and self.stats.state in SERVING_STATES
+
+    def load(self) -> tuple[float, float, int]:
+        s = self.stats
+        queued = s.num_running + s.num_waiting + s.num_swapped
+        return (max(queued, self.in_flight) + s.num_waiting + s.num_swapped,
+                s.kv_cache_usage, self.replica)
+
+
+class Router:
+    def __init__(self, num_replicas: int, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.replicas = [ReplicaStatus(r) for r in range(num_replicas)]
+
+    def update(self, stats: SchedulerStats, now: Optional[float] = None) -> bool:
+        """Record a heartbeat; False (and ignored) for a replica index out of range."""
+        if not 0 <= stats.replica < len(self.replicas):
+            return False
+        status = self.replicas[stats.replica]
+        status.stats = stats
+        status.last_seen = time.monotonic() if now is None else now
+        return True
+
+    def pick(self, now: Optional[float] = None) -> Optional[int]:
+        """The least-loaded live replica, or None when none is live."""
+        now = time.monotonic() if now is None else now
+        live = [r for r in self.replicas if r.is_live(now, self.timeout_s)]
+        if not live:
+            return None
+        return min(live, key=ReplicaStatus.load).replica
+
+    def assign(self, replica: int, request_id: str, num_seqs: int) -> None:
+        status = self.replicas[replica]
+        status.request_ids.add(request_id)
+        status.in_flight += num_seqs
+
+    def release(self, replica: int, request_id: str, num_seqs: int) -> None:
+        status = self.replicas[replica]
+        if request_id in status.request_ids:
+            status.request_ids.discard(request_id)
+            status.in_flight = max(0, status.in_flight - num_seqs)
+
+    def failed_replicas(self, now: Optional[float] = None) -> list[ReplicaStatus]:
+        """Replicas with requests in flight that can no longer serve them."""
+        now = time.monotonic() if now is None else now
+        return [r for r in self.replicas
+                if r.request_ids and not r.is_serving(now, self.timeout_s)]
+
+    def any_live(self, now: Optional[float] = None) -> bool:
+        return self.pick(now) is not None
+
+    def describe(self, now: Optional[float] = None) -> list[dict[str, Any]]:
+        """Per-replica health, for /health."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for r in self.replicas:
+            s = r.stats
+            fresh = r.is_fresh(now, self.timeout_s)
+            out.append({
+                "replica": r.replica,
+                "state": (s.state if fresh else "unresponsive") if s else "unknown",
+                "live": r.is_live(now, self.timeout_s),
+                "num_running": s.num_running if s else 0,
+                "num_waiting": s.num_waiting if s else 0,
+                "num_swapped": s.num_swapped if s else 0,
+                "kv_cache_usage": s.kv_cache_usage if s else 0.0,
+                "in_flight": r.in_flight,
+                "seconds_since_stats": round(now - r.last_seen, 3) if s else None,
+            })
+        return out

@@ -1,0 +1,200 @@
+"""Serving one completion or chat request: checks, submit, then a JSON body or an SSE stream.
+
+Streaming responses wait for the first delta before sending the 200 headers, so a
+request the scheduler rejects at once still gets a proper 400 (or 503). A client that
+disconnects, before or during the stream, gets its request aborted at the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedserve.frontend_proc.engine_client import EngineClient
+from pagedserve.frontend_proc.errors import APIError, InvalidRequest
+from pagedserve.frontend_proc.metrics import FrontendMetrics
+from pagedserve.frontend_proc.openai_schema import (
+    ChatCompletionRequest, CompletionRequest, SamplingFields)
+from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
+from pagedserve.frontend_proc.response_format import (
+    ChatFormat, CompletionFormat, LogprobEntries, usage)
+from pagedserve.frontend_proc.tokenization import PromptTokenizer
+from pagedserve.protocol.messages import AddRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status_code)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; raise ClientDisconnected (cancelling it) if the client goes away."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+    if not work_task.done():
+        work_task.cancel()
+        raise ClientDisconnected()
+    return work_task.result()
+
+
+def _sse(payload: Union[dict[str, Any], str]) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+class Serving:
+    def __init__(self, served_model_name: str, max_model_len: int, engine: EngineClient,
+                 tokenizer: PromptTokenizer, metrics: FrontendMetrics):
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+
+    async def completion(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body)
+        prompt_ids = self.tokenizer.encode_prompt(body.prompt)
+        max_tokens = self._max_tokens(len(prompt_ids), body.max_tokens,
+                                      default=DEFAULT_COMPLETION_MAX_TOKENS)
+        return await self._generate(body, prompt_ids, max_tokens, body.wants_logprobs(),
+                                    CompletionFormat(self.served_model_name), request)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body)
+        prompt_ids = self.tokenizer.encode_chat(body.messages)
+        max_tokens = self._max_tokens(len(prompt_ids), body.requested_max_tokens(), default=None)
+        return await self._generate(body, prompt_ids, max_tokens, body.wants_logprobs(),
+                                    ChatFormat(self.served_model_name), request)
+
+    def _check_model(self, body: SamplingFields) -> None:
+        if body.model is not None and body.model != self.served_model_name:
+            raise InvalidRequest(f"model {body.model!r} is not served here; "
+                                 f"use {self.served_model_name!r}",
+                                 param="model", code="model_not_found")
+
+    def _max_tokens(self, num_prompt: int, requested: Optional[int],
+                    default: Optional[int]) -> int:
+        """vLLM's rule: an omitted max_tokens becomes min(default, room left)."""
+        if num_prompt == 0:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        room = self.max_model_len - num_prompt
+        if room <= 0:
+            raise InvalidRequest(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"the prompt has {num_prompt} tokens; shorten the prompt", param="prompt")
+        if requested is None:
+            return room if default is None else min(default, room)
+        if num_prompt + requested > self.max_model_len:
+            raise InvalidRequest(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{num_prompt} prompt tokens + {requested} max_tokens = "
+                f"{num_prompt + requested}; reduce max_tokens or the prompt",
+                param="max_tokens")
+        return requested
+
+    def _sampling(self, body: SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
+        if body.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens ({body.min_tokens}) exceeds max_tokens "
+                                 f"({max_tokens})", param="min_tokens")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None or body.top_k < 0 else body.top_k,
+            seed=body.seed, n=body.n, stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs)
+
+    async def _generate(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int,
+                        logprobs: bool, fmt: CompletionFormat, request: Request) -> Response:
+        sampling = self._sampling(body, max_tokens, logprobs)
+        add = AddRequest(request_id=fmt.id, prompt_token_ids=prompt_ids, sampling=sampling,
+                         eos_token_ids=self.tokenizer.eos_token_ids, arrival_time=time.time())
+        handle = self.engine.submit(add)
+        stream = RequestStream(self.engine, handle, self.tokenizer, body.stop_strings(),
+                               len(prompt_ids), self.metrics)
+        updates = stream.updates()
+        try:
+            if not body.stream:
+                return await _unless_disconnected(request, self._collect(stream, updates, fmt))
+            first = await _unless_disconnected(request, updates.__anext__())
+        except ClientDisconnected:
+            stream.abort()
+            return Response(status_code=499)
+        except APIError as exc:
+            stream.abort()
+            return error_response(exc)
+        except StopAsyncIteration:
+            first = []
+        return StreamingResponse(
+            self._sse_events(stream, updates, first, fmt, body.include_usage_in_stream()),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def _logprob_entries(self, update: ChoiceUpdate) -> Optional[LogprobEntries]:
+        if update.logprobs is None:
+            return None
+        return [(self.tokenizer.token_text(t), lp)
+                for t, lp in zip(update.token_ids, update.logprobs)]
+
+    async def _collect(self, stream: RequestStream,
+                       updates: AsyncIterator[list[ChoiceUpdate]],
+                       fmt: CompletionFormat) -> JSONResponse:
+        texts = [[] for _ in stream.choices]
+        logprobs: list[Optional[LogprobEntries]] = [None for _ in stream.choices]
+        async for batch in updates:
+            for update in batch:
+                texts[update.index].append(update.text)
+                entries = self._logprob_entries(update)
+                if entries is not None:
+                    logprobs[update.index] = (logprobs[update.index] or []) + entries
+        choices = [fmt.full_choice(c.index, "".join(texts[c.index]), logprobs[c.index],
+                                   c.finish_reason) for c in stream.choices]
+        payload = fmt.envelope(fmt.object_full, choices)
+        payload["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
+        return JSONResponse(payload)
+
+    async def _sse_events(self, stream: RequestStream,
+                          updates: AsyncIterator[list[ChoiceUpdate]], first: list[ChoiceUpdate],
+                          fmt: CompletionFormat, include_usage: bool) -> AsyncIterator[bytes]:
+        try:
+            opening = fmt.opening_chunk_choices(len(stream.choices))
+            if opening:
+                yield _sse(fmt.envelope(fmt.object_chunk, opening))
+            batch: Optional[list[ChoiceUpdate]] = first
+            while batch is not None:
+                choices = [fmt.chunk_choice(u.index, u.text, self._logprob_entries(u),
+                                            u.finish_reason)
+                           for u in batch if u.text or u.finish_reason or u.logprobs]
+                if choices:
+                    yield _sse(fmt.envelope(fmt.object_chunk, choices))
+                batch = await anext(updates, None)
+            if include_usage:
+                final = fmt.envelope(fmt.object_chunk, [])
+                final["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
+                yield _sse(final)
+        except APIError as exc:
+            yield _sse(exc.body())
+        finally:
+            stream.abort()  # no-op when finished; frees the request after a disconnect
+        yield _sse("[DONE]")

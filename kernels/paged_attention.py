@@ -1,0 +1,165 @@
+"""Triton paged attention: one launch for a ragged batch mixing decodes and (chunked) prefills.
+
+Grid: (query tile, kv head). A request's query tokens are cut into tiles of BLOCK_Q tokens;
+request b owns the tiles starting at ``query_start_loc[b] // BLOCK_Q + b`` (found by binary
+search in the kernel), so the grid size ``num_tokens // BLOCK_Q + num_requests`` is known
+on the host without reading any per-request length back from the device. One program
+handles every query head of its kv head (GQA), so each K/V tile is loaded once per group.
+
+NaN safety: keys past ``seq_len`` are loaded as 0 (K and V), and every masked score is
+replaced with -inf by ``tl.where`` before the softmax, so a stale NaN in an unused slot of
+the last block never reaches the output.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# The Triton 3.9 interpreter multiplies bf16 operands of tl.dot as their raw uint16 bits;
+# under it, bf16 dots run in fp32 instead (on a GPU they stay bf16 on the tensor cores).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+KEYS_PER_TILE = 32
+MIN_ROWS_PER_TILE = 16  # tl.dot wants at least 16 rows
+
+
+@triton.jit
+def _request_of_tile(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr):
+    """The largest request b whose first tile ``query_start_loc[b] // BLOCK_Q + b`` is <= tile."""
+    # Typed loop-carried bounds: a plain 0 (or a batch of one, which triton would specialize
+    # to a constant) must not change type across iterations when compiled.
+    low: tl.int32 = 0
+    high: tl.int32 = num_requests
+    while low < high:
+        mid = (low + high) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            low = mid + 1
+        else:
+            high = mid
+    return low - 1
+
+
+@triton.jit(do_not_specialize=["num_requests"])
+def _paged_attention_kernel(
+    out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    scale_log2, num_requests,
+    query_token_stride, query_head_stride, out_token_stride, out_head_stride,
+    cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
+    block_size, head_dim, group_size,
+    SLIDING_WINDOW: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    request = _request_of_tile(query_start_loc_ptr, tile, num_requests, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + request)
+    q_len = tl.load(query_start_loc_ptr + request + 1) - q_begin
+    tile_start = (tile - (q_begin // BLOCK_Q + request)) * BLOCK_Q
+    if tile_start >= q_len:  # spare program: the grid is an upper bound on the tile count
+        return
+    seq_len = tl.load(seq_lens_ptr + request)
+    context_len = seq_len - q_len
+
+    # Row r of the tile is query token tile_start + r // GROUP_PAD, head r % GROUP_PAD of the group.
+    rows = tl.arange(0, BLOCK_M)
+    token_in_request = tile_start + rows // GROUP_PAD
+    head = kv_head * group_size + rows % GROUP_PAD
+    row_valid = (token_in_request < q_len) & (rows % GROUP_PAD < group_size)
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < head_dim
+    token = (q_begin + token_in_request).to(tl.int64)
+    q_offsets = token[:, None] * query_token_stride + head[:, None] * query_head_stride + dims[None, :]
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    dot_dtype = tl.float32 if DOT_IN_FP32 else k_cache_ptr.dtype.element_ty
+    q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0).to(dot_dtype)
+    q_pos = context_len + token_in_request
+
+    # Keys this tile can see: causal upper end, sliding-window lower end.
+    kv_end = tl.minimum(context_len + tile_start + BLOCK_Q, seq_len)
+    kv_start = 0
+    if SLIDING_WINDOW > 0:
+        kv_start = tl.maximum(context_len + tile_start - SLIDING_WINDOW + 1, 0)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, DIM_PAD), dtype=tl.float32)
+    for kv_tile_start in range(kv_start, kv_end, BLOCK_N):
+        k_pos = kv_tile_start + tl.arange(0, BLOCK_N)
+        k_exists = k_pos < seq_len
+        physical_block = tl.load(
+            block_tables_ptr + request.to(tl.int64) * block_table_stride + k_pos // block_size,
+            mask=k_exists, other=0,
+        ).to(tl.int64)
+        kv_offsets = physical_block * cache_block_stride + (k_pos % block_size) * cache_slot_stride
+        kv_offsets = kv_offsets[:, None] + kv_head * cache_head_stride + dims[None, :]
+        kv_mask = k_exists[:, None] & dim_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(dot_dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_exists[None, :]
+        if SLIDING_WINDOW > 0:
+            visible = visible & ((q_pos[:, None] - k_pos[None, :]) < SLIDING_WINDOW)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # A row with nothing visible yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(scores - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(dot_dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_offsets = token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+) -> torch.Tensor:
+    """Causal attention of a ragged batch over its paged context (same contract as the reference)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_q_heads} query heads cannot be grouped over {num_kv_heads} kv heads")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache must share one layout with a contiguous head_dim")
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    out = torch.empty_like(query)
+    num_requests = seq_lens.shape[0]
+    if num_tokens == 0 or num_requests == 0:
+        return out
+    group_size = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group_size)
+    block_q = max(MIN_ROWS_PER_TILE // group_pad, 1)
+    device = query.device
+    query_start_loc = query_start_loc.to(device=device, dtype=torch.int32).contiguous()
+    seq_lens = seq_lens.to(device=device, dtype=torch.int32).contiguous()
+    block_tables = block_tables.to(device=device, dtype=torch.int32).contiguous()
+    grid = (num_tokens // block_q + num_requests, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+        scale * math.log2(math.e), num_requests,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        block_size, head_dim, group_size,
+        SLIDING_WINDOW=sliding_window or 0, BLOCK_Q=block_q, GROUP_PAD=group_pad,
+        BLOCK_N=KEYS_PER_TILE, DIM_PAD=max(triton.next_power_of_2(head_dim), 16),
+        DOT_IN_FP32=_INTERPRETED and k_cache.dtype == torch.bfloat16,
+    )
+    return out

@@ -1,0 +1,43 @@
+"""Entry point of one replica's scheduler process: ``python -m pagedserve.scheduler_proc``."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import signal
+import sys
+
+from pagedserve.scheduler_proc.engine import EngineLoop
+from pagedserve.scheduler_proc.engine_config import EngineConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve.scheduler_proc", description=__doc__)
+    EngineConfig.add_cli_args(parser)
+    parser.add_argument("--log-level", default="INFO")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [scheduler {ns.replica}] %(message)s")
+    cfg = EngineConfig.from_args(ns)
+    loop = EngineLoop(cfg)
+
+    def stop(signum, _frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    # Everything allocated so far lives for the whole process; keeping it out of the
+    # collector's generations makes per-step collections proportional to the step.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    try:
+        loop.run()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        loop.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Per-sequence block bookkeeping on a device pool and a host (swap) pool.
+
+Check-then-commit: every mutation (``allocate``, ``append_slots``, ``swap_out``,
+``swap_in``) assumes its ``can_*`` question was just answered yes.
+
+Cache operations it records for the next ``SchedulerOutput`` (drained by ``drain``):
+
+* ``pending_zero``: every device block handed out fresh *for writing* (``allocate``,
+  ``append_slots``), exactly once per hand-out. Not listed: prefix-cache hits (their KV is
+  valid), swap-in destinations and copy-on-write destinations: the workers apply
+  swap out, swap in, copy, zero in that order, so zeroing those would wipe what the swap
+  or the copy just wrote, and the swap/copy overwrites the whole block anyway.
+* ``pending_copies``: copy-on-write ``(src, dst)`` pairs, keyed by ``dst``.
+
+A pending block that becomes free again before the output is built is dropped from both
+lists (it was never written); if it is handed out again it is listed again, once.
+"""
+
+from __future__ import annotations
+
+from pagedserve.scheduler_proc.block_pool import BlockPool
+from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.request import Sequence
+
+
+class BlockManager:
+    def __init__(self, config: SchedulerConfig):
+        self.block_size = config.block_size
+        self.device = BlockPool(config.num_gpu_blocks)
+        self.host = BlockPool(config.num_cpu_blocks)
+        self.pending_zero: dict[int, None] = {}  # an ordered set
+        self.pending_copies: dict[int, int] = {}  # dst -> src
+
+    # ------------------------------------------------------------------ sizing
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
+        """Device blocks ``seq`` needs to compute ``num_tokens`` more tokens (copy-on-write included)."""
+        needed = self.blocks_for(seq.num_computed + num_tokens) - len(seq.block_ids)
+        if seq.shared_tail and self._tail_is_shared(seq):
+            needed += 1
+        return needed
+
+    def _tail_is_shared(self, seq: Sequence) -> bool:
+        return seq.num_computed % self.block_size != 0 and self.device.ref_counts[seq.block_ids[-1]] > 1
+
+    def max_appendable_tokens(self, seq: Sequence) -> int:
+        """How many more tokens ``seq`` could compute with the free device blocks as they are."""
+        free = self.device.num_free
+        if seq.shared_tail and self._tail_is_shared(seq):
+            free -= 1
+            if free < 0:
+                return 0
+        room = len(seq.block_ids) * self.block_size - seq.num_computed
+        return room + free * self.block_size
+
+    # ------------------------------------------------------------------ admission
+
+    def can_allocate(self, hits: list[int], num_blocks: int) -> bool:
+        """Room for a table of ``num_blocks`` whose leading blocks are the prefix hits ``hits``."""
+        ref_counts = self.device.ref_counts
+        revived = sum(1 for block in hits if ref_counts[block] == 0)  # cached but free: leave the pool
+        return num_blocks - len(hits) + revived <= self.device.num_free
+
+    def allocate(self, seq: Sequence, hits: list[int], num_blocks: int) -> None:
+        device = self.device
+        for block in hits:
+            device.share(block)
+        table = list(hits)
+        pending = self.pending_zero
+        for _ in range(num_blocks - len(hits)):
+            block = device.take_fresh()
+            pending[block] = None
+            table.append(block)
+        seq.block_ids = table
+
+    # ------------------------------------------------------------------ growth
+
+    def can_append_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.num_new_blocks(seq, num_tokens) <= self.device.num_free
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Blocks for ``num_tokens`` more tokens; copies a shared tail block before it is written."""
+        device = self.device
+        table = seq.block_ids
+        if seq.shared_tail:
+            if self._tail_is_shared(seq):
+                if seq.worker_knows:
+                    raise RuntimeError(f"copy-on-write for {seq.seq_id}, whose table the workers already hold")
+                src = table[-1]
+                dst = device.take_fresh()
+                device.release(src)  # still owned by a sibling: the copy reads it this step
+                self.pending_copies[dst] = src
+                table[-1] = dst
+            seq.shared_tail = False
+        pending = self.pending_zero
+        for _ in range(self.blocks_for(seq.num_computed + num_tokens) - len(table)):
+            block = device.take_fresh()
+            pending[block] = None
+            table.append(block)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Children take over the parent's blocks: each block gains ``len(children) - 1`` owners."""
+        device = self.device
+        for child in children:
+            child.block_ids = list(parent.block_ids)
+            child.shared_tail = len(children) > 1
+        for _ in range(len(children) - 1):
+            for block in parent.block_ids:
+                device.share(block)
+        parent.block_ids = []
+
+    # ------------------------------------------------------------------ release
+
+    def free(self, seq: Sequence) -> None:
+        """Give back every block ``seq`` holds, on the device and on the host."""
+        device = self.device
+        for block in seq.block_ids:
+            if device.release(block):
+                self._forget_pending(block)
+        seq.block_ids = []
+        for block in seq.host_block_ids:
+            self.host.release(block)
+        seq.host_block_ids = []
+
+    def _forget_pending(self, block: int) -> None:
+        self.pending_zero.pop(block, None)
+        self.pending_copies.pop(block, None)
+
+    # ------------------------------------------------------------------ swapping
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_ids) <= self.host.num_free
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Copy every device block of ``seq`` to a new host block; returns (device, host) pairs."""
+        mapping = []
+        host_table = []
+        for block in seq.block_ids:
+            host_block = self.host.take_fresh()
+            mapping.append((block, host_block))
+            host_table.append(host_block)
+        self.free(seq)  # a block shared with a sibling stays on the device for the sibling
+        seq.host_block_ids = host_table
+        return mapping
+
+    def can_swap_in(self, seq: Sequence, num_tokens: int) -> bool:
+        needed = self.blocks_for(seq.num_computed + num_tokens)
+        return needed <= self.device.num_free
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Copy every host block of ``seq`` to a fresh device block; returns (host, device) pairs."""
+        mapping = []
+        table = []
+        for host_block in seq.host_block_ids:
+            block = self.device.take_fresh()  # overwritten by the swap: not zeroed
+            mapping.append((host_block, block))
+            table.append(block)
+            self.host.release(host_block)
+        seq.host_block_ids = []
+        seq.block_ids = table
+        seq.shared_tail = False
+        return mapping
+
+    # ------------------------------------------------------------------ per step
+
+    def drain(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """This step's blocks to zero and copy-on-write pairs; both lists start empty again."""
+        zero = list(self.pending_zero)
+        self.pending_zero.clear()
+        copies = [(src, dst) for dst, src in self.pending_copies.items()]
+        self.pending_copies.clear()
+        return zero, copies

@@ -1,0 +1,75 @@
+"""A preallocated pool of KV blocks: reference counts, a free list and (optionally) a cache.
+
+Every block is either free (reference count 0) or owned (count >= 1). Free blocks come
+in two kinds: plain ones (a stack) and *evictable* ones, which still hold a prefix-cache
+entry and are kept in least-recently-freed order (an ``OrderedDict``: O(1) removal from
+the middle on a cache hit, O(1) eviction from the front). A fresh allocation takes a
+plain block first and evicts the oldest cached one only when no plain block is left.
+
+Per-block state lives in ``array``s of machine ints, which the garbage collector never
+walks (a list of a few hundred thousand ints is walked by every full collection).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from typing import Hashable, Optional
+
+
+class BlockPool:
+    __slots__ = ("num_blocks", "ref_counts", "plain_free", "evictable", "block_key", "cache")
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.ref_counts = array("q", bytes(8 * num_blocks))
+        # Popped from the end, so low ids go out first: reversed for readable traces.
+        self.plain_free = array("q", range(num_blocks - 1, -1, -1))
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.block_key: dict[int, Hashable] = {}  # block -> its prefix-cache key, if it has one
+        self.cache: dict[Hashable, int] = {}  # prefix-cache key -> block
+
+    @property
+    def num_free(self) -> int:
+        return len(self.plain_free) + len(self.evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.plain_free) - len(self.evictable)
+
+    def take_fresh(self) -> int:
+        """A free block for new content, evicting the least recently freed cached one if needed."""
+        if self.plain_free:
+            block = self.plain_free.pop()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cache[self.block_key.pop(block)]
+        self.ref_counts[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        """One more owner for a block that is owned or cached (a prefix hit or a fork)."""
+        if self.ref_counts[block] == 0:
+            del self.evictable[block]
+        self.ref_counts[block] += 1
+
+    def release(self, block: int) -> bool:
+        """Drop one owner; True when the block became free."""
+        count = self.ref_counts[block] - 1
+        self.ref_counts[block] = count
+        if count:
+            return False
+        if block not in self.block_key:
+            self.plain_free.append(block)
+        else:
+            self.evictable[block] = None
+        return True
+
+    def lookup(self, key: Hashable) -> Optional[int]:
+        return self.cache.get(key)
+
+    def register(self, block: int, key: Hashable) -> None:
+        """Publish a full, computed block under ``key``; the first block to claim a key keeps it."""
+        if block not in self.block_key and key not in self.cache:
+            self.cache[key] = block
+            self.block_key[block] = key

@@ -1,0 +1,57 @@
+"""The scheduler's configuration: one slotted dataclass, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+# Sequences are ordered by (arrival number, sample index) packed into one int; see request.py.
+MAX_PARALLEL_SAMPLES = 1 << 20
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    block_size: int = 16
+    num_gpu_blocks: int = 512
+    num_cpu_blocks: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"  # "auto" | "swap" | "recompute"
+    debug_invariants: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
+            raise ValueError(
+                f"max_model_len must be an integer >= 2 (one prompt token and one output), "
+                f"got {self.max_model_len!r}"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                f"got {self.preemption_mode!r}"
+            )
+        if self.max_num_seqs >= MAX_PARALLEL_SAMPLES:
+            raise ValueError(f"max_num_seqs must be below {MAX_PARALLEL_SAMPLES}, got {self.max_num_seqs}")
+        if not self.enable_chunked_prefill:
+            # Without chunking a prompt is computed in one step, so one step must hold the
+            # longest prompt the model accepts.
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running decode needs one token of the budget each step; a smaller budget
+            # would starve some decodes, which this scheduler promises never to do.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so that every running sequence can decode every step"
+            )
+        if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
+            raise ValueError('preemption_mode="swap" needs num_cpu_blocks > 0 (the host swap space)')

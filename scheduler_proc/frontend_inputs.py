@@ -1,0 +1,19 @@
+"""How a frontend message changes the scheduler: shared by the engine loop and trace replay."""
+
+from __future__ import annotations
+
+from pagedserve.protocol import messages as m
+
+
+def apply_frontend_message(sched, msg, draining: bool) -> tuple[list[m.RequestDelta], bool]:
+    """Returns the deltas to send back and whether the replica is now draining."""
+    if isinstance(msg, m.AddRequest):
+        if draining:
+            return [m.RequestDelta(request_id=msg.request_id, index=0, new_token_ids=[], finish_reason="error",
+                                   error="the server is shutting down", error_kind="engine")], draining
+        return sched.add_request(msg), draining
+    if isinstance(msg, m.AbortRequest):
+        return sched.abort_requests(msg.request_ids), draining
+    if isinstance(msg, m.Drain):
+        return [], True
+    return [], draining

@@ -1,0 +1,60 @@
+"""Prefix caching: full blocks are named by their content and the content before them.
+
+The key of block ``i`` of a sequence is ``(parent, tokens)`` where ``tokens`` is the tuple
+of its ``block_size`` token ids and ``parent`` is ``hash()`` of block ``i-1``'s key (0 for
+the first block). Keys hold only ints, whose ``hash`` Python computes the same way in
+every run (unlike ``str`` or ``None``), so a recorded trace replays with the same hits.
+The cache is a dict on those keys, so equal-hash collisions of different tokens are told
+apart by equality; only a 64-bit collision of two *parent* hashes could alias, as in vLLM.
+
+A block is published only after the step that computes its last token has run
+(``register_computed``), so a hit never points at KV that is not yet written.
+"""
+
+from __future__ import annotations
+
+from pagedserve.scheduler_proc.block_pool import BlockPool
+from pagedserve.scheduler_proc.request import Sequence
+
+
+def lookup(pool: BlockPool, seq: Sequence, block_size: int) -> tuple[list[int], list]:
+    """Blocks cached for the leading full blocks of ``seq`` and their keys.
+
+    A hit never covers the last token: at least one token must be computed to sample.
+    """
+    tokens = seq.token_ids
+    max_blocks = (len(tokens) - 1) // block_size
+    hits: list[int] = []
+    keys: list = []
+    parent = 0
+    for i in range(max_blocks):
+        key = (parent, tuple(tokens[i * block_size:(i + 1) * block_size]))
+        block = pool.lookup(key)
+        if block is None:
+            break
+        hits.append(block)
+        keys.append(key)
+        parent = hash(key)
+    return hits, keys
+
+
+def register_computed(pool: BlockPool, seq: Sequence, block_size: int) -> None:
+    """Publish every full block of ``seq`` whose tokens are all computed and not yet named."""
+    keys = seq.block_keys
+    num_full = seq.num_computed // block_size
+    if len(keys) >= num_full:
+        return
+    tokens = seq.token_ids
+    blocks = seq.block_ids
+    parent = hash(keys[-1]) if keys else 0
+    for i in range(len(keys), num_full):
+        key = (parent, tuple(tokens[i * block_size:(i + 1) * block_size]))
+        keys.append(key)
+        pool.register(blocks[i], key)
+        parent = hash(key)
+
+
+def republish(pool: BlockPool, seq: Sequence) -> None:
+    """After a swap-in the sequence's full blocks live in new device blocks: name them again."""
+    for block, key in zip(seq.block_ids, seq.block_keys):
+        pool.register(block, key)

@@ -1,0 +1,105 @@
+"""Replays a trace's frontend messages and step results into a fresh Scheduler.
+
+The scheduler is deterministic given its arrivals and step results, so every
+SchedulerOutput it builds must equal the recorded one byte for byte. Run as
+``python -m pagedserve.scheduler_proc.replay TRACE`` (``pagedserve replay --scheduler-only``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import msgspec
+
+from pagedserve.protocol import messages as m
+from pagedserve.protocol.codec import Decoder, ProtocolError, encode
+from pagedserve.protocol.trace import TraceError, read_trace
+from pagedserve.scheduler_proc.engine_config import EngineConfig
+from pagedserve.scheduler_proc.frontend_inputs import apply_frontend_message
+from pagedserve.scheduler_proc.scheduler import Scheduler
+
+
+@dataclass
+class SchedulerReplayReport:
+    steps: int
+    mismatch: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatch is None
+
+
+def first_difference(recorded, replayed, path: str = "") -> str:
+    """A human-readable path to the first field where two decoded messages differ."""
+    if isinstance(recorded, msgspec.Struct) and type(recorded) is type(replayed):
+        for name in recorded.__struct_fields__:
+            a, b = getattr(recorded, name), getattr(replayed, name)
+            if a != b:
+                return first_difference(a, b, f"{path}.{name}" if path else name)
+    if isinstance(recorded, list) and isinstance(replayed, list):
+        for i, (a, b) in enumerate(zip(recorded, replayed)):
+            if a != b:
+                return first_difference(a, b, f"{path}[{i}]")
+        if len(recorded) != len(replayed):
+            return f"{path}: recorded {len(recorded)} items, replayed {len(replayed)}"
+    return f"{path}: recorded {recorded!r}, replayed {replayed!r}"
+
+
+def replay_scheduler(trace_path: str) -> SchedulerReplayReport:
+    trace = read_trace(trace_path)
+    known = {f.name for f in fields(EngineConfig)}
+    cfg = EngineConfig(run_dir="", **{k: v for k, v in trace.meta["config"].items() if k in known})
+    to_worker, from_worker = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
+    from_frontend = Decoder(m.FrontendToScheduler)
+    sched: Optional[Scheduler] = None
+    last_out: Optional[m.SchedulerOutput] = None
+    draining = False
+    steps = 0
+    for index, (direction, payload) in enumerate(trace.records):
+        try:
+            if direction == "to_worker":
+                msg = to_worker.decode(payload)
+                if isinstance(msg, m.WorkerInit) and (sched is None or
+                                                      sched.config.num_gpu_blocks != msg.num_gpu_blocks):
+                    sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks))
+                elif isinstance(msg, m.SchedulerOutput):
+                    last_out = sched.schedule()
+                    steps += 1
+                    if encode(last_out) != payload:
+                        return SchedulerReplayReport(steps, f"step {msg.step} (record {index}): "
+                                                     + first_difference(msg, last_out))
+            elif direction == "from_frontend":
+                _, draining = apply_frontend_message(sched, from_frontend.decode(payload), draining)
+            elif direction == "from_worker":
+                msg = from_worker.decode(payload)
+                if isinstance(msg, m.StepResult) and msg.rank == 0 and not msg.error:
+                    sched.update_from_output(last_out, msg)
+            elif direction == "fail_all":
+                sched.fail_all(payload.decode())
+        except ProtocolError as exc:
+            raise TraceError(f"{trace_path}: record {index} ({direction}) is not a valid frame: {exc}") from None
+    return SchedulerReplayReport(steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="pagedserve.scheduler_proc.replay", description=__doc__)
+    p.add_argument("trace")
+    ns = p.parse_args(argv)
+    try:
+        report = replay_scheduler(ns.trace)
+    except TraceError as exc:
+        print(f"replay: {exc}", file=sys.stderr)
+        return 2
+    if report.ok:
+        print(f"scheduler replay: {report.steps} steps, every SchedulerOutput identical")
+        return 0
+    print(f"scheduler replay: differs at {report.mismatch}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""A request as the frontend sent it, and the sequences the scheduler runs for it.
+
+A request with ``n == 1`` runs as one sequence whose id is the request id. A request with
+``n > 1`` first runs a *parent* sequence that computes ``prompt[:-1]``; it then forks into
+``n`` child sequences ``f"{request_id}/{i}"`` that share the parent's blocks and each
+compute the last prompt token themselves (copy-on-write on the shared tail block).
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Iterable
+
+from pagedserve.protocol.messages import AddRequest, SamplingParams
+
+from pagedserve.scheduler_proc.config import MAX_PARALLEL_SAMPLES
+
+WAITING = 0
+RUNNING = 1
+SWAPPED = 2
+FINISHED = 3
+
+_SEED_MASK = (1 << 63) - 1
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so i -> base + i * stride is distinct mod 2**63
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def token_array(tokens: Iterable[int]) -> array:
+    """Token ids as machine ints: the collector never walks them (a list of a few thousand ints
+    per sequence, walked by every full collection, made the cost per step grow with N squared)."""
+    return array("q", tokens)
+
+
+def fits_int64(tokens: list[int]) -> bool:
+    return not tokens or (_INT64_MIN <= min(tokens) and max(tokens) <= _INT64_MAX)
+
+
+def child_seed(base_seed: int, index: int) -> int:
+    """A distinct, deterministic seed for sample ``index`` of a request seeded ``base_seed``."""
+    return (base_seed + index * _SEED_STRIDE) & _SEED_MASK
+
+
+class Request:
+    """What the frontend asked for; shared by the request's sequences."""
+
+    __slots__ = (
+        "request_id",
+        "arrival_number",
+        "sampling",
+        "num_prompt_tokens",
+        "stop_token_ids",
+        "min_tokens",
+        "max_len",
+        "want_logprobs",
+        "unfinished_indices",
+        "sequences",
+        "num_cached_tokens",
+    )
+
+    def __init__(self, msg: AddRequest, arrival_number: int, seed: int, len_limit: int):
+        self.request_id = msg.request_id
+        self.arrival_number = arrival_number
+        self.sampling: SamplingParams = msg.sampling
+        if msg.sampling.seed != seed:
+            self.sampling = SamplingParams(**{**_fields(msg.sampling), "seed": seed})
+        self.num_prompt_tokens = len(msg.prompt_token_ids)
+        stops = set(msg.sampling.stop_token_ids)
+        if not msg.sampling.ignore_eos:
+            stops.update(msg.eos_token_ids)
+        self.stop_token_ids = frozenset(stops)
+        self.min_tokens = msg.sampling.min_tokens
+        # A sequence ends with "length" once it holds this many tokens (prompt + outputs).
+        self.max_len = min(self.num_prompt_tokens + msg.sampling.max_tokens, len_limit)
+        self.want_logprobs = msg.sampling.logprobs
+        self.unfinished_indices = set(range(msg.sampling.n))
+        self.sequences: list[Sequence] = []
+        self.num_cached_tokens = 0
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in params.__struct_fields__}
+
+
+class Sequence:
+    """One stream of tokens the workers compute: its tokens, blocks and progress."""
+
+    __slots__ = (
+        "seq_id",
+        "request",
+        "index",
+        "order",
+        "sampling",
+        "token_ids",
+        "num_computed",
+        "block_ids",
+        "host_block_ids",
+        "block_keys",
+        "status",
+        "is_parent",
+        "shared_tail",
+        "worker_knows",
+        "num_tokens_sent",
+        "num_blocks_sent",
+        "recompute_until",
+        "num_preemptions",
+        # Copies of the request's stop rules, so the per-token path touches one object.
+        "request_id",
+        "num_prompt_tokens",
+        "stop_token_ids",
+        "min_len",
+        "max_len",
+        "want_logprobs",
+        "num_cached_tokens",
+    )
+
+    def __init__(self, seq_id: str, request: Request, index: int, token_ids: array,
+                 sampling: SamplingParams, is_parent: bool):
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        # FCFS key: older requests first; a request's samples in index order.
+        self.order = request.arrival_number * MAX_PARALLEL_SAMPLES + index
+        self.sampling = sampling
+        self.token_ids = token_ids
+        self.num_computed = 0  # tokens whose KV is (or, once this step runs, will be) cached
+        self.block_ids: list[int] = []  # device block table
+        self.host_block_ids: list[int] = []  # while swapped out
+        self.block_keys: list = []  # prefix-cache keys of the leading full computed blocks
+        self.status = WAITING
+        self.is_parent = is_parent  # computes prompt[:-1], then forks into n children
+        self.shared_tail = False  # last block may be shared with a sibling: copy before writing
+        self.worker_knows = False  # the workers hold this sequence's state
+        self.num_tokens_sent = 0
+        self.num_blocks_sent = 0
+        self.recompute_until = 0  # tokens computed before a recompute-preemption
+        self.num_preemptions = 0
+        self.request_id = request.request_id
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.stop_token_ids = request.stop_token_ids
+        self.min_len = request.num_prompt_tokens + request.min_tokens  # no stop before this length
+        self.max_len = request.max_len
+        self.want_logprobs = request.want_logprobs
+        self.num_cached_tokens = 0  # the request's prefix hits at its first admission
+
+    @property
+    def target_len(self) -> int:
+        """Tokens this sequence must compute before it can sample (or fork)."""
+        return len(self.token_ids) - 1 if self.is_parent else len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id!r}, tokens={len(self.token_ids)}, computed={self.num_computed}, "
+                f"blocks={self.block_ids}, status={self.status})")

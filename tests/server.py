@@ -1,0 +1,100 @@
+"""Starts a real pagedserve deployment (supervisor + children) for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pagedserve_processes(run_dir_parent: str) -> list[psutil.Process]:
+    """Every live process started for the deployment whose run dirs live under this parent."""
+    out = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if "pagedserve" in cmd and run_dir_parent in cmd and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+@dataclass
+class Server:
+    model: str
+    args: list[str] = field(default_factory=list)
+    run_dir_parent: str = ""
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, tmp: Path, timeout_s: float = 180.0) -> "Server":
+        self.port = self.port or free_port()
+        self.run_dir_parent = str(tmp / "run")
+        os.makedirs(self.run_dir_parent, exist_ok=True)
+        self.log_path = tmp / f"server-{self.port}.log"
+        cmd = [sys.executable, "-m", "pagedserve.deploy.cli", "serve", self.model, "--port", str(self.port),
+               "--run-dir-parent", self.run_dir_parent, *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # polling the server's readiness, not synchronising on a guess
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout_s}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-8000:] if self.log_path else ""
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in pagedserve_processes(self.run_dir_parent)]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for p in pagedserve_processes(self.run_dir_parent):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()

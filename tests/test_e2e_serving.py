@@ -1,0 +1,114 @@
+"""Through real processes: HTTP -> frontend -> scheduler -> worker -> tokens, equal to transformers."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from conftest import hf_greedy, hf_tokenizer
+from server import Server, pagedserve_processes, wait_until
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog. A paged attention engine keeps",
+    "東京は",
+    "def main():\n    return 42\n" * 3,
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000. Émile ate crème brûlée in Zürich; " * 2,
+]
+SERVER_ARGS = ["--num-gpu-blocks", "64", "--max-model-len", "1536", "--max-num-batched-tokens", "256",
+               "--debug-invariants"]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def server(request, model_factory, tmp_path_factory):
+    model = model_factory(request.param)
+    srv = Server(model, SERVER_ARGS).start(tmp_path_factory.mktemp(f"srv-{request.param}"))
+    yield srv
+    srv.stop()
+
+
+def client(srv: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def model_name(srv: Server) -> str:
+    return client(srv).models.list().data[0].id
+
+
+def test_concurrent_greedy_completions_equal_transformers_generate(server):
+    tok = hf_tokenizer(server.model)
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    c, name = client(server), model_name(server)
+
+    def complete(ids):
+        r = c.completions.create(model=name, prompt=ids, max_tokens=12, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        return r.choices[0].text, r.usage.completion_tokens
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(complete, prompts))
+    for ids, (text, n) in zip(prompts, results):
+        expected = hf_greedy(server.model, ids, 12)
+        assert n == 12
+        assert text == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_stopping_at_eos_matches_transformers(server):
+    tok = hf_tokenizer(server.model)
+    ids = tok(PROMPTS[1]).input_ids
+    expected = hf_greedy(server.model, ids, 40, eos=True)
+    r = client(server).completions.create(model=model_name(server), prompt=ids, max_tokens=40, temperature=0)
+    assert r.choices[0].text == tok.decode(expected, skip_special_tokens=True)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    assert r.choices[0].finish_reason == ("stop" if eos in expected else "length")
+
+
+def test_streaming_returns_the_same_text_as_non_streaming(server):
+    c, name = client(server), model_name(server)
+    kw = dict(model=name, prompt=PROMPTS[4], max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = c.completions.create(**kw).choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices)
+    assert streamed == whole
+
+
+def test_chat_completion_uses_the_chat_template(server):
+    tok = hf_tokenizer(server.model)
+    messages = [{"role": "user", "content": "Hello, how are you today?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    expected = hf_greedy(server.model, list(ids), 8)
+    r = client(server).chat.completions.create(model=model_name(server), messages=messages, max_tokens=8,
+                                               temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_bad_requests_get_400_with_a_message_and_serving_continues(server):
+    url = server.url + "/v1/completions"
+    name = model_name(server)
+    bad = [
+        httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=30),
+        httpx.post(url, json={"model": name, "prompt": "hi", "max_tokens": -1}, timeout=30),
+        httpx.post(url, json={"model": name, "prompt": "hi " * 1600, "max_tokens": 4}, timeout=30),
+        # fits --max-model-len (1536) but needs more blocks than the 64 x 16-token cache holds
+        httpx.post(url, json={"model": name, "prompt": [5] * 1200, "max_tokens": 4}, timeout=30),
+    ]
+    for resp in bad:
+        assert resp.status_code == 400, resp.text
+        assert json.loads(resp.text)["error"]["message"]
+    r = client(server).completions.create(model=name, prompt="Hello", max_tokens=3, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+def test_sigterm_to_the_supervisor_leaves_no_pagedserve_process(model_factory, tmp_path):
+    srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "32"]).start(tmp_path)
+    assert len(srv.pids()) >= 4  # supervisor, frontend, scheduler, worker
+    srv.stop()
+    assert srv.proc.returncode == 0
+    assert wait_until(lambda: not pagedserve_processes(srv.run_dir_parent), 10)

@@ -1,0 +1,100 @@
+"""Greedy tokens from ModelRunner equal transformers' generate(do_sample=False), float32, CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.deploy.demo_model import build_model_dir
+from pagedserve.worker_proc.model_runner import ModelRunner
+from test_worker_harness import TrivialScheduler, hf_greedy, random_prompts
+
+NEW_TOKENS = 14
+PROMPT_LENGTHS = [5, 19, 33, 9, 2]
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+}
+
+CASES = {
+    "llama": dict(arch="llama"),
+    "qwen2": dict(arch="qwen2"),
+    "qwen2_tied_embeddings": dict(arch="qwen2", tie_word_embeddings=True, seed=3),
+    "qwen3": dict(arch="qwen3", seed=1),
+    "mistral_sliding_window_8": dict(arch="mistral", sliding_window=8, seed=2),
+    "llama_multi_query_llama3_rope": dict(arch="llama", num_kv_heads=1, rope_parameters=LLAMA3_ROPE, seed=4),
+}
+
+
+def run_mixed_schedule(runner: ModelRunner, prompts: list[list[int]], poison: bool = False,
+                       block_size: int = 4) -> list[list[int]]:
+    """Prompts arrive at different steps; two are prefilled in chunks; decodes of
+    different lengths and prefill chunks share batches."""
+    scheduler = TrivialScheduler(runner, block_size=block_size)
+    if poison:
+        runner.poison_cache()
+    scheduler.add("r0", prompts[0], NEW_TOKENS)
+    scheduler.add("r1", prompts[1], NEW_TOKENS, prefill_chunks=[7])
+    scheduler.add("r2", prompts[2], NEW_TOKENS, arrival_step=2, prefill_chunks=[10, 11])
+    scheduler.add("r3", prompts[3], NEW_TOKENS, arrival_step=5)
+    scheduler.add("r4", prompts[4], NEW_TOKENS, arrival_step=16)  # reuses freed, stale blocks
+    outputs = scheduler.run()
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
+def assert_equal_to_oracle(model_dir, got: list[list[int]], prompts: list[list[int]]) -> None:
+    expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
+    for prompt, ours, theirs in zip(prompts, got, expected):
+        assert len(theirs) >= 12, "the oracle stopped at EOS too early to compare; change the prompt seed"
+        assert ours[: len(theirs)] == theirs, f"prompt of {len(prompt)} tokens diverged"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_equal_transformers_with_chunked_prefill_and_mixed_decodes(tmp_path, case):
+    model_dir = build_model_dir(tmp_path / case, **CASES[case])
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=512, seed=len(case))
+    got = run_mixed_schedule(ModelRunner(str(model_dir)), prompts)
+    assert_equal_to_oracle(model_dir, got, prompts)
+
+
+def test_a_nan_poisoned_cache_with_zeroed_new_blocks_still_matches_transformers(tmp_path):
+    model_dir = build_model_dir(tmp_path / "m", "qwen2")
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=512, seed=11)
+    runner = ModelRunner(str(model_dir))
+    got = run_mixed_schedule(runner, prompts, poison=True)
+    assert_equal_to_oracle(model_dir, got, prompts)
+
+
+def test_the_block_size_does_not_change_the_tokens(tmp_path):
+    model_dir = build_model_dir(tmp_path / "m", "llama")
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=512, seed=5)
+    by_block_size = [run_mixed_schedule(ModelRunner(str(model_dir)), prompts, block_size=b) for b in (1, 16)]
+    assert by_block_size[0] == by_block_size[1]
+
+
+def test_a_sharded_checkpoint_with_an_index_loads_like_a_single_file(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    single = build_model_dir(tmp_path / "single", "qwen3")
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(str(single)).save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    prompts = random_prompts([7, 12], vocab_size=512, seed=9)
+    outputs = []
+    for model_dir in (single, sharded):
+        scheduler = TrivialScheduler(ModelRunner(str(model_dir)))
+        scheduler.add("a", prompts[0], 6)
+        scheduler.add("b", prompts[1], 6)
+        outputs.append(scheduler.run())
+    assert outputs[0] == outputs[1]
+
+
+def test_bfloat16_runs_and_produces_tokens_in_the_vocabulary(tmp_path):
+    model_dir = build_model_dir(tmp_path / "m", "qwen2")
+    runner = ModelRunner(str(model_dir), dtype="bfloat16")
+    scheduler = TrivialScheduler(runner)
+    scheduler.add("a", random_prompts([9], vocab_size=512)[0], 5, prefill_chunks=[4])
+    tokens = scheduler.run()["a"]
+    assert runner.kv_cache.dtype == torch.bfloat16
+    assert len(tokens) == 5 and all(0 <= t < 512 for t in tokens)

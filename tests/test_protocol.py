@@ -1,0 +1,133 @@
+"""The wire protocol: every message round-trips; every bad frame is one clear error."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+
+from pagedserve.protocol import messages as m
+from pagedserve.protocol.codec import PROTOCOL_VERSION, Decoder, ProtocolError, encode
+from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
+
+SP = m.SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=3, seed=7, n=2,
+                      stop_token_ids=[3], ignore_eos=True, min_tokens=1, logprobs=True)
+
+SAMPLES = {
+    m.FrontendToScheduler: [
+        m.AddRequest("r1", [1, 2, 3], SP, eos_token_ids=[0], arrival_time=1.5),
+        m.AbortRequest(["r1", "r2"]),
+        m.Drain(),
+    ],
+    m.SchedulerToFrontend: [
+        m.RequestOutputs(0, 3, [m.RequestDelta("r1", 1, [4, 5], "stop", None, None, 3, 1, [-0.5, -0.1], 5)]),
+        m.SchedulerStats(replica=1, state="ready", num_running=2, kv_cache_usage=0.25),
+    ],
+    m.SchedulerToWorker: [
+        m.WorkerInit(0, 1, 16, 100, 10, 256, 512, 8, 0, True),
+        m.SchedulerOutput(
+            step=4,
+            new_requests=[m.NewRequestData("a", [1, 2], 2, [7], 0, 2, SP)],
+            cached_requests=[m.CachedRequestData("b", [9], [8], 17, 1)],
+            finished_req_ids=["c"], blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(2, 3)],
+            blocks_to_copy=[(4, 5)], new_block_ids_to_zero=[7, 8], total_num_scheduled_tokens=3),
+        m.Shutdown("bye"),
+    ],
+    m.WorkerToScheduler: [
+        m.WorkerHello(0, 123, "cpu", "Qwen2ForCausalLM:abcd", 2, 4096, 1000),
+        m.WorkerReady(0, 100, 10),
+        m.StepResult(4, 0, ["a"], [11], [-0.25], None, 0.01, 0.001),
+    ],
+    m.ToSupervisor: [
+        m.ProcessReady("worker", 0, 1, 99),
+        m.ProcessFailed("worker", 0, 1, 99, "oom"),
+        m.RestartWorkers(0, "hung"),
+    ],
+}
+
+
+@pytest.mark.parametrize("union", list(SAMPLES), ids=lambda u: "|".join(a.__name__ for a in u.__args__))
+def test_every_message_type_round_trips_on_its_channel(union):
+    decoder = Decoder(union)
+    for msg in SAMPLES[union]:
+        assert decoder.decode(encode(msg)) == msg
+
+
+def test_every_message_class_is_covered_by_a_sample():
+    covered = {type(msg) for msgs in SAMPLES.values() for msg in msgs}
+    declared = {cls for union in SAMPLES for cls in union.__args__}
+    assert covered == declared
+
+
+def test_empty_cache_op_lists_are_still_on_the_wire():
+    out = m.SchedulerOutput(1, [], [], [], [], [], [], [], 0)
+    raw = msgspec.msgpack.decode(encode(out))
+    body = raw[1]
+    for key in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "new_block_ids_to_zero"):
+        assert body[key] == []
+
+
+@pytest.mark.parametrize("frame", [b"", b"\xc1", b"garbage that is not msgpack", b"\x92\x01",
+                                   msgspec.msgpack.encode([PROTOCOL_VERSION, {"type": "Nope"}]),
+                                   msgspec.msgpack.encode([PROTOCOL_VERSION, {"type": "AbortRequest",
+                                                                              "request_ids": [1]}]),
+                                   msgspec.msgpack.encode({"a": 1})])
+def test_garbage_and_malformed_frames_raise_protocol_error(frame):
+    with pytest.raises(ProtocolError):
+        Decoder(m.FrontendToScheduler).decode(frame)
+
+
+def test_truncated_frames_raise_protocol_error():
+    frame = encode(SAMPLES[m.SchedulerToWorker][1])
+    decoder = Decoder(m.SchedulerToWorker)
+    for cut in range(len(frame)):
+        with pytest.raises(ProtocolError):
+            decoder.decode(frame[:cut])
+
+
+def test_wrong_version_is_refused_with_both_versions_named():
+    frame = msgspec.msgpack.encode([PROTOCOL_VERSION + 1, m.AbortRequest(["x"])])
+    with pytest.raises(ProtocolError, match=f"version {PROTOCOL_VERSION + 1}.*speaks {PROTOCOL_VERSION}"):
+        Decoder(m.FrontendToScheduler).decode(frame)
+
+
+def test_a_message_of_another_channel_is_refused():
+    with pytest.raises(ProtocolError):
+        Decoder(m.SchedulerToWorker).decode(encode(m.AbortRequest(["x"])))
+
+
+def test_oversized_frames_are_refused_before_decoding():
+    decoder = Decoder(m.FrontendToScheduler, max_frame_bytes=64)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decoder.decode(encode(m.AbortRequest(["x" * 100])))
+
+
+def test_unknown_fields_are_refused():
+    frame = msgspec.msgpack.encode([PROTOCOL_VERSION, {"type": "AbortRequest", "request_ids": [], "extra": 1}])
+    with pytest.raises(ProtocolError):
+        Decoder(m.FrontendToScheduler).decode(frame)
+
+
+def test_run_dir_is_private():
+    path = make_run_dir()
+    try:
+        assert (path.stat().st_mode & 0o777) == 0o700
+    finally:
+        path.rmdir()
+
+
+def test_receiver_skips_bad_frames_and_keeps_receiving(tmp_path):
+    ctx = zmq.Context()
+    ep = Endpoints(tmp_path).scheduler_inputs(0)
+    rx = Receiver(ctx, ep, m.FrontendToScheduler)
+    tx = Sender(ctx, ep)
+    try:
+        tx.send_bytes(b"\x00garbage")
+        tx.send_bytes(msgspec.msgpack.encode([99, m.Drain()]))
+        tx.send(m.AbortRequest(["ok"]))
+        assert rx.recv(timeout_ms=5000) == m.AbortRequest(["ok"])
+        assert rx.num_rejected == 2
+    finally:
+        rx.close()
+        tx.close()
+        ctx.term()

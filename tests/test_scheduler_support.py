@@ -1,0 +1,182 @@
+"""A worker stand-in for scheduler tests: it applies every SchedulerOutput the way a real
+worker must, models the *contents* of every KV slot, and fails loudly when a sequence
+would attend over a slot holding anything but its own KV or zeros.
+
+Each device/host block is a list of slots. A slot is ``STALE`` (whatever an earlier
+owner left: the NaN of vLLM #35219), ``ZERO``, or ``(position, token)`` once written.
+Cache operations run in the protocol's order: swap out, swap in, copy (gather, then
+scatter), zero; then every scheduled request writes its computed slots, and then each
+one reads every slot of its block table: positions it has computed must hold its own
+``(position, token)``, the rest of its last block must be ZERO.
+
+It also holds one test of its own: that the simulator catches a block that was never zeroed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from pagedserve.protocol.messages import AddRequest, SamplingParams, SchedulerOutput, StepResult
+
+from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.scheduler import Scheduler
+
+STALE = "stale"
+ZERO = "zero"
+EOS = 2
+
+
+class WorkerModelError(AssertionError):
+    """The scheduler's output would make a real worker compute the wrong thing."""
+
+
+@dataclass
+class _Held:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed: int
+
+
+@dataclass
+class SimWorker:
+    config: SchedulerConfig
+    next_token: Callable[[str, list[int]], int]
+    device: list = field(init=False)
+    host: list = field(init=False)
+    held: dict = field(default_factory=dict)
+    zero_events: list = field(default_factory=list)  # (step, block)
+
+    def __post_init__(self) -> None:
+        bs = self.config.block_size
+        self.device = [[STALE] * bs for _ in range(self.config.num_gpu_blocks)]
+        self.host = [[STALE] * bs for _ in range(self.config.num_cpu_blocks)]
+
+    def step(self, out: SchedulerOutput) -> StepResult:
+        bs = self.config.block_size
+        for req_id in out.finished_req_ids:
+            if self.held.pop(req_id, None) is None:
+                raise WorkerModelError(f"step {out.step}: told to forget unknown {req_id!r}")
+        for dev, host in out.blocks_to_swap_out:
+            self.host[host] = list(self.device[dev])
+        for host, dev in out.blocks_to_swap_in:
+            self.device[dev] = list(self.host[host])
+        gathered = [list(self.device[src]) for src, _ in out.blocks_to_copy]
+        dsts = [dst for _, dst in out.blocks_to_copy]
+        if len(set(dsts)) != len(dsts):
+            raise WorkerModelError(f"step {out.step}: two copies into one block {dsts}")
+        for (_, dst), content in zip(out.blocks_to_copy, gathered):
+            self.device[dst] = content
+        zero = out.new_block_ids_to_zero
+        if len(set(zero)) != len(zero):
+            raise WorkerModelError(f"step {out.step}: a block listed twice for zeroing: {zero}")
+        for block in zero:
+            self.device[block] = [ZERO] * bs
+            self.zero_events.append((out.step, block))
+
+        batch = []
+        for new in out.new_requests:
+            if new.req_id in self.held:
+                raise WorkerModelError(f"step {out.step}: new request {new.req_id!r} is already held")
+            held = _Held(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            self.held[new.req_id] = held
+            batch.append((new.req_id, held, new.num_computed_tokens, new.num_scheduled_tokens))
+        for cached in out.cached_requests:
+            held = self.held.get(cached.req_id)
+            if held is None:
+                raise WorkerModelError(f"step {out.step}: cached request {cached.req_id!r} is not held")
+            if cached.num_computed_tokens != held.num_computed:
+                raise WorkerModelError(
+                    f"step {out.step}: {cached.req_id} computed {cached.num_computed_tokens}, "
+                    f"worker has {held.num_computed}")
+            held.token_ids.extend(cached.new_token_ids)
+            held.block_ids.extend(cached.new_block_ids)
+            batch.append((cached.req_id, held, cached.num_computed_tokens, cached.num_scheduled_tokens))
+
+        total = 0
+        for req_id, held, computed, scheduled in batch:  # write phase
+            end = computed + scheduled
+            if scheduled < 1 or end > len(held.token_ids):
+                raise WorkerModelError(f"step {out.step}: {req_id} schedules [{computed}, {end}) of "
+                                       f"{len(held.token_ids)} tokens")
+            if len(held.block_ids) * bs < end:
+                raise WorkerModelError(f"step {out.step}: {req_id} has {len(held.block_ids)} blocks for {end} tokens")
+            for pos in range(computed, end):
+                self.device[held.block_ids[pos // bs]][pos % bs] = (pos, held.token_ids[pos])
+            held.num_computed = end
+            total += scheduled
+        if total != out.total_num_scheduled_tokens:
+            raise WorkerModelError(f"step {out.step}: total {out.total_num_scheduled_tokens} != {total}")
+
+        req_ids, sampled = [], []
+        for req_id, held, computed, scheduled in batch:  # attention phase
+            end = computed + scheduled
+            for pos in range(len(held.block_ids) * bs):
+                slot = self.device[held.block_ids[pos // bs]][pos % bs]
+                want = (pos, held.token_ids[pos]) if pos < end else ZERO
+                if slot != want:
+                    raise WorkerModelError(
+                        f"step {out.step}: {req_id} reads {slot!r} at position {pos} "
+                        f"(block {held.block_ids[pos // bs]}), expected {want!r}")
+            if end == len(held.token_ids):
+                req_ids.append(req_id)
+                sampled.append(self.next_token(req_id, held.token_ids))
+        return StepResult(step=out.step, rank=0, req_ids=req_ids, sampled_token_ids=sampled,
+                          logprobs=[-0.5] * len(sampled))
+
+
+def counting_tokens() -> Callable[[str, list[int]], int]:
+    """Never EOS: the token is 1000 + the sequence's length, so each position's token is known."""
+    def next_token(req_id: str, tokens: list[int]) -> int:
+        return 1000 + len(tokens)
+    return next_token
+
+
+def random_tokens(rng: random.Random, eos_probability: float) -> Callable[[str, list[int]], int]:
+    def next_token(req_id: str, tokens: list[int]) -> int:
+        return EOS if rng.random() < eos_probability else rng.randrange(10, 1000)
+    return next_token
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int = 8, **sampling) -> AddRequest:
+    return AddRequest(request_id=request_id, prompt_token_ids=prompt,
+                      sampling=SamplingParams(max_tokens=max_tokens, **sampling), eos_token_ids=[EOS])
+
+
+def run_until_done(sched: Scheduler, worker: SimWorker, max_steps: int = 10_000,
+                   on_step: Optional[Callable] = None) -> list:
+    """Steps until nothing is unfinished; returns every delta. ``on_step(out, result, deltas)``."""
+    deltas = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return deltas
+        out = sched.schedule()
+        result = worker.step(out)
+        step_deltas = sched.update_from_output(out, result)
+        deltas.extend(step_deltas)
+        if on_step is not None:
+            on_step(out, result, step_deltas)
+    raise AssertionError(f"not finished after {max_steps} steps: {sched.stats()}")
+
+
+def assert_all_blocks_free(sched: Scheduler) -> None:
+    device, host = sched.bm.device, sched.bm.host
+    assert device.num_free == device.num_blocks, sched.stats()
+    assert host.num_free == host.num_blocks, sched.stats()
+    assert not any(device.ref_counts) and not any(host.ref_counts)
+
+
+def test_the_simulated_worker_rejects_a_block_that_was_never_zeroed():
+    config = SchedulerConfig(block_size=4, num_gpu_blocks=4, max_num_seqs=4, max_num_batched_tokens=16)
+    sched = Scheduler(config)
+    worker = SimWorker(config, counting_tokens())
+    sched.add_request(request("a", [5, 6, 7]))
+    out = sched.schedule()
+    out.new_block_ids_to_zero.clear()  # what a scheduler with the #35219 bug would send
+    try:
+        worker.step(out)
+    except WorkerModelError as exc:
+        assert "stale" in str(exc)
+    else:
+        raise AssertionError("a stale slot went unnoticed")

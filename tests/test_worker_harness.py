@@ -1,0 +1,179 @@
+"""Helpers (no tests) for driving a ModelRunner the way the scheduler does, and the HF oracle.
+
+TrivialScheduler plays a minimal scheduler: blocks come from a free list (freed blocks
+are reused, so they hold stale data and are listed in new_block_ids_to_zero), a request
+is sent in full once and then as diffs, prompts may be split into chunks, and requests
+may arrive at later steps so prefills and decodes of different lengths share a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from pagedserve.protocol.messages import (
+    CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, StepResult, WorkerInit,
+)
+
+GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0)
+
+
+@dataclass
+class _Request:
+    req_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    prefill_chunks: list[int]
+    arrival_step: int
+    outputs: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_tokens_sent: int = 0  # how many of prompt + outputs the worker has been told
+    preemption: Optional[tuple[str, int, int]] = None  # (mode "swap" | "recompute", at step, resume step)
+    host_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.outputs) >= self.max_tokens
+
+
+class TrivialScheduler:
+    def __init__(self, runner, block_size: int = 4, num_gpu_blocks: int = 256, num_cpu_blocks: int = 8,
+                 max_model_len: int = 512, seed: int = 0,
+                 share_tokens: Optional[Callable[[StepResult, list[str]], list[int]]] = None):
+        self.runner, self.block_size = runner, block_size
+        runner.init_cache(WorkerInit(
+            replica=0, tp_size=1, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks, max_model_len=max_model_len, max_num_batched_tokens=4096,
+            max_num_seqs=256, seed=seed,
+        ))
+        self.free_blocks = list(range(num_gpu_blocks - 1, -1, -1))
+        self.free_host_blocks = list(range(num_cpu_blocks - 1, -1, -1))
+        self.requests: list[_Request] = []
+        self.step = 0
+        self.finished: list[str] = []
+        # Tensor-parallel ranks other than 0 sample nothing; this hook gives them rank 0's tokens.
+        self.share_tokens = share_tokens
+        self.results: list[StepResult] = []
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams = GREEDY,
+            prefill_chunks: Optional[list[int]] = None, arrival_step: int = 0) -> None:
+        self.requests.append(_Request(req_id, list(prompt), max_tokens, sampling,
+                                      list(prefill_chunks or []), arrival_step))
+
+    def preempt(self, req_id: str, mode: str, at_step: int, resume_step: int) -> None:
+        """Preempt ``req_id`` by swap or recompute at ``at_step``; it resumes at ``resume_step``."""
+        next(r for r in self.requests if r.req_id == req_id).preemption = (mode, at_step, resume_step)
+
+    def _preempt_or_resume(self, req: _Request, swap_out: list, swap_in: list) -> bool:
+        """Applies a pending preemption; True while the request sits this step out."""
+        mode, at_step, resume_step = req.preemption
+        if self.step == at_step:
+            self.finished.append(req.req_id)
+            if mode == "swap":
+                req.host_block_ids = [self.free_host_blocks.pop() for _ in req.block_ids]
+                swap_out += zip(req.block_ids, req.host_block_ids)
+            else:
+                req.num_computed = 0
+            self.free_blocks.extend(reversed(req.block_ids))
+            req.block_ids, req.num_tokens_sent = [], 0
+        if at_step <= self.step < resume_step:
+            return True
+        if self.step == resume_step and req.host_block_ids:
+            req.block_ids = [self.free_blocks.pop() for _ in req.host_block_ids]
+            swap_in += zip(req.host_block_ids, req.block_ids)
+            self.free_host_blocks.extend(req.host_block_ids)
+            req.host_block_ids = []
+        return False
+
+    def _schedule(self, req: _Request, zero: list[int]) -> tuple[int, list[int]]:
+        tokens = len(req.prompt) + len(req.outputs)
+        if req.num_computed < len(req.prompt) and req.prefill_chunks:
+            count = req.prefill_chunks.pop(0)
+        else:
+            count = tokens - req.num_computed
+        count = min(count, tokens - req.num_computed)
+        new_blocks = []
+        while len(req.block_ids) * self.block_size < req.num_computed + count:
+            block = self.free_blocks.pop()
+            req.block_ids.append(block)
+            new_blocks.append(block)
+            zero.append(block)
+        return count, new_blocks
+
+    def build_step(self) -> tuple[SchedulerOutput, list[_Request]]:
+        new, cached, zero, new_batch, cached_batch = [], [], [], [], []
+        swap_out, swap_in = [], []
+        for req in self.requests:
+            if req.done or req.arrival_step > self.step:
+                continue
+            if req.preemption is not None and self._preempt_or_resume(req, swap_out, swap_in):
+                continue
+            count, new_blocks = self._schedule(req, zero)
+            tokens = req.prompt + req.outputs
+            if req.num_tokens_sent == 0:
+                new.append(NewRequestData(req.req_id, tokens, len(req.prompt), list(req.block_ids),
+                                          req.num_computed, count, req.sampling))
+                new_batch.append(req)
+            else:
+                cached.append(CachedRequestData(req.req_id, tokens[req.num_tokens_sent:], new_blocks,
+                                                req.num_computed, count))
+                cached_batch.append(req)
+            req.num_tokens_sent = len(tokens)
+            req.num_computed += count
+        out = SchedulerOutput(
+            step=self.step, new_requests=new, cached_requests=cached, finished_req_ids=self.finished,
+            blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in, blocks_to_copy=[], new_block_ids_to_zero=zero,
+            total_num_scheduled_tokens=sum(r.num_scheduled_tokens for r in new)
+            + sum(r.num_scheduled_tokens for r in cached),
+        )
+        return out, new_batch + cached_batch  # the worker's batch order
+
+    def step_once(self) -> StepResult:
+        out, batch = self.build_step()
+        self.finished = []
+        result = self.runner.execute(out)
+        self.results.append(result)
+        expected = [r.req_id for r in batch if r.num_computed == len(r.prompt) + len(r.outputs)]
+        tokens = result.sampled_token_ids
+        if self.share_tokens is not None:
+            tokens = self.share_tokens(result, expected)
+        elif result.req_ids != expected:
+            raise AssertionError(f"step {self.step}: sampled {result.req_ids}, expected {expected}")
+        by_id = {r.req_id: r for r in batch}
+        for req_id, token in zip(expected, tokens):
+            req = by_id[req_id]
+            req.outputs.append(token)
+            if req.done:
+                self.finished.append(req_id)
+                self.free_blocks.extend(reversed(req.block_ids))
+        self.step += 1
+        return result
+
+    def run(self) -> dict[str, list[int]]:
+        while not all(r.done for r in self.requests):
+            self.step_once()
+        return {r.req_id: r.outputs for r in self.requests}
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy tokens, one prompt at a time (no padding), float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=max_new_tokens)
+            outputs.append(generated[0, len(prompt):].tolist())
+    return outputs

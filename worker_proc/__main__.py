@@ -1,0 +1,49 @@
+"""Entry point of one device's worker process: ``python -m pagedserve.worker_proc``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from dataclasses import fields
+
+from pagedserve.worker_proc.worker import Worker, WorkerConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pagedserve.worker_proc", description=__doc__)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--replica", type=int, default=0)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--dist-init", default=None)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    p.add_argument("--poison-kv-cache", action="store_true")
+    p.add_argument("--log-level", default="INFO")
+    ns = p.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [worker {ns.replica}.{ns.rank}] %(message)s")
+    cfg = WorkerConfig(**{f.name: getattr(ns, f.name) for f in fields(WorkerConfig)})
+
+    def stop(signum, _frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    worker = Worker(cfg)
+    try:
+        worker.run()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

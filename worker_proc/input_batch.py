@@ -1,0 +1,107 @@
+"""Per-request state the worker keeps between steps, and the flattened ragged batch of one step.
+
+Requests arrive in full once (NewRequestData) and then only as diffs (CachedRequestData).
+Each step's batch concatenates every scheduled request's tokens
+``token_ids[num_computed : num_computed + num_scheduled]`` — prefill chunks and decodes
+alike, no padding — with the metadata the attention kernels read. The tensors are built
+from a handful of Python lists; only the slot mapping is computed in torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagedserve.protocol.messages import SamplingParams
+from pagedserve.worker_proc.attention import DecodeSplit, split_decodes
+
+
+class BatchError(ValueError):
+    """The scheduler sent a step the worker cannot run as described."""
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_id: str
+    token_ids: list[int]  # prompt followed by every output token the scheduler has sent
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling: SamplingParams
+    seed: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class StepBatch:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: flat cache slot of each token's K/V
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with block 0
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: context + this step's tokens
+    sample_indices: torch.Tensor  # [S] long: rows whose hidden state is sampled
+    sampled_requests: list[RequestState]
+    decode_split: Optional[DecodeSplit]  # CPU only: one-token requests take the batched path
+
+
+def build_step_batch(
+    requests: list[RequestState], block_size: int, device: torch.device, batched_decodes: bool
+) -> StepBatch:
+    """``batched_decodes``: route one-token requests to the batched decode path (CPU only)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    sample_rows: list[int] = []
+    sampled: list[RequestState] = []
+    for req in requests:
+        start = req.num_computed_tokens
+        end = start + req.num_scheduled_tokens
+        if end > len(req.token_ids):
+            raise BatchError(
+                f"request {req.req_id!r}: {end} tokens scheduled but the worker knows only {len(req.token_ids)}"
+            )
+        num_blocks = -(-end // block_size)
+        if num_blocks > len(req.block_ids):
+            raise BatchError(
+                f"request {req.req_id!r}: {end} tokens need {num_blocks} blocks of {block_size}, "
+                f"but its block table has {len(req.block_ids)}"
+            )
+        input_ids += req.token_ids[start:end]
+        positions += range(start, end)
+        query_start_loc.append(query_start_loc[-1] + req.num_scheduled_tokens)
+        seq_lens.append(end)
+        tables.append(req.block_ids[:num_blocks])
+        if end == len(req.token_ids) and req.num_scheduled_tokens > 0:
+            sample_rows.append(query_start_loc[-1] - 1)
+            sampled.append(req)
+    max_blocks = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+
+    positions_t = torch.tensor(positions, dtype=torch.long)
+    num_scheduled = [r.num_scheduled_tokens for r in requests]
+    counts = torch.tensor(num_scheduled, dtype=torch.long)
+    block_tables = torch.tensor(padded, dtype=torch.int32).view(len(requests), max_blocks)
+    request_of_token = torch.repeat_interleave(torch.arange(len(requests)), counts)
+    block_of_token = block_tables[request_of_token, positions_t // block_size].long()
+    slot_mapping = block_of_token * block_size + positions_t % block_size
+    return StepBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
+        positions=positions_t.to(device),
+        slot_mapping=slot_mapping.to(device),
+        block_tables=block_tables.to(device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        sample_indices=torch.tensor(sample_rows, dtype=torch.long).to(device),
+        sampled_requests=sampled,
+        decode_split=split_decodes(num_scheduled, query_start_loc, seq_lens, block_tables)
+        if batched_decodes else None,
+    )

@@ -1,0 +1,62 @@
+"""The worker's KV-cache memory: a device cache, a host (swap) cache, and the block operations.
+
+Layout (shared with kernels/): ``[num_layers, 2 (K, V), num_blocks, block_size,
+kv_heads_on_this_rank, head_dim]``. Block operations run in the order the design fixes
+— swap out, swap in, copy, zero — on the current stream, before the forward pass.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+CPU_DEFAULT_BUDGET_BYTES = 1 << 30
+GPU_MEMORY_FRACTION = 0.9
+
+
+def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block: every layer, K and V, this rank's KV heads."""
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * element_bytes
+
+
+def max_num_blocks(bytes_per_block: int, device: torch.device, memory_bytes: Optional[int],
+                   activation_headroom_bytes: int) -> int:
+    """How many blocks fit: in ``memory_bytes`` when given, else in 90% of free CUDA
+    memory less the activations headroom (weights are already resident), else 1 GiB on CPU."""
+    if memory_bytes is not None:
+        budget = memory_bytes
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * GPU_MEMORY_FRACTION) - activation_headroom_bytes
+    else:
+        budget = CPU_DEFAULT_BUDGET_BYTES
+    return max(0, budget // bytes_per_block)
+
+
+def _pairs(pairs: list[tuple[int, int]] | list[list[int]]) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.long).view(-1, 2)
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, ops: ModuleType):
+        self.block_size, self.device, self.ops = block_size, device, ops
+        shape = (num_layers, 2)
+        tail = (block_size, num_kv_heads, head_dim)
+        self.device_cache = torch.zeros(*shape, num_gpu_blocks, *tail, dtype=dtype, device=device)
+        self.host_cache = torch.zeros(*shape, num_cpu_blocks, *tail, dtype=dtype,
+                                      pin_memory=device.type == "cuda")
+
+    def apply_block_ops(self, swap_out: list, swap_in: list, copy: list, zero: list[int]) -> None:
+        """Swap out, swap in, copy, zero, in that order."""
+        if swap_out:
+            self.ops.swap_blocks(self.device_cache, self.host_cache, _pairs(swap_out))
+        if swap_in:
+            self.ops.swap_blocks(self.host_cache, self.device_cache, _pairs(swap_in))
+        if copy:
+            self.ops.copy_blocks(self.device_cache, _pairs(copy).to(self.device))
+        if zero:
+            self.ops.zero_blocks(self.device_cache, torch.tensor(zero, dtype=torch.long).to(self.device))

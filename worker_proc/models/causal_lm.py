@@ -1,0 +1,48 @@
+"""The Llama-family causal LM: embeddings, decoder layers over the paged KV cache, final norm, lm_head.
+
+Embeddings and lm_head are replicated on every tensor-parallel rank (only rank 0
+samples); lm_head is the embedding matrix when the config ties them.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.worker_proc.input_batch import StepBatch
+from pagedserve.worker_proc.model_config import ModelSpec
+from pagedserve.worker_proc.models.decoder_layer import DecoderLayer, rms_norm
+from pagedserve.worker_proc.rotary import RotaryEmbedding
+from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
+from pagedserve.worker_proc.weights import WeightSource
+
+
+class CausalLM:
+    def __init__(self, model_dir: str, spec: ModelSpec, shard: TensorParallelShard,
+                 device: torch.device, dtype: torch.dtype):
+        self.spec, self.shard, self.device, self.dtype = spec, shard, device, dtype
+        source = WeightSource(model_dir)
+        try:
+            self.embed_tokens = source.get("model.embed_tokens.weight").to(device, dtype)
+            if spec.tie_word_embeddings or "lm_head.weight" not in source:
+                self.lm_head = self.embed_tokens
+            else:
+                self.lm_head = source.get("lm_head.weight").to(device, dtype)
+            self.norm = source.get("model.norm.weight").to(device, dtype)
+            self.layers = [DecoderLayer(spec, shard, i, source, device, dtype) for i in range(spec.num_layers)]
+        finally:
+            source.close()
+        self.rotary = RotaryEmbedding(spec.hf_config, spec.head_dim, spec.max_position_embeddings, device, dtype)
+
+    def forward(self, batch: StepBatch, kv_cache: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+        """Hidden states [T, hidden] of every token in the batch (before the final norm)."""
+        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            hidden = layer.forward(hidden, batch, kv_cache[i, 0], kv_cache[i, 1], self.rotary, ops)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of the given rows of forward()'s output."""
+        return F.linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()

@@ -1,0 +1,108 @@
+"""One pre-norm decoder layer of the Llama family (Llama, Mistral, Qwen2, Qwen3) over the paged cache.
+
+Weights are plain tensors, fused at load: q/k/v into one matmul and gate/up into one.
+Norms run in float32 and cast back before the weight multiply, exactly as HF's RMSNorm,
+so float32 greedy tokens equal transformers'.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.worker_proc.attention import attend
+from pagedserve.worker_proc.input_batch import StepBatch
+from pagedserve.worker_proc.model_config import ModelSpec
+from pagedserve.worker_proc.rotary import RotaryEmbedding
+from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
+from pagedserve.worker_proc.weights import WeightSource
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    input_dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(input_dtype)
+
+
+def _maybe(source: WeightSource, name: str, present: bool, **part) -> Optional[torch.Tensor]:
+    return source.get(name, **part) if present else None
+
+
+class DecoderLayer:
+    def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int,
+                 source: WeightSource, device: torch.device, dtype: torch.dtype):
+        p = f"model.layers.{layer}."
+        d = spec.head_dim
+        self.eps = spec.rms_norm_eps
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, d
+        self.q_size, self.kv_size = shard.num_heads * d, shard.num_kv_heads * d
+        self.scale = spec.attention_scale
+        self.sliding_window = spec.layer_sliding_windows[layer]
+        self.shard = shard
+
+        def load(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+
+        heads, kv_heads, inter = shard.head_rows(d), shard.kv_head_rows(d), shard.intermediate_rows()
+        attn, mlp = p + "self_attn.", p + "mlp."
+        self.input_norm = load(source.get(p + "input_layernorm.weight"))
+        self.post_norm = load(source.get(p + "post_attention_layernorm.weight"))
+        self.qkv_weight = load(torch.cat([
+            source.get(attn + "q_proj.weight", dim=0, part=heads),
+            source.get(attn + "k_proj.weight", dim=0, part=kv_heads),
+            source.get(attn + "v_proj.weight", dim=0, part=kv_heads),
+        ]))
+        self.qkv_bias = load(torch.cat([
+            source.get(attn + "q_proj.bias", dim=0, part=heads),
+            source.get(attn + "k_proj.bias", dim=0, part=kv_heads),
+            source.get(attn + "v_proj.bias", dim=0, part=kv_heads),
+        ])) if spec.qkv_bias else None
+        self.o_weight = load(source.get(attn + "o_proj.weight", dim=1, part=heads))
+        self.o_bias = load(_maybe(source, attn + "o_proj.bias", spec.o_bias))
+        # Qwen3 normalises each head of q and k; one [q_heads + kv_heads, dim] weight
+        # lets a single norm call cover both.
+        self.qk_norm_weight = load(torch.cat([
+            source.get(attn + "q_norm.weight").expand(shard.num_heads, d),
+            source.get(attn + "k_norm.weight").expand(shard.num_kv_heads, d),
+        ])) if spec.qk_norm else None
+        self.gate_up_weight = load(torch.cat([
+            source.get(mlp + "gate_proj.weight", dim=0, part=inter),
+            source.get(mlp + "up_proj.weight", dim=0, part=inter),
+        ]))
+        self.gate_up_bias = load(torch.cat([
+            source.get(mlp + "gate_proj.bias", dim=0, part=inter),
+            source.get(mlp + "up_proj.bias", dim=0, part=inter),
+        ])) if spec.mlp_bias else None
+        self.down_weight = load(source.get(mlp + "down_proj.weight", dim=1, part=inter))
+        self.down_bias = load(_maybe(source, mlp + "down_proj.bias", spec.mlp_bias))
+        self.intermediate_size = shard.intermediate_size
+
+    def forward(self, hidden: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, rotary: RotaryEmbedding, ops: ModuleType) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = F.linear(rms_norm(hidden, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)
+        # q and k rotate together as one [T, q_heads + kv_heads, dim] tensor.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        if self.qk_norm_weight is not None:
+            qk = rms_norm(qk, self.qk_norm_weight, self.eps)
+        qk = rotary(qk, batch.positions)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        attn = attend(ops, q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                      self.scale, self.sliding_window, batch.decode_split)
+        out = self.shard.all_reduce(F.linear(attn.reshape(num_tokens, self.q_size), self.o_weight))
+        if self.o_bias is not None:
+            out = out + self.o_bias
+        hidden = hidden + out
+
+        gate_up = F.linear(rms_norm(hidden, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        out = self.shard.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
+        if self.down_bias is not None:
+            out = out + self.down_bias
+        return hidden + out

@@ -1,0 +1,70 @@
+"""Rotary position embeddings from a cos/sin table computed once per process.
+
+The inverse frequencies come from transformers' own rope init functions (default,
+"linear", "llama3", "yarn", "longrope"), so every scaling type a config names is computed
+the way the oracle computes it. "dynamic" rescales with the sequence length and would
+need a table per length, so it is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedserve.worker_proc.model_config import UnsupportedModelError
+
+
+def _rope_type_and_theta(config: Any) -> tuple[str, float]:
+    params = getattr(config, "rope_parameters", None)  # transformers >= 5
+    if params is None:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return rope_type, float(params.get("rope_theta", 10000.0))
+
+
+def inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention scaling of cos/sin)."""
+    rope_type, theta = _rope_type_and_theta(config)
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+        return 1.0 / (theta**exponents), 1.0
+    if rope_type == "dynamic":
+        raise UnsupportedModelError("rope_scaling type 'dynamic' is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise UnsupportedModelError(f"unknown rope_scaling type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    return inv_freq.float().cpu(), float(scaling)
+
+
+class RotaryEmbedding:
+    """Applies rotary embeddings to [tokens, heads, head_dim] tensors by position."""
+
+    def __init__(self, config: Any, head_dim: int, max_positions: int, device: torch.device, dtype: torch.dtype):
+        self.config, self.head_dim, self.dtype, self.device = config, head_dim, dtype, device
+        self.inv_freq, self.scaling = inverse_frequencies(config, head_dim)
+        self.max_positions = 0
+        self.ensure_positions(max_positions)
+
+    def ensure_positions(self, max_positions: int) -> None:
+        """Grow the table to cover positions [0, max_positions)."""
+        if max_positions <= self.max_positions:
+            return
+        # Same float32 arithmetic as HF's rotary forward (position * inv_freq, then cos),
+        # so the table entries equal what the oracle computes per call.
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * self.scaling).to(self.device, self.dtype)
+        self.sin = (emb.sin() * self.scaling).to(self.device, self.dtype)
+        self.max_positions = max_positions
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; positions: [T] long. Returns a new tensor."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = self.head_dim // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin

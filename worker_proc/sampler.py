@@ -1,0 +1,85 @@
+"""Turns logits into tokens: greedy, or temperature -> top-k -> top-p -> seeded sampling.
+
+Reproducibility: the randomness behind a request's k-th output token depends only on
+(seed, k) — a CPU torch.Generator seeded with a 63-bit mix of the two draws an Exp(1)
+noise vector q, and the token is argmax(probs / q) (the exponential race, equivalent to
+sampling from probs). So a request's stream is the same whatever else shares its batch,
+whether it was preempted and recomputed, and on any device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagedserve.worker_proc.input_batch import RequestState
+
+_MASK64 = (1 << 64) - 1
+GREEDY_TEMPERATURE = 1e-5  # at or below this, sampling is argmax
+
+
+def noise_seed(seed: int, k: int) -> int:
+    """A 63-bit splitmix64 mix of (seed, k): nearby pairs give unrelated generators."""
+    x = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + (k & _MASK64) + 0x632BE59BD9B4E019) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: Optional[list[float]]  # of the sampled token under the unmodified distribution
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) what top-k then top-p remove; rows keep at least their best token."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    if any(0 < k < vocab for k in top_k):
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    if any(p < 1.0 for p in top_p):
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        p = torch.tensor(top_p, device=logits.device, dtype=probs.dtype)[:, None]
+        sorted_logits = sorted_logits.masked_fill((mass_before > p) & (ranks > 0), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def _exponential_noise(requests: list[RequestState], vocab: int, device: torch.device) -> torch.Tensor:
+    noise = torch.empty(len(requests), vocab)
+    generator = torch.Generator(device="cpu")
+    for row, req in enumerate(requests):
+        generator.manual_seed(noise_seed(req.seed, req.num_output_tokens))
+        noise[row].exponential_(generator=generator)
+    return noise.to(device)
+
+
+def sample(logits: torch.Tensor, requests: list[RequestState]) -> SamplerOutput:
+    """logits: float32 [len(requests), vocab], one row per request in order."""
+    if not requests:
+        return SamplerOutput([], None)
+    temperatures = [r.sampling.temperature for r in requests]
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, t in enumerate(temperatures) if t > GREEDY_TEMPERATURE]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        chosen = [requests[i] for i in random_rows]
+        temps = torch.tensor([temperatures[i] for i in random_rows], device=logits.device)[:, None]
+        scaled = logits[rows] / temps
+        top_k = [r.sampling.top_k for r in chosen]
+        top_p = [r.sampling.top_p for r in chosen]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = _exponential_noise(chosen, logits.shape[-1], logits.device)
+        token_ids[rows] = (probs / noise).argmax(dim=-1)
+    logprobs = None
+    if any(r.sampling.logprobs for r in requests):
+        log_probs = torch.log_softmax(logits, dim=-1)
+        logprobs = log_probs.gather(-1, token_ids[:, None]).squeeze(-1).tolist()
+    return SamplerOutput(token_ids.tolist(), logprobs)
