@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("trace")
     r.add_argument("--model", help="model directory (default: the one recorded in the trace)")
     r.add_argument("--device", default="cpu")
+    r.add_argument("--num-threads", type=int, help="CPU threads per worker (results do not depend on it)")
     r.add_argument("--scheduler-only", action="store_true",
                    help="replay the frontend requests into a scheduler alone and compare its outputs")
     r.set_defaults(func=_cmd_replay)

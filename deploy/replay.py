@@ -1,48 +1,78 @@
 """``pagedserve replay TRACE``: feed a recorded run to fresh workers and compare every step.
 
-This process plays the scheduler: it starts the recorded number of workers, checks they
-load the recorded model, sends the recorded frames byte for byte, and compares each step
-result with the recorded one. Sampling is seeded per request and position, so the same
-device kind must reproduce every token bit for bit.
+This process plays the scheduler: it checks the model directory holds the recorded
+weights, starts the recorded number of workers, sends them the recorded frames byte for
+byte, and compares each step result with the recorded one. Sampling is seeded per request
+and position, so the same device kind must reproduce every token bit for bit.
+``--scheduler-only`` instead replays the frontend messages into a scheduler alone
+(``pagedserve.scheduler_proc.replay``, in its own process: deploy never imports it).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import zmq
 
 from pagedserve.deploy.children import Child, free_tcp_port, spawn
 from pagedserve.protocol import messages as m
-from pagedserve.protocol.codec import Decoder
-from pagedserve.protocol.trace import Trace, TraceError, read_trace
+from pagedserve.protocol.codec import Decoder, ProtocolError
+from pagedserve.protocol.trace import Trace, TraceError, read_trace, weights_fingerprint
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 
 
 class ReplayMismatch(Exception):
-    pass
+    """The replayed workers did something other than what was recorded (message: where)."""
 
 
 def compare_results(step: int, recorded: m.StepResult, replayed: m.StepResult) -> Optional[str]:
+    """Where the replayed result first differs from the recorded one, or None."""
     if replayed.error:
         return f"step {step}: the worker failed: {replayed.error}"
-    if recorded.req_ids != replayed.req_ids:
-        return f"step {step}: sampled requests differ: recorded {recorded.req_ids}, replayed {replayed.req_ids}"
+    if replayed.step != recorded.step:
+        return f"step {step}: the worker answered for step {replayed.step}"
+    for i, (a, b) in enumerate(zip(recorded.req_ids, replayed.req_ids)):
+        if a != b:
+            return f"step {step}: sampled request #{i} differs: recorded {a}, replayed {b}"
+    if len(recorded.req_ids) != len(replayed.req_ids):
+        return (f"step {step}: recorded {len(recorded.req_ids)} sampled requests, "
+                f"replayed {len(replayed.req_ids)}")
     for i, (a, b) in enumerate(zip(recorded.sampled_token_ids, replayed.sampled_token_ids)):
         if a != b:
             return f"step {step}, request {recorded.req_ids[i]}: recorded token {a}, replayed token {b}"
-    if (recorded.logprobs or []) != (replayed.logprobs or []):
-        return f"step {step}: logprobs differ: recorded {recorded.logprobs}, replayed {replayed.logprobs}"
+    rec_lp, rep_lp = recorded.logprobs or [], replayed.logprobs or []
+    for i, (a, b) in enumerate(zip(rec_lp, rep_lp)):
+        if a != b:
+            return f"step {step}, request {recorded.req_ids[i]}: recorded logprob {a!r}, replayed {b!r}"
+    if len(rec_lp) != len(rep_lp):
+        return f"step {step}: recorded {len(rec_lp)} logprobs, replayed {len(rep_lp)}"
     return None
 
 
+def check_model(trace: Trace, model: str) -> None:
+    """Refuses a model directory that is not the recorded one, before any worker starts."""
+    if not (Path(model) / "config.json").is_file():
+        raise TraceError(f"{model} is not a model directory (no config.json); pass --model DIR "
+                         f"with the model the trace was recorded with ({trace.meta.get('model_id')})")
+    recorded = trace.meta.get("weights")
+    found = weights_fingerprint(model)
+    if recorded and found != recorded:
+        raise TraceError(f"the trace was recorded with model {trace.meta.get('model_id')} weights {recorded}, "
+                         f"but {model} holds weights {found}: another model (or another seed) cannot "
+                         "reproduce the recorded tokens")
+
+
 class WorkerReplay:
-    def __init__(self, trace: Trace, model: str, device: str, timeout_s: float = 300.0):
+    def __init__(self, trace: Trace, model: str, device: str, timeout_s: float = 300.0,
+                 worker_args: tuple[str, ...] = ()):
         self.trace, self.model, self.device, self.timeout_s = trace, model, device, timeout_s
+        self.worker_args = list(worker_args)
         self.cfg = trace.meta["config"]
         self.tp = int(self.cfg.get("tp_size", 1))
         self.ctx = zmq.Context()
@@ -51,7 +81,10 @@ class WorkerReplay:
         self.results: Receiver = Receiver(self.ctx, ep.worker_results(0), m.WorkerToScheduler)
         self.senders = [Sender(self.ctx, ep.worker_inputs(0, r), bind=True) for r in range(self.tp)]
         self.workers: list[Child] = []
-        self.recorded_hello = Decoder(m.WorkerToScheduler).decode(trace.hello_frame)
+        try:
+            self.recorded_hello = Decoder(m.WorkerToScheduler).decode(trace.hello_frame)
+        except ProtocolError as exc:
+            raise TraceError(f"{trace.path}: the recorded WorkerHello is not a valid frame: {exc}") from None
 
     def _start_workers(self) -> None:
         for w in self.workers:
@@ -61,7 +94,8 @@ class WorkerReplay:
         for rank in range(self.tp):
             cmd = [sys.executable, "-m", "pagedserve.worker_proc", "--run-dir", self.run_dir, "--model", self.model,
                    "--rank", str(rank), "--tp-size", str(self.tp), "--device", self.device,
-                   "--block-size", str(self.cfg.get("block_size", 16)), "--log-level", "WARNING"]
+                   "--block-size", str(self.cfg.get("block_size", 16)), "--log-level", "WARNING",
+                   *self.worker_args]
             self.workers.append(spawn("worker", 0, rank, cmd + (["--dist-init", dist] if dist else [])))
         hellos = self._collect(m.WorkerHello)
         if hellos[0].model_id != self.recorded_hello.model_id:
@@ -88,29 +122,33 @@ class WorkerReplay:
         self._start_workers()
         steps = tokens = 0
         pending: Optional[tuple[int, m.StepResult]] = None  # replayed result awaiting its record
-        for direction, payload in self.trace.records:
-            if direction == "fail_all":
-                self._start_workers()
-            elif direction == "to_worker":
-                msg = to_worker.decode(payload)
-                for s in self.senders:
-                    s.send_bytes(payload)
-                if isinstance(msg, m.WorkerInit):
-                    self._collect(m.WorkerReady)
-                elif isinstance(msg, m.SchedulerOutput):
-                    pending = (msg.step, self._collect(m.StepResult)[0])
-                    steps += 1
-            elif direction == "from_worker":
-                rec = from_worker.decode(payload)
-                if isinstance(rec, m.StepResult) and rec.rank == 0 and pending is not None:
-                    step, replayed = pending
-                    pending = None
-                    if rec.error:
-                        continue  # the recorded worker failed here; fail_all follows
-                    diff = compare_results(step, rec, replayed)
-                    if diff:
-                        raise ReplayMismatch(diff)
-                    tokens += len(rec.sampled_token_ids)
+        for index, (direction, payload) in enumerate(self.trace.records):
+            try:
+                if direction == "fail_all":
+                    self._start_workers()
+                elif direction == "to_worker":
+                    msg = to_worker.decode(payload)
+                    for s in self.senders:
+                        s.send_bytes(payload)
+                    if isinstance(msg, m.WorkerInit):
+                        self._collect(m.WorkerReady)
+                    elif isinstance(msg, m.SchedulerOutput):
+                        pending = (msg.step, self._collect(m.StepResult)[0])
+                        steps += 1
+                elif direction == "from_worker":
+                    rec = from_worker.decode(payload)
+                    if isinstance(rec, m.StepResult) and rec.rank == 0 and pending is not None:
+                        step, replayed = pending
+                        pending = None
+                        if rec.error:
+                            continue  # the recorded worker failed here; fail_all follows
+                        diff = compare_results(step, rec, replayed)
+                        if diff:
+                            raise ReplayMismatch(diff)
+                        tokens += len(rec.sampled_token_ids)
+            except ProtocolError as exc:
+                raise TraceError(f"{self.trace.path}: record {index + 2} ({direction}) "
+                                 f"is not a valid frame: {exc}") from None
         return steps, tokens
 
     def close(self) -> None:
@@ -119,35 +157,41 @@ class WorkerReplay:
         for w in self.workers:
             w.wait_or_kill(5)
         self.ctx.destroy(linger=0)
-        import shutil
-
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def replay_workers(trace_path: str, model: Optional[str], device: str, num_threads: Optional[int] = None,
+                   worker_args: tuple[str, ...] = ()) -> tuple[int, int]:
+    """Returns (steps, tokens); raises TraceError (unusable) or ReplayMismatch (differs)."""
+    trace = read_trace(trace_path)
+    if trace.torn_tail:
+        print(f"pagedserve replay: warning: {trace.torn_tail}; replaying the records before it", file=sys.stderr)
+    model = model or trace.meta["config"].get("model")
+    if not model:
+        raise TraceError("the trace names no model directory; pass --model DIR")
+    check_model(trace, model)
+    recorded_kind = str(trace.meta.get("device", "cpu")).split(":")[0]
+    if recorded_kind != device.split(":")[0]:
+        print(f"pagedserve replay: warning: recorded on {trace.meta.get('device')}, replaying on {device}; "
+              "tokens are only guaranteed identical on the same device kind", file=sys.stderr)
+    args = tuple(worker_args) + (("--num-threads", str(num_threads)) if num_threads else ())
+    rep = WorkerReplay(trace, model, device, worker_args=args)
+    try:
+        return rep.run()
+    finally:
+        rep.close()
 
 
 def replay_main(ns: argparse.Namespace) -> int:
     if ns.scheduler_only:
         return subprocess.call([sys.executable, "-m", "pagedserve.scheduler_proc.replay", ns.trace])
     try:
-        trace = read_trace(ns.trace)
-    except TraceError as exc:
-        print(f"pagedserve replay: {exc}", file=sys.stderr)
-        return 2
-    if trace.torn_tail:
-        print(f"pagedserve replay: warning: {trace.torn_tail}; replaying the records before it", file=sys.stderr)
-    model = ns.model or trace.meta["config"].get("model")
-    if not model:
-        print("pagedserve replay: the trace names no model directory; pass --model DIR", file=sys.stderr)
-        return 2
-    rep = WorkerReplay(trace, model, ns.device)
-    try:
-        steps, tokens = rep.run()
+        steps, tokens = replay_workers(ns.trace, ns.model, ns.device, getattr(ns, "num_threads", None))
     except TraceError as exc:
         print(f"pagedserve replay: {exc}", file=sys.stderr)
         return 2
     except ReplayMismatch as exc:
         print(f"pagedserve replay: DIFFERS at {exc}", file=sys.stderr)
         return 1
-    finally:
-        rep.close()
     print(f"pagedserve replay: {steps} steps, {tokens} sampled tokens, identical to the recording")
     return 0

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
 
 class ConfigError(ValueError):
@@ -47,6 +50,10 @@ class ServeConfig:
     num_threads: Optional[int] = None
     poison_kv_cache: bool = False
     log_level: str = "INFO"
+    internal_host: Optional[str] = None  # None: ipc sockets in the 0700 run dir
+    internal_port_base: Optional[int] = None
+    internal_curve: bool = False  # CurveZMQ even on loopback (always on off loopback)
+    remote_workers: bool = False  # start no workers: they are launched by hand, e.g. on another node
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,6 +74,42 @@ class ServeConfig:
             raise ConfigError(f"--port {self.port} is not a TCP port")
         if self.served_model_name is None:
             self.served_model_name = Path(self.model).resolve().name
+        self._check_internal_endpoints()
+
+    def _check_internal_endpoints(self) -> None:
+        if (self.internal_host is None) != (self.internal_port_base is None):
+            raise ConfigError("--internal-host and --internal-port-base go together "
+                              "(internal endpoints are HOST:PORT_BASE+k)")
+        if self.internal_curve and self.internal_host is None:
+            raise ConfigError("--internal-curve needs --internal-host: ipc sockets are already "
+                              "private to the 0700 run directory")
+        if self.internal_host is not None:
+            try:
+                self.tcp_layout()
+            except ValueError as exc:
+                raise ConfigError(f"--internal-port-base: {exc}") from exc
+
+    @property
+    def uses_curve(self) -> bool:
+        return self.internal_curve or (self.internal_host is not None and not is_loopback(self.internal_host))
+
+    def tcp_layout(self) -> Optional[TcpLayout]:
+        """Where the internal endpoints go when the operator asked for TCP; None for ipc."""
+        if self.internal_host is None:
+            return None
+        return TcpLayout(self.internal_host, self.internal_port_base, self.tensor_parallel_size,
+                         self.data_parallel_size, curve=self.uses_curve)
+
+    def threads_per_worker(self) -> Optional[int]:
+        """CPU threads per worker; None lets the worker pick (its cores, less one, over its TP size).
+
+        Only this process knows that DP replicas share the node too, so with DP > 1 it
+        splits the cores the same way over every local worker.
+        """
+        if self.num_threads or self.device != "cpu" or self.data_parallel_size == 1 or self.remote_workers:
+            return self.num_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, (cores - 1) // (self.tensor_parallel_size * self.data_parallel_size))
 
     # ------------------------------------------------------------------ children
 
@@ -113,8 +156,9 @@ class ServeConfig:
             cmd += ["--dist-init", dist_init]
         if self.kv_cache_memory_gib:
             cmd += ["--kv-cache-memory-gib", str(self.kv_cache_memory_gib)]
-        if self.num_threads:
-            cmd += ["--num-threads", str(self.num_threads)]
+        threads = self.threads_per_worker()
+        if threads:
+            cmd += ["--num-threads", str(threads)]
         if self.poison_kv_cache:
             cmd.append("--poison-kv-cache")
         return cmd
@@ -153,6 +197,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, help="CPU threads per worker")
     p.add_argument("--poison-kv-cache", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO")
+    g = p.add_argument_group("beyond one node (deploy/README.md)")
+    g.add_argument("--internal-host", metavar="HOST",
+                   help="put the internal ZMQ endpoints on TCP at this IP (default: ipc sockets in the "
+                        "private run dir); CurveZMQ is required unless it is a loopback address")
+    g.add_argument("--internal-port-base", type=int, metavar="PORT",
+                   help="internal endpoint k listens on PORT+k; uses 2 + DP x (2 + TP) ports")
+    g.add_argument("--internal-curve", action="store_true",
+                   help="encrypt and authenticate the internal TCP endpoints with CurveZMQ even on loopback")
+    g.add_argument("--remote-workers", action="store_true",
+                   help="start no workers; write their command lines to RUN_DIR/worker-commands.sh "
+                        "for the operator to run (on this or another node)")
 
 
 def serve_config_from_args(ns: argparse.Namespace, model: str) -> ServeConfig:

@@ -9,20 +9,28 @@ flapping. SIGTERM drains: the frontend stops admitting and finishes what is in f
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 import shutil
 import signal
 import time
-from collections import deque
 from typing import Optional
 
 import zmq
 
 from pagedserve.deploy.children import Child, free_tcp_port, spawn
+from pagedserve.deploy.restart_policy import RestartBudget
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
-from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
+from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir, write_tcp_layout
 
 log = logging.getLogger("pagedserve.supervisor")
+
+FRONTEND = -1  # the frontend's unit in the restart budget (replicas are 0, 1, ...)
+# A dead worker is normally reported by its scheduler within half a second (RestartWorkers);
+# if none comes (the scheduler was still waiting for its workers' hello), restart them anyway.
+WORKER_REPORT_GRACE_S = 3.0
+PUBLISH_INTERVAL_S = 1.0
 
 
 class StartupError(RuntimeError):
@@ -34,26 +42,44 @@ class Supervisor:
         self.cfg = cfg
         self.ctx = zmq.Context()
         self.run_dir = str(make_run_dir(cfg.run_dir_parent))
+        if cfg.tcp_layout() is not None:  # every process reads it from the run dir
+            write_tcp_layout(self.run_dir, cfg.tcp_layout())
         self.ep = Endpoints(self.run_dir)
         self.ctrl: Receiver = Receiver(self.ctx, self.ep.supervisor(), m.ToSupervisor)
         self.to_frontend = Sender(self.ctx, self.ep.frontend_outputs())
         self.frontend: Optional[Child] = None
         self.schedulers: dict[int, Child] = {}
         self.workers: dict[int, list[Child]] = {}
-        self.restart_times: dict[int, deque] = {r: deque() for r in range(cfg.data_parallel_size)}
+        self.budget = RestartBudget(cfg.max_restarts, cfg.restart_window_s)
         self.pending_restart: dict[int, float] = {}  # replica -> when to respawn
         self.restart_what: dict[int, str] = {}  # replica -> "workers" | "replica"
+        self.worker_dead_since: dict[int, float] = {}  # replica -> when a dead worker was first seen
         self.failed: set[int] = set()
         self.stop_requested = False
+        self.last_publish = 0.0
 
     # ------------------------------------------------------------------ spawning
 
     def _spawn_workers(self, replica: int) -> None:
         tp = self.cfg.tensor_parallel_size
         dist_init = f"tcp://127.0.0.1:{free_tcp_port()}" if tp > 1 else None
+        if self.cfg.remote_workers:
+            self._write_worker_commands(replica, dist_init)
+            self.workers[replica] = []
+            return
         self.workers[replica] = [
             spawn("worker", replica, rank, self.cfg.worker_cmd(self.run_dir, replica, rank, dist_init))
             for rank in range(tp)]
+
+    def _write_worker_commands(self, replica: int, dist_init: Optional[str]) -> None:
+        """--remote-workers: the operator runs these (deploy/README.md, "Beyond one node")."""
+        path = os.path.join(self.run_dir, "worker-commands.sh")
+        lines = [shlex.join(self.cfg.worker_cmd(self.run_dir, replica, rank, dist_init))
+                 for rank in range(self.cfg.tensor_parallel_size)]
+        with open(path, "a") as f:
+            f.write("".join(f"{line} &\n" for line in lines))
+        log.warning("--remote-workers: start replica %d's workers yourself (commands in %s):\n%s",
+                    replica, path, "\n".join(lines))
 
     def _spawn_replica(self, replica: int) -> None:
         self.schedulers[replica] = spawn("scheduler", replica, 0, self.cfg.scheduler_cmd(self.run_dir, replica))
@@ -95,20 +121,18 @@ class Supervisor:
     def _schedule_restart(self, replica: int, what: str, reason: str) -> None:
         if replica in self.failed or replica in self.pending_restart:
             return
+        self.worker_dead_since.pop(replica, None)
         now = time.monotonic()
-        times = self.restart_times[replica]
-        while times and now - times[0] > self.cfg.restart_window_s:
-            times.popleft()
-        if len(times) >= self.cfg.max_restarts:
-            log.error("replica %d failed %d times in %.0fs; marking it failed", replica,
-                      len(times) + 1, self.cfg.restart_window_s)
+        delay = self.budget.next_delay(replica, now)
+        if delay is None:
+            log.error("replica %d failed %d times within %.0fs (%s); marking it failed",
+                      replica, self.cfg.max_restarts + 1, self.cfg.restart_window_s, reason)
             self.failed.add(replica)
             for child in [self.schedulers.get(replica), *self.workers.get(replica, [])]:
                 if child:
                     child.kill()
+            self.last_publish = 0.0  # tell the frontend now, not at the next tick
             return
-        times.append(now)
-        delay = min(0.5 * 2 ** (len(times) - 1), 10.0) if len(times) > 1 else 0.0
         log.warning("replica %d: restarting %s in %.1fs (%s)", replica, what, delay, reason)
         self.pending_restart[replica] = now + delay
         self.restart_what[replica] = what
@@ -128,32 +152,67 @@ class Supervisor:
             else:
                 self._spawn_workers(replica)
 
+    def _restart_frontend(self) -> None:
+        code = self.frontend.popen.returncode
+        delay = self.budget.next_delay(FRONTEND, time.monotonic())
+        if delay is None:
+            raise RuntimeError(f"the frontend exited with code {code} more than "
+                               f"{self.cfg.max_restarts} times within {self.cfg.restart_window_s:.0f}s")
+        log.error("frontend exited with code %s; restarting it in %.1fs", code, delay)
+        time.sleep(delay)  # nothing else can be served without a frontend meanwhile
+        self.frontend = spawn("frontend", FRONTEND, 0, self.cfg.frontend_cmd(self.run_dir))
+
     def _watch_children(self) -> None:
         if self.frontend and self.frontend.popen.poll() is not None:
-            raise RuntimeError(f"frontend exited with code {self.frontend.popen.returncode}")
+            self._restart_frontend()
         for replica, sched in self.schedulers.items():
             if sched.popen.poll() is not None and replica not in self.pending_restart and replica not in self.failed:
                 self._schedule_restart(replica, "replica", f"scheduler exited with code {sched.popen.returncode}")
+        now = time.monotonic()
+        for replica, workers in self.workers.items():
+            dead = [w for w in workers if w.popen.poll() is not None]
+            if not dead or replica in self.pending_restart or replica in self.failed:
+                self.worker_dead_since.pop(replica, None)
+                continue
+            if now - self.worker_dead_since.setdefault(replica, now) > WORKER_REPORT_GRACE_S:
+                self._schedule_restart(replica, "workers", f"{dead[0].name} exited with code "
+                                       f"{dead[0].popen.returncode} and its scheduler did not report it")
 
-    def _publish_failed(self) -> None:
+    def _publish(self) -> None:
+        """The process table and failed replicas, for the frontend's /health."""
+        now = time.monotonic()
+        if now - self.last_publish < PUBLISH_INTERVAL_S:
+            return
+        self.last_publish = now
         for replica in self.failed:
             self.to_frontend.send(m.SchedulerStats(replica=replica, state="failed"))
+        num = self.cfg.data_parallel_size
+        self.to_frontend.send(m.ProcessTable(
+            supervisor_pid=os.getpid(),
+            processes=[m.ProcessInfo(c.role, c.replica, c.rank, c.popen.pid, c.popen.poll() is None)
+                       for c in self.children()],
+            replica_restarts=[self.budget.restarts_in_window(r, now) for r in range(num)],
+            failed_replicas=sorted(self.failed)))
+
+    def _handle_control(self, msg) -> None:
+        if isinstance(msg, m.RestartWorkers):
+            if msg.replica not in self.workers:
+                log.warning("ignoring RestartWorkers for unknown replica %d", msg.replica)
+            else:
+                self._schedule_restart(msg.replica, "workers", msg.reason)
+        elif isinstance(msg, m.ProcessFailed):
+            log.error("%s %d.%d reported failure: %s", msg.role, msg.replica, msg.rank, msg.reason)
 
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
-        last_publish = 0.0
         while not self.stop_requested:
             msg = self.ctrl.recv(timeout_ms=100)
-            if isinstance(msg, m.RestartWorkers):
-                self._schedule_restart(msg.replica, "workers", msg.reason)
-            elif isinstance(msg, m.ProcessFailed):
-                log.error("%s %d.%d reported failure: %s", msg.role, msg.replica, msg.rank, msg.reason)
+            if msg is not None:
+                self._handle_control(msg)
             self._watch_children()
             self._do_pending_restarts()
-            if self.failed and time.monotonic() - last_publish > 1.0:
-                self._publish_failed()
-                last_publish = time.monotonic()
+            self._publish()
         return self.shutdown(drain=True)
 
     def request_stop(self, *_args) -> None:
@@ -177,6 +236,7 @@ class Supervisor:
         deadline = time.monotonic() + 5
         for child in children:
             child.wait_or_kill(max(0.1, deadline - time.monotonic()))
+        self.ctrl.close()  # stops its CURVE authenticator thread, if any
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.cfg.record_trace:

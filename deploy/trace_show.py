@@ -1,84 +1,188 @@
-"""``pagedserve trace show TRACE``: what happened in a recorded run, for a human."""
+"""``pagedserve trace show TRACE``: what happened in a recorded run, for a human (and tests).
+
+Everything is derived from the recorded frames alone. A sequence the scheduler dropped
+from its workers (``finished_req_ids``) and later sent again in full was preempted; it
+was swapped if its resumption swapped blocks back into its block table, recomputed
+otherwise. A new sequence whose first schedule starts past token 0 hit the prefix cache,
+unless it is sample ``i`` of an n>1 request (``PARENT/i``), forked from the parent's prompt.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections import Counter
+from dataclasses import dataclass, field
 
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import Decoder, ProtocolError
-from pagedserve.protocol.trace import TraceError, read_trace
+from pagedserve.protocol.trace import Trace, TraceError, read_trace
+
+
+@dataclass
+class TraceSummary:
+    steps: int = 0
+    requests: int = 0  # AddRequest messages
+    parallel_sample_requests: int = 0  # n > 1
+    sequences: int = 0  # distinct sequence ids the workers saw
+    aborts: int = 0  # request ids in AbortRequest messages (stop strings, client hang-ups)
+    prefill_tokens: int = 0
+    chunked_prefill_chunks: int = 0  # prompt chunks that stopped short of the prompt's end
+    decode_tokens: int = 0
+    forked_samples: int = 0  # "PARENT/i" sequences of n>1 requests, sharing the parent's blocks
+    prefix_hits: int = 0  # sequences admitted with cached tokens (forks aside)
+    prefix_hit_tokens: int = 0
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    blocks_copied: int = 0
+    blocks_zeroed: int = 0
+    sampled_tokens: int = 0
+    worker_errors: int = 0
+    worker_failures: int = 0  # fail_all records: the scheduler lost its workers
+    step_lines: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _SeqState:
+    num_prompt_tokens: int
+    num_known: int
+    block_ids: set[int]
+    dropped: bool = False
+
+
+class _Summarizer:
+    def __init__(self, per_step: bool):
+        self.s = TraceSummary()
+        self.per_step = per_step
+        self.seqs: dict[str, _SeqState] = {}
+
+    def frontend(self, msg) -> None:
+        if isinstance(msg, m.AddRequest):
+            self.s.requests += 1
+            self.s.parallel_sample_requests += msg.sampling.n > 1
+        elif isinstance(msg, m.AbortRequest):
+            self.s.aborts += len(msg.request_ids)
+
+    def _schedule(self, seq: _SeqState, computed: int, scheduled: int) -> None:
+        s = self.s
+        if computed + scheduled < seq.num_known:
+            s.prefill_tokens += scheduled
+            s.chunked_prefill_chunks += computed + scheduled < seq.num_prompt_tokens
+        elif scheduled == 1 and computed >= seq.num_prompt_tokens:
+            s.decode_tokens += 1
+        else:
+            s.prefill_tokens += scheduled
+
+    def step(self, out: m.SchedulerOutput) -> None:
+        s = self.s
+        s.steps += 1
+        swapped_in = {dst for _, dst in out.blocks_to_swap_in}
+        for r in out.new_requests:
+            old = self.seqs.get(r.req_id)
+            if old is None:
+                s.sequences += 1
+                parent = r.req_id.rpartition("/")[0]
+                if parent in self.seqs:  # sample i of an n>1 request, forked from its prompt
+                    s.forked_samples += 1
+                elif r.num_computed_tokens > 0:
+                    s.prefix_hits += 1
+                    s.prefix_hit_tokens += r.num_computed_tokens
+            elif old.dropped:
+                if swapped_in & set(r.block_ids):
+                    s.preemptions_swap += 1
+                else:
+                    s.preemptions_recompute += 1
+            seq = self.seqs[r.req_id] = _SeqState(r.num_prompt_tokens, len(r.token_ids), set(r.block_ids))
+            self._schedule(seq, r.num_computed_tokens, r.num_scheduled_tokens)
+        for c in out.cached_requests:
+            seq = self.seqs.get(c.req_id)
+            if seq is None:
+                raise TraceError(f"step {out.step} continues sequence {c.req_id}, which was never sent in full")
+            seq.num_known += len(c.new_token_ids)
+            seq.block_ids.update(c.new_block_ids)
+            self._schedule(seq, c.num_computed_tokens, c.num_scheduled_tokens)
+        for req_id in out.finished_req_ids:
+            if req_id in self.seqs:
+                self.seqs[req_id].dropped = True
+        s.blocks_swapped_out += len(out.blocks_to_swap_out)
+        s.blocks_swapped_in += len(out.blocks_to_swap_in)
+        s.blocks_copied += len(out.blocks_to_copy)
+        s.blocks_zeroed += len(out.new_block_ids_to_zero)
+        if self.per_step:
+            s.step_lines.append(
+                f"  step {out.step:>6}: new {len(out.new_requests):>3} cached {len(out.cached_requests):>4} "
+                f"tokens {out.total_num_scheduled_tokens:>5} swap-out {len(out.blocks_to_swap_out)} "
+                f"swap-in {len(out.blocks_to_swap_in)} copy {len(out.blocks_to_copy)} "
+                f"zero {len(out.new_block_ids_to_zero)} dropped {len(out.finished_req_ids)}")
+
+    def result(self, msg) -> None:
+        if isinstance(msg, m.StepResult) and msg.rank == 0:
+            self.s.sampled_tokens += len(msg.sampled_token_ids)
+            self.s.worker_errors += bool(msg.error)
+
+
+def summarize_trace(trace: Trace, per_step: bool = False) -> TraceSummary:
+    to_worker, from_worker = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
+    from_frontend = Decoder(m.FrontendToScheduler)
+    acc = _Summarizer(per_step)
+    for index, (direction, payload) in enumerate(trace.records):
+        try:
+            if direction == "from_frontend":
+                acc.frontend(from_frontend.decode(payload))
+            elif direction == "to_worker":
+                msg = to_worker.decode(payload)
+                if isinstance(msg, m.SchedulerOutput):
+                    acc.step(msg)
+            elif direction == "from_worker":
+                acc.result(from_worker.decode(payload))
+            elif direction == "fail_all":
+                acc.s.worker_failures += 1
+                acc.seqs.clear()
+        except ProtocolError as exc:
+            raise TraceError(f"{trace.path}: record {index + 2} ({direction}) is not a valid frame: {exc}") from None
+    return acc.s
+
+
+def format_summary(trace: Trace, s: TraceSummary) -> str:
+    meta, cfg, init = trace.meta, trace.meta["config"], trace.meta.get("init") or {}
+    out = [
+        f"trace {trace.path}",
+        f"  protocol v{meta['protocol_version']}, model {meta.get('model_id')} "
+        f"(weights {meta.get('weights')}) on {meta.get('device')}",
+        f"  config: block_size={cfg.get('block_size')} gpu_blocks={init.get('num_gpu_blocks')} "
+        f"cpu_blocks={init.get('num_cpu_blocks')} max_num_batched_tokens={cfg.get('max_num_batched_tokens')} "
+        f"tp={cfg.get('tp_size')} prefix_caching={cfg.get('enable_prefix_caching')} "
+        f"chunked_prefill={cfg.get('enable_chunked_prefill')} seed={cfg.get('seed')}",
+        f"  steps {s.steps}, requests {s.requests} (n>1: {s.parallel_sample_requests}), "
+        f"sequences {s.sequences} (forked samples {s.forked_samples}), aborts {s.aborts}",
+        f"  tokens: prefill {s.prefill_tokens} (chunks cut short {s.chunked_prefill_chunks}), "
+        f"decode {s.decode_tokens}, sampled {s.sampled_tokens}",
+        f"  prefix cache: {s.prefix_hits} hits, {s.prefix_hit_tokens} tokens",
+        f"  preemptions: swap {s.preemptions_swap}, recompute {s.preemptions_recompute}",
+        f"  blocks: swapped out {s.blocks_swapped_out}, swapped in {s.blocks_swapped_in}, "
+        f"copied {s.blocks_copied}, zeroed {s.blocks_zeroed}",
+        f"  worker errors {s.worker_errors}, worker failures {s.worker_failures}",
+    ]
+    if trace.torn_tail:
+        out.append(f"  WARNING: {trace.torn_tail}")
+    return "\n".join(out + s.step_lines)
 
 
 def summarize(path: str, per_step: bool = False) -> str:
     trace = read_trace(path)
-    to_worker, from_worker = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
-    from_frontend = Decoder(m.FrontendToScheduler)
-    c: Counter = Counter()
-    seen: set[str] = set()
-    dropped: set[str] = set()
-    lines: list[str] = []
-    for direction, payload in trace.records:
-        try:
-            if direction == "from_frontend":
-                msg = from_frontend.decode(payload)
-                c[type(msg).__name__] += 1
-            elif direction == "to_worker":
-                msg = to_worker.decode(payload)
-                if not isinstance(msg, m.SchedulerOutput):
-                    continue
-                c["steps"] += 1
-                for r in msg.new_requests:
-                    c["resumed" if r.req_id in dropped else "admitted"] += 1
-                    if r.req_id not in seen:
-                        seen.add(r.req_id)
-                    dropped.discard(r.req_id)
-                dropped.update(msg.finished_req_ids)
-                c["prefill_tokens"] += sum(r.num_scheduled_tokens for r in msg.new_requests)
-                c["scheduled_tokens"] += msg.total_num_scheduled_tokens
-                c["swap_out"] += len(msg.blocks_to_swap_out)
-                c["swap_in"] += len(msg.blocks_to_swap_in)
-                c["copies"] += len(msg.blocks_to_copy)
-                c["zeroed"] += len(msg.new_block_ids_to_zero)
-                if per_step:
-                    lines.append(
-                        f"  step {msg.step:>6}: new {len(msg.new_requests):>3} cached {len(msg.cached_requests):>4} "
-                        f"tokens {msg.total_num_scheduled_tokens:>5} swap-out {len(msg.blocks_to_swap_out)} "
-                        f"swap-in {len(msg.blocks_to_swap_in)} copy {len(msg.blocks_to_copy)} "
-                        f"zero {len(msg.new_block_ids_to_zero)} dropped {len(msg.finished_req_ids)}")
-            elif direction == "from_worker":
-                msg = from_worker.decode(payload)
-                if isinstance(msg, m.StepResult) and msg.rank == 0:
-                    c["sampled_tokens"] += len(msg.sampled_token_ids)
-                    c["worker_errors"] += bool(msg.error)
-            elif direction == "fail_all":
-                c["worker_failures"] += 1
-        except ProtocolError as exc:
-            raise TraceError(f"{path}: a {direction} record is not a valid frame: {exc}") from None
-    meta = trace.meta
-    cfg = meta.get("config", {})
-    out = [
-        f"trace {path}",
-        f"  protocol v{meta['protocol_version']}, model {meta.get('model_id')} on {meta.get('device')}",
-        f"  config: block_size={cfg.get('block_size')} tp={cfg.get('tp_size')} "
-        f"prefix_caching={cfg.get('enable_prefix_caching')} chunked_prefill={cfg.get('enable_chunked_prefill')}",
-        f"  steps {c['steps']}, requests {len(seen)} (added {c['AddRequest']}, aborts {c['AbortRequest']}), "
-        f"sampled tokens {c['sampled_tokens']}",
-        f"  scheduled tokens {c['scheduled_tokens']}, preemptions (resumed requests) {c['resumed']}",
-        f"  blocks: swapped out {c['swap_out']}, swapped in {c['swap_in']}, copied {c['copies']}, "
-        f"zeroed {c['zeroed']}",
-        f"  worker errors {c['worker_errors']}, worker failures {c['worker_failures']}",
-    ]
-    if trace.torn_tail:
-        out.append(f"  WARNING: {trace.torn_tail}")
-    return "\n".join(out + lines)
+    return format_summary(trace, summarize_trace(trace, per_step))
 
 
 def show_main(ns: argparse.Namespace) -> int:
     try:
-        print(summarize(ns.trace, per_step=ns.steps))
+        text = summarize(ns.trace, per_step=ns.steps)
     except TraceError as exc:
         print(f"pagedserve trace show: {exc}", file=sys.stderr)
         return 2
+    try:
+        print(text)
+    except BrokenPipeError:  # `| head`
+        sys.stderr.close()
     return 0
+

@@ -3,7 +3,9 @@
 One PULL socket receives every replica's RequestOutputs and SchedulerStats; one PUSH
 socket per replica carries AddRequest / AbortRequest. Each submitted request gets a
 queue of its RequestDeltas; a watchdog turns a replica that stops sending stats (or
-leaves the ready/draining states) into a ReplicaFailed event for its requests.
+leaves the ready/draining states) into a ReplicaFailed event for its requests, and so
+does a heartbeat from a new scheduler process (a restarted replica knows none of them).
+The supervisor's ProcessTable arrives on the same socket and only feeds /health.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pagedserve.frontend_proc.errors import ServiceUnavailable
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.zmq_async import AsyncReceiver
 from pagedserve.protocol.messages import (
-    AbortRequest, AddRequest, RequestDelta, RequestOutputs, SchedulerStats,
+    AbortRequest, AddRequest, ProcessTable, RequestDelta, RequestOutputs, SchedulerStats,
     SchedulerToFrontend)
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 
@@ -101,8 +103,11 @@ class EngineClient:
             msg = await self._outputs.recv()
             try:
                 if isinstance(msg, SchedulerStats):
+                    self._check_restarted(msg)
                     if not self.router.update(msg):
                         log.warning("stats from unknown replica %d ignored", msg.replica)
+                elif isinstance(msg, ProcessTable):
+                    self.router.processes = msg
                 elif isinstance(msg, RequestOutputs):
                     for delta in msg.deltas:
                         self._dispatch(delta)
@@ -120,6 +125,14 @@ class EngineClient:
             if len(handle.finished_indexes) >= handle.num_seqs:
                 self._forget(handle)
 
+    def _check_restarted(self, stats: SchedulerStats) -> None:
+        if not 0 <= stats.replica < len(self.router.replicas) or not stats.pid:
+            return
+        last = self.router.replicas[stats.replica].stats
+        if last is not None and last.pid and last.pid != stats.pid:
+            self._fail_requests_on(stats.replica, f"scheduler replica {stats.replica} was restarted "
+                                                  f"(pid {last.pid} -> {stats.pid})")
+
     async def _watchdog_loop(self) -> None:
         period = min(0.25, self.router.timeout_s / 4)
         while True:
@@ -130,15 +143,17 @@ class EngineClient:
             except Exception:  # the watchdog must outlive any one failure
                 log.exception("replica watchdog check failed")
 
-    def _fail_requests_on(self, replica: int) -> None:
+    def _fail_requests_on(self, replica: int, reason: Optional[str] = None) -> None:
         status = self.router.replicas[replica]
         state = status.stats.state if status.stats else "unknown"
-        if status.is_fresh(time.monotonic(), self.router.timeout_s):
+        if reason is None and status.is_fresh(time.monotonic(), self.router.timeout_s):
             reason = f"scheduler replica {replica} went to state {state!r}"
-        else:
+        elif reason is None:
             reason = (f"scheduler replica {replica} sent no stats for "
                       f"{self.router.timeout_s:g} s")
         request_ids = sorted(status.request_ids)
+        if not request_ids:
+            return
         log.error("%s; failing %d in-flight request(s)", reason, len(request_ids))
         for request_id in request_ids:
             handle = self._requests.get(request_id)

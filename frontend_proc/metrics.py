@@ -73,6 +73,9 @@ class SchedulerStatsCollector(Collector):
                                     "Requests waiting per replica", labels=["replica"])
         usage = GaugeMetricFamily("pagedserve_replica_kv_cache_usage_ratio",
                                   "KV-cache usage per replica (0..1)", labels=["replica"])
+        generated = CounterMetricFamily("pagedserve_replica_generation_tokens",
+                                        "Tokens generated per replica (data-parallel balance)",
+                                        labels=["replica"])
         for r in self.router.replicas:
             label = [str(r.replica)]
             up.add_metric(label, 1.0 if r.is_live(now, self.router.timeout_s) else 0.0)
@@ -80,7 +83,9 @@ class SchedulerStatsCollector(Collector):
                 running.add_metric(label, r.stats.num_running)
                 waiting.add_metric(label, r.stats.num_waiting)
                 usage.add_metric(label, r.stats.kv_cache_usage)
-        yield from (up, running, waiting, usage)
+            if r.stats is not None:
+                generated.add_metric(label, r.stats.generation_tokens)
+        yield from (up, running, waiting, usage, generated)
 
 
 class FrontendMetrics:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pagedserve.protocol.messages import SchedulerStats
+from pagedserve.protocol.messages import ProcessTable, SchedulerStats
 
 ROUTABLE_STATES = ("ready",)
 SERVING_STATES = ("ready", "draining")  # in-flight requests may continue in these
@@ -46,6 +46,7 @@ class Router:
     def __init__(self, num_replicas: int, timeout_s: float):
         self.timeout_s = timeout_s
         self.replicas = [ReplicaStatus(r) for r in range(num_replicas)]
+        self.processes: Optional[ProcessTable] = None  # the supervisor's latest view
 
     def update(self, stats: SchedulerStats, now: Optional[float] = None) -> bool:
         """Record a heartbeat; False (and ignored) for a replica index out of range."""
@@ -87,6 +88,7 @@ class Router:
     def describe(self, now: Optional[float] = None) -> list[dict[str, Any]]:
         """Per-replica health, for /health."""
         now = time.monotonic() if now is None else now
+        table = self.processes
         out = []
         for r in self.replicas:
             s = r.stats
@@ -99,7 +101,25 @@ class Router:
                 "num_waiting": s.num_waiting if s else 0,
                 "num_swapped": s.num_swapped if s else 0,
                 "kv_cache_usage": s.kv_cache_usage if s else 0.0,
+                "num_gpu_blocks": s.num_gpu_blocks if s else 0,
+                "num_free_gpu_blocks": s.num_free_gpu_blocks if s else 0,
                 "in_flight": r.in_flight,
                 "seconds_since_stats": round(now - r.last_seen, 3) if s else None,
+                "worker_restarts": s.worker_restarts if s else 0,
+                "restarts_in_window": (table.replica_restarts[r.replica]
+                                       if table and r.replica < len(table.replica_restarts) else 0),
+                "processes": [] if table is None else [
+                    {"role": p.role, "rank": p.rank, "pid": p.pid, "alive": p.alive}
+                    for p in table.processes if p.replica == r.replica],
             })
         return out
+
+    def describe_deployment(self) -> dict[str, Any]:
+        """The processes outside any replica (supervisor, frontend), for /health."""
+        table = self.processes
+        if table is None:
+            return {}
+        others = [{"role": p.role, "pid": p.pid, "alive": p.alive}
+                  for p in table.processes if not 0 <= p.replica < len(self.replicas)]
+        return {"supervisor_pid": table.supervisor_pid, "processes": others,
+                "failed_replicas": list(table.failed_replicas)}

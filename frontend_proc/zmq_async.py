@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 
 from pagedserve.protocol.codec import MAX_FRAME_BYTES, Decoder, ProtocolError
+from pagedserve.protocol.zmq_io import apply_security
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,6 +33,7 @@ class AsyncReceiver(Generic[T]):
         self.endpoint = endpoint
         self.sock = _socket(ctx, zmq.PULL)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        self._release = apply_security(ctx, self.sock, endpoint, bind=True)  # CURVE on TCP
         self.sock.bind(endpoint)
         self.decoder: Decoder[T] = Decoder(union)
         self.num_rejected = 0
@@ -47,3 +49,4 @@ class AsyncReceiver(Generic[T]):
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        self._release()

@@ -20,6 +20,10 @@ class ProtocolError(ValueError):
     """A frame that cannot be accepted; the message says why."""
 
 
+# msgspec raises UnicodeDecodeError (a ValueError), not DecodeError, for a str field
+# holding invalid UTF-8: one flipped bit in a request id would otherwise crash the receiver.
+# RecursionError: deeply nested garbage.
+_DECODE_ERRORS = (msgspec.MsgspecError, ValueError, RecursionError)
 _envelope_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
 
@@ -42,7 +46,7 @@ class Decoder(Generic[T]):
             )
         try:
             version, body = _header_decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except _DECODE_ERRORS as exc:
             raise ProtocolError(f"malformed frame header: {exc}") from None
         if version != PROTOCOL_VERSION:
             raise ProtocolError(
@@ -50,5 +54,5 @@ class Decoder(Generic[T]):
             )
         try:
             return self._body.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except _DECODE_ERRORS as exc:
             raise ProtocolError(f"invalid message: {exc}") from None

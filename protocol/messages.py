@@ -74,7 +74,7 @@ class RequestOutputs(Msg):
 
 class SchedulerStats(Msg):
     replica: int
-    state: str  # "starting" | "ready" | "recovering" | "draining"
+    state: str  # "starting" | "ready" | "recovering" | "draining" | "failed" (from the supervisor)
     step: int = 0
     num_running: int = 0
     num_waiting: int = 0
@@ -102,6 +102,25 @@ class SchedulerStats(Msg):
     worker_restarts: int = 0
     max_model_len: int = 0
     block_size: int = 0
+    pid: int = 0  # the scheduler's: a new pid means a restarted replica that lost every request
+    worker_pids: list[int] = []  # by rank, once connected
+
+
+class ProcessInfo(msgspec.Struct, forbid_unknown_fields=True):
+    role: str  # "frontend" | "scheduler" | "worker"
+    replica: int  # -1 for the frontend
+    rank: int
+    pid: int
+    alive: bool
+
+
+class ProcessTable(Msg):
+    """Supervisor -> frontend, about once a second: every child it runs, for /health."""
+
+    supervisor_pid: int
+    processes: list[ProcessInfo]
+    replica_restarts: list[int]  # restarts per replica in the current restart window
+    failed_replicas: list[int]
 
 
 # ------------------------------------------------------------ scheduler <-> worker
@@ -219,7 +238,7 @@ class RestartWorkers(Msg):
 # ------------------------------------------------------------ one union per channel
 
 FrontendToScheduler = Union[AddRequest, AbortRequest, Drain]
-SchedulerToFrontend = Union[RequestOutputs, SchedulerStats]
+SchedulerToFrontend = Union[RequestOutputs, SchedulerStats, ProcessTable]
 SchedulerToWorker = Union[WorkerInit, SchedulerOutput, Shutdown]
 WorkerToScheduler = Union[WorkerHello, WorkerReady, StepResult]
 ToSupervisor = Union[ProcessReady, ProcessFailed, RestartWorkers]

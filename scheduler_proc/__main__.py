@@ -19,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [scheduler {ns.replica}] %(message)s")
-    cfg = EngineConfig.from_args(ns)
+    try:
+        cfg = EngineConfig.from_args(ns)
+    except ValueError as exc:
+        print(f"pagedserve scheduler: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     loop = EngineLoop(cfg)
 
     def stop(signum, _frame):

@@ -23,6 +23,7 @@ from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 from pagedserve.scheduler_proc.frontend_inputs import apply_frontend_message
 from pagedserve.scheduler_proc.interval_log import IntervalLog
+from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -46,6 +47,7 @@ class EngineLoop:
         self.trace = TraceWriter(cfg.record_trace) if cfg.record_trace else None
         self.scheduler: Optional[Scheduler] = None
         self.worker_pids: dict[int, int] = {}
+        self.needs_workers = True  # at start, and after a worker failure until the new ones are ready
         self.state = "starting"
         self.draining = False
         self.restarts = 0
@@ -66,27 +68,44 @@ class EngineLoop:
         self._record("to_worker", data)
         return data
 
-    def _recv_from_workers(self, want: type, timeout_s: float) -> dict[int, object]:
+    def _is_expected(self, msg, want: type, step: Optional[int]) -> bool:
+        """Whether ``msg`` answers what we wait for; anything else (a stale result of a
+        written-off step, a rank that does not exist, a stray peer) is logged and skipped."""
+        if not isinstance(msg, want):
+            log.warning("ignoring unexpected %s from a worker", type(msg).__name__)
+            return False
+        if not 0 <= msg.rank < self.cfg.tp_size:
+            log.warning("ignoring %s from rank %d: the replica has %d rank(s)",
+                        type(msg).__name__, msg.rank, self.cfg.tp_size)
+            return False
+        if step is not None and msg.step != step:
+            log.warning("ignoring a result for step %d while waiting for step %d", msg.step, step)
+            return False
+        return True
+
+    def _recv_from_workers(self, want: type, timeout_s: float,
+                           step: Optional[int] = None) -> dict[int, object]:
         """One message of type ``want`` from every rank, watching worker liveness meanwhile."""
         got: dict[int, object] = {}
         deadline = time.monotonic() + timeout_s
+        next_check = 0.0
         while len(got) < self.cfg.tp_size:
             msg = self.results.recv(timeout_ms=100)
-            if msg is not None:
+            if msg is not None and self._is_expected(msg, want, step):
                 if not isinstance(msg, m.WorkerHello):  # the trace header carries the hello
                     self._record("from_worker", self.results.last_frame)
                 if isinstance(msg, m.StepResult) and msg.error:
                     raise WorkerFailure(f"worker rank {msg.rank} failed: {msg.error}")
-                if isinstance(msg, want):
-                    got[msg.rank] = msg
-                    if isinstance(msg, m.WorkerHello):
-                        self.worker_pids[msg.rank] = msg.pid
-                else:
-                    log.warning("ignoring unexpected %s from a worker", type(msg).__name__)
+                got[msg.rank] = msg
+                if isinstance(msg, m.WorkerHello):
+                    self.worker_pids[msg.rank] = msg.pid
                 continue
-            self._check_worker_pids()
-            self._send_stats()
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now >= next_check:  # at most every 100 ms, even while stray frames pour in
+                next_check = now + 0.1
+                self._check_worker_pids()
+                self._send_stats()
+            if now > deadline:
                 missing = sorted(set(range(self.cfg.tp_size)) - set(got))
                 raise WorkerFailure(
                     f"worker rank(s) {missing} sent no {want.__name__} within {timeout_s:.1f}s (hung?)")
@@ -121,6 +140,7 @@ class EngineLoop:
             self.trace.write_header(hellos[0], init, self.cfg.trace_config())
         self._broadcast(init)
         self._recv_from_workers(m.WorkerReady, cfg.worker_start_timeout_s)
+        self.needs_workers = False
         if self.scheduler is None or self.scheduler.config.num_gpu_blocks != num_gpu_blocks:
             # A recovered replica keeps its Scheduler (fail_all left it clean) so step
             # numbers keep increasing; only a different cache size needs a new one.
@@ -130,7 +150,8 @@ class EngineLoop:
                  cfg.replica, num_gpu_blocks, num_cpu_blocks, cfg.block_size)
 
     def _recover(self, reason: str) -> None:
-        """Fail in-flight requests, ask the supervisor for fresh workers, rebuild the cache."""
+        """Fail in-flight requests and ask the supervisor for fresh workers; the loop then
+        reconnects them and rebuilds the cache from clean."""
         log.error("replica %d: %s; failing in-flight requests and restarting workers", self.cfg.replica, reason)
         self.state = "recovering"
         if self.scheduler is not None:
@@ -140,9 +161,9 @@ class EngineLoop:
         self.restarts += 1
         self.worker_pids.clear()
         self.results.recv_nowait()  # stale results from the old workers
+        self.needs_workers = True
         self.to_supervisor.send(m.RestartWorkers(replica=self.cfg.replica, reason=reason))
         self._send_stats(force=True)
-        self.connect_workers()
 
     # ------------------------------------------------------------------ frontend
 
@@ -169,24 +190,31 @@ class EngineLoop:
             step=self.scheduler.step if self.scheduler is not None else 0,
             busy_time_s=self.busy_time, worker_forward_time_s=self.forward_time,
             worker_idle_time_s=self.idle_time, worker_restarts=self.restarts,
-            max_model_len=self.cfg.max_model_len, block_size=self.cfg.block_size, **counts)
+            max_model_len=self.cfg.max_model_len, block_size=self.cfg.block_size,
+            pid=os.getpid(), worker_pids=[self.worker_pids[r] for r in sorted(self.worker_pids)],
+            **counts)
         self.to_frontend.send(stats)
         self.interval_log.maybe_log(stats)
 
     # ------------------------------------------------------------------ loop
 
-    def step(self) -> None:
+    def step(self, back_to_back: bool = True) -> None:
+        """One step; ``back_to_back`` when the previous step ran without waiting for input,
+        so the worker's idle time since then is scheduling + IPC overhead, not an empty queue."""
         sched = self.scheduler
         t0 = time.perf_counter()
         out = sched.schedule()
         self._broadcast(out)
-        results = self._recv_from_workers(m.StepResult, self.cfg.step_timeout_s)
+        results = self._recv_from_workers(m.StepResult, self.cfg.step_timeout_s, step=out.step)
         result = results[0]
-        if result.step != out.step:
-            raise WorkerFailure(f"worker answered step {result.step} to step {out.step}")
-        self._send_deltas(sched.update_from_output(out, result))
+        try:
+            deltas = sched.update_from_output(out, result)
+        except StepResultMismatch as exc:
+            raise WorkerFailure(f"worker rank 0 sent a result that does not fit its step: {exc}") from None
+        self._send_deltas(deltas)
         self.forward_time += result.forward_time_s
-        self.idle_time += result.idle_time_s
+        if back_to_back:
+            self.idle_time += result.idle_time_s
         self.busy_time += time.perf_counter() - t0
 
     def run(self) -> None:
@@ -194,14 +222,16 @@ class EngineLoop:
         self._send_stats(force=True)
         while True:
             try:
-                if self.scheduler is None:
+                if self.needs_workers:
                     self.connect_workers()
                     self._send_stats(force=True)
                 busy = self.scheduler.has_unfinished()
                 for msg in self.inputs.recv_nowait() if busy else self._wait_input():
                     self._handle_input(msg)
                 if self.scheduler.has_unfinished():
-                    self.step()
+                    self.step(back_to_back=busy)
+                elif not busy:
+                    self._check_worker_pids()  # a worker that dies while idle is replaced at once
                 self._send_stats()
             except WorkerFailure as exc:
                 self._recover(str(exc))

@@ -39,6 +39,9 @@ class EngineConfig:
             raise ValueError("timeouts must be positive")
         if self.swap_space_gib < 0:
             raise ValueError(f"swap space must be >= 0 GiB, got {self.swap_space_gib}")
+        # Fail at startup, not at the first handshake: the cache size is still unknown
+        # here, so validate the policy options with a placeholder one.
+        self.scheduler_config(num_gpu_blocks=1 << 20, num_cpu_blocks=int(self.swap_space_gib > 0))
 
     def scheduler_config(self, num_gpu_blocks: int, num_cpu_blocks: int) -> SchedulerConfig:
         return SchedulerConfig(

@@ -18,6 +18,7 @@ from pagedserve.protocol.codec import Decoder, ProtocolError, encode
 from pagedserve.protocol.trace import TraceError, read_trace
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 from pagedserve.scheduler_proc.frontend_inputs import apply_frontend_message
+from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
 
@@ -25,6 +26,7 @@ from pagedserve.scheduler_proc.scheduler import Scheduler
 class SchedulerReplayReport:
     steps: int
     mismatch: Optional[str] = None
+    torn_tail: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -47,10 +49,18 @@ def first_difference(recorded, replayed, path: str = "") -> str:
     return f"{path}: recorded {recorded!r}, replayed {replayed!r}"
 
 
-def replay_scheduler(trace_path: str) -> SchedulerReplayReport:
-    trace = read_trace(trace_path)
+def _engine_config(trace) -> EngineConfig:
     known = {f.name for f in fields(EngineConfig)}
-    cfg = EngineConfig(run_dir="", **{k: v for k, v in trace.meta["config"].items() if k in known})
+    try:
+        return EngineConfig(run_dir="", **{k: v for k, v in trace.meta["config"].items() if k in known})
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"{trace.path}: the recorded scheduler config is unusable: {exc}") from None
+
+
+def replay_scheduler(trace_path: str) -> SchedulerReplayReport:
+    """Rebuilds every SchedulerOutput from the recorded inputs; raises TraceError if unusable."""
+    trace = read_trace(trace_path)
+    cfg = _engine_config(trace)
     to_worker, from_worker = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
     from_frontend = Decoder(m.FrontendToScheduler)
     sched: Optional[Scheduler] = None
@@ -58,6 +68,7 @@ def replay_scheduler(trace_path: str) -> SchedulerReplayReport:
     draining = False
     steps = 0
     for index, (direction, payload) in enumerate(trace.records):
+        where = f"record {index + 2} ({direction})"
         try:
             if direction == "to_worker":
                 msg = to_worker.decode(payload)
@@ -65,22 +76,37 @@ def replay_scheduler(trace_path: str) -> SchedulerReplayReport:
                                                       sched.config.num_gpu_blocks != msg.num_gpu_blocks):
                     sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks))
                 elif isinstance(msg, m.SchedulerOutput):
+                    _require(sched, trace_path, where)
                     last_out = sched.schedule()
                     steps += 1
                     if encode(last_out) != payload:
-                        return SchedulerReplayReport(steps, f"step {msg.step} (record {index}): "
+                        return SchedulerReplayReport(steps, f"step {msg.step} ({where}): "
                                                      + first_difference(msg, last_out))
             elif direction == "from_frontend":
+                _require(sched, trace_path, where)
                 _, draining = apply_frontend_message(sched, from_frontend.decode(payload), draining)
             elif direction == "from_worker":
                 msg = from_worker.decode(payload)
-                if isinstance(msg, m.StepResult) and msg.rank == 0 and not msg.error:
-                    sched.update_from_output(last_out, msg)
+                if isinstance(msg, m.StepResult) and msg.rank == 0 and not msg.error and last_out is not None:
+                    try:
+                        sched.update_from_output(last_out, msg)
+                    except StepResultMismatch:
+                        pass  # the engine failed its workers here too: the fail_all record follows
             elif direction == "fail_all":
-                sched.fail_all(payload.decode())
+                _require(sched, trace_path, where)
+                sched.fail_all(payload.decode(errors="replace"))
         except ProtocolError as exc:
-            raise TraceError(f"{trace_path}: record {index} ({direction}) is not a valid frame: {exc}") from None
-    return SchedulerReplayReport(steps)
+            raise TraceError(f"{trace_path}: {where} is not a valid frame: {exc}") from None
+        except TraceError:
+            raise
+        except Exception as exc:  # a scheduler bug or an inconsistent trace: report, don't crash
+            return SchedulerReplayReport(steps, f"{where}: the scheduler raised {type(exc).__name__}: {exc}")
+    return SchedulerReplayReport(steps, torn_tail=trace.torn_tail)
+
+
+def _require(sched: Optional[Scheduler], path: str, where: str) -> None:
+    if sched is None:
+        raise TraceError(f"{path}: {where} comes before the WorkerInit that sizes the cache")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     except TraceError as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
+    if report.torn_tail:
+        print(f"scheduler replay: warning: {report.torn_tail}; replayed the records before it", file=sys.stderr)
     if report.ok:
         print(f"scheduler replay: {report.steps} steps, every SchedulerOutput identical")
         return 0

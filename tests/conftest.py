@@ -44,7 +44,9 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, eos: b
     gen = copy.deepcopy(model.generation_config)
     gen.do_sample, gen.max_new_tokens, gen.pad_token_id = False, max_new_tokens, 0
     if not eos:
-        gen.eos_token_id = None  # like ignore_eos: keep going, without suppressing the token
+        # like ignore_eos: keep going without suppressing the token (None would mean
+        # "use the model's default", which stops at EOS)
+        gen.eos_token_id = []
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), generation_config=gen)
     return out[0, len(prompt_ids):].tolist()

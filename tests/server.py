@@ -42,6 +42,7 @@ class Server:
     port: int = 0
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    env: dict = field(default_factory=dict)  # extra environment for the whole deployment
 
     @property
     def url(self) -> str:
@@ -54,7 +55,8 @@ class Server:
         self.log_path = tmp / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "pagedserve.deploy.cli", "serve", self.model, "--port", str(self.port),
                "--run-dir-parent", self.run_dir_parent, *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **self.env})
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

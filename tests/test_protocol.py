@@ -21,7 +21,11 @@ SAMPLES = {
     ],
     m.SchedulerToFrontend: [
         m.RequestOutputs(0, 3, [m.RequestDelta("r1", 1, [4, 5], "stop", None, None, 3, 1, [-0.5, -0.1], 5)]),
-        m.SchedulerStats(replica=1, state="ready", num_running=2, kv_cache_usage=0.25),
+        m.SchedulerStats(replica=1, state="ready", num_running=2, kv_cache_usage=0.25, pid=41,
+                         worker_pids=[42, 43]),
+        m.ProcessTable(supervisor_pid=40, processes=[m.ProcessInfo("scheduler", 1, 0, 41, True),
+                                                     m.ProcessInfo("frontend", -1, 0, 44, False)],
+                       replica_restarts=[0, 2], failed_replicas=[1]),
     ],
     m.SchedulerToWorker: [
         m.WorkerInit(0, 1, 16, 100, 10, 256, 512, 8, 0, True),
@@ -131,3 +135,17 @@ def test_receiver_skips_bad_frames_and_keeps_receiving(tmp_path):
         rx.close()
         tx.close()
         ctx.term()
+
+
+def test_invalid_utf8_in_a_string_field_is_a_protocol_error_not_a_crash():
+    frame = encode(m.AbortRequest(["abcd"])).replace(b"abcd", b"ab\xf4d")
+    with pytest.raises(ProtocolError):
+        Decoder(m.FrontendToScheduler).decode(frame)
+
+
+def test_deeply_nested_garbage_is_a_protocol_error():
+    frame = msgspec.msgpack.encode([PROTOCOL_VERSION, {"type": "AbortRequest", "request_ids": []}])
+    nested = b"\x92\x01" + b"\x91" * 100_000 + b"\x00"
+    for bad in (nested, frame[:2] + b"\x91" * 100_000):
+        with pytest.raises(ProtocolError):
+            Decoder(m.FrontendToScheduler).decode(bad)

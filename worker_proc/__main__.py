@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from dataclasses import fields
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dist-init", default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
     p.add_argument("--poison-kv-cache", action="store_true")
+    p.add_argument("--debug-sampling-seed-offset", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO")
     ns = p.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(),
@@ -42,6 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         worker.close()
+    if cfg.tp_size > 1:
+        # torch + gloo can abort in C++ static destructors at interpreter exit even after
+        # destroy_process_group ("terminate called without an active exception"), turning
+        # a clean stop into a crash report; everything is closed, so skip them.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

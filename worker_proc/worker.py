@@ -35,6 +35,7 @@ class WorkerConfig:
     dist_init: Optional[str] = None  # torch.distributed init method for tp_size > 1
     kv_cache_memory_gib: Optional[float] = None
     poison_kv_cache: bool = False  # debug: fill the cache with NaN at start (stale contents)
+    debug_sampling_seed_offset: int = 0  # debug: a deliberately different sampler (replay tests)
 
 
 def _init_distributed(cfg: WorkerConfig):
@@ -53,6 +54,15 @@ def _device_for_rank(cfg: WorkerConfig) -> str:
     return cfg.device
 
 
+def _default_cpu_threads(cfg: WorkerConfig) -> Optional[int]:
+    """A CPU worker leaves one core to the scheduler and frontend: they run between every
+    two steps, and a worker thread that shares their core stalls every parallel op."""
+    if cfg.device != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, (cores - 1) // cfg.tp_size)
+
+
 class Worker:
     def __init__(self, cfg: WorkerConfig, ctx: Optional[zmq.Context] = None):
         from pagedserve.worker_proc.model_runner import ModelRunner
@@ -64,13 +74,16 @@ class Worker:
                                          m.SchedulerToWorker, bind=False)
         self.results = Sender(self.ctx, ep.worker_results(cfg.replica))
         self.to_supervisor = Sender(self.ctx, ep.supervisor())
-        if cfg.num_threads:
+        threads = cfg.num_threads or _default_cpu_threads(cfg)
+        if threads:
             import torch
 
-            torch.set_num_threads(cfg.num_threads)
+            torch.set_num_threads(threads)
         group = _init_distributed(cfg)
         self.runner = ModelRunner(cfg.model, device=_device_for_rank(cfg), dtype=cfg.dtype,
                                   tp_rank=cfg.rank, tp_size=cfg.tp_size, tp_group=group)
+        log.info("%s on %s (%s), kernels: %s", self.runner.model_id, self.runner.device, cfg.dtype,
+                 self.runner.ops.__name__.rsplit(".", 1)[-1])
 
     def hello(self) -> m.WorkerHello:
         block_size = self.cfg.block_size
@@ -100,6 +113,8 @@ class Worker:
                 sent_at = time.perf_counter()
                 continue
             idle = time.perf_counter() - sent_at
+            for req in msg.new_requests if self.cfg.debug_sampling_seed_offset else ():
+                req.sampling.seed = (req.sampling.seed or 0) + self.cfg.debug_sampling_seed_offset
             try:
                 result = self.runner.execute(msg)
             except Exception as exc:  # reported to the scheduler, which restarts the replica
@@ -113,3 +128,16 @@ class Worker:
     def close(self) -> None:
         for s in (self.inputs, self.results, self.to_supervisor):
             s.close()
+        if self.cfg.tp_size > 1:
+            _leave_distributed()
+
+
+def _leave_distributed() -> None:
+    """Tear down the TP group locally; no barrier, since the other ranks may be gone already."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # exiting anyway: say so, but do not turn it into a crash
+            log.warning("destroy_process_group failed at shutdown: %s", exc)

@@ -1,0 +1,80 @@
+"""One process, no IPC: the real Scheduler driving the real ModelRunner, timed per phase.
+
+Splits a run into scheduler time (schedule + update_from_output) and worker time
+(ModelRunner.execute), and optionally profiles it with cProfile, to find what bounds
+throughput before any socket is involved.
+
+    python bench/step_profile.py MODEL_DIR --num-prompts 64 --output-len 64 [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import time
+
+import torch
+
+from pagedserve.protocol.messages import AddRequest, SamplingParams, WorkerInit
+from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.worker_proc.model_runner import ModelRunner
+
+
+def run(ns: argparse.Namespace) -> None:
+    runner = ModelRunner(ns.model)
+    cfg = SchedulerConfig(block_size=16, num_gpu_blocks=ns.num_gpu_blocks, max_num_seqs=256,
+                          max_num_batched_tokens=2048, max_model_len=4096)
+    runner.init_cache(WorkerInit(replica=0, tp_size=1, block_size=16, num_gpu_blocks=cfg.num_gpu_blocks,
+                                 num_cpu_blocks=0, max_model_len=4096, max_num_batched_tokens=2048,
+                                 max_num_seqs=256, seed=0))
+    sched = Scheduler(cfg)
+    rng = random.Random(0)
+    sampling = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
+    for i in range(ns.num_prompts):
+        prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(*ns.input_len))]
+        sched.add_request(AddRequest(request_id=f"r{i}", prompt_token_ids=prompt, sampling=sampling))
+    t_sched = t_exec = 0.0
+    steps = 0
+    start = time.perf_counter()
+    while sched.has_unfinished():
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        result = runner.execute(out)
+        t2 = time.perf_counter()
+        sched.update_from_output(out, result)
+        t3 = time.perf_counter()
+        t_sched += (t1 - t0) + (t3 - t2)
+        t_exec += t2 - t1
+        steps += 1
+    total = time.perf_counter() - start
+    tokens = ns.num_prompts * ns.output_len
+    print(f"{steps} steps, {total:.2f}s, {tokens / total:.0f} tok/s; scheduler {1e3 * t_sched / steps:.2f} ms/step, "
+          f"worker execute {1e3 * t_exec / steps:.2f} ms/step (threads {torch.get_num_threads()})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("model")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[16, 64])
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-gpu-blocks", type=int, default=4096)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--threads", type=int)
+    ns = p.parse_args()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    if ns.profile:
+        prof = cProfile.Profile()
+        prof.runcall(run, ns)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    else:
+        run(ns)
+
+
+if __name__ == "__main__":
+    main()

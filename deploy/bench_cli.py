@@ -1,0 +1,29 @@
+"""``pagedserve bench serve|offline|scenario``: parses the bench arguments and runs one benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedserve.deploy import bench_offline, bench_scenarios, bench_serve
+
+    p = argparse.ArgumentParser(prog="pagedserve bench", description="pagedserve benchmarks")
+    sub = p.add_subparsers(dest="bench", required=True)
+    s = sub.add_parser("serve", help="drive a running server through the OpenAI API")
+    bench_serve.add_args(s)
+    s.set_defaults(run=bench_serve.main)
+    o = sub.add_parser("offline", help="offline LLM.generate against transformers' generate_batch")
+    bench_offline.add_args(o)
+    o.set_defaults(run=bench_offline.main)
+    c = sub.add_parser("scenario", help="named seed workloads: misaligned, tight-kv")
+    bench_scenarios.add_args(c)
+    c.set_defaults(run=bench_scenarios.main)
+    return p
+
+
+def bench_main(ns: argparse.Namespace) -> int:
+    args = build_parser().parse_args(list(getattr(ns, "bench_args", None) or []))
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    return args.run(args)

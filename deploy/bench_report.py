@@ -1,0 +1,98 @@
+"""Latency statistics, the printed table and the PNG plot shared by the benchmarks.
+
+A record is anything with ``index, start, ttft, e2e, output_tokens, prompt_tokens, itl,
+error`` (seconds; ``start`` since the run began): bench serve's per-request records and
+the scenarios' records built from offline outputs alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Sequence
+
+PERCENTILES = (50, 90, 99)
+
+
+def _percentile(sorted_values: list[float], pct: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = (len(sorted_values) - 1) * pct / 100
+    lo, hi = int(k), min(int(k) + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+def stats(values: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    out = {"mean": statistics.fmean(ordered) if ordered else 0.0}
+    out.update({f"p{p}": _percentile(ordered, p) for p in PERCENTILES})
+    return out
+
+
+def summarize(records: Sequence, duration: float) -> dict:
+    ok = [r for r in records if r.error is None and r.e2e is not None]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1 and r.ttft is not None]
+    output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(max(r.prompt_tokens, 0) for r in ok)
+    return {
+        "completed": len(ok), "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_token_throughput": output_tokens / duration if duration else 0.0,
+        "total_token_throughput": (output_tokens + prompt_tokens) / duration if duration else 0.0,
+        "output_tokens": output_tokens,
+        "ttft_s": stats([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_s": stats(tpot),
+        "itl_s": stats([gap for r in ok for gap in r.itl]),
+        "e2e_s": stats([r.e2e for r in ok]),
+    }
+
+
+def latency_table(result: dict) -> str:
+    lines = [f"completed {result['completed']}, failed {result['failed']} in {result['duration_s']:.2f} s; "
+             f"{result['request_throughput']:.2f} req/s, output {result['output_token_throughput']:.1f} tok/s, "
+             f"total {result['total_token_throughput']:.1f} tok/s"]
+    lines.append(f"{'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        s = result[key]
+        lines.append(f"{label:<6}" + "".join(f"{1e3 * s[k]:10.1f}" for k in ("mean", "p50", "p90", "p99")))
+    if "preemptions" in result:
+        lines.append(f"preemptions {result['preemptions']:.0f}")
+    for err in result.get("errors", []):
+        lines.append(f"error: {err}")
+    return "\n".join(lines)
+
+
+def plot_run(result: dict, path: str, title: str = "") -> None:
+    """Latency per request in arrival order; KV usage / running / waiting over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    requests = sorted(result["requests"], key=lambda r: r["start"])
+    samples = result.get("metrics_samples", [])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7))
+    xs = list(range(len(requests)))
+    top.plot(xs, [r["e2e"] or 0 for r in requests], ".-", label="end-to-end")
+    top.plot(xs, [r["ttft"] or 0 for r in requests], ".-", label="TTFT")
+    top.set_xlabel("request (arrival order)")
+    top.set_ylabel("seconds")
+    top.legend()
+    top.set_title(title)
+    if samples:
+        t = [s["t"] for s in samples]
+        bottom.plot(t, [s.get("running", 0) for s in samples], label="running")
+        bottom.plot(t, [s.get("waiting", 0) for s in samples], label="waiting")
+        bottom.plot(t, [s.get("swapped", 0) for s in samples], label="swapped")
+        bottom.set_ylabel("requests")
+        kv = bottom.twinx()
+        kv.plot(t, [100 * s.get("kv_usage", 0) for s in samples], "k--", label="KV usage %")
+        kv.set_ylabel("KV usage %")
+        kv.set_ylim(0, 105)
+        kv.legend(loc="upper right")
+        bottom.legend(loc="upper left")
+    bottom.set_xlabel("seconds since start")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,177 @@
+"""``pagedserve bench serve``: drive a running server through its OpenAI API and measure it.
+
+Requests are streamed completions (``/v1/completions``, ``stream=True``): random token-id
+prompts of lengths uniform in a range, or the prompts of a JSONL file (``{"prompt": ...,
+"max_tokens": ...}`` per line). They arrive as a Poisson process at ``--request-rate``
+(default: all at once), at most ``--max-concurrency`` in flight. Reports TTFT, TPOT, ITL
+and end-to-end latency (mean, p50, p90, p99) and throughput; writes a JSON result and a
+PNG (latency per request in arrival order; KV usage, running and waiting from /metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from pagedserve.deploy.bench_report import latency_table, plot_run, summarize
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--model", help="served model name (default: the server's first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--dataset", help="JSONL of {prompt, max_tokens?}; replaces the random prompts")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson)")
+    p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-interval", type=float, default=0.5, help="seconds between /metrics scrapes")
+    p.add_argument("--output-json", default="bench-serve.json")
+    p.add_argument("--output-png", default="bench-serve.png")
+    p.add_argument("--no-progress", action="store_true")
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    prompt_tokens: int
+    max_tokens: int
+    start: float = 0.0  # seconds since the run began
+    ttft: Optional[float] = None
+    e2e: Optional[float] = None
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: Optional[str] = None
+
+
+def load_workload(ns: argparse.Namespace) -> list[tuple[object, int]]:
+    """(prompt, max_tokens) per request; a prompt is a string or a list of token ids."""
+    if ns.dataset:
+        out = []
+        with open(ns.dataset) as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    out.append((row["prompt"], int(row.get("max_tokens", ns.output_len))))
+        return out[: ns.num_prompts] if ns.num_prompts else out
+    rng = random.Random(ns.seed)
+    return [([rng.randrange(10, 500) for _ in range(rng.randint(*ns.input_len))], ns.output_len)
+            for _ in range(ns.num_prompts)]
+
+
+async def _one_request(client, ns, model: str, prompt, max_tokens: int, rec: RequestRecord, t0: float) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": ns.temperature,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    rec.start = time.perf_counter() - t0
+    sent = time.perf_counter()
+    last = sent
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    rec.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if rec.ttft is None:
+                    rec.ttft = now - sent
+                else:
+                    rec.itl.append(now - last)
+                last = now
+        rec.e2e = time.perf_counter() - sent
+    except Exception as exc:  # a failed request is reported, not fatal to the run
+        rec.error = f"{type(exc).__name__}: {exc}"
+
+
+def _parse_metrics(text: str) -> dict[str, float]:
+    wanted = {"pagedserve_kv_cache_usage_ratio": "kv_usage", "pagedserve_num_requests_running": "running",
+              "pagedserve_num_requests_waiting": "waiting", "pagedserve_num_requests_swapped": "swapped",
+              "pagedserve_num_preemptions_total": "preemptions"}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            out[wanted[name]] = float(value)
+    return out
+
+
+async def _scrape(client, ns, t0: float, samples: list[dict], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            resp = await client.get("/metrics")
+            samples.append({"t": time.perf_counter() - t0, **_parse_metrics(resp.text)})
+        except Exception:
+            pass  # a missed scrape is a gap in the plot, nothing more
+        try:
+            await asyncio.wait_for(stop.wait(), ns.metrics_interval)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_bench(ns: argparse.Namespace) -> dict:
+    import httpx
+    from tqdm.auto import tqdm
+
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=ns.url, headers=headers, timeout=httpx.Timeout(None),
+                                 limits=limits) as client:
+        model = ns.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        workload = load_workload(ns)
+        records = [RequestRecord(i, len(p) if isinstance(p, list) else -1, n) for i, (p, n) in enumerate(workload)]
+        samples: list[dict] = []
+        stop = asyncio.Event()
+        before = _parse_metrics((await client.get("/metrics")).text)
+        gate = asyncio.Semaphore(ns.max_concurrency or len(workload) or 1)
+        bar = tqdm(total=len(workload), desc="bench serve", unit="req", disable=ns.no_progress)
+        rng = random.Random(ns.seed + 1)
+        t0 = time.perf_counter()
+        scraper = asyncio.create_task(_scrape(client, ns, t0, samples, stop))
+
+        async def limited(rec: RequestRecord, prompt, max_tokens: int) -> None:
+            async with gate:
+                await _one_request(client, ns, model, prompt, max_tokens, rec, t0)
+            bar.update(1)
+
+        tasks = []
+        for rec, (prompt, max_tokens) in zip(records, workload):
+            tasks.append(asyncio.create_task(limited(rec, prompt, max_tokens)))
+            if ns.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(ns.request_rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        stop.set()
+        await scraper
+        bar.close()
+        after = _parse_metrics((await client.get("/metrics")).text)
+    result = summarize(records, duration)
+    result["preemptions"] = after.get("preemptions", 0) - before.get("preemptions", 0)
+    result["config"] = {k: v for k, v in vars(ns).items() if k not in ("run", "api_key")}
+    result["config"]["request_rate"] = str(ns.request_rate)
+    result["requests"] = [asdict(r) for r in records]
+    result["metrics_samples"] = samples
+    return result
+
+
+def main(ns: argparse.Namespace) -> int:
+    result = asyncio.run(run_bench(ns))
+    print(latency_table(result))
+    with open(ns.output_json, "w") as f:
+        json.dump(result, f, indent=1)
+    plot_run(result, ns.output_png, title=f"bench serve: {ns.url}")
+    print(f"wrote {ns.output_json} and {ns.output_png}")
+    return 0 if result["failed"] == 0 else 1

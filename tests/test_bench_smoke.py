@@ -1,0 +1,49 @@
+"""The benchmarks run end to end at small scale: bench serve against a real server, a scenario on the LLM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pagedserve.deploy.bench_cli import bench_main
+from server import Server
+
+pytestmark = pytest.mark.slow
+
+
+def run_bench(*args: str) -> int:
+    return bench_main(argparse.Namespace(bench_args=list(args)))
+
+
+def test_bench_serve_writes_a_json_result_and_a_png_plot(model_factory, tmp_path):
+    srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "64", "--max-model-len", "512"]).start(tmp_path)
+    try:
+        out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+        rc = run_bench("serve", "--url", srv.url, "--num-prompts", "6", "--input-len", "4", "12",
+                       "--output-len", "5", "--max-concurrency", "4", "--metrics-interval", "0.1",
+                       "--output-json", str(out_json), "--output-png", str(out_png), "--no-progress")
+    finally:
+        srv.stop()
+    assert rc == 0
+    result = json.loads(out_json.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["output_tokens"] == 30
+    assert all(r["output_tokens"] == 5 and len(r["itl"]) == 4 for r in result["requests"])
+    assert result["ttft_s"]["p50"] > 0 and result["e2e_s"]["p99"] >= result["e2e_s"]["p50"]
+    assert result["metrics_samples"] and "kv_usage" in result["metrics_samples"][0]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tight_kv_scenario_completes_every_request_and_counts_preemptions(model_factory, tmp_path):
+    out_json = tmp_path / "tight.json"
+    rc = run_bench("scenario", "tight-kv", "--model", model_factory("qwen2"), "--num-requests", "9",
+                   "--output-len", "24", "--output-json", str(out_json))
+    assert rc == 0
+    result = json.loads(out_json.read_text())
+    assert result["completed_all_tokens"] == 9 and result["failed"] == 0
+    assert result["num_gpu_blocks"] < result["blocks_needed_by_all"]
+    assert result["preemptions_recompute"] + result["preemptions_swap"] > 0
+    assert sum(r["preemptions"] for r in result["requests"]) == \
+        result["preemptions_recompute"] + result["preemptions_swap"]
