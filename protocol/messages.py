@@ -136,6 +136,7 @@ class WorkerHello(Msg):
     num_layers: int
     block_bytes: int  # bytes of one block across all layers, K and V, on this rank
     max_gpu_blocks: int  # what fits in the memory this worker may use
+    hostname: str = ""  # where ``pid`` lives: a scheduler watches only pids on its own node
 
 
 class WorkerInit(Msg):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from typing import Optional
 
@@ -47,6 +48,7 @@ class EngineLoop:
         self.trace = TraceWriter(cfg.record_trace) if cfg.record_trace else None
         self.scheduler: Optional[Scheduler] = None
         self.worker_pids: dict[int, int] = {}
+        self.remote_ranks: set[int] = set()
         self.needs_workers = True  # at start, and after a worker failure until the new ones are ready
         self.state = "starting"
         self.draining = False
@@ -99,6 +101,9 @@ class EngineLoop:
                 got[msg.rank] = msg
                 if isinstance(msg, m.WorkerHello):
                     self.worker_pids[msg.rank] = msg.pid
+                    if msg.hostname not in ("", socket.gethostname()):
+                        # a pid on another node says nothing here: the step timeout watches it
+                        self.remote_ranks.add(msg.rank)
                 continue
             now = time.monotonic()
             if now >= next_check:  # at most every 100 ms, even while stray frames pour in
@@ -113,6 +118,8 @@ class EngineLoop:
 
     def _check_worker_pids(self) -> None:
         for rank, pid in self.worker_pids.items():
+            if rank in self.remote_ranks:
+                continue
             try:
                 status = psutil.Process(pid).status()
             except psutil.NoSuchProcess:
@@ -160,6 +167,7 @@ class EngineLoop:
             self._send_deltas(self.scheduler.fail_all(why))
         self.restarts += 1
         self.worker_pids.clear()
+        self.remote_ranks.clear()
         self.results.recv_nowait()  # stale results from the old workers
         self.needs_workers = True
         self.to_supervisor.send(m.RestartWorkers(replica=self.cfg.replica, reason=reason))
@@ -232,9 +240,16 @@ class EngineLoop:
                     self.step(back_to_back=busy)
                 elif not busy:
                     self._check_worker_pids()  # a worker that dies while idle is replaced at once
+                    self._discard_stray_results()
                 self._send_stats()
             except WorkerFailure as exc:
                 self._recover(str(exc))
+
+    def _discard_stray_results(self) -> None:
+        """Nothing is expected from the workers while idle: read (and log) whatever came, so
+        stray frames neither pile up in memory nor sit ahead of the next step's results."""
+        for msg in self.results.recv_nowait():
+            log.warning("ignoring %s from a worker while idle", type(msg).__name__)
 
     def _wait_input(self) -> list:
         msg = self.inputs.recv(timeout_ms=self.cfg.stats_interval_s * 1000)

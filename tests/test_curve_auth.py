@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from pagedserve.protocol import messages as m
+from pagedserve.protocol.codec import encode
 from pagedserve.protocol.curve import CurveKeyError
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, TcpLayout, make_run_dir, write_tcp_layout
 
@@ -89,7 +90,7 @@ def test_only_a_client_with_the_deployment_keys_reaches_a_curve_socket(curve_run
         for sock in intruders:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(str(ep))
-            sock.send(m_encode(message(666)))
+            sock.send(encode(message(666)))
         # A peer that has only what a worker node gets (server.key + client.key_secret).
         worker_dir = tmp_path / "worker-node"
         (worker_dir / "curve").mkdir(parents=True)
@@ -123,9 +124,3 @@ def test_a_worker_node_missing_the_client_secret_key_is_told_which_file_to_copy(
             Sender(ctx, Endpoints(worker_dir).worker_results(0))
     finally:
         ctx.destroy(linger=0)
-
-
-def m_encode(msg) -> bytes:
-    from pagedserve.protocol.codec import encode
-
-    return encode(msg)

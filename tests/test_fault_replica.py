@@ -45,7 +45,9 @@ def _kill_and_watch(srv: Server, pid: int, sig: int, n: int = 16):
     assert wait_until(lambda: _both_replicas_ready(srv), 60), health(srv)
     clients = StreamingClients(srv, n, STREAM_TOKENS).start()
     assert clients.wait_all_streaming(60)
-    assert all(o.ended_at is None for o in clients.outcomes), "a request ended before the fault"
+    # On a busy machine the first streams may already be done by now; they must have completed.
+    early = [(o.index, o.status, o.finish_reason, o.error) for o in clients.outcomes if o.ended_at is not None]
+    assert all(finish == "length" and error is None for _, _, finish, error in early), early
     killed_at = time.monotonic()
     os.kill(pid, sig)
     return clients, killed_at

@@ -87,6 +87,20 @@ def test_two_data_parallel_replicas_share_many_concurrent_requests_and_answer_co
         per_replica = replica_generation_tokens(srv)
         assert set(per_replica) == {"0", "1"}
         assert min(per_replica.values()) >= 8 * 4, per_replica  # both served a real share, not one stray
+        # Streams and aborts follow the request to its replica: one stream per replica,
+        # each dropped after a few chunks, stops generating there.
+        c, name = client(srv), client(srv).models.list().data[0].id
+        streams = [c.completions.create(model=name, prompt=PROMPTS[1], max_tokens=400, temperature=0,
+                                        stream=True, extra_body={"ignore_eos": True}) for _ in range(2)]
+        for stream in streams:
+            for _, _chunk in zip(range(3), stream):
+                pass
+            stream.close()
+        replicas = lambda: httpx.get(srv.url + "/health").json()["replicas"]  # noqa: E731
+        assert wait_until(lambda: all(r["num_running"] == 0 and r["in_flight"] == 0 for r in replicas()), 60)
+        assert wait_until(lambda: all(replica_generation_tokens(srv)[r] > per_replica[r] for r in "01"), 10)
+        extra = {r: n - per_replica[r] for r, n in replica_generation_tokens(srv).items()}
+        assert all(0 < n < 400 for n in extra.values()), extra  # each stream was cut short on its replica
     finally:
         srv.stop()
     assert srv.proc.returncode == 0

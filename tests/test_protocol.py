@@ -38,7 +38,7 @@ SAMPLES = {
         m.Shutdown("bye"),
     ],
     m.WorkerToScheduler: [
-        m.WorkerHello(0, 123, "cpu", "Qwen2ForCausalLM:abcd", 2, 4096, 1000),
+        m.WorkerHello(0, 123, "cpu", "Qwen2ForCausalLM:abcd", 2, 4096, 1000, "node-1"),
         m.WorkerReady(0, 100, 10),
         m.StepResult(4, 0, ["a"], [11], [-0.25], None, 0.01, 0.001),
     ],

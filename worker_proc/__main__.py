@@ -9,6 +9,7 @@ import signal
 import sys
 from dataclasses import fields
 
+from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.worker import Worker, WorkerConfig
 
 
@@ -37,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)
-    worker = Worker(cfg)
+    try:
+        worker = Worker(cfg)
+    except UnsupportedModelError as exc:  # the operator's fix is in the message, not a traceback
+        logging.getLogger("pagedserve.worker").error("cannot serve %s: %s", cfg.model, exc)
+        return 2
     try:
         worker.run()
     except (KeyboardInterrupt, SystemExit):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -92,7 +93,7 @@ class Worker:
             rank=self.cfg.rank, pid=os.getpid(), device=str(self.runner.device),
             model_id=self.runner.model_id, num_layers=self.runner.num_layers,
             block_bytes=self.runner.block_bytes(block_size),
-            max_gpu_blocks=self.runner.max_gpu_blocks(block_size, budget))
+            max_gpu_blocks=self.runner.max_gpu_blocks(block_size, budget), hostname=socket.gethostname())
 
     def run(self) -> None:
         self.results.send(self.hello())

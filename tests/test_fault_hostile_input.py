@@ -1,0 +1,237 @@
+"""Hostile input through a real deployment: fuzzed frames on every internal socket a
+peer can reach, malformed HTTP of every kind, and the API key. Nothing crashes or hangs,
+every bad input gets a clear rejection, and greedy tokens stay exactly right."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from conftest import hf_greedy, hf_tokenizer
+from fault_helpers import health, pid_of
+from frame_fuzz import hostile_frames, oversized_frame
+from server import Server, wait_until
+
+from pagedserve.protocol import messages as m
+from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-fault-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 512
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def server(model_factory, tmp_path_factory):
+    srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN),
+                                          "--api-key", KEY]).start(tmp_path_factory.mktemp("hostile"))
+    yield srv
+    srv.stop()
+
+
+def greedy_text(srv: Server, max_tokens: int = 12) -> str:
+    r = httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=60, json={
+        "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def expected_text(srv: Server, max_tokens: int = 12) -> str:
+    tok = hf_tokenizer(srv.model)
+    return tok.decode(hf_greedy(srv.model, tok(PROMPT).input_ids, max_tokens), skip_special_tokens=True)
+
+
+def all_pids(srv: Server) -> dict:
+    return {role: pid_of(srv, role, -1 if role == "frontend" else 0) for role in ("frontend", "scheduler", "worker")}
+
+
+def test_the_api_key_guards_every_endpoint_but_health(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                         ("POST", "/v1/chat/completions")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
+                        {"Authorization": KEY}):
+            r = httpx.request(method, server.url + path, headers=headers, json={"prompt": "x"}, timeout=30)
+            assert r.status_code == 401, (method, path, headers, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
+
+
+def test_10000_fuzzed_frames_on_the_internal_sockets_crash_nothing_and_tokens_stay_right(server):
+    assert wait_until(lambda: "supervisor_pid" in health(server)[1], 30)
+    before_text, before_pids = greedy_text(server), all_pids(server)
+    assert before_text == expected_text(server)
+    (run_dir,) = Path(server.run_dir_parent).glob("pagedserve-*")
+    ep = Endpoints(run_dir)
+    # Every socket a local peer can push into: all are PULL sockets bound in the run dir. A
+    # worker's input is a PUSH the scheduler binds (a peer could only take frames from it),
+    # so the worker is fuzzed on its own in the next test.
+    targets = {"scheduler_inputs": ep.scheduler_inputs(0), "worker_results": ep.worker_results(0),
+               "frontend_outputs": ep.frontend_outputs(), "supervisor": ep.supervisor()}
+    ctx = zmq.Context()
+    try:
+        for seed, (channel, endpoint) in enumerate(targets.items()):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(endpoint)
+            for frame in hostile_frames(channel, 2500, seed):
+                sock.send(frame)
+            sock.close(linger=30_000)  # returns once every frame is handed over
+        for endpoint in targets.values():  # the receiver drops the connection that sent it
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(endpoint)
+            sock.send(oversized_frame())
+            sock.close(linger=30_000)
+    finally:
+        ctx.term()
+
+    def every_socket_has_rejected_most_frames() -> bool:
+        log = server.log_path.read_text(errors="replace")
+        return all(log.count(f"rejected frame on {endpoint}") > 2000 for endpoint in targets.values())
+
+    assert wait_until(every_socket_has_rejected_most_frames, 30)
+    assert wait_until(lambda: health(server)[0] == 200, 30)
+    assert greedy_text(server) == before_text
+    assert all_pids(server) == before_pids  # nothing crashed, nothing was restarted
+
+
+def _malformed_requests(name: str) -> list[tuple[str, str, dict]]:
+    """(method, path, httpx keyword arguments): each must get a 4xx with a JSON error."""
+    c, chat = "/v1/completions", "/v1/chat/completions"
+    js = {"content-type": "application/json", **AUTH}
+    ok_c = {"model": name, "prompt": "hi", "max_tokens": 2}
+    ok_chat = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases: list[tuple[str, str, dict]] = []
+    for raw in [b"{", b"[1, 2", b"\xff\xfe\x00", b"", b"null", b"123", b'"prompt"', b"[]", b"{}}",
+                b'{"prompt": "hi",}', b"{'prompt': 'hi'}", b"NaN"]:
+        cases += [("POST", c, {"content": raw, "headers": js}), ("POST", chat, {"content": raw, "headers": js})]
+    wrong = {"prompt": [123.5, {"a": 1}, None, True, [[1], [2]], [["a"]]], "max_tokens": ["5", 2.5, True, [1]],
+             "temperature": ["hot", [0], {}], "top_p": ["1", "x"], "n": ["2", 1.5],
+             "stream": ["yes", 1], "stop": [5, [1, 2], {"s": 1}], "seed": ["x", 1.5], "logprobs": ["x", 2.5],
+             "ignore_eos": ["no", 0], "top_k": ["3"], "min_tokens": ["1"], "stop_token_ids": ["1", [1.5]],
+             "stream_options": ["x", {"include_usage": "yes"}], "model": [5, ["m"]]}
+    for field, values in wrong.items():
+        for value in values:
+            cases.append(("POST", c, {"json": {**ok_c, field: value}, "headers": AUTH}))
+    for value in ["hi", [{"role": 1, "content": "x"}], [{"content": "x"}], [{"role": "user", "content": 5}],
+                  [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], [], None, {}]:
+        cases.append(("POST", chat, {"json": {**ok_chat, "messages": value}, "headers": AUTH}))
+    for body in [{}, {"model": name}, {"prompt": ""}, {"prompt": []}, {"prompt": [[]]}, {"prompt": ["a", "b"]}]:
+        cases.append(("POST", c, {"json": body, "headers": AUTH}))
+    cases.append(("POST", chat, {"json": {"model": name}, "headers": AUTH}))
+    out_of_range = {"max_tokens": [0, -1, 10**9, MAX_MODEL_LEN], "temperature": [-0.1, 2.5, 1e308],
+                    "top_p": [0.0, 1.5, -1], "top_k": [-2, -100], "n": [0, -1, 10**6], "min_tokens": [-1, 10**6],
+                    "logprobs": [-1, 100], "prompt": [[-1], [10**9], [2**70], [5] * (MAX_MODEL_LEN + 1)],
+                    "echo": [True]}
+    for field, values in out_of_range.items():
+        for value in values:
+            cases.append(("POST", c, {"json": {**ok_c, field: value}, "headers": AUTH}))
+    cases += [("POST", chat, {"json": {**ok_chat, "max_completion_tokens": 0}, "headers": AUTH}),
+              ("POST", chat, {"json": {**ok_chat, "top_logprobs": 99, "logprobs": True}, "headers": AUTH})]
+    for model in ["gpt-4", "", name + "x", name.upper() + "!"]:
+        cases += [("POST", c, {"json": {**ok_c, "model": model}, "headers": AUTH}),
+                  ("POST", chat, {"json": {**ok_chat, "model": model}, "headers": AUTH})]
+    huge = {"prompt": "hello " * (MAX_MODEL_LEN * 4), "max_tokens": 2}
+    cases += [("POST", c, {"json": {**ok_c, **huge}, "headers": AUTH}),
+              ("POST", chat, {"json": {**ok_chat, "messages": [{"role": "user", "content": huge["prompt"]}]},
+                              "headers": AUTH}),
+              ("POST", c, {"json": {**ok_c, "prompt": list(range(5, 5 + 20 * MAX_MODEL_LEN))}, "headers": AUTH})]
+    for method, path in [("GET", c), ("PUT", c), ("DELETE", chat), ("PATCH", chat), ("POST", "/v1/models"),
+                         ("POST", "/health"), ("GET", "/v1/nope"), ("POST", "/v2/completions"),
+                         ("GET", "/../../etc/passwd"), ("POST", c + "/extra"), ("GET", "/v1"), ("GET", "/")]:
+        cases.append((method, path, {"json": ok_c, "headers": AUTH}))
+    for ctype in ["text/plain", "application/x-www-form-urlencoded", "application/xml", "multipart/form-data"]:
+        cases.append(("POST", c, {"content": b"prompt=hi&max_tokens=2", "headers": {"content-type": ctype, **AUTH}}))
+    for headers in [{}, {"Authorization": "Bearer nope"}]:
+        cases.append(("POST", c, {"json": ok_c, "headers": headers}))
+    return cases
+
+
+def test_500_malformed_http_requests_get_4xx_json_errors_and_serving_continues(server):
+    name = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+    kinds = _malformed_requests(name)
+    assert len(kinds) > 120
+    rng = random.Random(0)
+    # The rest: random bytes, and random JSON objects that lack the one required field.
+    path = lambda: rng.choice(["/v1/completions", "/v1/chat/completions"])  # noqa: E731
+    junk_value = lambda: rng.choice([rng.random(), -rng.randrange(1 << 40), "x" * rng.randrange(50), None,  # noqa: E731
+                                     [rng.random()], {"k": rng.randrange(9)}, True])
+    fill = []
+    for i in range(500 - len(kinds)):
+        if i % 2:
+            fill.append(("POST", path(), {"content": rng.randbytes(rng.randrange(1, 300)),
+                                          "headers": {"content-type": "application/json", **AUTH}}))
+        else:
+            body = {rng.choice(["max_tokens", "n", "temperature", "stop", "model", "seed", "top_p", "x"]):
+                    junk_value() for _ in range(rng.randrange(1, 5))}
+            fill.append(("POST", path(), {"json": body, "headers": AUTH}))
+    cases = kinds + fill
+
+    def send(case):
+        method, path, kwargs = case
+        r = httpx.request(method, server.url + path, timeout=60, **kwargs)
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = None
+        return case, r.status_code, message, r.text[:200]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(send, cases))
+    bad = [(case[0], case[1], str(case[2])[:120], status, text)
+           for case, status, message, text in results if not (400 <= status < 500 and message)]
+    assert not bad, bad[:5]
+    assert greedy_text(server) == expected_text(server)
+
+
+def test_a_worker_rejects_fuzzed_frames_on_its_input_and_still_samples_the_right_token(model_factory, tmp_path):
+    """Stands in for the scheduler (the only peer that can reach a worker's input)."""
+    model = model_factory("qwen2")
+    run_dir = make_run_dir(str(tmp_path))
+    ep = Endpoints(run_dir)
+    ctx = zmq.Context()
+    to_worker = Sender(ctx, ep.worker_inputs(0, 0), bind=True)
+    results = Receiver(ctx, ep.worker_results(0), m.WorkerToScheduler)
+    supervisor = Receiver(ctx, ep.supervisor(), m.ToSupervisor)
+    log_path = tmp_path / "worker.log"
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.worker_proc", "--run-dir", str(run_dir),
+                             "--model", model, "--num-threads", "1"],
+                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    try:
+        assert isinstance(results.recv(timeout_ms=120_000), m.WorkerHello)
+        frames = hostile_frames("worker_inputs", 2000, seed=7)
+        for frame in frames:
+            to_worker.send_bytes(frame)
+        to_worker.send_bytes(oversized_frame()[:-2])  # just under the limit, still garbage
+        to_worker.send(m.WorkerInit(0, 1, 16, 8, 8, 64, 64, 8, 0))
+        assert isinstance(results.recv(timeout_ms=60_000), m.WorkerReady)
+        tok = hf_tokenizer(model)
+        prompt = tok(PROMPT).input_ids
+        greedy = m.SamplingParams(max_tokens=1, temperature=0.0)
+        blocks = list(range(-(-len(prompt) // 16)))
+        to_worker.send(m.SchedulerOutput(1, [m.NewRequestData("r", prompt, len(prompt), blocks, 0, len(prompt),
+                                                              greedy)], [], [], [], [], [], blocks, len(prompt)))
+        result = results.recv(timeout_ms=60_000)
+        assert result.error is None and result.sampled_token_ids == hf_greedy(model, prompt, 1)
+        # Well-formed but impossible (a block the cache does not have): an error result, no crash.
+        to_worker.send(m.SchedulerOutput(2, [m.NewRequestData("r2", prompt, len(prompt), [10**6], 0,
+                                                              len(prompt), greedy)], [], [], [], [], [], [], 1))
+        result = results.recv(timeout_ms=60_000)
+        assert result.step == 2 and result.error
+        assert proc.poll() is None
+        assert log_path.read_text(errors="replace").count("rejected frame") >= len(frames)
+    finally:
+        proc.kill()
+        proc.wait()
+        for s in (to_worker, results, supervisor):
+            s.close()
+        ctx.term()
