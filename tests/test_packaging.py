@@ -1,0 +1,53 @@
+"""The folders install under one namespace, both as a wheel and editable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ["protocol", "scheduler_proc", "worker_proc", "frontend_proc", "kernels", "deploy"]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(out)], check=True, capture_output=True)
+    return next(out.glob("pagedserve-*.whl"))
+
+
+def test_the_wheel_puts_nothing_but_pagedserve_in_site_packages(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"pagedserve", wheel.name.split("-py")[0] + ".dist-info"}
+    for pkg in PACKAGES:
+        assert f"pagedserve/{pkg}/__init__.py" in names
+    assert "pagedserve/worker_proc/models/causal_lm.py" in names
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
+    assert b"pagedserve = pagedserve.deploy.cli:main" in entry_points
+
+
+def test_an_installed_wheel_imports_every_package_from_site_packages(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    deps = sysconfig.get_paths()["purelib"]
+    # -S: no .pth files, so the editable install of this checkout cannot shadow the wheel
+    code = (f"import sys; sys.path[:0] = [{str(target)!r}, {deps!r}]\n"
+            + "".join(f"import pagedserve.{p}\n" for p in PACKAGES)
+            + "import pagedserve.deploy.cli as c; print(c.__file__)")
+    out = subprocess.run([sys.executable, "-S", "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.strip().startswith(str(target))
+
+
+def test_the_editable_install_maps_each_folder_into_the_namespace():
+    import pagedserve.kernels.reference
+    import pagedserve.protocol
+
+    assert Path(pagedserve.protocol.__file__).parent == ROOT / "protocol"
+    assert Path(pagedserve.kernels.reference.__file__).parent == ROOT / "kernels"
