@@ -13,7 +13,9 @@ import argparse
 import cProfile
 import pstats
 import random
+import statistics
 import time
+from collections import defaultdict
 
 import torch
 
@@ -33,11 +35,16 @@ def run(ns: argparse.Namespace) -> None:
     sched = Scheduler(cfg)
     rng = random.Random(0)
     sampling = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
-    for i in range(ns.num_prompts):
-        prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(*ns.input_len))]
+    lens = ns.prompt_lens or [rng.randint(*ns.input_len) for _ in range(ns.num_prompts)]
+    ns.num_prompts = len(lens)
+    for i, n in enumerate(lens):
+        prompt = [rng.randrange(3, 1000) for _ in range(n)]
         sched.add_request(AddRequest(request_id=f"r{i}", prompt_token_ids=prompt, sampling=sampling))
     t_sched = t_exec = 0.0
     steps = 0
+    # Worker ms per step by kind: ("decode", batch size) for pure-decode steps,
+    # ("prefill", tokens) for steps with any prefill chunk.
+    by_kind: dict[tuple[str, int], list[float]] = defaultdict(list)
     start = time.perf_counter()
     while sched.has_unfinished():
         t0 = time.perf_counter()
@@ -50,10 +57,20 @@ def run(ns: argparse.Namespace) -> None:
         t_sched += (t1 - t0) + (t3 - t2)
         t_exec += t2 - t1
         steps += 1
+        n_reqs = len(out.new_requests) + len(out.cached_requests)
+        if n_reqs:
+            decode_only = out.total_num_scheduled_tokens == n_reqs
+            kind = ("decode", n_reqs) if decode_only else ("prefill", out.total_num_scheduled_tokens)
+            by_kind[kind].append(1e3 * (t2 - t1))
     total = time.perf_counter() - start
     tokens = ns.num_prompts * ns.output_len
     print(f"{steps} steps, {total:.2f}s, {tokens / total:.0f} tok/s; scheduler {1e3 * t_sched / steps:.2f} ms/step, "
           f"worker execute {1e3 * t_exec / steps:.2f} ms/step (threads {torch.get_num_threads()})")
+    if ns.by_kind:
+        print("worker execute by step kind (median ms over steps of that kind):")
+        for (kind, n), times in sorted(by_kind.items()):
+            label = f"{n} decodes" if kind == "decode" else f"prefill, {n} tokens"
+            print(f"  {label:<24}{statistics.median(times):8.3f} ms  ({len(times)} steps)")
 
 
 def main() -> None:
@@ -61,9 +78,11 @@ def main() -> None:
     p.add_argument("model")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[16, 64])
+    p.add_argument("--prompt-lens", type=int, nargs="+", help="explicit prompt lengths (replaces the random ones)")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--by-kind", action="store_true", help="median worker ms per step kind (batch size, prefill)")
     p.add_argument("--threads", type=int)
     ns = p.parse_args()
     if ns.threads:

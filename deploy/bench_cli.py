@@ -25,5 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def bench_main(ns: argparse.Namespace) -> int:
     args = build_parser().parse_args(list(getattr(ns, "bench_args", None) or []))
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    for noisy in ("transformers", "httpx"):  # a line per HTTP request or CB step drowns the report
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     return args.run(args)

@@ -92,6 +92,8 @@ def plot_run(result: dict, path: str, title: str = "") -> None:
         kv.set_ylim(0, 105)
         kv.legend(loc="upper right")
         bottom.legend(loc="upper left")
+    else:
+        bottom.text(0.5, 0.5, "no /metrics samples (offline run)", ha="center", va="center")
     bottom.set_xlabel("seconds since start")
     fig.tight_layout()
     fig.savefig(path, dpi=90)

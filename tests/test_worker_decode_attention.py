@@ -1,4 +1,4 @@
-"""The batched pure-decode attention path equals kernels.reference.paged_attention."""
+"""The CPU attention paths (batched decodes, SDPA prefill chunks) equal kernels.reference.paged_attention."""
 
 from __future__ import annotations
 
@@ -6,55 +6,95 @@ import pytest
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.worker_proc.attention import attend, split_decodes
-from pagedserve.worker_proc.decode_attention import build_decode_mask, decode_attention
+from pagedserve.worker_proc.attention import attend, plan_cpu_attention
+from pagedserve.worker_proc.decode_attention import GatherWorkspace, build_decode_context, decode_attention
+
+BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 4, 8, 64
 
 
+def nan_cache_with_requests(seq_lens, kv_heads, generator):
+    """Caches full of NaN except the slots each request owns; block tables padded with block 0."""
+    k_cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, kv_heads, HEAD_DIM), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    permutation = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens)
+    tables = []
+    for seq_len in seq_lens:
+        blocks = [permutation.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
+        for pos in range(seq_len):
+            slot = (blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
+            k_cache[slot] = torch.randn(kv_heads, HEAD_DIM, generator=generator)
+            v_cache[slot] = torch.randn(kv_heads, HEAD_DIM, generator=generator)
+        tables.append(blocks + [0] * (max_blocks - len(blocks)))
+    return k_cache, v_cache, torch.tensor(tables, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("use_workspace", [False, True])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (4, 4), (6, 1)])
-def test_pure_decode_attention_matches_the_reference_over_stale_nan_slots(sliding_window, q_heads, kv_heads):
+def test_pure_decode_attention_matches_the_reference_over_stale_nan_slots(sliding_window, q_heads, kv_heads,
+                                                                         use_workspace):
     generator = torch.Generator().manual_seed(q_heads * 10 + kv_heads)
-    block_size, head_dim, num_blocks = 4, 8, 40
-    seq_lens = torch.tensor([1, 4, 5, 17, 30, 9], dtype=torch.int32)
-    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    permutation = torch.randperm(num_blocks, generator=generator).tolist()
-    max_blocks = -(-int(seq_lens.max()) // block_size)
-    tables = []
-    for seq_len in seq_lens.tolist():
-        blocks = [permutation.pop() for _ in range(-(-seq_len // block_size))]
-        for pos in range(seq_len):  # only the slots a request owns hold real data
-            slot = (blocks[pos // block_size], pos % block_size)
-            k_cache[slot] = torch.randn(kv_heads, head_dim, generator=generator)
-            v_cache[slot] = torch.randn(kv_heads, head_dim, generator=generator)
-        tables.append(blocks + [0] * (max_blocks - len(blocks)))
-    block_tables = torch.tensor(tables, dtype=torch.int32)
-    query = torch.randn(len(seq_lens), q_heads, head_dim, generator=generator)
+    seq_lens = [1, 4, 5, 17, 30, 9]
+    k_cache, v_cache, block_tables = nan_cache_with_requests(seq_lens, kv_heads, generator)
+    query = torch.randn(len(seq_lens), q_heads, HEAD_DIM, generator=generator)
     query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
-    scale = head_dim**-0.5
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = HEAD_DIM**-0.5
 
     expected = reference.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
-                                         seq_lens, scale, sliding_window)
-    mask = build_decode_mask(seq_lens, int(seq_lens.max()), sliding_window)
-    got = decode_attention(query, k_cache, v_cache, block_tables, scale, mask)
-    assert not torch.isnan(got).any()
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+                                         lens, scale, sliding_window)
+    context = build_decode_context(lens, block_tables, BLOCK_SIZE, sliding_window)
+    context.workspace = GatherWorkspace() if use_workspace else None
+    for _ in range(2):  # a reused workspace gives the same answer
+        got = decode_attention(query, k_cache, v_cache, scale, context)
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_a_mixed_batch_split_into_decodes_and_prefill_chunks_matches_the_reference():
-    generator = torch.Generator().manual_seed(1)
-    block_size, q_heads, kv_heads, head_dim = 4, 4, 2, 8
-    num_scheduled = [1, 6, 1, 0, 3, 1]
-    seq_lens = [9, 6, 14, 5, 12, 1]
-    k_cache = torch.randn(32, block_size, kv_heads, head_dim, generator=generator)
-    v_cache = torch.randn(32, block_size, kv_heads, head_dim, generator=generator)
-    block_tables = torch.randperm(32, generator=generator)[:24].view(6, 4).int()
+@pytest.mark.parametrize("sliding_window", [None, 3, 7])
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (6, 1), (2, 2)])
+def test_a_mixed_batch_of_decodes_fresh_prompts_and_chunks_after_cached_context_matches_the_reference(
+        sliding_window, q_heads, kv_heads):
+    generator = torch.Generator().manual_seed(q_heads + 7 * kv_heads)
+    # decode, fresh prompt, decode, idle, chunk after 9 cached tokens, decode, fresh 1-block prompt
+    num_scheduled = [1, 6, 1, 0, 3, 1, 13]
+    seq_lens = [9, 6, 14, 5, 12, 1, 13]
+    k_cache, v_cache, block_tables = nan_cache_with_requests(seq_lens, kv_heads, generator)
     query_start_loc = [0]
     for n in num_scheduled:
         query_start_loc.append(query_start_loc[-1] + n)
-    query = torch.randn(query_start_loc[-1], q_heads, head_dim, generator=generator)
+    total = query_start_loc[-1]
+    query = torch.randn(total, q_heads, HEAD_DIM, generator=generator)
+    # This step's own K/V rows, as the layer passes them: what write_kv put in the cache.
+    key = torch.empty(total, kv_heads, HEAD_DIM)
+    value = torch.empty_like(key)
+    for b, (n, seq_len) in enumerate(zip(num_scheduled, seq_lens)):
+        for i, pos in enumerate(range(seq_len - n, seq_len)):
+            slot = (int(block_tables[b, pos // BLOCK_SIZE]), pos % BLOCK_SIZE)
+            key[query_start_loc[b] + i] = k_cache[slot]
+            value[query_start_loc[b] + i] = v_cache[slot]
     args = (k_cache, v_cache, block_tables, torch.tensor(query_start_loc, dtype=torch.int32),
-            torch.tensor(seq_lens, dtype=torch.int32), 0.3, 3)
-    split = split_decodes(num_scheduled, query_start_loc, seq_lens, block_tables)
-    got = attend(reference, query, *args, split)
+            torch.tensor(seq_lens, dtype=torch.int32), 0.3, sliding_window)
+    plan = plan_cpu_attention(num_scheduled, query_start_loc, seq_lens, block_tables, BLOCK_SIZE, GatherWorkspace())
+    got = attend(reference, query, key, value, *args, plan)
+    assert not torch.isnan(got).any()
     torch.testing.assert_close(got, reference.paged_attention(query, *args), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 4])
+def test_a_step_of_one_fresh_prompt_reads_its_own_rows_not_the_cache(sliding_window):
+    generator = torch.Generator().manual_seed(3)
+    seq_len, q_heads, kv_heads = 10, 4, 2
+    k_cache, v_cache, block_tables = nan_cache_with_requests([seq_len], kv_heads, generator)
+    rows = [(int(block_tables[0, p // BLOCK_SIZE]), p % BLOCK_SIZE) for p in range(seq_len)]
+    key = torch.stack([k_cache[r] for r in rows])
+    value = torch.stack([v_cache[r] for r in rows])
+    query = torch.randn(seq_len, q_heads, HEAD_DIM, generator=generator)
+    args = (block_tables, torch.tensor([0, seq_len], dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32),
+            0.3, sliding_window)
+    expected = reference.paged_attention(query, k_cache, v_cache, *args)
+    plan = plan_cpu_attention([seq_len], [0, seq_len], [seq_len], block_tables, BLOCK_SIZE)
+    poisoned = torch.full_like(k_cache, float("nan"))  # the cache is not read at all
+    got = attend(reference, query, key, value, poisoned, poisoned, *args, plan)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

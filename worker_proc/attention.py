@@ -1,10 +1,10 @@
-"""Attention dispatch for one layer: decodes through the batched path on CPU, the rest through the kernel.
+"""Attention dispatch for one layer: on CPU, batched decodes and SDPA prefill chunks; elsewhere the kernel.
 
-On CPU, kernels.reference.paged_attention loops over requests in Python, which dominates
-a step of many short decodes. So the requests that decode one token go through
-decode_attention in one batched call, and only the others (prefill chunks) go through
-ops.paged_attention, as a smaller ragged batch. On other devices everything goes to the
-kernel. The split is computed once per step and shared by every layer.
+On CPU, kernels.reference.paged_attention loops over requests in Python and expands K/V
+per query head, which dominates a step. So the requests that decode one token go through
+decode_attention in one batched call, and each prefill chunk through one
+scaled_dot_product_attention call (prefill_attention). On other devices everything goes
+to the kernel. The plan is computed once per step and shared by every layer.
 """
 
 from __future__ import annotations
@@ -15,69 +15,67 @@ from typing import Optional
 
 import torch
 
-from pagedserve.worker_proc.decode_attention import DecodeMask, build_decode_mask, decode_attention
+from pagedserve.worker_proc.decode_attention import (DecodeContext, GatherWorkspace, build_decode_context,
+                                                     decode_attention)
+from pagedserve.worker_proc.prefill_attention import PrefillChunk, plan_prefill_chunk, prefill_attention
 
 
 @dataclass(slots=True)
-class DecodeSplit:
-    decode_rows: torch.Tensor  # [D] long: token rows (one per request) that decode
-    decode_block_tables: torch.Tensor
-    decode_seq_lens: torch.Tensor
-    decode_max_len: int
-    # The rest of the batch as its own ragged batch; None when every request decodes.
-    other_rows: Optional[torch.Tensor] = None
-    other_block_tables: Optional[torch.Tensor] = None
-    other_query_start_loc: Optional[torch.Tensor] = None
-    other_seq_lens: Optional[torch.Tensor] = None
-    masks: dict[Optional[int], DecodeMask] = field(default_factory=dict)
+class CpuAttentionPlan:
+    block_size: int
+    decode_rows: Optional[torch.Tensor]  # [D] long: token rows (one per request) that decode; None if none
+    decode_block_tables: Optional[torch.Tensor]
+    decode_seq_lens: Optional[torch.Tensor]
+    all_decode: bool  # every row of the batch is a decode, in order
+    chunks: list[PrefillChunk]  # the requests with more than one query
+    workspace: Optional[GatherWorkspace] = None
+    contexts: dict[Optional[int], DecodeContext] = field(default_factory=dict)
 
-    def mask(self, sliding_window: Optional[int]) -> DecodeMask:
-        if sliding_window not in self.masks:
-            self.masks[sliding_window] = build_decode_mask(self.decode_seq_lens, self.decode_max_len, sliding_window)
-        return self.masks[sliding_window]
+    def decode_context(self, sliding_window: Optional[int]) -> DecodeContext:
+        if sliding_window not in self.contexts:
+            context = build_decode_context(self.decode_seq_lens, self.decode_block_tables, self.block_size,
+                                           sliding_window)
+            context.workspace = self.workspace
+            self.contexts[sliding_window] = context
+        return self.contexts[sliding_window]
 
 
-def split_decodes(num_scheduled: list[int], query_start_loc: list[int], seq_lens: list[int],
-                  block_tables: torch.Tensor) -> Optional[DecodeSplit]:
-    """Separate one-token requests from the rest (CPU tensors); None when none decodes."""
+def plan_cpu_attention(num_scheduled: list[int], query_start_loc: list[int], seq_lens: list[int],
+                       block_tables: torch.Tensor, block_size: int,
+                       workspace: Optional[GatherWorkspace] = None) -> CpuAttentionPlan:
+    """Separate one-token requests from prefill chunks (CPU tensors)."""
     decoding = [b for b, n in enumerate(num_scheduled) if n == 1]
-    if not decoding:
-        return None
-    others = [b for b, n in enumerate(num_scheduled) if n > 1]
-    split = DecodeSplit(
-        decode_rows=torch.tensor([query_start_loc[b] for b in decoding], dtype=torch.long),
-        decode_block_tables=block_tables[decoding],
-        decode_seq_lens=torch.tensor([seq_lens[b] for b in decoding], dtype=torch.int32),
-        decode_max_len=max(seq_lens[b] for b in decoding),
-    )
-    if others:
-        rows: list[int] = []
-        starts = [0]
-        for b in others:
-            rows += range(query_start_loc[b], query_start_loc[b + 1])
-            starts.append(len(rows))
-        split.other_rows = torch.tensor(rows, dtype=torch.long)
-        split.other_block_tables = block_tables[others]
-        split.other_query_start_loc = torch.tensor(starts, dtype=torch.int32)
-        split.other_seq_lens = torch.tensor([seq_lens[b] for b in others], dtype=torch.int32)
-    return split
+    chunks = [plan_prefill_chunk(query_start_loc[b], query_start_loc[b + 1], seq_lens[b], block_tables[b], block_size)
+              for b, n in enumerate(num_scheduled) if n > 1]
+    plan = CpuAttentionPlan(block_size, None, None, None, not chunks and len(decoding) == len(num_scheduled), chunks,
+                            workspace)
+    if decoding:
+        all_rows = len(decoding) == len(num_scheduled)
+        plan.decode_rows = torch.tensor([query_start_loc[b] for b in decoding], dtype=torch.long)
+        plan.decode_block_tables = block_tables if all_rows else block_tables[decoding]
+        plan.decode_seq_lens = torch.tensor([seq_lens[b] for b in decoding], dtype=torch.int32)
+    return plan
 
 
-def attend(ops: ModuleType, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-           scale: float, sliding_window: Optional[int], split: Optional[DecodeSplit]) -> torch.Tensor:
-    """paged_attention's contract: query [T, heads, dim] over the step's ragged batch."""
-    if split is None:
+def attend(ops: ModuleType, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+           scale: float, sliding_window: Optional[int], plan: Optional[CpuAttentionPlan]) -> torch.Tensor:
+    """paged_attention's contract: query [T, heads, dim] over the step's ragged batch.
+
+    key/value are this step's rows [T, kv_heads, dim], already written to the cache.
+    """
+    if plan is None:
         return ops.paged_attention(query.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
                                    seq_lens, scale, sliding_window)
-    mask = split.mask(sliding_window)
-    if split.other_rows is None and split.decode_rows.numel() == query.shape[0]:
-        return decode_attention(query, k_cache, v_cache, split.decode_block_tables, scale, mask)
+    if plan.all_decode:
+        return decode_attention(query, k_cache, v_cache, scale, plan.decode_context(sliding_window))
+    if plan.decode_rows is None and len(plan.chunks) == 1 and plan.chunks[0].end - plan.chunks[0].start == query.shape[0]:
+        return prefill_attention(query, key, value, k_cache, v_cache, plan.chunks[0], scale, sliding_window)
     out = torch.empty_like(query)
-    out[split.decode_rows] = decode_attention(query[split.decode_rows], k_cache, v_cache,
-                                              split.decode_block_tables, scale, mask)
-    if split.other_rows is not None:
-        out[split.other_rows] = ops.paged_attention(
-            query[split.other_rows], k_cache, v_cache, split.other_block_tables,
-            split.other_query_start_loc, split.other_seq_lens, scale, sliding_window)
+    if plan.decode_rows is not None:
+        out[plan.decode_rows] = decode_attention(query[plan.decode_rows], k_cache, v_cache, scale,
+                                                 plan.decode_context(sliding_window))
+    for c in plan.chunks:
+        out[c.start:c.end] = prefill_attention(query[c.start:c.end], key[c.start:c.end], value[c.start:c.end],
+                                               k_cache, v_cache, c, scale, sliding_window)
     return out

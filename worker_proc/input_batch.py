@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from pagedserve.protocol.messages import SamplingParams
-from pagedserve.worker_proc.attention import DecodeSplit, split_decodes
+from pagedserve.worker_proc.attention import CpuAttentionPlan, plan_cpu_attention
+from pagedserve.worker_proc.decode_attention import GatherWorkspace
 
 
 class BatchError(ValueError):
@@ -48,13 +49,14 @@ class StepBatch:
     seq_lens: torch.Tensor  # [B] int32: context + this step's tokens
     sample_indices: torch.Tensor  # [S] long: rows whose hidden state is sampled
     sampled_requests: list[RequestState]
-    decode_split: Optional[DecodeSplit]  # CPU only: one-token requests take the batched path
+    attention_plan: Optional[CpuAttentionPlan]  # CPU only: batched decodes, SDPA prefill chunks
 
 
 def build_step_batch(
-    requests: list[RequestState], block_size: int, device: torch.device, batched_decodes: bool
+    requests: list[RequestState], block_size: int, device: torch.device, batched_decodes: bool,
+    workspace: Optional[GatherWorkspace] = None,
 ) -> StepBatch:
-    """``batched_decodes``: route one-token requests to the batched decode path (CPU only)."""
+    """``batched_decodes``: plan the CPU attention paths (batched decodes, SDPA prefill chunks)."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_start_loc = [0]
@@ -102,6 +104,6 @@ def build_step_batch(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
         sample_indices=torch.tensor(sample_rows, dtype=torch.long).to(device),
         sampled_requests=sampled,
-        decode_split=split_decodes(num_scheduled, query_start_loc, seq_lens, block_tables)
+        attention_plan=plan_cpu_attention(num_scheduled, query_start_loc, seq_lens, block_tables, block_size, workspace)
         if batched_decodes else None,
     )

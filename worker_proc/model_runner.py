@@ -16,6 +16,7 @@ import torch
 
 from pagedserve.kernels.ops import select_ops
 from pagedserve.protocol.messages import SchedulerOutput, StepResult, WorkerInit
+from pagedserve.worker_proc.decode_attention import GatherWorkspace
 from pagedserve.worker_proc.input_batch import BatchError, RequestState, build_step_batch
 from pagedserve.worker_proc.kv_cache import KVCache, block_bytes, max_num_blocks
 from pagedserve.worker_proc.model_config import load_model_spec
@@ -46,6 +47,7 @@ class ModelRunner:
         self._requests: dict[str, RequestState] = {}
         self._cache: Optional[KVCache] = None
         self._seed = 0
+        self._gather_workspace = GatherWorkspace()  # CPU decode attention's K/V gather buffers
 
     # ------------------------------------------------------------------ description
 
@@ -110,7 +112,7 @@ class ModelRunner:
             scheduled = self._update_requests(out)
             if scheduled:
                 batch = build_step_batch(scheduled, cache.block_size, self.device,
-                                         batched_decodes=self.device.type == "cpu")
+                                         batched_decodes=self.device.type == "cpu", workspace=self._gather_workspace)
                 hidden = self.model.forward(batch, cache.device_cache, self.ops)
                 if self.rank == 0 and batch.sampled_requests:
                     logits = self.model.compute_logits(hidden[batch.sample_indices])

@@ -93,8 +93,8 @@ class DecoderLayer:
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        attn = attend(ops, q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                      self.scale, self.sliding_window, batch.decode_split)
+        attn = attend(ops, q, k, v, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                      self.scale, self.sliding_window, batch.attention_plan)
         out = self.shard.all_reduce(F.linear(attn.reshape(num_tokens, self.q_size), self.o_weight))
         if self.o_bias is not None:
             out = out + self.o_bias
