@@ -227,6 +227,10 @@ def test_a_worker_rejects_fuzzed_frames_on_its_input_and_still_samples_the_right
                                                               len(prompt), greedy)], [], [], [], [], [], [], 1))
         result = results.recv(timeout_ms=60_000)
         assert result.step == 2 and result.error
+        # A replayed (duplicated) step is refused, never run twice.
+        to_worker.send(m.SchedulerOutput(2, [], [], [], [], [], [], [], 0))
+        result = results.recv(timeout_ms=60_000)
+        assert result.step == 2 and "after step 2" in result.error
         assert proc.poll() is None
         assert log_path.read_text(errors="replace").count("rejected frame") >= len(frames)
     finally:

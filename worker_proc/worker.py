@@ -64,6 +64,10 @@ def _default_cpu_threads(cfg: WorkerConfig) -> Optional[int]:
     return max(1, (cores - 1) // cfg.tp_size)
 
 
+class StepOrderError(RuntimeError):
+    """A SchedulerOutput whose step number does not increase."""
+
+
 class Worker:
     def __init__(self, cfg: WorkerConfig, ctx: Optional[zmq.Context] = None):
         from pagedserve.worker_proc.model_runner import ModelRunner
@@ -97,6 +101,7 @@ class Worker:
 
     def run(self) -> None:
         self.results.send(self.hello())
+        last_step = 0
         sent_at = time.perf_counter()
         while True:
             msg = self.inputs.recv()
@@ -117,6 +122,9 @@ class Worker:
             for req in msg.new_requests if self.cfg.debug_sampling_seed_offset else ():
                 req.sampling.seed = (req.sampling.seed or 0) + self.cfg.debug_sampling_seed_offset
             try:
+                if msg.step <= last_step:  # a replayed or duplicated frame: never run a step twice
+                    raise StepOrderError(f"step {msg.step} arrived after step {last_step}")
+                last_step = msg.step
                 result = self.runner.execute(msg)
             except Exception as exc:  # reported to the scheduler, which restarts the replica
                 log.error("step %d failed:\n%s", msg.step, traceback.format_exc())
