@@ -38,3 +38,52 @@ def test_a_trace_recorded_through_the_server_replays_exactly_both_ways(model_fac
     model = model_factory(gen.GOLDEN_MODEL["arch"], seed=gen.GOLDEN_MODEL["seed"])
     steps, tokens = replay_workers(path, model, "cpu", num_threads=1)
     assert steps == report.steps and tokens > 0
+
+
+def test_a_tensor_parallel_trace_with_a_lost_worker_replays_exactly_both_ways(model_factory, tmp_path):
+    import threading
+
+    import httpx
+    import psutil
+
+    from server import Server, wait_until
+
+    model = model_factory("qwen2")
+    path = tmp_path / "tp.trace"
+    srv = Server(model, ["--tensor-parallel-size", "2", "--num-gpu-blocks", "64", "--num-threads", "1",
+                         "--record-trace", str(path)]).start(tmp_path)
+    try:
+        body = {"model": Path(model).name, "prompt": "Hello, world!", "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=120).status_code == 200
+        long_done = threading.Event()
+
+        def long_stream():
+            try:
+                with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,
+                                  json={**body, "max_tokens": 1000, "stream": True}) as r:
+                    for _ in r.iter_lines():
+                        pass
+            except httpx.HTTPError:
+                pass
+            long_done.set()
+
+        threading.Thread(target=long_stream, daemon=True).start()
+        rank1 = [p for p in psutil.process_iter(["cmdline"])
+                 if "pagedserve.worker_proc" in " ".join(p.info["cmdline"] or [])
+                 and srv.run_dir_parent in " ".join(p.info["cmdline"])
+                 and "--rank 1" in " ".join(p.info["cmdline"])]
+        assert len(rank1) == 1
+        assert wait_until(lambda: path.stat().st_size > 20_000, 60)  # the long request is decoding
+        rank1[0].kill()
+        assert long_done.wait(60)
+        assert wait_until(lambda: httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+                          .status_code == 200, 60)
+    finally:
+        srv.stop()
+    summary = summarize_trace(read_trace(str(path)))
+    assert summary.worker_failures == 1 and read_trace(str(path)).meta["config"]["tp_size"] == 2
+    report = replay_scheduler(str(path))
+    assert report.ok, report.mismatch
+    steps, tokens = replay_workers(str(path), model, "cpu", num_threads=1)
+    assert steps == report.steps and tokens > 0
