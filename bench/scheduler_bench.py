@@ -17,6 +17,7 @@ traced Python memory and RSS growth between an early and the final sample.
 from __future__ import annotations
 
 import argparse
+import statistics
 import gc
 import random
 import time
@@ -61,10 +62,11 @@ def add(sched: Scheduler, request_id: str, prompt_len: int, max_tokens: int, rng
                                  sampling=SamplingParams(max_tokens=max_tokens, seed=1)))
 
 
-def steady_decode_cost(num_seqs: int, block_size: int, prefix: bool, steps: int, collect: bool = True) -> float:
+def steady_decode_cost(num_seqs: int, block_size: int, prefix: bool, steps: int, collect: bool = True,
+                       warmup: int = 50) -> float:
     """Microseconds per running sequence per step once all ``num_seqs`` are decoding."""
     rng = random.Random(0)
-    max_len = 1024 + steps + 64
+    max_len = 1024 + steps + warmup + 64
     blocks = num_seqs * (-(-max_len // block_size)) + 16
     config = SchedulerConfig(block_size=block_size, num_gpu_blocks=blocks, max_num_seqs=num_seqs,
                              max_num_batched_tokens=num_seqs * 1100, max_model_len=max_len,
@@ -72,8 +74,10 @@ def steady_decode_cost(num_seqs: int, block_size: int, prefix: bool, steps: int,
     sched = Scheduler(config)
     driver = FakeDriver()
     for i in range(num_seqs):
-        add(sched, f"req-{i}", rng.randint(100, 1024), steps + 32, rng)
-    for _ in range(3):  # prefill, then the first decodes
+        add(sched, f"req-{i}", rng.randint(100, 1024), steps + warmup + 32, rng)
+    # Prefill, then untimed decodes: the first steps at a new size grow the heap (page
+    # faults on fresh memory), which a serving process pays once, not every step.
+    for _ in range(3 + warmup):
         out = sched.schedule()
         sched.update_from_output(out, driver.step(out))
     assert sched.stats()["num_running"] == num_seqs
@@ -102,8 +106,11 @@ def table(steps: int) -> None:
     for block_size in (16, 256):
         for prefix in (False, True):
             for num_seqs in (256, 1024, 4096):
-                cost = steady_decode_cost(num_seqs, block_size, prefix, steps)
-                paused = steady_decode_cost(num_seqs, block_size, prefix, steps, collect=False)
+                # median of 3 runs: single runs on a shared machine swing by 2x
+                cost = statistics.median(steady_decode_cost(num_seqs, block_size, prefix, steps)
+                                         for _ in range(3))
+                paused = statistics.median(steady_decode_cost(num_seqs, block_size, prefix, steps, collect=False)
+                                           for _ in range(3))
                 results[(num_seqs, block_size, prefix)] = (cost, paused)
                 print(f"| {num_seqs:7d} | {block_size:10d} | {'on' if prefix else 'off':^12} | {cost:10.3f} "
                       f"| {paused:9.3f} |", flush=True)
