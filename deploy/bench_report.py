@@ -65,7 +65,11 @@ def latency_table(result: dict) -> str:
 
 def plot_run(result: dict, path: str, title: str = "") -> None:
     """Latency per request in arrival order; KV usage / running / waiting over time."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the numbers are already printed and saved; only the picture is missing
+        print(f"no plot written to {path}: matplotlib is not installed (pip install 'pagedserve[bench]')")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
