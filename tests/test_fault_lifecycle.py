@@ -70,3 +70,19 @@ def test_sigterm_finishes_the_request_in_flight_refuses_new_ones_then_exits(mode
         assert wait_until(lambda: not pagedserve_processes(srv.run_dir_parent), 5)
     finally:
         srv.stop()
+
+
+def test_a_killed_frontend_is_restarted_on_the_same_port_and_serves_again(model_factory, tmp_path):
+    srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "64"]).start(tmp_path)
+    try:
+        before = [p["pid"] for p in processes(srv, "frontend")]
+        assert len(before) == 1
+        scheduler = pid_of(srv, "scheduler", 0)
+        os.kill(before[0], signal.SIGKILL)
+        assert wait_until(lambda: serves_a_request(srv), 60)
+        after = [p["pid"] for p in processes(srv, "frontend")]
+        assert after and after != before
+        assert pid_of(srv, "scheduler", 0) == scheduler  # the replica was not touched
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0
