@@ -75,13 +75,13 @@ def test_sigterm_finishes_the_request_in_flight_refuses_new_ones_then_exits(mode
 def test_a_killed_frontend_is_restarted_on_the_same_port_and_serves_again(model_factory, tmp_path):
     srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "64"]).start(tmp_path)
     try:
+        # the supervisor's process table reaches /health once a second
+        assert wait_until(lambda: len(processes(srv, "frontend")) == 1, 30)
         before = [p["pid"] for p in processes(srv, "frontend")]
-        assert len(before) == 1
         scheduler = pid_of(srv, "scheduler", 0)
         os.kill(before[0], signal.SIGKILL)
         assert wait_until(lambda: serves_a_request(srv), 60)
-        after = [p["pid"] for p in processes(srv, "frontend")]
-        assert after and after != before
+        assert wait_until(lambda: [p["pid"] for p in processes(srv, "frontend")] not in ([], before), 30)
         assert pid_of(srv, "scheduler", 0) == scheduler  # the replica was not touched
     finally:
         srv.stop()
