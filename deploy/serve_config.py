@@ -43,6 +43,7 @@ class ServeConfig:
     record_trace: Optional[str] = None
     step_timeout_s: float = 60.0
     replica_timeout_s: float = 5.0
+    scheduler_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0
     max_restarts: int = 5
     restart_window_s: float = 300.0
@@ -190,6 +191,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-trace", metavar="PATH", help="record the protocol to a trace file")
     p.add_argument("--step-timeout-s", type=float, default=60.0, help="a step slower than this is a hung worker")
     p.add_argument("--replica-timeout-s", type=float, default=5.0)
+    p.add_argument("--scheduler-timeout-s", type=float, default=30.0,
+                   help="a scheduler silent for this long (alive but no heartbeat) is hung and restarted")
     p.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM grace period")
     p.add_argument("--max-restarts", type=int, default=5)
     p.add_argument("--restart-window-s", type=float, default=300.0)

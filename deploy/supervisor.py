@@ -55,6 +55,7 @@ class Supervisor:
         self.restart_what: dict[int, str] = {}  # replica -> "workers" | "replica"
         self.worker_dead_since: dict[int, float] = {}  # replica -> when a dead worker was first seen
         self.failed: set[int] = set()
+        self.last_heartbeat: dict[int, float] = {}  # replica -> when its scheduler last said so
         self.stop_requested = False
         self.last_publish = 0.0
 
@@ -83,6 +84,7 @@ class Supervisor:
 
     def _spawn_replica(self, replica: int) -> None:
         self.schedulers[replica] = spawn("scheduler", replica, 0, self.cfg.scheduler_cmd(self.run_dir, replica))
+        self.last_heartbeat[replica] = time.monotonic()  # startup counts against the timeout too
         self._spawn_workers(replica)
 
     def start(self, timeout_s: float = 600.0) -> None:
@@ -105,6 +107,8 @@ class Supervisor:
             msg = self.ctrl.recv(timeout_ms=200)
             if isinstance(msg, m.ProcessReady):
                 expected.discard((msg.role, msg.replica, msg.rank))
+            elif isinstance(msg, m.Heartbeat):
+                self.last_heartbeat[msg.replica] = time.monotonic()
         log.info("pagedserve ready on http://%s:%d (model %s, %d replica(s) x %d worker(s), run dir %s)",
                  self.cfg.host, self.cfg.port, self.cfg.served_model_name,
                  self.cfg.data_parallel_size, self.cfg.tensor_parallel_size, self.run_dir)
@@ -169,6 +173,11 @@ class Supervisor:
             if sched.popen.poll() is not None and replica not in self.pending_restart and replica not in self.failed:
                 self._schedule_restart(replica, "replica", f"scheduler exited with code {sched.popen.returncode}")
         now = time.monotonic()
+        for replica, sched in self.schedulers.items():
+            silent = now - self.last_heartbeat.get(replica, now)
+            if (silent > self.cfg.scheduler_timeout_s and sched.popen.poll() is None
+                    and replica not in self.pending_restart and replica not in self.failed):
+                self._schedule_restart(replica, "replica", f"scheduler alive but silent for {silent:.1f}s (hung)")
         for replica, workers in self.workers.items():
             dead = [w for w in workers if w.popen.poll() is not None]
             if not dead or replica in self.pending_restart or replica in self.failed:
@@ -200,6 +209,8 @@ class Supervisor:
                 log.warning("ignoring RestartWorkers for unknown replica %d", msg.replica)
             else:
                 self._schedule_restart(msg.replica, "workers", msg.reason)
+        elif isinstance(msg, m.Heartbeat):
+            self.last_heartbeat[msg.replica] = time.monotonic()
         elif isinstance(msg, m.ProcessFailed):
             log.error("%s %d.%d reported failure: %s", msg.role, msg.replica, msg.rank, msg.reason)
 

@@ -236,10 +236,18 @@ class RestartWorkers(Msg):
     reason: str
 
 
+class Heartbeat(Msg):
+    """Scheduler -> supervisor, with every stats tick: alive *and* making progress."""
+
+    role: str
+    replica: int
+    pid: int
+
+
 # ------------------------------------------------------------ one union per channel
 
 FrontendToScheduler = Union[AddRequest, AbortRequest, Drain]
 SchedulerToFrontend = Union[RequestOutputs, SchedulerStats, ProcessTable]
 SchedulerToWorker = Union[WorkerInit, SchedulerOutput, Shutdown]
 WorkerToScheduler = Union[WorkerHello, WorkerReady, StepResult]
-ToSupervisor = Union[ProcessReady, ProcessFailed, RestartWorkers]
+ToSupervisor = Union[ProcessReady, ProcessFailed, RestartWorkers, Heartbeat]

@@ -202,6 +202,7 @@ class EngineLoop:
             pid=os.getpid(), worker_pids=[self.worker_pids[r] for r in sorted(self.worker_pids)],
             **counts)
         self.to_frontend.send(stats)
+        self.to_supervisor.send(m.Heartbeat(role="scheduler", replica=self.cfg.replica, pid=stats.pid))
         self.interval_log.maybe_log(stats)
 
     # ------------------------------------------------------------------ loop

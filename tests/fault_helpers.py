@@ -122,3 +122,11 @@ def serves_a_request(srv: Server, headers: Optional[dict] = None) -> bool:
         return completion(srv, "Hello", 3, headers, timeout_s=30).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie awaiting its parent counts as gone)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

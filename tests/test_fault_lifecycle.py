@@ -8,9 +8,10 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
-from fault_helpers import completion, health, pid_of, processes, serves_a_request
+from fault_helpers import completion, health, pid_of, process_gone, processes, serves_a_request
 from server import Server, pagedserve_processes, wait_until
 
 pytestmark = pytest.mark.slow
@@ -86,3 +87,27 @@ def test_a_killed_frontend_is_restarted_on_the_same_port_and_serves_again(model_
     finally:
         srv.stop()
     assert srv.proc.returncode == 0
+
+
+def test_a_hung_scheduler_is_detected_by_its_silence_and_the_replica_is_restarted(model_factory, tmp_path):
+    srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "64", "--scheduler-timeout-s", "4",
+                                          "--replica-timeout-s", "2"]).start(tmp_path)
+    hung = pid_of(srv, "scheduler", 0)
+    try:
+        with httpx.Client(timeout=60) as client:
+            result: dict = {}
+            body = {"prompt": "hang", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+            thread = threading.Thread(target=lambda: result.setdefault(
+                "resp", client.post(srv.url + "/v1/completions", json=body)))
+            thread.start()
+            assert wait_until(lambda: health(srv)[1]["replicas"][0]["num_running"] == 1, 30)
+            os.kill(hung, signal.SIGSTOP)
+            thread.join(30)
+            assert result["resp"].status_code == 503  # an explicit error, not a hang
+        assert wait_until(lambda: serves_a_request(srv), 60)
+        assert pid_of(srv, "scheduler", 0) != hung
+        assert wait_until(lambda: process_gone(hung), 10)
+    finally:
+        if psutil.pid_exists(hung):
+            os.kill(hung, signal.SIGKILL)
+        srv.stop()

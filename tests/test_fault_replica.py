@@ -12,7 +12,8 @@ import httpx
 import psutil
 import pytest
 
-from fault_helpers import StreamingClients, completion, health, pid_of, processes, serves_a_request
+from fault_helpers import (StreamingClients, completion, health, pid_of, process_gone, processes,
+                           serves_a_request)
 from server import Server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -98,8 +99,7 @@ def test_a_hung_worker_is_caught_by_the_step_timeout_and_replaced(server):
         last = _assert_all_ended_within(clients, stopped_at, 10)
         errors = [o.error for o in clients.outcomes if o.error]
         assert errors and all("sent no StepResult within 3.0s" in e for e in errors), errors
-        assert wait_until(lambda: not psutil.pid_exists(worker)
-                          or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE, 10)
+        assert wait_until(lambda: process_gone(worker), 10)
         assert wait_until(lambda: serves_a_request(server) and _both_replicas_ready(server), 60)
         print(f"\nhung worker: all 16 ended after {last:.2f}s, recovered after "
               f"{time.monotonic() - stopped_at:.2f}s")
@@ -158,10 +158,9 @@ def test_killing_the_supervisor_mid_stream_leaves_no_process_behind_within_5s(se
     assert clients.wait_all_streaming(60)
     killed_at = time.monotonic()
     server.proc.send_signal(signal.SIGKILL)
-    gone = wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                                      for p in family), 5, interval_s=0.05)
+    gone = wait_until(lambda: all(process_gone(p.pid) for p in family), 5, interval_s=0.05)
     elapsed = time.monotonic() - killed_at
-    assert gone, [(p.pid, p.cmdline()) for p in family if p.is_running()]
+    assert gone, [p.pid for p in family if not process_gone(p.pid)]
     assert not server.pids()
     assert clients.join(10)
     print(f"\nsupervisor SIGKILL: every child gone after {elapsed:.2f}s")

@@ -39,5 +39,8 @@ def test_greedy_generate_equals_transformers_keeps_input_order_and_close_stops_e
     assert [o.prompt_token_ids[0] for o in ordered] == [1, 4, 10]
     assert too_long.finish_reason == "error" and too_long.outputs[0].error
     for pid in pids:
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        try:
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            pass  # gone, as it should be
     assert not os.path.exists(run_dir)

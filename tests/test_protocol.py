@@ -46,6 +46,7 @@ SAMPLES = {
         m.ProcessReady("worker", 0, 1, 99),
         m.ProcessFailed("worker", 0, 1, 99, "oom"),
         m.RestartWorkers(0, "hung"),
+        m.Heartbeat("scheduler", 0, 99),
     ],
 }
 
