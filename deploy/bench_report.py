@@ -1,16 +1,30 @@
-"""Latency statistics, the printed table and the PNG plot shared by the benchmarks.
-
-A record is anything with ``index, start, ttft, e2e, output_tokens, prompt_tokens, itl,
-error`` (seconds; ``start`` since the run began): bench serve's per-request records and
-the scenarios' records built from offline outputs alike.
+"""Per-request records, latency statistics, the printed table and the PNG plot shared by
+the benchmarks (bench serve over HTTP, the scenarios over the offline engine).
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    """One request's timings, in seconds; ``start`` is since the run began."""
+
+    index: int
+    prompt_tokens: int
+    max_tokens: int = 0
+    start: float = 0.0
+    ttft: Optional[float] = None
+    e2e: Optional[float] = None
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: Optional[str] = None
+    preemptions: int = 0
 
 
 def _percentile(sorted_values: list[float], pct: float) -> float:

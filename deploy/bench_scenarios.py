@@ -22,10 +22,8 @@ import random
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Optional
 
-from pagedserve.deploy.bench_report import latency_table, plot_run, summarize
+from pagedserve.deploy.bench_report import RequestRecord, latency_table, plot_run, summarize
 
 MISALIGNED_PROMPT_LENS = (7, 33, 90, 170, 260, 411)
 BLOCK_SIZE = 16
@@ -42,28 +40,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-png", help="tight-kv: plot latency per request and queues")
 
 
-@dataclass
-class Record:
-    index: int
-    prompt_tokens: int
-    start: float
-    ttft: Optional[float]
-    e2e: Optional[float]
-    output_tokens: int
-    itl: list[float] = field(default_factory=list)
-    error: Optional[str] = None
-    preemptions: int = 0
-
-
-def records_from(outputs, t0: float) -> list[Record]:
+def records_from(outputs, t0: float) -> list[RequestRecord]:
     out = []
     for i, o in enumerate(outputs):
         times = o.token_times
-        out.append(Record(i, len(o.prompt_token_ids), o.arrival_time - t0,
-                          o.first_token_time - o.arrival_time if o.first_token_time else None,
-                          o.finish_time - o.arrival_time if o.finish_time else None, len(o.token_ids),
-                          [b - a for a, b in zip(times, times[1:])],
-                          o.outputs[0].error if o.finish_reason in ("error", "abort") else None))
+        out.append(RequestRecord(
+            i, len(o.prompt_token_ids), start=o.arrival_time - t0,
+            ttft=o.first_token_time - o.arrival_time if o.first_token_time else None,
+            e2e=o.finish_time - o.arrival_time if o.finish_time else None, output_tokens=len(o.token_ids),
+            itl=[b - a for a, b in zip(times, times[1:])],
+            error=o.outputs[0].error if o.finish_reason in ("error", "abort") else None))
     return out
 
 

@@ -15,10 +15,9 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Optional
+from dataclasses import asdict
 
-from pagedserve.deploy.bench_report import latency_table, plot_run, summarize
+from pagedserve.deploy.bench_report import RequestRecord, latency_table, plot_run, summarize
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -37,19 +36,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default="bench-serve.json")
     p.add_argument("--output-png", default="bench-serve.png")
     p.add_argument("--no-progress", action="store_true")
-
-
-@dataclass
-class RequestRecord:
-    index: int
-    prompt_tokens: int
-    max_tokens: int
-    start: float = 0.0  # seconds since the run began
-    ttft: Optional[float] = None
-    e2e: Optional[float] = None
-    output_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
-    error: Optional[str] = None
 
 
 def load_workload(ns: argparse.Namespace) -> list[tuple[object, int]]:
