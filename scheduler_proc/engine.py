@@ -181,7 +181,8 @@ class EngineLoop:
             self.to_frontend.send(m.RequestOutputs(replica=self.cfg.replica, step=step, deltas=deltas))
 
     def _handle_input(self, msg) -> None:
-        self._record("from_frontend", encode(msg))
+        if self.trace is not None:  # re-encoding costs a little; only pay it when recording
+            self._record("from_frontend", encode(msg))
         deltas, self.draining = apply_frontend_message(self.scheduler, msg, self.draining)
         if self.draining:
             self.state = "draining"
