@@ -52,6 +52,10 @@ class FakeDriver:
             counts[r.req_id] = total
             if r.num_computed_tokens + r.num_scheduled_tokens == total:
                 ids.append(r.req_id)
+        decodes = out.decodes.req_ids  # each decode samples
+        for req_id in decodes:
+            counts[req_id] += 1
+        ids += decodes
         return StepResult(step=out.step, rank=0, req_ids=ids, sampled_token_ids=[TOKEN] * len(ids))
 
 

@@ -57,7 +57,7 @@ def run(ns: argparse.Namespace) -> None:
         t_sched += (t1 - t0) + (t3 - t2)
         t_exec += t2 - t1
         steps += 1
-        n_reqs = len(out.new_requests) + len(out.cached_requests)
+        n_reqs = len(out.new_requests) + len(out.cached_requests) + len(out.decodes.req_ids)
         if n_reqs:
             decode_only = out.total_num_scheduled_tokens == n_reqs
             kind = ("decode", n_reqs) if decode_only else ("prefill", out.total_num_scheduled_tokens)

@@ -212,7 +212,7 @@ class LLM:
                 if not isinstance(msg, m.RequestOutputs):
                     continue
                 now = time.perf_counter()
-                for delta in msg.deltas:
+                for delta in m.iter_deltas(msg):
                     entry = pending.get(delta.request_id)
                     if entry is None:
                         continue

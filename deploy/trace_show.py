@@ -102,6 +102,19 @@ class _Summarizer:
             seq.num_known += len(c.new_token_ids)
             seq.block_ids.update(c.new_block_ids)
             self._schedule(seq, c.num_computed_tokens, c.num_scheduled_tokens)
+        decodes = out.decodes
+        decoding = []
+        for req_id, computed in zip(decodes.req_ids, decodes.num_computed_tokens):
+            seq = self.seqs.get(req_id)
+            if seq is None:
+                raise TraceError(f"step {out.step} decodes sequence {req_id}, which was never sent in full")
+            seq.num_known += 1
+            self._schedule(seq, computed, 1)
+            decoding.append(seq)
+        for index, block in decodes.new_blocks:
+            if not 0 <= index < len(decoding):
+                raise TraceError(f"step {out.step} gives block {block} to decode {index} of {len(decoding)}")
+            decoding[index].block_ids.add(block)
         for req_id in out.finished_req_ids:
             if req_id in self.seqs:
                 self.seqs[req_id].dropped = True
@@ -112,9 +125,10 @@ class _Summarizer:
         if self.per_step:
             s.step_lines.append(
                 f"  step {out.step:>6}: new {len(out.new_requests):>3} cached {len(out.cached_requests):>4} "
-                f"tokens {out.total_num_scheduled_tokens:>5} swap-out {len(out.blocks_to_swap_out)} "
-                f"swap-in {len(out.blocks_to_swap_in)} copy {len(out.blocks_to_copy)} "
-                f"zero {len(out.new_block_ids_to_zero)} dropped {len(out.finished_req_ids)}")
+                f"decodes {len(decodes.req_ids):>4} tokens {out.total_num_scheduled_tokens:>5} "
+                f"swap-out {len(out.blocks_to_swap_out)} swap-in {len(out.blocks_to_swap_in)} "
+                f"copy {len(out.blocks_to_copy)} zero {len(out.new_block_ids_to_zero)} "
+                f"dropped {len(out.finished_req_ids)}")
 
     def result(self, msg) -> None:
         if isinstance(msg, m.StepResult) and msg.rank == 0:

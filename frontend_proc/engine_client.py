@@ -24,7 +24,7 @@ from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.zmq_async import AsyncReceiver
 from pagedserve.protocol.messages import (
     AbortRequest, AddRequest, ProcessTable, RequestDelta, RequestOutputs, SchedulerStats,
-    SchedulerToFrontend)
+    SchedulerToFrontend, iter_deltas)
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class EngineClient:
                 elif isinstance(msg, ProcessTable):
                     self.router.processes = msg
                 elif isinstance(msg, RequestOutputs):
-                    for delta in msg.deltas:
+                    for delta in iter_deltas(msg):
                         self._dispatch(delta)
             except Exception:  # one bad message must not stop every request's output
                 log.exception("failed to handle %s", type(msg).__name__)

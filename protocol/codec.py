@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: SchedulerOutput.decodes and RequestOutputs' token lists
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 T = TypeVar("T")

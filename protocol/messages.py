@@ -66,10 +66,29 @@ class RequestDelta(Msg, gc=False):  # holds only scalars and int lists: no cycle
     stop_token_id: Optional[int] = None
 
 
-class RequestOutputs(Msg):
+class RequestOutputs(Msg, gc=False):
+    """One step's news for the frontend.
+
+    The plain case (one more token for a sample that goes on, no logprobs) travels as three
+    parallel lists, one entry per sample, so a step of thousands of decodes is three lists
+    and not thousands of structs. Everything else (ends, errors, logprobs) is a
+    ``RequestDelta``. A receiver applies the token lists first, then ``deltas``:
+    ``iter_deltas`` does exactly that.
+    """
+
     replica: int
     step: int
     deltas: list[RequestDelta]
+    token_request_ids: list[str] = []
+    token_indices: list[int] = []  # which of the request's n samples
+    token_ids: list[int] = []
+
+
+def iter_deltas(outputs: RequestOutputs):
+    """Every delta of ``outputs`` as a ``RequestDelta``, in the order they must be applied."""
+    for request_id, index, token in zip(outputs.token_request_ids, outputs.token_indices, outputs.token_ids):
+        yield RequestDelta(request_id, index, [token])
+    yield from outputs.deltas
 
 
 class SchedulerStats(Msg):
@@ -182,12 +201,28 @@ class CachedRequestData(Msg, gc=False):  # one per running request per step: kee
     num_scheduled_tokens: int
 
 
+class DecodeBatch(Msg, gc=False):
+    """Requests the workers hold that each compute exactly one token: the one sampled for them
+    in the step before. Parallel lists, one entry per request: the bulk of a busy step costs
+    a few lists instead of a struct per request."""
+
+    req_ids: list[str]
+    num_computed_tokens: list[int]  # tokens with KV before this step; the new token's position
+    token_ids: list[int]  # appended to each request's tokens, then computed
+    new_blocks: list[tuple[int, int]]  # (index into req_ids, device block appended to its table)
+
+
 class SchedulerOutput(Msg):
-    """One step: the same bytes go to every worker of the replica."""
+    """One step: the same bytes go to every worker of the replica.
+
+    Batch order (and the order of ``StepResult.req_ids``): new requests, cached requests,
+    then decodes.
+    """
 
     step: int
     new_requests: list[NewRequestData]
     cached_requests: list[CachedRequestData]
+    decodes: DecodeBatch
     finished_req_ids: list[str]  # finished, aborted or preempted: drop their state
     blocks_to_swap_out: list[tuple[int, int]]  # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]]  # (host block, device block)

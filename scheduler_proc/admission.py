@@ -90,7 +90,7 @@ def admission_reserve(sched: "Scheduler") -> int:
     alone cannot stop. With nothing running the reserve is 0, so the head of the queue,
     which fits the whole cache, can always be admitted eventually.
     """
-    return len(sched.running)
+    return len(sched.running) + sched.lane.n
 
 
 def admit_waiting(sched: "Scheduler", batch: StepBatch) -> None:

@@ -101,6 +101,14 @@ class BlockManager:
             pending[block] = None
             table.append(block)
 
+    def take_blocks_to_write(self, count: int) -> list[int]:
+        """``count`` fresh device blocks, listed for zeroing; the caller appends them to tables."""
+        take, pending = self.device.take_fresh, self.pending_zero
+        blocks = [take() for _ in range(count)]
+        for block in blocks:
+            pending[block] = None
+        return blocks
+
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """Children take over the parent's blocks: each block gains ``len(children) - 1`` owners."""
         device = self.device
@@ -124,6 +132,16 @@ class BlockManager:
         for block in seq.host_block_ids:
             self.host.release(block)
         seq.host_block_ids = []
+
+    def release_unused(self, seq: Sequence) -> None:
+        """Give back table blocks beyond what ``seq``'s computed tokens fill (granted for a step
+        it was then preempted from, so never written)."""
+        keep = self.blocks_for(seq.num_computed)
+        table = seq.block_ids
+        while len(table) > keep:
+            block = table.pop()
+            if self.device.release(block):
+                self._forget_pending(block)
 
     def _forget_pending(self, block: int) -> None:
         self.pending_zero.pop(block, None)

@@ -70,6 +70,5 @@ class BlockPool:
 
     def register(self, block: int, key: Hashable) -> None:
         """Publish a full, computed block under ``key``; the first block to claim a key keeps it."""
-        if block not in self.block_key and key not in self.cache:
-            self.cache[key] = block
+        if block not in self.block_key and self.cache.setdefault(key, block) == block:  # one key hash
             self.block_key[block] = key

@@ -175,10 +175,17 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ frontend
 
-    def _send_deltas(self, deltas: list) -> None:
+    def _send_deltas(self, deltas) -> None:
+        """``deltas``: a list of RequestDelta, or a step's StepOutputs (plain tokens as lists)."""
         if deltas:
             step = self.scheduler.step if self.scheduler is not None else 0
-            self.to_frontend.send(m.RequestOutputs(replica=self.cfg.replica, step=step, deltas=deltas))
+            if isinstance(deltas, list):
+                self.to_frontend.send(m.RequestOutputs(replica=self.cfg.replica, step=step, deltas=deltas))
+            else:
+                self.to_frontend.send(m.RequestOutputs(
+                    replica=self.cfg.replica, step=step, deltas=deltas.deltas,
+                    token_request_ids=deltas.token_request_ids, token_indices=deltas.token_indices,
+                    token_ids=deltas.token_ids))
 
     def _handle_input(self, msg) -> None:
         if self.trace is not None:  # re-encoding costs a little; only pay it when recording

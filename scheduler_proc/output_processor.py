@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from pagedserve.protocol.messages import RequestDelta, SchedulerOutput, StepResult
 
 from pagedserve.scheduler_proc import prefix_cache
+from pagedserve.scheduler_proc.decode_lane import lane_ready
 from pagedserve.scheduler_proc.request import FINISHED, RUNNING, Sequence, token_array
+from pagedserve.scheduler_proc.step import StepOutputs
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_proc.scheduler import Scheduler
@@ -35,19 +39,26 @@ class StepResultMismatch(ValueError):
     """A StepResult that does not answer the SchedulerOutput it is paired with."""
 
 
-def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
+def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> StepOutputs:
     flight = sched.in_flight
     if flight is None or flight[0] is not out:
         # An empty step (nothing computed), or a step that fail_all() already wrote off.
-        return []
+        return StepOutputs([])
     if result.step != out.step:
         raise StepResultMismatch(f"result for step {result.step} paired with step {out.step}")
     sampling_seqs, others = flight[1], flight[2]
     req_ids, tokens = result.req_ids, result.sampled_token_ids
-    if len(req_ids) != len(sampling_seqs) or len(tokens) != len(sampling_seqs):
+    num_slow = len(sampling_seqs)
+    lane_ids = out.decodes.req_ids
+    expected = num_slow + len(lane_ids)
+    if len(req_ids) != expected or len(tokens) != expected:
         raise StepResultMismatch(
-            f"step {out.step} scheduled {len(sampling_seqs)} sampling sequences, the result has "
+            f"step {out.step} scheduled {expected} sampling sequences, the result has "
             f"{len(req_ids)} ids and {len(tokens)} tokens")
+    if lane_ids and req_ids[num_slow:] != lane_ids:
+        index = next(i for i, (a, b) in enumerate(zip(req_ids[num_slow:], lane_ids)) if a != b)
+        raise StepResultMismatch(f"step {out.step}: a sample for {req_ids[num_slow + index]!r} where "
+                                 f"{lane_ids[index]!r} was due")
     sched.in_flight = None
     logprobs = result.logprobs
     prefix = sched.config.enable_prefix_caching
@@ -55,12 +66,13 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> lis
     device = sched.bm.device
     deltas = []
     append = deltas.append
+    orders = []  # of the sequences behind ``deltas``: a step's deltas go out in arrival order
     accepted = 0
     if logprobs is None:
         logprobs = _NO_LOGPROBS
     elif len(logprobs) != len(tokens):
         raise StepResultMismatch(f"step {out.step}: {len(logprobs)} logprobs for {len(tokens)} tokens")
-    for seq, req_id, token, logprob in zip(sampling_seqs, req_ids, tokens, logprobs):
+    for seq, req_id, token, logprob in zip(sampling_seqs, req_ids, tokens[:num_slow], logprobs):
         if seq.seq_id != req_id:
             raise StepResultMismatch(f"step {out.step}: a sample for {req_id!r} where {seq.seq_id!r} was due")
         if seq.status != RUNNING:
@@ -76,12 +88,25 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> lis
             stop_token = token
         elif len(seq_tokens) >= seq.max_len:
             finish = "length"
+        orders.append(seq.order)
         append(RequestDelta(seq.request_id, seq.index, [token], finish, None, None, seq.num_prompt_tokens,
                             seq.num_cached_tokens, [logprob] if seq.want_logprobs and logprob is not None else None,
                             stop_token))
         if finish is not None:
             _finish(sched, seq)
+    if lane_ids:
+        num_slow_deltas = len(deltas)
+        outputs = _apply_lane(sched, tokens[num_slow:] if num_slow else tokens, deltas, orders)
+        if len(deltas) > max(num_slow_deltas, 1):  # the lane's ends come in lane order
+            outputs.deltas = [delta for _, delta in sorted(zip(orders, deltas), key=_first)]
+    else:
+        outputs = StepOutputs(deltas)
     sched.counters.generation_tokens += accepted
+    lane = sched.lane
+    for seq in sampling_seqs:
+        if seq.status == RUNNING and seq.lane_pos < 0 and lane_ready(seq):
+            lane.enter(seq)
+            sched.num_gone_running += 1  # its entry in running is now stale
     for seq in others:
         if seq.status != RUNNING:
             continue
@@ -89,13 +114,82 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> lis
             prefix_cache.register_computed(device, seq, block_size)
         if seq.is_parent and seq.num_computed == len(seq.token_ids) - 1:
             fork(sched, seq)
-    return deltas
+    return outputs
+
+
+def _first(pair):
+    return pair[0]
+
+
+def _apply_lane(sched: "Scheduler", tokens: list[int], deltas: list[RequestDelta], orders: list[int]) -> StepOutputs:
+    """The decode lane's tokens, checked for their ends with array operations.
+
+    Only the exceptions touch a Sequence: a stop-token candidate, a sequence at its length
+    limit, a block that just filled (published to the prefix cache), an abort mid-step.
+    """
+    lane = sched.lane
+    n = lane.in_flight
+    values = lane.record(tokens)
+    new_len = lane.computed[:n] + 1  # tokens each sequence holds now
+    at_limit = new_len >= lane.max_len[:n]
+    stop_ids = lane.stop_ids()
+    stop_candidate = np.isin(values, stop_ids) & (new_len >= lane.min_len[:n]) if len(stop_ids) else None
+    ends = at_limit if stop_candidate is None else at_limit | stop_candidate
+    dead = lane.dead[:n] if lane.num_dead else None
+    seqs = lane.seqs
+    if sched.config.enable_prefix_caching:
+        block_size = sched.block_size
+        filled = (new_len - 1) % block_size == 0
+        if dead is not None:
+            filled &= ~dead
+        device = sched.bm.device
+        positions = np.flatnonzero(filled).tolist()
+        lane.sync_many(positions)
+        for pos in positions:
+            prefix_cache.register_computed(device, seqs[pos], block_size)
+    gone = np.flatnonzero(ends if dead is None else ends | dead).tolist()
+    if not gone:
+        lane.lists_out = True
+        sched.counters.generation_tokens += n
+        return StepOutputs(deltas, lane.request_ids, lane.index[:n].tolist(), tokens)
+    keep = np.ones(n, bool)
+    keep[gone] = False
+    lane.sync_many(gone if dead is None else [pos for pos in gone if not dead[pos]])  # blocks to free
+    for pos in gone:
+        if dead is not None and dead[pos]:
+            continue
+        seq = seqs[pos]
+        token = tokens[pos]
+        if stop_candidate is not None and stop_candidate[pos] and token in seq.stop_token_ids:
+            finish, stop_token = "stop", token
+        elif at_limit[pos]:
+            finish, stop_token = "length", None
+        else:
+            keep[pos] = True  # another sequence's stop token
+            continue
+        orders.append(seq.order)
+        deltas.append(RequestDelta(seq.request_id, seq.index, [token], finish, None, None,
+                                   seq.num_prompt_tokens, seq.num_cached_tokens, None, stop_token))
+        _retire(sched, seq)
+    accepted = n - (lane.num_dead if dead is not None else 0)
+    sched.counters.generation_tokens += accepted
+    kept = keep.tolist()
+    outputs = StepOutputs(deltas, [r for r, k in zip(lane.request_ids, kept) if k],
+                          lane.index[:n][keep].tolist(), values[keep].tolist())
+    lane.remove_many(pos for pos in gone if not keep[pos])
+    lane.num_dead = 0
+    return outputs
 
 
 def _finish(sched: "Scheduler", seq: Sequence) -> None:
+    sched.num_gone_running += 1
+    _retire(sched, seq)
+
+
+def _retire(sched: "Scheduler", seq: Sequence) -> None:
+    """``seq`` ended: its blocks back, the workers told, its request closed with its last sample."""
     sched.bm.free(seq)
     seq.status = FINISHED
-    sched.num_gone_running += 1
     if seq.worker_knows:
         sched.finished_ids.append(seq.seq_id)
         seq.worker_knows = False

@@ -113,6 +113,7 @@ class Sequence:
         "max_len",
         "want_logprobs",
         "num_cached_tokens",
+        "lane_pos",
     )
 
     def __init__(self, seq_id: str, request: Request, index: int, token_ids: array,
@@ -143,6 +144,7 @@ class Sequence:
         self.max_len = request.max_len
         self.want_logprobs = request.want_logprobs
         self.num_cached_tokens = 0  # the request's prefix hits at its first admission
+        self.lane_pos = -1  # position in the decode lane, which then owns num_computed and new tokens
 
     @property
     def target_len(self) -> int:

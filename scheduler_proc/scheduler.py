@@ -7,6 +7,10 @@ Each ``schedule()``:
    continue with a chunk of what is left. A sequence that needs a block that is not there
    preempts the *newest* running sequence, possibly itself, until it fits (swap to host
    when allowed and cheaper, recompute otherwise). Nothing is preempted while blocks suffice.
+   Sequences in the decode lane (decode_lane.py: steady decodes held as numpy columns)
+   get their block first if all of them fit, else they leave the lane for this loop;
+   their one token each is reserved from the budget up front, and they are batched after
+   the loop, minus any the loop preempted.
 2. Only in a step that preempted nothing: swapped sequences resume (oldest first), then
    waiting ones are admitted strictly in arrival order; the first that does not fit stops
    admission, so nothing overtakes an older request. Skipping resumption in a preempting
@@ -33,11 +37,12 @@ from pagedserve.scheduler_proc import admission, invariants, output_processor
 from pagedserve.scheduler_proc.admission import length_limit, rejection_reason
 from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.decode_lane import DecodeLane
 from pagedserve.scheduler_proc.request import (
     FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, child_seed, fits_int64, token_array,
 )
-from pagedserve.scheduler_proc.stats import SchedulerCounters
-from pagedserve.scheduler_proc.step import StepBatch
+from pagedserve.scheduler_proc.stats import SchedulerCounters, snapshot
+from pagedserve.scheduler_proc.step import StepBatch, StepOutputs
 
 _by_order = attrgetter("order")
 _NO_BLOCKS: list[int] = []  # shared by every CachedRequestData without new blocks; never mutated
@@ -62,10 +67,11 @@ class Scheduler:
         self.bm = BlockManager(self.config)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()  # arrival order; recompute-preempted at the front
-        self.running: list[Sequence] = []  # arrival order, oldest first
+        self.running: list[Sequence] = []  # running outside the lane; arrival order, oldest first
+        self.lane = DecodeLane(self.config.max_num_seqs, self.block_size)
         self.swapped: list[Sequence] = []  # arrival order, oldest first
         self.finished_ids: list[str] = []  # for the next SchedulerOutput
-        self.num_gone_running = 0  # finished/aborted sequences still listed in running
+        self.num_gone_running = 0  # listed in running but finished, aborted or moved to the lane
         self.parent_seats = 0  # seats reserved for the children of running parents
         self.in_flight = None  # (SchedulerOutput, sampling sequences, other scheduled sequences)
 
@@ -130,7 +136,9 @@ class Scheduler:
 
     def _drop(self, seq: Sequence) -> None:
         """Remove ``seq`` from its queue and give back its blocks."""
-        if seq.status == RUNNING:
+        if seq.lane_pos >= 0:
+            self.lane.drop(seq)
+        elif seq.status == RUNNING:
             self.num_gone_running += 1
             if seq.is_parent:
                 self.parent_seats -= seq.request.sampling.n - 1
@@ -146,28 +154,29 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker side
 
-    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
+    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> StepOutputs:
         deltas = output_processor.process(self, out, result)
         if self.config.debug_invariants:
             self.check_invariants()
         return deltas
 
     def check_invariants(self) -> None:
+        self.lane.sync_all()
         invariants.check(self)
 
+    @property
+    def num_running(self) -> int:
+        return len(self.running) - self.num_gone_running + self.lane.n - self.lane.num_dead
+
+    def running_sequences(self) -> list[Sequence]:
+        """Every running sequence, oldest first, with its state synced (for tests and debugging)."""
+        self.lane.sync_all()
+        live = [s for s in self.running if s.status == RUNNING and s.lane_pos < 0]
+        live += (s for s in self.lane.seqs if s.status == RUNNING)
+        return sorted(live, key=_by_order)
+
     def stats(self) -> dict:
-        device, host = self.bm.device, self.bm.host
-        return {
-            "num_running": len(self.running) - self.num_gone_running,
-            "num_waiting": len(self.waiting),
-            "num_swapped": len(self.swapped),
-            "num_gpu_blocks": device.num_blocks,
-            "num_free_gpu_blocks": device.num_free,
-            "num_cpu_blocks": host.num_blocks,
-            "num_free_cpu_blocks": host.num_free,
-            "kv_cache_usage": device.num_used / device.num_blocks,
-            **self.counters.as_dict(),
-        }
+        return snapshot(self)
 
     # ------------------------------------------------------------------ one step
 
@@ -182,9 +191,12 @@ class Scheduler:
                 f"schedule() called again before update_from_output() for step {self._step}")
         self._step += 1
         if self.num_gone_running:
-            self.running = [seq for seq in self.running if seq.status == RUNNING]
+            self.running = [seq for seq in self.running if seq.status == RUNNING and seq.lane_pos < 0]
             self.num_gone_running = 0
         batch = StepBatch(self.config.max_num_batched_tokens)
+        for seq in self.lane.grant_blocks(self.bm):
+            self._leave_lane(seq)
+        batch.budget -= self.lane.n  # every lane decode runs: its token is reserved first
         self._schedule_running(batch)
         if not batch.preempted:
             admission.resume_swapped(self, batch)
@@ -208,7 +220,9 @@ class Scheduler:
             if len(tokens) - computed == 1 and not seq.is_parent:  # the steady-state decode
                 if computed % bs == 0 or seq.shared_tail:
                     batch.budget = budget
-                    if not self._make_room(seq, 1, batch):
+                    fits = self._make_room(seq, 1, batch)
+                    budget = batch.budget  # a preempted lane sequence gave its token back
+                    if not fits:
                         continue  # seq preempted itself: it was the last one
                     bm.append_slots(seq, 1)
                 budget -= 1
@@ -241,6 +255,7 @@ class Scheduler:
             num_tokens = self.chunk_size(seq.target_len - computed, budget - later_decodes)
             if num_tokens > 0:
                 num_tokens = self._make_room(seq, num_tokens, batch)
+                budget = batch.budget
                 if num_tokens == 0:
                     continue
                 bm.append_slots(seq, num_tokens)
@@ -261,9 +276,8 @@ class Scheduler:
         token fits it is preempted and 0 is returned.
         """
         bm = self.bm
-        running = self.running
         while not bm.can_append_slots(seq, num_tokens):
-            victim = running[-1]
+            victim = self._newest_running()
             if victim is not seq:
                 self._preempt(victim, batch)
                 continue
@@ -274,9 +288,26 @@ class Scheduler:
             return 0
         return num_tokens
 
+    def _newest_running(self) -> Sequence:
+        lane, running = self.lane, self.running
+        if not lane.n:
+            return running[-1]
+        newest = lane.newest()
+        return running[-1] if running and running[-1].order > newest.order else newest
+
+    def _leave_lane(self, seq: Sequence) -> None:
+        """Back to the per-object path (in arrival order) for this step's loop."""
+        self.lane.leave(seq)
+        insort(self.running, seq, key=_by_order)
+
     def _preempt(self, seq: Sequence, batch: StepBatch) -> None:
         """Take the newest running sequence off the device, by swap or by recompute."""
-        self.running.pop()
+        if seq.lane_pos >= 0:
+            self.lane.leave(seq)
+            self.bm.release_unused(seq)  # a block granted this step
+            batch.budget += 1  # its reserved decode token
+        else:
+            self.running.pop()
         batch.preempted = True
         seq.num_preemptions += 1
         if seq.is_parent:
@@ -311,7 +342,7 @@ class Scheduler:
         return mode == "swap" or seq.num_computed >= self.block_size
 
     def seats_free(self) -> int:
-        return self.config.max_num_seqs - len(self.running) - self.parent_seats
+        return self.config.max_num_seqs - len(self.running) - self.lane.n - self.parent_seats
 
     def enter_running(self, seq: Sequence) -> None:
         seq.status = RUNNING
@@ -345,10 +376,11 @@ class Scheduler:
         seq.num_blocks_sent = len(seq.block_ids)
 
     def _finish_step(self, batch: StepBatch) -> SchedulerOutput:
+        decodes = self.lane.schedule()
         zero, copies = self.bm.drain()
         finished, self.finished_ids = self.finished_ids, []
         total = self.config.max_num_batched_tokens - batch.budget
-        out = SchedulerOutput(self._step, batch.new, batch.cached, finished, batch.swap_out,
+        out = SchedulerOutput(self._step, batch.new, batch.cached, decodes, finished, batch.swap_out,
                               batch.swap_in, copies, zero, total)
         counters = self.counters
         counters.num_blocks_zeroed += len(zero)

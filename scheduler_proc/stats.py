@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler_proc.scheduler import Scheduler
+
 COUNTERS = (
     "num_preemptions_recompute",
     "num_preemptions_swap",
@@ -27,3 +32,19 @@ class SchedulerCounters:
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNTERS}
+
+
+def snapshot(sched: "Scheduler") -> dict:
+    """Gauges of the live state plus every counter: what SchedulerStats and /metrics carry."""
+    device, host = sched.bm.device, sched.bm.host
+    return {
+        "num_running": sched.num_running,
+        "num_waiting": len(sched.waiting),
+        "num_swapped": len(sched.swapped),
+        "num_gpu_blocks": device.num_blocks,
+        "num_free_gpu_blocks": device.num_free,
+        "num_cpu_blocks": host.num_blocks,
+        "num_free_cpu_blocks": host.num_free,
+        "kv_cache_usage": device.num_used / device.num_blocks,
+        **sched.counters.as_dict(),
+    }

@@ -25,12 +25,13 @@ SAMPLES = {  # channel -> valid messages (cut, padded, re-versioned: never flipp
     "worker_results": [m.WorkerHello(0, 1, "cpu", "x", 2, 4096, 10), m.WorkerReady(0, 10, 10),
                        m.StepResult(FAR_STEP, 0, ["fuzz-x"], [5], None, "boom")],
     "frontend_outputs": [m.RequestOutputs(0, 1, [m.RequestDelta("fuzz-x", 0, [5], "error", "boom")]),
+                         m.RequestOutputs(0, 2, [], ["fuzz-x"], [0], [5]),
                          m.SchedulerStats(replica=7, state="failed")],
     "supervisor": [m.ProcessReady("worker", 9, 0, 1), m.ProcessFailed("worker", 9, 0, 1, "fuzz"),
                    m.RestartWorkers(9, "fuzz")],
     "worker_inputs": [m.WorkerInit(0, 1, 16, 8, 8, 64, 64, 8, 0), m.Shutdown("fuzz"),
-                      m.SchedulerOutput(1, [m.NewRequestData("fuzz", [1, 2], 2, [0], 0, 2, SP)], [], [],
-                                        [], [], [], [0], 2)],
+                      m.SchedulerOutput(1, [m.NewRequestData("fuzz", [1, 2], 2, [0], 0, 2, SP)], [],
+                                        m.DecodeBatch(["fuzz-d"], [4], [7], [(0, 1)]), [], [], [], [], [0], 3)],
 }
 FLIPPABLE = {
     "scheduler_inputs": [m.AbortRequest(["fuzz-abort-unknown-id"])],
@@ -38,6 +39,7 @@ FLIPPABLE = {
                        m.WorkerHello(0, 1, "cpu", "x", 2, 4096, 10), m.WorkerReady(0, 10, 10)],
     # replica 7 / 9: no single flip of 7 or 9 gives 0, the only replica of the fuzzed server
     "frontend_outputs": [m.RequestOutputs(0, 1, [m.RequestDelta("fuzz-x", 0, [5], "error", "boom")]),
+                         m.RequestOutputs(0, 2, [], ["fuzz-x"], [0], [5]),
                          m.SchedulerStats(replica=7, state="ready")],
     "supervisor": [m.ProcessReady("worker", 9, 0, 1), m.ProcessFailed("worker", 9, 0, 1, "fuzz"),
                    m.RestartWorkers(9, "fuzz")],

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import httpx
 import pytest
@@ -85,9 +85,12 @@ class FakeReplica:
             if isinstance(msg, AddRequest):
                 self._answer(msg)
 
-    def _send(self, delta: RequestDelta) -> None:
+    def _send(self, *deltas: RequestDelta, tokens: Sequence[tuple[str, int, int]] = ()) -> None:
+        """One RequestOutputs; ``tokens`` (request id, index, token) go in its token lists,
+        where the real scheduler puts every plain token."""
         self._step += 1
-        self._outputs.send(RequestOutputs(replica=self.replica, step=self._step, deltas=[delta]))
+        request_ids, indices, token_ids = (list(column) for column in zip(*tokens)) if tokens else ([], [], [])
+        self._outputs.send(RequestOutputs(self.replica, self._step, list(deltas), request_ids, indices, token_ids))
 
     def _answer(self, req: AddRequest) -> None:
         if self.mode == "silent":
@@ -99,16 +102,23 @@ class FakeReplica:
                                     error_kind="invalid_request", num_prompt_tokens=n_prompt))
             return
         reply = self.tokenizer.encode(self.reply_text)
+        plain = not req.sampling.logprobs
+        finish = self.mode == "finish"
         for index in range(req.sampling.n):
-            for token in reply:  # one token per message: exercises incremental decoding
-                logprobs = [-0.5] if req.sampling.logprobs else None
-                self._send(RequestDelta(req.request_id, index, [token], logprobs=logprobs,
-                                        num_prompt_tokens=n_prompt))
-            if self.mode == "finish":
+            for i, token in enumerate(reply):  # one token per message: exercises incremental decoding
+                if not plain:
+                    self._send(RequestDelta(req.request_id, index, [token], logprobs=[-0.5],
+                                            num_prompt_tokens=n_prompt))
+                elif i + 1 < len(reply) or not finish:
+                    self._send(tokens=[(req.request_id, index, token)])
+            if finish:
+                # The last plain token shares the stop's message: lost unless the token lists
+                # are applied before the deltas.
+                last = [(req.request_id, index, reply[-1])] if plain and reply else []
                 self._send(RequestDelta(req.request_id, index, [self.eos_token_id],
                                         finish_reason="stop", stop_token_id=self.eos_token_id,
-                                        logprobs=[-0.1] if req.sampling.logprobs else None,
-                                        num_prompt_tokens=n_prompt))
+                                        logprobs=None if plain else [-0.1], num_prompt_tokens=n_prompt),
+                           tokens=last)
 
 
 def free_port() -> int:

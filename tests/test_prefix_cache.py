@@ -29,7 +29,7 @@ def test_a_second_request_with_the_same_prefix_hits_the_cache_and_its_hit_blocks
     assert set(hit_blocks) <= first_blocks
     assert not set(hit_blocks) & set(out.new_block_ids_to_zero)
     assert out.new_block_ids_to_zero == [new.block_ids[3]]
-    deltas = sched.update_from_output(out, worker.step(out))  # the simulated worker checks the KV
+    deltas = list(sched.update_from_output(out, worker.step(out)))  # the simulated worker checks the KV
     assert deltas[0].num_cached_tokens == 12
     stats = sched.stats()
     assert stats["prefix_cache_queries"] == 14 + 13 and stats["prefix_cache_hits"] == 12

@@ -13,6 +13,8 @@ from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 SP = m.SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=3, seed=7, n=2,
                       stop_token_ids=[3], ignore_eos=True, min_tokens=1, logprobs=True)
 
+NO_DECODES = m.DecodeBatch([], [], [], [])
+
 SAMPLES = {
     m.FrontendToScheduler: [
         m.AddRequest("r1", [1, 2, 3], SP, eos_token_ids=[0], arrival_time=1.5),
@@ -21,6 +23,8 @@ SAMPLES = {
     ],
     m.SchedulerToFrontend: [
         m.RequestOutputs(0, 3, [m.RequestDelta("r1", 1, [4, 5], "stop", None, None, 3, 1, [-0.5, -0.1], 5)]),
+        m.RequestOutputs(0, 4, [], token_request_ids=["r2", "r3", "r3"], token_indices=[0, 0, 1],
+                         token_ids=[6, 7, 8]),
         m.SchedulerStats(replica=1, state="ready", num_running=2, kv_cache_usage=0.25, pid=41,
                          worker_pids=[42, 43]),
         m.ProcessTable(supervisor_pid=40, processes=[m.ProcessInfo("scheduler", 1, 0, 41, True),
@@ -33,6 +37,7 @@ SAMPLES = {
             step=4,
             new_requests=[m.NewRequestData("a", [1, 2], 2, [7], 0, 2, SP)],
             cached_requests=[m.CachedRequestData("b", [9], [8], 17, 1)],
+            decodes=m.DecodeBatch(["d", "e"], [30, 5], [11, 12], [(1, 9)]),
             finished_req_ids=["c"], blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(2, 3)],
             blocks_to_copy=[(4, 5)], new_block_ids_to_zero=[7, 8], total_num_scheduled_tokens=3),
         m.Shutdown("bye"),
@@ -65,11 +70,47 @@ def test_every_message_class_is_covered_by_a_sample():
 
 
 def test_empty_cache_op_lists_are_still_on_the_wire():
-    out = m.SchedulerOutput(1, [], [], [], [], [], [], [], 0)
+    out = m.SchedulerOutput(1, [], [], NO_DECODES, [], [], [], [], [], 0)
     raw = msgspec.msgpack.decode(encode(out))
     body = raw[1]
     for key in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "new_block_ids_to_zero"):
         assert body[key] == []
+    assert body["decodes"] == {"type": "DecodeBatch", "req_ids": [], "num_computed_tokens": [], "token_ids": [],
+                               "new_blocks": []}
+
+
+def test_a_decode_batch_round_trips_with_its_block_pairs_as_tuples():
+    decodes = m.DecodeBatch(["a", "b", "c"], [7, 0, 12], [1, 2, 3], [(0, 4), (2, 5)])
+    out = m.SchedulerOutput(9, [], [], decodes, [], [], [], [], [], 3)
+    back = Decoder(m.SchedulerToWorker).decode(encode(out))
+    assert back == out and back.decodes.new_blocks == [(0, 4), (2, 5)]
+
+
+def test_a_decode_batch_with_a_malformed_block_pair_is_refused():
+    body = {"type": "DecodeBatch", "req_ids": ["a"], "num_computed_tokens": [1], "token_ids": [2],
+            "new_blocks": [[0, 4, 5]]}
+    out = msgspec.to_builtins(m.SchedulerOutput(1, [], [], NO_DECODES, [], [], [], [], [], 1))
+    out["decodes"] = body
+    with pytest.raises(ProtocolError):
+        Decoder(m.SchedulerToWorker).decode(msgspec.msgpack.encode([PROTOCOL_VERSION, out]))
+
+
+def test_request_outputs_token_lists_default_to_empty_and_round_trip():
+    plain = m.RequestOutputs(0, 1, [m.RequestDelta("r", 0, [], "abort")])
+    assert (plain.token_request_ids, plain.token_indices, plain.token_ids) == ([], [], [])
+    both = m.RequestOutputs(1, 2, [m.RequestDelta("r", 0, [9], "stop")], ["s"], [1], [4])
+    assert Decoder(m.SchedulerToFrontend).decode(encode(both)) == both
+
+
+def test_iter_deltas_applies_the_token_lists_before_the_deltas():
+    end = m.RequestDelta("a", 0, [3], "stop", stop_token_id=3)
+    logprob = m.RequestDelta("b", 0, [4], logprobs=[-0.5])
+    outputs = m.RequestOutputs(0, 7, [end, logprob], token_request_ids=["a", "c", "a"],
+                               token_indices=[0, 0, 1], token_ids=[1, 2, 5])
+    assert list(m.iter_deltas(outputs)) == [
+        m.RequestDelta("a", 0, [1]), m.RequestDelta("c", 0, [2]), m.RequestDelta("a", 1, [5]), end, logprob,
+    ]
+    assert list(m.iter_deltas(m.RequestOutputs(0, 8, []))) == []
 
 
 @pytest.mark.parametrize("frame", [b"", b"\xc1", b"garbage that is not msgpack", b"\x92\x01",

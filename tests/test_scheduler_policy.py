@@ -23,7 +23,7 @@ def step(sched: Scheduler, worker: SimWorker):
 
 
 def scheduled_ids(out) -> list[str]:
-    return [r.req_id for r in (*out.new_requests, *out.cached_requests)]
+    return [r.req_id for r in (*out.new_requests, *out.cached_requests)] + out.decodes.req_ids
 
 
 def test_decodes_of_different_lengths_all_run_every_step_without_preemption():

@@ -93,6 +93,7 @@ def test_an_abort_ends_the_request_and_its_blocks_are_free_and_dropped_next_step
     assert sched.stats()["num_free_gpu_blocks"] == 16 and not sched.has_unfinished()
     out = sched.schedule()
     assert out.finished_req_ids == ["r"] and not out.new_requests and not out.cached_requests
+    assert not out.decodes.req_ids
     assert sched.abort_requests(["r"]) == []
 
 
@@ -101,7 +102,7 @@ def test_an_abort_while_the_step_runs_discards_that_steps_token():
     sched.add_request(request("r", [1, 2, 3], max_tokens=5))
     out = sched.schedule()
     sched.abort_requests(["r"])
-    assert sched.update_from_output(out, worker.step(out)) == []
+    assert list(sched.update_from_output(out, worker.step(out))) == []
     assert_all_blocks_free(sched)
 
 
@@ -111,9 +112,10 @@ def test_parallel_samples_share_the_prompt_blocks_and_copy_the_tail_on_first_wri
     first = sched.schedule()  # the parent computes prompt[:-1]: 9 tokens, 3 blocks
     [parent] = first.new_requests
     assert (parent.req_id, parent.num_scheduled_tokens) == ("r", 9)
-    assert sched.update_from_output(first, worker.step(first)) == []
-    shared = list(sched.running[0].block_ids)
-    assert all(s.block_ids == shared for s in sched.running) and len(sched.running) == 3
+    assert list(sched.update_from_output(first, worker.step(first))) == []
+    running = sched.running_sequences()
+    shared = list(running[0].block_ids)
+    assert all(s.block_ids == shared for s in running) and len(running) == 3
     assert [sched.bm.device.ref_counts[b] for b in shared] == [3, 3, 3]
     second = sched.schedule()
     assert second.finished_req_ids == ["r"]
@@ -123,7 +125,7 @@ def test_parallel_samples_share_the_prompt_blocks_and_copy_the_tail_on_first_wri
     copies = {dst for _, dst in second.blocks_to_copy}
     assert not copies & set(second.new_block_ids_to_zero)  # zeroing would wipe the copy
     assert len({r.sampling.seed for r in second.new_requests}) == 3
-    deltas = sched.update_from_output(second, worker.step(second))
+    deltas = list(sched.update_from_output(second, worker.step(second)))
     assert sorted(d.index for d in deltas) == [0, 1, 2] and {d.request_id for d in deltas} == {"r"}
     deltas += run_until_done(sched, worker)
     assert sum(1 for d in deltas if d.finish_reason == "length") == 3
@@ -153,7 +155,7 @@ def test_fail_all_ends_every_request_with_an_engine_error_and_starts_fresh():
     deltas = sched.fail_all("worker 0 exited with signal 9")
     assert sorted((d.request_id, d.index) for d in deltas) == [("a", 0), ("b", 0), ("b", 1)]
     assert all(d.finish_reason == "error" and d.error_kind == "engine" and "signal 9" in d.error for d in deltas)
-    assert sched.update_from_output(in_flight, worker.step(in_flight)) == []  # written off
+    assert list(sched.update_from_output(in_flight, worker.step(in_flight))) == []  # written off
     assert_all_blocks_free(sched)
     assert not sched.bm.device.cache and not sched.has_unfinished()
     sched.add_request(request("c", list(range(12)), max_tokens=2))
@@ -183,7 +185,7 @@ def test_the_invariant_check_names_a_corrupted_ref_count():
     sched.add_request(request("r", [1, 2, 3], max_tokens=4))
     out = sched.schedule()
     sched.update_from_output(out, worker.step(out))
-    sched.bm.device.ref_counts[sched.running[0].block_ids[0]] += 1
+    sched.bm.device.ref_counts[sched.running_sequences()[0].block_ids[0]] += 1
     with pytest.raises(InvariantError, match="ref count 2 but 1 tables"):
         sched.check_invariants()
 

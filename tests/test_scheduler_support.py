@@ -93,6 +93,24 @@ class SimWorker:
             held.token_ids.extend(cached.new_token_ids)
             held.block_ids.extend(cached.new_block_ids)
             batch.append((cached.req_id, held, cached.num_computed_tokens, cached.num_scheduled_tokens))
+        decodes = out.decodes
+        if not len(decodes.req_ids) == len(decodes.num_computed_tokens) == len(decodes.token_ids):
+            raise WorkerModelError(f"step {out.step}: decode lists of different lengths")
+        decoding = []
+        for req_id, computed, token in zip(decodes.req_ids, decodes.num_computed_tokens, decodes.token_ids):
+            held = self.held.get(req_id)
+            if held is None:
+                raise WorkerModelError(f"step {out.step}: decode {req_id!r} is not held")
+            if computed != held.num_computed or computed != len(held.token_ids):
+                raise WorkerModelError(f"step {out.step}: decode {req_id} at {computed}, worker has "
+                                       f"{held.num_computed} computed of {len(held.token_ids)} tokens")
+            held.token_ids.append(token)
+            decoding.append(held)
+            batch.append((req_id, held, computed, 1))
+        for index, block in decodes.new_blocks:
+            decoding[index].block_ids.append(block)
+        if len(batch) != len({req_id for req_id, *_ in batch}):
+            raise WorkerModelError(f"step {out.step}: a request is scheduled twice")
 
         total = 0
         for req_id, held, computed, scheduled in batch:  # write phase

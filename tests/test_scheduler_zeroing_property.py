@@ -92,8 +92,8 @@ def test_random_workloads_never_expose_stale_kv_and_leak_no_blocks(config, plan,
         new_ids = {r.req_id for r in out.new_requests}
         assert not new_ids & set(out.finished_req_ids), "one id both dropped and added in a step"
         result = worker.step(out)  # raises on any stale or wiped slot
-        for r in (*out.new_requests, *out.cached_requests):
-            held = worker.held[r.req_id]
+        for req_id in [r.req_id for r in (*out.new_requests, *out.cached_requests)] + out.decodes.req_ids:
+            held = worker.held[req_id]
             freshly_zeroed.difference_update(held.block_ids)
         for delta in sched.update_from_output(out, result):
             if delta.finish_reason is not None:

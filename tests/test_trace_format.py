@@ -7,6 +7,7 @@ import os
 import msgspec
 import pytest
 
+from pagedserve.deploy.trace_show import summarize_trace
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import PROTOCOL_VERSION, Decoder, encode
 from pagedserve.protocol.trace import (
@@ -25,7 +26,8 @@ def write_trace(path, num_steps: int = 5) -> list[bytes]:
     frames = [encode(INIT)]
     writer.append("to_worker", frames[0])
     for step in range(1, num_steps + 1):
-        out = m.SchedulerOutput(step=step, new_requests=[], cached_requests=[], finished_req_ids=[],
+        out = m.SchedulerOutput(step=step, new_requests=[], cached_requests=[],
+                                decodes=m.DecodeBatch([], [], [], []), finished_req_ids=[],
                                 blocks_to_swap_out=[], blocks_to_swap_in=[], blocks_to_copy=[],
                                 new_block_ids_to_zero=[step], total_num_scheduled_tokens=1)
         frames.append(encode(out))
@@ -132,3 +134,38 @@ def test_a_write_error_stops_recording_instead_of_crashing_the_scheduler(tmp_pat
     assert writer.broken and "space" in writer.broken
     writer.append("to_worker", b"y")  # a no-op now
     writer.close()
+
+
+def write_steps(path, steps: list[m.SchedulerOutput]) -> None:
+    writer = TraceWriter(str(path))
+    writer.write_header(HELLO, INIT, {"block_size": 8, "seed": 3})
+    for out in steps:
+        writer.append("to_worker", encode(out))
+    writer.close()
+
+
+def test_trace_show_counts_decode_batches_as_decodes_and_follows_their_new_blocks(tmp_path):
+    sp = m.SamplingParams(temperature=0.0)
+    none = m.DecodeBatch([], [], [], [])
+    new = [m.NewRequestData(r, list(range(8)), 8, [i], 0, 8, sp) for i, r in enumerate("ab")]
+    decode = m.DecodeBatch(["a", "b"], [8, 8], [5, 6], [(1, 7)])  # "b" gets block 7
+    # Then "b" is swapped out while "a" goes on, and resent with its blocks swapped back in.
+    resend = m.NewRequestData("b", list(range(8)) + [6, 1], 8, [1, 7], 10, 0, sp)
+    write_steps(tmp_path / "t.trace", [
+        m.SchedulerOutput(1, new, [], none, [], [], [], [], [], 16),
+        m.SchedulerOutput(2, [], [], decode, [], [], [], [], [7], 2),
+        m.SchedulerOutput(3, [], [m.CachedRequestData("a", [1], [], 9, 1)], none, ["b"], [(7, 0)], [], [], [], 1),
+        m.SchedulerOutput(4, [resend], [], m.DecodeBatch(["a"], [10], [2], []), [], [], [(0, 7)], [], [], 1),
+    ])
+    s = summarize_trace(read_trace(str(tmp_path / "t.trace")), per_step=True)
+    assert (s.prefill_tokens, s.decode_tokens, s.preemptions_swap) == (16, 4, 1)
+    assert "cached    0 decodes    2 tokens     2" in s.step_lines[1]
+
+
+def test_trace_show_refuses_a_decode_of_an_unknown_sequence_or_block_index(tmp_path):
+    new = m.NewRequestData("a", [1, 2], 2, [0], 0, 2, m.SamplingParams())
+    for decodes, refusal in ((m.DecodeBatch(["ghost"], [2], [5], []), "decodes sequence ghost"),
+                             (m.DecodeBatch(["a"], [2], [5], [(1, 3)]), "block 3 to decode 1 of 1")):
+        write_steps(tmp_path / "t.trace", [m.SchedulerOutput(1, [new], [], decodes, [], [], [], [], [], 3)])
+        with pytest.raises(TraceError, match=refusal):
+            summarize_trace(read_trace(str(tmp_path / "t.trace")))

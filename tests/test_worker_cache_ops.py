@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedserve.deploy.demo_model import build_model_dir
-from pagedserve.protocol.messages import SchedulerOutput, WorkerInit
+from pagedserve.protocol.messages import DecodeBatch, SchedulerOutput, WorkerInit
 from pagedserve.worker_proc.model_runner import ModelRunner
 from test_worker_harness import TrivialScheduler, random_prompts
 
@@ -19,8 +19,8 @@ def model_dir(tmp_path_factory):
 def block_step(step: int, **ops) -> SchedulerOutput:
     fields = dict(blocks_to_swap_out=[], blocks_to_swap_in=[], blocks_to_copy=[], new_block_ids_to_zero=[])
     fields.update(ops)
-    return SchedulerOutput(step=step, new_requests=[], cached_requests=[], finished_req_ids=[],
-                           total_num_scheduled_tokens=0, **fields)
+    return SchedulerOutput(step=step, new_requests=[], cached_requests=[], decodes=DecodeBatch([], [], [], []),
+                           finished_req_ids=[], total_num_scheduled_tokens=0, **fields)
 
 
 def block_values(cache: torch.Tensor) -> list[float]:

@@ -2,8 +2,9 @@
 
 TrivialScheduler plays a minimal scheduler: blocks come from a free list (freed blocks
 are reused, so they hold stale data and are listed in new_block_ids_to_zero), a request
-is sent in full once and then as diffs, prompts may be split into chunks, and requests
-may arrive at later steps so prefills and decodes of different lengths share a batch.
+is sent in full once and then as diffs (a plain one-token decode in the step's DecodeBatch
+unless ``decode_batch=False``), prompts may be split into chunks, and requests may arrive
+at later steps so prefills and decodes of different lengths share a batch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from pagedserve.protocol.messages import (
-    CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, StepResult, WorkerInit,
+    CachedRequestData, DecodeBatch, NewRequestData, SamplingParams, SchedulerOutput, StepResult, WorkerInit,
 )
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0)
@@ -43,8 +44,10 @@ class _Request:
 class TrivialScheduler:
     def __init__(self, runner, block_size: int = 4, num_gpu_blocks: int = 256, num_cpu_blocks: int = 8,
                  max_model_len: int = 512, seed: int = 0,
-                 share_tokens: Optional[Callable[[StepResult, list[str]], list[int]]] = None):
+                 share_tokens: Optional[Callable[[StepResult, list[str]], list[int]]] = None,
+                 decode_batch: bool = True):
         self.runner, self.block_size = runner, block_size
+        self.decode_batch = decode_batch
         runner.init_cache(WorkerInit(
             replica=0, tp_size=1, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks, max_model_len=max_model_len, max_num_batched_tokens=4096,
@@ -105,7 +108,8 @@ class TrivialScheduler:
         return count, new_blocks
 
     def build_step(self) -> tuple[SchedulerOutput, list[_Request]]:
-        new, cached, zero, new_batch, cached_batch = [], [], [], [], []
+        new, cached, zero, new_batch, cached_batch, decode_batch = [], [], [], [], [], []
+        decodes = DecodeBatch([], [], [], [])
         swap_out, swap_in = [], []
         for req in self.requests:
             if req.done or req.arrival_step > self.step:
@@ -118,6 +122,13 @@ class TrivialScheduler:
                 new.append(NewRequestData(req.req_id, tokens, len(req.prompt), list(req.block_ids),
                                           req.num_computed, count, req.sampling))
                 new_batch.append(req)
+            elif self.decode_batch and len(tokens) - req.num_tokens_sent == 1 == count:
+                for block in new_blocks:
+                    decodes.new_blocks.append((len(decodes.req_ids), block))
+                decodes.req_ids.append(req.req_id)
+                decodes.num_computed_tokens.append(req.num_computed)
+                decodes.token_ids.append(tokens[-1])
+                decode_batch.append(req)
             else:
                 cached.append(CachedRequestData(req.req_id, tokens[req.num_tokens_sent:], new_blocks,
                                                 req.num_computed, count))
@@ -125,12 +136,13 @@ class TrivialScheduler:
             req.num_tokens_sent = len(tokens)
             req.num_computed += count
         out = SchedulerOutput(
-            step=self.step, new_requests=new, cached_requests=cached, finished_req_ids=self.finished,
-            blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in, blocks_to_copy=[], new_block_ids_to_zero=zero,
+            step=self.step, new_requests=new, cached_requests=cached, decodes=decodes,
+            finished_req_ids=self.finished, blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in,
+            blocks_to_copy=[], new_block_ids_to_zero=zero,
             total_num_scheduled_tokens=sum(r.num_scheduled_tokens for r in new)
-            + sum(r.num_scheduled_tokens for r in cached),
+            + sum(r.num_scheduled_tokens for r in cached) + len(decodes.req_ids),
         )
-        return out, new_batch + cached_batch  # the worker's batch order
+        return out, new_batch + cached_batch + decode_batch  # the worker's batch order
 
     def step_once(self) -> StepResult:
         out, batch = self.build_step()

@@ -1,9 +1,10 @@
 """Executes one SchedulerOutput on this worker's shard of the model and returns a StepResult.
 
 A step, in order on the device's current stream: drop finished requests; swap out, swap
-in, copy, zero cache blocks; register new requests and apply the diffs of cached ones;
-run the model once over the flattened ragged batch (prefill chunks and decodes mixed);
-sample for the requests whose every known token is now computed. Only rank 0 samples.
+in, copy, zero cache blocks; register new requests, apply the diffs of cached ones and the
+new tokens of decodes; run the model once over the flattened ragged batch (prefill chunks
+and decodes mixed); sample for the requests whose every known token is now computed. Only
+rank 0 samples.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 
 from pagedserve.kernels.ops import select_ops
-from pagedserve.protocol.messages import SchedulerOutput, StepResult, WorkerInit
+from pagedserve.protocol.messages import DecodeBatch, SchedulerOutput, StepResult, WorkerInit
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
 from pagedserve.worker_proc.input_batch import BatchError, RequestState, build_step_batch
 from pagedserve.worker_proc.kv_cache import KVCache, block_bytes, max_num_blocks
@@ -125,7 +126,7 @@ class ModelRunner:
                           logprobs=logprobs, forward_time_s=time.perf_counter() - started)
 
     def _update_requests(self, out: SchedulerOutput) -> list[RequestState]:
-        """Register new requests and apply cached ones' diffs; returns them in batch order."""
+        """Register new requests, apply cached ones' diffs and decodes; returns them in batch order."""
         scheduled = []
         for new in out.new_requests:
             seed = new.sampling.seed
@@ -145,4 +146,37 @@ class ModelRunner:
             state.num_computed_tokens = diff.num_computed_tokens
             state.num_scheduled_tokens = diff.num_scheduled_tokens
             scheduled.append(state)
+        self._apply_decodes(out.decodes, scheduled)
         return scheduled
+
+    def _apply_decodes(self, decodes: DecodeBatch, scheduled: list[RequestState]) -> None:
+        # Runs for every running request every step: no per-request allocation or lookup
+        # beyond the dict get. An error leaves earlier requests updated; the scheduler
+        # restarts the replica on any step error, so nothing runs on that state again.
+        req_ids = decodes.req_ids
+        num_decodes = len(req_ids)
+        if len(decodes.num_computed_tokens) != num_decodes or len(decodes.token_ids) != num_decodes:
+            raise BatchError(f"decodes: {num_decodes} req_ids but {len(decodes.num_computed_tokens)} "
+                             f"num_computed_tokens and {len(decodes.token_ids)} token_ids")
+        first = len(scheduled)
+        requests, append = self._requests, scheduled.append
+        for req_id, num_computed, token in zip(req_ids, decodes.num_computed_tokens, decodes.token_ids):
+            state = requests.get(req_id)
+            if state is None:
+                raise BatchError(f"decode request {req_id!r} is unknown to this worker "
+                                 f"(never sent as new, or already finished)")
+            token_ids = state.token_ids
+            # The new token goes at position num_computed: anything else means this worker
+            # missed (or double-applied) a step and its KV no longer matches the scheduler's.
+            if num_computed != len(token_ids):
+                raise BatchError(f"decode request {req_id!r}: its new token is at position {num_computed} "
+                                 f"but this worker holds {len(token_ids)} tokens (out of sync)")
+            token_ids.append(token)
+            state.num_computed_tokens = num_computed
+            state.num_scheduled_tokens = 1
+            append(state)
+        for index, block in decodes.new_blocks:
+            if not 0 <= index < num_decodes:  # a negative index would silently pick another request
+                raise BatchError(f"decodes: new block {block} names decode {index}, "
+                                 f"but the step has {num_decodes} decodes")
+            scheduled[first + index].block_ids.append(block)

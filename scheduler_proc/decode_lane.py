@@ -1,0 +1,255 @@
+"""The decode lane: running sequences in steady decode, held as numpy columns.
+
+Most of a busy step is sequences that each compute one token, the one sampled for them in
+the step before. As Python objects each of those costs a dozen scattered memory touches per
+step (the sequence, its token array, its block list, a message struct, a delta struct, the
+int objects in between), and once a few thousand of them outgrow the CPU caches the cost per
+sequence climbs: 4096 sequences cost 10x what 1024 do, not 4x. In the lane their per-step
+state is a few contiguous int64 columns, a step is a handful of array operations, and only
+the exceptions (a filled block, a stop token candidate, the end) touch a Sequence.
+
+A sequence enters after a step that sampled for it, when nothing but decodes lie ahead:
+the workers hold it, it is no parent waiting to fork, its last block is its own and it wants
+no logprobs. While it is in the lane the lane owns its ``num_computed`` and its newest
+tokens (a ring of the last ``RING`` sampled tokens per sequence) and the blocks it was
+granted since its last sync; ``sync`` writes all of it back to the Sequence, and every path
+outside the lane syncs before it reads one.
+
+Positions are dense (0..n-1) and a removal moves the last sequence into the gap, so lane
+order means nothing; FCFS order stays in ``Sequence.order`` (see ``newest``). Removals
+asked for while a step is in flight are deferred until its result is applied, so the
+positions of the step's ``DecodeBatch`` stay those of the result.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagedserve.protocol.messages import DecodeBatch
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler_proc.block_manager import BlockManager
+    from pagedserve.scheduler_proc.request import Sequence
+
+RING = 64  # sampled tokens a sequence may hold in the lane before they are flushed to it
+EMPTY_DECODES = DecodeBatch([], [], [], [])  # never mutated
+_NO_GRANTS = (np.zeros(0, np.int64), [])  # never mutated
+
+
+def lane_ready(seq: "Sequence") -> bool:
+    """True when ``seq`` (running, just sampled) has nothing but plain decodes ahead."""
+    return (seq.worker_knows and not seq.is_parent and not seq.shared_tail and not seq.want_logprobs
+            and len(seq.token_ids) == seq.num_computed + 1 == seq.num_tokens_sent + 1
+            and seq.num_blocks_sent == len(seq.block_ids))
+
+
+class DecodeLane:
+    def __init__(self, capacity: int, block_size: int):
+        self.block_size = block_size
+        self.n = 0
+        self.seqs: list[Sequence] = []
+        # Handed to messages as they are, so replaced (copy on write), never mutated, once out.
+        self.ids: list[str] = []  # seq ids, for the DecodeBatch
+        self.request_ids: list[str] = []  # for the frontend's token lists
+        self.lists_out = False
+        columns = ("computed", "table_tokens", "max_len", "min_len", "order", "index", "last", "since", "num_held")
+        self._columns = [np.zeros(capacity, np.int64) for _ in columns]
+        (self.computed,  # tokens with KV; +1 as soon as a step is scheduled
+         self.table_tokens,  # tokens the block table can hold
+         self.max_len, self.min_len, self.order, self.index,
+         self.last,  # the newest token, not yet sent to the workers
+         self.since,  # clock value from which this sequence's ring slots are not yet flushed
+         self.num_held,  # granted blocks not yet appended to the sequence's block table
+         ) = self._columns
+        self.max_held = RING // block_size + 2  # a sync every RING steps keeps it below this
+        self.held = np.zeros((capacity, self.max_held), np.int64)
+        self.dead = np.zeros(capacity, bool)  # dropped while its step was in flight
+        # ring[pos, clock % RING]: the token of that update; a row per sequence, read whole on a flush.
+        self.ring = np.zeros((capacity, RING), np.int64)
+        self.clock = 0  # results applied
+        self.in_flight = 0  # sequences in the DecodeBatch out at the workers
+        self.num_dead = 0
+        self._granted = _NO_GRANTS  # positions and the blocks granted them this step
+        self._stop_counts: dict[int, int] = {}
+        self._stop_ids = np.zeros(0, np.int64)
+        self._stop_dirty = False
+
+    # ------------------------------------------------------------------ membership
+
+    def _own_lists(self) -> None:
+        if self.lists_out:
+            self.ids, self.request_ids, self.lists_out = list(self.ids), list(self.request_ids), False
+
+    def enter(self, seq: "Sequence") -> None:
+        self._own_lists()
+        pos = self.n
+        self.n += 1
+        self.seqs.append(seq)
+        self.ids.append(seq.seq_id)
+        self.request_ids.append(seq.request_id)
+        tokens = seq.token_ids
+        self.computed[pos] = seq.num_computed
+        self.table_tokens[pos] = len(seq.block_ids) * self.block_size
+        self.max_len[pos] = seq.max_len
+        self.min_len[pos] = seq.min_len
+        self.order[pos] = seq.order
+        self.index[pos] = seq.index
+        self.last[pos] = tokens[-1]
+        self.since[pos] = self.clock
+        self.num_held[pos] = 0
+        self.dead[pos] = False
+        seq.lane_pos = pos
+        for token in seq.stop_token_ids:
+            self._stop_counts[token] = self._stop_counts.get(token, 0) + 1
+            self._stop_dirty = True
+
+    def sync(self, pos: int) -> None:
+        """Write the lane's state of the sequence at ``pos`` back to it (it stays in the lane)."""
+        self.sync_many([pos])
+
+    def sync_many(self, positions: list[int]) -> None:
+        """``sync`` for several positions: a few array operations, then one short loop."""
+        if not positions:
+            return
+        where = np.asarray(positions, np.int64)
+        starts = self.since[where]
+        counts = self.clock - starts
+        # Exactly the unflushed ring slots, gathered in order and handed over as raw int64 bytes
+        # (array("q") has the same layout): no int object per token.
+        ends = np.cumsum(counts)
+        total = int(ends[-1])
+        firsts = ends - counts
+        slots = (np.arange(total) - np.repeat(firsts - starts, counts)) % RING
+        tokens = self.ring[np.repeat(where, counts), slots].tobytes()
+        num_held = self.num_held[where]
+        held = self.held[where].tolist() if num_held.any() else None
+        seqs = self.seqs
+        for i, (pos, computed, first, end, blocks_held) in enumerate(zip(
+                positions, self.computed[where].tolist(), firsts.tolist(), ends.tolist(), num_held.tolist())):
+            seq = seqs[pos]
+            seq.num_computed = computed
+            seq.num_tokens_sent = computed
+            seq.token_ids.frombytes(tokens[first * 8:end * 8])
+            blocks = seq.block_ids
+            if blocks_held:
+                blocks.extend(held[i][:blocks_held])
+            seq.num_blocks_sent = len(blocks)
+        self.since[where] = self.clock
+        self.num_held[where] = 0
+
+    def sync_all(self) -> None:
+        self.sync_many([pos for pos in range(self.n) if not self.dead[pos]])
+
+    def leave(self, seq: "Sequence") -> None:
+        """Back to the Sequence object: its state synced, its lane position given up."""
+        self.sync(seq.lane_pos)
+        self._remove(seq.lane_pos)
+
+    def drop(self, seq: "Sequence") -> None:
+        """``seq`` ended outside the lane's own step (an abort); synced so its blocks can be freed."""
+        self.sync(seq.lane_pos)
+        if self.in_flight:
+            self.dead[seq.lane_pos] = True
+            self.num_dead += 1
+        else:
+            self._remove(seq.lane_pos)
+
+    def _remove(self, pos: int) -> None:
+        self._own_lists()
+        last = self.n - 1
+        seq = self.seqs[pos]
+        if pos != last:
+            for column in self._columns:
+                column[pos] = column[last]
+            self.dead[pos] = self.dead[last]
+            self.ring[pos] = self.ring[last]
+            self.held[pos] = self.held[last]
+            moved = self.seqs[pos] = self.seqs[last]
+            moved.lane_pos = pos
+            self.ids[pos] = self.ids[last]
+            self.request_ids[pos] = self.request_ids[last]
+        granted_pos, granted_blocks = self._granted
+        if granted_blocks:  # a preemption between grant_blocks and schedule moves positions
+            keep = granted_pos != pos
+            granted_pos = granted_pos[keep]
+            granted_pos[granted_pos == last] = pos
+            self._granted = (granted_pos, [b for b, k in zip(granted_blocks, keep.tolist()) if k])
+        self.seqs.pop()
+        self.ids.pop()
+        self.request_ids.pop()
+        self.n = last
+        seq.lane_pos = -1
+        for token in seq.stop_token_ids:
+            count = self._stop_counts[token] - 1
+            if count:
+                self._stop_counts[token] = count
+            else:
+                del self._stop_counts[token]
+            self._stop_dirty = True
+
+    def remove_many(self, positions) -> None:
+        """Remove several positions (from one step's result); highest first keeps the rest valid."""
+        for pos in sorted(positions, reverse=True):
+            self._remove(pos)
+
+    def newest(self) -> "Sequence":
+        return self.seqs[int(np.argmax(self.order[:self.n]))]
+
+    # ------------------------------------------------------------------ one step
+
+    def grant_blocks(self, bm: "BlockManager") -> list["Sequence"]:
+        """A fresh block for every sequence whose next token starts one, if all of them fit.
+
+        Returns the sequences that must leave the lane instead (all that need a block, when
+        the free blocks do not cover them): the slow path decides who gets what, FCFS.
+        """
+        n = self.n
+        needy = np.flatnonzero(self.computed[:n] >= self.table_tokens[:n]).tolist()
+        if not needy:
+            return []
+        if len(needy) > bm.device.num_free:
+            return [self.seqs[pos] for pos in needy]
+        full = self.num_held[needy] == self.max_held
+        if full.any():
+            self.sync_many(np.asarray(needy)[full].tolist())
+        blocks = bm.take_blocks_to_write(len(needy))
+        slots = self.num_held[needy]
+        self.held[needy, slots] = blocks
+        self.num_held[needy] = slots + 1
+        self.table_tokens[needy] += self.block_size
+        self._granted = (np.asarray(needy, np.int64), blocks)
+        return []
+
+    def schedule(self) -> DecodeBatch:
+        """Every sequence in the lane computes its newest token; the batch for the workers."""
+        n = self.n
+        (granted_pos, granted_blocks), self._granted = self._granted, _NO_GRANTS
+        if n == 0:
+            return EMPTY_DECODES
+        new_blocks = list(zip(granted_pos.tolist(), granted_blocks))
+        computed = self.computed[:n]
+        batch = DecodeBatch(self.ids, computed.tolist(), self.last[:n].tolist(), new_blocks)
+        self.lists_out = True
+        computed += 1
+        self.in_flight = n
+        return batch
+
+    def record(self, tokens: list[int]) -> np.ndarray:
+        """Append the in-flight batch's sampled tokens (in batch order) to its sequences."""
+        n, self.in_flight = self.in_flight, 0
+        values = np.array(tokens, dtype=np.int64)
+        # A full ring: the slot written next holds the sequence's oldest unflushed token.
+        self.sync_many(np.flatnonzero(self.clock - self.since[:n] >= RING).tolist())
+        self.ring[:n, self.clock % RING] = values
+        self.last[:n] = values
+        self.clock += 1
+        return values
+
+    def stop_ids(self) -> np.ndarray:
+        """Every stop token of a sequence in the lane: a superset for the first, vectorized check."""
+        if self._stop_dirty:
+            self._stop_ids = np.fromiter(self._stop_counts, np.int64, len(self._stop_counts))
+            self._stop_dirty = False
+        return self._stop_ids
