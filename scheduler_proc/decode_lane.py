@@ -206,7 +206,7 @@ class DecodeLane:
         the free blocks do not cover them): the slow path decides who gets what, FCFS.
         """
         n = self.n
-        needy = np.flatnonzero(self.computed[:n] >= self.table_tokens[:n]).tolist()
+        needy = (self.computed[:n] >= self.table_tokens[:n]).nonzero()[0].tolist()
         if not needy:
             return []
         if len(needy) > bm.device.num_free:
@@ -241,7 +241,7 @@ class DecodeLane:
         n, self.in_flight = self.in_flight, 0
         values = np.array(tokens, dtype=np.int64)
         # A full ring: the slot written next holds the sequence's oldest unflushed token.
-        self.sync_many(np.flatnonzero(self.clock - self.since[:n] >= RING).tolist())
+        self.sync_many((self.clock - self.since[:n] >= RING).nonzero()[0].tolist())
         self.ring[:n, self.clock % RING] = values
         self.last[:n] = values
         self.clock += 1

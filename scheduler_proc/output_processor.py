@@ -117,6 +117,16 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
     return outputs
 
 
+def _any_of(values: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``np.isin``, without its sort for the usual handful of stop ids."""
+    if len(ids) > 8:
+        return np.isin(values, ids)
+    hit = values == ids[0]
+    for token in ids[1:].tolist():
+        hit |= values == token
+    return hit
+
+
 def _first(pair):
     return pair[0]
 
@@ -133,7 +143,7 @@ def _apply_lane(sched: "Scheduler", tokens: list[int], deltas: list[RequestDelta
     new_len = lane.computed[:n] + 1  # tokens each sequence holds now
     at_limit = new_len >= lane.max_len[:n]
     stop_ids = lane.stop_ids()
-    stop_candidate = np.isin(values, stop_ids) & (new_len >= lane.min_len[:n]) if len(stop_ids) else None
+    stop_candidate = _any_of(values, stop_ids) & (new_len >= lane.min_len[:n]) if len(stop_ids) else None
     ends = at_limit if stop_candidate is None else at_limit | stop_candidate
     dead = lane.dead[:n] if lane.num_dead else None
     seqs = lane.seqs
@@ -143,11 +153,11 @@ def _apply_lane(sched: "Scheduler", tokens: list[int], deltas: list[RequestDelta
         if dead is not None:
             filled &= ~dead
         device = sched.bm.device
-        positions = np.flatnonzero(filled).tolist()
+        positions = filled.nonzero()[0].tolist()
         lane.sync_many(positions)
         for pos in positions:
             prefix_cache.register_computed(device, seqs[pos], block_size)
-    gone = np.flatnonzero(ends if dead is None else ends | dead).tolist()
+    gone = (ends if dead is None else ends | dead).nonzero()[0].tolist()
     if not gone:
         lane.lists_out = True
         sched.counters.generation_tokens += n
