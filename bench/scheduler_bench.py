@@ -30,6 +30,7 @@ from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
 TOKEN = 5  # never an eos id here
+_TOKENS = range(10, 30000)
 
 
 class FakeDriver:
@@ -61,16 +62,17 @@ class FakeDriver:
 
 def add(sched: Scheduler, request_id: str, prompt_len: int, max_tokens: int, rng: random.Random,
         prefix: tuple = ()) -> None:
-    prompt = list(prefix) + [rng.randrange(10, 30000) for _ in range(prompt_len)]
+    prompt = list(prefix) + rng.choices(_TOKENS, k=prompt_len)
     sched.add_request(AddRequest(request_id=request_id, prompt_token_ids=prompt,
                                  sampling=SamplingParams(max_tokens=max_tokens, seed=1)))
 
 
-def steady_decode_cost(num_seqs: int, block_size: int, prefix: bool, steps: int, collect: bool = True,
-                       warmup: int = 50) -> float:
-    """Microseconds per running sequence per step once all ``num_seqs`` are decoding."""
+def steady_decode_cost(num_seqs: int, block_size: int, prefix: bool, steps: int,
+                       warmup: int = 50) -> tuple[float, float]:
+    """Microseconds per running sequence per step once all ``num_seqs`` are decoding:
+    ``steps`` steps with the collector as it is by default, then ``steps`` with it paused."""
     rng = random.Random(0)
-    max_len = 1024 + steps + warmup + 64
+    max_len = 1024 + 2 * steps + warmup + 64
     blocks = num_seqs * (-(-max_len // block_size)) + 16
     config = SchedulerConfig(block_size=block_size, num_gpu_blocks=blocks, max_num_seqs=num_seqs,
                              max_num_batched_tokens=num_seqs * 1100, max_model_len=max_len,
@@ -78,43 +80,53 @@ def steady_decode_cost(num_seqs: int, block_size: int, prefix: bool, steps: int,
     sched = Scheduler(config)
     driver = FakeDriver()
     for i in range(num_seqs):
-        add(sched, f"req-{i}", rng.randint(100, 1024), steps + warmup + 32, rng)
+        add(sched, f"req-{i}", rng.randint(100, 1024), 2 * steps + warmup + 32, rng)
     # Prefill, then untimed decodes: the first steps at a new size grow the heap (page
     # faults on fresh memory), which a serving process pays once, not every step.
     for _ in range(3 + warmup):
         out = sched.schedule()
         sched.update_from_output(out, driver.step(out))
     assert sched.stats()["num_running"] == num_seqs
-    gc.collect()
-    if not collect:
-        gc.disable()
-    elapsed = 0.0
-    for _ in range(steps):
-        start = time.perf_counter()
-        out = sched.schedule()
-        mid = time.perf_counter()
-        result = driver.step(out)
-        resume = time.perf_counter()
-        sched.update_from_output(out, result)
-        elapsed += (mid - start) + (time.perf_counter() - resume)
-    gc.enable()
+    costs = []
+    for collect in (True, False):
+        gc.collect()
+        if not collect:
+            gc.disable()
+        elapsed = 0.0
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = sched.schedule()
+            mid = time.perf_counter()
+            result = driver.step(out)
+            resume = time.perf_counter()
+            sched.update_from_output(out, result)
+            elapsed += (mid - start) + (time.perf_counter() - resume)
+        gc.enable()
+        costs.append(elapsed / steps / num_seqs * 1e6)
     assert sched.stats()["num_preemptions_recompute"] == 0
-    return elapsed / steps / num_seqs * 1e6
+    return costs[0], costs[1]
 
 
-def table(steps: int) -> None:
-    print("us per running sequence per step (schedule + update_from_output)")
+SIZES = (256, 1024, 4096)
+
+
+def table(steps: int, runs: int) -> None:
+    # Runs of one configuration swing by up to 1.5x on a shared machine (heap layout, other
+    # load): the sizes are measured in turn, ``runs`` times, and each cell is a median.
+    print("us per running sequence per step (schedule + update_from_output), "
+          f"median of {runs} runs of {steps} steps")
     print("| running | block size | prefix cache | default gc | gc paused |")
     print("|--------:|-----------:|:------------:|-----------:|----------:|")
     results = {}
     for block_size in (16, 256):
         for prefix in (False, True):
-            for num_seqs in (256, 1024, 4096):
-                # median of 3 runs: single runs on a shared machine swing by 2x
-                cost = statistics.median(steady_decode_cost(num_seqs, block_size, prefix, steps)
-                                         for _ in range(3))
-                paused = statistics.median(steady_decode_cost(num_seqs, block_size, prefix, steps, collect=False)
-                                           for _ in range(3))
+            samples = {n: [] for n in SIZES}
+            for _ in range(runs):
+                for num_seqs in SIZES:
+                    samples[num_seqs].append(steady_decode_cost(num_seqs, block_size, prefix, steps))
+            for num_seqs in SIZES:
+                cost = statistics.median(on for on, _ in samples[num_seqs])
+                paused = statistics.median(off for _, off in samples[num_seqs])
                 results[(num_seqs, block_size, prefix)] = (cost, paused)
                 print(f"| {num_seqs:7d} | {block_size:10d} | {'on' if prefix else 'off':^12} | {cost:10.3f} "
                       f"| {paused:9.3f} |", flush=True)
@@ -164,7 +176,8 @@ def soak(steps: int, concurrency: int, trace: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 200; soak 100000)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 400 per mode; soak 100000)")
+    parser.add_argument("--runs", type=int, default=5, help="runs per cell; the table shows medians")
     parser.add_argument("--soak", action="store_true", help="long steady workload; report memory growth")
     parser.add_argument("--concurrency", type=int, default=64, help="soak: requests in flight")
     parser.add_argument("--tracemalloc", action="store_true",
@@ -173,7 +186,7 @@ def main() -> None:
     if args.soak:
         soak(args.steps or 100_000, args.concurrency, args.tracemalloc)
     else:
-        table(args.steps or 200)
+        table(args.steps or 400, args.runs)
 
 
 if __name__ == "__main__":

@@ -84,8 +84,9 @@ class RequestOutputs(Msg, gc=False):
     token_ids: list[int] = []
 
 
-def iter_deltas(outputs: RequestOutputs):
-    """Every delta of ``outputs`` as a ``RequestDelta``, in the order they must be applied."""
+def iter_deltas(outputs):
+    """Every delta of ``outputs`` (a RequestOutputs, or anything with its four delta fields,
+    like the scheduler's StepOutputs) as a ``RequestDelta``, in the order they must be applied."""
     for request_id, index, token in zip(outputs.token_request_ids, outputs.token_indices, outputs.token_ids):
         yield RequestDelta(request_id, index, [token])
     yield from outputs.deltas

@@ -68,13 +68,7 @@ class BlockManager:
         device = self.device
         for block in hits:
             device.share(block)
-        table = list(hits)
-        pending = self.pending_zero
-        for _ in range(num_blocks - len(hits)):
-            block = device.take_fresh()
-            pending[block] = None
-            table.append(block)
-        seq.block_ids = table
+        seq.block_ids = hits + self.take_blocks_to_write(num_blocks - len(hits))
 
     # ------------------------------------------------------------------ growth
 
@@ -95,14 +89,10 @@ class BlockManager:
                 self.pending_copies[dst] = src
                 table[-1] = dst
             seq.shared_tail = False
-        pending = self.pending_zero
-        for _ in range(self.blocks_for(seq.num_computed + num_tokens) - len(table)):
-            block = device.take_fresh()
-            pending[block] = None
-            table.append(block)
+        table += self.take_blocks_to_write(self.blocks_for(seq.num_computed + num_tokens) - len(table))
 
     def take_blocks_to_write(self, count: int) -> list[int]:
-        """``count`` fresh device blocks, listed for zeroing; the caller appends them to tables."""
+        """``count`` fresh device blocks, each listed for zeroing once (none for count <= 0)."""
         take, pending = self.device.take_fresh, self.pending_zero
         blocks = [take() for _ in range(count)]
         for block in blocks:

@@ -26,7 +26,8 @@ class BlockPool:
         # Popped from the end, so low ids go out first: reversed for readable traces.
         self.plain_free = array("q", range(num_blocks - 1, -1, -1))
         self.evictable: OrderedDict[int, None] = OrderedDict()
-        self.block_key: dict[int, Hashable] = {}  # block -> its prefix-cache key, if it has one
+        # block -> its prefix-cache key or None: a list, so a step's lookups index, not hash.
+        self.block_key: list[Optional[Hashable]] = [None] * num_blocks
         self.cache: dict[Hashable, int] = {}  # prefix-cache key -> block
 
     @property
@@ -43,7 +44,8 @@ class BlockPool:
             block = self.plain_free.pop()
         else:
             block, _ = self.evictable.popitem(last=False)
-            del self.cache[self.block_key.pop(block)]
+            del self.cache[self.block_key[block]]
+            self.block_key[block] = None
         self.ref_counts[block] = 1
         return block
 
@@ -59,7 +61,7 @@ class BlockPool:
         self.ref_counts[block] = count
         if count:
             return False
-        if block not in self.block_key:
+        if self.block_key[block] is None:
             self.plain_free.append(block)
         else:
             self.evictable[block] = None
@@ -70,5 +72,5 @@ class BlockPool:
 
     def register(self, block: int, key: Hashable) -> None:
         """Publish a full, computed block under ``key``; the first block to claim a key keeps it."""
-        if block not in self.block_key and self.cache.setdefault(key, block) == block:  # one key hash
+        if self.block_key[block] is None and self.cache.setdefault(key, block) == block:  # one key hash
             self.block_key[block] = key

@@ -29,11 +29,14 @@ import numpy as np
 
 from pagedserve.protocol.messages import DecodeBatch
 
+from pagedserve.scheduler_proc import prefix_cache
+
 if TYPE_CHECKING:
     from pagedserve.scheduler_proc.block_manager import BlockManager
+    from pagedserve.scheduler_proc.block_pool import BlockPool
     from pagedserve.scheduler_proc.request import Sequence
 
-RING = 64  # sampled tokens a sequence may hold in the lane before they are flushed to it
+RING = 128  # sampled tokens a sequence may hold in the lane before they are flushed to it
 EMPTY_DECODES = DecodeBatch([], [], [], [])  # never mutated
 _NO_GRANTS = (np.zeros(0, np.int64), [])  # never mutated
 
@@ -54,7 +57,8 @@ class DecodeLane:
         self.ids: list[str] = []  # seq ids, for the DecodeBatch
         self.request_ids: list[str] = []  # for the frontend's token lists
         self.lists_out = False
-        columns = ("computed", "table_tokens", "max_len", "min_len", "order", "index", "last", "since", "num_held")
+        columns = ("computed", "table_tokens", "max_len", "min_len", "order", "index", "last", "since", "num_held",
+                   "entered", "tail_block", "key_hash", "num_keyed")
         self._columns = [np.zeros(capacity, np.int64) for _ in columns]
         (self.computed,  # tokens with KV; +1 as soon as a step is scheduled
          self.table_tokens,  # tokens the block table can hold
@@ -62,6 +66,11 @@ class DecodeLane:
          self.last,  # the newest token, not yet sent to the workers
          self.since,  # clock value from which this sequence's ring slots are not yet flushed
          self.num_held,  # granted blocks not yet appended to the sequence's block table
+         self.entered,  # clock value at entry: ring slots from here on are this sequence's tokens
+         # For publishing filled blocks to the prefix cache without a sync:
+         self.tail_block,  # the last block of the table
+         self.key_hash,  # own hash of the last prefix-cache key (the next key's parent)
+         self.num_keyed,  # len(seq.block_keys)
          ) = self._columns
         self.max_held = RING // block_size + 2  # a sync every RING steps keeps it below this
         self.held = np.zeros((capacity, self.max_held), np.int64)
@@ -97,41 +106,51 @@ class DecodeLane:
         self.order[pos] = seq.order
         self.index[pos] = seq.index
         self.last[pos] = tokens[-1]
-        self.since[pos] = self.clock
+        self.since[pos] = self.entered[pos] = self.clock
         self.num_held[pos] = 0
+        self.tail_block[pos] = seq.block_ids[-1]
+        self.note_keys(pos, seq)
         self.dead[pos] = False
         seq.lane_pos = pos
         for token in seq.stop_token_ids:
             self._stop_counts[token] = self._stop_counts.get(token, 0) + 1
             self._stop_dirty = True
 
+    def note_keys(self, pos: int, seq: "Sequence") -> None:
+        keys = seq.block_keys
+        self.key_hash[pos] = keys[-1][2] if keys else 0
+        self.num_keyed[pos] = len(keys)
+
     def sync(self, pos: int) -> None:
         """Write the lane's state of the sequence at ``pos`` back to it (it stays in the lane)."""
         self.sync_many([pos])
+
+    def _unflushed(self, where: np.ndarray) -> tuple[bytes, list[int], list[int]]:
+        """The ring slots not yet flushed for ``where``, in order, as raw int64 bytes (array("q")
+        has the same layout, so no int object is made per token), with each one's byte range."""
+        starts = self.since[where]
+        counts = self.clock - starts
+        ends = np.cumsum(counts)
+        firsts = ends - counts
+        slots = (np.arange(int(ends[-1])) - np.repeat(firsts - starts, counts)) % RING
+        tokens = self.ring[np.repeat(where, counts), slots].tobytes()
+        return tokens, (firsts * 8).tolist(), (ends * 8).tolist()
 
     def sync_many(self, positions: list[int]) -> None:
         """``sync`` for several positions: a few array operations, then one short loop."""
         if not positions:
             return
         where = np.asarray(positions, np.int64)
-        starts = self.since[where]
-        counts = self.clock - starts
-        # Exactly the unflushed ring slots, gathered in order and handed over as raw int64 bytes
-        # (array("q") has the same layout): no int object per token.
-        ends = np.cumsum(counts)
-        total = int(ends[-1])
-        firsts = ends - counts
-        slots = (np.arange(total) - np.repeat(firsts - starts, counts)) % RING
-        tokens = self.ring[np.repeat(where, counts), slots].tobytes()
+        tokens, firsts, ends = self._unflushed(where)
         num_held = self.num_held[where]
         held = self.held[where].tolist() if num_held.any() else None
         seqs = self.seqs
         for i, (pos, computed, first, end, blocks_held) in enumerate(zip(
-                positions, self.computed[where].tolist(), firsts.tolist(), ends.tolist(), num_held.tolist())):
+                positions, self.computed[where].tolist(), firsts, ends, num_held.tolist())):
             seq = seqs[pos]
             seq.num_computed = computed
             seq.num_tokens_sent = computed
-            seq.token_ids.frombytes(tokens[first * 8:end * 8])
+            seq.token_ids.frombytes(tokens[first:end])
             blocks = seq.block_ids
             if blocks_held:
                 blocks.extend(held[i][:blocks_held])
@@ -218,6 +237,7 @@ class DecodeLane:
         slots = self.num_held[needy]
         self.held[needy, slots] = blocks
         self.num_held[needy] = slots + 1
+        self.tail_block[needy] = blocks
         self.table_tokens[needy] += self.block_size
         self._granted = (np.asarray(needy, np.int64), blocks)
         return []
@@ -240,12 +260,55 @@ class DecodeLane:
         """Append the in-flight batch's sampled tokens (in batch order) to its sequences."""
         n, self.in_flight = self.in_flight, 0
         values = np.array(tokens, dtype=np.int64)
-        # A full ring: the slot written next holds the sequence's oldest unflushed token.
-        self.sync_many((self.clock - self.since[:n] >= RING).nonzero()[0].tolist())
-        self.ring[:n, self.clock % RING] = values
+        # Every position is synced once per RING updates, a different 1/RING of them each time
+        # (sequences that entered together would otherwise all sync in the same step); a
+        # sequence moved to a position synced before its turn is caught by the second test,
+        # when the slot written next would be its oldest unflushed token.
+        clock = self.clock
+        due = clock - self.since[:n] >= RING
+        due[(-clock) % RING::RING] = True
+        self.sync_many(due.nonzero()[0].tolist())
+        self.ring[:n, clock % RING] = values
         self.last[:n] = values
         self.clock += 1
         return values
+
+    def publish_filled(self, positions: list[int], pool: "BlockPool") -> None:
+        """Name, in the prefix cache, the block each sequence at ``positions`` just filled.
+
+        When the ring holds all of the block's tokens and every earlier block is named, the
+        key comes from the ring and the key columns, without a sync: a sync writes into the
+        token array and block list, scattered objects that thousands of sequences no longer
+        keep in cache. Otherwise the sequence is synced and named the per-object way.
+        """
+        if not positions:
+            return
+        bs = self.block_size
+        where = np.asarray(positions, np.int64)
+        first_update = self.clock - 1 - bs  # the update that sampled the block's first token
+        fast = ((self.num_keyed[where] == self.computed[where] // bs - 1)
+                & (self.entered[where] <= first_update) & (bs < RING))
+        for pos in where[~fast].tolist():
+            self.sync(pos)
+            seq = self.seqs[pos]
+            prefix_cache.register_computed(pool, seq, bs)
+            self.note_keys(pos, seq)
+        where = where[fast]
+        if not len(where):
+            return
+        slots = np.arange(first_update, self.clock - 1) % RING
+        tokens = self.ring[where[:, None], slots].tobytes()  # one row of bs int64 per sequence
+        size = 8 * bs
+        owns = []
+        seqs = self.seqs
+        for i, (pos, parent, block) in enumerate(zip(where.tolist(), self.key_hash[where].tolist(),
+                                                     self.tail_block[where].tolist())):
+            key = prefix_cache.block_key(parent, tokens[i * size:(i + 1) * size])
+            pool.register(block, key)
+            seqs[pos].block_keys.append(key)
+            owns.append(key[2])
+        self.key_hash[where] = owns
+        self.num_keyed[where] += 1
 
     def stop_ids(self) -> np.ndarray:
         """Every stop token of a sequence in the lane: a superset for the first, vectorized check."""

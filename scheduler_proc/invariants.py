@@ -42,12 +42,12 @@ def check_pool(pool: BlockPool, owners: Counter, name: str) -> None:
     if len(free) + sum(1 for c in pool.ref_counts if c) != pool.num_blocks:
         _fail(f"{name}: free {len(free)} + used != total {pool.num_blocks}")
     for block in evictable:
-        if block not in pool.block_key:
+        if pool.block_key[block] is None:
             _fail(f"{name}: evictable block {block} has no prefix-cache key")
     for key, block in pool.cache.items():
-        if pool.block_key.get(block) != key:
+        if pool.block_key[block] != key:
             _fail(f"{name}: cache entry for block {block} does not match the block's key")
-    if len(pool.block_key) != len(pool.cache):
+    if sum(key is not None for key in pool.block_key) != len(pool.cache):
         _fail(f"{name}: {len(pool.cache)} cache entries but a different number of named blocks")
 
 

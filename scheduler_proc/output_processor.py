@@ -152,11 +152,7 @@ def _apply_lane(sched: "Scheduler", tokens: list[int], deltas: list[RequestDelta
         filled = (new_len - 1) % block_size == 0
         if dead is not None:
             filled &= ~dead
-        device = sched.bm.device
-        positions = filled.nonzero()[0].tolist()
-        lane.sync_many(positions)
-        for pos in positions:
-            prefix_cache.register_computed(device, seqs[pos], block_size)
+        lane.publish_filled(filled.nonzero()[0].tolist(), sched.bm.device)
     gone = (ends if dead is None else ends | dead).nonzero()[0].tolist()
     if not gone:
         lane.lists_out = True

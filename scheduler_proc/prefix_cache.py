@@ -1,11 +1,14 @@
 """Prefix caching: full blocks are named by their content and the content before them.
 
-The key of block ``i`` of a sequence is ``(parent, tokens)`` where ``tokens`` is the tuple
-of its ``block_size`` token ids and ``parent`` is ``hash()`` of block ``i-1``'s key (0 for
-the first block). Keys hold only ints, whose ``hash`` Python computes the same way in
-every run (unlike ``str`` or ``None``), so a recorded trace replays with the same hits.
-The cache is a dict on those keys, so equal-hash collisions of different tokens are told
-apart by equality; only a 64-bit collision of two *parent* hashes could alias, as in vLLM.
+The key of block ``i`` of a sequence is ``(parent, tokens, own)``: ``tokens`` is the raw
+int64 bytes of its ``block_size`` token ids (what ``array("q")`` and numpy hold, 8 bytes a
+token, where a tuple of ints costs ~40), ``own`` is ``hash((parent, int(tokens)))`` and
+``parent`` is block ``i-1``'s ``own`` (0 for the first block). Carrying ``own`` means the
+next block's parent is read, not recomputed. ``own`` hashes ints only, which Python hashes
+the same way in every run (unlike ``bytes`` or ``str``), so the chain, and a recorded
+trace's hits, are the same in every process. The cache is a dict on those keys, so
+equal-hash collisions of different tokens are told apart by equality; only a 64-bit
+collision of two *parent* hashes could alias, as in vLLM.
 
 A block is published only after the step that computes its last token has run
 (``register_computed``), so a hit never points at KV that is not yet written.
@@ -15,6 +18,10 @@ from __future__ import annotations
 
 from pagedserve.scheduler_proc.block_pool import BlockPool
 from pagedserve.scheduler_proc.request import Sequence
+
+
+def block_key(parent: int, tokens: bytes) -> tuple[int, bytes, int]:
+    return parent, tokens, hash((parent, int.from_bytes(tokens, "little", signed=True)))
 
 
 def lookup(pool: BlockPool, seq: Sequence, block_size: int) -> tuple[list[int], list]:
@@ -28,13 +35,13 @@ def lookup(pool: BlockPool, seq: Sequence, block_size: int) -> tuple[list[int], 
     keys: list = []
     parent = 0
     for i in range(max_blocks):
-        key = (parent, tuple(tokens[i * block_size:(i + 1) * block_size]))
+        key = block_key(parent, tokens[i * block_size:(i + 1) * block_size].tobytes())
         block = pool.lookup(key)
         if block is None:
             break
         hits.append(block)
         keys.append(key)
-        parent = hash(key)
+        parent = key[2]
     return hits, keys
 
 
@@ -46,12 +53,12 @@ def register_computed(pool: BlockPool, seq: Sequence, block_size: int) -> None:
         return
     tokens = seq.token_ids
     blocks = seq.block_ids
-    parent = hash(keys[-1]) if keys else 0
+    parent = keys[-1][2] if keys else 0
     for i in range(len(keys), num_full):
-        key = (parent, tuple(tokens[i * block_size:(i + 1) * block_size]))
+        key = block_key(parent, tokens[i * block_size:(i + 1) * block_size].tobytes())
         keys.append(key)
         pool.register(blocks[i], key)
-        parent = hash(key)
+        parent = key[2]
 
 
 def republish(pool: BlockPool, seq: Sequence) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pagedserve.protocol.messages import RequestDelta
+from pagedserve.protocol.messages import RequestDelta, iter_deltas
 
 
 class StepBatch:
@@ -46,9 +46,7 @@ class StepOutputs:
         return bool(self.deltas or self.token_ids)
 
     def __iter__(self):
-        for request_id, index, token in zip(self.token_request_ids, self.token_indices, self.token_ids):
-            yield RequestDelta(request_id, index, [token])
-        yield from self.deltas
+        return iter_deltas(self)
 
     def __repr__(self) -> str:
         return f"StepOutputs({list(self)!r})"

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.decode_lane import RING
+from pagedserve.scheduler_proc.prefix_cache import block_key
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
 from test_scheduler_support import (
@@ -46,7 +47,7 @@ def test_steady_decodes_travel_as_one_decode_batch_and_their_tokens_as_lists():
 def test_every_token_arrives_once_and_in_order_through_preemption_swap_forks_and_ring_flushes():
     # Counting tokens: output i of a p-token prompt is 1000 + p + i. A token lost or repeated
     # by the lane (a ring flush, a sync before preemption, a recompute from lane state) shows.
-    sched, worker = make(block_size=4, num_gpu_blocks=40, num_cpu_blocks=12, max_num_seqs=8,
+    sched, worker = make(block_size=4, num_gpu_blocks=60, num_cpu_blocks=12, max_num_seqs=8,
                          max_num_batched_tokens=32)
     rng = random.Random(5)
     prompts = {}
@@ -102,6 +103,24 @@ def test_stop_tokens_are_per_request_and_wait_for_min_tokens_in_the_lane():
     assert EOS not in samples[("r-min", 0)]
 
 
+def test_a_follow_up_turn_hits_the_blocks_its_first_turn_generated():
+    # A chat's next turn repeats the last answer: the blocks the lane filled while decoding it
+    # must be named in the prefix cache by exactly their tokens (the simulated worker checks
+    # every slot the second request attends over).
+    sched, worker = make(block_size=4, num_gpu_blocks=64, enable_prefix_caching=True)
+    prompt = [11, 12, 13, 14, 15, 16]
+    sched.add_request(request("turn-1", prompt, max_tokens=RING + 10, ignore_eos=True))
+    answer = outputs_by_sample(run_until_done(sched, worker))[("turn-1", 0)]
+    follow_up = prompt + answer + [21, 22, 23]
+    sched.add_request(request("turn-2", follow_up, max_tokens=2, ignore_eos=True))
+    deltas = run_until_done(sched, worker)
+    cached = next(d.num_cached_tokens for d in deltas if d.request_id == "turn-2")
+    # Every full block of prompt + answer except the one holding the answer's last token,
+    # which was sampled but never computed.
+    assert cached == (len(prompt) + len(answer) - 1) // 4 * 4
+    assert outputs_by_sample(deltas)[("turn-2", 0)] == [1000 + len(follow_up), 1001 + len(follow_up)]
+
+
 def test_a_decode_batch_once_sent_is_never_changed_by_later_steps():
     sched, worker = make(block_size=4, num_gpu_blocks=64, max_num_seqs=8)
     for i in range(6):
@@ -147,6 +166,14 @@ def test_random_workloads_deliver_every_token_once_in_order(block_size, num_gpu_
             aborted.add(victim)
             deltas += sched.abort_requests([victim])
         deltas += sched.update_from_output(out, worker.step(out))
+        if prefix_caching and step % 7 == 0:
+            for seq in sched.running_sequences():  # keys named from the ring equal the per-object ones
+                expected, parent = [], 0
+                for i in range(len(seq.block_keys)):
+                    key = block_key(parent, seq.token_ids[i * block_size:(i + 1) * block_size].tobytes())
+                    expected.append(key)
+                    parent = key[2]
+                assert seq.block_keys == expected, seq.seq_id
     else:
         raise AssertionError(f"workload did not finish: {sched.stats()}")
     for (request_id, index), tokens in outputs_by_sample(deltas).items():

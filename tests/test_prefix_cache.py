@@ -77,8 +77,10 @@ def test_evicting_a_cached_block_for_new_content_zeroes_it():
 def test_block_keys_are_deterministic_across_processes():
     import subprocess
     import sys
-    code = ("from pagedserve.scheduler_proc.prefix_cache import lookup;"
-            "print(hash((hash((0, (1, 2, 3, 4))), (5, 6, 7, 8))))")
+    code = ("from array import array;"
+            "from pagedserve.scheduler_proc.prefix_cache import block_key;"
+            "first = block_key(0, array('q', [1, 2, 3, -4]).tobytes());"
+            "print(block_key(first[2], array('q', [5, 6, 7, 8]).tobytes())[2])")
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={"PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert len(runs) == 1 and runs.pop().strip()
