@@ -192,8 +192,9 @@ class NewRequestData(Msg):
     sampling: SamplingParams
 
 
-class CachedRequestData(Msg, gc=False):  # one per running request per step: keep the GC out
-    """A request the workers already hold: only what changed since its last step."""
+class CachedRequestData(Msg, gc=False):  # holds only scalars and int lists: no cycles possible
+    """A request the workers already hold that is not a plain decode (a prefill chunk going on,
+    a fresh fork, a decode that left the lane this step): only what changed since its last step."""
 
     req_id: str
     new_token_ids: list[int]  # tokens appended since the workers last saw it
