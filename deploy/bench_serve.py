@@ -21,6 +21,7 @@ import contextlib
 import json
 import random
 import time
+from pathlib import Path
 from dataclasses import asdict
 
 from pagedserve.deploy.bench_report import RequestRecord, latency_table, plot_run, summarize
@@ -41,8 +42,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-interval", type=float, default=0.5, help="seconds between /metrics scrapes")
-    p.add_argument("--output-json", default="bench-serve.json")
-    p.add_argument("--output-png", default="bench-serve.png")
+    p.add_argument("--output-json", default="bench/out/bench-serve.json")
+    p.add_argument("--output-png", default="bench/out/bench-serve.png")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -169,6 +170,8 @@ async def run_bench(ns: argparse.Namespace) -> dict:
 def main(ns: argparse.Namespace) -> int:
     result = asyncio.run(run_bench(ns))
     print(latency_table(result))
+    Path(ns.output_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(ns.output_png).parent.mkdir(parents=True, exist_ok=True)
     with open(ns.output_json, "w") as f:
         json.dump(result, f, indent=1)
     plot_run(result, ns.output_png, title=f"bench serve: {ns.url}")

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 from pagedserve.deploy.serve_config import ConfigError, add_serve_args, serve_config_from_args
+from pagedserve.deploy.vllm_compat import unsupported_flag
+from pagedserve.protocol.version import package_version
 
 
 def default_demo_dir() -> Path:
@@ -67,6 +69,7 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve", description="A multi-process paged-attention LLM server.")
+    p.add_argument("--version", action="version", version=f"pagedserve {package_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API")
@@ -101,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        complaint = unsupported_flag(argv[1:])
+        if complaint is not None:
+            print(f"pagedserve serve: {complaint}", file=sys.stderr)
+            return 2
     ns = build_parser().parse_args(argv)
     return ns.func(ns)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pagedserve.deploy.vllm_compat import DTYPE_CHOICES, resolve_dtype
 from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
 
@@ -22,10 +23,10 @@ class ServeConfig:
     model: str
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: Optional[str] = None
+    served_model_name: Optional[list[str]] = None  # the first names the model in responses
     api_key: Optional[str] = None
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # vLLM's names; resolved to float32 | bfloat16 | float16 at construction
     block_size: int = 16
     num_gpu_blocks: Optional[int] = None
     kv_cache_memory_gib: Optional[float] = None
@@ -51,6 +52,9 @@ class ServeConfig:
     num_threads: Optional[int] = None
     poison_kv_cache: bool = False
     log_level: str = "INFO"
+    uvicorn_log_level: Optional[str] = None  # default: --log-level
+    disable_log_requests: bool = True  # pagedserve never logs prompts or outputs; vLLM's flag is accepted
+    chat_template: Optional[str] = None  # a file path or the template itself
     internal_host: Optional[str] = None  # None: ipc sockets in the 0700 run dir
     internal_port_base: Optional[int] = None
     internal_curve: bool = False  # CurveZMQ even on loopback (always on off loopback)
@@ -63,6 +67,9 @@ class ServeConfig:
             raise ConfigError(f"{self.model} is not a model directory (no config.json)")
         model_cfg = json.loads(cfg_path.read_text())
         limit = int(model_cfg.get("max_position_embeddings") or 2048)
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"--dtype {self.dtype!r} is not one of {DTYPE_CHOICES}")
+        self.dtype = resolve_dtype(self.dtype, model_cfg, self.device)
         if self.max_model_len is None:
             self.max_model_len = limit
         if self.max_model_len < 2:
@@ -73,8 +80,16 @@ class ServeConfig:
             raise ConfigError("--tensor-parallel-size and --data-parallel-size must be >= 1")
         if self.port < 0 or self.port > 65535:
             raise ConfigError(f"--port {self.port} is not a TCP port")
-        if self.served_model_name is None:
-            self.served_model_name = Path(self.model).resolve().name
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if not self.served_model_name:
+            self.served_model_name = [Path(self.model).resolve().name]
+        if self.chat_template is not None:
+            self.chat_template = str(Path(self.chat_template).resolve()) \
+                if Path(self.chat_template).is_file() else self.chat_template
+            if "{" not in self.chat_template and not Path(self.chat_template).is_file():
+                raise ConfigError(f"--chat-template {self.chat_template!r} is neither a file nor a "
+                                  f"Jinja template")
         self._check_internal_endpoints()
 
     def _check_internal_endpoints(self) -> None:
@@ -119,12 +134,16 @@ class ServeConfig:
 
     def frontend_cmd(self, run_dir: str) -> list[str]:
         cmd = self._py("frontend_proc") + [
-            "--run-dir", run_dir, "--model", self.model, "--served-model-name", self.served_model_name,
+            "--run-dir", run_dir, "--model", self.model, "--served-model-name", *self.served_model_name,
             "--host", self.host, "--port", str(self.port), "--num-replicas", str(self.data_parallel_size),
             "--max-model-len", str(self.max_model_len), "--replica-timeout-s", str(self.replica_timeout_s),
             "--drain-timeout-s", str(self.drain_timeout_s), "--log-level", self.log_level.lower()]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        if self.uvicorn_log_level:
+            cmd += ["--uvicorn-log-level", self.uvicorn_log_level.lower()]
+        if self.chat_template:
+            cmd += ["--chat-template", self.chat_template]
         return cmd
 
     def scheduler_cmd(self, run_dir: str, replica: int) -> list[str]:
@@ -170,10 +189,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="HF model directory (config.json + safetensors); default: the demo model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="names clients may use for the model; responses carry the first")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights and KV cache; auto: the model config's dtype (float16 -> bfloat16 on CPU)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks", type=int, help="KV blocks per device (default: as many as fit)")
     p.add_argument("--kv-cache-memory-gib", type=float, help="memory budget for the KV cache per device")
@@ -200,6 +221,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, help="CPU threads per worker")
     p.add_argument("--poison-kv-cache", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--uvicorn-log-level", type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="the HTTP server's log level (default: --log-level)")
+    p.add_argument("--disable-log-requests", action="store_true", default=True,
+                   help="accepted for vLLM command lines: pagedserve never logs prompts or outputs")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template text) instead of the model's")
     g = p.add_argument_group("beyond one node (deploy/README.md)")
     g.add_argument("--internal-host", metavar="HOST",
                    help="put the internal ZMQ endpoints on TCP at this IP (default: ipc sockets in the "

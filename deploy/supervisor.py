@@ -110,7 +110,7 @@ class Supervisor:
             elif isinstance(msg, m.Heartbeat):
                 self.last_heartbeat[msg.replica] = time.monotonic()
         log.info("pagedserve ready on http://%s:%d (model %s, %d replica(s) x %d worker(s), run dir %s)",
-                 self.cfg.host, self.cfg.port, self.cfg.served_model_name,
+                 self.cfg.host, self.cfg.port, self.cfg.served_model_name[0],
                  self.cfg.data_parallel_size, self.cfg.tensor_parallel_size, self.run_dir)
 
     def children(self) -> list[Child]:

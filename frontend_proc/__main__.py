@@ -41,16 +41,16 @@ def _announce_ready(endpoints: Endpoints) -> None:
 
 async def serve(config: FrontendConfig) -> None:
     endpoints = Endpoints(config.run_dir)
-    tokenizer = PromptTokenizer(config.model)
+    tokenizer = PromptTokenizer(config.model, config.chat_template)
     router = Router(config.num_replicas, config.replica_timeout_s)
     engine = EngineClient(endpoints, router)
     metrics = FrontendMetrics(router)
-    serving = Serving(config.served_model_name, config.max_model_len, engine, tokenizer,
+    serving = Serving(config.served_model_names, config.max_model_len, engine, tokenizer,
                       metrics)
     app = build_app(serving, router, metrics, config.api_key)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level,
-        access_log=config.log_level == "debug", timeout_graceful_shutdown=config.drain_timeout_s))
+        app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level,
+        access_log=(config.uvicorn_log_level or config.log_level) in ("debug", "trace"), timeout_graceful_shutdown=config.drain_timeout_s))
     engine.start()
     serve_task = asyncio.create_task(server.serve())
     try:

@@ -17,6 +17,7 @@ from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest, CompletionRequest
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.serving import Serving, error_response
+from pagedserve.frontend_proc.utility_routes import add_utility_routes
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +67,7 @@ def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
-    @app.get("/v1/models", dependencies=authorized)
-    async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": serving.served_model_name, "object": "model", "created": started,
-            "owned_by": "pagedserve", "max_model_len": serving.max_model_len}]}
+    add_utility_routes(app, serving, authorized, started)
 
     @app.get("/health")
     async def health() -> Response:

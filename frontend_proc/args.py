@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 class FrontendConfig:
     run_dir: Path
     model: Path
-    served_model_name: str
+    served_model_names: tuple[str, ...]  # the first names the model in responses
     host: str
     port: int
     num_replicas: int
@@ -22,8 +22,16 @@ class FrontendConfig:
     replica_timeout_s: float
     log_level: str
     drain_timeout_s: float = 30.0
+    uvicorn_log_level: Optional[str] = None
+    chat_template: Optional[str] = None  # a file path or the template text
+
+    @property
+    def served_model_name(self) -> str:
+        return self.served_model_names[0]
 
     def __post_init__(self) -> None:
+        if not self.served_model_names or any(not n for n in self.served_model_names):
+            raise ValueError("--served-model-name needs at least one non-empty name")
         if self.num_replicas < 1:
             raise ValueError(f"--num-replicas must be at least 1, got {self.num_replicas}")
         if self.max_model_len < 2:
@@ -43,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the deployment's private (0700) directory holding its ipc sockets")
     p.add_argument("--model", required=True, type=Path,
                    help="HF model directory (tokenizer, config.json, generation_config.json)")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name clients must use (default: the model dir's basename)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names clients may use; responses carry the first (default: the model dir's basename)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--num-replicas", type=int, default=1)
@@ -58,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, how long in-flight requests may take to finish")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--uvicorn-log-level", default=None, type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file, or the template text, instead of the model's")
     return p
 
 
@@ -75,7 +87,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> FrontendConfig:
     return FrontendConfig(
         run_dir=ns.run_dir,
         model=model,
-        served_model_name=ns.served_model_name or model.name,
+        served_model_names=tuple(ns.served_model_name or [model.name]),
         host=ns.host,
         port=ns.port,
         num_replicas=ns.num_replicas,
@@ -84,4 +96,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> FrontendConfig:
         replica_timeout_s=ns.replica_timeout_s,
         log_level=ns.log_level,
         drain_timeout_s=ns.drain_timeout_s,
+        uvicorn_log_level=ns.uvicorn_log_level,
+        chat_template=ns.chat_template,
     )

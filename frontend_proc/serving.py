@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar, Union
+from typing import Any, AsyncIterator, Awaitable, Optional, Sequence, TypeVar, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -65,9 +65,10 @@ def _sse(payload: Union[dict[str, Any], str]) -> bytes:
 
 
 class Serving:
-    def __init__(self, served_model_name: str, max_model_len: int, engine: EngineClient,
+    def __init__(self, served_model_names: Sequence[str], max_model_len: int, engine: EngineClient,
                  tokenizer: PromptTokenizer, metrics: FrontendMetrics):
-        self.served_model_name = served_model_name
+        self.served_model_names = list(served_model_names)
+        self.served_model_name = self.served_model_names[0]  # what responses name
         self.max_model_len = max_model_len
         self.engine = engine
         self.tokenizer = tokenizer
@@ -89,9 +90,9 @@ class Serving:
                                     ChatFormat(self.served_model_name), request)
 
     def _check_model(self, body: SamplingFields) -> None:
-        if body.model is not None and body.model != self.served_model_name:
+        if body.model is not None and body.model not in self.served_model_names:
             raise InvalidRequest(f"model {body.model!r} is not served here; "
-                                 f"use {self.served_model_name!r}",
+                                 f"use one of {self.served_model_names}",
                                  param="model", code="model_not_found")
 
     def _max_tokens(self, num_prompt: int, requested: Optional[int],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from pagedserve.frontend_proc.errors import InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatMessage
@@ -32,10 +32,13 @@ def _as_id_list(value: Any) -> list[int]:
 class PromptTokenizer:
     """Wraps the HF tokenizer of one model directory."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, chat_template: Optional[str] = None):
         from transformers import AutoTokenizer  # heavy import: only in this process
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if chat_template is not None:  # --chat-template: a file, or the template text itself
+            path = Path(chat_template)
+            self.tokenizer.chat_template = path.read_text() if path.is_file() else chat_template
         config = _read_json(model_dir / "config.json")
         generation_config = _read_json(model_dir / "generation_config.json")
         # The model may have more embedding rows than the tokenizer has tokens.
@@ -45,9 +48,12 @@ class PromptTokenizer:
             eos.append(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = sorted(set(eos))
 
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
     def encode_prompt(self, prompt: Union[str, list[int]]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
+            return self.encode_text(prompt)
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequest(
@@ -55,7 +61,7 @@ class PromptTokenizer:
                 param="prompt")
         return list(prompt)
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
         try:
@@ -64,7 +70,7 @@ class PromptTokenizer:
             raise InvalidRequest(str(exc), param="messages") from None
         try:
             ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True)
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
         except Exception as exc:  # template errors (jinja) are the client's input problem
             raise InvalidRequest(f"cannot apply the chat template: {exc}",
                                  param="messages") from None

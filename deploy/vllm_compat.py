@@ -1,0 +1,67 @@
+"""vLLM's command-line vocabulary: the dtype names it accepts, and the flags pagedserve lacks.
+
+A vLLM user who passes a flag pagedserve does not support gets one line that says so and
+why, instead of argparse's usage dump and "unrecognized arguments".
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+DTYPE_ALIASES = {
+    "float32": "float32", "float": "float32",
+    "float16": "float16", "half": "float16",
+    "bfloat16": "bfloat16",
+}
+DTYPE_CHOICES = ["auto", *DTYPE_ALIASES]
+
+UNSUPPORTED_FLAGS = {
+    "--quantization": "quantized weights are not supported; serve an unquantized model",
+    "-q": "quantized weights are not supported; serve an unquantized model",
+    "--pipeline-parallel-size": "pipeline parallelism is not supported; use --tensor-parallel-size "
+                                "and --data-parallel-size",
+    "-pp": "pipeline parallelism is not supported; use --tensor-parallel-size and --data-parallel-size",
+    "--kv-cache-dtype": "the KV cache always has the model's --dtype",
+    "--speculative-config": "speculative decoding is not supported",
+    "--speculative-model": "speculative decoding is not supported",
+    "--enable-lora": "LoRA adapters are not supported",
+    "--lora-modules": "LoRA adapters are not supported",
+    "--max-loras": "LoRA adapters are not supported",
+    "--max-lora-rank": "LoRA adapters are not supported",
+    "--cpu-offload-gb": "weight offloading is not supported",
+    "--load-format": "weights are always read from safetensors in the model directory",
+    "--tokenizer": "the tokenizer is always the model directory's",
+    "--tokenizer-mode": "the tokenizer is always the model directory's (fast) tokenizer",
+    "--trust-remote-code": "remote code is never run: only built-in model families are served",
+    "--revision": "models are local directories; nothing is downloaded",
+    "--download-dir": "models are local directories; nothing is downloaded",
+    "--enable-expert-parallel": "mixture-of-experts models are not supported",
+    "--rope-scaling": "RoPE scaling is read from the model's config.json",
+    "--hf-overrides": "the model's config.json is used as it is",
+    "--limit-mm-per-prompt": "multimodal models are not supported",
+    "--mm-processor-kwargs": "multimodal models are not supported",
+    "--compilation-config": "there is no compilation config; see --help for the performance options",
+    "--ssl-keyfile": "TLS is not terminated by pagedserve; put a TLS proxy in front",
+    "--ssl-certfile": "TLS is not terminated by pagedserve; put a TLS proxy in front",
+}
+
+
+def unsupported_flag(argv: list[str]) -> Optional[str]:
+    """The one-line complaint about the first vLLM flag in ``argv`` that pagedserve lacks."""
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        reason = UNSUPPORTED_FLAGS.get(flag)
+        if reason is not None:
+            return f"{flag} is a vLLM option that pagedserve does not support: {reason}"
+    return None
+
+
+def resolve_dtype(requested: str, model_config: dict, device: str) -> str:
+    """``auto`` takes the model's own dtype (float16 becomes bfloat16 on CPU, as vLLM does)."""
+    if requested != "auto":
+        return DTYPE_ALIASES[requested]
+    name = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
+    name = DTYPE_ALIASES.get(name.removeprefix("torch."), "float32")
+    if name == "float16" and device == "cpu":
+        return "bfloat16"
+    return name

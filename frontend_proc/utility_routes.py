@@ -1,0 +1,92 @@
+"""The routes around generation that vLLM users and tools call: models, tokenize, version, ping.
+
+Request and response shapes follow vLLM's serving API, so scripts written against it
+work unchanged. Every body is validated strictly: an unknown field is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedserve.frontend_proc.errors import InvalidRequest, NotFound
+from pagedserve.frontend_proc.openai_schema import ChatMessage
+from pagedserve.frontend_proc.serving import Serving
+from pagedserve.protocol.version import package_version
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TokenizeRequest(_Strict):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def check_one_input(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def _model_card(serving: Serving, name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
+            "root": name, "parent": None, "max_model_len": serving.max_model_len}
+
+
+def add_utility_routes(app: FastAPI, serving: Serving, authorized: list, created: int) -> None:
+    names = serving.served_model_names
+
+    def check_model(name: Optional[str]) -> None:
+        if name is not None and name not in names:
+            raise InvalidRequest(f"model {name!r} is not served here; use one of {names}",
+                                 param="model", code="model_not_found")
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models() -> dict:
+        return {"object": "list", "data": [_model_card(serving, n, created) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=authorized)
+    async def model(model_id: str) -> dict:
+        if model_id not in names:
+            raise NotFound(f"the model {model_id!r} does not exist; served: {names}",
+                           param="model", code="model_not_found")
+        return _model_card(serving, model_id, created)
+
+    @app.post("/tokenize", dependencies=authorized)
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        body.check_one_input()
+        tokenizer = serving.tokenizer
+        if body.messages is not None:
+            tokens = tokenizer.encode_chat(body.messages, add_generation_prompt=body.add_generation_prompt)
+        else:
+            tokens = tokenizer.encode_text(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize", dependencies=authorized)
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+        tokenizer = serving.tokenizer
+        bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise InvalidRequest(f"tokens must be in [0, {tokenizer.vocab_size}); got {bad[:5]}",
+                                 param="tokens")
+        return {"prompt": tokenizer.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/version")
+    async def server_version() -> dict:
+        return {"version": package_version()}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> dict:
+        return {}
