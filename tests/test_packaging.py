@@ -28,6 +28,7 @@ def test_the_wheel_puts_nothing_but_pagedserve_in_site_packages(wheel):
     for pkg in PACKAGES:
         assert f"pagedserve/{pkg}/__init__.py" in names
     assert "pagedserve/worker_proc/models/causal_lm.py" in names
+    assert "pagedserve/__init__.py" in names  # `from pagedserve import LLM, SamplingParams`
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
     assert b"pagedserve = pagedserve.deploy.cli:main" in entry_points
 
@@ -40,9 +41,16 @@ def test_an_installed_wheel_imports_every_package_from_site_packages(wheel, tmp_
     # -S: no .pth files, so the editable install of this checkout cannot shadow the wheel
     code = (f"import sys; sys.path[:0] = [{str(target)!r}, {deps!r}]\n"
             + "".join(f"import pagedserve.{p}\n" for p in PACKAGES)
+            + "from pagedserve import LLM, SamplingParams\n"
             + "import pagedserve.deploy.cli as c; print(c.__file__)")
     out = subprocess.run([sys.executable, "-S", "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip().startswith(str(target))
+
+
+def test_importing_the_protocol_does_not_load_the_offline_api():
+    code = "import sys, pagedserve.protocol.messages; print('pagedserve.deploy.offline' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_the_editable_install_maps_each_folder_into_the_namespace():

@@ -1,0 +1,24 @@
+"""pagedserve: a multi-process paged-attention LLM serving engine.
+
+``from pagedserve import LLM, SamplingParams`` is the offline API, as vLLM spells it. The
+names load on first use, so a process that imports only ``pagedserve.protocol`` (every
+scheduler and worker) never pays for the offline API's imports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineDiedError", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from pagedserve.protocol.version import package_version
+
+        return package_version()
+    if name in __all__:
+        from pagedserve.deploy import offline
+
+        return getattr(offline, name)
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
