@@ -99,6 +99,7 @@ def _parse_metrics(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
+        name = name.partition("{")[0]  # every series carries a model_name label
         if name in wanted:
             out[wanted[name]] = float(value)
     return out

@@ -44,7 +44,7 @@ async def serve(config: FrontendConfig) -> None:
     tokenizer = PromptTokenizer(config.model, config.chat_template)
     router = Router(config.num_replicas, config.replica_timeout_s)
     engine = EngineClient(endpoints, router)
-    metrics = FrontendMetrics(router)
+    metrics = FrontendMetrics(router, config.served_model_name)
     serving = Serving(config.served_model_names, config.max_model_len, engine, tokenizer,
                       metrics)
     app = build_app(serving, router, metrics, config.api_key)

@@ -3,6 +3,10 @@
 Scheduler counters are cumulative per replica; a restarted replica starts again at zero,
 which Prometheus reads as a counter reset. Gauges count only replicas that are still
 sending stats, so a dead replica's last queue lengths do not linger.
+
+Every series carries a ``model_name`` label. Where a metric means what a vLLM metric
+means, it is also exported under vLLM's name (``vllm:...``), so a stock vLLM dashboard's
+queries return data.
 """
 
 from __future__ import annotations
@@ -21,20 +25,29 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5,
 # metric name -> (help, how to read it from one SchedulerStats)
 _GAUGES = {
     "pagedserve_num_requests_running": ("Requests running, all replicas", lambda s: s.num_running),
+    "vllm:num_requests_running": ("Requests running, all replicas", lambda s: s.num_running),
     "pagedserve_num_requests_waiting": ("Requests waiting, all replicas", lambda s: s.num_waiting),
+    "vllm:num_requests_waiting": ("Requests waiting, all replicas", lambda s: s.num_waiting),
     "pagedserve_num_requests_swapped": ("Requests swapped to host memory",
                                         lambda s: s.num_swapped),
 }
+_PREEMPTIONS = ("Preemptions (recompute + swap)",
+                lambda s: s.num_preemptions_recompute + s.num_preemptions_swap)
+_PREFIX_QUERIES = ("Prompt tokens looked up in the prefix cache", lambda s: s.prefix_cache_queries)
+_PREFIX_HITS = ("Prompt tokens found in the prefix cache", lambda s: s.prefix_cache_hits)
+_PROMPT_TOKENS = ("Prompt tokens prefilled", lambda s: s.prompt_tokens)
+_GENERATION_TOKENS = ("Tokens generated", lambda s: s.generation_tokens)
 _COUNTERS = {
-    "pagedserve_num_preemptions_total": (
-        "Preemptions (recompute + swap)",
-        lambda s: s.num_preemptions_recompute + s.num_preemptions_swap),
-    "pagedserve_prefix_cache_queries_total": ("Prompt tokens looked up in the prefix cache",
-                                              lambda s: s.prefix_cache_queries),
-    "pagedserve_prefix_cache_hits_total": ("Prompt tokens found in the prefix cache",
-                                           lambda s: s.prefix_cache_hits),
-    "pagedserve_prompt_tokens_total": ("Prompt tokens prefilled", lambda s: s.prompt_tokens),
-    "pagedserve_generation_tokens_total": ("Tokens generated", lambda s: s.generation_tokens),
+    "pagedserve_num_preemptions_total": _PREEMPTIONS,
+    "vllm:num_preemptions_total": _PREEMPTIONS,
+    "pagedserve_prefix_cache_queries_total": _PREFIX_QUERIES,
+    "vllm:prefix_cache_queries_total": _PREFIX_QUERIES,
+    "pagedserve_prefix_cache_hits_total": _PREFIX_HITS,
+    "vllm:prefix_cache_hits_total": _PREFIX_HITS,
+    "pagedserve_prompt_tokens_total": _PROMPT_TOKENS,
+    "vllm:prompt_tokens_total": _PROMPT_TOKENS,
+    "pagedserve_generation_tokens_total": _GENERATION_TOKENS,
+    "vllm:generation_tokens_total": _GENERATION_TOKENS,
     "pagedserve_recomputed_tokens_total": ("Tokens recomputed after preemption",
                                            lambda s: s.recomputed_tokens),
     "pagedserve_num_swapped_blocks_total": (
@@ -46,38 +59,46 @@ _COUNTERS = {
 class SchedulerStatsCollector(Collector):
     """Reads the router's latest stats at scrape time."""
 
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, model_name: str):
         self.router = router
+        self.model_name = model_name
+
+    def _family(self, kind, name: str, help_text: str, value: float):
+        family = kind(name, help_text, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
 
     def collect(self):
         now = time.monotonic()
         known = [r for r in self.router.replicas if r.stats is not None]
         fresh = [r for r in known if r.is_fresh(now, self.router.timeout_s)]
         for name, (help_text, read) in _GAUGES.items():
-            yield GaugeMetricFamily(name, help_text, value=sum(read(r.stats) for r in fresh))
+            yield self._family(GaugeMetricFamily, name, help_text, sum(read(r.stats) for r in fresh))
         usage = [r.stats.kv_cache_usage for r in fresh]
-        yield GaugeMetricFamily("pagedserve_kv_cache_usage_ratio",
-                                "KV-cache usage, mean over live replicas (0..1)",
-                                value=sum(usage) / len(usage) if usage else 0.0)
+        mean_usage = sum(usage) / len(usage) if usage else 0.0
+        yield self._family(GaugeMetricFamily, "pagedserve_kv_cache_usage_ratio",
+                           "KV-cache usage, mean over live replicas (0..1)", mean_usage)
+        yield self._family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
+                           "KV-cache usage, mean over live replicas; 1 means 100 percent", mean_usage)
         for name, (help_text, read) in _COUNTERS.items():
-            yield CounterMetricFamily(name, help_text, value=sum(read(r.stats) for r in known))
+            yield self._family(CounterMetricFamily, name, help_text, sum(read(r.stats) for r in known))
         yield from self._per_replica(now)
 
     def _per_replica(self, now: float):
+        labels = ["model_name", "replica"]
         up = GaugeMetricFamily("pagedserve_replica_up",
-                               "1 when the replica is live (fresh stats, state ready)",
-                               labels=["replica"])
+                               "1 when the replica is live (fresh stats, state ready)", labels=labels)
         running = GaugeMetricFamily("pagedserve_replica_num_requests_running",
-                                    "Requests running per replica", labels=["replica"])
+                                    "Requests running per replica", labels=labels)
         waiting = GaugeMetricFamily("pagedserve_replica_num_requests_waiting",
-                                    "Requests waiting per replica", labels=["replica"])
+                                    "Requests waiting per replica", labels=labels)
         usage = GaugeMetricFamily("pagedserve_replica_kv_cache_usage_ratio",
-                                  "KV-cache usage per replica (0..1)", labels=["replica"])
+                                  "KV-cache usage per replica (0..1)", labels=labels)
         generated = CounterMetricFamily("pagedserve_replica_generation_tokens",
                                         "Tokens generated per replica (data-parallel balance)",
-                                        labels=["replica"])
+                                        labels=labels)
         for r in self.router.replicas:
-            label = [str(r.replica)]
+            label = [self.model_name, str(r.replica)]
             up.add_metric(label, 1.0 if r.is_live(now, self.router.timeout_s) else 0.0)
             if r.stats is not None and r.is_fresh(now, self.router.timeout_s):
                 running.add_metric(label, r.stats.num_running)
@@ -88,22 +109,43 @@ class SchedulerStatsCollector(Collector):
         yield from (up, running, waiting, usage, generated)
 
 
+class _Observed:
+    """One observation recorded under pagedserve's name and vLLM's, both labelled by model."""
+
+    __slots__ = ("_children",)
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, suffix: str, help_text: str,
+                 buckets: tuple[float, ...]):
+        self._children = [
+            Histogram(f"{prefix}{suffix}", help_text, labelnames=["model_name"], buckets=buckets,
+                      registry=registry).labels(model_name)
+            for prefix in ("pagedserve_", "vllm:")]
+
+    def observe(self, value: float) -> None:
+        for child in self._children:
+            child.observe(value)
+
+
 class FrontendMetrics:
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, model_name: str):
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(SchedulerStatsCollector(router))
-        self.time_to_first_token = Histogram(
-            "pagedserve_time_to_first_token_seconds", "Arrival to first output token",
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.time_per_output_token = Histogram(
-            "pagedserve_time_per_output_token_seconds", "Mean gap between output tokens",
-            buckets=_TPOT_BUCKETS, registry=self.registry)
-        self.e2e_request_latency = Histogram(
-            "pagedserve_e2e_request_latency_seconds", "Arrival to last output token",
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.request_success = Counter(
+        self.registry.register(SchedulerStatsCollector(router, model_name))
+        self.time_to_first_token = _Observed(
+            self.registry, model_name, "time_to_first_token_seconds", "Arrival to first output token",
+            _LATENCY_BUCKETS)
+        self.time_per_output_token = _Observed(
+            self.registry, model_name, "time_per_output_token_seconds", "Mean gap between output tokens",
+            _TPOT_BUCKETS)
+        self.e2e_request_latency = _Observed(
+            self.registry, model_name, "e2e_request_latency_seconds", "Arrival to last output token",
+            _LATENCY_BUCKETS)
+        self._request_success = Counter(
             "pagedserve_request_success", "Finished sequences by finish reason",
-            labelnames=["finish_reason"], registry=self.registry)
+            labelnames=["model_name", "finish_reason"], registry=self.registry)
+
+    def count_finish(self, finish_reason: str) -> None:
+        self._request_success.labels(self.model_name, finish_reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

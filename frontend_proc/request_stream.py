@@ -125,7 +125,7 @@ class RequestStream:
         now = time.monotonic()
         self.metrics.e2e_request_latency.observe(now - self.arrival)
         for choice in self.choices:
-            self.metrics.request_success.labels(finish_reason=choice.finish_reason).inc()
+            self.metrics.count_finish(choice.finish_reason)
             if self.first_token_time is not None and choice.num_tokens > 1:
                 self.metrics.time_per_output_token.observe(
                     (now - self.first_token_time) / (choice.num_tokens - 1))

@@ -104,8 +104,15 @@ def test_metrics_sum_scheduler_stats_over_replicas_and_count_finished_requests(e
         text = http.get("/metrics").text
     for name in METRIC_NAMES:
         assert name in text
-    assert _sample(text, "pagedserve_num_requests_running") == 5
-    assert _sample(text, "pagedserve_prompt_tokens_total") == 150
-    assert _sample(text, "pagedserve_num_preemptions_total") == 3
-    assert _sample(text, 'pagedserve_request_success_total{finish_reason="stop"}') >= 1
-    assert 'pagedserve_replica_up{replica="1"} 1.0' in text
+    model = '{model_name="tiny"}'
+    for prefix in ("pagedserve_", "vllm:"):  # vLLM's names, for its dashboards, mean the same
+        assert _sample(text, f"{prefix}num_requests_running{model}") == 5
+        assert _sample(text, f"{prefix}prompt_tokens_total{model}") == 150
+        assert _sample(text, f"{prefix}num_preemptions_total{model}") == 3
+        assert _sample(text, f"{prefix}e2e_request_latency_seconds_count{model}") >= 1
+    for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+        assert _sample(text, name + model) >= 0
+    assert _sample(text, 'pagedserve_request_success_total{finish_reason="stop",model_name="tiny"}') >= 1
+    assert 'pagedserve_replica_up{model_name="tiny",replica="1"} 1.0' in text

@@ -51,7 +51,7 @@ def assert_equal_to_transformers(model: str, prompts: list[list[int]], results, 
 def replica_generation_tokens(srv: Server) -> dict[str, float]:
     text = httpx.get(srv.url + "/metrics", timeout=10).text
     return {m.group(1): float(m.group(2)) for m in
-            re.finditer(r'^pagedserve_replica_generation_tokens_total\{replica="(\d+)"\} (\S+)$', text, re.M)}
+            re.finditer(r'^pagedserve_replica_generation_tokens_total\{model_name="[^"]*",replica="(\d+)"\} (\S+)$', text, re.M)}
 
 
 def test_two_tensor_parallel_workers_serve_transformers_greedy_tokens_and_stop_cleanly(model_factory, tmp_path):
