@@ -3,8 +3,13 @@
 It reuses the serving loop and swaps only the I/O: the same scheduler and worker
 processes the supervisor starts (same command lines, a private run dir) and no HTTP
 frontend; this object plays the frontend over the protocol. It binds the frontend's
-output socket, pushes AddRequests to the schedulers, collects RequestDeltas until every
-request finished, and detokenizes with the model directory's tokenizer.
+output socket, pushes AddRequests to the schedulers and collects RequestDeltas until every
+request finished; text follows the HTTP frontend's rules (deploy/offline_outputs.py).
+
+It never waits without end: every input is checked before anything is sent
+(deploy/offline_inputs.py), a dead scheduler raises EngineDiedError, dead workers are
+replaced as ``serve`` replaces them (the requests they held end with finish_reason
+"error"), and ``generate`` takes a timeout.
 """
 
 from __future__ import annotations
@@ -14,72 +19,51 @@ import json
 import shutil
 import time
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import zmq
 
 from pagedserve.deploy.children import Child, free_tcp_port, spawn
+from pagedserve.deploy.offline_inputs import (
+    Prompt, SamplingParams, as_params_list, as_prompt_list, prompt_token_ids)
+from pagedserve.deploy.offline_outputs import CompletionOutput, PendingRequest, RequestOutput, TextDecoder
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
-from pagedserve.protocol.messages import SamplingParams
+from pagedserve.protocol.validate import InvalidField, check_request
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineDiedError"]
 
-Prompt = Union[str, list[int]]
+WATCH_INTERVAL_S = 0.5  # how often generate looks at the processes, whatever arrives meanwhile
+# A dead worker is reported by its scheduler (RestartWorkers) within a second; if none comes
+# (it died before its hello), it is replaced anyway after this long.
+WORKER_REPORT_GRACE_S = 3.0
 
 
 class EngineDiedError(RuntimeError):
-    """A scheduler or worker process exited while the LLM was using it."""
+    """A scheduler exited, or workers kept dying, while the LLM was using them."""
 
 
-@dataclass(slots=True)
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error"
-    error: Optional[str] = None
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """One prompt's result; ``text`` / ``token_ids`` / ``finish_reason`` are its first sample's."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    arrival_time: float = 0.0  # time.perf_counter() when it was sent
-    first_token_time: Optional[float] = None
-    finish_time: Optional[float] = None
-    token_times: list[float] = field(default_factory=list)  # when each delta of sample 0 arrived
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> Optional[str]:
-        return self.outputs[0].finish_reason
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        value = _read_json(model_dir / name).get("eos_token_id")
         if value is not None:
             ids += value if isinstance(value, list) else [value]
             break
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return sorted({int(i) for i in ids})
+
+
+def _vocab_size(model_dir: Path, tokenizer) -> int:
+    """The embedding's rows (as the frontend counts them): ids at or above are refused."""
+    return int(_read_json(model_dir / "config.json").get("vocab_size") or 0) or len(tokenizer)
 
 
 def _stop_children(children: list[Child], ctx: zmq.Context, run_dir: str) -> None:
@@ -107,6 +91,10 @@ class LLM:
         self.config = ServeConfig(model=str(model), log_level=log_level, **engine_options)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.eos_token_ids = _eos_token_ids(Path(model), self.tokenizer)
+        self.vocab_size = _vocab_size(Path(model), self.tokenizer)
+        self._decoder = TextDecoder(self.tokenizer)
+        self.worker_restarts = 0
+        self._worker_dead_since: dict[int, float] = {}  # pid -> when first seen dead, unreported
         self._ids = itertools.count()
         self._ctx = zmq.Context()
         self.run_dir = str(make_run_dir(self.config.run_dir_parent))
@@ -127,30 +115,62 @@ class LLM:
 
     # ------------------------------------------------------------------ processes
 
+    def _worker_cmd(self, replica: int, rank: int, dist_init: Optional[str]) -> list[str]:
+        return self.config.worker_cmd(self.run_dir, replica, rank, dist_init)
+
+    def _spawn_workers(self, replica: int) -> None:
+        tp = self.config.tensor_parallel_size
+        dist_init = f"tcp://127.0.0.1:{free_tcp_port()}" if tp > 1 else None
+        for rank in range(tp):
+            self._children.append(spawn("worker", replica, rank, self._worker_cmd(replica, rank, dist_init)))
+
     def _start(self, timeout_s: float) -> None:
         cfg, tp = self.config, self.config.tensor_parallel_size
         expected = set()
         for replica in range(cfg.data_parallel_size):
             self._children.append(spawn("scheduler", replica, 0, cfg.scheduler_cmd(self.run_dir, replica)))
-            dist_init = f"tcp://127.0.0.1:{free_tcp_port()}" if tp > 1 else None
-            for rank in range(tp):
-                self._children.append(
-                    spawn("worker", replica, rank, cfg.worker_cmd(self.run_dir, replica, rank, dist_init)))
-                expected.add(("worker", replica, rank))
+            self._spawn_workers(replica)
             expected.add(("scheduler", replica, 0))
+            expected.update(("worker", replica, rank) for rank in range(tp))
         deadline = time.monotonic() + timeout_s
         while expected:
-            self._check_children()
+            for child in self._children:
+                if child.popen.poll() is not None:
+                    raise EngineDiedError(f"{child.name} exited with code {child.popen.returncode}")
             if time.monotonic() > deadline:
                 raise EngineDiedError(f"engine not ready after {timeout_s:.0f}s: {sorted(expected)}")
             msg = self._ready.recv(timeout_ms=200)
             if isinstance(msg, m.ProcessReady):
                 expected.discard((msg.role, msg.replica, msg.rank))
 
-    def _check_children(self) -> None:
+    def _restart_workers(self, replica: int, reason: str) -> None:
+        """What the supervisor does for ``serve``: the replica's workers are replaced; its
+        scheduler already ended their requests with an error and waits for the new ones."""
+        self.worker_restarts += 1
+        if self.worker_restarts > self.config.max_restarts:
+            raise EngineDiedError(f"workers of replica {replica} died {self.worker_restarts} times "
+                                  f"(last: {reason}); giving up")
+        old = [c for c in self._children if c.role == "worker" and c.replica == replica]
+        for child in old:
+            child.kill()
+            self._children.remove(child)
+            self._worker_dead_since.pop(child.popen.pid, None)
+        self._spawn_workers(replica)
+
+    def _watch(self) -> None:
+        """A dead scheduler ends the LLM; dead workers are replaced (asked or not)."""
         for child in self._children:
-            if child.popen.poll() is not None:
+            if child.role == "scheduler" and child.popen.poll() is not None:
                 raise EngineDiedError(f"{child.name} exited with code {child.popen.returncode}")
+        for msg in self._ready.recv_nowait():
+            if isinstance(msg, m.RestartWorkers) and 0 <= msg.replica < len(self._inputs):
+                self._restart_workers(msg.replica, msg.reason)
+        now = time.monotonic()
+        for child in list(self._children):
+            if child.role == "worker" and child.popen.poll() is not None:
+                since = self._worker_dead_since.setdefault(child.popen.pid, now)
+                if now - since > WORKER_REPORT_GRACE_S and child in self._children:
+                    self._restart_workers(child.replica, f"{child.name} exited")
 
     def pids(self) -> list[int]:
         return [c.popen.pid for c in self._children]
@@ -168,82 +188,93 @@ class LLM:
     # ------------------------------------------------------------------ generate
 
     def encode(self, prompt: Prompt) -> list[int]:
-        return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        return prompt_token_ids(prompt, self.tokenizer.encode)
 
-    def generate(self, prompts: Sequence[Prompt], sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in input order; returns when all have finished."""
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 *, use_tqdm: bool = True, timeout: Optional[float] = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order; returns when all have finished.
+
+        Prompts: strings, token-id lists, ``{"prompt": str}`` or ``{"prompt_token_ids": ids}``.
+        Raises ValueError (naming the field) before sending anything if any input is out of
+        range, TimeoutError after ``timeout`` seconds (what was in flight is aborted), and
+        EngineDiedError if a scheduler dies.
+        """
         if not self._finalizer.alive:
             raise RuntimeError("this LLM is closed")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt given bare
-        params = [sampling or SamplingParams()] * len(prompts) if not isinstance(sampling, (list, tuple)) \
-            else list(sampling)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        pending: dict[str, tuple[int, RequestOutput, list[bool], int]] = {}  # index, output, done, replica
+        prompts = as_prompt_list(prompts)
+        params = as_params_list(sampling, len(prompts))
+        requests = [self._request(i, prompt, sp) for i, (prompt, sp) in enumerate(zip(prompts, params))]
+        self._watch()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending: dict[str, PendingRequest] = {}
         results: list[Optional[RequestOutput]] = [None] * len(prompts)
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            rid = f"offline-{next(self._ids)}"
-            out = RequestOutput(rid, self.encode(prompt), [
-                CompletionOutput(k, "", [], None) for k in range(sp.n)], arrival_time=time.perf_counter())
+        for i, (add, sp) in enumerate(zip(requests, params)):
+            out = RequestOutput(add.request_id, add.prompt_token_ids,
+                                [CompletionOutput(k, "", [], None) for k in range(sp.n)],
+                                arrival_time=time.perf_counter())
             replica = min(range(len(self._inputs)), key=self._in_flight.__getitem__)
             self._in_flight[replica] += 1
-            pending[rid] = (i, out, [False] * sp.n, replica)
-            self._inputs[replica].send(m.AddRequest(request_id=rid, prompt_token_ids=out.prompt_token_ids,
-                                                    sampling=sp, eos_token_ids=self.eos_token_ids,
-                                                    arrival_time=time.time()))
-        self._collect(pending, results, use_tqdm)
+            pending[add.request_id] = PendingRequest(i, out, replica, self._decoder, sp.stop)
+            self._inputs[replica].send(add)
+        self._collect(pending, results, use_tqdm, deadline)
         return results  # type: ignore[return-value]
 
-    def _collect(self, pending: dict, results: list, use_tqdm: bool) -> None:
+    def _request(self, index: int, prompt: Prompt, sp: SamplingParams) -> m.AddRequest:
+        try:
+            add = m.AddRequest(request_id=f"offline-{next(self._ids)}", prompt_token_ids=self.encode(prompt),
+                               sampling=sp.to_protocol(), eos_token_ids=self.eos_token_ids,
+                               arrival_time=time.time())
+            check_request(add, self.vocab_size)
+        except InvalidField as exc:
+            raise InvalidField(exc.field, f"{exc.reason} (prompt {index})") from None
+        return add
+
+    def _collect(self, pending: dict[str, PendingRequest], results: list, use_tqdm: bool,
+                 deadline: Optional[float]) -> None:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(pending), desc="generate", unit="req", disable=not use_tqdm)
-        generated, started = 0, time.perf_counter()
+        generated, started, next_watch = 0, time.perf_counter(), time.monotonic() + WATCH_INTERVAL_S
         try:
             while pending:
-                msg = self._outputs.recv(timeout_ms=1000)
-                if msg is None:
-                    self._check_children()
-                    continue
+                if time.monotonic() >= next_watch:
+                    self._watch()
+                    next_watch = time.monotonic() + WATCH_INTERVAL_S
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"generate timed out with {len(pending)} request(s) unfinished")
+                msg = self._outputs.recv(timeout_ms=100)
                 if isinstance(msg, m.SchedulerStats):
                     self.stats[msg.replica] = msg
                 if not isinstance(msg, m.RequestOutputs):
                     continue
                 now = time.perf_counter()
                 for delta in m.iter_deltas(msg):
-                    entry = pending.get(delta.request_id)
-                    if entry is None:
+                    request = pending.get(delta.request_id)
+                    if request is None:
                         continue
-                    index, out, done, replica = entry
-                    sample = out.outputs[delta.index]
-                    sample.token_ids += delta.new_token_ids
-                    generated += len(delta.new_token_ids)
-                    if delta.index == 0 and delta.new_token_ids:
-                        out.first_token_time = out.first_token_time or now
-                        out.token_times.append(now)
-                    if delta.finish_reason is None:
+                    generated += request.apply(delta, now)
+                    if not request.finished:
                         continue
-                    sample.finish_reason, sample.error = delta.finish_reason, delta.error
-                    sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-                    done[delta.index] = True
-                    if all(done):
-                        out.finish_time = now
-                        results[index] = out
-                        del pending[delta.request_id]
-                        self._in_flight[replica] -= 1
-                        bar.update(1)
-                        bar.set_postfix_str(f"{generated / max(now - started, 1e-9):.0f} tok/s", refresh=False)
+                    if request.ended_by_stop_string:
+                        self._inputs[request.replica].send(m.AbortRequest([delta.request_id]))
+                    results[request.index] = request.output
+                    del pending[delta.request_id]
+                    self._in_flight[request.replica] -= 1
+                    bar.update(1)
+                    bar.set_postfix_str(f"{generated / max(now - started, 1e-9):.0f} tok/s", refresh=False)
         finally:
             bar.close()
             if pending:  # interrupted: free what the engine still holds for them
-                by_replica: dict[int, list[str]] = {}
-                for rid, (_i, _o, _d, replica) in pending.items():
-                    by_replica.setdefault(replica, []).append(rid)
-                    self._in_flight[replica] -= 1
-                for replica, ids in by_replica.items():
-                    self._inputs[replica].send(m.AbortRequest(ids))
+                self._abort(pending)
+
+    def _abort(self, pending: dict[str, PendingRequest]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for rid, request in pending.items():
+            by_replica.setdefault(request.replica, []).append(rid)
+            self._in_flight[request.replica] -= 1
+        for replica, ids in by_replica.items():
+            self._inputs[replica].send(m.AbortRequest(ids))
 
     def refresh_stats(self, timeout_s: float = 2.0) -> dict[int, m.SchedulerStats]:
         """The next stats message of every replica: sent after the last step generate() saw."""

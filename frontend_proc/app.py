@@ -40,7 +40,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
               api_key: str | None) -> FastAPI:
-    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's own schema of these routes (as vLLM serves it); like /health, no key needed.
+    app = FastAPI(title="pagedserve", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     authorized = [Depends(make_api_key_check(api_key))]
     started = int(time.time())
 

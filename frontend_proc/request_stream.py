@@ -13,13 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-from pagedserve.frontend_proc.detokenizer import IncrementalDetokenizer
 from pagedserve.frontend_proc.engine_client import EngineClient, ReplicaFailed, RequestHandle
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest, ServiceUnavailable
 from pagedserve.frontend_proc.metrics import FrontendMetrics
-from pagedserve.frontend_proc.stop_strings import StopStringMatcher
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import RequestDelta
+from pagedserve.protocol.sample_text import SampleText
 
 log = logging.getLogger(__name__)
 
@@ -36,31 +35,18 @@ class ChoiceUpdate:
 class ChoiceState:
     def __init__(self, index: int, tokenizer: PromptTokenizer, stop_strings: list[str]):
         self.index = index
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.stop_matcher = StopStringMatcher(stop_strings)
+        self.text = SampleText(tokenizer, stop_strings)
         self.num_tokens = 0
-        self.finish_reason: Optional[str] = None
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.text.finish_reason
 
     def apply(self, delta: RequestDelta) -> ChoiceUpdate:
         self.num_tokens += len(delta.new_token_ids)
-        rendered, logprobs = delta.new_token_ids, delta.logprobs
-        if (delta.stop_token_id is not None and rendered
-                and rendered[-1] == delta.stop_token_id):
-            rendered = rendered[:-1]  # EOS / stop_token_ids are not part of the text
-            logprobs = logprobs[:len(rendered)] if logprobs is not None else None
-        check = self.stop_matcher.feed(self.detokenizer.add(rendered))
-        text, finish_reason = check.text, None
-        if check.matched is not None:
-            finish_reason = "stop"
-        elif delta.finish_reason is not None:
-            text += self.stop_matcher.feed(self.detokenizer.flush()).text
-            if self.stop_matcher.matched is not None:
-                finish_reason = "stop"
-            else:
-                text += self.stop_matcher.flush()
-                finish_reason = delta.finish_reason
-        self.finish_reason = finish_reason
-        return ChoiceUpdate(self.index, text, list(rendered), logprobs, finish_reason)
+        update = self.text.apply(delta)
+        return ChoiceUpdate(self.index, update.text, update.token_ids, update.logprobs,
+                            update.finish_reason)
 
 
 def _delta_error(delta: RequestDelta) -> APIError:

@@ -26,10 +26,13 @@ from pagedserve.frontend_proc.response_format import (
     ChatFormat, CompletionFormat, LogprobEntries, usage)
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import AddRequest, SamplingParams
+from pagedserve.protocol.validate import InvalidField, check_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Protocol field -> the request field a client sent it as.
+_CLIENT_FIELD = {"prompt_token_ids": "prompt", "request_id": None, "eos_token_ids": None}
 
 
 class ClientDisconnected(Exception):
@@ -116,9 +119,6 @@ class Serving:
         return requested
 
     def _sampling(self, body: SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
-        if body.min_tokens > max_tokens:
-            raise InvalidRequest(f"min_tokens ({body.min_tokens}) exceeds max_tokens "
-                                 f"({max_tokens})", param="min_tokens")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -127,11 +127,24 @@ class Serving:
             seed=body.seed, n=body.n, stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs)
 
+    def _check(self, add: AddRequest, body: SamplingFields) -> None:
+        """The protocol's own ranges, checked before anything is encoded: a value no process
+        can hold (a 2**70 seed, a stop token outside the vocabulary) is a 400 naming it."""
+        try:
+            check_request(add, self.tokenizer.vocab_size)
+        except InvalidField as exc:
+            param = _CLIENT_FIELD.get(exc.field, exc.field)
+            if param == "prompt" and isinstance(body, ChatCompletionRequest):
+                param = "messages"
+            raise InvalidRequest(str(exc) if param is None else f"{param}: {exc.reason}",
+                                 param=param) from None
+
     async def _generate(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int,
                         logprobs: bool, fmt: CompletionFormat, request: Request) -> Response:
         sampling = self._sampling(body, max_tokens, logprobs)
         add = AddRequest(request_id=fmt.id, prompt_token_ids=prompt_ids, sampling=sampling,
                          eos_token_ids=self.tokenizer.eos_token_ids, arrival_time=time.time())
+        self._check(add, body)
         handle = self.engine.submit(add)
         stream = RequestStream(self.engine, handle, self.tokenizer, body.stop_strings(),
                                len(prompt_ids), self.metrics)

@@ -6,9 +6,25 @@ valid on one socket is rejected on another. Field names follow vLLM's where one 
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
 import msgspec
+
+# ----------------------------------------------------------------------- value ranges
+# Every number a frontend sends has a stated range, enforced whenever a frame is decoded,
+# so an out-of-range value is one rejected frame and never an exception deep in a process.
+# Checks that need context (the vocabulary, the context length) are in protocol/validate.py.
+# Why these bounds: docs/DECISIONS.md, "Request ranges".
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_TOKEN_ID = (1 << 31) - 1  # above any vocabulary; the exact bound is the model's vocab size
+MAX_COUNT = (1 << 31) - 1  # token counts: far above any context length
+MAX_N = 4096  # parallel samples of one request; a scheduler also caps n at its max_num_seqs
+MAX_TEMPERATURE = 1e6  # finite; at this temperature every distribution is already uniform
+MAX_REQUEST_ID_CHARS = 256
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+Seed = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=False):
@@ -19,15 +35,15 @@ class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=Fa
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    seed: Optional[int] = None  # None: the scheduler assigns one, so traces replay exactly
-    n: int = 1
-    stop_token_ids: list[int] = []
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)] = 1.0  # NaN fails both
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=MAX_COUNT)] = 0  # 0 or -1: disabled
+    seed: Optional[Seed] = None  # None: the scheduler assigns one, so traces replay exactly
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
     logprobs: bool = False  # return the sampled token's logprob
 
 
@@ -35,11 +51,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class AddRequest(Msg):
-    request_id: str
-    prompt_token_ids: list[int]
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
+    prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
     sampling: SamplingParams
-    eos_token_ids: list[int] = []
-    arrival_time: float = 0.0
+    eos_token_ids: list[TokenId] = []
+    arrival_time: Annotated[float, msgspec.Meta(ge=0.0, le=1e12)] = 0.0  # seconds since the epoch
 
 
 class AbortRequest(Msg):
@@ -157,6 +173,7 @@ class WorkerHello(Msg):
     block_bytes: int  # bytes of one block across all layers, K and V, on this rank
     max_gpu_blocks: int  # what fits in the memory this worker may use
     hostname: str = ""  # where ``pid`` lives: a scheduler watches only pids on its own node
+    vocab_size: int = 0  # embedding rows: a token id at or above it is refused at admission; 0: unknown
 
 
 class WorkerInit(Msg):

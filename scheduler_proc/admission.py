@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from pagedserve.protocol.messages import AddRequest
+from pagedserve.protocol.validate import InvalidField, check_request
 
 from pagedserve.scheduler_proc import output_processor, prefix_cache
 from pagedserve.scheduler_proc.config import SchedulerConfig
@@ -31,6 +32,10 @@ def length_limit(config: SchedulerConfig) -> int:
 
 def rejection_reason(msg: AddRequest, config: SchedulerConfig) -> Optional[str]:
     """Why ``msg`` can never be served by this scheduler, or None if it can."""
+    try:  # decoding checked the ranges already; this covers in-process callers and the vocabulary
+        check_request(msg, config.vocab_size)
+    except InvalidField as exc:
+        return str(exc)
     sampling = msg.sampling
     num_prompt = len(msg.prompt_token_ids)
     if num_prompt == 0:

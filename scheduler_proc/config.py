@@ -22,6 +22,7 @@ class SchedulerConfig:
     preemption_mode: str = "auto"  # "auto" | "swap" | "recompute"
     debug_invariants: bool = False
     seed: int = 0
+    vocab_size: int = 0  # from the workers' hello: token ids at or above it are refused; 0: unchecked
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):

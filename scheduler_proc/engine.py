@@ -20,6 +20,7 @@ import zmq
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import encode
 from pagedserve.protocol.trace import TraceWriter
+from pagedserve.protocol.validate import RequestFrameDecoder, rejection_delta
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 from pagedserve.scheduler_proc.frontend_inputs import apply_frontend_message
@@ -40,6 +41,8 @@ class EngineLoop:
         self.ctx = ctx or zmq.Context.instance()
         ep = Endpoints(cfg.run_dir)
         self.inputs: Receiver = Receiver(self.ctx, ep.scheduler_inputs(cfg.replica), m.FrontendToScheduler)
+        self.input_decoder = RequestFrameDecoder(max_frame_bytes=self.inputs.decoder.max_frame_bytes)
+        self.inputs.decoder = self.input_decoder  # answers the requests of frames it rejects
         self.results: Receiver = Receiver(self.ctx, ep.worker_results(cfg.replica), m.WorkerToScheduler)
         self.to_workers = [Sender(self.ctx, ep.worker_inputs(cfg.replica, r), bind=True)
                            for r in range(cfg.tp_size)]
@@ -148,10 +151,12 @@ class EngineLoop:
         self._broadcast(init)
         self._recv_from_workers(m.WorkerReady, cfg.worker_start_timeout_s)
         self.needs_workers = False
-        if self.scheduler is None or self.scheduler.config.num_gpu_blocks != num_gpu_blocks:
+        vocab_size = min(h.vocab_size for h in hellos.values())
+        config = cfg.scheduler_config(num_gpu_blocks, num_cpu_blocks, vocab_size)
+        if self.scheduler is None or self.scheduler.config != config:
             # A recovered replica keeps its Scheduler (fail_all left it clean) so step
-            # numbers keep increasing; only a different cache size needs a new one.
-            self.scheduler = Scheduler(cfg.scheduler_config(num_gpu_blocks, num_cpu_blocks))
+            # numbers keep increasing; only a different cache or model needs a new one.
+            self.scheduler = Scheduler(config)
         self.state = "draining" if self.draining else "ready"
         log.info("replica %d ready: %d device blocks, %d host blocks of %d tokens",
                  cfg.replica, num_gpu_blocks, num_cpu_blocks, cfg.block_size)
@@ -193,6 +198,15 @@ class EngineLoop:
         deltas, self.draining = apply_frontend_message(self.scheduler, msg, self.draining)
         if self.draining:
             self.state = "draining"
+        self._send_deltas(deltas)
+
+    def _answer_rejected_requests(self) -> None:
+        """An AddRequest frame that failed to decode ends its request with an error, so its
+        caller never waits for an answer; an id already in flight here is left alone (the
+        error would end that other request)."""
+        deltas = [rejection_delta(request_id, reason)
+                  for request_id, reason in self.input_decoder.take_rejected()
+                  if self.scheduler is None or request_id not in self.scheduler.requests]
         self._send_deltas(deltas)
 
     def _send_stats(self, force: bool = False) -> None:
@@ -245,6 +259,7 @@ class EngineLoop:
                 busy = self.scheduler.has_unfinished()
                 for msg in self.inputs.recv_nowait() if busy else self._wait_input():
                     self._handle_input(msg)
+                self._answer_rejected_requests()
                 if self.scheduler.has_unfinished():
                     self.step(back_to_back=busy)
                 elif not busy:

@@ -43,13 +43,13 @@ class EngineConfig:
         # here, so validate the policy options with a placeholder one.
         self.scheduler_config(num_gpu_blocks=1 << 20, num_cpu_blocks=int(self.swap_space_gib > 0))
 
-    def scheduler_config(self, num_gpu_blocks: int, num_cpu_blocks: int) -> SchedulerConfig:
+    def scheduler_config(self, num_gpu_blocks: int, num_cpu_blocks: int, vocab_size: int = 0) -> SchedulerConfig:
         return SchedulerConfig(
             block_size=self.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode,
-            debug_invariants=self.debug_invariants, seed=self.seed,
+            debug_invariants=self.debug_invariants, seed=self.seed, vocab_size=vocab_size,
         )
 
     def trace_config(self) -> dict:

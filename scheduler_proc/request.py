@@ -24,17 +24,10 @@ _SEED_MASK = (1 << 63) - 1
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so i -> base + i * stride is distinct mod 2**63
 
 
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-
 def token_array(tokens: Iterable[int]) -> array:
     """Token ids as machine ints: the collector never walks them (a list of a few thousand ints
     per sequence, walked by every full collection, made the cost per step grow with N squared)."""
     return array("q", tokens)
-
-
-def fits_int64(tokens: list[int]) -> bool:
-    return not tokens or (_INT64_MIN <= min(tokens) and max(tokens) <= _INT64_MAX)
 
 
 def child_seed(base_seed: int, index: int) -> int:

@@ -39,7 +39,7 @@ from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.decode_lane import DecodeLane
 from pagedserve.scheduler_proc.request import (
-    FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, child_seed, fits_int64, token_array,
+    FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, child_seed, token_array,
 )
 from pagedserve.scheduler_proc.stats import SchedulerCounters, snapshot
 from pagedserve.scheduler_proc.step import StepBatch, StepOutputs
@@ -79,8 +79,6 @@ class Scheduler:
 
     def add_request(self, msg: AddRequest) -> list[RequestDelta]:
         reason = rejection_reason(msg, self.config)
-        if reason is None and not fits_int64(msg.prompt_token_ids):
-            reason = "prompt token ids must be integers in the signed 64-bit range"
         if reason is None and msg.request_id in self.requests:
             reason = f"request id {msg.request_id!r} is already in use"
         if reason is not None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.deploy.demo_model import build_tokenizer
-from pagedserve.frontend_proc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from pagedserve.protocol.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from pagedserve.frontend_proc.router import Router
-from pagedserve.frontend_proc.stop_strings import StopStringMatcher
+from pagedserve.protocol.stop_strings import StopStringMatcher
 from pagedserve.protocol.messages import SchedulerStats
 
 MULTILINGUAL = "Émile ate crème brûlée in Zürich; 東京は大きい。 🙂🚀 🎉€ ∑ π done"

@@ -97,7 +97,8 @@ class Worker:
             rank=self.cfg.rank, pid=os.getpid(), device=str(self.runner.device),
             model_id=self.runner.model_id, num_layers=self.runner.num_layers,
             block_bytes=self.runner.block_bytes(block_size),
-            max_gpu_blocks=self.runner.max_gpu_blocks(block_size, budget), hostname=socket.gethostname())
+            max_gpu_blocks=self.runner.max_gpu_blocks(block_size, budget), hostname=socket.gethostname(),
+            vocab_size=self.runner.spec.vocab_size)
 
     def run(self) -> None:
         self.results.send(self.hello())

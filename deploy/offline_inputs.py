@@ -1,0 +1,108 @@
+"""What ``LLM.generate`` accepts, checked before anything is sent: the sampling parameters and
+the prompts (vLLM's forms). A bad value raises ``ValueError`` naming the field at once; a value
+the engine refused after sending would leave the caller waiting for an answer.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+from pagedserve.protocol import messages as m
+from pagedserve.protocol.validate import InvalidField, check_message
+
+Prompt = Union[str, list[int], dict]
+
+
+@dataclass
+class SamplingParams:
+    """The protocol's SamplingParams (same names, same ranges) plus ``stop`` strings, which the
+    caller's side applies, exactly as the HTTP frontend does (protocol/sample_text.py)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: Optional[int] = None
+    n: int = 1
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: bool = False  # the sampled token's logprob (no top-k alternatives)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [] if self.stop is None else self.stop
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidField("stop", f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.logprobs, bool):  # vLLM's logprobs=k asks for top-k alternatives
+            raise InvalidField("logprobs", f"logprobs must be True or False (the sampled token's logprob; "
+                                           f"top-k alternatives are not supported), got {self.logprobs!r}")
+        sampling = self.to_protocol()
+        check_message(sampling)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidField("min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens "
+                                             f"({self.max_tokens})")
+
+    def to_protocol(self) -> m.SamplingParams:
+        wire = set(m.SamplingParams.__struct_fields__)
+        values: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name in wire}
+        if isinstance(values["stop_token_ids"], (list, tuple)):
+            values["stop_token_ids"] = list(values["stop_token_ids"])
+        return m.SamplingParams(**values)
+
+
+def prompt_token_ids(prompt: Any, encode) -> list[int]:
+    """A prompt in any of vLLM's forms (str, token ids, {"prompt": str}, {"prompt_token_ids": ids})
+    as token ids; ``encode`` turns text into ids."""
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown or len(prompt) != 1:
+            raise InvalidField("prompt", f"a prompt dict holds exactly one of 'prompt' or 'prompt_token_ids', "
+                                         f"got keys {sorted(prompt)}")
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise InvalidField("prompt", f"'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+            prompt = prompt["prompt"]
+        else:
+            prompt = prompt["prompt_token_ids"]
+            if not isinstance(prompt, (list, tuple)):
+                raise InvalidField("prompt_token_ids", "must be a list of token ids")
+    if isinstance(prompt, str):
+        return list(encode(prompt))
+    if isinstance(prompt, (list, tuple)):
+        try:
+            return [operator.index(t) for t in prompt]  # numpy ints pass, floats and bools' kin do not
+        except TypeError:
+            raise InvalidField("prompt_token_ids", "token ids must be integers") from None
+    raise InvalidField("prompt", f"a prompt is a string, a list of token ids or a dict, "
+                                 f"got {type(prompt).__name__}")
+
+
+def as_prompt_list(prompts: Any) -> list:
+    """One prompt given bare (a string, a dict, a list of ints) becomes a list of one."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and not isinstance(prompts[0], (str, dict, list, tuple)):
+            return [prompts]  # token ids
+        return list(prompts)
+    raise InvalidField("prompts", f"expected a prompt or a list of prompts, got {type(prompts).__name__}")
+
+
+def as_params_list(sampling: Any, num_prompts: int) -> list[SamplingParams]:
+    if sampling is None:
+        return [SamplingParams()] * num_prompts
+    params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * num_prompts
+    if len(params) != num_prompts:
+        raise ValueError(f"{len(params)} SamplingParams for {num_prompts} prompts")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"expected pagedserve.deploy.offline.SamplingParams, got {type(p).__name__}")
+    return params

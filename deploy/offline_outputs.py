@@ -1,0 +1,121 @@
+"""What ``LLM.generate`` returns, and how one request's deltas build it.
+
+Text follows the HTTP frontend's rules exactly (protocol/sample_text.py): stop tokens are not
+rendered, a stop string ends the text before it. ``token_ids`` holds every token the engine
+sampled for the sample until it ended (a stop token included, as vLLM's do).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedserve.protocol import messages as m
+from pagedserve.protocol.sample_text import SampleText
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error"
+    error: Optional[str] = None
+    logprobs: Optional[list[float]] = None  # one per token id, when SamplingParams.logprobs
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One prompt's result; ``text`` / ``token_ids`` / ``finish_reason`` are its first sample's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    arrival_time: float = 0.0  # time.perf_counter() when it was sent
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    token_times: list[float] = field(default_factory=list)  # when each delta of sample 0 arrived
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.outputs[0].finish_reason
+
+
+class TextDecoder:
+    """The tokenizer as the detokenizer wants it: special tokens are not text (as over HTTP)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+class PendingRequest:
+    """A request sent and not finished: where its result goes and each sample's text so far."""
+
+    def __init__(self, index: int, output: RequestOutput, replica: int, decoder: TextDecoder,
+                 stop_strings: list[str]):
+        self.index = index  # in the caller's list of prompts
+        self.output = output
+        self.replica = replica
+        # Without stop strings, the text is decoded once at the end: the same text (the
+        # detokenizer decodes its whole window), without a decode per token.
+        self.streaming = bool(stop_strings)
+        self.texts = [SampleText(decoder, stop_strings) for _ in output.outputs]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.output.outputs)
+
+    @property
+    def ended_by_stop_string(self) -> bool:
+        """Finished here while the scheduler still runs it (it knows no strings)."""
+        return self.finished and any(t.finish_reason == "stop" and t.stop_matcher.matched
+                                     for t in self.texts)
+
+    def apply(self, delta: m.RequestDelta, now: float) -> int:
+        """Apply one delta; returns how many tokens it added."""
+        if delta.finish_reason == "error":  # an error for the request (sample 0 only, at times) ends it
+            for sample, text in zip(self.output.outputs, self.texts):
+                if sample.finish_reason is None:
+                    tokens = [] if self.streaming else sample.token_ids  # flush what is held back
+                    sample.text += text.apply(m.RequestDelta(delta.request_id, sample.index, tokens, "error")).text
+                    sample.finish_reason, sample.error = "error", delta.error
+            self.output.finish_time = now
+            return 0
+        if not 0 <= delta.index < len(self.output.outputs):
+            return 0
+        sample = self.output.outputs[delta.index]
+        if sample.finish_reason is not None:
+            return 0  # ended by a stop string; the scheduler lags behind
+        sample.token_ids += delta.new_token_ids
+        if delta.logprobs is not None:
+            sample.logprobs = (sample.logprobs or []) + delta.logprobs
+        if delta.index == 0 and delta.new_token_ids:
+            self.output.first_token_time = self.output.first_token_time or now
+            self.output.token_times.append(now)
+        text = self.texts[delta.index]
+        if self.streaming:
+            sample.text += text.apply(delta).text
+        elif delta.finish_reason is not None:
+            sample.text = text.apply(m.RequestDelta(delta.request_id, delta.index, sample.token_ids,
+                                                    delta.finish_reason,
+                                                    stop_token_id=delta.stop_token_id)).text
+        if text.finish_reason is not None:
+            sample.finish_reason, sample.error = text.finish_reason, delta.error
+        if self.finished:
+            self.output.finish_time = now
+        return len(delta.new_token_ids)
+
+    def fail(self, reason: str) -> None:
+        self.apply(m.RequestDelta(self.output.request_id, 0, [], "error", reason, "engine"), time.perf_counter())

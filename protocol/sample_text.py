@@ -1,0 +1,51 @@
+"""One sample's token deltas -> the text its caller sees; the one rule for HTTP and offline.
+
+A stop token (EOS, or one of ``stop_token_ids``) ends the sample but is not rendered; a stop
+string ends the text just before it (OpenAI semantics) and ends the sample with "stop", even
+while the scheduler, which knows no strings, still runs it. Text is emitted only once whole
+characters have arrived (``IncrementalDetokenizer``), and never a stop string's prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pagedserve.protocol.detokenizer import Decodes, IncrementalDetokenizer
+from pagedserve.protocol.messages import RequestDelta
+from pagedserve.protocol.stop_strings import StopStringMatcher
+
+
+@dataclass(slots=True)
+class TextUpdate:
+    text: str  # new text, safe to show
+    token_ids: list[int]  # the delta's rendered tokens (a stop token left out)
+    logprobs: Optional[list[float]]  # theirs
+    finish_reason: Optional[str]  # set once this sample has ended
+
+
+class SampleText:
+    def __init__(self, tokenizer: Decodes, stop_strings: list[str]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stop_matcher = StopStringMatcher(stop_strings)
+        self.finish_reason: Optional[str] = None
+
+    def apply(self, delta: RequestDelta) -> TextUpdate:
+        rendered, logprobs = delta.new_token_ids, delta.logprobs
+        if (delta.stop_token_id is not None and rendered
+                and rendered[-1] == delta.stop_token_id):
+            rendered = rendered[:-1]  # EOS / stop_token_ids are not part of the text
+            logprobs = logprobs[:len(rendered)] if logprobs is not None else None
+        check = self.stop_matcher.feed(self.detokenizer.add(rendered))
+        text, finish_reason = check.text, None
+        if check.matched is not None:
+            finish_reason = "stop"
+        elif delta.finish_reason is not None:
+            text += self.stop_matcher.feed(self.detokenizer.flush()).text
+            if self.stop_matcher.matched is not None:
+                finish_reason = "stop"
+            else:
+                text += self.stop_matcher.flush()
+                finish_reason = delta.finish_reason
+        self.finish_reason = finish_reason
+        return TextUpdate(text, list(rendered), logprobs, finish_reason)

@@ -1,0 +1,121 @@
+"""One check of a request against the protocol's own types, shared by every edge.
+
+msgspec enforces the ranges declared in messages.py when it *decodes* a frame, not when a
+struct is built in Python. ``check_request`` applies exactly those ranges to a message built
+in process (the HTTP frontend, the offline LLM, a scheduler's direct callers) plus what needs
+context: token ids below the model's vocabulary size. A bad value raises ``InvalidField``,
+which names the field, before anything is encoded or sent.
+
+``RequestFrameDecoder`` is the scheduler's side: a frame it cannot accept is answered with an
+error for its request id when that id can still be read, so no caller waits for a reply that
+will never come.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import msgspec
+
+from pagedserve.protocol.codec import PROTOCOL_VERSION, Decoder, ProtocolError
+from pagedserve.protocol.messages import MAX_REQUEST_ID_CHARS, AddRequest, FrontendToScheduler, RequestDelta
+
+_AT_PATH = re.compile(r"^(?P<why>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.S)
+
+
+class InvalidField(ValueError):
+    """A request field outside its range; ``field`` is its name (``seed``, ``prompt_token_ids``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+def _field_error(exc: msgspec.ValidationError) -> InvalidField:
+    """``Expected `int` <= 9223372036854775807 - at `$.sampling.seed``` -> InvalidField("seed", ...)."""
+    match = _AT_PATH.match(str(exc))
+    path = (match.group("path") or "") if match else ""
+    why = match.group("why") if match else str(exc)
+    top = path.removeprefix("sampling.").split(".")[0].split("[")[0] or "request"
+    where = path.removeprefix("sampling.")
+    return InvalidField(top, why if where == top else f"{why} (at {where})")
+
+
+def check_message(msg: Any) -> None:
+    """The ranges of ``type(msg)``, applied to a message built in process, as decoding would."""
+    try:
+        msgspec.convert(msgspec.to_builtins(msg), type(msg))
+    except msgspec.ValidationError as exc:
+        raise _field_error(exc) from None
+    except (TypeError, OverflowError, ValueError) as exc:  # e.g. an object msgspec cannot serialize
+        raise InvalidField("request", str(exc)) from None
+
+
+def _check_vocabulary(field: str, token_ids: list[int], vocab_size: int) -> None:
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidField(field, f"token id {bad} is outside the model's vocabulary "
+                                  f"(ids must be in [0, {vocab_size}))")
+
+
+def check_request(msg: AddRequest, vocab_size: int = 0) -> None:
+    """Raise InvalidField unless ``msg`` is in range; ``vocab_size`` 0 skips the vocabulary check."""
+    check_message(msg)
+    sampling = msg.sampling
+    if sampling.min_tokens > sampling.max_tokens:
+        raise InvalidField("min_tokens", f"min_tokens ({sampling.min_tokens}) exceeds max_tokens "
+                                         f"({sampling.max_tokens})")
+    if vocab_size > 0:
+        _check_vocabulary("prompt_token_ids", msg.prompt_token_ids, vocab_size)
+        _check_vocabulary("stop_token_ids", sampling.stop_token_ids, vocab_size)
+        _check_vocabulary("eos_token_ids", msg.eos_token_ids, vocab_size)
+
+
+class _RequestIdOnly(msgspec.Struct):  # unknown fields ignored: reads an id out of a bad request
+    type: str
+    request_id: str
+
+
+_salvage = msgspec.msgpack.Decoder(tuple[int, _RequestIdOnly])
+
+
+def rejected_request_id(frame: bytes | memoryview) -> Optional[str]:
+    """The request id of a rejected AddRequest frame, if it can still be read."""
+    try:
+        version, body = _salvage.decode(frame)
+    except (msgspec.MsgspecError, ValueError, RecursionError):
+        return None
+    if version != PROTOCOL_VERSION or body.type != "AddRequest":
+        return None
+    if not 0 < len(body.request_id) <= MAX_REQUEST_ID_CHARS:
+        return None
+    return body.request_id
+
+
+def rejection_delta(request_id: str, reason: str) -> RequestDelta:
+    return RequestDelta(request_id=request_id, index=0, new_token_ids=[], finish_reason="error",
+                        error=reason, error_kind="invalid_request")
+
+
+class RequestFrameDecoder(Decoder):
+    """The frontend -> scheduler decoder that remembers (request id, reason) of every AddRequest
+    frame it rejects; the scheduler answers them (``take_rejected``) with an error delta."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(FrontendToScheduler, **kwargs)
+        self._rejected: list[tuple[str, str]] = []
+
+    def decode(self, frame: bytes | memoryview) -> Any:
+        try:
+            return super().decode(frame)
+        except ProtocolError as exc:
+            request_id = rejected_request_id(frame)
+            if request_id is not None and len(self._rejected) < 10_000:  # bounded while unanswered
+                self._rejected.append((request_id, f"the request was rejected: {exc}"))
+            raise
+
+    def take_rejected(self) -> list[tuple[str, str]]:
+        rejected, self._rejected = self._rejected, []
+        return rejected
