@@ -239,7 +239,7 @@ class Scheduler:
                         new_blocks = _NO_BLOCKS
                     sent = seq.num_tokens_sent
                     new_tokens = [tokens[computed]] if sent == computed else tokens[sent:].tolist()
-                    cached_append(CachedRequestData(seq.seq_id, new_tokens, new_blocks, computed, 1))
+                    cached_append(CachedRequestData(seq.seq_id, new_tokens, new_blocks, computed, 1, True))
                     seq.num_tokens_sent = computed + 1
                     sampling_append(seq)
                 else:
@@ -364,12 +364,12 @@ class Scheduler:
         if seq.worker_knows:
             batch.cached.append(CachedRequestData(
                 seq.seq_id, seq.token_ids[seq.num_tokens_sent:].tolist(), seq.block_ids[seq.num_blocks_sent:],
-                computed, num_tokens))
+                computed, num_tokens, samples))
             (batch.sampling_cached if samples else batch.others).append(seq)
         else:
             batch.new.append(NewRequestData(
                 seq.seq_id, seq.token_ids.tolist(), seq.num_prompt_tokens, list(seq.block_ids),
-                computed, num_tokens, seq.sampling))
+                computed, num_tokens, seq.sampling, samples))
             seq.worker_knows = True
             (batch.sampling_new if samples else batch.others).append(seq)
         seq.num_tokens_sent = len(seq.token_ids)
