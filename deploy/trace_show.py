@@ -22,6 +22,7 @@ from pagedserve.protocol.trace import Trace, TraceError, read_trace
 @dataclass
 class TraceSummary:
     steps: int = 0
+    steps_ahead: int = 0  # sent before the previous step's result came back (async scheduling)
     requests: int = 0  # AddRequest messages
     parallel_sample_requests: int = 0  # n > 1
     sequences: int = 0  # distinct sequence ids the workers saw
@@ -51,6 +52,7 @@ class _Summarizer:
         self.held: dict[str, HeldRequest] = {}  # what the workers hold, as they would apply each step
         self.seen: set[str] = set()  # every sequence id sent in full
         self.dropped: set[str] = set()  # dropped by the workers and not (yet) sent again
+        self.steps_out = 0  # steps sent whose rank-0 result is not yet in
 
     def frontend(self, msg) -> None:
         if isinstance(msg, m.AddRequest):
@@ -73,6 +75,8 @@ class _Summarizer:
     def step(self, out: m.SchedulerOutput) -> None:
         s = self.s
         s.steps += 1
+        s.steps_ahead += self.steps_out > 0
+        self.steps_out += 1
         swapped_in = {dst for _, dst in out.blocks_to_swap_in}
         for r in out.new_requests:
             if r.req_id not in self.seen:
@@ -114,6 +118,7 @@ class _Summarizer:
 
     def result(self, msg) -> None:
         if isinstance(msg, m.StepResult) and msg.rank == 0:
+            self.steps_out = max(0, self.steps_out - 1)
             self.s.sampled_tokens += len(msg.sampled_token_ids)
             self.s.worker_errors += bool(msg.error)
 
@@ -137,6 +142,7 @@ def summarize_trace(trace: Trace, per_step: bool = False) -> TraceSummary:
                 acc.held.clear()
                 acc.seen.clear()
                 acc.dropped.clear()
+                acc.steps_out = 0
         except ProtocolError as exc:
             raise TraceError(f"{trace.path}: record {index + 2} ({direction}) is not a valid frame: {exc}") from None
     return acc.s
@@ -152,7 +158,7 @@ def format_summary(trace: Trace, s: TraceSummary) -> str:
         f"cpu_blocks={init.get('num_cpu_blocks')} max_num_batched_tokens={cfg.get('max_num_batched_tokens')} "
         f"tp={cfg.get('tp_size')} prefix_caching={cfg.get('enable_prefix_caching')} "
         f"chunked_prefill={cfg.get('enable_chunked_prefill')} seed={cfg.get('seed')}",
-        f"  steps {s.steps}, requests {s.requests} (n>1: {s.parallel_sample_requests}), "
+        f"  steps {s.steps} (scheduled ahead of the previous result: {s.steps_ahead}), requests {s.requests} (n>1: {s.parallel_sample_requests}), "
         f"sequences {s.sequences} (forked samples {s.forked_samples}), aborts {s.aborts}",
         f"  tokens: prefill {s.prefill_tokens} (chunks cut short {s.chunked_prefill_chunks}), "
         f"decode {s.decode_tokens}, sampled {s.sampled_tokens}",

@@ -66,7 +66,7 @@ def check_lane(sched: "Scheduler") -> list:
             continue
         if seq.is_parent or seq.shared_tail or not seq.worker_knows:
             _fail(f"{seq.seq_id} in the lane is a parent, shares its tail or is unknown to the workers")
-        in_flight = 1 if lane.in_flight else 0  # the step out computes the newest token
+        in_flight = len(lane.in_flight)  # each step out computes one token not yet sampled
         if len(seq.token_ids) != seq.num_computed + 1 - in_flight:
             _fail(f"{seq.seq_id} in the lane: {len(seq.token_ids)} tokens, {seq.num_computed} computed")
         live.append(seq)

@@ -73,7 +73,9 @@ class Scheduler:
         self.finished_ids: list[str] = []  # for the next SchedulerOutput
         self.num_gone_running = 0  # listed in running but finished, aborted or moved to the lane
         self.parent_seats = 0  # seats reserved for the children of running parents
-        self.in_flight = None  # (SchedulerOutput, sampling sequences, other scheduled sequences)
+        # Steps out at the workers, oldest first (at most two: one scheduled ahead), each as
+        # (SchedulerOutput, sequences sampling outside the lane, other scheduled sequences).
+        self.in_flight: list[tuple] = []
 
     # ------------------------------------------------------------------ frontend side
 
@@ -185,10 +187,39 @@ class Scheduler:
         """The number of the last step scheduled (0 before the first)."""
         return self._step
 
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the result of the one out arrives.
+
+        Overlapped scheduling covers the steady state of plain decodes; everything else waits
+        for the result (docs/DECISIONS.md). Ahead is allowed when exactly one step is out and:
+        1. every sequence sampling in it is in the decode lane, so no token a per-object
+           sequence needs is unknown and no sequence enters the lane while a batch is out;
+        2. no lane sequence ended while out (its position is kept until nothing is out);
+        3. the free blocks cover every block the running sequences can ask for, so the step
+           preempts nothing: no in-flight sequence is swapped or recomputed with a token
+           still unknown, and the lane keeps its positions.
+        Sequences with nothing to compute until the result arrives (a parent about to fork)
+        simply sit the step out.
+        """
+        if len(self.in_flight) != 1 or self.in_flight[0][1] or self.lane.num_dead:
+            return False
+        bm = self.bm
+        free = bm.device.num_free - self.lane.num_needing_blocks()
+        budget = self.config.max_num_batched_tokens
+        for seq in self.running:
+            if free < 0:
+                return False
+            if seq.status == RUNNING and seq.lane_pos < 0:
+                remaining = seq.target_len - seq.num_computed
+                if remaining > 0:
+                    free -= bm.num_new_blocks(seq, min(remaining, budget))
+        return free >= 0
+
     def schedule(self) -> SchedulerOutput:
-        if self.in_flight is not None:
+        if self.in_flight and not self.can_schedule_ahead():
             raise SchedulerStateError(
-                f"schedule() called again before update_from_output() for step {self._step}")
+                f"schedule() called again before update_from_output() for step {self.in_flight[0][0].step}, "
+                f"and the next step cannot be scheduled ahead of it (can_schedule_ahead())")
         self._step += 1
         if self.num_gone_running:
             self.running = [seq for seq in self.running if seq.status == RUNNING and seq.lane_pos < 0]
@@ -388,7 +419,7 @@ class Scheduler:
         counters.num_blocks_swapped_out += len(batch.swap_out)
         counters.num_blocks_swapped_in += len(batch.swap_in)
         if total:
-            self.in_flight = (out, batch.sampling_new + batch.sampling_cached, batch.others)
+            self.in_flight.append((out, batch.sampling_new + batch.sampling_cached, batch.others))
         if self.config.debug_invariants:
             self.check_invariants()
         return out

@@ -15,6 +15,7 @@ It also holds one test of its own: that the simulator catches a block that was n
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -23,6 +24,7 @@ from pagedserve.protocol.step_state import StepContractError, apply_output, note
 
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.scheduler_proc.step import StepOutputs
 
 STALE = "stale"
 ZERO = "zero"
@@ -128,16 +130,48 @@ def request(request_id: str, prompt: list[int], max_tokens: int = 8, **sampling)
                       sampling=SamplingParams(max_tokens=max_tokens, **sampling), eos_token_ids=[EOS])
 
 
+class StepDriver:
+    """The engine loop's order of calls, without processes: with ``ahead``, the next step is
+    scheduled (and queued for the worker) before the current one's result is applied, as
+    ``--async-scheduling`` does, whenever the scheduler allows it."""
+
+    def __init__(self, sched: Scheduler, worker: SimWorker, ahead: bool = False):
+        self.sched, self.worker, self.ahead = sched, worker, ahead
+        self.pending: deque[SchedulerOutput] = deque()
+        self.steps_ahead = 0  # steps scheduled while another was out
+        self.on_schedule: Optional[Callable[[SchedulerOutput], None]] = None
+
+    def busy(self) -> bool:
+        return self.sched.has_unfinished() or bool(self.pending)
+
+    def step(self) -> tuple[SchedulerOutput, StepResult, StepOutputs]:
+        """One turn: schedule (and maybe schedule ahead), then apply the oldest step's result."""
+        sched, pending = self.sched, self.pending
+        if not pending:
+            self._schedule()
+        if self.ahead and len(pending) == 1 and sched.has_unfinished() and sched.can_schedule_ahead():
+            self._schedule()
+            self.steps_ahead += 1
+        out = pending.popleft()
+        result = self.worker.step(out)
+        return out, result, sched.update_from_output(out, result)
+
+    def _schedule(self) -> None:
+        out = self.sched.schedule()
+        if self.on_schedule is not None:
+            self.on_schedule(out)
+        self.pending.append(out)
+
+
 def run_until_done(sched: Scheduler, worker: SimWorker, max_steps: int = 10_000,
-                   on_step: Optional[Callable] = None) -> list:
+                   on_step: Optional[Callable] = None, ahead: bool = False) -> list:
     """Steps until nothing is unfinished; returns every delta. ``on_step(out, result, deltas)``."""
     deltas = []
+    driver = StepDriver(sched, worker, ahead)
     for _ in range(max_steps):
-        if not sched.has_unfinished():
+        if not driver.busy():
             return deltas
-        out = sched.schedule()
-        result = worker.step(out)
-        step_deltas = sched.update_from_output(out, result)
+        out, result, step_deltas = driver.step()
         deltas.extend(step_deltas)
         if on_step is not None:
             on_step(out, result, step_deltas)
