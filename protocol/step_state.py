@@ -112,24 +112,24 @@ def _apply_decodes(held: dict[str, HeldRequest], out: SchedulerOutput, scheduled
                                 f"num_computed_tokens and {len(decodes.token_ids)} token_ids")
     first = len(scheduled)
     append = scheduled.append
-    for req_id, num_computed, token in zip(req_ids, decodes.num_computed_tokens, decodes.token_ids):
+    for req_id, position, token in zip(req_ids, decodes.num_computed_tokens, decodes.token_ids):
         state = held.get(req_id)
         if state is None:
             raise StepContractError(f"step {step}: decode request {req_id!r} is unknown here "
                                     f"(never sent as new, or already finished)")
         token_ids = state.token_ids
-        # The new token goes at position num_computed: anything else means this receiver
+        # The new token goes at ``position``: anything else means this receiver
         # missed (or double-applied) a step and its KV no longer matches the scheduler's.
-        if num_computed != len(token_ids):
+        if position != len(token_ids):
             raise StepContractError(f"step {step}: decode request {req_id!r}: its new token is at position "
-                                    f"{num_computed} but {len(token_ids)} tokens are held here (out of sync)")
+                                    f"{position} but {len(token_ids)} tokens are held here (out of sync)")
         if token == PLACEHOLDER_TOKEN and resolve_placeholders:
             token = state.last_sampled
             if token is None:
                 raise StepContractError(f"step {step}: decode request {req_id!r} asks for the token sampled "
                                         f"last step, but none was sampled for it here")
         token_ids.append(token)
-        state.num_computed_tokens = num_computed
+        state.num_computed_tokens = position
         state.num_scheduled_tokens = 1
         state.samples = True
         append(state)

@@ -10,7 +10,7 @@ the exceptions (a filled block, a stop token candidate, the end) touch a Sequenc
 
 A sequence enters after a step that sampled for it, when nothing but decodes lie ahead:
 the workers hold it, it is no parent waiting to fork, its last block is its own and it wants
-no logprobs. While it is in the lane the lane owns its ``num_computed`` and its newest
+no logprobs. While it is in the lane the lane owns its ``num_kv_tokens`` and its newest
 tokens (a ring of the last ``RING`` sampled tokens per sequence) and the blocks it was
 granted since its last sync; ``sync`` writes all of it back to the Sequence, and every path
 outside the lane syncs before it reads one.
@@ -51,7 +51,7 @@ _NO_GRANTS = (np.zeros(0, np.int64), [])  # never mutated
 def lane_ready(seq: "Sequence") -> bool:
     """True when ``seq`` (running, just sampled) has nothing but plain decodes ahead."""
     return (seq.worker_knows and not seq.is_parent and not seq.shared_tail and not seq.want_logprobs
-            and len(seq.token_ids) == seq.num_computed + 1 == seq.num_tokens_sent + 1
+            and len(seq.token_ids) == seq.num_kv_tokens + 1 == seq.num_tokens_sent + 1
             and seq.num_blocks_sent == len(seq.block_ids))
 
 
@@ -107,7 +107,7 @@ class DecodeLane:
         self.ids.append(seq.seq_id)
         self.request_ids.append(seq.request_id)
         tokens = seq.token_ids
-        self.computed[pos] = seq.num_computed
+        self.computed[pos] = seq.num_kv_tokens
         self.table_tokens[pos] = len(seq.block_ids) * self.block_size
         self.max_len[pos] = seq.max_len
         self.min_len[pos] = seq.min_len
@@ -157,7 +157,7 @@ class DecodeLane:
         for i, (pos, computed, first, end, blocks_held) in enumerate(zip(
                 positions, self.computed[where].tolist(), firsts, ends, num_held.tolist())):
             seq = seqs[pos]
-            seq.num_computed = computed
+            seq.num_kv_tokens = computed
             seq.num_tokens_sent = computed
             seq.token_ids.frombytes(tokens[first:end])
             blocks = seq.block_ids

@@ -77,7 +77,7 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
             raise StepResultMismatch(f"step {out.step}: a sample for {req_id!r} where {seq.seq_id!r} was due")
         if seq.status != RUNNING:
             continue  # aborted while the step ran
-        if prefix and seq.num_computed // block_size > len(seq.block_keys):
+        if prefix and seq.num_kv_tokens // block_size > len(seq.block_keys):
             prefix_cache.register_computed(device, seq, block_size)
         seq_tokens = seq.token_ids
         seq_tokens.append(token)
@@ -112,7 +112,7 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
             continue
         if prefix:
             prefix_cache.register_computed(device, seq, block_size)
-        if seq.is_parent and seq.num_computed == len(seq.token_ids) - 1:
+        if seq.is_parent and seq.num_kv_tokens == len(seq.token_ids) - 1:
             fork(sched, seq)
     return outputs
 
@@ -222,7 +222,7 @@ def fork(sched: "Scheduler", parent: Sequence) -> list[Sequence]:
     for i in range(n):
         child = Sequence(f"{request.request_id}/{i}", request, i, token_array(parent.token_ids),
                          sched.child_sampling(request, i), False)
-        child.num_computed = parent.num_computed
+        child.num_kv_tokens = parent.num_kv_tokens
         child.block_keys = list(parent.block_keys)
         child.recompute_until = parent.recompute_until
         child.num_cached_tokens = parent.num_cached_tokens
