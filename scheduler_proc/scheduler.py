@@ -33,7 +33,7 @@ from pagedserve.protocol.messages import (
     AddRequest, CachedRequestData, NewRequestData, RequestDelta, SchedulerOutput, StepResult,
 )
 
-from pagedserve.scheduler_proc import admission, invariants, output_processor
+from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap
 from pagedserve.scheduler_proc.admission import length_limit, rejection_reason
 from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.config import SchedulerConfig
@@ -188,32 +188,8 @@ class Scheduler:
         return self._step
 
     def can_schedule_ahead(self) -> bool:
-        """Whether the next step may be scheduled before the result of the one out arrives.
-
-        Overlapped scheduling covers the steady state of plain decodes; everything else waits
-        for the result (docs/DECISIONS.md). Ahead is allowed when exactly one step is out and:
-        1. every sequence sampling in it is in the decode lane, so no token a per-object
-           sequence needs is unknown and no sequence enters the lane while a batch is out;
-        2. no lane sequence ended while out (its position is kept until nothing is out);
-        3. the free blocks cover every block the running sequences can ask for, so the step
-           preempts nothing: no in-flight sequence is swapped or recomputed with a token
-           still unknown, and the lane keeps its positions.
-        Sequences with nothing to compute until the result arrives (a parent about to fork)
-        simply sit the step out.
-        """
-        if len(self.in_flight) != 1 or self.in_flight[0][1] or self.lane.num_dead:
-            return False
-        bm = self.bm
-        free = bm.device.num_free - self.lane.num_needing_blocks()
-        budget = self.config.max_num_batched_tokens
-        for seq in self.running:
-            if free < 0:
-                return False
-            if seq.status == RUNNING and seq.lane_pos < 0:
-                remaining = seq.target_len - seq.num_kv_tokens
-                if remaining > 0:
-                    free -= bm.num_new_blocks(seq, min(remaining, budget))
-        return free >= 0
+        """Whether the next step may be scheduled before the result of the one out (overlap.py)."""
+        return overlap.can_schedule_ahead(self)
 
     def schedule(self) -> SchedulerOutput:
         if self.in_flight and not self.can_schedule_ahead():
