@@ -29,6 +29,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-gpu-blocks", type=int)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="pagedserve's overlapped scheduling (default on)")
     p.add_argument("--no-check", action="store_true", help="skip comparing the two engines' tokens")
     p.add_argument("--output-json", help="write the result here")
 
@@ -43,7 +45,8 @@ def run_pagedserve(ns: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from pagedserve.deploy.offline import LLM, SamplingParams
 
     opts = dict(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-                device=ns.device, num_threads=ns.num_threads)
+                device=ns.device, num_threads=ns.num_threads,
+                async_scheduling=ns.async_scheduling)
     if ns.num_gpu_blocks:
         opts["num_gpu_blocks"] = ns.num_gpu_blocks
     sampling = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)

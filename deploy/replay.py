@@ -121,10 +121,13 @@ class WorkerReplay:
         to_worker, from_worker = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
         self._start_workers()
         steps = tokens = 0
-        pending: Optional[tuple[int, m.StepResult]] = None  # replayed result awaiting its record
+        # Replayed results awaiting their record, by step: with async scheduling the next step's
+        # frame comes before this step's result in the trace.
+        pending: dict[int, m.StepResult] = {}
         for index, (direction, payload) in enumerate(self.trace.records):
             try:
                 if direction == "fail_all":
+                    pending.clear()
                     self._start_workers()
                 elif direction == "to_worker":
                     msg = to_worker.decode(payload)
@@ -133,13 +136,12 @@ class WorkerReplay:
                     if isinstance(msg, m.WorkerInit):
                         self._collect(m.WorkerReady)
                     elif isinstance(msg, m.SchedulerOutput):
-                        pending = (msg.step, self._collect(m.StepResult)[0])
+                        pending[msg.step] = self._collect(m.StepResult)[0]
                         steps += 1
                 elif direction == "from_worker":
                     rec = from_worker.decode(payload)
-                    if isinstance(rec, m.StepResult) and rec.rank == 0 and pending is not None:
-                        step, replayed = pending
-                        pending = None
+                    if isinstance(rec, m.StepResult) and rec.rank == 0 and rec.step in pending:
+                        step, replayed = rec.step, pending.pop(rec.step)
                         if rec.error:
                             continue  # the recorded worker failed here; fail_all follows
                         diff = compare_results(step, rec, replayed)

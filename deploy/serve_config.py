@@ -37,6 +37,7 @@ class ServeConfig:
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"
+    async_scheduling: bool = True  # schedule step N+1 while the workers run step N
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     seed: int = 0
@@ -162,6 +163,8 @@ class ServeConfig:
         cmd.append("--enable-chunked-prefill" if self.enable_chunked_prefill else "--no-enable-chunked-prefill")
         if self.debug_invariants:
             cmd.append("--debug-invariants")
+        if not self.async_scheduling:
+            cmd.append("--no-async-scheduling")
         if self.record_trace:
             path = self.record_trace if self.data_parallel_size == 1 else f"{self.record_trace}.{replica}"
             cmd += ["--record-trace", path]
@@ -205,6 +208,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule the next step while the workers run this one (default on; "
+                        "--no-async-scheduling waits for every step's result before the next)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

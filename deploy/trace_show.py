@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import Decoder, ProtocolError
+from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output
 from pagedserve.protocol.trace import Trace, TraceError, read_trace
 
 
 @dataclass
 class TraceSummary:
     steps: int = 0
+    steps_ahead: int = 0  # sent before the previous step's result came back (async scheduling)
     requests: int = 0  # AddRequest messages
     parallel_sample_requests: int = 0  # n > 1
     sequences: int = 0  # distinct sequence ids the workers saw
@@ -43,19 +45,14 @@ class TraceSummary:
     step_lines: list[str] = field(default_factory=list)
 
 
-@dataclass
-class _SeqState:
-    num_prompt_tokens: int
-    num_known: int
-    block_ids: set[int]
-    dropped: bool = False
-
-
 class _Summarizer:
     def __init__(self, per_step: bool):
         self.s = TraceSummary()
         self.per_step = per_step
-        self.seqs: dict[str, _SeqState] = {}
+        self.held: dict[str, HeldRequest] = {}  # what the workers hold, as they would apply each step
+        self.seen: set[str] = set()  # every sequence id sent in full
+        self.dropped: set[str] = set()  # dropped by the workers and not (yet) sent again
+        self.steps_out = 0  # steps sent whose rank-0 result is not yet in
 
     def frontend(self, msg) -> None:
         if isinstance(msg, m.AddRequest):
@@ -64,9 +61,10 @@ class _Summarizer:
         elif isinstance(msg, m.AbortRequest):
             self.s.aborts += len(msg.request_ids)
 
-    def _schedule(self, seq: _SeqState, computed: int, scheduled: int) -> None:
+    def _count(self, seq: HeldRequest) -> None:
         s = self.s
-        if computed + scheduled < seq.num_known:
+        computed, scheduled = seq.num_computed_tokens, seq.num_scheduled_tokens
+        if computed + scheduled < len(seq.token_ids):
             s.prefill_tokens += scheduled
             s.chunked_prefill_chunks += computed + scheduled < seq.num_prompt_tokens
         elif scheduled == 1 and computed >= seq.num_prompt_tokens:
@@ -77,47 +75,35 @@ class _Summarizer:
     def step(self, out: m.SchedulerOutput) -> None:
         s = self.s
         s.steps += 1
+        s.steps_ahead += self.steps_out > 0
+        self.steps_out += 1
         swapped_in = {dst for _, dst in out.blocks_to_swap_in}
         for r in out.new_requests:
-            old = self.seqs.get(r.req_id)
-            if old is None:
+            if r.req_id not in self.seen:
                 s.sequences += 1
                 parent = r.req_id.rpartition("/")[0]
-                if parent in self.seqs:  # sample i of an n>1 request, forked from its prompt
+                if parent in self.seen:  # sample i of an n>1 request, forked from its prompt
                     s.forked_samples += 1
                 elif r.num_computed_tokens > 0:
                     s.prefix_hits += 1
                     s.prefix_hit_tokens += r.num_computed_tokens
-            elif old.dropped:
+            elif r.req_id in self.dropped:
                 if swapped_in & set(r.block_ids):
                     s.preemptions_swap += 1
                 else:
                     s.preemptions_recompute += 1
-            seq = self.seqs[r.req_id] = _SeqState(r.num_prompt_tokens, len(r.token_ids), set(r.block_ids))
-            self._schedule(seq, r.num_computed_tokens, r.num_scheduled_tokens)
-        for c in out.cached_requests:
-            seq = self.seqs.get(c.req_id)
-            if seq is None:
-                raise TraceError(f"step {out.step} continues sequence {c.req_id}, which was never sent in full")
-            seq.num_known += len(c.new_token_ids)
-            seq.block_ids.update(c.new_block_ids)
-            self._schedule(seq, c.num_computed_tokens, c.num_scheduled_tokens)
+            self.seen.add(r.req_id)
+            self.dropped.discard(r.req_id)
+        self.dropped.update(req_id for req_id in out.finished_req_ids if req_id in self.held)
+        try:
+            # Counting needs no token values, and a step sent ahead precedes the result its
+            # placeholders stand for: they stay unresolved.
+            scheduled = apply_output(self.held, out, resolve_placeholders=False)
+        except StepContractError as exc:
+            raise TraceError(str(exc)) from None
+        for seq in scheduled:
+            self._count(seq)
         decodes = out.decodes
-        decoding = []
-        for req_id, computed in zip(decodes.req_ids, decodes.num_computed_tokens):
-            seq = self.seqs.get(req_id)
-            if seq is None:
-                raise TraceError(f"step {out.step} decodes sequence {req_id}, which was never sent in full")
-            seq.num_known += 1
-            self._schedule(seq, computed, 1)
-            decoding.append(seq)
-        for index, block in decodes.new_blocks:
-            if not 0 <= index < len(decoding):
-                raise TraceError(f"step {out.step} gives block {block} to decode {index} of {len(decoding)}")
-            decoding[index].block_ids.add(block)
-        for req_id in out.finished_req_ids:
-            if req_id in self.seqs:
-                self.seqs[req_id].dropped = True
         s.blocks_swapped_out += len(out.blocks_to_swap_out)
         s.blocks_swapped_in += len(out.blocks_to_swap_in)
         s.blocks_copied += len(out.blocks_to_copy)
@@ -132,6 +118,7 @@ class _Summarizer:
 
     def result(self, msg) -> None:
         if isinstance(msg, m.StepResult) and msg.rank == 0:
+            self.steps_out = max(0, self.steps_out - 1)
             self.s.sampled_tokens += len(msg.sampled_token_ids)
             self.s.worker_errors += bool(msg.error)
 
@@ -152,7 +139,10 @@ def summarize_trace(trace: Trace, per_step: bool = False) -> TraceSummary:
                 acc.result(from_worker.decode(payload))
             elif direction == "fail_all":
                 acc.s.worker_failures += 1
-                acc.seqs.clear()
+                acc.held.clear()
+                acc.seen.clear()
+                acc.dropped.clear()
+                acc.steps_out = 0
         except ProtocolError as exc:
             raise TraceError(f"{trace.path}: record {index + 2} ({direction}) is not a valid frame: {exc}") from None
     return acc.s
@@ -168,7 +158,7 @@ def format_summary(trace: Trace, s: TraceSummary) -> str:
         f"cpu_blocks={init.get('num_cpu_blocks')} max_num_batched_tokens={cfg.get('max_num_batched_tokens')} "
         f"tp={cfg.get('tp_size')} prefix_caching={cfg.get('enable_prefix_caching')} "
         f"chunked_prefill={cfg.get('enable_chunked_prefill')} seed={cfg.get('seed')}",
-        f"  steps {s.steps}, requests {s.requests} (n>1: {s.parallel_sample_requests}), "
+        f"  steps {s.steps} (scheduled ahead of the previous result: {s.steps_ahead}), requests {s.requests} (n>1: {s.parallel_sample_requests}), "
         f"sequences {s.sequences} (forked samples {s.forked_samples}), aborts {s.aborts}",
         f"  tokens: prefill {s.prefill_tokens} (chunks cut short {s.chunked_prefill_chunks}), "
         f"decode {s.decode_tokens}, sampled {s.sampled_tokens}",

@@ -204,9 +204,10 @@ class NewRequestData(Msg):
     token_ids: list[int]  # prompt followed by outputs so far
     num_prompt_tokens: int
     block_ids: list[int]
-    num_computed_tokens: int
+    num_computed_tokens: int  # tokens with KV before this step: the first scheduled token's position
     num_scheduled_tokens: int
     sampling: SamplingParams
+    samples: bool  # sample a token after this step (False: a prompt chunk, or a parent's prompt[:-1])
 
 
 class CachedRequestData(Msg, gc=False):  # holds only scalars and int lists: no cycles possible
@@ -216,26 +217,31 @@ class CachedRequestData(Msg, gc=False):  # holds only scalars and int lists: no 
     req_id: str
     new_token_ids: list[int]  # tokens appended since the workers last saw it
     new_block_ids: list[int]  # appended to its block table
-    num_computed_tokens: int
+    num_computed_tokens: int  # tokens with KV before this step: the first scheduled token's position
     num_scheduled_tokens: int
+    samples: bool  # sample a token after this step
 
 
 class DecodeBatch(Msg, gc=False):
-    """Requests the workers hold that each compute exactly one token: the one sampled for them
-    in the step before. Parallel lists, one entry per request: the bulk of a busy step costs
-    a few lists instead of a struct per request."""
+    """Requests the workers hold that each compute exactly one token, the one sampled for them
+    in the step before, and all sample. Parallel lists, one entry per request: the bulk of a
+    busy step costs a few lists instead of a struct per request."""
 
     req_ids: list[str]
     num_computed_tokens: list[int]  # tokens with KV before this step; the new token's position
-    token_ids: list[int]  # appended to each request's tokens, then computed
+    # Appended to each request's tokens, then computed. PLACEHOLDER_TOKEN (protocol/step_state.py):
+    # the token the worker sampled for this request in its previous step, still in flight to the
+    # scheduler when it sent this step (overlapped scheduling).
+    token_ids: list[int]
     new_blocks: list[tuple[int, int]]  # (index into req_ids, device block appended to its table)
 
 
 class SchedulerOutput(Msg):
     """One step: the same bytes go to every worker of the replica.
 
-    Batch order (and the order of ``StepResult.req_ids``): new requests, cached requests,
-    then decodes.
+    Batch order: new requests, cached requests, then decodes. ``StepResult.req_ids`` lists,
+    in that order, exactly the entries that sample: new and cached ones flagged ``samples``,
+    and every decode. protocol/step_state.py applies a step to the per-request state.
     """
 
     step: int

@@ -15,7 +15,7 @@ from pagedserve.protocol.validate import InvalidField, check_request
 
 from pagedserve.scheduler_proc import output_processor, prefix_cache
 from pagedserve.scheduler_proc.config import SchedulerConfig
-from pagedserve.scheduler_proc.step import StepBatch
+from pagedserve.scheduler_proc.step import StepPlan
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_proc.scheduler import Scheduler
@@ -66,7 +66,7 @@ def rejection_reason(msg: AddRequest, config: SchedulerConfig) -> Optional[str]:
     return None
 
 
-def resume_swapped(sched: "Scheduler", batch: StepBatch) -> None:
+def resume_swapped(sched: "Scheduler", batch: StepPlan) -> None:
     """Swapped sequences come back oldest first, until one does not fit."""
     swapped = sched.swapped
     while swapped:
@@ -74,7 +74,7 @@ def resume_swapped(sched: "Scheduler", batch: StepBatch) -> None:
         seats = seq.request.sampling.n if seq.is_parent else 1
         if sched.seats_free() < seats:
             return
-        num_tokens = sched.chunk_size(seq.target_len - seq.num_computed, batch.budget)
+        num_tokens = sched.chunk_size(seq.target_len - seq.num_kv_tokens, batch.budget)
         if num_tokens <= 0 or not sched.bm.can_swap_in(seq, num_tokens):
             return
         swapped.pop(0)
@@ -83,7 +83,7 @@ def resume_swapped(sched: "Scheduler", batch: StepBatch) -> None:
             prefix_cache.republish(sched.bm.device, seq)
         sched.bm.append_slots(seq, num_tokens)
         sched.enter_running(seq)
-        sched.emit(seq, seq.num_computed, num_tokens, batch)
+        sched.emit(seq, seq.num_kv_tokens, num_tokens, batch)
 
 
 def admission_reserve(sched: "Scheduler") -> int:
@@ -98,7 +98,7 @@ def admission_reserve(sched: "Scheduler") -> int:
     return len(sched.running) + sched.lane.n
 
 
-def admit_waiting(sched: "Scheduler", batch: StepBatch) -> None:
+def admit_waiting(sched: "Scheduler", batch: StepPlan) -> None:
     """Waiting sequences start strictly in arrival order; the first that does not fit stops the rest."""
     waiting = sched.waiting
     bm = sched.bm
@@ -132,7 +132,7 @@ def admit_waiting(sched: "Scheduler", batch: StepBatch) -> None:
         seq.num_cached_tokens = request.num_cached_tokens
         bm.allocate(seq, hits, num_blocks)
         seq.block_keys = keys
-        seq.num_computed = computed
+        seq.num_kv_tokens = computed
         sched.enter_running(seq)
         if num_tokens > 0:
             sched.emit(seq, computed, num_tokens, batch)
@@ -140,4 +140,4 @@ def admit_waiting(sched: "Scheduler", batch: StepBatch) -> None:
             for child in output_processor.fork(sched, seq):
                 if batch.budget > 0 and bm.can_append_slots(child, 1):
                     bm.append_slots(child, 1)
-                    sched.emit(child, child.num_computed, 1, batch)
+                    sched.emit(child, child.num_kv_tokens, 1, batch)

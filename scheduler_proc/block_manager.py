@@ -38,13 +38,13 @@ class BlockManager:
 
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Device blocks ``seq`` needs to compute ``num_tokens`` more tokens (copy-on-write included)."""
-        needed = self.blocks_for(seq.num_computed + num_tokens) - len(seq.block_ids)
+        needed = self.blocks_for(seq.num_kv_tokens + num_tokens) - len(seq.block_ids)
         if seq.shared_tail and self._tail_is_shared(seq):
             needed += 1
         return needed
 
     def _tail_is_shared(self, seq: Sequence) -> bool:
-        return seq.num_computed % self.block_size != 0 and self.device.ref_counts[seq.block_ids[-1]] > 1
+        return seq.num_kv_tokens % self.block_size != 0 and self.device.ref_counts[seq.block_ids[-1]] > 1
 
     def max_appendable_tokens(self, seq: Sequence) -> int:
         """How many more tokens ``seq`` could compute with the free device blocks as they are."""
@@ -53,7 +53,7 @@ class BlockManager:
             free -= 1
             if free < 0:
                 return 0
-        room = len(seq.block_ids) * self.block_size - seq.num_computed
+        room = len(seq.block_ids) * self.block_size - seq.num_kv_tokens
         return room + free * self.block_size
 
     # ------------------------------------------------------------------ admission
@@ -89,7 +89,7 @@ class BlockManager:
                 self.pending_copies[dst] = src
                 table[-1] = dst
             seq.shared_tail = False
-        table += self.take_blocks_to_write(self.blocks_for(seq.num_computed + num_tokens) - len(table))
+        table += self.take_blocks_to_write(self.blocks_for(seq.num_kv_tokens + num_tokens) - len(table))
 
     def take_blocks_to_write(self, count: int) -> list[int]:
         """``count`` fresh device blocks, each listed for zeroing once (none for count <= 0)."""
@@ -126,7 +126,7 @@ class BlockManager:
     def release_unused(self, seq: Sequence) -> None:
         """Give back table blocks beyond what ``seq``'s computed tokens fill (granted for a step
         it was then preempted from, so never written)."""
-        keep = self.blocks_for(seq.num_computed)
+        keep = self.blocks_for(seq.num_kv_tokens)
         table = seq.block_ids
         while len(table) > keep:
             block = table.pop()
@@ -155,7 +155,7 @@ class BlockManager:
         return mapping
 
     def can_swap_in(self, seq: Sequence, num_tokens: int) -> bool:
-        needed = self.blocks_for(seq.num_computed + num_tokens)
+        needed = self.blocks_for(seq.num_kv_tokens + num_tokens)
         return needed <= self.device.num_free
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:

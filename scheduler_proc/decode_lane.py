@@ -10,15 +10,21 @@ the exceptions (a filled block, a stop token candidate, the end) touch a Sequenc
 
 A sequence enters after a step that sampled for it, when nothing but decodes lie ahead:
 the workers hold it, it is no parent waiting to fork, its last block is its own and it wants
-no logprobs. While it is in the lane the lane owns its ``num_computed`` and its newest
+no logprobs. While it is in the lane the lane owns its ``num_kv_tokens`` and its newest
 tokens (a ring of the last ``RING`` sampled tokens per sequence) and the blocks it was
 granted since its last sync; ``sync`` writes all of it back to the Sequence, and every path
 outside the lane syncs before it reads one.
 
 Positions are dense (0..n-1) and a removal moves the last sequence into the gap, so lane
 order means nothing; FCFS order stays in ``Sequence.order`` (see ``newest``). Removals
-asked for while a step is in flight are deferred until its result is applied, so the
-positions of the step's ``DecodeBatch`` stay those of the result.
+asked for while a step is in flight are deferred (the position is marked dead) until no step
+is in flight, so the positions of every ``DecodeBatch`` out stay those of its result.
+
+Overlapped scheduling: with one batch in flight the lane may schedule the next, each
+sequence computing the token the in-flight step samples for it, sent as a placeholder the
+workers resolve. The scheduler does so only when no sequence enters or leaves the lane in
+between (scheduler.py, ``can_schedule_ahead``), so every lane sequence is in every batch out
+and the ring's clock stays one update per result.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pagedserve.protocol.messages import DecodeBatch
+from pagedserve.protocol.step_state import PLACEHOLDER_TOKEN
 
 from pagedserve.scheduler_proc import prefix_cache
 
@@ -44,7 +51,7 @@ _NO_GRANTS = (np.zeros(0, np.int64), [])  # never mutated
 def lane_ready(seq: "Sequence") -> bool:
     """True when ``seq`` (running, just sampled) has nothing but plain decodes ahead."""
     return (seq.worker_knows and not seq.is_parent and not seq.shared_tail and not seq.want_logprobs
-            and len(seq.token_ids) == seq.num_computed + 1 == seq.num_tokens_sent + 1
+            and len(seq.token_ids) == seq.num_kv_tokens + 1 == seq.num_tokens_sent + 1
             and seq.num_blocks_sent == len(seq.block_ids))
 
 
@@ -58,7 +65,7 @@ class DecodeLane:
         self.request_ids: list[str] = []  # for the frontend's token lists
         self.lists_out = False
         columns = ("computed", "table_tokens", "max_len", "min_len", "order", "index", "last", "since", "num_held",
-                   "entered", "tail_block", "key_hash", "num_keyed")
+                   "entered", "tail_block", "before_tail_block", "key_hash", "num_keyed")
         self._columns = [np.zeros(capacity, np.int64) for _ in columns]
         (self.computed,  # tokens with KV; +1 as soon as a step is scheduled
          self.table_tokens,  # tokens the block table can hold
@@ -69,6 +76,7 @@ class DecodeLane:
          self.entered,  # clock value at entry: ring slots from here on are this sequence's tokens
          # For publishing filled blocks to the prefix cache without a sync:
          self.tail_block,  # the last block of the table
+         self.before_tail_block,  # the one before it: the block that filled when a step ahead took a new one
          self.key_hash,  # own hash of the last prefix-cache key (the next key's parent)
          self.num_keyed,  # len(seq.block_keys)
          ) = self._columns
@@ -78,7 +86,7 @@ class DecodeLane:
         # ring[pos, clock % RING]: the token of that update; a row per sequence, read whole on a flush.
         self.ring = np.zeros((capacity, RING), np.int64)
         self.clock = 0  # results applied
-        self.in_flight = 0  # sequences in the DecodeBatch out at the workers
+        self.in_flight: list[int] = []  # sequences in each DecodeBatch out at the workers, oldest first
         self.num_dead = 0
         self._granted = _NO_GRANTS  # positions and the blocks granted them this step
         self._stop_counts: dict[int, int] = {}
@@ -99,7 +107,7 @@ class DecodeLane:
         self.ids.append(seq.seq_id)
         self.request_ids.append(seq.request_id)
         tokens = seq.token_ids
-        self.computed[pos] = seq.num_computed
+        self.computed[pos] = seq.num_kv_tokens
         self.table_tokens[pos] = len(seq.block_ids) * self.block_size
         self.max_len[pos] = seq.max_len
         self.min_len[pos] = seq.min_len
@@ -109,6 +117,7 @@ class DecodeLane:
         self.since[pos] = self.entered[pos] = self.clock
         self.num_held[pos] = 0
         self.tail_block[pos] = seq.block_ids[-1]
+        self.before_tail_block[pos] = seq.block_ids[-2] if len(seq.block_ids) > 1 else -1
         self.note_keys(pos, seq)
         self.dead[pos] = False
         seq.lane_pos = pos
@@ -148,7 +157,7 @@ class DecodeLane:
         for i, (pos, computed, first, end, blocks_held) in enumerate(zip(
                 positions, self.computed[where].tolist(), firsts, ends, num_held.tolist())):
             seq = seqs[pos]
-            seq.num_computed = computed
+            seq.num_kv_tokens = computed
             seq.num_tokens_sent = computed
             seq.token_ids.frombytes(tokens[first:end])
             blocks = seq.block_ids
@@ -237,6 +246,7 @@ class DecodeLane:
         slots = self.num_held[needy]
         self.held[needy, slots] = blocks
         self.num_held[needy] = slots + 1
+        self.before_tail_block[needy] = self.tail_block[needy]
         self.tail_block[needy] = blocks
         self.table_tokens[needy] += self.block_size
         self._granted = (np.asarray(needy, np.int64), blocks)
@@ -250,15 +260,22 @@ class DecodeLane:
             return EMPTY_DECODES
         new_blocks = list(zip(granted_pos.tolist(), granted_blocks))
         computed = self.computed[:n]
-        batch = DecodeBatch(self.ids, computed.tolist(), self.last[:n].tolist(), new_blocks)
+        # With a batch still out, every token to compute is being sampled there right now.
+        tokens = [PLACEHOLDER_TOKEN] * n if self.in_flight else self.last[:n].tolist()
+        batch = DecodeBatch(self.ids, computed.tolist(), tokens, new_blocks)
         self.lists_out = True
         computed += 1
-        self.in_flight = n
+        self.in_flight.append(n)
         return batch
+
+    def num_needing_blocks(self) -> int:
+        """Sequences whose next token starts a block (what ``grant_blocks`` would hand out)."""
+        n = self.n
+        return int((self.computed[:n] >= self.table_tokens[:n]).sum())
 
     def record(self, tokens: list[int]) -> np.ndarray:
         """Append the in-flight batch's sampled tokens (in batch order) to its sequences."""
-        n, self.in_flight = self.in_flight, 0
+        n = self.in_flight.pop(0)
         values = np.array(tokens, dtype=np.int64)
         # Every position is synced once per RING updates, a different 1/RING of them each time
         # (sequences that entered together would otherwise all sync in the same step); a
@@ -273,20 +290,21 @@ class DecodeLane:
         self.clock += 1
         return values
 
-    def publish_filled(self, positions: list[int], pool: "BlockPool") -> None:
+    def publish_filled(self, positions: list[int], pool: "BlockPool", ahead: int = 0) -> None:
         """Name, in the prefix cache, the block each sequence at ``positions`` just filled.
 
         When the ring holds all of the block's tokens and every earlier block is named, the
         key comes from the ring and the key columns, without a sync: a sync writes into the
         token array and block list, scattered objects that thousands of sequences no longer
         keep in cache. Otherwise the sequence is synced and named the per-object way.
+        ``ahead``: steps out beyond the one whose result this is (already in ``computed``).
         """
         if not positions:
             return
         bs = self.block_size
         where = np.asarray(positions, np.int64)
         first_update = self.clock - 1 - bs  # the update that sampled the block's first token
-        fast = ((self.num_keyed[where] == self.computed[where] // bs - 1)
+        fast = ((self.num_keyed[where] == (self.computed[where] - ahead) // bs - 1)
                 & (self.entered[where] <= first_update) & (bs < RING))
         for pos in where[~fast].tolist():
             self.sync(pos)
@@ -298,11 +316,14 @@ class DecodeLane:
             return
         slots = np.arange(first_update, self.clock - 1) % RING
         tokens = self.ring[where[:, None], slots].tobytes()  # one row of bs int64 per sequence
+        # A step scheduled ahead has already given the next token its block: the one that filled
+        # is the one before the tail.
+        tails = self.before_tail_block if ahead else self.tail_block
         size = 8 * bs
         owns = []
         seqs = self.seqs
         for i, (pos, parent, block) in enumerate(zip(where.tolist(), self.key_hash[where].tolist(),
-                                                     self.tail_block[where].tolist())):
+                                                     tails[where].tolist())):
             key = prefix_cache.block_key(parent, tokens[i * size:(i + 1) * size])
             pool.register(block, key)
             seqs[pos].block_keys.append(key)

@@ -2,7 +2,10 @@
 
 Each turn: take what the frontend sent, ask the Scheduler for one step, send the same
 encoded bytes to every worker, wait for their results, hand the sampled tokens back to
-the Scheduler and the resulting deltas to the frontend. Workers that die or stop making
+the Scheduler and the resulting deltas to the frontend. With async scheduling (the default)
+the next step is scheduled and sent before the current one's result is awaited, whenever
+the Scheduler allows it (``can_schedule_ahead``), so the workers find it queued when they
+finish and the scheduler's work hides behind the device's. Workers that die or stop making
 progress end every in-flight request with an explicit error and are replaced.
 """
 
@@ -12,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from typing import Optional
 
 import psutil
@@ -50,6 +54,7 @@ class EngineLoop:
         self.to_supervisor = Sender(self.ctx, ep.supervisor())
         self.trace = TraceWriter(cfg.record_trace) if cfg.record_trace else None
         self.scheduler: Optional[Scheduler] = None
+        self.pending: deque[m.SchedulerOutput] = deque()  # steps sent whose results are not in
         self.worker_pids: dict[int, int] = {}
         self.remote_ranks: set[int] = set()
         self.needs_workers = True  # at start, and after a worker failure until the new ones are ready
@@ -173,6 +178,7 @@ class EngineLoop:
         self.restarts += 1
         self.worker_pids.clear()
         self.remote_ranks.clear()
+        self.pending.clear()  # written off: fail_all ended their requests
         self.results.recv_nowait()  # stale results from the old workers
         self.needs_workers = True
         self.to_supervisor.send(m.RestartWorkers(replica=self.cfg.replica, reason=reason))
@@ -180,10 +186,11 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ frontend
 
-    def _send_deltas(self, deltas) -> None:
+    def _send_deltas(self, deltas, step: Optional[int] = None) -> None:
         """``deltas``: a list of RequestDelta, or a step's StepOutputs (plain tokens as lists)."""
         if deltas:
-            step = self.scheduler.step if self.scheduler is not None else 0
+            if step is None:
+                step = self.scheduler.step if self.scheduler is not None else 0
             if isinstance(deltas, list):
                 self.to_frontend.send(m.RequestOutputs(replica=self.cfg.replica, step=step, deltas=deltas))
             else:
@@ -234,15 +241,23 @@ class EngineLoop:
         so the worker's idle time since then is scheduling + IPC overhead, not an empty queue."""
         sched = self.scheduler
         t0 = time.perf_counter()
-        out = sched.schedule()
-        self._broadcast(out)
+        pending = self.pending
+        if not pending:
+            pending.append(sched.schedule())
+            self._broadcast(pending[-1])
+        if (self.cfg.async_scheduling and len(pending) == 1 and sched.has_unfinished()
+                and sched.can_schedule_ahead()):
+            pending.append(sched.schedule())  # runs right after the step out: no wait in between
+            self._broadcast(pending[-1])
+        out = pending[0]
         results = self._recv_from_workers(m.StepResult, self.cfg.step_timeout_s, step=out.step)
+        pending.popleft()
         result = results[0]
         try:
             deltas = sched.update_from_output(out, result)
         except StepResultMismatch as exc:
             raise WorkerFailure(f"worker rank 0 sent a result that does not fit its step: {exc}") from None
-        self._send_deltas(deltas)
+        self._send_deltas(deltas, out.step)
         self.forward_time += result.forward_time_s
         if back_to_back:
             self.idle_time += result.idle_time_s
@@ -256,11 +271,11 @@ class EngineLoop:
                 if self.needs_workers:
                     self.connect_workers()
                     self._send_stats(force=True)
-                busy = self.scheduler.has_unfinished()
+                busy = self.scheduler.has_unfinished() or bool(self.pending)
                 for msg in self.inputs.recv_nowait() if busy else self._wait_input():
                     self._handle_input(msg)
                 self._answer_rejected_requests()
-                if self.scheduler.has_unfinished():
+                if self.scheduler.has_unfinished() or self.pending:
                     self.step(back_to_back=busy)
                 elif not busy:
                     self._check_worker_pids()  # a worker that dies while idle is replaced at once

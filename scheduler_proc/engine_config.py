@@ -24,6 +24,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"
     debug_invariants: bool = False
+    async_scheduling: bool = True  # schedule step N+1 while the workers run step N
     seed: int = 0
     step_timeout_s: float = 60.0
     worker_start_timeout_s: float = 300.0

@@ -66,9 +66,9 @@ def check_lane(sched: "Scheduler") -> list:
             continue
         if seq.is_parent or seq.shared_tail or not seq.worker_knows:
             _fail(f"{seq.seq_id} in the lane is a parent, shares its tail or is unknown to the workers")
-        in_flight = 1 if lane.in_flight else 0  # the step out computes the newest token
-        if len(seq.token_ids) != seq.num_computed + 1 - in_flight:
-            _fail(f"{seq.seq_id} in the lane: {len(seq.token_ids)} tokens, {seq.num_computed} computed")
+        in_flight = len(lane.in_flight)  # each step out computes one token not yet sampled
+        if len(seq.token_ids) != seq.num_kv_tokens + 1 - in_flight:
+            _fail(f"{seq.seq_id} in the lane: {len(seq.token_ids)} tokens, {seq.num_kv_tokens} computed")
         live.append(seq)
     if int(lane.dead[:lane.n].sum()) != lane.num_dead:
         _fail(f"lane counts {lane.num_dead} dropped sequences, marks {int(lane.dead[:lane.n].sum())}")
@@ -103,14 +103,14 @@ def check(sched: "Scheduler") -> None:
                 _fail(f"{seq.seq_id} is queued but its request is not registered")
             device_owners.update(seq.block_ids)
             host_owners.update(seq.host_block_ids)
-            expected = bm.blocks_for(seq.num_computed)
+            expected = bm.blocks_for(seq.num_kv_tokens)
             if status == RUNNING and len(seq.block_ids) != expected:
-                _fail(f"{seq.seq_id}: {len(seq.block_ids)} blocks for {seq.num_computed} computed tokens")
-            if status == WAITING and (seq.block_ids or seq.host_block_ids or seq.num_computed):
+                _fail(f"{seq.seq_id}: {len(seq.block_ids)} blocks for {seq.num_kv_tokens} computed tokens")
+            if status == WAITING and (seq.block_ids or seq.host_block_ids or seq.num_kv_tokens):
                 _fail(f"waiting {seq.seq_id} holds blocks or computed tokens")
             if status == SWAPPED and (seq.block_ids or len(seq.host_block_ids) != expected):
                 _fail(f"swapped {seq.seq_id}: device {seq.block_ids}, host {seq.host_block_ids}")
-            if len(seq.block_keys) > seq.num_computed // bm.block_size:
+            if len(seq.block_keys) > seq.num_kv_tokens // bm.block_size:
                 _fail(f"{seq.seq_id} names more blocks than it has computed")
     for block in device_owners:
         if not 0 <= block < bm.device.num_blocks:

@@ -40,7 +40,7 @@ class StepResultMismatch(ValueError):
 
 
 def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> StepOutputs:
-    flight = sched.in_flight
+    flight = sched.in_flight[0] if sched.in_flight else None
     if flight is None or flight[0] is not out:
         # An empty step (nothing computed), or a step that fail_all() already wrote off.
         return StepOutputs([])
@@ -59,7 +59,7 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
         index = next(i for i, (a, b) in enumerate(zip(req_ids[num_slow:], lane_ids)) if a != b)
         raise StepResultMismatch(f"step {out.step}: a sample for {req_ids[num_slow + index]!r} where "
                                  f"{lane_ids[index]!r} was due")
-    sched.in_flight = None
+    sched.in_flight.pop(0)
     logprobs = result.logprobs
     prefix = sched.config.enable_prefix_caching
     block_size = sched.block_size
@@ -77,7 +77,7 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
             raise StepResultMismatch(f"step {out.step}: a sample for {req_id!r} where {seq.seq_id!r} was due")
         if seq.status != RUNNING:
             continue  # aborted while the step ran
-        if prefix and seq.num_computed // block_size > len(seq.block_keys):
+        if prefix and seq.num_kv_tokens // block_size > len(seq.block_keys):
             prefix_cache.register_computed(device, seq, block_size)
         seq_tokens = seq.token_ids
         seq_tokens.append(token)
@@ -103,7 +103,7 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
         outputs = StepOutputs(deltas)
     sched.counters.generation_tokens += accepted
     lane = sched.lane
-    for seq in sampling_seqs:
+    for seq in sampling_seqs if not lane.in_flight else ():  # a batch out must hold every lane sequence
         if seq.status == RUNNING and seq.lane_pos < 0 and lane_ready(seq):
             lane.enter(seq)
             sched.num_gone_running += 1  # its entry in running is now stale
@@ -112,7 +112,7 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
             continue
         if prefix:
             prefix_cache.register_computed(device, seq, block_size)
-        if seq.is_parent and seq.num_computed == len(seq.token_ids) - 1:
+        if seq.is_parent and seq.num_kv_tokens == len(seq.token_ids) - 1:
             fork(sched, seq)
     return outputs
 
@@ -138,9 +138,11 @@ def _apply_lane(sched: "Scheduler", tokens: list[int], deltas: list[RequestDelta
     limit, a block that just filled (published to the prefix cache), an abort mid-step.
     """
     lane = sched.lane
-    n = lane.in_flight
+    n = lane.in_flight[0]
     values = lane.record(tokens)
-    new_len = lane.computed[:n] + 1  # tokens each sequence holds now
+    ahead = len(lane.in_flight)  # 1 when the next step, scheduled ahead, is out too
+    still_out = ahead > 0
+    new_len = lane.computed[:n] + 1 - ahead  # tokens each sequence holds now
     at_limit = new_len >= lane.max_len[:n]
     stop_ids = lane.stop_ids()
     stop_candidate = _any_of(values, stop_ids) & (new_len >= lane.min_len[:n]) if len(stop_ids) else None
@@ -152,7 +154,7 @@ def _apply_lane(sched: "Scheduler", tokens: list[int], deltas: list[RequestDelta
         filled = (new_len - 1) % block_size == 0
         if dead is not None:
             filled &= ~dead
-        lane.publish_filled(filled.nonzero()[0].tolist(), sched.bm.device)
+        lane.publish_filled(filled.nonzero()[0].tolist(), sched.bm.device, ahead)
     gone = (ends if dead is None else ends | dead).nonzero()[0].tolist()
     if not gone:
         lane.lists_out = True
@@ -182,8 +184,13 @@ def _apply_lane(sched: "Scheduler", tokens: list[int], deltas: list[RequestDelta
     kept = keep.tolist()
     outputs = StepOutputs(deltas, [r for r, k in zip(lane.request_ids, kept) if k],
                           lane.index[:n][keep].tolist(), values[keep].tolist())
-    lane.remove_many(pos for pos in gone if not keep[pos])
-    lane.num_dead = 0
+    if still_out:  # positions stay put until no batch is out; the step ahead's tokens for these are dropped
+        ended = [pos for pos in gone if not keep[pos] and not lane.dead[pos]]
+        lane.dead[ended] = True
+        lane.num_dead += len(ended)
+    else:
+        lane.remove_many(pos for pos in gone if not keep[pos])
+        lane.num_dead = 0
     return outputs
 
 
@@ -215,7 +222,7 @@ def fork(sched: "Scheduler", parent: Sequence) -> list[Sequence]:
     for i in range(n):
         child = Sequence(f"{request.request_id}/{i}", request, i, token_array(parent.token_ids),
                          sched.child_sampling(request, i), False)
-        child.num_computed = parent.num_computed
+        child.num_kv_tokens = parent.num_kv_tokens
         child.block_keys = list(parent.block_keys)
         child.recompute_until = parent.recompute_until
         child.num_cached_tokens = parent.num_cached_tokens

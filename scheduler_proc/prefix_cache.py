@@ -48,7 +48,7 @@ def lookup(pool: BlockPool, seq: Sequence, block_size: int) -> tuple[list[int], 
 def register_computed(pool: BlockPool, seq: Sequence, block_size: int) -> None:
     """Publish every full block of ``seq`` whose tokens are all computed and not yet named."""
     keys = seq.block_keys
-    num_full = seq.num_computed // block_size
+    num_full = seq.num_kv_tokens // block_size
     if len(keys) >= num_full:
         return
     tokens = seq.token_ids

@@ -1,13 +1,16 @@
 """Replays a trace's frontend messages and step results into a fresh Scheduler.
 
 The scheduler is deterministic given its arrivals and step results, so every
-SchedulerOutput it builds must equal the recorded one byte for byte. Run as
+SchedulerOutput it builds must equal the recorded one byte for byte. A step recorded before
+the previous step's result (async scheduling) is scheduled at the same point here, so the
+replayed scheduler decides ahead exactly where the recorded one did. Run as
 ``python -m pagedserve.scheduler_proc.replay TRACE`` (``pagedserve replay --scheduler-only``).
 """
 
 from __future__ import annotations
 
 import sys
+from collections import deque
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -64,7 +67,7 @@ def replay_scheduler(trace_path: str) -> SchedulerReplayReport:
     to_worker, from_worker = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
     from_frontend = Decoder(m.FrontendToScheduler)
     sched: Optional[Scheduler] = None
-    last_out: Optional[m.SchedulerOutput] = None
+    outs: deque[m.SchedulerOutput] = deque()  # replayed steps whose results are not yet applied
     draining = False
     steps = 0
     for index, (direction, payload) in enumerate(trace.records):
@@ -77,24 +80,29 @@ def replay_scheduler(trace_path: str) -> SchedulerReplayReport:
                     sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks))
                 elif isinstance(msg, m.SchedulerOutput):
                     _require(sched, trace_path, where)
-                    last_out = sched.schedule()
+                    out = sched.schedule()
+                    outs.append(out)
                     steps += 1
-                    if encode(last_out) != payload:
+                    if encode(out) != payload:
                         return SchedulerReplayReport(steps, f"step {msg.step} ({where}): "
-                                                     + first_difference(msg, last_out))
+                                                     + first_difference(msg, out))
             elif direction == "from_frontend":
                 _require(sched, trace_path, where)
                 _, draining = apply_frontend_message(sched, from_frontend.decode(payload), draining)
             elif direction == "from_worker":
                 msg = from_worker.decode(payload)
-                if isinstance(msg, m.StepResult) and msg.rank == 0 and not msg.error and last_out is not None:
-                    try:
-                        sched.update_from_output(last_out, msg)
-                    except StepResultMismatch:
-                        pass  # the engine failed its workers here too: the fail_all record follows
+                if isinstance(msg, m.StepResult) and msg.rank == 0 and not msg.error:
+                    while outs and outs[0].step < msg.step:
+                        outs.popleft()
+                    if outs and outs[0].step == msg.step:
+                        try:
+                            sched.update_from_output(outs.popleft(), msg)
+                        except StepResultMismatch:
+                            pass  # the engine failed its workers here too: the fail_all record follows
             elif direction == "fail_all":
                 _require(sched, trace_path, where)
                 sched.fail_all(payload.decode(errors="replace"))
+                outs.clear()
         except ProtocolError as exc:
             raise TraceError(f"{trace_path}: {where} is not a valid frame: {exc}") from None
         except TraceError:

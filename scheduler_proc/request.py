@@ -86,7 +86,7 @@ class Sequence:
         "order",
         "sampling",
         "token_ids",
-        "num_computed",
+        "num_kv_tokens",
         "block_ids",
         "host_block_ids",
         "block_keys",
@@ -118,7 +118,9 @@ class Sequence:
         self.order = request.arrival_number * MAX_PARALLEL_SAMPLES + index
         self.sampling = sampling
         self.token_ids = token_ids
-        self.num_computed = 0  # tokens whose KV is (or, once this step runs, will be) cached
+        # Tokens with KV in the cache once every step scheduled so far has run (this step included;
+        # the wire's num_computed_tokens is the count *before* a step).
+        self.num_kv_tokens = 0
         self.block_ids: list[int] = []  # device block table
         self.host_block_ids: list[int] = []  # while swapped out
         self.block_keys: list = []  # prefix-cache keys of the leading full computed blocks
@@ -137,7 +139,7 @@ class Sequence:
         self.max_len = request.max_len
         self.want_logprobs = request.want_logprobs
         self.num_cached_tokens = 0  # the request's prefix hits at its first admission
-        self.lane_pos = -1  # position in the decode lane, which then owns num_computed and new tokens
+        self.lane_pos = -1  # position in the decode lane, which then owns num_kv_tokens and new tokens
 
     @property
     def target_len(self) -> int:
@@ -145,5 +147,5 @@ class Sequence:
         return len(self.token_ids) - 1 if self.is_parent else len(self.token_ids)
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.seq_id!r}, tokens={len(self.token_ids)}, computed={self.num_computed}, "
+        return (f"Sequence({self.seq_id!r}, tokens={len(self.token_ids)}, computed={self.num_kv_tokens}, "
                 f"blocks={self.block_ids}, status={self.status})")

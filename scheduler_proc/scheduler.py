@@ -33,7 +33,7 @@ from pagedserve.protocol.messages import (
     AddRequest, CachedRequestData, NewRequestData, RequestDelta, SchedulerOutput, StepResult,
 )
 
-from pagedserve.scheduler_proc import admission, invariants, output_processor
+from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap
 from pagedserve.scheduler_proc.admission import length_limit, rejection_reason
 from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.config import SchedulerConfig
@@ -42,7 +42,7 @@ from pagedserve.scheduler_proc.request import (
     FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, child_seed, token_array,
 )
 from pagedserve.scheduler_proc.stats import SchedulerCounters, snapshot
-from pagedserve.scheduler_proc.step import StepBatch, StepOutputs
+from pagedserve.scheduler_proc.step import StepPlan, StepOutputs
 
 _by_order = attrgetter("order")
 _NO_BLOCKS: list[int] = []  # shared by every CachedRequestData without new blocks; never mutated
@@ -73,7 +73,9 @@ class Scheduler:
         self.finished_ids: list[str] = []  # for the next SchedulerOutput
         self.num_gone_running = 0  # listed in running but finished, aborted or moved to the lane
         self.parent_seats = 0  # seats reserved for the children of running parents
-        self.in_flight = None  # (SchedulerOutput, sampling sequences, other scheduled sequences)
+        # Steps out at the workers, oldest first (at most two: one scheduled ahead), each as
+        # (SchedulerOutput, sequences sampling outside the lane, other scheduled sequences).
+        self.in_flight: list[tuple] = []
 
     # ------------------------------------------------------------------ frontend side
 
@@ -183,15 +185,20 @@ class Scheduler:
         """The number of the last step scheduled (0 before the first)."""
         return self._step
 
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the result of the one out (overlap.py)."""
+        return overlap.can_schedule_ahead(self)
+
     def schedule(self) -> SchedulerOutput:
-        if self.in_flight is not None:
+        if self.in_flight and not self.can_schedule_ahead():
             raise SchedulerStateError(
-                f"schedule() called again before update_from_output() for step {self._step}")
+                f"schedule() called again before update_from_output() for step {self.in_flight[0][0].step}, "
+                f"and the next step cannot be scheduled ahead of it (can_schedule_ahead())")
         self._step += 1
         if self.num_gone_running:
             self.running = [seq for seq in self.running if seq.status == RUNNING and seq.lane_pos < 0]
             self.num_gone_running = 0
-        batch = StepBatch(self.config.max_num_batched_tokens)
+        batch = StepPlan(self.config.max_num_batched_tokens)
         for seq in self.lane.grant_blocks(self.bm):
             self._leave_lane(seq)
         batch.budget -= self.lane.n  # every lane decode runs: its token is reserved first
@@ -202,7 +209,7 @@ class Scheduler:
                 admission.admit_waiting(self, batch)
         return self._finish_step(batch)
 
-    def _schedule_running(self, batch: StepBatch) -> None:
+    def _schedule_running(self, batch: StepPlan) -> None:
         running = self.running
         bs = self.block_size
         bm = self.bm
@@ -214,7 +221,7 @@ class Scheduler:
         while i < len(running):
             seq = running[i]
             tokens = seq.token_ids
-            computed = seq.num_computed
+            computed = seq.num_kv_tokens
             if len(tokens) - computed == 1 and not seq.is_parent:  # the steady-state decode
                 if computed % bs == 0 or seq.shared_tail:
                     batch.budget = budget
@@ -225,7 +232,7 @@ class Scheduler:
                     bm.append_slots(seq, 1)
                 budget -= 1
                 later_decodes -= 1
-                seq.num_computed = computed + 1
+                seq.num_kv_tokens = computed + 1
                 if seq.worker_knows:
                     blocks = seq.block_ids
                     num_blocks = len(blocks)
@@ -237,7 +244,7 @@ class Scheduler:
                         new_blocks = _NO_BLOCKS
                     sent = seq.num_tokens_sent
                     new_tokens = [tokens[computed]] if sent == computed else tokens[sent:].tolist()
-                    cached_append(CachedRequestData(seq.seq_id, new_tokens, new_blocks, computed, 1))
+                    cached_append(CachedRequestData(seq.seq_id, new_tokens, new_blocks, computed, 1, True))
                     seq.num_tokens_sent = computed + 1
                     sampling_append(seq)
                 else:
@@ -248,7 +255,7 @@ class Scheduler:
             # A prefill continuing (or a parent's prompt[:-1]): a chunk of what is left.
             if later_decodes < 0:
                 later_decodes = sum(1 for s in running[i + 1:]
-                                    if len(s.token_ids) - s.num_computed == 1 and not s.is_parent)
+                                    if len(s.token_ids) - s.num_kv_tokens == 1 and not s.is_parent)
             batch.budget = budget
             num_tokens = self.chunk_size(seq.target_len - computed, budget - later_decodes)
             if num_tokens > 0:
@@ -267,7 +274,7 @@ class Scheduler:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _make_room(self, seq: Sequence, num_tokens: int, batch: StepBatch) -> int:
+    def _make_room(self, seq: Sequence, num_tokens: int, batch: StepPlan) -> int:
         """Preempt the newest running sequences until ``seq`` fits; how many tokens it may compute.
 
         When ``seq`` is itself the newest, its chunk shrinks to what fits; when not even one
@@ -298,7 +305,7 @@ class Scheduler:
         self.lane.leave(seq)
         insort(self.running, seq, key=_by_order)
 
-    def _preempt(self, seq: Sequence, batch: StepBatch) -> None:
+    def _preempt(self, seq: Sequence, batch: StepPlan) -> None:
         """Take the newest running sequence off the device, by swap or by recompute."""
         if seq.lane_pos >= 0:
             self.lane.leave(seq)
@@ -319,9 +326,9 @@ class Scheduler:
             insort(self.swapped, seq, key=_by_order)
             self.counters.num_preemptions_swap += 1
             return
-        seq.recompute_until = max(seq.recompute_until, seq.num_computed)
+        seq.recompute_until = max(seq.recompute_until, seq.num_kv_tokens)
         self.bm.free(seq)
-        seq.num_computed = 0
+        seq.num_kv_tokens = 0
         seq.block_keys = []
         seq.shared_tail = False
         seq.status = WAITING
@@ -337,7 +344,7 @@ class Scheduler:
         if mode == "recompute" or not self.bm.can_swap_out(seq):
             return False
         # auto: a sequence without one full block is cheaper to recompute than to move.
-        return mode == "swap" or seq.num_computed >= self.block_size
+        return mode == "swap" or seq.num_kv_tokens >= self.block_size
 
     def seats_free(self) -> int:
         return self.config.max_num_seqs - len(self.running) - self.lane.n - self.parent_seats
@@ -352,28 +359,28 @@ class Scheduler:
         else:
             insort(running, seq, key=_by_order)
 
-    def emit(self, seq: Sequence, computed: int, num_tokens: int, batch: StepBatch) -> None:
+    def emit(self, seq: Sequence, computed: int, num_tokens: int, batch: StepPlan) -> None:
         """Put ``seq`` in the batch computing ``num_tokens`` tokens from position ``computed``."""
         if seq.recompute_until > computed:
             self.counters.recomputed_tokens += min(seq.recompute_until, computed + num_tokens) - computed
-        seq.num_computed = computed + num_tokens
+        seq.num_kv_tokens = computed + num_tokens
         batch.budget -= num_tokens
         samples = computed + num_tokens == len(seq.token_ids)
         if seq.worker_knows:
             batch.cached.append(CachedRequestData(
                 seq.seq_id, seq.token_ids[seq.num_tokens_sent:].tolist(), seq.block_ids[seq.num_blocks_sent:],
-                computed, num_tokens))
+                computed, num_tokens, samples))
             (batch.sampling_cached if samples else batch.others).append(seq)
         else:
             batch.new.append(NewRequestData(
                 seq.seq_id, seq.token_ids.tolist(), seq.num_prompt_tokens, list(seq.block_ids),
-                computed, num_tokens, seq.sampling))
+                computed, num_tokens, seq.sampling, samples))
             seq.worker_knows = True
             (batch.sampling_new if samples else batch.others).append(seq)
         seq.num_tokens_sent = len(seq.token_ids)
         seq.num_blocks_sent = len(seq.block_ids)
 
-    def _finish_step(self, batch: StepBatch) -> SchedulerOutput:
+    def _finish_step(self, batch: StepPlan) -> SchedulerOutput:
         decodes = self.lane.schedule()
         zero, copies = self.bm.drain()
         finished, self.finished_ids = self.finished_ids, []
@@ -386,7 +393,7 @@ class Scheduler:
         counters.num_blocks_swapped_out += len(batch.swap_out)
         counters.num_blocks_swapped_in += len(batch.swap_in)
         if total:
-            self.in_flight = (out, batch.sampling_new + batch.sampling_cached, batch.others)
+            self.in_flight.append((out, batch.sampling_new + batch.sampling_cached, batch.others))
         if self.config.debug_invariants:
             self.check_invariants()
         return out

@@ -7,7 +7,7 @@ from typing import Optional
 from pagedserve.protocol.messages import RequestDelta, iter_deltas
 
 
-class StepBatch:
+class StepPlan:
     __slots__ = ("budget", "new", "cached", "sampling_new", "sampling_cached", "others",
                  "swap_out", "swap_in", "preempted")
 

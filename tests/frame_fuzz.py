@@ -30,7 +30,7 @@ SAMPLES = {  # channel -> valid messages (cut, padded, re-versioned: never flipp
     "supervisor": [m.ProcessReady("worker", 9, 0, 1), m.ProcessFailed("worker", 9, 0, 1, "fuzz"),
                    m.RestartWorkers(9, "fuzz")],
     "worker_inputs": [m.WorkerInit(0, 1, 16, 8, 8, 64, 64, 8, 0), m.Shutdown("fuzz"),
-                      m.SchedulerOutput(1, [m.NewRequestData("fuzz", [1, 2], 2, [0], 0, 2, SP)], [],
+                      m.SchedulerOutput(1, [m.NewRequestData("fuzz", [1, 2], 2, [0], 0, 2, SP, True)], [],
                                         m.DecodeBatch(["fuzz-d"], [4], [7], [(0, 1)]), [], [], [], [], [0], 3)],
 }
 FLIPPABLE = {

@@ -48,7 +48,7 @@ def test_check_then_commit_appends_only_what_was_promised_and_lists_each_fresh_b
     seq = sequence(6)
     assert bm.can_allocate([], 2)
     bm.allocate(seq, [], 2)
-    seq.num_computed = 6
+    seq.num_kv_tokens = 6
     assert bm.can_append_slots(seq, 2) and not bm.can_append_slots(seq, 7)
     bm.append_slots(seq, 2)
     assert len(seq.block_ids) == 2
@@ -75,7 +75,7 @@ def test_swap_out_and_in_move_every_block_and_return_the_host_blocks():
     bm = BlockManager(SchedulerConfig(block_size=4, num_gpu_blocks=4, num_cpu_blocks=4))
     seq = sequence(8)
     bm.allocate(seq, [], 2)
-    seq.num_computed = 8
+    seq.num_kv_tokens = 8
     device_blocks = list(seq.block_ids)
     assert bm.can_swap_out(seq)
     out = bm.swap_out(seq)

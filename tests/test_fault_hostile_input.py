@@ -220,13 +220,13 @@ def test_a_worker_rejects_fuzzed_frames_on_its_input_and_still_samples_the_right
         greedy = m.SamplingParams(max_tokens=1, temperature=0.0)
         blocks = list(range(-(-len(prompt) // 16)))
         to_worker.send(m.SchedulerOutput(1, [m.NewRequestData("r", prompt, len(prompt), blocks, 0, len(prompt),
-                                                              greedy)], [], NO_DECODES, [], [], [], [], blocks,
+                                                              greedy, True)], [], NO_DECODES, [], [], [], [], blocks,
                                          len(prompt)))
         result = results.recv(timeout_ms=60_000)
         assert result.error is None and result.sampled_token_ids == hf_greedy(model, prompt, 1)
         # Well-formed but impossible (a block the cache does not have): an error result, no crash.
         to_worker.send(m.SchedulerOutput(2, [m.NewRequestData("r2", prompt, len(prompt), [10**6], 0,
-                                                              len(prompt), greedy)], [], NO_DECODES, [], [], [], [],
+                                                              len(prompt), greedy, True)], [], NO_DECODES, [], [], [], [],
                                          [], 1))
         result = results.recv(timeout_ms=60_000)
         assert result.step == 2 and result.error

@@ -35,8 +35,8 @@ SAMPLES = {
         m.WorkerInit(0, 1, 16, 100, 10, 256, 512, 8, 0, True),
         m.SchedulerOutput(
             step=4,
-            new_requests=[m.NewRequestData("a", [1, 2], 2, [7], 0, 2, SP)],
-            cached_requests=[m.CachedRequestData("b", [9], [8], 17, 1)],
+            new_requests=[m.NewRequestData("a", [1, 2], 2, [7], 0, 2, SP, True)],
+            cached_requests=[m.CachedRequestData("b", [9], [8], 17, 1, True)],
             decodes=m.DecodeBatch(["d", "e"], [30, 5], [11, 12], [(1, 9)]),
             finished_req_ids=["c"], blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(2, 3)],
             blocks_to_copy=[(4, 5)], new_block_ids_to_zero=[7, 8], total_num_scheduled_tokens=3),

@@ -1,5 +1,5 @@
-"""A worker stand-in for scheduler tests: it applies every SchedulerOutput the way a real
-worker must, models the *contents* of every KV slot, and fails loudly when a sequence
+"""A worker stand-in for scheduler tests: it applies every SchedulerOutput with the real
+workers' ``apply_output`` (protocol/step_state.py), models the *contents* of every KV slot, and fails loudly when a sequence
 would attend over a slot holding anything but its own KV or zeros.
 
 Each device/host block is a list of slots. A slot is ``STALE`` (whatever an earlier
@@ -15,13 +15,16 @@ It also holds one test of its own: that the simulator catches a block that was n
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from pagedserve.protocol.messages import AddRequest, SamplingParams, SchedulerOutput, StepResult
+from pagedserve.protocol.step_state import StepContractError, apply_output, note_samples
 
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.scheduler_proc.step import StepOutputs
 
 STALE = "stale"
 ZERO = "zero"
@@ -30,13 +33,6 @@ EOS = 2
 
 class WorkerModelError(AssertionError):
     """The scheduler's output would make a real worker compute the wrong thing."""
-
-
-@dataclass
-class _Held:
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed: int
 
 
 @dataclass
@@ -56,7 +52,7 @@ class SimWorker:
     def step(self, out: SchedulerOutput) -> StepResult:
         bs = self.config.block_size
         for req_id in out.finished_req_ids:
-            if self.held.pop(req_id, None) is None:
+            if req_id not in self.held:
                 raise WorkerModelError(f"step {out.step}: told to forget unknown {req_id!r}")
         for dev, host in out.blocks_to_swap_out:
             self.host[host] = list(self.device[dev])
@@ -75,61 +71,31 @@ class SimWorker:
             self.device[block] = [ZERO] * bs
             self.zero_events.append((out.step, block))
 
-        batch = []
-        for new in out.new_requests:
-            if new.req_id in self.held:
-                raise WorkerModelError(f"step {out.step}: new request {new.req_id!r} is already held")
-            held = _Held(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
-            self.held[new.req_id] = held
-            batch.append((new.req_id, held, new.num_computed_tokens, new.num_scheduled_tokens))
-        for cached in out.cached_requests:
-            held = self.held.get(cached.req_id)
-            if held is None:
-                raise WorkerModelError(f"step {out.step}: cached request {cached.req_id!r} is not held")
-            if cached.num_computed_tokens != held.num_computed:
-                raise WorkerModelError(
-                    f"step {out.step}: {cached.req_id} computed {cached.num_computed_tokens}, "
-                    f"worker has {held.num_computed}")
-            held.token_ids.extend(cached.new_token_ids)
-            held.block_ids.extend(cached.new_block_ids)
-            batch.append((cached.req_id, held, cached.num_computed_tokens, cached.num_scheduled_tokens))
-        decodes = out.decodes
-        if not len(decodes.req_ids) == len(decodes.num_computed_tokens) == len(decodes.token_ids):
-            raise WorkerModelError(f"step {out.step}: decode lists of different lengths")
-        decoding = []
-        for req_id, computed, token in zip(decodes.req_ids, decodes.num_computed_tokens, decodes.token_ids):
-            held = self.held.get(req_id)
-            if held is None:
-                raise WorkerModelError(f"step {out.step}: decode {req_id!r} is not held")
-            if computed != held.num_computed or computed != len(held.token_ids):
-                raise WorkerModelError(f"step {out.step}: decode {req_id} at {computed}, worker has "
-                                       f"{held.num_computed} computed of {len(held.token_ids)} tokens")
-            held.token_ids.append(token)
-            decoding.append(held)
-            batch.append((req_id, held, computed, 1))
-        for index, block in decodes.new_blocks:
-            decoding[index].block_ids.append(block)
-        if len(batch) != len({req_id for req_id, *_ in batch}):
+        try:
+            batch = apply_output(self.held, out)
+        except StepContractError as exc:
+            raise WorkerModelError(str(exc)) from None
+        if len(batch) != len({held.req_id for held in batch}):
             raise WorkerModelError(f"step {out.step}: a request is scheduled twice")
 
         total = 0
-        for req_id, held, computed, scheduled in batch:  # write phase
+        for held in batch:  # write phase
+            req_id, computed, scheduled = held.req_id, held.num_computed_tokens, held.num_scheduled_tokens
             end = computed + scheduled
-            if scheduled < 1 or end > len(held.token_ids):
-                raise WorkerModelError(f"step {out.step}: {req_id} schedules [{computed}, {end}) of "
-                                       f"{len(held.token_ids)} tokens")
+            if scheduled < 1:
+                raise WorkerModelError(f"step {out.step}: {req_id} schedules [{computed}, {end})")
             if len(held.block_ids) * bs < end:
                 raise WorkerModelError(f"step {out.step}: {req_id} has {len(held.block_ids)} blocks for {end} tokens")
             for pos in range(computed, end):
                 self.device[held.block_ids[pos // bs]][pos % bs] = (pos, held.token_ids[pos])
-            held.num_computed = end
             total += scheduled
         if total != out.total_num_scheduled_tokens:
             raise WorkerModelError(f"step {out.step}: total {out.total_num_scheduled_tokens} != {total}")
 
-        req_ids, sampled = [], []
-        for req_id, held, computed, scheduled in batch:  # attention phase
-            end = computed + scheduled
+        req_ids, sampled, sampling = [], [], []
+        for held in batch:  # attention phase
+            req_id = held.req_id
+            end = held.num_computed_tokens + held.num_scheduled_tokens
             for pos in range(len(held.block_ids) * bs):
                 slot = self.device[held.block_ids[pos // bs]][pos % bs]
                 want = (pos, held.token_ids[pos]) if pos < end else ZERO
@@ -137,9 +103,11 @@ class SimWorker:
                     raise WorkerModelError(
                         f"step {out.step}: {req_id} reads {slot!r} at position {pos} "
                         f"(block {held.block_ids[pos // bs]}), expected {want!r}")
-            if end == len(held.token_ids):
+            if held.samples:
                 req_ids.append(req_id)
                 sampled.append(self.next_token(req_id, held.token_ids))
+                sampling.append(held)
+        note_samples(sampling, sampled)
         return StepResult(step=out.step, rank=0, req_ids=req_ids, sampled_token_ids=sampled,
                           logprobs=[-0.5] * len(sampled))
 
@@ -162,16 +130,48 @@ def request(request_id: str, prompt: list[int], max_tokens: int = 8, **sampling)
                       sampling=SamplingParams(max_tokens=max_tokens, **sampling), eos_token_ids=[EOS])
 
 
+class StepDriver:
+    """The engine loop's order of calls, without processes: with ``ahead``, the next step is
+    scheduled (and queued for the worker) before the current one's result is applied, as
+    ``--async-scheduling`` does, whenever the scheduler allows it."""
+
+    def __init__(self, sched: Scheduler, worker: SimWorker, ahead: bool = False):
+        self.sched, self.worker, self.ahead = sched, worker, ahead
+        self.pending: deque[SchedulerOutput] = deque()
+        self.steps_ahead = 0  # steps scheduled while another was out
+        self.on_schedule: Optional[Callable[[SchedulerOutput], None]] = None
+
+    def busy(self) -> bool:
+        return self.sched.has_unfinished() or bool(self.pending)
+
+    def step(self) -> tuple[SchedulerOutput, StepResult, StepOutputs]:
+        """One turn: schedule (and maybe schedule ahead), then apply the oldest step's result."""
+        sched, pending = self.sched, self.pending
+        if not pending:
+            self._schedule()
+        if self.ahead and len(pending) == 1 and sched.has_unfinished() and sched.can_schedule_ahead():
+            self._schedule()
+            self.steps_ahead += 1
+        out = pending.popleft()
+        result = self.worker.step(out)
+        return out, result, sched.update_from_output(out, result)
+
+    def _schedule(self) -> None:
+        out = self.sched.schedule()
+        if self.on_schedule is not None:
+            self.on_schedule(out)
+        self.pending.append(out)
+
+
 def run_until_done(sched: Scheduler, worker: SimWorker, max_steps: int = 10_000,
-                   on_step: Optional[Callable] = None) -> list:
+                   on_step: Optional[Callable] = None, ahead: bool = False) -> list:
     """Steps until nothing is unfinished; returns every delta. ``on_step(out, result, deltas)``."""
     deltas = []
+    driver = StepDriver(sched, worker, ahead)
     for _ in range(max_steps):
-        if not sched.has_unfinished():
+        if not driver.busy():
             return deltas
-        out = sched.schedule()
-        result = worker.step(out)
-        step_deltas = sched.update_from_output(out, result)
+        out, result, step_deltas = driver.step()
         deltas.extend(step_deltas)
         if on_step is not None:
             on_step(out, result, step_deltas)

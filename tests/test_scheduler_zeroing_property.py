@@ -1,5 +1,6 @@
 """Property: over random workloads (arrivals, aborts, preemption by swap and recompute,
-n > 1 forks with copy-on-write, prefix hits, chunked prefill) no sequence ever attends over
+n > 1 forks with copy-on-write, prefix hits, chunked prefill), with every step awaited or
+with the next one scheduled ahead of its result (async scheduling), no sequence ever attends over
 a stale KV slot, zeroing never wipes live KV, every step drains the zero list, the debug
 invariants hold after every call, and at the end every block of both pools is free.
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
-from test_scheduler_support import SimWorker, assert_all_blocks_free, random_tokens, request
+from test_scheduler_support import SimWorker, StepDriver, assert_all_blocks_free, random_tokens, request
 
 PREFIXES = [list(range(100, 140)), list(range(200, 213)), [7] * 30]
 
@@ -54,11 +55,12 @@ arrivals = st.lists(
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=configs, plan=arrivals, seed=st.integers(0, 2**16))
-def test_random_workloads_never_expose_stale_kv_and_leak_no_blocks(config, plan, seed):
+@given(config=configs, plan=arrivals, seed=st.integers(0, 2**16), ahead=st.booleans())
+def test_random_workloads_never_expose_stale_kv_and_leak_no_blocks(config, plan, seed, ahead):
     rng = random.Random(seed)
     sched = Scheduler(config)
     worker = SimWorker(config, random_tokens(rng, eos_probability=0.08))
+    driver = StepDriver(sched, worker, ahead)
     pending = []  # (step at which it arrives, AddRequest, abort delay)
     step_at = 0
     for i, (delay, prefix, own, n, max_tokens, abort_after) in enumerate(plan):
@@ -69,6 +71,29 @@ def test_random_workloads_never_expose_stale_kv_and_leak_no_blocks(config, plan,
     aborts: dict[int, list[str]] = {}
     finished_ids: set[str] = set()
     freshly_zeroed: set[int] = set()  # listed for zeroing, not yet written
+    steps_scheduled = []
+
+    def check_scheduled(out) -> None:
+        assert out.step == len(steps_scheduled) + 1
+        steps_scheduled.append(out.step)
+        assert not sched.bm.pending_zero, "schedule() must drain the zero list"
+        new_ids = {r.req_id for r in out.new_requests}
+        assert not new_ids & set(out.finished_req_ids), "one id both dropped and added in a step"
+
+    run_step = worker.step
+
+    def run_and_check_zeroing(out):
+        """Zeroing and writes in the order the worker runs steps (a step ahead is scheduled
+        before the one out has written anything)."""
+        for block in out.new_block_ids_to_zero:
+            assert block not in freshly_zeroed, f"block {block} zeroed twice before any write"
+            freshly_zeroed.add(block)
+        result = run_step(out)  # raises on any stale or wiped slot
+        for req_id in [r.req_id for r in (*out.new_requests, *out.cached_requests)] + out.decodes.req_ids:
+            freshly_zeroed.difference_update(worker.held[req_id].block_ids)
+        return result
+
+    worker.step = run_and_check_zeroing
 
     for step in range(2_000):
         for arrive_at, msg, abort_after in [p for p in pending if p[0] == step]:
@@ -81,21 +106,11 @@ def test_random_workloads_never_expose_stale_kv_and_leak_no_blocks(config, plan,
         for delta in sched.abort_requests(aborts.pop(step, [])):
             assert delta.finish_reason == "abort"
             finished_ids.add(delta.request_id)
-        if not sched.has_unfinished() and all(p[0] <= step for p in pending):
+        if not driver.busy() and all(p[0] <= step for p in pending):
             break
-        out = sched.schedule()
-        assert out.step == step + 1
-        assert not sched.bm.pending_zero, "schedule() must drain the zero list"
-        for block in out.new_block_ids_to_zero:
-            assert block not in freshly_zeroed, f"block {block} zeroed twice before any write"
-            freshly_zeroed.add(block)
-        new_ids = {r.req_id for r in out.new_requests}
-        assert not new_ids & set(out.finished_req_ids), "one id both dropped and added in a step"
-        result = worker.step(out)  # raises on any stale or wiped slot
-        for req_id in [r.req_id for r in (*out.new_requests, *out.cached_requests)] + out.decodes.req_ids:
-            held = worker.held[req_id]
-            freshly_zeroed.difference_update(held.block_ids)
-        for delta in sched.update_from_output(out, result):
+        driver.on_schedule = check_scheduled
+        _, _, deltas = driver.step()
+        for delta in deltas:
             if delta.finish_reason is not None:
                 finished_ids.add(delta.request_id)
     else:

@@ -147,14 +147,14 @@ def write_steps(path, steps: list[m.SchedulerOutput]) -> None:
 def test_trace_show_counts_decode_batches_as_decodes_and_follows_their_new_blocks(tmp_path):
     sp = m.SamplingParams(temperature=0.0)
     none = m.DecodeBatch([], [], [], [])
-    new = [m.NewRequestData(r, list(range(8)), 8, [i], 0, 8, sp) for i, r in enumerate("ab")]
+    new = [m.NewRequestData(r, list(range(8)), 8, [i], 0, 8, sp, True) for i, r in enumerate("ab")]
     decode = m.DecodeBatch(["a", "b"], [8, 8], [5, 6], [(1, 7)])  # "b" gets block 7
     # Then "b" is swapped out while "a" goes on, and resent with its blocks swapped back in.
-    resend = m.NewRequestData("b", list(range(8)) + [6, 1], 8, [1, 7], 10, 0, sp)
+    resend = m.NewRequestData("b", list(range(8)) + [6, 1], 8, [1, 7], 10, 0, sp, False)
     write_steps(tmp_path / "t.trace", [
         m.SchedulerOutput(1, new, [], none, [], [], [], [], [], 16),
         m.SchedulerOutput(2, [], [], decode, [], [], [], [], [7], 2),
-        m.SchedulerOutput(3, [], [m.CachedRequestData("a", [1], [], 9, 1)], none, ["b"], [(7, 0)], [], [], [], 1),
+        m.SchedulerOutput(3, [], [m.CachedRequestData("a", [1], [], 9, 1, True)], none, ["b"], [(7, 0)], [], [], [], 1),
         m.SchedulerOutput(4, [resend], [], m.DecodeBatch(["a"], [10], [2], []), [], [], [(0, 7)], [], [], 1),
     ])
     s = summarize_trace(read_trace(str(tmp_path / "t.trace")), per_step=True)
@@ -163,9 +163,9 @@ def test_trace_show_counts_decode_batches_as_decodes_and_follows_their_new_block
 
 
 def test_trace_show_refuses_a_decode_of_an_unknown_sequence_or_block_index(tmp_path):
-    new = m.NewRequestData("a", [1, 2], 2, [0], 0, 2, m.SamplingParams())
-    for decodes, refusal in ((m.DecodeBatch(["ghost"], [2], [5], []), "decodes sequence ghost"),
-                             (m.DecodeBatch(["a"], [2], [5], [(1, 3)]), "block 3 to decode 1 of 1")):
+    new = m.NewRequestData("a", [1, 2], 2, [0], 0, 2, m.SamplingParams(), True)
+    for decodes, refusal in ((m.DecodeBatch(["ghost"], [2], [5], []), "decode request 'ghost' is unknown"),
+                             (m.DecodeBatch(["a"], [2], [5], [(1, 3)]), "new block 3 names decode 1, but the step has 1 decodes")):
         write_steps(tmp_path / "t.trace", [m.SchedulerOutput(1, [new], [], decodes, [], [], [], [], [], 3)])
         with pytest.raises(TraceError, match=refusal):
             summarize_trace(read_trace(str(tmp_path / "t.trace")))

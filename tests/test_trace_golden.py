@@ -51,6 +51,7 @@ def test_each_golden_is_small_and_exercises_every_feature_the_issue_lists(entry)
     assert s.parallel_sample_requests > 0 and s.forked_samples > 0 and s.blocks_copied > 0
     assert s.prefix_hits > 0 and s.blocks_zeroed > 0
     assert s.aborts > 0
+    assert s.steps_ahead > 0  # recorded with async scheduling: steps sent before their predecessor's result
     assert s.worker_errors == 0 and s.worker_failures == 0
 
 

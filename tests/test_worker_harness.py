@@ -120,7 +120,7 @@ class TrivialScheduler:
             tokens = req.prompt + req.outputs
             if req.num_tokens_sent == 0:
                 new.append(NewRequestData(req.req_id, tokens, len(req.prompt), list(req.block_ids),
-                                          req.num_computed, count, req.sampling))
+                                          req.num_computed, count, req.sampling, req.num_computed + count == len(tokens)))
                 new_batch.append(req)
             elif self.decode_batch and len(tokens) - req.num_tokens_sent == 1 == count:
                 for block in new_blocks:
@@ -131,7 +131,7 @@ class TrivialScheduler:
                 decode_batch.append(req)
             else:
                 cached.append(CachedRequestData(req.req_id, tokens[req.num_tokens_sent:], new_blocks,
-                                                req.num_computed, count))
+                                                req.num_computed, count, req.num_computed + count == len(tokens)))
                 cached_batch.append(req)
             req.num_tokens_sent = len(tokens)
             req.num_computed += count

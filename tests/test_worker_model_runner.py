@@ -65,7 +65,7 @@ def test_a_diff_for_a_request_the_worker_never_saw_is_refused(model_dir):
     runner.init_cache(WorkerInit(replica=0, tp_size=1, block_size=8, num_gpu_blocks=4, num_cpu_blocks=0,
                                  max_model_len=32, max_num_batched_tokens=32, max_num_seqs=1, seed=0))
     step = SchedulerOutput(
-        step=0, new_requests=[], cached_requests=[CachedRequestData("ghost", [5], [], 3, 1)],
+        step=0, new_requests=[], cached_requests=[CachedRequestData("ghost", [5], [], 3, 1, True)],
         decodes=DecodeBatch([], [], [], []), finished_req_ids=[], blocks_to_swap_out=[], blocks_to_swap_in=[],
         blocks_to_copy=[], new_block_ids_to_zero=[], total_num_scheduled_tokens=1,
     )
@@ -77,7 +77,7 @@ def test_a_request_scheduled_past_its_block_table_is_refused(model_dir):
     runner = ModelRunner(str(model_dir))
     runner.init_cache(WorkerInit(replica=0, tp_size=1, block_size=4, num_gpu_blocks=4, num_cpu_blocks=0,
                                  max_model_len=32, max_num_batched_tokens=32, max_num_seqs=1, seed=0))
-    request = NewRequestData("a", list(range(3, 12)), 9, [0, 1], 0, 9, SamplingParams(temperature=0.0))
+    request = NewRequestData("a", list(range(3, 12)), 9, [0, 1], 0, 9, SamplingParams(temperature=0.0), True)
     step = SchedulerOutput(
         step=0, new_requests=[request], cached_requests=[], decodes=DecodeBatch([], [], [], []),
         finished_req_ids=[], blocks_to_swap_out=[],
@@ -109,8 +109,8 @@ def prefilled_runner(model_dir):
     both prefilled; returns it with the token each sampled."""
     runner = small_runner(model_dir)
     result = runner.execute(step(0, new=[
-        NewRequestData("a", list(range(3, 8)), 5, [0, 1], 0, 5, GREEDY_LOGPROBS),
-        NewRequestData("b", list(range(20, 28)), 8, [2, 3], 0, 8, GREEDY_LOGPROBS),
+        NewRequestData("a", list(range(3, 8)), 5, [0, 1], 0, 5, GREEDY_LOGPROBS, True),
+        NewRequestData("b", list(range(20, 28)), 8, [2, 3], 0, 8, GREEDY_LOGPROBS, True),
     ], total=13))
     assert result.req_ids == ["a", "b"]
     return runner, dict(zip(result.req_ids, result.sampled_token_ids))
@@ -122,13 +122,13 @@ def test_decodes_in_a_decode_batch_run_exactly_as_the_same_decodes_sent_as_cache
     results = {}
     for encoding in ("decodes", "cached"):
         runner, sampled = prefilled_runner(model_dir)
-        new = NewRequestData("c", list(range(40, 46)), 6, [5, 6], 0, 6, GREEDY_LOGPROBS)
+        new = NewRequestData("c", list(range(40, 46)), 6, [5, 6], 0, 6, GREEDY_LOGPROBS, True)
         if encoding == "decodes":
             first = step(1, new=[new], decodes=DecodeBatch(["a", "b"], [5, 8], [sampled["a"], sampled["b"]],
                                                            [(1, 4)]), total=8)
         else:
-            first = step(1, new=[new], cached=[CachedRequestData("a", [sampled["a"]], [], 5, 1),
-                                               CachedRequestData("b", [sampled["b"]], [4], 8, 1)], total=8)
+            first = step(1, new=[new], cached=[CachedRequestData("a", [sampled["a"]], [], 5, 1, True),
+                                               CachedRequestData("b", [sampled["b"]], [4], 8, 1, True)], total=8)
         one = runner.execute(first)
         assert one.req_ids == ["c", "a", "b"] and one.error is None
         sampled.update(zip(one.req_ids, one.sampled_token_ids))
@@ -136,7 +136,7 @@ def test_decodes_in_a_decode_batch_run_exactly_as_the_same_decodes_sent_as_cache
         if encoding == "decodes":
             second = step(2, decodes=DecodeBatch(ids, [6, 9, 6], [sampled[r] for r in ids], []), total=3)
         else:
-            second = step(2, cached=[CachedRequestData(r, [sampled[r]], [], n, 1) for r, n in zip(ids, [6, 9, 6])],
+            second = step(2, cached=[CachedRequestData(r, [sampled[r]], [], n, 1, True) for r, n in zip(ids, [6, 9, 6])],
                           total=3)
         two = runner.execute(second)
         results[encoding] = [(r.req_ids, r.sampled_token_ids, r.logprobs) for r in (one, two)]
@@ -157,7 +157,7 @@ def test_the_harness_gives_the_same_tokens_with_and_without_decode_batches(model
     (DecodeBatch(["a", "ghost"], [5, 3], [1, 1], []), "decode request 'ghost' is unknown"),
     (DecodeBatch(["a"], [5], [1], [(1, 4)]), "names decode 1, but the step has 1 decodes"),
     (DecodeBatch(["a"], [5], [1], [(-1, 4)]), "names decode -1"),
-    (DecodeBatch(["a"], [4], [1], []), "position 4 but this worker holds 5 tokens"),
+    (DecodeBatch(["a"], [4], [1], []), "position 4 but 5 tokens are held here"),
     (DecodeBatch(["a", "b"], [5], [1, 1], []), "2 req_ids but 1 num_computed_tokens"),
 ])
 def test_a_decode_batch_the_worker_cannot_apply_is_refused(model_dir, decodes, refusal):

@@ -7,14 +7,14 @@ import torch
 
 from pagedserve.deploy.demo_model import build_model_dir
 from pagedserve.protocol.messages import SamplingParams
-from pagedserve.worker_proc.input_batch import RequestState
+from pagedserve.protocol.step_state import HeldRequest
 from pagedserve.worker_proc.model_runner import ModelRunner
 from pagedserve.worker_proc.sampler import noise_seed, sample
 from test_worker_harness import GREEDY, TrivialScheduler, random_prompts
 
 
-def request(sampling: SamplingParams, num_outputs: int = 0) -> RequestState:
-    return RequestState("r", [1] * (4 + num_outputs), 4, [0], 0, 1, sampling, sampling.seed or 0)
+def request(sampling: SamplingParams, num_outputs: int = 0) -> HeldRequest:
+    return HeldRequest("r", [1] * (4 + num_outputs), 4, [0], 0, 1, sampling, sampling.seed or 0)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
-"""Per-request state the worker keeps between steps, and the flattened ragged batch of one step.
+"""The flattened ragged batch of one step's forward pass (``ForwardBatch``).
 
-Requests arrive in full once (NewRequestData) and then only as diffs (CachedRequestData).
-Each step's batch concatenates every scheduled request's tokens
+The per-request state the worker keeps between steps is protocol/step_state.py's
+``HeldRequest``, updated by ``apply_output``. Each step's batch concatenates every scheduled request's tokens
 ``token_ids[num_computed : num_computed + num_scheduled]`` — prefill chunks and decodes
 alike, no padding — with the metadata the attention kernels read. The tensors are built
 from a handful of Python lists; only the slot mapping is computed in torch.
@@ -14,33 +14,17 @@ from typing import Optional
 
 import torch
 
-from pagedserve.protocol.messages import SamplingParams
+from pagedserve.protocol.step_state import HeldRequest, StepContractError
 from pagedserve.worker_proc.attention import CpuAttentionPlan, plan_cpu_attention
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
 
 
-class BatchError(ValueError):
+class BatchError(StepContractError):
     """The scheduler sent a step the worker cannot run as described."""
 
 
 @dataclass(slots=True)
-class RequestState:
-    req_id: str
-    token_ids: list[int]  # prompt followed by every output token the scheduler has sent
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    sampling: SamplingParams
-    seed: int
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-
-@dataclass(slots=True)
-class StepBatch:
+class ForwardBatch:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     slot_mapping: torch.Tensor  # [T] long: flat cache slot of each token's K/V
@@ -48,14 +32,14 @@ class StepBatch:
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32: context + this step's tokens
     sample_indices: torch.Tensor  # [S] long: rows whose hidden state is sampled
-    sampled_requests: list[RequestState]
+    sampled_requests: list[HeldRequest]  # the entries flagged ``samples``, in batch order
     attention_plan: Optional[CpuAttentionPlan]  # CPU only: batched decodes, SDPA prefill chunks
 
 
-def build_step_batch(
-    requests: list[RequestState], block_size: int, device: torch.device, batched_decodes: bool,
+def build_forward_batch(
+    requests: list[HeldRequest], block_size: int, device: torch.device, batched_decodes: bool,
     workspace: Optional[GatherWorkspace] = None,
-) -> StepBatch:
+) -> ForwardBatch:
     """``batched_decodes``: plan the CPU attention paths (batched decodes, SDPA prefill chunks)."""
     input_ids: list[int] = []
     positions: list[int] = []
@@ -63,7 +47,7 @@ def build_step_batch(
     seq_lens: list[int] = []
     tables: list[list[int]] = []
     sample_rows: list[int] = []
-    sampled: list[RequestState] = []
+    sampled: list[HeldRequest] = []
     for req in requests:
         start = req.num_computed_tokens
         end = start + req.num_scheduled_tokens
@@ -82,7 +66,7 @@ def build_step_batch(
         query_start_loc.append(query_start_loc[-1] + req.num_scheduled_tokens)
         seq_lens.append(end)
         tables.append(req.block_ids[:num_blocks])
-        if end == len(req.token_ids) and req.num_scheduled_tokens > 0:
+        if req.samples:
             sample_rows.append(query_start_loc[-1] - 1)
             sampled.append(req)
     max_blocks = max((len(t) for t in tables), default=0)
@@ -95,7 +79,7 @@ def build_step_batch(
     request_of_token = torch.repeat_interleave(torch.arange(len(requests)), counts)
     block_of_token = block_tables[request_of_token, positions_t // block_size].long()
     slot_mapping = block_of_token * block_size + positions_t % block_size
-    return StepBatch(
+    return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
         positions=positions_t.to(device),
         slot_mapping=slot_mapping.to(device),

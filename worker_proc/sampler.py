@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from pagedserve.worker_proc.input_batch import RequestState
+from pagedserve.protocol.step_state import HeldRequest
 
 _MASK64 = (1 << 64) - 1
 GREEDY_TEMPERATURE = 1e-5  # at or below this, sampling is argmax
@@ -50,7 +50,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def _exponential_noise(requests: list[RequestState], vocab: int, device: torch.device) -> torch.Tensor:
+def _exponential_noise(requests: list[HeldRequest], vocab: int, device: torch.device) -> torch.Tensor:
     noise = torch.empty(len(requests), vocab)
     generator = torch.Generator(device="cpu")
     for row, req in enumerate(requests):
@@ -59,7 +59,7 @@ def _exponential_noise(requests: list[RequestState], vocab: int, device: torch.d
     return noise.to(device)
 
 
-def sample(logits: torch.Tensor, requests: list[RequestState]) -> SamplerOutput:
+def sample(logits: torch.Tensor, requests: list[HeldRequest]) -> SamplerOutput:
     """logits: float32 [len(requests), vocab], one row per request in order."""
     if not requests:
         return SamplerOutput([], None)

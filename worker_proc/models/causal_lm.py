@@ -11,7 +11,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from pagedserve.worker_proc.input_batch import StepBatch
+from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer, rms_norm
 from pagedserve.worker_proc.rotary import RotaryEmbedding
@@ -36,7 +36,7 @@ class CausalLM:
             source.close()
         self.rotary = RotaryEmbedding(spec.hf_config, spec.head_dim, spec.max_position_embeddings, device, dtype)
 
-    def forward(self, batch: StepBatch, kv_cache: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """Hidden states [T, hidden] of every token in the batch (before the final norm)."""
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.worker_proc.attention import attend
-from pagedserve.worker_proc.input_batch import StepBatch
+from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
@@ -81,7 +81,7 @@ class DecoderLayer:
         self.down_bias = load(_maybe(source, mlp + "down_proj.bias", spec.mlp_bias))
         self.intermediate_size = shard.intermediate_size
 
-    def forward(self, hidden: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, rotary: RotaryEmbedding, ops: ModuleType) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = F.linear(rms_norm(hidden, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)

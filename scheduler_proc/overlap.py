@@ -1,0 +1,42 @@
+"""Async scheduling's rule: when the next step may go out before the result of the one out.
+
+Overlapped scheduling covers the steady state of plain decodes; everything else waits for
+the result (docs/DECISIONS.md). Ahead is allowed when exactly one step is out and:
+
+1. every sequence sampling in it is in the decode lane, so no token a per-object sequence
+   needs is unknown and no sequence enters the lane while a batch is out (a future
+   per-request "wait for my token" rule, e.g. structured output, belongs here);
+2. no lane sequence ended while out (its position is kept until nothing is out);
+3. the free blocks cover every block the running sequences can ask for, so the step
+   preempts nothing: no in-flight sequence is swapped or recomputed with a token still
+   unknown, and the lane keeps its positions.
+
+Sequences with nothing to compute until the result arrives (a parent about to fork) simply
+sit the step out.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedserve.scheduler_proc.request import RUNNING
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler_proc.scheduler import Scheduler
+
+
+def can_schedule_ahead(sched: "Scheduler") -> bool:
+    in_flight = sched.in_flight
+    if len(in_flight) != 1 or in_flight[0][1] or sched.lane.num_dead:  # rules 1 and 2
+        return False
+    bm = sched.bm
+    free = bm.device.num_free - sched.lane.num_needing_blocks()
+    budget = sched.config.max_num_batched_tokens
+    for seq in sched.running:  # rule 3: an upper bound on what the per-object loop can take
+        if free < 0:
+            return False
+        if seq.status == RUNNING and seq.lane_pos < 0:
+            remaining = seq.target_len - seq.num_kv_tokens
+            if remaining > 0:
+                free -= bm.num_new_blocks(seq, min(remaining, budget))
+    return free >= 0
