@@ -194,9 +194,9 @@ class Supervisor:
             return
         self.last_publish = now
         for replica in self.failed:
-            self.to_frontend.send(m.SchedulerStats(replica=replica, state="failed"))
+            self.to_frontend.try_send(m.SchedulerStats(replica=replica, state="failed"))
         num = self.cfg.data_parallel_size
-        self.to_frontend.send(m.ProcessTable(
+        self.to_frontend.try_send(m.ProcessTable(
             supervisor_pid=os.getpid(),
             processes=[m.ProcessInfo(c.role, c.replica, c.rank, c.popen.pid, c.popen.poll() is None)
                        for c in self.children()],

@@ -20,12 +20,14 @@ import zmq
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import encode
 from pagedserve.protocol.trace import TraceWriter
+from pagedserve.protocol.worker_link import PeerUnreachable, WorkerRouter
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 from pagedserve.scheduler_proc.frontend_inputs import apply_frontend_message
 from pagedserve.scheduler_proc.interval_log import IntervalLog
 from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.scheduler_proc.step_timeout import StepTimeout
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -40,9 +42,8 @@ class EngineLoop:
         self.ctx = ctx or zmq.Context.instance()
         ep = Endpoints(cfg.run_dir)
         self.inputs: Receiver = Receiver(self.ctx, ep.scheduler_inputs(cfg.replica), m.FrontendToScheduler)
-        self.results: Receiver = Receiver(self.ctx, ep.worker_results(cfg.replica), m.WorkerToScheduler)
-        self.to_workers = [Sender(self.ctx, ep.worker_inputs(cfg.replica, r), bind=True)
-                           for r in range(cfg.tp_size)]
+        # One ROUTER: steps out to exactly this replica's workers, their results in (worker_link.py).
+        self.results = WorkerRouter(self.ctx, ep, cfg.replica, cfg.tp_size)
         self.to_frontend = Sender(self.ctx, ep.frontend_outputs())
         self.to_supervisor = Sender(self.ctx, ep.supervisor())
         self.trace = TraceWriter(cfg.record_trace) if cfg.record_trace else None
@@ -56,6 +57,7 @@ class EngineLoop:
         self.forward_time = self.idle_time = self.busy_time = 0.0
         self.last_stats_sent = 0.0
         self.interval_log = IntervalLog(log, cfg.log_interval_s)
+        self.step_timeout = StepTimeout(cfg.step_timeout_s)
 
     # ------------------------------------------------------------------ workers
 
@@ -65,8 +67,10 @@ class EngineLoop:
 
     def _broadcast(self, msg) -> bytes:
         data = encode(msg)
-        for sender in self.to_workers:
-            sender.send_bytes(data)
+        try:
+            self.results.broadcast(data)
+        except PeerUnreachable as exc:
+            raise WorkerFailure(str(exc)) from None
         self._record("to_worker", data)
         return data
 
@@ -148,6 +152,7 @@ class EngineLoop:
         self._broadcast(init)
         self._recv_from_workers(m.WorkerReady, cfg.worker_start_timeout_s)
         self.needs_workers = False
+        self.step_timeout.restart()  # fresh workers warm up again
         if self.scheduler is None or self.scheduler.config.num_gpu_blocks != num_gpu_blocks:
             # A recovered replica keeps its Scheduler (fail_all left it clean) so step
             # numbers keep increasing; only a different cache size needs a new one.
@@ -168,7 +173,8 @@ class EngineLoop:
         self.restarts += 1
         self.worker_pids.clear()
         self.remote_ranks.clear()
-        self.results.recv_nowait()  # stale results from the old workers
+        self.results.forget_peers()  # the old workers' answers are dropped from now on
+        self.results.recv_nowait()
         self.needs_workers = True
         self.to_supervisor.send(m.RestartWorkers(replica=self.cfg.replica, reason=reason))
         self._send_stats(force=True)
@@ -210,7 +216,7 @@ class EngineLoop:
             pid=os.getpid(), worker_pids=[self.worker_pids[r] for r in sorted(self.worker_pids)],
             **counts)
         self.to_frontend.send(stats)
-        self.to_supervisor.send(m.Heartbeat(role="scheduler", replica=self.cfg.replica, pid=stats.pid))
+        self.to_supervisor.try_send(m.Heartbeat(role="scheduler", replica=self.cfg.replica, pid=stats.pid))
         self.interval_log.maybe_log(stats)
 
     # ------------------------------------------------------------------ loop
@@ -222,7 +228,10 @@ class EngineLoop:
         t0 = time.perf_counter()
         out = sched.schedule()
         self._broadcast(out)
-        results = self._recv_from_workers(m.StepResult, self.cfg.step_timeout_s, step=out.step)
+        sent = time.perf_counter()
+        timeout_s = self.step_timeout.for_step(out.total_num_scheduled_tokens)
+        results = self._recv_from_workers(m.StepResult, timeout_s, step=out.step)
+        self.step_timeout.observe(time.perf_counter() - sent, out.total_num_scheduled_tokens)
         result = results[0]
         try:
             deltas = sched.update_from_output(out, result)
@@ -267,5 +276,5 @@ class EngineLoop:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
-        for s in (self.inputs, self.results, self.to_frontend, self.to_supervisor, *self.to_workers):
+        for s in (self.inputs, self.results, self.to_frontend, self.to_supervisor):
             s.close()
