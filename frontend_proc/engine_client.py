@@ -25,6 +25,7 @@ from pagedserve.frontend_proc.zmq_async import AsyncReceiver
 from pagedserve.protocol.messages import (
     AbortRequest, AddRequest, ProcessTable, RequestDelta, RequestOutputs, SchedulerStats,
     SchedulerToFrontend, iter_deltas)
+from pagedserve.protocol.rate_limited_log import RateLimitedLog
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ReplicaFailed:
     message: str
+    shutting_down: bool = False  # ended by the drain deadline, not by a fault
 
 
 Event = Union[RequestDelta, ReplicaFailed]
@@ -63,6 +65,7 @@ class EngineClient:
                         for r in range(len(router.replicas))]
         self._pending_aborts: list[list[str]] = [[] for _ in router.replicas]
         self._requests: dict[str, RequestHandle] = {}
+        self._stray_log = RateLimitedLog(log)
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -105,11 +108,11 @@ class EngineClient:
         if self._inputs[replica].try_send(AbortRequest(list(pending))):
             pending.clear()  # else retried by the watchdog until the scheduler has room
 
-    def fail_all(self, reason: str) -> int:
+    def end_all_for_shutdown(self, reason: str) -> int:
         """End every request in flight with ``reason`` (the drain deadline); returns how many."""
         handles = list(self._requests.values())
         for handle in handles:
-            handle.events.put_nowait(ReplicaFailed(reason))
+            handle.events.put_nowait(ReplicaFailed(reason, shutting_down=True))
             self._forget(handle)
             self._send_abort(handle.replica, [handle.request_id])
         return len(handles)
@@ -126,7 +129,7 @@ class EngineClient:
                 if isinstance(msg, SchedulerStats):
                     self._check_restarted(msg)
                     if not self.router.update(msg):
-                        log.warning("stats from unknown replica %d ignored", msg.replica)
+                        self._stray_log.warning("stats from an unknown replica ignored", "replica %d", msg.replica)
                 elif isinstance(msg, ProcessTable):
                     self.router.processes = msg
                 elif isinstance(msg, RequestOutputs):

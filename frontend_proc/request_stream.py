@@ -15,7 +15,7 @@ from typing import AsyncIterator, Optional
 
 from pagedserve.frontend_proc.detokenizer import IncrementalDetokenizer
 from pagedserve.frontend_proc.engine_client import EngineClient, ReplicaFailed, RequestHandle
-from pagedserve.frontend_proc.errors import APIError, InvalidRequest, ServiceUnavailable
+from pagedserve.frontend_proc.errors import APIError, InvalidRequest, ServiceUnavailable, ShuttingDown
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.stop_strings import StopStringMatcher
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
@@ -93,7 +93,7 @@ class RequestStream:
         while not self.is_finished():
             event = await self.handle.events.get()
             if isinstance(event, ReplicaFailed):
-                raise ServiceUnavailable(event.message)
+                raise (ShuttingDown if event.shutting_down else ServiceUnavailable)(event.message)
             if event.finish_reason == "error":
                 self.abort()
                 raise _delta_error(event)

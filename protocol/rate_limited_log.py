@@ -30,6 +30,7 @@ class RateLimitedLog:
         self.interval_s = interval_s
         self.clock = clock
         self._kinds: dict[str, _Kind] = {}
+        self._held_back = False  # any kind with suppressed lines: flush() is free otherwise
 
     def warning(self, kind: str, message: str, *args) -> None:
         """Log ``kind: message`` now, or count it if ``kind`` was logged within the interval."""
@@ -39,17 +40,23 @@ class RateLimitedLog:
         if now - state.window_start < self.interval_s:
             state.suppressed += 1
             state.last_message = message % args if args else message
+            self._held_back = True
             return
         self._emit(kind, state, message % args if args else message)
         state.window_start = now
 
     def flush(self) -> None:
-        """Log the pending summaries (a process calls this now and then while idle)."""
+        """Log the summaries held back for at least the interval (cheap when there are none:
+        receivers call it after every good message and while idle)."""
+        if not self._held_back:
+            return
         now = self.clock()
+        self._held_back = False
         for kind, state in self._kinds.items():
             if state.suppressed and now - state.window_start >= self.interval_s:
                 self._emit(kind, state, f"last: {state.last_message}")
                 state.window_start = now
+            self._held_back |= state.suppressed > 0
 
     def total(self, kind: str) -> int:
         state = self._kinds.get(kind)

@@ -33,7 +33,7 @@ import zmq
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import encode
 from pagedserve.protocol.curve import CLIENT, load_key
-from pagedserve.protocol.zmq_io import Endpoints, FrameCheck, apply_security, bounded_socket
+from pagedserve.protocol.zmq_io import Endpoints, FrameCheck, apply_security, bounded_socket, wait_readable
 
 PEER_KEY_FILE = "peer.key"
 _NONCE_BYTES = 8
@@ -158,15 +158,11 @@ class WorkerRouter:
         """The next accepted message, or None when none came within the timeout (a stream
         of rejected frames does not extend it)."""
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-        while True:
-            if deadline is not None:
-                left_ms = max(0.0, (deadline - time.monotonic()) * 1000)
-                if not self.sock.poll(int(left_ms)):
-                    self.check.log.flush()
-                    return None
+        while wait_readable(self.sock, deadline, self.check.log):
             msg = self._accept(self.sock.recv_multipart(copy=True))
             if msg is not None:
                 return msg
+        return None
 
     def recv_nowait(self) -> list:
         out = []
@@ -193,12 +189,12 @@ class SchedulerLink:
 
     def recv(self, timeout_ms: Optional[float] = None):
         """The next valid step or control message (None only when a timeout passed)."""
-        while True:
-            if timeout_ms is not None and not self.sock.poll(int(timeout_ms)):
-                return None
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while wait_readable(self.sock, deadline, self.check.log):
             msg = self.check.decode(self.sock.recv(copy=True))
             if msg is not None:
                 return msg
+        return None
 
     def send(self, msg) -> None:
         self.sock.send(encode(msg), copy=False)

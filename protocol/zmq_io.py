@@ -33,9 +33,12 @@ from pagedserve.protocol.rate_limited_log import RateLimitedLog
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Queue limits per connection, in messages, on both ends (so up to twice this in flight).
-# Normal load never reaches them: the scheduler drains its input every step, the frontend
-# reads outputs as they come, a worker has one step (two with overlap) in flight.
+# Queue limits per connection, in messages. The sender holds its own backlog (up to
+# the channel's HWM); a receiver holds at most RECEIVE_HWM per connection, so what a flood
+# costs a receiver does not grow with the sender's allowance. Normal load never reaches
+# them: the scheduler drains its input every step, the frontend reads outputs as they
+# come, a worker has one step (two with overlap) in flight.
+RECEIVE_HWM = 1_000
 REQUEST_HWM = 10_000  # frontend -> scheduler: AddRequest / AbortRequest; full = 503 to the client
 OUTPUT_HWM = 10_000  # scheduler -> frontend: one RequestOutputs per step + stats; full = the scheduler waits
 CONTROL_HWM = 1_000  # anyone -> supervisor, supervisor -> frontend: heartbeats and tables, a few per second
@@ -165,7 +168,7 @@ def bounded_socket(ctx: zmq.Context, kind: int, endpoint: str,
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     hwm = getattr(endpoint, "hwm", CONTROL_HWM)
     sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, min(hwm, RECEIVE_HWM))
     return sock
 
 
@@ -187,10 +190,27 @@ class FrameCheck(Generic[T]):
 
     def decode(self, frame: bytes) -> Optional[T]:
         try:
-            return self.decoder.decode(frame)
+            msg = self.decoder.decode(frame)
         except ProtocolError as exc:
             self.reject(str(exc))
             return None
+        self.log.flush()  # a flood that is mixed with good traffic still gets its summary lines
+        return msg
+
+
+IDLE_FLUSH_S = 1.0
+
+
+def wait_readable(sock: zmq.Socket, deadline: Optional[float], rejections: RateLimitedLog) -> bool:
+    """Poll until a frame can be read (True) or ``deadline`` (monotonic; None: never)
+    passes (False). While idle, the rate-limited log writes what it held back."""
+    while True:
+        left_s = IDLE_FLUSH_S if deadline is None else min(IDLE_FLUSH_S, deadline - time.monotonic())
+        if sock.poll(max(0, int(left_s * 1000))):
+            return True
+        rejections.flush()
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
 
 
 class Sender:
@@ -253,17 +273,13 @@ class Receiver(Generic[T]):
         """The next valid message, or None if none arrives within the timeout (a stream of
         bad frames does not extend it)."""
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-        while True:
-            if deadline is not None:
-                left_ms = max(0.0, (deadline - time.monotonic()) * 1000)
-                if not self.sock.poll(int(left_ms)):
-                    self.check.log.flush()
-                    return None
+        while wait_readable(self.sock, deadline, self.check.log):
             frame = self.sock.recv(copy=True)
             msg = self.check.decode(frame)
             if msg is not None:
                 self.last_frame = frame
                 return msg
+        return None
 
     def recv_nowait(self) -> list[T]:
         out: list[T] = []
