@@ -60,6 +60,15 @@ def test_new_workers_warm_up_again():
     assert policy.for_step(32) == 60
 
 
+def test_a_few_big_prefills_do_not_inflate_the_allowance_of_the_small_decodes_after_them():
+    policy = StepTimeout(upper_s=60)
+    for _ in range(4):
+        policy.observe(1.1, 200)  # 32 prompts prefilled
+    warmed(policy, seconds=0.25, tokens=32, steps=60)
+    assert policy.for_step(32) == policy.floor_s  # not 10 x 1.1 s
+    assert policy.for_step(200) == pytest.approx(10 * 0.25 / 32 * 200)
+
+
 def test_nonsense_settings_are_refused():
     with pytest.raises(ValueError):
         StepTimeout(upper_s=0)
