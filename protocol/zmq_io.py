@@ -266,6 +266,15 @@ class Receiver(Generic[T]):
     def num_rejected(self) -> int:
         return self.check.num_rejected
 
+    @property
+    def decoder(self) -> Decoder[T]:
+        return self.check.decoder
+
+    @decoder.setter
+    def decoder(self, decoder: Decoder[T]) -> None:
+        """A channel may swap in its own decoder (e.g. one that remembers rejected requests)."""
+        self.check.decoder = decoder
+
     def poll(self, timeout_ms: Optional[float]) -> bool:
         return bool(self.sock.poll(None if timeout_ms is None else int(timeout_ms)))
 
