@@ -24,7 +24,8 @@ from pagedserve.deploy.children import Child, free_tcp_port, spawn
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import Decoder, ProtocolError
 from pagedserve.protocol.trace import Trace, TraceError, read_trace, weights_fingerprint
-from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
+from pagedserve.protocol.worker_link import WorkerRouter
+from pagedserve.protocol.zmq_io import Endpoints, make_run_dir
 
 
 class ReplayMismatch(Exception):
@@ -78,8 +79,7 @@ class WorkerReplay:
         self.ctx = zmq.Context()
         self.run_dir = str(make_run_dir())
         ep = Endpoints(self.run_dir)
-        self.results: Receiver = Receiver(self.ctx, ep.worker_results(0), m.WorkerToScheduler)
-        self.senders = [Sender(self.ctx, ep.worker_inputs(0, r), bind=True) for r in range(self.tp)]
+        self.results = WorkerRouter(self.ctx, ep, 0, self.tp)  # stands in for the scheduler
         self.workers: list[Child] = []
         try:
             self.recorded_hello = Decoder(m.WorkerToScheduler).decode(trace.hello_frame)
@@ -131,8 +131,7 @@ class WorkerReplay:
                     self._start_workers()
                 elif direction == "to_worker":
                     msg = to_worker.decode(payload)
-                    for s in self.senders:
-                        s.send_bytes(payload)
+                    self.results.broadcast(payload)
                     if isinstance(msg, m.WorkerInit):
                         self._collect(m.WorkerReady)
                     elif isinstance(msg, m.SchedulerOutput):

@@ -239,7 +239,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="put the internal ZMQ endpoints on TCP at this IP (default: ipc sockets in the "
                         "private run dir); CurveZMQ is required unless it is a loopback address")
     g.add_argument("--internal-port-base", type=int, metavar="PORT",
-                   help="internal endpoint k listens on PORT+k; uses 2 + DP x (2 + TP) ports")
+                   help="internal endpoint k listens on PORT+k; uses 2 + 2 x DP ports")
     g.add_argument("--internal-curve", action="store_true",
                    help="encrypt and authenticate the internal TCP endpoints with CurveZMQ even on loopback")
     g.add_argument("--remote-workers", action="store_true",

@@ -22,6 +22,7 @@ from pagedserve.deploy.children import Child, free_tcp_port, spawn
 from pagedserve.deploy.restart_policy import RestartBudget
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
+from pagedserve.protocol.rate_limited_log import RateLimitedLog
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir, write_tcp_layout
 
 log = logging.getLogger("pagedserve.supervisor")
@@ -30,6 +31,7 @@ FRONTEND = -1  # the frontend's unit in the restart budget (replicas are 0, 1, .
 # A dead worker is normally reported by its scheduler within half a second (RestartWorkers);
 # if none comes (the scheduler was still waiting for its workers' hello), restart them anyway.
 WORKER_REPORT_GRACE_S = 3.0
+DRAIN_GRACE_S = 5.0  # the frontend's own grace after --drain-timeout-s (frontend_proc/drain.py)
 PUBLISH_INTERVAL_S = 1.0
 
 
@@ -58,6 +60,7 @@ class Supervisor:
         self.last_heartbeat: dict[int, float] = {}  # replica -> when its scheduler last said so
         self.stop_requested = False
         self.last_publish = 0.0
+        self.stray_log = RateLimitedLog(log)  # whatever a flood of control messages may say
 
     # ------------------------------------------------------------------ spawning
 
@@ -194,9 +197,9 @@ class Supervisor:
             return
         self.last_publish = now
         for replica in self.failed:
-            self.to_frontend.send(m.SchedulerStats(replica=replica, state="failed"))
+            self.to_frontend.try_send(m.SchedulerStats(replica=replica, state="failed"))
         num = self.cfg.data_parallel_size
-        self.to_frontend.send(m.ProcessTable(
+        self.to_frontend.try_send(m.ProcessTable(
             supervisor_pid=os.getpid(),
             processes=[m.ProcessInfo(c.role, c.replica, c.rank, c.popen.pid, c.popen.poll() is None)
                        for c in self.children()],
@@ -206,13 +209,14 @@ class Supervisor:
     def _handle_control(self, msg) -> None:
         if isinstance(msg, m.RestartWorkers):
             if msg.replica not in self.workers:
-                log.warning("ignoring RestartWorkers for unknown replica %d", msg.replica)
+                self.stray_log.warning("ignoring RestartWorkers for an unknown replica", "replica %d", msg.replica)
             else:
                 self._schedule_restart(msg.replica, "workers", msg.reason)
         elif isinstance(msg, m.Heartbeat):
             self.last_heartbeat[msg.replica] = time.monotonic()
         elif isinstance(msg, m.ProcessFailed):
-            log.error("%s %d.%d reported failure: %s", msg.role, msg.replica, msg.rank, msg.reason)
+            self.stray_log.warning("a process reported failure", "%s %d.%d: %s", msg.role, msg.replica, msg.rank,
+                                   msg.reason)
 
     # ------------------------------------------------------------------ main loop
 
@@ -238,7 +242,8 @@ class Supervisor:
                 Sender(self.ctx, self.ep.scheduler_inputs(replica)).send(m.Drain())
             self.frontend.popen.send_signal(signal.SIGTERM)
             try:
-                self.frontend.popen.wait(self.cfg.drain_timeout_s + 5)
+                # the frontend ends what still runs at the deadline, then closes (frontend_proc/drain.py)
+                self.frontend.popen.wait(self.cfg.drain_timeout_s + DRAIN_GRACE_S + 5)
             except Exception:
                 pass
         children = self.children()

@@ -17,6 +17,7 @@ import zmq
 
 from pagedserve.frontend_proc.app import build_app
 from pagedserve.frontend_proc.args import FrontendConfig, parse_args
+from pagedserve.frontend_proc.drain import DRAIN_GRACE_S, end_requests_at_drain_deadline
 from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.router import Router
@@ -50,9 +51,12 @@ async def serve(config: FrontendConfig) -> None:
     app = build_app(serving, router, metrics, config.api_key)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level,
-        access_log=(config.uvicorn_log_level or config.log_level) in ("debug", "trace"), timeout_graceful_shutdown=config.drain_timeout_s))
+        access_log=(config.uvicorn_log_level or config.log_level) in ("debug", "trace"),
+        timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S))
     engine.start()
     serve_task = asyncio.create_task(server.serve())
+    drain_task = asyncio.create_task(end_requests_at_drain_deadline(
+        lambda: server.should_exit, engine, config.drain_timeout_s))
     try:
         while not server.started and not serve_task.done():
             await asyncio.sleep(0.02)
@@ -62,6 +66,7 @@ async def serve(config: FrontendConfig) -> None:
                      config.served_model_name, config.host, config.port, config.num_replicas)
         await serve_task
     finally:
+        drain_task.cancel()
         await engine.close()
 
 

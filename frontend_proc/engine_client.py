@@ -25,6 +25,7 @@ from pagedserve.frontend_proc.zmq_async import AsyncReceiver
 from pagedserve.protocol.messages import (
     AbortRequest, AddRequest, ProcessTable, RequestDelta, RequestOutputs, SchedulerStats,
     SchedulerToFrontend, iter_deltas)
+from pagedserve.protocol.rate_limited_log import RateLimitedLog
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ReplicaFailed:
     message: str
+    shutting_down: bool = False  # ended by the drain deadline, not by a fault
 
 
 Event = Union[RequestDelta, ReplicaFailed]
@@ -54,12 +56,16 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._outputs: AsyncReceiver[SchedulerToFrontend] = AsyncReceiver(
             self._ctx, endpoints.frontend_outputs(), SchedulerToFrontend)
-        # Sends never block (unlimited queue), so they can happen anywhere, even in a
-        # cancelled task's cleanup: plain synchronous sockets on their own context.
+        # Sends never wait (try_send), so they can happen anywhere, even in a cancelled
+        # task's cleanup: plain synchronous sockets on their own context. The queues are
+        # bounded (REQUEST_HWM): a replica that cannot keep up refuses new requests with a
+        # 503, and aborts that do not fit wait in _pending_aborts (never dropped: blocks).
         self._send_ctx = zmq.Context()
         self._inputs = [Sender(self._send_ctx, endpoints.scheduler_inputs(r))
                         for r in range(len(router.replicas))]
+        self._pending_aborts: list[list[str]] = [[] for _ in router.replicas]
         self._requests: dict[str, RequestHandle] = {}
+        self._stray_log = RateLimitedLog(log)
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -82,8 +88,11 @@ class EngineClient:
             raise ServiceUnavailable("no scheduler replica is ready; see GET /health")
         handle = RequestHandle(request.request_id, replica, request.sampling.n)
         self._requests[request.request_id] = handle
+        if not self._inputs[replica].try_send(request):
+            del self._requests[request.request_id]
+            raise ServiceUnavailable(f"scheduler replica {replica} is not keeping up (its input queue "
+                                     f"is full); retry the request later")
         self.router.assign(replica, request.request_id, handle.num_seqs)
-        self._inputs[replica].send(request)
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
@@ -91,7 +100,22 @@ class EngineClient:
         if handle.done:
             return
         self._forget(handle)
-        self._inputs[handle.replica].send(AbortRequest([handle.request_id]))
+        self._send_abort(handle.replica, [handle.request_id])
+
+    def _send_abort(self, replica: int, request_ids: list[str]) -> None:
+        pending = self._pending_aborts[replica]
+        pending.extend(request_ids)
+        if self._inputs[replica].try_send(AbortRequest(list(pending))):
+            pending.clear()  # else retried by the watchdog until the scheduler has room
+
+    def end_all_for_shutdown(self, reason: str) -> int:
+        """End every request in flight with ``reason`` (the drain deadline); returns how many."""
+        handles = list(self._requests.values())
+        for handle in handles:
+            handle.events.put_nowait(ReplicaFailed(reason, shutting_down=True))
+            self._forget(handle)
+            self._send_abort(handle.replica, [handle.request_id])
+        return len(handles)
 
     def _forget(self, handle: RequestHandle) -> None:
         handle.done = True
@@ -105,7 +129,7 @@ class EngineClient:
                 if isinstance(msg, SchedulerStats):
                     self._check_restarted(msg)
                     if not self.router.update(msg):
-                        log.warning("stats from unknown replica %d ignored", msg.replica)
+                        self._stray_log.warning("stats from an unknown replica ignored", "replica %d", msg.replica)
                 elif isinstance(msg, ProcessTable):
                     self.router.processes = msg
                 elif isinstance(msg, RequestOutputs):
@@ -138,6 +162,9 @@ class EngineClient:
         while True:
             await asyncio.sleep(period)
             try:
+                for replica, pending in enumerate(self._pending_aborts):
+                    if pending:
+                        self._send_abort(replica, [])
                 for replica in self.router.failed_replicas(time.monotonic()):
                     self._fail_requests_on(replica.replica)
             except Exception:  # the watchdog must outlive any one failure
@@ -163,7 +190,7 @@ class EngineClient:
             handle.events.put_nowait(ReplicaFailed(f"{reason}; the request was lost, retry it"))
             self._forget(handle)
         # Fire-and-forget: if the replica comes back it frees whatever it still holds.
-        self._inputs[replica].send(AbortRequest(request_ids))
+        self._send_abort(replica, request_ids)
 
     def num_in_flight(self) -> int:
         return len(self._requests)

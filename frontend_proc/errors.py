@@ -10,6 +10,7 @@ class APIError(Exception):
 
     status_code = 500
     error_type = "internal_error"
+    finish_reason = "error"  # what a stream's unfinished choices end with when this cuts it short
 
     def __init__(self, message: str, *, param: Optional[str] = None,
                  code: Optional[str] = None):
@@ -43,3 +44,12 @@ class ServiceUnavailable(APIError):
 
     status_code = 503
     error_type = "service_unavailable"
+
+
+class ShuttingDown(ServiceUnavailable):
+    """The drain deadline passed while the request was still running."""
+
+    finish_reason = "abort"
+
+    def __init__(self, message: str):
+        super().__init__(message, code="server_shutting_down")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 from pagedserve.frontend_proc.engine_client import EngineClient, ReplicaFailed, RequestHandle
-from pagedserve.frontend_proc.errors import APIError, InvalidRequest, ServiceUnavailable
+from pagedserve.frontend_proc.errors import APIError, InvalidRequest, ServiceUnavailable, ShuttingDown
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import RequestDelta
@@ -79,7 +79,7 @@ class RequestStream:
         while not self.is_finished():
             event = await self.handle.events.get()
             if isinstance(event, ReplicaFailed):
-                raise ServiceUnavailable(event.message)
+                raise (ShuttingDown if event.shutting_down else ServiceUnavailable)(event.message)
             if event.finish_reason == "error":
                 self.abort()
                 raise _delta_error(event)

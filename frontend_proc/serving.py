@@ -208,6 +208,11 @@ class Serving:
                 final["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
                 yield _sse(final)
         except APIError as exc:
+            # Cut short: every choice still open ends with a finish_reason, then the reason.
+            ended = [fmt.chunk_choice(c.index, "", None, exc.finish_reason)
+                     for c in stream.choices if c.finish_reason is None]
+            if ended:
+                yield _sse(fmt.envelope(fmt.object_chunk, ended))
             yield _sse(exc.body())
         finally:
             stream.abort()  # no-op when finished; frees the request after a disconnect

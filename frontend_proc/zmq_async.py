@@ -1,51 +1,43 @@
-"""An asyncio variant of protocol.zmq_io.Receiver (same framing, limits and checks).
+"""An asyncio variant of protocol.zmq_io.Receiver (same framing, limits, checks and queue bound).
 
-Sending needs no variant: PUSH sockets with an unlimited queue never block, so the
-frontend uses protocol.zmq_io.Sender as is.
+Sending needs no variant: the frontend's sends never wait (protocol.zmq_io.Sender.try_send,
+see engine_client.py), so plain synchronous sockets serve.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Generic, TypeVar
 
 import zmq
 import zmq.asyncio
 
-from pagedserve.protocol.codec import MAX_FRAME_BYTES, Decoder, ProtocolError
-from pagedserve.protocol.zmq_io import apply_security
+from pagedserve.protocol.zmq_io import FrameCheck, apply_security, bounded_socket
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _socket(ctx: zmq.asyncio.Context, kind: int) -> zmq.asyncio.Socket:
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-    return sock
-
-
 class AsyncReceiver(Generic[T]):
-    """PULL socket, bound; frames that fail to decode are logged, counted and skipped."""
+    """PULL socket, bound; frames that fail to decode are counted, logged (rate-limited) and skipped."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, union: Any):
         self.endpoint = endpoint
-        self.sock = _socket(ctx, zmq.PULL)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock = bounded_socket(ctx, zmq.PULL, endpoint)
         self._release = apply_security(ctx, self.sock, endpoint, bind=True)  # CURVE on TCP
         self.sock.bind(endpoint)
-        self.decoder: Decoder[T] = Decoder(union)
-        self.num_rejected = 0
+        self.check: FrameCheck[T] = FrameCheck(endpoint, union)
+
+    @property
+    def num_rejected(self) -> int:
+        return self.check.num_rejected
 
     async def recv(self) -> T:
         while True:
-            frame = await self.sock.recv(copy=True)
-            try:
-                return self.decoder.decode(frame)
-            except ProtocolError as exc:
-                self.num_rejected += 1
-                log.warning("rejected frame on %s: %s", self.endpoint, exc)
+            if not await self.sock.poll(1000):
+                self.check.log.flush()  # a flood's last summary line, once it is over
+                continue
+            msg = self.check.decode(await self.sock.recv(copy=True))
+            if msg is not None:
+                return msg
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -5,6 +5,11 @@ deployment, so two instances never collide and no other user can connect. An ope
 can instead put them on TCP (``host:port_base+k``, for workers on other nodes): the
 supervisor writes that layout to ``RUN_DIR/endpoints.json`` and every process that
 reads the run dir follows it. Off loopback the layout must use CurveZMQ (protocol/curve.py).
+
+Every queue is bounded (``*_HWM``, in messages per connection: libzmq counts messages,
+not bytes), so a peer that floods a socket costs bounded memory: the receiver stops
+reading from that connection and the sender blocks (``send``) or drops (``try_send``).
+Bad frames are counted and logged at most once a second per socket (rate_limited_log.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Generic, Optional, TypeVar
@@ -22,9 +28,21 @@ import zmq
 
 from pagedserve.protocol.codec import MAX_FRAME_BYTES, Decoder, ProtocolError, encode
 from pagedserve.protocol.curve import CURVE_DIR, generate_curve_keys, secure_socket
+from pagedserve.protocol.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# Queue limits per connection, in messages. The sender holds its own backlog (up to
+# the channel's HWM); a receiver holds at most RECEIVE_HWM per connection, so what a flood
+# costs a receiver does not grow with the sender's allowance. Normal load never reaches
+# them: the scheduler drains its input every step, the frontend reads outputs as they
+# come, a worker has one step (two with overlap) in flight.
+RECEIVE_HWM = 1_000
+REQUEST_HWM = 10_000  # frontend -> scheduler: AddRequest / AbortRequest; full = 503 to the client
+OUTPUT_HWM = 10_000  # scheduler -> frontend: one RequestOutputs per step + stats; full = the scheduler waits
+CONTROL_HWM = 1_000  # anyone -> supervisor, supervisor -> frontend: heartbeats and tables, a few per second
+WORKER_HWM = 100  # scheduler <-> worker (protocol/worker_link.py)
 
 
 def make_run_dir(parent: Optional[str] = None) -> Path:
@@ -42,10 +60,12 @@ class Endpoint(str):
     """An endpoint address; ``curve_dir`` is set when its sockets must use CurveZMQ."""
 
     curve_dir: Optional[Path]
+    hwm: int  # queue limit of the sockets on this endpoint, in messages per connection
 
-    def __new__(cls, address: str, curve_dir: Optional[Path] = None) -> "Endpoint":
+    def __new__(cls, address: str, curve_dir: Optional[Path] = None, hwm: int = CONTROL_HWM) -> "Endpoint":
         obj = super().__new__(cls, address)
         obj.curve_dir = curve_dir
+        obj.hwm = hwm
         return obj
 
 
@@ -80,7 +100,7 @@ class TcpLayout:
             raise ValueError(f"internal ports {self.port_base}..{last} are not all TCP ports")
 
     def num_ports(self) -> int:
-        return 2 + self.num_replicas * (2 + self.tp_size)
+        return 2 + self.num_replicas * 2
 
     def port(self, index: int) -> int:
         return self.port_base + index
@@ -105,33 +125,30 @@ class Endpoints:
         self.tcp: Optional[TcpLayout] = (
             TcpLayout(**json.loads(layout_path.read_text())) if layout_path.is_file() else None)
 
-    def _endpoint(self, name: str, index: int) -> Endpoint:
+    def _endpoint(self, name: str, index: int, hwm: int) -> Endpoint:
         if self.tcp is None:
-            return Endpoint(ipc_endpoint(self.run_dir, name))
+            return Endpoint(ipc_endpoint(self.run_dir, name), hwm=hwm)
         curve_dir = self.run_dir / CURVE_DIR if self.tcp.curve else None
-        return Endpoint(f"tcp://{self.tcp.host}:{self.tcp.port(index)}", curve_dir)
+        return Endpoint(f"tcp://{self.tcp.host}:{self.tcp.port(index)}", curve_dir, hwm)
 
     def _replica_index(self, replica: int, offset: int) -> int:
         if self.tcp is not None and not 0 <= replica < self.tcp.num_replicas:
             raise ValueError(f"replica {replica} is not in this deployment's "
                              f"{self.tcp.num_replicas} replica(s) ({self.run_dir / LAYOUT_FILE})")
-        tp_size = self.tcp.tp_size if self.tcp is not None else 1
-        return 2 + replica * (2 + tp_size) + offset
+        return 2 + replica * 2 + offset
 
     def supervisor(self) -> Endpoint:
-        return self._endpoint("supervisor", 0)
+        return self._endpoint("supervisor", 0, CONTROL_HWM)
 
     def frontend_outputs(self) -> Endpoint:
-        return self._endpoint("frontend-out", 1)
+        return self._endpoint("frontend-out", 1, OUTPUT_HWM)
 
     def scheduler_inputs(self, replica: int) -> Endpoint:
-        return self._endpoint(f"sched{replica}-in", self._replica_index(replica, 0))
+        return self._endpoint(f"sched{replica}-in", self._replica_index(replica, 0), REQUEST_HWM)
 
-    def worker_results(self, replica: int) -> Endpoint:
-        return self._endpoint(f"sched{replica}-results", self._replica_index(replica, 1))
-
-    def worker_inputs(self, replica: int, rank: int) -> Endpoint:
-        return self._endpoint(f"sched{replica}-w{rank}", self._replica_index(replica, 2 + rank))
+    def workers(self, replica: int) -> Endpoint:
+        """The replica's scheduler <-> worker channel: steps out, results in (worker_link.py)."""
+        return self._endpoint(f"sched{replica}-workers", self._replica_index(replica, 1), WORKER_HWM)
 
 
 def apply_security(ctx: zmq.Context, sock: zmq.Socket, endpoint: str, bind: bool) -> Callable[[], None]:
@@ -142,25 +159,74 @@ def apply_security(ctx: zmq.Context, sock: zmq.Socket, endpoint: str, bind: bool
     return secure_socket(ctx, sock, curve_dir, bind)
 
 
-def _socket(ctx: zmq.Context, kind: int, max_frame_bytes: int) -> zmq.Socket:
+def bounded_socket(ctx: zmq.Context, kind: int, endpoint: str,
+                   max_frame_bytes: int = MAX_FRAME_BYTES) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     # Oversized frames are dropped by libzmq (the peer is disconnected) before they
     # reach Python; ProtocolError covers anything under the limit that is malformed.
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    hwm = getattr(endpoint, "hwm", CONTROL_HWM)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, min(hwm, RECEIVE_HWM))
     return sock
 
 
+class FrameCheck(Generic[T]):
+    """Decodes one channel's frames; a bad frame is counted, logged (rate-limited) and None."""
+
+    def __init__(self, endpoint: str, union: Any, max_frame_bytes: int = MAX_FRAME_BYTES):
+        self.endpoint = endpoint
+        self.decoder: Decoder[T] = Decoder(union, max_frame_bytes)
+        self.log = RateLimitedLog(log)
+        self.kind = f"rejected frame on {endpoint}"
+
+    @property
+    def num_rejected(self) -> int:
+        return self.log.total(self.kind)
+
+    def reject(self, reason: str) -> None:
+        self.log.warning(self.kind, reason)
+
+    def decode(self, frame: bytes) -> Optional[T]:
+        try:
+            msg = self.decoder.decode(frame)
+        except ProtocolError as exc:
+            self.reject(str(exc))
+            return None
+        self.log.flush()  # a flood that is mixed with good traffic still gets its summary lines
+        return msg
+
+
+IDLE_FLUSH_S = 1.0
+
+
+def wait_readable(sock: zmq.Socket, deadline: Optional[float], rejections: RateLimitedLog) -> bool:
+    """Poll until a frame can be read (True) or ``deadline`` (monotonic; None: never)
+    passes (False). While idle, the rate-limited log writes what it held back."""
+    while True:
+        left_s = IDLE_FLUSH_S if deadline is None else min(IDLE_FLUSH_S, deadline - time.monotonic())
+        if sock.poll(max(0, int(left_s * 1000))):
+            return True
+        rejections.flush()
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+
+
 class Sender:
-    """PUSH socket that encodes messages (or forwards pre-encoded bytes)."""
+    """PUSH socket that encodes messages (or forwards pre-encoded bytes).
+
+    ``send`` waits while the peer's queue is full (backpressure); ``try_send`` drops the
+    message instead and says so, for periodic messages whose next copy supersedes it.
+    """
 
     def __init__(self, ctx: zmq.Context, endpoint: str, bind: bool = False,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, sndhwm: int = 0):
+                 max_frame_bytes: int = MAX_FRAME_BYTES):
         self.endpoint = endpoint
-        self.sock = _socket(ctx, zmq.PUSH, max_frame_bytes)
-        self.sock.setsockopt(zmq.SNDHWM, sndhwm)
+        self.sock = bounded_socket(ctx, zmq.PUSH, endpoint, max_frame_bytes)
         self._release = apply_security(ctx, self.sock, endpoint, bind)
         (self.sock.bind if bind else self.sock.connect)(endpoint)
+        self._drops = RateLimitedLog(log)
 
     def send(self, msg: Any) -> bytes:
         data = encode(msg)
@@ -169,6 +235,15 @@ class Sender:
 
     def send_bytes(self, data: bytes) -> None:
         self.sock.send(data, copy=False)
+
+    def try_send(self, msg: Any) -> bool:
+        """Send unless the queue is full; False (counted, logged) when the message was dropped."""
+        try:
+            self.sock.send(encode(msg), flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            self._drops.warning(f"queue to {self.endpoint} full, dropped", type(msg).__name__)
+            return False
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -181,31 +256,39 @@ class Receiver(Generic[T]):
     def __init__(self, ctx: zmq.Context, endpoint: str, union: Any, bind: bool = True,
                  max_frame_bytes: int = MAX_FRAME_BYTES):
         self.endpoint = endpoint
-        self.sock = _socket(ctx, zmq.PULL, max_frame_bytes)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock = bounded_socket(ctx, zmq.PULL, endpoint, max_frame_bytes)
         self._release = apply_security(ctx, self.sock, endpoint, bind)
         (self.sock.bind if bind else self.sock.connect)(endpoint)
-        self.decoder: Decoder[T] = Decoder(union, max_frame_bytes)
-        self.num_rejected = 0
+        self.check: FrameCheck[T] = FrameCheck(endpoint, union, max_frame_bytes)
         self.last_frame: bytes = b""
+
+    @property
+    def num_rejected(self) -> int:
+        return self.check.num_rejected
+
+    @property
+    def decoder(self) -> Decoder[T]:
+        return self.check.decoder
+
+    @decoder.setter
+    def decoder(self, decoder: Decoder[T]) -> None:
+        """A channel may swap in its own decoder (e.g. one that remembers rejected requests)."""
+        self.check.decoder = decoder
 
     def poll(self, timeout_ms: Optional[float]) -> bool:
         return bool(self.sock.poll(None if timeout_ms is None else int(timeout_ms)))
 
     def recv(self, timeout_ms: Optional[float] = None) -> Optional[T]:
-        """The next valid message, or None if none arrives within the timeout."""
-        while True:
-            if timeout_ms is not None and not self.sock.poll(int(timeout_ms)):
-                return None
+        """The next valid message, or None if none arrives within the timeout (a stream of
+        bad frames does not extend it)."""
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while wait_readable(self.sock, deadline, self.check.log):
             frame = self.sock.recv(copy=True)
-            try:
-                msg = self.decoder.decode(frame)
-            except ProtocolError as exc:
-                self.num_rejected += 1
-                log.warning("rejected frame on %s: %s", self.endpoint, exc)
-                continue
-            self.last_frame = frame
-            return msg
+            msg = self.check.decode(frame)
+            if msg is not None:
+                self.last_frame = frame
+                return msg
+        return None
 
     def recv_nowait(self) -> list[T]:
         out: list[T] = []

@@ -25,12 +25,14 @@ from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import encode
 from pagedserve.protocol.trace import TraceWriter
 from pagedserve.protocol.validate import RequestFrameDecoder, rejection_delta
+from pagedserve.protocol.worker_link import PeerUnreachable, WorkerRouter
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 from pagedserve.scheduler_proc.frontend_inputs import apply_frontend_message
 from pagedserve.scheduler_proc.interval_log import IntervalLog
 from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.scheduler_proc.step_timeout import StepTimeout
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -47,14 +49,15 @@ class EngineLoop:
         self.inputs: Receiver = Receiver(self.ctx, ep.scheduler_inputs(cfg.replica), m.FrontendToScheduler)
         self.input_decoder = RequestFrameDecoder(max_frame_bytes=self.inputs.decoder.max_frame_bytes)
         self.inputs.decoder = self.input_decoder  # answers the requests of frames it rejects
-        self.results: Receiver = Receiver(self.ctx, ep.worker_results(cfg.replica), m.WorkerToScheduler)
-        self.to_workers = [Sender(self.ctx, ep.worker_inputs(cfg.replica, r), bind=True)
-                           for r in range(cfg.tp_size)]
+        # One ROUTER: steps out to exactly this replica's workers, their results in (worker_link.py).
+        self.results = WorkerRouter(self.ctx, ep, cfg.replica, cfg.tp_size)
         self.to_frontend = Sender(self.ctx, ep.frontend_outputs())
         self.to_supervisor = Sender(self.ctx, ep.supervisor())
         self.trace = TraceWriter(cfg.record_trace) if cfg.record_trace else None
         self.scheduler: Optional[Scheduler] = None
         self.pending: deque[m.SchedulerOutput] = deque()  # steps sent whose results are not in
+        self.sent_at: dict[int, float] = {}  # step -> when it was sent (the step timeout learns from it)
+        self.last_result_at = 0.0
         self.worker_pids: dict[int, int] = {}
         self.remote_ranks: set[int] = set()
         self.needs_workers = True  # at start, and after a worker failure until the new ones are ready
@@ -64,6 +67,7 @@ class EngineLoop:
         self.forward_time = self.idle_time = self.busy_time = 0.0
         self.last_stats_sent = 0.0
         self.interval_log = IntervalLog(log, cfg.log_interval_s)
+        self.step_timeout = StepTimeout(cfg.step_timeout_s)
 
     # ------------------------------------------------------------------ workers
 
@@ -73,10 +77,16 @@ class EngineLoop:
 
     def _broadcast(self, msg) -> bytes:
         data = encode(msg)
-        for sender in self.to_workers:
-            sender.send_bytes(data)
+        try:
+            self.results.broadcast(data)
+        except PeerUnreachable as exc:
+            raise WorkerFailure(str(exc)) from None
         self._record("to_worker", data)
         return data
+
+    def _send_step(self, out: m.SchedulerOutput) -> None:
+        self._broadcast(out)
+        self.sent_at[out.step] = time.perf_counter()
 
     def _is_expected(self, msg, want: type, step: Optional[int]) -> bool:
         """Whether ``msg`` answers what we wait for; anything else (a stale result of a
@@ -156,6 +166,7 @@ class EngineLoop:
         self._broadcast(init)
         self._recv_from_workers(m.WorkerReady, cfg.worker_start_timeout_s)
         self.needs_workers = False
+        self.step_timeout.restart()  # fresh workers warm up again
         vocab_size = min(h.vocab_size for h in hellos.values())
         config = cfg.scheduler_config(num_gpu_blocks, num_cpu_blocks, vocab_size)
         if self.scheduler is None or self.scheduler.config != config:
@@ -179,7 +190,9 @@ class EngineLoop:
         self.worker_pids.clear()
         self.remote_ranks.clear()
         self.pending.clear()  # written off: fail_all ended their requests
-        self.results.recv_nowait()  # stale results from the old workers
+        self.sent_at.clear()
+        self.results.forget_peers()  # the old workers' answers are dropped from now on
+        self.results.recv_nowait()
         self.needs_workers = True
         self.to_supervisor.send(m.RestartWorkers(replica=self.cfg.replica, reason=reason))
         self._send_stats(force=True)
@@ -231,7 +244,7 @@ class EngineLoop:
             pid=os.getpid(), worker_pids=[self.worker_pids[r] for r in sorted(self.worker_pids)],
             **counts)
         self.to_frontend.send(stats)
-        self.to_supervisor.send(m.Heartbeat(role="scheduler", replica=self.cfg.replica, pid=stats.pid))
+        self.to_supervisor.try_send(m.Heartbeat(role="scheduler", replica=self.cfg.replica, pid=stats.pid))
         self.interval_log.maybe_log(stats)
 
     # ------------------------------------------------------------------ loop
@@ -244,14 +257,20 @@ class EngineLoop:
         pending = self.pending
         if not pending:
             pending.append(sched.schedule())
-            self._broadcast(pending[-1])
+            self._send_step(pending[-1])
         if (self.cfg.async_scheduling and len(pending) == 1 and sched.has_unfinished()
                 and sched.can_schedule_ahead()):
             pending.append(sched.schedule())  # runs right after the step out: no wait in between
-            self._broadcast(pending[-1])
+            self._send_step(pending[-1])
         out = pending[0]
-        results = self._recv_from_workers(m.StepResult, self.cfg.step_timeout_s, step=out.step)
+        timeout_s = self.step_timeout.for_step(out.total_num_scheduled_tokens)
+        results = self._recv_from_workers(m.StepResult, timeout_s, step=out.step)
         pending.popleft()
+        # The worker began this step when it was sent or when it finished the one before.
+        now = time.perf_counter()
+        began = max(self.sent_at.pop(out.step, now), self.last_result_at)
+        self.last_result_at = now
+        self.step_timeout.observe(now - began, out.total_num_scheduled_tokens)
         result = results[0]
         try:
             deltas = sched.update_from_output(out, result)
@@ -297,5 +316,5 @@ class EngineLoop:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
-        for s in (self.inputs, self.results, self.to_frontend, self.to_supervisor, *self.to_workers):
+        for s in (self.inputs, self.results, self.to_frontend, self.to_supervisor):
             s.close()

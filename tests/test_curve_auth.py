@@ -60,8 +60,8 @@ def test_curve_keys_and_layout_are_private_files_and_endpoints_are_tcp(curve_run
     assert stat.S_IMODE((curve_run_dir / "curve").stat().st_mode) == 0o700
     ep = Endpoints(curve_run_dir)
     base = ep.tcp.port_base
-    assert [ep.supervisor(), ep.frontend_outputs(), ep.scheduler_inputs(0), ep.worker_results(0),
-            ep.worker_inputs(0, 0), ep.worker_inputs(0, 1)] == [f"tcp://127.0.0.1:{base + k}" for k in range(6)]
+    assert [ep.supervisor(), ep.frontend_outputs(), ep.scheduler_inputs(0), ep.workers(0)] == \
+        [f"tcp://127.0.0.1:{base + k}" for k in range(4)]
     with pytest.raises(ValueError, match="replica 1"):
         ep.scheduler_inputs(1)
 
@@ -69,7 +69,7 @@ def test_curve_keys_and_layout_are_private_files_and_endpoints_are_tcp(curve_run
 def test_a_non_loopback_tcp_layout_without_curve_is_refused():
     with pytest.raises(ValueError, match="CurveZMQ"):
         TcpLayout("10.1.2.3", 20000, tp_size=1, num_replicas=1, curve=False)
-    assert TcpLayout("127.0.0.1", 20000, tp_size=1, num_replicas=1, curve=False).num_ports() == 5
+    assert TcpLayout("127.0.0.1", 20000, tp_size=1, num_replicas=1, curve=False).num_ports() == 4
 
 
 def test_only_a_client_with_the_deployment_keys_reaches_a_curve_socket(curve_run_dir, tmp_path):
@@ -121,6 +121,6 @@ def test_a_worker_node_missing_the_client_secret_key_is_told_which_file_to_copy(
     ctx = zmq.Context()
     try:
         with pytest.raises(CurveKeyError, match="client.key_secret"):
-            Sender(ctx, Endpoints(worker_dir).worker_results(0))
+            Sender(ctx, Endpoints(worker_dir).workers(0))
     finally:
         ctx.destroy(linger=0)

@@ -63,7 +63,7 @@ class RemoteWorkers(threading.Thread):
 def test_tcp_curve_deployment_with_workers_started_by_hand_serves_transformers_greedy_tokens(
         model_factory, tmp_path):
     model = model_factory("qwen2")
-    base = free_port_range(2 + 1 * (2 + 2))
+    base = free_port_range(2 + 1 * 2)
     srv = Server(model, ["--num-gpu-blocks", "64", "--max-model-len", "512", "--tensor-parallel-size", "2",
                          "--internal-host", "127.0.0.1", "--internal-port-base", str(base),
                          "--internal-curve", "--remote-workers"])
@@ -91,7 +91,7 @@ def test_a_non_loopback_internal_host_turns_curve_on_and_half_an_address_is_refu
 
     model = model_factory("qwen2")
     wide = ServeConfig(model=model, internal_host="10.0.0.7", internal_port_base=31000, data_parallel_size=2)
-    assert wide.uses_curve and wide.tcp_layout().num_ports() == 8
+    assert wide.uses_curve and wide.tcp_layout().num_ports() == 6
     assert not ServeConfig(model=model, internal_host="127.0.0.1", internal_port_base=31000).uses_curve
     with pytest.raises(ConfigError, match="go together"):
         ServeConfig(model=model, internal_host="10.0.0.7")

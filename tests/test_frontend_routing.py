@@ -60,8 +60,11 @@ def test_a_replica_going_silent_mid_stream_ends_the_stream_with_an_error_event(e
             assert json.loads(next(lines).removeprefix("data: "))["choices"][0]["text"]
             fakes[1].heartbeat = False
             rest = [line for line in lines if line]
-    errors = [json.loads(line.removeprefix("data: ")) for line in rest if '"error"' in line]
+    events = [json.loads(line.removeprefix("data: ")) for line in rest if line != "data: [DONE]"]
+    errors = [e for e in events if "error" in e]
     assert errors and errors[0]["error"]["type"] == "service_unavailable"
+    # the choice is closed before the error event: a client reading chunks sees why it ended
+    assert [c["finish_reason"] for e in events if "choices" in e for c in e["choices"]][-1] == "error"
     assert rest[-1] == "data: [DONE]"
 
 

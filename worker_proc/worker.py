@@ -17,7 +17,8 @@ from typing import Optional
 import zmq
 
 from pagedserve.protocol import messages as m
-from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender
+from pagedserve.protocol.worker_link import SchedulerLink
+from pagedserve.protocol.zmq_io import Endpoints, Sender
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -75,9 +76,8 @@ class Worker:
         self.cfg = cfg
         self.ctx = ctx or zmq.Context.instance()
         ep = Endpoints(cfg.run_dir)
-        self.inputs: Receiver = Receiver(self.ctx, ep.worker_inputs(cfg.replica, cfg.rank),
-                                         m.SchedulerToWorker, bind=False)
-        self.results = Sender(self.ctx, ep.worker_results(cfg.replica))
+        # One DEALER both ways, known to the scheduler by a routing id only a worker can mint.
+        self.inputs = self.results = SchedulerLink(self.ctx, ep, cfg.replica, cfg.rank)
         self.to_supervisor = Sender(self.ctx, ep.supervisor())
         threads = cfg.num_threads or _default_cpu_threads(cfg)
         if threads:
