@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.decode_lane import RING
-from pagedserve.scheduler_proc.prefix_cache import block_key
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
 from test_scheduler_support import (
@@ -134,50 +130,4 @@ def test_a_decode_batch_once_sent_is_never_changed_by_later_steps():
         assert decodes.req_ids == ids and outputs.token_request_ids == token_ids
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(block_size=st.sampled_from([1, 2, 4, 16]), num_gpu_blocks=st.integers(12, 60),
-       num_cpu_blocks=st.sampled_from([0, 8, 40]), max_num_seqs=st.integers(1, 8),
-       prefix_caching=st.booleans(), seed=st.integers(0, 2**16))
-def test_random_workloads_deliver_every_token_once_in_order(block_size, num_gpu_blocks, num_cpu_blocks,
-                                                            max_num_seqs, prefix_caching, seed):
-    """Counting tokens over random arrivals, aborts (some while a step is out), swaps,
-    recomputes, forks, prefix hits and outputs longer than the lane's ring."""
-    rng = random.Random(seed)
-    config = SchedulerConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(16, max_num_seqs),
-                             max_model_len=160, enable_prefix_caching=prefix_caching, debug_invariants=True)
-    sched, worker = Scheduler(config), SimWorker(config, counting_tokens())
-    prompts, aborted, arrivals = {}, set(), []
-    for i in range(rng.randint(1, 10)):
-        prompt = [5] * rng.choice([0, 8]) + [rng.randrange(10, 90) for _ in range(rng.randint(1, 12))]
-        arrivals.append((rng.randint(0, 30), request(f"r{i}", prompt, max_tokens=rng.randint(1, RING + 30),
-                                                     ignore_eos=True, n=rng.choice([1, 1, 2]))))
-        prompts[f"r{i}"] = prompt
-    deltas = []
-    for step in range(3_000):
-        for _, msg in [a for a in arrivals if a[0] == step]:
-            if sched.add_request(msg):  # can never fit this cache: refused at once
-                aborted.add(msg.request_id)
-        if not sched.has_unfinished() and all(at <= step for at, _ in arrivals):
-            break
-        out = sched.schedule()
-        if sched.requests and rng.random() < 0.02:  # an abort while the step is out, or between steps
-            victim = rng.choice(sorted(sched.requests))
-            aborted.add(victim)
-            deltas += sched.abort_requests([victim])
-        deltas += sched.update_from_output(out, worker.step(out))
-        if prefix_caching and step % 7 == 0:
-            for seq in sched.running_sequences():  # keys named from the ring equal the per-object ones
-                expected, parent = [], 0
-                for i in range(len(seq.block_keys)):
-                    key = block_key(parent, seq.token_ids[i * block_size:(i + 1) * block_size].tobytes())
-                    expected.append(key)
-                    parent = key[2]
-                assert seq.block_keys == expected, seq.seq_id
-    else:
-        raise AssertionError(f"workload did not finish: {sched.stats()}")
-    for (request_id, index), tokens in outputs_by_sample(deltas).items():
-        p = len(prompts[request_id])
-        if request_id not in aborted:
-            assert tokens == [1000 + p + i for i in range(len(tokens))], (request_id, index)
-    assert_all_blocks_free(sched)
+# The random-workload property test lives in test_scheduler_workload_properties.py (hypothesis strategies).

@@ -149,6 +149,25 @@ def test_client_disconnects_and_aborts_leave_every_block_free_at_idle(server):
     assert all(p["alive"] for p in processes(server, "worker"))
 
 
+def test_a_dead_worker_its_stopped_scheduler_never_reports_is_replaced_by_the_supervisor(server):
+    assert wait_until(lambda: _both_replicas_ready(server), 60)
+    scheduler, worker = pid_of(server, "scheduler", 1), pid_of(server, "worker", 1)
+    os.kill(scheduler, signal.SIGSTOP)  # it can report nothing now; its heartbeat timeout is 30 s
+    try:
+        assert wait_until(lambda: psutil.Process(scheduler).status() == psutil.STATUS_STOPPED, 5)
+        os.kill(worker, signal.SIGKILL)
+
+        def replaced_while_the_scheduler_is_stopped() -> bool:
+            assert psutil.Process(scheduler).status() == psutil.STATUS_STOPPED
+            return any(p["pid"] != worker and psutil.pid_exists(p["pid"]) for p in processes(server, "worker", 1))
+
+        assert wait_until(replaced_while_the_scheduler_is_stopped, 15), processes(server, "worker", 1)
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
+    assert wait_until(lambda: _both_replicas_ready(server) and serves_a_request(server), 60), health(server)
+    assert pid_of(server, "scheduler", 1) == scheduler  # only the worker was restarted
+
+
 def test_killing_the_supervisor_mid_stream_leaves_no_process_behind_within_5s(server):
     """Last in this module on purpose: it takes the whole deployment down."""
     assert wait_until(lambda: _both_replicas_ready(server), 60)

@@ -92,3 +92,18 @@ def test_logprobs_are_of_the_sampled_token_under_the_unmodified_distribution():
 def test_the_noise_seed_depends_on_both_the_seed_and_the_output_index():
     seeds = {noise_seed(seed, k) for seed in range(50) for k in range(50)}
     assert len(seeds) == 2500 and all(0 <= s < 2**63 for s in seeds)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_sampling_at_a_temperature_follows_softmax_of_the_logits_divided_by_it(temperature):
+    logits = torch.log(torch.tensor([0.1, 0.6, 0.3]))
+    num_draws = 4000  # fixed seeds 0..3999: the frequencies are the same on every run
+    tokens = sample(logits.expand(num_draws, 3), [request(seeded(s, temperature=temperature))
+                                                   for s in range(num_draws)]).token_ids
+    frequencies = torch.bincount(torch.tensor(tokens), minlength=3).double() / num_draws
+    tempered = torch.softmax(logits.double() / temperature, -1)
+    untempered = torch.softmax(logits.double(), -1)
+    total_variation = (frequencies - tempered).abs().sum() / 2
+    # 0.03 is ~4 standard errors at 4000 draws; the untempered distribution is >= 0.12 away
+    assert total_variation < 0.03
+    assert (tempered - untempered).abs().sum() / 2 > 0.12

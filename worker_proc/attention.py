@@ -3,7 +3,9 @@
 On CPU, kernels.reference.paged_attention loops over requests in Python and expands K/V
 per query head, which dominates a step. So the requests that decode one token go through
 decode_attention in one batched call, and each prefill chunk through one
-scaled_dot_product_attention call (prefill_attention). On other devices everything goes
+scaled_dot_product_attention call (prefill_attention). On other devices, and whenever the
+step's ops are not the torch references (PAGEDSERVE_KERNELS=triton under TRITON_INTERPRET=1 on
+CPU, which is how the tests run the Triton kernel inside a real forward pass), everything goes
 to the kernel. The plan is computed once per step and shared by every layer.
 """
 
@@ -15,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from pagedserve.kernels import reference
 from pagedserve.worker_proc.decode_attention import (DecodeContext, GatherWorkspace, build_decode_context,
                                                      decode_attention)
 from pagedserve.worker_proc.prefill_attention import PrefillChunk, plan_prefill_chunk, prefill_attention
@@ -64,7 +67,7 @@ def attend(ops: ModuleType, query: torch.Tensor, key: torch.Tensor, value: torch
 
     key/value are this step's rows [T, kv_heads, dim], already written to the cache.
     """
-    if plan is None:
+    if plan is None or ops is not reference:
         return ops.paged_attention(query.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
                                    seq_lens, scale, sliding_window)
     if plan.all_decode:

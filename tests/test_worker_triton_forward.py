@@ -1,0 +1,40 @@
+"""The Triton paged-attention kernel inside a real forward pass, on CPU under TRITON_INTERPRET=1.
+
+On CPU the worker normally attends with its torch paths (batched decodes, SDPA prefill chunks),
+so only PAGEDSERVE_KERNELS=triton sends a real model's attention through the kernel here.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, as in the other kernel tests
+
+import pytest  # noqa: E402
+
+from pagedserve.deploy.demo_model import build_model_dir  # noqa: E402
+from pagedserve.kernels import triton_ops  # noqa: E402
+from pagedserve.worker_proc.model_runner import ModelRunner  # noqa: E402
+from test_worker_harness import TrivialScheduler, hf_greedy, random_prompts  # noqa: E402
+
+NEW_TOKENS = 4
+
+
+def test_greedy_tokens_through_the_interpreted_triton_attention_kernel_equal_transformers(tmp_path, monkeypatch):
+    model_dir = str(build_model_dir(tmp_path / "m", "llama", num_layers=1))
+    calls = []
+    kernel = triton_ops.paged_attention
+
+    def counted_paged_attention(*args, **kwargs):  # counts, then runs the real kernel
+        calls.append(args[0].shape[0])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "paged_attention", counted_paged_attention)
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
+    runner = ModelRunner(model_dir)
+    assert runner.ops is triton_ops
+    prompts = random_prompts([11, 6], vocab_size=512, seed=2)
+    scheduler = TrivialScheduler(runner)
+    scheduler.add("chunked", prompts[0], NEW_TOKENS, prefill_chunks=[5])  # a chunk over cached K/V
+    scheduler.add("late", prompts[1], NEW_TOKENS, arrival_step=1)  # a prefill beside a decode
+    outputs = scheduler.run()
+    assert [outputs["chunked"], outputs["late"]] == hf_greedy(model_dir, prompts, NEW_TOKENS)
+    assert len(calls) == scheduler.step and max(calls) > 1  # every step, prefills and decodes
