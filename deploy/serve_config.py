@@ -13,6 +13,9 @@ from typing import Optional
 from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
 
+ROUTER_KINDS = ("cache-aware", "least-loaded", "round-robin")  # frontend_proc/routing_policy.py
+
+
 class ConfigError(ValueError):
     """A serve option that cannot work; the message says which and why."""
 
@@ -38,6 +41,9 @@ class ServeConfig:
     preemption_mode: str = "auto"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    router: Optional[str] = None  # None: cache-aware when data_parallel_size > 1
+    router_balance_abs: int = 4
+    router_balance_rel: float = 1.5
     seed: int = 0
     debug_invariants: bool = False
     record_trace: Optional[str] = None
@@ -75,6 +81,12 @@ class ServeConfig:
             raise ConfigError(f"--port {self.port} is not a TCP port")
         if self.served_model_name is None:
             self.served_model_name = Path(self.model).resolve().name
+        if self.router is None:
+            self.router = "cache-aware" if self.data_parallel_size > 1 else "least-loaded"
+        if self.router not in ROUTER_KINDS:
+            raise ConfigError(f"--router must be one of {', '.join(ROUTER_KINDS)}, got {self.router!r}")
+        if self.router_balance_abs < 0 or self.router_balance_rel < 1.0:
+            raise ConfigError("--router-balance-abs must be >= 0 and --router-balance-rel >= 1.0")
         self._check_internal_endpoints()
 
     def _check_internal_endpoints(self) -> None:
@@ -122,7 +134,9 @@ class ServeConfig:
             "--run-dir", run_dir, "--model", self.model, "--served-model-name", self.served_model_name,
             "--host", self.host, "--port", str(self.port), "--num-replicas", str(self.data_parallel_size),
             "--max-model-len", str(self.max_model_len), "--replica-timeout-s", str(self.replica_timeout_s),
-            "--drain-timeout-s", str(self.drain_timeout_s), "--log-level", self.log_level.lower()]
+            "--drain-timeout-s", str(self.drain_timeout_s), "--log-level", self.log_level.lower(),
+            "--router", self.router, "--router-balance-abs", str(self.router_balance_abs),
+            "--router-balance-rel", str(self.router_balance_rel)]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         return cmd
@@ -186,6 +200,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--router", choices=ROUTER_KINDS, default=None,
+                   help="how requests are spread over data-parallel replicas: cache-aware sends each "
+                        "to the replica holding the longest cached prefix of its prompt (needs "
+                        "--enable-prefix-caching), unless it is busier than the load bound allows, then "
+                        "to the least loaded; least-loaded; round-robin (default: cache-aware when "
+                        "--data-parallel-size > 1; docs/DECISIONS.md)")
+    p.add_argument("--router-balance-abs", type=int, default=4,
+                   help="cache-aware: the cache winner may carry this many more sequences than the "
+                        "least-loaded replica (default %(default)s)")
+    p.add_argument("--router-balance-rel", type=float, default=1.5,
+                   help="cache-aware: ... or up to this many times its load (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--debug-invariants", action="store_true", help="check block-manager invariants every step")
     p.add_argument("--record-trace", metavar="PATH", help="record the protocol to a trace file")
