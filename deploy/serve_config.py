@@ -42,8 +42,8 @@ class ServeConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     router: Optional[str] = None  # None: cache-aware when data_parallel_size > 1
-    router_balance_abs: int = 4
-    router_balance_rel: float = 1.5
+    router_balance_abs: int = 2
+    router_balance_rel: float = 1.25
     seed: int = 0
     debug_invariants: bool = False
     record_trace: Optional[str] = None
@@ -206,10 +206,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "--enable-prefix-caching), unless it is busier than the load bound allows, then "
                         "to the least loaded; least-loaded; round-robin (default: cache-aware when "
                         "--data-parallel-size > 1; docs/DECISIONS.md)")
-    p.add_argument("--router-balance-abs", type=int, default=4,
+    p.add_argument("--router-balance-abs", type=int, default=2,
                    help="cache-aware: the cache winner may carry this many more sequences than the "
                         "least-loaded replica (default %(default)s)")
-    p.add_argument("--router-balance-rel", type=float, default=1.5,
+    p.add_argument("--router-balance-rel", type=float, default=1.25,
                    help="cache-aware: ... or up to this many times its load (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--debug-invariants", action="store_true", help="check block-manager invariants every step")

@@ -3,9 +3,10 @@
 Each replica also has the router's view of its prefix cache (``cache_index.py``, kept by
 ``PrefixCacheEvents``); ``routing_policy.py`` decides between the live replicas.
 
-Stats lag behind: a request sent a moment ago is not in any replica's counts yet. The
-frontend therefore also counts the sequences it has in flight on each replica, and uses
-the larger of the two views, plus the waiting queue again (a queue means the replica is
+Stats lag behind: a request sent a moment ago is not in any replica's counts yet, and one
+that finished a moment ago still is. The frontend therefore also counts the sequences it
+has in flight on each replica, and uses the larger of the two views (the stats' running
+count only while no request finished there since they were sent), plus the waiting queue again (a queue means the replica is
 out of room, not merely busy). KV-cache usage breaks ties, then the replica chosen least
 recently.
 """
@@ -29,6 +30,7 @@ class ReplicaStatus:
     replica: int
     stats: Optional[SchedulerStats] = None
     last_seen: float = 0.0  # monotonic time of the last stats
+    released_at: float = 0.0  # monotonic time a request here last finished
     in_flight: int = 0  # sequences this frontend sent and has not seen finish
     request_ids: set[str] = field(default_factory=set)
     cache: ReplicaCacheIndex = field(init=False)
@@ -47,7 +49,10 @@ class ReplicaStatus:
 
     def load(self) -> tuple[float, float, int]:
         s = self.stats
-        queued = s.num_running + s.num_waiting + s.num_swapped
+        # Stats older than a finish still count it: on a uniform workload trusting them
+        # regardless sent 36 of 64 one-at-a-time requests to one replica.
+        running = s.num_running if self.last_seen >= self.released_at else 0
+        queued = running + s.num_waiting + s.num_swapped
         return (max(queued, self.in_flight) + s.num_waiting + s.num_swapped,
                 s.kv_cache_usage, self.replica)
 
@@ -95,8 +100,9 @@ class Router:
         status.request_ids.add(request_id)
         status.in_flight += num_seqs
 
-    def release(self, replica: int, request_id: str, num_seqs: int) -> None:
+    def release(self, replica: int, request_id: str, num_seqs: int, now: Optional[float] = None) -> None:
         status = self.replicas[replica]
+        status.released_at = time.monotonic() if now is None else now
         if request_id in status.request_ids:
             status.request_ids.discard(request_id)
             status.in_flight = max(0, status.in_flight - num_seqs)

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 ROUTER_KINDS = ("cache-aware", "least-loaded", "round-robin")
 # Why a replica was chosen (the reason label of pagedserve_router_decisions_total).
 REASONS = ("cache_hit", "no_hit", "load_bound", "least_loaded", "round_robin")
-DEFAULT_BALANCE_ABS = 4  # sequences; measured in bench/RESULTS.md (cache-aware routing)
-DEFAULT_BALANCE_REL = 1.5
+DEFAULT_BALANCE_ABS = 2  # sequences; measured in bench/RESULTS.md (cache-aware routing)
+DEFAULT_BALANCE_REL = 1.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +69,7 @@ class ReplicaChooser:
         self.actual_hit_tokens = [0] * num_replicas
 
     def _load_key(self, status: "ReplicaStatus") -> tuple:
-        # Recency before KV usage: usage comes with stats up to a heartbeat old, and on a
-        # uniform workload breaking ties by it sent 36 of 64 requests to one replica, not 32.
+        # Recency before KV usage: usage comes with stats up to a heartbeat old.
         load, kv_usage, _ = status.load()
         return load, self._last_pick[status.replica], kv_usage
 

@@ -190,3 +190,11 @@ def test_least_loaded_and_round_robin_ignore_the_cache():
         router.assign(1, "busy", 1)
         decision = router.choose(SYSTEM + [2], now=10.1)
         assert (decision.replica, decision.reason) == (0, reason)
+
+
+def test_stats_sent_before_a_request_finished_no_longer_count_it():
+    router = _router("least-loaded")
+    router.update(_stats(replica=0, pid=100, num_running=1), now=10.0)
+    router.assign(0, "a", 1)
+    router.release(0, "a", 1, now=10.2)
+    assert router.choose([1, 2], now=10.3).replica == 0  # both idle: the stats' running 1 is stale
