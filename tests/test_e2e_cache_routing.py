@@ -83,3 +83,12 @@ def test_two_replicas_hit_the_cache_almost_as_often_as_one_and_answer_the_same(m
     assert hit_rate_two >= 0.9 * hit_rate_one, (hit_rate_two, hit_rate_one)
     per_replica = dict(re.findall(r'^pagedserve_router_requests_total\{replica="(\d)"\} (\S+)$', metrics, re.M))
     assert min(float(v) for v in per_replica.values()) >= 16, per_replica  # both replicas served conversations
+    # Every later turn was routed by what the replicas had cached, and the router's view was true.
+    cache_hits = float(re.search(r'^pagedserve_router_decisions_total\{reason="cache_hit"\} (\S+)$', metrics,
+                                 re.M).group(1))
+    assert cache_hits >= 0.8 * ns.num_conversations * (ns.num_turns - 1), metrics
+    predicted = sum(float(v) for v in re.findall(
+        r'^pagedserve_router_predicted_hit_tokens_total\{[^}]*\} (\S+)$', metrics, re.M))
+    actual = sum(float(v) for v in re.findall(
+        r'^pagedserve_router_actual_hit_tokens_total\{[^}]*\} (\S+)$', metrics, re.M))
+    assert 0.8 * actual <= predicted <= actual, (predicted, actual)
