@@ -24,11 +24,13 @@ class CacheEventLog:
     """Cache changes since the last ``drain``: chain hash -> True (stored) / False (removed).
 
     One entry per block hash, the latest state wins, so the order of application does not
-    matter. Bounded: past ``MAX_PENDING`` changes (nobody draining, e.g. a scheduler-only
-    replay) it keeps nothing and asks the receiver to forget instead.
+    matter. Bounded: past ``MAX_PENDING`` evictions (nobody draining, e.g. a scheduler-only
+    replay or bench) it keeps nothing and asks the receiver to forget instead; stores need no
+    check, as there are never more of them pending than blocks plus evictions. A serving step
+    drains it, and one step changes at most a few thousand blocks.
     """
 
-    MAX_PENDING = 1 << 20
+    MAX_PENDING = 1 << 16
     __slots__ = ("changes", "reset_pending", "num_sent")
 
     def __init__(self) -> None:
@@ -42,8 +44,8 @@ class CacheEventLog:
         self.reset_pending = True
         return self
 
-    def note(self, block_hash: int, present: bool) -> None:
-        self.changes[block_hash] = present
+    def note_removed(self, block_hash: int) -> None:
+        self.changes[block_hash] = False
         if len(self.changes) > self.MAX_PENDING:
             self.restart()
 
@@ -92,7 +94,7 @@ class BlockPool:
             del self.cache[key]
             self.block_key[block] = None
             if self.events is not None:
-                self.events.note(key[2], False)
+                self.events.note_removed(key[2])
         self.ref_counts[block] = 1
         return block
 
@@ -121,5 +123,6 @@ class BlockPool:
         """Publish a full, computed block under ``key``; the first block to claim a key keeps it."""
         if self.block_key[block] is None and self.cache.setdefault(key, block) == block:  # one key hash
             self.block_key[block] = key
-            if self.events is not None:
-                self.events.note(key[2], True)
+            events = self.events
+            if events is not None:
+                events.changes[key[2]] = True  # inlined: once per block filled, on the hot path
