@@ -77,6 +77,17 @@ def latency_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def cache_table(result: dict) -> str:
+    """The run's prefix-cache hit rate and the router's decisions (from /metrics counter deltas)."""
+    cache = result["cache"]
+    lines = [f"prefix cache hit rate {100 * result['prefix_hit_rate']:.1f}% of prompt tokens"]
+    routed = {k: v for k, v in cache.items() if k.startswith("pagedserve_router_") and v}
+    if routed:
+        lines.append("router: " + ", ".join(f"{k.removeprefix('pagedserve_router_')} {v:.0f}"
+                                            for k, v in sorted(routed.items())))
+    return "\n".join(lines)
+
+
 def plot_run(result: dict, path: str, title: str = "") -> None:
     """Latency per request in arrival order; KV usage / running / waiting over time."""
     try:

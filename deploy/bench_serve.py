@@ -3,8 +3,10 @@
 Requests are streamed completions (``/v1/completions``, ``stream=True``): random token-id
 prompts of lengths uniform in a range, or the prompts of a JSONL file (``{"prompt": ...,
 "max_tokens": ...}`` per line). They arrive as a Poisson process at ``--request-rate``
-(default: all at once), at most ``--max-concurrency`` in flight. Reports TTFT, TPOT, ITL
-and end-to-end latency (mean, p50, p90, p99) and throughput; writes a JSON result and a
+(default: all at once), at most ``--max-concurrency`` in flight; or ``--dataset multi-turn``
+(bench_multi_turn.py): conversations whose turns each wait for the previous answer. Reports TTFT, TPOT, ITL
+and end-to-end latency (mean, p50, p90, p99), throughput, the prefix-cache hit rate and the
+router's decisions (from /metrics, over the run); writes a JSON result and a
 PNG (latency per request in arrival order; KV usage, running and waiting from /metrics).
 
 Connections are spread over several HTTP clients of at most ``CONNECTIONS_PER_CLIENT``
@@ -24,7 +26,8 @@ import time
 from pathlib import Path
 from dataclasses import asdict
 
-from pagedserve.deploy.bench_report import RequestRecord, latency_table, plot_run, summarize
+from pagedserve.deploy import bench_multi_turn
+from pagedserve.deploy.bench_report import RequestRecord, cache_table, latency_table, plot_run, summarize
 
 CONNECTIONS_PER_CLIENT = 32
 
@@ -36,7 +39,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--dataset", help="JSONL of {prompt, max_tokens?}; replaces the random prompts")
+    p.add_argument("--dataset", help="JSONL of {prompt, max_tokens?}, replacing the random prompts; or "
+                                     "'multi-turn' for chat-like conversations (options below)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson)")
     p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -45,6 +49,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default="bench/out/bench-serve.json")
     p.add_argument("--output-png", default="bench/out/bench-serve.png")
     p.add_argument("--no-progress", action="store_true")
+    bench_multi_turn.add_args(p)
 
 
 def load_workload(ns: argparse.Namespace) -> list[tuple[object, int]]:
@@ -62,12 +67,15 @@ def load_workload(ns: argparse.Namespace) -> list[tuple[object, int]]:
             for _ in range(ns.num_prompts)]
 
 
-async def _one_request(client, ns, model: str, prompt, max_tokens: int, rec: RequestRecord, t0: float) -> None:
+async def _one_request(client, ns, model: str, prompt, max_tokens: int, rec: RequestRecord,
+                       t0: float) -> "str | None":
+    """Streams one completion into ``rec``; its text, or None when it failed."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": ns.temperature,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     rec.start = time.perf_counter() - t0
     sent = time.perf_counter()
     last = sent
+    pieces = []
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -79,8 +87,10 @@ async def _one_request(client, ns, model: str, prompt, max_tokens: int, rec: Req
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     rec.output_tokens = chunk["usage"]["completion_tokens"]
+                    rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                     continue
+                pieces.append(chunk["choices"][0]["text"])
                 now = time.perf_counter()
                 if rec.ttft is None:
                     rec.ttft = now - sent
@@ -88,8 +98,10 @@ async def _one_request(client, ns, model: str, prompt, max_tokens: int, rec: Req
                     rec.itl.append(now - last)
                 last = now
         rec.e2e = time.perf_counter() - sent
+        return "".join(pieces)
     except Exception as exc:  # a failed request is reported, not fatal to the run
         rec.error = f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _parse_metrics(text: str) -> dict[str, float]:
@@ -102,6 +114,16 @@ def _parse_metrics(text: str) -> dict[str, float]:
         name = name.partition("{")[0]  # every series carries a model_name label
         if name in wanted:
             out[wanted[name]] = float(value)
+    return out
+
+
+def _cache_counters(text: str) -> dict[str, float]:
+    """Prefix-cache and router counters (labelled ones keyed with their labels), to diff over a run."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(("pagedserve_prefix_cache_", "pagedserve_router_")) and "_created" not in line:
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
     return out
 
 
@@ -124,7 +146,7 @@ async def run_bench(ns: argparse.Namespace) -> dict:
 
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     limits = httpx.Limits(max_connections=CONNECTIONS_PER_CLIENT, max_keepalive_connections=CONNECTIONS_PER_CLIENT)
-    concurrency = ns.max_concurrency or ns.num_prompts or 1
+    concurrency = ns.max_concurrency or (ns.num_conversations if ns.dataset == "multi-turn" else ns.num_prompts) or 1
     pools = [httpx.AsyncClient(base_url=ns.url, headers=headers, timeout=httpx.Timeout(None), limits=limits)
              for _ in range(-(-concurrency // CONNECTIONS_PER_CLIENT))]
     async with contextlib.AsyncExitStack() as stack:
@@ -132,22 +154,28 @@ async def run_bench(ns: argparse.Namespace) -> dict:
             await stack.enter_async_context(pool)
         client = pools[0]  # also scrapes /metrics
         model = ns.model or (await client.get("/v1/models")).json()["data"][0]["id"]
-        workload = load_workload(ns)
-        records = [RequestRecord(i, len(p) if isinstance(p, list) else -1, n) for i, (p, n) in enumerate(workload)]
+        multi_turn = ns.dataset == "multi-turn"
+        workload = [] if multi_turn else load_workload(ns)
+        records = (bench_multi_turn.conversation_records(ns) if multi_turn else
+                   [RequestRecord(i, len(p) if isinstance(p, list) else -1, n) for i, (p, n) in enumerate(workload)])
         samples: list[dict] = []
         stop = asyncio.Event()
-        before = _parse_metrics((await client.get("/metrics")).text)
-        gate = asyncio.Semaphore(ns.max_concurrency or len(workload) or 1)
-        bar = tqdm(total=len(workload), desc="bench serve", unit="req", disable=ns.no_progress)
+        text = (await client.get("/metrics")).text
+        before, cache_before = _parse_metrics(text), _cache_counters(text)
+        gate = asyncio.Semaphore(ns.max_concurrency or len(records) or 1)
+        bar = tqdm(total=len(records), desc="bench serve", unit="req", disable=ns.no_progress)
         rng = random.Random(ns.seed + 1)
         t0 = time.perf_counter()
         scraper = asyncio.create_task(_scrape(client, ns, t0, samples, stop))
 
-        async def limited(rec: RequestRecord, prompt, max_tokens: int) -> None:
+        async def limited(rec: RequestRecord, prompt, max_tokens: int):
             async with gate:
-                await _one_request(pools[rec.index % len(pools)], ns, model, prompt, max_tokens, rec, t0)
+                text = await _one_request(pools[rec.index % len(pools)], ns, model, prompt, max_tokens, rec, t0)
             bar.update(1)
+            return text
 
+        if multi_turn:
+            await bench_multi_turn.run_conversations(ns, records, limited)
         tasks = []
         for rec, (prompt, max_tokens) in zip(records, workload):
             tasks.append(asyncio.create_task(limited(rec, prompt, max_tokens)))
@@ -158,9 +186,16 @@ async def run_bench(ns: argparse.Namespace) -> dict:
         stop.set()
         await scraper
         bar.close()
-        after = _parse_metrics((await client.get("/metrics")).text)
+        text = (await client.get("/metrics")).text
+        after, cache_after = _parse_metrics(text), _cache_counters(text)
     result = summarize(records, duration)
     result["preemptions"] = after.get("preemptions", 0) - before.get("preemptions", 0)
+    result["cache"] = cache = {k: v - cache_before.get(k, 0.0) for k, v in cache_after.items()}
+    # Hits as each finished request reported them (exact at once; the scheduler counters in
+    # /metrics lag by a stats interval), over the prompt tokens of the same requests.
+    hits = sum(v for k, v in cache.items() if k.startswith("pagedserve_router_actual_hit_tokens_total"))
+    prompt_tokens = sum(max(r.prompt_tokens, 0) for r in records if r.error is None)
+    result["prefix_hit_rate"] = hits / prompt_tokens if prompt_tokens else 0.0
     result["config"] = {k: v for k, v in vars(ns).items() if k not in ("run", "api_key")}
     result["config"]["request_rate"] = str(ns.request_rate)
     result["requests"] = [asdict(r) for r in records]
@@ -171,6 +206,7 @@ async def run_bench(ns: argparse.Namespace) -> dict:
 def main(ns: argparse.Namespace) -> int:
     result = asyncio.run(run_bench(ns))
     print(latency_table(result))
+    print(cache_table(result))
     Path(ns.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.output_png).parent.mkdir(parents=True, exist_ok=True)
     with open(ns.output_json, "w") as f:

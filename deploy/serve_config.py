@@ -14,6 +14,9 @@ from pagedserve.deploy.vllm_compat import DTYPE_CHOICES, resolve_dtype
 from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
 
+ROUTER_KINDS = ("cache-aware", "least-loaded", "round-robin")  # frontend_proc/routing_policy.py
+
+
 class ConfigError(ValueError):
     """A serve option that cannot work; the message says which and why."""
 
@@ -40,6 +43,9 @@ class ServeConfig:
     async_scheduling: bool = True  # schedule step N+1 while the workers run step N
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    router: Optional[str] = None  # None: cache-aware when data_parallel_size > 1
+    router_balance_abs: int = 2
+    router_balance_rel: float = 1.25
     seed: int = 0
     debug_invariants: bool = False
     record_trace: Optional[str] = None
@@ -91,6 +97,12 @@ class ServeConfig:
             if "{" not in self.chat_template and not Path(self.chat_template).is_file():
                 raise ConfigError(f"--chat-template {self.chat_template!r} is neither a file nor a "
                                   f"Jinja template")
+        if self.router is None:
+            self.router = "cache-aware" if self.data_parallel_size > 1 else "least-loaded"
+        if self.router not in ROUTER_KINDS:
+            raise ConfigError(f"--router must be one of {', '.join(ROUTER_KINDS)}, got {self.router!r}")
+        if self.router_balance_abs < 0 or self.router_balance_rel < 1.0:
+            raise ConfigError("--router-balance-abs must be >= 0 and --router-balance-rel >= 1.0")
         self._check_internal_endpoints()
 
     def _check_internal_endpoints(self) -> None:
@@ -138,7 +150,9 @@ class ServeConfig:
             "--run-dir", run_dir, "--model", self.model, "--served-model-name", *self.served_model_name,
             "--host", self.host, "--port", str(self.port), "--num-replicas", str(self.data_parallel_size),
             "--max-model-len", str(self.max_model_len), "--replica-timeout-s", str(self.replica_timeout_s),
-            "--drain-timeout-s", str(self.drain_timeout_s), "--log-level", self.log_level.lower()]
+            "--drain-timeout-s", str(self.drain_timeout_s), "--log-level", self.log_level.lower(),
+            "--router", self.router, "--router-balance-abs", str(self.router_balance_abs),
+            "--router-balance-rel", str(self.router_balance_rel)]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         if self.uvicorn_log_level:
@@ -213,6 +227,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "--no-async-scheduling waits for every step's result before the next)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--router", choices=ROUTER_KINDS, default=None,
+                   help="how requests are spread over data-parallel replicas: cache-aware sends each "
+                        "to the replica holding the longest cached prefix of its prompt (needs "
+                        "--enable-prefix-caching), unless it is busier than the load bound allows, then "
+                        "to the least loaded; least-loaded; round-robin (default: cache-aware when "
+                        "--data-parallel-size > 1; docs/DECISIONS.md)")
+    p.add_argument("--router-balance-abs", type=int, default=2,
+                   help="cache-aware: the cache winner may carry this many more sequences than the "
+                        "least-loaded replica (default %(default)s)")
+    p.add_argument("--router-balance-rel", type=float, default=1.25,
+                   help="cache-aware: ... or up to this many times its load (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--debug-invariants", action="store_true", help="check block-manager invariants every step")
     p.add_argument("--record-trace", metavar="PATH", help="record the protocol to a trace file")

@@ -43,7 +43,7 @@ def _announce_ready(endpoints: Endpoints) -> None:
 async def serve(config: FrontendConfig) -> None:
     endpoints = Endpoints(config.run_dir)
     tokenizer = PromptTokenizer(config.model, config.chat_template)
-    router = Router(config.num_replicas, config.replica_timeout_s)
+    router = Router(config.num_replicas, config.replica_timeout_s, config.routing)
     engine = EngineClient(endpoints, router)
     metrics = FrontendMetrics(router, config.served_model_name)
     serving = Serving(config.served_model_names, config.max_model_len, engine, tokenizer,
@@ -62,8 +62,9 @@ async def serve(config: FrontendConfig) -> None:
             await asyncio.sleep(0.02)
         if server.started:
             await asyncio.to_thread(_announce_ready, endpoints)
-            log.info("frontend serving %s on http://%s:%d for %d replica(s)",
-                     config.served_model_name, config.host, config.port, config.num_replicas)
+            log.info("frontend serving %s on http://%s:%d for %d replica(s), %s routing",
+                     config.served_model_name, config.host, config.port, config.num_replicas,
+                     config.routing.kind)
         await serve_task
     finally:
         drain_task.cancel()

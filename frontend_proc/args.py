@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pagedserve.frontend_proc.routing_policy import (
+    DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL, ROUTER_KINDS, RoutingPolicy, default_router)
+
 
 @dataclass(frozen=True, slots=True)
 class FrontendConfig:
@@ -28,6 +31,7 @@ class FrontendConfig:
     @property
     def served_model_name(self) -> str:
         return self.served_model_names[0]
+    routing: RoutingPolicy = RoutingPolicy()
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not n for n in self.served_model_names):
@@ -64,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a replica whose last stats are older than this is down")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may take to finish")
+    add_router_args(p)
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--uvicorn-log-level", default=None, type=str.lower,
@@ -71,6 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file, or the template text, instead of the model's")
     return p
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router", choices=ROUTER_KINDS, default=None,
+                   help="how requests are spread over data-parallel replicas: cache-aware sends each "
+                        "to the replica holding the longest prefix of its prompt, unless that replica "
+                        "is busier than the load bound allows (then least-loaded); least-loaded; "
+                        "round-robin (default: cache-aware with more than one replica; "
+                        "docs/DECISIONS.md)")
+    p.add_argument("--router-balance-abs", type=int, default=DEFAULT_BALANCE_ABS,
+                   help="cache-aware: the cache winner may carry this many more sequences than the "
+                        "least-loaded replica (default %(default)s)")
+    p.add_argument("--router-balance-rel", type=float, default=DEFAULT_BALANCE_REL,
+                   help="cache-aware: ... or up to this many times its load (default %(default)s)")
 
 
 def _default_max_model_len(model_dir: Path) -> int:
@@ -98,4 +117,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> FrontendConfig:
         drain_timeout_s=ns.drain_timeout_s,
         uvicorn_log_level=ns.uvicorn_log_level,
         chat_template=ns.chat_template,
+        routing=RoutingPolicy(default_router(ns.num_replicas, ns.router), ns.router_balance_abs,
+                              ns.router_balance_rel),
     )

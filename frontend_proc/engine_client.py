@@ -23,8 +23,8 @@ from pagedserve.frontend_proc.errors import ServiceUnavailable
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.zmq_async import AsyncReceiver
 from pagedserve.protocol.messages import (
-    AbortRequest, AddRequest, ProcessTable, RequestDelta, RequestOutputs, SchedulerStats,
-    SchedulerToFrontend, iter_deltas)
+    AbortRequest, AddRequest, PrefixCacheEvents, ProcessTable, RequestDelta, RequestOutputs,
+    SchedulerStats, SchedulerToFrontend, iter_deltas)
 from pagedserve.protocol.rate_limited_log import RateLimitedLog
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 
@@ -45,6 +45,7 @@ class RequestHandle:
     request_id: str
     replica: int
     num_seqs: int
+    predicted_hit_tokens: int = 0  # what the router expected the replica to have cached
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished_indexes: set[int] = field(default_factory=set)
     done: bool = False  # the scheduler holds nothing more for it (or we stopped listening)
@@ -83,10 +84,12 @@ class EngineClient:
         self._send_ctx.term()
 
     def submit(self, request: AddRequest) -> RequestHandle:
-        replica = self.router.pick()
-        if replica is None:
+        decision = self.router.choose(request.prompt_token_ids)
+        if decision is None:
             raise ServiceUnavailable("no scheduler replica is ready; see GET /health")
-        handle = RequestHandle(request.request_id, replica, request.sampling.n)
+        replica = decision.replica
+        handle = RequestHandle(request.request_id, replica, request.sampling.n,
+                               decision.predicted_hit_tokens)
         self._requests[request.request_id] = handle
         if not self._inputs[replica].try_send(request):
             del self._requests[request.request_id]
@@ -130,6 +133,8 @@ class EngineClient:
                     self._check_restarted(msg)
                     if not self.router.update(msg):
                         self._stray_log.warning("stats from an unknown replica ignored", "replica %d", msg.replica)
+                elif isinstance(msg, PrefixCacheEvents):
+                    self.router.apply_cache_events(msg)
                 elif isinstance(msg, ProcessTable):
                     self.router.processes = msg
                 elif isinstance(msg, RequestOutputs):
@@ -147,6 +152,9 @@ class EngineClient:
         if delta.finish_reason is not None:
             handle.finished_indexes.add(delta.index)
             if len(handle.finished_indexes) >= handle.num_seqs:
+                if delta.error is None:  # prediction vs the hits the replica reports
+                    self.router.chooser.record_finished(handle.replica, handle.predicted_hit_tokens,
+                                                        delta.num_cached_tokens)
                 self._forget(handle)
 
     def _check_restarted(self, stats: SchedulerStats) -> None:

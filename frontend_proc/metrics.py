@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedserve.frontend_proc.router import Router
+from pagedserve.frontend_proc.router_metrics import RouterCollector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -131,6 +132,7 @@ class FrontendMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(SchedulerStatsCollector(router, model_name))
+        self.registry.register(RouterCollector(router))
         self.time_to_first_token = _Observed(
             self.registry, model_name, "time_to_first_token_seconds", "Arrival to first output token",
             _LATENCY_BUCKETS)

@@ -1,9 +1,14 @@
-"""Replica health from SchedulerStats heartbeats, and least-loaded routing across replicas.
+"""Replica health from SchedulerStats heartbeats, and routing across replicas.
 
-Stats lag behind: a request sent a moment ago is not in any replica's counts yet. The
-frontend therefore also counts the sequences it has in flight on each replica, and uses
-the larger of the two views, plus the waiting queue again (a queue means the replica is
-out of room, not merely busy). KV-cache usage breaks ties, then the replica index.
+Each replica also has the router's view of its prefix cache (``cache_index.py``, kept by
+``PrefixCacheEvents``); ``routing_policy.py`` decides between the live replicas.
+
+Stats lag behind: a request sent a moment ago is not in any replica's counts yet, and one
+that finished a moment ago still is. The frontend therefore also counts the sequences it
+has in flight on each replica, and uses the larger of the two views (the stats' running
+count only while no request finished there since they were sent), plus the waiting queue again (a queue means the replica is
+out of room, not merely busy). KV-cache usage breaks ties, then the replica chosen least
+recently.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pagedserve.protocol.messages import ProcessTable, SchedulerStats
+from pagedserve.frontend_proc.cache_index import ReplicaCacheIndex
+from pagedserve.frontend_proc.routing_policy import Decision, ReplicaChooser, RoutingPolicy
+from pagedserve.protocol.messages import PrefixCacheEvents, ProcessTable, SchedulerStats
 
 ROUTABLE_STATES = ("ready",)
 SERVING_STATES = ("ready", "draining")  # in-flight requests may continue in these
@@ -23,8 +30,13 @@ class ReplicaStatus:
     replica: int
     stats: Optional[SchedulerStats] = None
     last_seen: float = 0.0  # monotonic time of the last stats
+    released_at: float = 0.0  # monotonic time a request here last finished
     in_flight: int = 0  # sequences this frontend sent and has not seen finish
     request_ids: set[str] = field(default_factory=set)
+    cache: ReplicaCacheIndex = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cache = ReplicaCacheIndex(self.replica)
 
     def is_fresh(self, now: float, timeout_s: float) -> bool:
         return self.stats is not None and now - self.last_seen < timeout_s
@@ -37,15 +49,19 @@ class ReplicaStatus:
 
     def load(self) -> tuple[float, float, int]:
         s = self.stats
-        queued = s.num_running + s.num_waiting + s.num_swapped
+        # Stats older than a finish still count it: on a uniform workload trusting them
+        # regardless sent 36 of 64 one-at-a-time requests to one replica.
+        running = s.num_running if self.last_seen >= self.released_at else 0
+        queued = running + s.num_waiting + s.num_swapped
         return (max(queued, self.in_flight) + s.num_waiting + s.num_swapped,
                 s.kv_cache_usage, self.replica)
 
 
 class Router:
-    def __init__(self, num_replicas: int, timeout_s: float):
+    def __init__(self, num_replicas: int, timeout_s: float, policy: Optional[RoutingPolicy] = None):
         self.timeout_s = timeout_s
         self.replicas = [ReplicaStatus(r) for r in range(num_replicas)]
+        self.chooser = ReplicaChooser(policy or RoutingPolicy(), num_replicas)
         self.processes: Optional[ProcessTable] = None  # the supervisor's latest view
 
     def update(self, stats: SchedulerStats, now: Optional[float] = None) -> bool:
@@ -55,23 +71,38 @@ class Router:
         status = self.replicas[stats.replica]
         status.stats = stats
         status.last_seen = time.monotonic() if now is None else now
+        status.cache.check(stats)
         return True
 
-    def pick(self, now: Optional[float] = None) -> Optional[int]:
-        """The least-loaded live replica, or None when none is live."""
+    def apply_cache_events(self, events: PrefixCacheEvents) -> bool:
+        """Update a replica's cache view; False (and ignored) for a replica index out of range."""
+        if not 0 <= events.replica < len(self.replicas):
+            return False
+        self.replicas[events.replica].cache.apply(events)
+        return True
+
+    def _live(self, now: Optional[float]) -> list[ReplicaStatus]:
         now = time.monotonic() if now is None else now
-        live = [r for r in self.replicas if r.is_live(now, self.timeout_s)]
-        if not live:
-            return None
-        return min(live, key=ReplicaStatus.load).replica
+        return [r for r in self.replicas if r.is_live(now, self.timeout_s)]
+
+    def choose(self, prompt_token_ids=(), now: Optional[float] = None) -> Optional[Decision]:
+        """Where a request with this prompt goes (and why), or None when no replica is live."""
+        live = self._live(now)
+        return self.chooser.choose(live, prompt_token_ids) if live else None
+
+    def pick(self, now: Optional[float] = None) -> Optional[int]:
+        """The least-loaded live replica, or None when none is live (no decision is recorded)."""
+        live = self._live(now)
+        return min(live, key=ReplicaStatus.load).replica if live else None
 
     def assign(self, replica: int, request_id: str, num_seqs: int) -> None:
         status = self.replicas[replica]
         status.request_ids.add(request_id)
         status.in_flight += num_seqs
 
-    def release(self, replica: int, request_id: str, num_seqs: int) -> None:
+    def release(self, replica: int, request_id: str, num_seqs: int, now: Optional[float] = None) -> None:
         status = self.replicas[replica]
+        status.released_at = time.monotonic() if now is None else now
         if request_id in status.request_ids:
             status.request_ids.discard(request_id)
             status.in_flight = max(0, status.in_flight - num_seqs)
@@ -83,7 +114,7 @@ class Router:
                 if r.request_ids and not r.is_serving(now, self.timeout_s)]
 
     def any_live(self, now: Optional[float] = None) -> bool:
-        return self.pick(now) is not None
+        return bool(self._live(now))
 
     def describe(self, now: Optional[float] = None) -> list[dict[str, Any]]:
         """Per-replica health, for /health."""
@@ -104,6 +135,7 @@ class Router:
                 "num_gpu_blocks": s.num_gpu_blocks if s else 0,
                 "num_free_gpu_blocks": s.num_free_gpu_blocks if s else 0,
                 "in_flight": r.in_flight,
+                "cached_blocks_known": len(r.cache),
                 "seconds_since_stats": round(now - r.last_seen, 3) if s else None,
                 "worker_restarts": s.worker_restarts if s else 0,
                 "restarts_in_window": (table.replica_restarts[r.replica]

@@ -140,6 +140,27 @@ class SchedulerStats(Msg):
     block_size: int = 0
     pid: int = 0  # the scheduler's: a new pid means a restarted replica that lost every request
     worker_pids: list[int] = []  # by rank, once connected
+    cache_events_sent: int = 0  # PrefixCacheEvents sent by this pid so far (the next one's seq)
+
+
+class PrefixCacheEvents(Msg, gc=False):  # holds only scalars and int lists: no cycles possible
+    """Blocks that entered (``stored``) or left (``removed``) a replica's prefix cache since
+    the previous message, named by their chain hash (protocol/block_hash.py), for the
+    frontend's cache-aware router. Each block appears at most once, with its latest state.
+
+    Sent before the step's RequestOutputs and before every SchedulerStats on the same
+    socket, so a request's final delta never overtakes the naming of its blocks. ``seq``
+    counts one scheduler process's messages from 0; a receiver that sees a gap, or a
+    SchedulerStats whose ``cache_events_sent`` differs from what it received, forgets
+    that replica's blocks rather than trust a partial view.
+    """
+
+    replica: int
+    pid: int
+    seq: int
+    reset: bool = False  # forget every block known for this replica before applying this
+    stored: list[int] = []
+    removed: list[int] = []
 
 
 class ProcessInfo(msgspec.Struct, forbid_unknown_fields=True):
@@ -307,7 +328,7 @@ class Heartbeat(Msg):
 # ------------------------------------------------------------ one union per channel
 
 FrontendToScheduler = Union[AddRequest, AbortRequest, Drain]
-SchedulerToFrontend = Union[RequestOutputs, SchedulerStats, ProcessTable]
+SchedulerToFrontend = Union[RequestOutputs, SchedulerStats, PrefixCacheEvents, ProcessTable]
 SchedulerToWorker = Union[WorkerInit, SchedulerOutput, Shutdown]
 WorkerToScheduler = Union[WorkerHello, WorkerReady, StepResult]
 ToSupervisor = Union[ProcessReady, ProcessFailed, RestartWorkers, Heartbeat]

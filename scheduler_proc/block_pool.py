@@ -8,6 +8,9 @@ plain block first and evicts the oldest cached one only when no plain block is l
 
 Per-block state lives in ``array``s of machine ints, which the garbage collector never
 walks (a list of a few hundred thousand ints is walked by every full collection).
+
+A pool given a ``CacheEventLog`` reports every key that enters or leaves its cache, for the
+frontend's cache-aware router (only a device pool's hits matter, so only it gets one).
 """
 
 from __future__ import annotations
@@ -17,8 +20,50 @@ from collections import OrderedDict
 from typing import Hashable, Optional
 
 
+class CacheEventLog:
+    """Cache changes since the last ``drain``: chain hash -> True (stored) / False (removed).
+
+    One entry per block hash, the latest state wins, so the order of application does not
+    matter. Bounded: past ``MAX_PENDING`` evictions (nobody draining, e.g. a scheduler-only
+    replay or bench) it keeps nothing and asks the receiver to forget instead; stores need no
+    check, as there are never more of them pending than blocks plus evictions. A serving step
+    drains it, and one step changes at most a few thousand blocks.
+    """
+
+    MAX_PENDING = 1 << 16
+    __slots__ = ("changes", "reset_pending", "num_sent")
+
+    def __init__(self) -> None:
+        self.changes: dict[int, bool] = {}
+        self.reset_pending = True  # the receiver may hold blocks of an earlier pool
+        self.num_sent = 0
+
+    def restart(self) -> "CacheEventLog":
+        """A fresh, empty pool takes over: everything logged so far no longer exists."""
+        self.changes.clear()
+        self.reset_pending = True
+        return self
+
+    def note_removed(self, block_hash: int) -> None:
+        self.changes[block_hash] = False
+        if len(self.changes) > self.MAX_PENDING:
+            self.restart()
+
+    def drain(self) -> Optional[tuple[int, bool, list[int], list[int]]]:
+        """(seq, reset, stored, removed) of the changes since the last drain; None if none."""
+        if not self.changes and not self.reset_pending:
+            return None
+        stored = [h for h, present in self.changes.items() if present]
+        removed = [h for h, present in self.changes.items() if not present]
+        out = (self.num_sent, self.reset_pending, stored, removed)
+        self.changes.clear()
+        self.reset_pending = False
+        self.num_sent += 1
+        return out
+
+
 class BlockPool:
-    __slots__ = ("num_blocks", "ref_counts", "plain_free", "evictable", "block_key", "cache")
+    __slots__ = ("num_blocks", "ref_counts", "plain_free", "evictable", "block_key", "cache", "events")
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -29,6 +74,7 @@ class BlockPool:
         # block -> its prefix-cache key or None: a list, so a step's lookups index, not hash.
         self.block_key: list[Optional[Hashable]] = [None] * num_blocks
         self.cache: dict[Hashable, int] = {}  # prefix-cache key -> block
+        self.events: Optional[CacheEventLog] = None
 
     @property
     def num_free(self) -> int:
@@ -44,8 +90,11 @@ class BlockPool:
             block = self.plain_free.pop()
         else:
             block, _ = self.evictable.popitem(last=False)
-            del self.cache[self.block_key[block]]
+            key = self.block_key[block]
+            del self.cache[key]
             self.block_key[block] = None
+            if self.events is not None:
+                self.events.note_removed(key[2])
         self.ref_counts[block] = 1
         return block
 
@@ -74,3 +123,6 @@ class BlockPool:
         """Publish a full, computed block under ``key``; the first block to claim a key keeps it."""
         if self.block_key[block] is None and self.cache.setdefault(key, block) == block:  # one key hash
             self.block_key[block] = key
+            events = self.events
+            if events is not None:
+                events.changes[key[2]] = True  # inlined: once per block filled, on the hot path

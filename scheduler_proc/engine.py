@@ -199,8 +199,16 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ frontend
 
+    def _send_cache_events(self) -> None:
+        """Prefix-cache changes for the router; always ahead of the deltas and stats they explain."""
+        drained = self.scheduler.cache_events.drain() if self.scheduler is not None else None
+        if drained is not None:
+            seq, reset, stored, removed = drained
+            self.to_frontend.send(m.PrefixCacheEvents(self.cfg.replica, os.getpid(), seq, reset, stored, removed))
+
     def _send_deltas(self, deltas, step: Optional[int] = None) -> None:
         """``deltas``: a list of RequestDelta, or a step's StepOutputs (plain tokens as lists)."""
+        self._send_cache_events()
         if deltas:
             if step is None:
                 step = self.scheduler.step if self.scheduler is not None else 0
@@ -234,6 +242,7 @@ class EngineLoop:
         if not force and now - self.last_stats_sent < self.cfg.stats_interval_s:
             return
         self.last_stats_sent = now
+        self._send_cache_events()
         counts = self.scheduler.stats() if self.scheduler is not None else {}
         stats = m.SchedulerStats(
             replica=self.cfg.replica, state=self.state,

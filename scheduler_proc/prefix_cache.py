@@ -1,14 +1,12 @@
 """Prefix caching: full blocks are named by their content and the content before them.
 
-The key of block ``i`` of a sequence is ``(parent, tokens, own)``: ``tokens`` is the raw
-int64 bytes of its ``block_size`` token ids (what ``array("q")`` and numpy hold, 8 bytes a
-token, where a tuple of ints costs ~40), ``own`` is ``hash((parent, int(tokens)))`` and
-``parent`` is block ``i-1``'s ``own`` (0 for the first block). Carrying ``own`` means the
-next block's parent is read, not recomputed. ``own`` hashes ints only, which Python hashes
-the same way in every run (unlike ``bytes`` or ``str``), so the chain, and a recorded
-trace's hits, are the same in every process. The cache is a dict on those keys, so
-equal-hash collisions of different tokens are told apart by equality; only a 64-bit
-collision of two *parent* hashes could alias, as in vLLM.
+The key of block ``i`` of a sequence is ``(parent, tokens, own)``, defined once in
+protocol/block_hash.py so the frontend's router names blocks exactly as we do: ``tokens``
+is the raw int64 bytes of its token ids (8 bytes a token, where a tuple of ints costs ~40)
+and ``own`` hashes ``(parent, int(tokens))`` with ints only, the same in every process.
+Carrying ``own`` means the next block's parent is read, not recomputed. The cache is a
+dict on those keys, so equal-hash collisions of different tokens are told apart by
+equality; only a 64-bit collision of two *parent* hashes could alias, as in vLLM.
 
 A block is published only after the step that computes its last token has run
 (``register_computed``), so a hit never points at KV that is not yet written.
@@ -16,12 +14,11 @@ A block is published only after the step that computes its last token has run
 
 from __future__ import annotations
 
+from pagedserve.protocol.block_hash import block_key
 from pagedserve.scheduler_proc.block_pool import BlockPool
 from pagedserve.scheduler_proc.request import Sequence
 
-
-def block_key(parent: int, tokens: bytes) -> tuple[int, bytes, int]:
-    return parent, tokens, hash((parent, int.from_bytes(tokens, "little", signed=True)))
+__all__ = ["block_key", "lookup", "register_computed", "republish"]
 
 
 def lookup(pool: BlockPool, seq: Sequence, block_size: int) -> tuple[list[int], list]:

@@ -36,6 +36,7 @@ from pagedserve.protocol.messages import (
 from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap
 from pagedserve.scheduler_proc.admission import length_limit, rejection_reason
 from pagedserve.scheduler_proc.block_manager import BlockManager
+from pagedserve.scheduler_proc.block_pool import CacheEventLog
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.decode_lane import DecodeLane
 from pagedserve.scheduler_proc.request import (
@@ -61,10 +62,12 @@ class Scheduler:
         self._rng = random.Random(config.seed)
         self._step = 0
         self._arrivals = 0
+        self.cache_events = CacheEventLog()  # for the frontend's cache-aware router
         self._reset_state()
 
     def _reset_state(self) -> None:
         self.bm = BlockManager(self.config)
+        self.bm.device.events = self.cache_events.restart()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()  # arrival order; recompute-preempted at the front
         self.running: list[Sequence] = []  # running outside the lane; arrival order, oldest first

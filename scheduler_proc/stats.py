@@ -46,5 +46,6 @@ def snapshot(sched: "Scheduler") -> dict:
         "num_cpu_blocks": host.num_blocks,
         "num_free_cpu_blocks": host.num_free,
         "kv_cache_usage": device.num_used / device.num_blocks,
+        "cache_events_sent": sched.cache_events.num_sent,
         **sched.counters.as_dict(),
     }

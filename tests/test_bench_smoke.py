@@ -37,6 +37,26 @@ def test_bench_serve_writes_a_json_result_and_a_png_plot(model_factory, tmp_path
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_serve_multi_turn_sends_each_turn_after_the_answer_and_reports_the_hit_rate(model_factory, tmp_path):
+    srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "128", "--max-model-len", "1024",
+                                          "--enable-prefix-caching"]).start(tmp_path)
+    try:
+        out_json = tmp_path / "m.json"
+        rc = run_bench("serve", "--url", srv.url, "--dataset", "multi-turn", "--num-conversations", "2",
+                       "--num-turns", "3", "--system-prompt-len", "40", "--turn-len", "8", "--output-len", "3",
+                       "--output-json", str(out_json), "--output-png", str(tmp_path / "m.png"), "--no-progress")
+    finally:
+        srv.stop()
+    assert rc == 0
+    result = json.loads(out_json.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    by_turn = sorted(result["requests"], key=lambda r: r["index"])
+    for first, later in ((by_turn[0], by_turn[1]), (by_turn[1], by_turn[2])):  # one conversation
+        assert later["start"] >= first["start"] + first["e2e"]  # asked only once answered
+        assert later["prompt_tokens"] > first["prompt_tokens"] + 3  # the history grows
+    assert 0.3 < result["prefix_hit_rate"] < 1.0
+
+
 def test_tight_kv_scenario_completes_every_request_and_counts_preemptions(model_factory, tmp_path):
     out_json = tmp_path / "tight.json"
     rc = run_bench("scenario", "tight-kv", "--model", model_factory("qwen2"), "--num-requests", "9",
