@@ -104,7 +104,7 @@ class ModelRunner:
         started = time.perf_counter()
         req_ids: list[str] = []
         token_ids: list[int] = []
-        logprobs = None
+        logprobs = alternatives = None
         with torch.inference_mode():
             for req_id in out.finished_req_ids:
                 self._requests.pop(req_id, None)
@@ -119,11 +119,12 @@ class ModelRunner:
                     logits = self.model.compute_logits(hidden[batch.sample_indices])
                     sampled = sample(logits, batch.sampled_requests)
                     req_ids = [r.req_id for r in batch.sampled_requests]
-                    token_ids, logprobs = sampled.token_ids, sampled.logprobs
+                    token_ids, logprobs, alternatives = sampled.token_ids, sampled.logprobs, sampled.top_logprobs
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(step=out.step, rank=self.rank, req_ids=req_ids, sampled_token_ids=token_ids,
-                          logprobs=logprobs, forward_time_s=time.perf_counter() - started)
+                          logprobs=logprobs, forward_time_s=time.perf_counter() - started,
+                          top_logprobs=alternatives)
 
     def _update_requests(self, out: SchedulerOutput) -> list[RequestState]:
         """Register new requests, apply cached ones' diffs and decodes; returns them in batch order."""
