@@ -21,7 +21,7 @@ import msgspec
 from pagedserve.protocol.codec import PROTOCOL_VERSION, Decoder, ProtocolError
 from pagedserve.protocol.messages import MAX_REQUEST_ID_CHARS, AddRequest, FrontendToScheduler, RequestDelta
 
-_AT_PATH = re.compile(r"^(?P<why>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.S)
+_AT_PATH = re.compile(r"^(?P<why>.*?)(?: - at `(?:key` in `)?\$\.?(?P<path>[^`]*)`)?$", re.S)  # dict keys too
 
 
 class InvalidField(ValueError):
