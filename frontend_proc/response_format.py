@@ -49,8 +49,18 @@ class CompletionFormat:
         # vLLM's shape: the alternatives and the sampled token, keyed by text
         return {"tokens": [t for t, _, _ in entries],
                 "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{**dict(top), t: lp} for t, lp, top in entries],
+                "top_logprobs": [_by_text([(t, lp), *top]) for t, lp, top in entries],
                 "text_offset": offsets}
+
+
+def _by_text(pairs: list[tuple[str, float]]) -> dict[str, float]:
+    """Completions' top_logprobs are keyed by text: tokens whose texts collide (byte pieces
+    that each decode to U+FFFD) keep the highest logprob among them."""
+    table: dict[str, float] = {}
+    for text, logprob in pairs:
+        if text not in table or logprob > table[text]:
+            table[text] = logprob
+    return table
 
 
 class ChatFormat(CompletionFormat):
