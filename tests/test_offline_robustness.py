@@ -112,6 +112,32 @@ def test_the_scheduler_answers_a_frame_that_skipped_the_checks_and_stays_up(llm)
     assert next(c for c in llm._children if c.role == "scheduler").popen.poll() is None
 
 
+def test_offline_logprobs_k_are_vllm_dicts_and_penalties_and_bias_are_honoured(llm, model):
+    import torch
+
+    from conftest import _hf
+    hf_model, _ = _hf(model)
+    expected = hf_greedy(model, PROMPT, 3)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2),
+                       use_tqdm=False, timeout=30)[0].outputs[0]
+    assert out.token_ids == expected
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([PROMPT + expected])).logits[0, len(PROMPT) - 1:-1]
+    for token, entry, reference in zip(out.token_ids, out.logprobs, torch.log_softmax(logits.float(), -1)):
+        values, ids = reference.topk(2)
+        assert set(entry) == {token, *ids.tolist()}
+        assert [entry[i] for i in ids.tolist()] == pytest.approx(values.tolist(), abs=1e-4)
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=True),
+                         use_tqdm=False, timeout=30)[0].outputs[0]
+    assert all(isinstance(lp, float) for lp in plain.logprobs) and len(plain.logprobs) == 3
+    forced = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0.0, logit_bias={7: 100.0}),
+                          use_tqdm=False, timeout=30)[0].outputs[0]
+    assert forced.token_ids == [7, 7, 7]
+    too_big = SamplingParams(logit_bias={VOCAB: 1.0})  # the vocabulary is known only to the LLM
+    with pytest.raises(ValueError, match="^logit_bias"):
+        llm.generate(PROMPT, too_big, use_tqdm=False, timeout=30)
+
+
 def test_every_prompt_form_works_and_the_same_processes_still_give_the_right_tokens(llm, model):
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     text = llm.tokenizer.decode(PROMPT)
