@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -74,6 +76,15 @@ def test_chat_top_logprobs_are_transformers_log_softmax(server):
         assert [a["token"] for a in entry["top_logprobs"]] == [tok.decode([i]) for i in ids.tolist()]
         assert [a["logprob"] for a in entry["top_logprobs"]] == pytest.approx(values.tolist(), abs=1e-4)
         assert all(bytes(a["bytes"]).decode() == a["token"] for a in entry["top_logprobs"])
+    streamed = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120, json={
+            "messages": messages, "logprobs": True, "top_logprobs": 2, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True}) as events:
+        for line in events.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed += (choice.get("logprobs") or {}).get("content", [])
+    assert streamed == content
 
 
 # 1.8 first bites on a repeated output token (step 5), 0.3 on the prompt's tokens
