@@ -215,7 +215,7 @@ class LLM:
                                 arrival_time=time.perf_counter())
             replica = min(range(len(self._inputs)), key=self._in_flight.__getitem__)
             self._in_flight[replica] += 1
-            pending[add.request_id] = PendingRequest(i, out, replica, self._decoder, sp.stop)
+            pending[add.request_id] = PendingRequest(i, out, replica, self._decoder, sp.stop, sp.logprobs_as_dicts)
             self._inputs[replica].send(add)
         self._collect(pending, results, use_tqdm, deadline)
         return results  # type: ignore[return-value]

@@ -30,7 +30,16 @@ class SamplingParams:
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    logprobs: bool = False  # the sampled token's logprob (no top-k alternatives)
+    # True: each sampled token's logprob (a float per token). An int k >= 0 (vLLM's form): per
+    # token a dict token id -> logprob holding the sampled token and the k most likely ones.
+    logprobs: Union[bool, int, None] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None  # token id -> bias in [-100, 100]
+    best_of: Optional[int] = None  # only None or n: no extra candidates are sampled
+    prompt_logprobs: Optional[int] = None  # refused: prompt logprobs are not computed
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,20 +50,38 @@ class SamplingParams:
         self.stop = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        if not isinstance(self.logprobs, bool):  # vLLM's logprobs=k asks for top-k alternatives
-            raise InvalidField("logprobs", f"logprobs must be True or False (the sampled token's logprob; "
-                                           f"top-k alternatives are not supported), got {self.logprobs!r}")
-        sampling = self.to_protocol()
-        check_message(sampling)
+        if self.logprobs is not None and not isinstance(self.logprobs, (bool, int)):
+            raise InvalidField("logprobs", f"logprobs must be None, True or a number of alternatives, "
+                                           f"got {self.logprobs!r}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise InvalidField("logit_bias", f"logit_bias must be a dict token id -> bias, got {self.logit_bias!r}")
+        if self.prompt_logprobs is not None:
+            raise InvalidField("prompt_logprobs", "prompt_logprobs is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidField("best_of", f"only best_of equal to n ({self.n}) is supported, got {self.best_of}")
+        try:
+            check_message(self.to_protocol())
+        except InvalidField as exc:
+            if exc.field != "top_logprobs":
+                raise
+            raise InvalidField("logprobs", f"{exc.reason} (alternatives per token)") from None
         if self.min_tokens > self.max_tokens:
             raise InvalidField("min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens "
                                              f"({self.max_tokens})")
+
+    @property
+    def logprobs_as_dicts(self) -> bool:
+        """vLLM's form (logprobs=k): per token a dict token id -> logprob."""
+        return self.logprobs is not None and not isinstance(self.logprobs, bool)
 
     def to_protocol(self) -> m.SamplingParams:
         wire = set(m.SamplingParams.__struct_fields__)
         values: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name in wire}
         if isinstance(values["stop_token_ids"], (list, tuple)):
             values["stop_token_ids"] = list(values["stop_token_ids"])
+        values["logprobs"] = self.logprobs is not None and self.logprobs is not False
+        values["top_logprobs"] = self.logprobs if self.logprobs_as_dicts else 0
+        values["logit_bias"] = dict(self.logit_bias or {})
         return m.SamplingParams(**values)
 
 

@@ -22,7 +22,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error"
     error: Optional[str] = None
-    logprobs: Optional[list[float]] = None  # one per token id, when SamplingParams.logprobs
+    # One per token id when SamplingParams.logprobs: a float (logprobs=True), or vLLM's dict
+    # token id -> logprob of the sampled token and the k most likely (logprobs=k)
+    logprobs: Optional[list] = None
 
 
 @dataclass(slots=True)
@@ -64,8 +66,9 @@ class PendingRequest:
     """A request sent and not finished: where its result goes and each sample's text so far."""
 
     def __init__(self, index: int, output: RequestOutput, replica: int, decoder: TextDecoder,
-                 stop_strings: list[str]):
+                 stop_strings: list[str], logprobs_as_dicts: bool = False):
         self.index = index  # in the caller's list of prompts
+        self.logprobs_as_dicts = logprobs_as_dicts
         self.output = output
         self.replica = replica
         # Without stop strings, the text is decoded once at the end: the same text (the
@@ -100,7 +103,7 @@ class PendingRequest:
             return 0  # ended by a stop string; the scheduler lags behind
         sample.token_ids += delta.new_token_ids
         if delta.logprobs is not None:
-            sample.logprobs = (sample.logprobs or []) + delta.logprobs
+            sample.logprobs = (sample.logprobs or []) + self._logprobs(delta)
         if delta.index == 0 and delta.new_token_ids:
             self.output.first_token_time = self.output.first_token_time or now
             self.output.token_times.append(now)
@@ -116,6 +119,13 @@ class PendingRequest:
         if self.finished:
             self.output.finish_time = now
         return len(delta.new_token_ids)
+
+    def _logprobs(self, delta: m.RequestDelta) -> list:
+        if not self.logprobs_as_dicts:
+            return list(delta.logprobs)
+        alternatives = delta.top_logprobs or [[] for _ in delta.new_token_ids]
+        return [{**dict(top), token: logprob}
+                for token, logprob, top in zip(delta.new_token_ids, delta.logprobs, alternatives)]
 
     def fail(self, reason: str) -> None:
         self.apply(m.RequestDelta(self.output.request_id, 0, [], "error", reason, "engine"), time.perf_counter())

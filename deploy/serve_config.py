@@ -62,6 +62,7 @@ class ServeConfig:
     uvicorn_log_level: Optional[str] = None  # default: --log-level
     disable_log_requests: bool = True  # pagedserve never logs prompts or outputs; vLLM's flag is accepted
     chat_template: Optional[str] = None  # a file path or the template itself
+    max_logprobs: int = 20  # vLLM's default: the most alternatives per token a request may ask for
     internal_host: Optional[str] = None  # None: ipc sockets in the 0700 run dir
     internal_port_base: Optional[int] = None
     internal_curve: bool = False  # CurveZMQ even on loopback (always on off loopback)
@@ -81,6 +82,8 @@ class ServeConfig:
             self.max_model_len = limit
         if self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"--max-logprobs must be at least 0, got {self.max_logprobs}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
@@ -152,7 +155,8 @@ class ServeConfig:
             "--max-model-len", str(self.max_model_len), "--replica-timeout-s", str(self.replica_timeout_s),
             "--drain-timeout-s", str(self.drain_timeout_s), "--log-level", self.log_level.lower(),
             "--router", self.router, "--router-balance-abs", str(self.router_balance_abs),
-            "--router-balance-rel", str(self.router_balance_rel)]
+            "--router-balance-rel", str(self.router_balance_rel),
+            "--max-logprobs", str(self.max_logprobs)]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         if self.uvicorn_log_level:
@@ -257,6 +261,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the HTTP server's log level (default: --log-level)")
     p.add_argument("--disable-log-requests", action="store_true", default=True,
                    help="accepted for vLLM command lines: pagedserve never logs prompts or outputs")
+    p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs alternatives per token (larger: 400)")
     p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template text) instead of the model's")
     g = p.add_argument_group("beyond one node (deploy/README.md)")

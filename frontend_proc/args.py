@@ -27,6 +27,7 @@ class FrontendConfig:
     drain_timeout_s: float = 30.0
     uvicorn_log_level: Optional[str] = None
     chat_template: Optional[str] = None  # a file path or the template text
+    max_logprobs: int = 20  # alternatives per token a request may ask for
 
     @property
     def served_model_name(self) -> str:
@@ -42,6 +43,8 @@ class FrontendConfig:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.replica_timeout_s <= 0:
             raise ValueError(f"--replica-timeout-s must be positive, got {self.replica_timeout_s}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"--max-logprobs must be at least 0, got {self.max_logprobs}")
         if not (0 <= self.port < 65536):
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
 
@@ -73,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--uvicorn-log-level", default=None, type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs alternatives per token a request may ask for (larger: 400)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file, or the template text, instead of the model's")
     return p
@@ -119,4 +124,5 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> FrontendConfig:
         chat_template=ns.chat_template,
         routing=RoutingPolicy(default_router(ns.num_replicas, ns.router), ns.router_balance_abs,
                               ns.router_balance_rel),
+        max_logprobs=ns.max_logprobs,
     )

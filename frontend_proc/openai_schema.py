@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 128
-MAX_LOGPROBS = 20
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default; a deployment may set another
 
 
 class _Lenient(BaseModel):
@@ -35,6 +35,13 @@ class SamplingFields(_Lenient):
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=2.0)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias in [-100, 100]
+    best_of: Optional[int] = Field(default=None, ge=1)  # only best_of == n (no extra candidates)
+    prompt_logprobs: Optional[int] = None  # refused: prompt logprobs are not computed
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
 
@@ -45,6 +52,30 @@ class SamplingFields(_Lenient):
         if any(s == "" for s in strings):
             raise ValueError("stop strings must not be empty")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_ids_and_range(cls, value: Optional[dict[str, float]]):
+        for key, bias in (value or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys are token ids as strings, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_unsupported(cls, value: Optional[int]):
+        if value is not None:
+            raise ValueError("prompt_logprobs is not supported")
+        return value
+
+    def token_logit_bias(self) -> dict[int, float]:
+        return {int(key): float(bias) for key, bias in (self.logit_bias or {}).items()}
+
+    def num_top_logprobs(self) -> int:
+        """How many alternatives per token were asked for (0: the sampled token only)."""
+        return 0
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -57,7 +88,7 @@ class SamplingFields(_Lenient):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[int] = Field(default=None, ge=0)  # <= --max-logprobs, checked in serving
     echo: bool = False
 
     @field_validator("prompt")
@@ -85,6 +116,9 @@ class CompletionRequest(SamplingFields):
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
 
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
 
 class ChatMessage(_Lenient):
     role: str
@@ -106,10 +140,13 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, gt=0)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[int] = Field(default=None, ge=0)  # <= --max-logprobs, checked in serving
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+    def num_top_logprobs(self) -> int:
+        return self.top_logprobs or 0

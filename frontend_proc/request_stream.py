@@ -29,6 +29,7 @@ class ChoiceUpdate:
     text: str
     token_ids: list[int] = field(default_factory=list)  # rendered tokens, for logprobs
     logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token, its alternatives
     finish_reason: Optional[str] = None
 
 
@@ -46,7 +47,7 @@ class ChoiceState:
         self.num_tokens += len(delta.new_token_ids)
         update = self.text.apply(delta)
         return ChoiceUpdate(self.index, update.text, update.token_ids, update.logprobs,
-                            update.finish_reason)
+                            update.top_logprobs, update.finish_reason)
 
 
 def _delta_error(delta: RequestDelta) -> APIError:

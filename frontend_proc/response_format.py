@@ -6,7 +6,8 @@ import time
 import uuid
 from typing import Any, Optional
 
-LogprobEntries = list[tuple[str, float]]  # (token text, logprob of the sampled token)
+# Per token: (its text, its logprob, its top alternatives as (text, logprob), best first).
+LogprobEntries = list[tuple[str, float, list[tuple[str, float]]]]
 
 
 class CompletionFormat:
@@ -41,14 +42,25 @@ class CompletionFormat:
             return None
         offset = self._text_offsets.get(index, 0)
         offsets = []
-        for token, _ in entries:
+        for token, _, _ in entries:
             offsets.append(offset)
             offset += len(token)
         self._text_offsets[index] = offset
-        return {"tokens": [t for t, _ in entries],
-                "token_logprobs": [lp for _, lp in entries],
-                "top_logprobs": [{t: lp} for t, lp in entries],
+        # vLLM's shape: the alternatives and the sampled token, keyed by text
+        return {"tokens": [t for t, _, _ in entries],
+                "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [_by_text([(t, lp), *top]) for t, lp, top in entries],
                 "text_offset": offsets}
+
+
+def _by_text(pairs: list[tuple[str, float]]) -> dict[str, float]:
+    """Completions' top_logprobs are keyed by text: tokens whose texts collide (byte pieces
+    that each decode to U+FFFD) keep the highest logprob among them."""
+    table: dict[str, float] = {}
+    for text, logprob in pairs:
+        if text not in table or logprob > table[text]:
+            table[text] = logprob
+    return table
 
 
 class ChatFormat(CompletionFormat):
@@ -75,9 +87,9 @@ class ChatFormat(CompletionFormat):
         if entries is None:
             return None
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                             "top_logprobs": [{"token": t, "logprob": lp,
-                                               "bytes": list(t.encode())}]}
-                            for t, lp in entries]}
+                             "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
+                                              for a, alp in top]}
+                            for t, lp, top in entries]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -20,7 +20,7 @@ from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.openai_schema import (
-    ChatCompletionRequest, CompletionRequest, SamplingFields)
+    DEFAULT_MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields)
 from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
 from pagedserve.frontend_proc.response_format import (
     ChatFormat, CompletionFormat, LogprobEntries, usage)
@@ -69,13 +69,15 @@ def _sse(payload: Union[dict[str, Any], str]) -> bytes:
 
 class Serving:
     def __init__(self, served_model_names: Sequence[str], max_model_len: int, engine: EngineClient,
-                 tokenizer: PromptTokenizer, metrics: FrontendMetrics):
+                 tokenizer: PromptTokenizer, metrics: FrontendMetrics,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS):
         self.served_model_names = list(served_model_names)
         self.served_model_name = self.served_model_names[0]  # what responses name
         self.max_model_len = max_model_len
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.max_logprobs = max_logprobs
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body)
@@ -118,14 +120,32 @@ class Serving:
                 param="max_tokens")
         return requested
 
+    def _check_sampling_fields(self, body: SamplingFields) -> None:
+        """What the schema alone cannot say: limits of this deployment, fields that need others."""
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: set logprobs to true as well",
+                                 param="top_logprobs")
+        if body.num_top_logprobs() > self.max_logprobs:
+            field = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+            raise InvalidRequest(f"{field}: at most {self.max_logprobs} logprobs per token are served here "
+                                 f"(--max-logprobs), got {body.num_top_logprobs()}", param=field)
+        if body.best_of is not None and body.best_of != body.n:
+            raise InvalidRequest(f"best_of: only best_of equal to n ({body.n}) is supported, got "
+                                 f"{body.best_of}; ask for n samples instead", param="best_of")
+
     def _sampling(self, body: SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
+        self._check_sampling_fields(body)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=0 if body.top_k is None or body.top_k < 0 else body.top_k,
             seed=body.seed, n=body.n, stop_token_ids=list(body.stop_token_ids or []),
-            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs)
+            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_p=body.min_p or 0.0, logit_bias=body.token_logit_bias(),
+            top_logprobs=body.num_top_logprobs() if logprobs else 0)
 
     def _check(self, add: AddRequest, body: SamplingFields) -> None:
         """The protocol's own ranges, checked before anything is encoded: a value no process
@@ -168,8 +188,10 @@ class Serving:
     def _logprob_entries(self, update: ChoiceUpdate) -> Optional[LogprobEntries]:
         if update.logprobs is None:
             return None
-        return [(self.tokenizer.token_text(t), lp)
-                for t, lp in zip(update.token_ids, update.logprobs)]
+        text = self.tokenizer.token_text
+        alternatives = update.top_logprobs or [[] for _ in update.token_ids]
+        return [(text(t), lp, [(text(a), alp) for a, alp in top])
+                for t, lp, top in zip(update.token_ids, update.logprobs, alternatives)]
 
     async def _collect(self, stream: RequestStream,
                        updates: AsyncIterator[list[ChoiceUpdate]],

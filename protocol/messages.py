@@ -22,6 +22,8 @@ MAX_COUNT = (1 << 31) - 1  # token counts: far above any context length
 MAX_N = 4096  # parallel samples of one request; a scheduler also caps n at its max_num_seqs
 MAX_TEMPERATURE = 1e6  # finite; at this temperature every distribution is already uniform
 MAX_REQUEST_ID_CHARS = 256
+MAX_TOP_LOGPROBS = 1024  # alternatives per token on the wire; a deployment's --max-logprobs is lower
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: +-100 already bans or forces a token
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 Seed = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -45,6 +47,13 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     ignore_eos: bool = False
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
     logprobs: bool = False  # return the sampled token's logprob
+    # Sampling controls with vLLM's semantics (docs/DECISIONS.md, "Sampling parameters").
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0  # output tokens
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0  # output tokens
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] = 1.0  # prompt and output
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    logit_bias: dict[TokenId, Annotated[float, msgspec.Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] = {}
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # alternatives, with logprobs
 
 
 # ------------------------------------------------------------ frontend -> scheduler
@@ -80,6 +89,8 @@ class RequestDelta(Msg, gc=False):  # holds only scalars and int lists: no cycle
     num_cached_tokens: int = 0
     logprobs: Optional[list[float]] = None
     stop_token_id: Optional[int] = None
+    # Per new token, its top-k alternatives (token id, logprob), best first; with top_logprobs > 0.
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
 
 class RequestOutputs(Msg, gc=False):
@@ -286,6 +297,9 @@ class StepResult(Msg):
     error: Optional[str] = None
     forward_time_s: float = 0.0
     idle_time_s: float = 0.0  # since the previous result was sent
+    # Per sampled request: its top_logprobs alternatives (token id, logprob of the unmodified
+    # distribution), best first; [] for a request that asked for none. None: nobody asked.
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
 
 class Shutdown(Msg):

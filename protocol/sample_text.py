@@ -21,6 +21,7 @@ class TextUpdate:
     text: str  # new text, safe to show
     token_ids: list[int]  # the delta's rendered tokens (a stop token left out)
     logprobs: Optional[list[float]]  # theirs
+    top_logprobs: Optional[list[list[tuple[int, float]]]]  # theirs: per token, its alternatives
     finish_reason: Optional[str]  # set once this sample has ended
 
 
@@ -31,11 +32,12 @@ class SampleText:
         self.finish_reason: Optional[str] = None
 
     def apply(self, delta: RequestDelta) -> TextUpdate:
-        rendered, logprobs = delta.new_token_ids, delta.logprobs
+        rendered, logprobs, alternatives = delta.new_token_ids, delta.logprobs, delta.top_logprobs
         if (delta.stop_token_id is not None and rendered
                 and rendered[-1] == delta.stop_token_id):
             rendered = rendered[:-1]  # EOS / stop_token_ids are not part of the text
             logprobs = logprobs[:len(rendered)] if logprobs is not None else None
+            alternatives = alternatives[:len(rendered)] if alternatives is not None else None
         check = self.stop_matcher.feed(self.detokenizer.add(rendered))
         text, finish_reason = check.text, None
         if check.matched is not None:
@@ -48,4 +50,4 @@ class SampleText:
                 text += self.stop_matcher.flush()
                 finish_reason = delta.finish_reason
         self.finish_reason = finish_reason
-        return TextUpdate(text, list(rendered), logprobs, finish_reason)
+        return TextUpdate(text, list(rendered), logprobs, alternatives, finish_reason)

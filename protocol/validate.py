@@ -21,7 +21,7 @@ import msgspec
 from pagedserve.protocol.codec import PROTOCOL_VERSION, Decoder, ProtocolError
 from pagedserve.protocol.messages import MAX_REQUEST_ID_CHARS, AddRequest, FrontendToScheduler, RequestDelta
 
-_AT_PATH = re.compile(r"^(?P<why>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.S)
+_AT_PATH = re.compile(r"^(?P<why>.*?)(?: - at `(?:key` in `)?\$\.?(?P<path>[^`]*)`)?$", re.S)  # dict keys too
 
 
 class InvalidField(ValueError):
@@ -67,7 +67,10 @@ def check_request(msg: AddRequest, vocab_size: int = 0) -> None:
     if sampling.min_tokens > sampling.max_tokens:
         raise InvalidField("min_tokens", f"min_tokens ({sampling.min_tokens}) exceeds max_tokens "
                                          f"({sampling.max_tokens})")
+    if sampling.top_logprobs and not sampling.logprobs:
+        raise InvalidField("top_logprobs", "top_logprobs needs logprobs: set logprobs to true as well")
     if vocab_size > 0:
+        _check_vocabulary("logit_bias", list(sampling.logit_bias), vocab_size)
         _check_vocabulary("prompt_token_ids", msg.prompt_token_ids, vocab_size)
         _check_vocabulary("stop_token_ids", sampling.stop_token_ids, vocab_size)
         _check_vocabulary("eos_token_ids", msg.eos_token_ids, vocab_size)

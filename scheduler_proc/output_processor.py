@@ -68,11 +68,16 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
     append = deltas.append
     orders = []  # of the sequences behind ``deltas``: a step's deltas go out in arrival order
     accepted = 0
+    alternatives = result.top_logprobs
     if logprobs is None:
         logprobs = _NO_LOGPROBS
     elif len(logprobs) != len(tokens):
         raise StepResultMismatch(f"step {out.step}: {len(logprobs)} logprobs for {len(tokens)} tokens")
-    for seq, req_id, token, logprob in zip(sampling_seqs, req_ids, tokens[:num_slow], logprobs):
+    if alternatives is None:
+        alternatives = _NO_LOGPROBS
+    elif len(alternatives) != len(tokens):
+        raise StepResultMismatch(f"step {out.step}: {len(alternatives)} top_logprobs for {len(tokens)} tokens")
+    for seq, req_id, token, logprob, top in zip(sampling_seqs, req_ids, tokens[:num_slow], logprobs, alternatives):
         if seq.seq_id != req_id:
             raise StepResultMismatch(f"step {out.step}: a sample for {req_id!r} where {seq.seq_id!r} was due")
         if seq.status != RUNNING:
@@ -91,7 +96,7 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
         orders.append(seq.order)
         append(RequestDelta(seq.request_id, seq.index, [token], finish, None, None, seq.num_prompt_tokens,
                             seq.num_cached_tokens, [logprob] if seq.want_logprobs and logprob is not None else None,
-                            stop_token))
+                            stop_token, [top] if seq.want_logprobs and top else None))
         if finish is not None:
             _finish(sched, seq)
     if lane_ids:

@@ -53,6 +53,13 @@ COMMON = {
     "stream": ["yes", 1, NAN, [], ""],
     "stream_options": ["x", {"include_usage": "yes"}, [], NAN],
     "model": [5, [], "", "gpt-4", NAN],
+    "presence_penalty": [*HUGE, 2.5, -2.5, NAN, "", "1"],
+    "frequency_penalty": [*HUGE, 2.5, -2.5, NAN, ""],
+    "repetition_penalty": [*HUGE, 0, -1, 2.5, NAN, ""],
+    "min_p": [*HUGE, -0.1, 1.5, NAN, ""],
+    "logit_bias": [{"1": 101}, {"1": -101}, {"x": 1}, {"-1": 1}, {str(VOCAB): 1}, {"1": NAN}, {"1": "x"}, [], "x"],
+    "best_of": [0, -1, 2, "", NAN],
+    "prompt_logprobs": [0, 1, "x"],
 }
 COMPLETION = {
     **COMMON,

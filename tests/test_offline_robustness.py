@@ -41,7 +41,10 @@ def llm(model):
         yield engine
 
 
-BAD_SAMPLING = [dict(logprobs=5), dict(temperature="x"), dict(temperature=math.nan), dict(temperature=-1),
+BAD_SAMPLING = [dict(logprobs=-1), dict(logprobs=2000), dict(logprobs="x"), dict(presence_penalty=2.5),
+                dict(frequency_penalty=-3), dict(frequency_penalty=math.nan), dict(repetition_penalty=0),
+                dict(repetition_penalty=2.5), dict(min_p=1.5), dict(min_p=-0.1), dict(logit_bias={1: 101}),
+                dict(logit_bias={-1: 1.0}), dict(logit_bias="x"), dict(prompt_logprobs=1), dict(best_of=3), dict(temperature="x"), dict(temperature=math.nan), dict(temperature=-1),
                 dict(top_p=math.nan), dict(top_p=0), dict(top_k=-2), dict(top_k=2**70), dict(seed=2**63),
                 dict(seed=2**70), dict(seed=1.5), dict(n=0), dict(n=10**30), dict(max_tokens=0),
                 dict(max_tokens=2**70), dict(max_tokens=True), dict(min_tokens=-1), dict(min_tokens=100),
@@ -107,6 +110,32 @@ def test_the_scheduler_answers_a_frame_that_skipped_the_checks_and_stays_up(llm)
     delta = _error_for(llm, "raw-oov")
     assert delta.finish_reason == "error" and "vocabulary" in delta.error
     assert next(c for c in llm._children if c.role == "scheduler").popen.poll() is None
+
+
+def test_offline_logprobs_k_are_vllm_dicts_and_penalties_and_bias_are_honoured(llm, model):
+    import torch
+
+    from conftest import _hf
+    hf_model, _ = _hf(model)
+    expected = hf_greedy(model, PROMPT, 3)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2),
+                       use_tqdm=False, timeout=30)[0].outputs[0]
+    assert out.token_ids == expected
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([PROMPT + expected])).logits[0, len(PROMPT) - 1:-1]
+    for token, entry, reference in zip(out.token_ids, out.logprobs, torch.log_softmax(logits.float(), -1)):
+        values, ids = reference.topk(2)
+        assert set(entry) == {token, *ids.tolist()}
+        assert [entry[i] for i in ids.tolist()] == pytest.approx(values.tolist(), abs=1e-4)
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=True),
+                         use_tqdm=False, timeout=30)[0].outputs[0]
+    assert all(isinstance(lp, float) for lp in plain.logprobs) and len(plain.logprobs) == 3
+    forced = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0.0, logit_bias={7: 100.0}),
+                          use_tqdm=False, timeout=30)[0].outputs[0]
+    assert forced.token_ids == [7, 7, 7]
+    too_big = SamplingParams(logit_bias={VOCAB: 1.0})  # the vocabulary is known only to the LLM
+    with pytest.raises(ValueError, match="^logit_bias"):
+        llm.generate(PROMPT, too_big, use_tqdm=False, timeout=30)
 
 
 def test_every_prompt_form_works_and_the_same_processes_still_give_the_right_tokens(llm, model):

@@ -105,7 +105,7 @@ class ModelRunner:
         started = time.perf_counter()
         req_ids: list[str] = []
         token_ids: list[int] = []
-        logprobs = None
+        logprobs = alternatives = None
         with torch.inference_mode():
             cache.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in,
                                   out.blocks_to_copy, out.new_block_ids_to_zero)
@@ -129,8 +129,9 @@ class ModelRunner:
                     note_samples(batch.sampled_requests, sampled.token_ids)
                     if self.rank == 0:
                         req_ids = [r.req_id for r in batch.sampled_requests]
-                        token_ids, logprobs = sampled.token_ids, sampled.logprobs
+                        token_ids, logprobs, alternatives = sampled.token_ids, sampled.logprobs, sampled.top_logprobs
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(step=out.step, rank=self.rank, req_ids=req_ids, sampled_token_ids=token_ids,
-                          logprobs=logprobs, forward_time_s=time.perf_counter() - started)
+                          logprobs=logprobs, forward_time_s=time.perf_counter() - started,
+                          top_logprobs=alternatives)

@@ -1,4 +1,5 @@
-"""Turns logits into tokens: greedy, or temperature -> top-k -> top-p -> seeded sampling.
+"""Turns logits into tokens: logit_bias -> penalties -> greedy, or temperature -> min_p ->
+top-k -> top-p -> seeded sampling (logits_processors.py). Logprobs are of the raw logits.
 
 Reproducibility: the randomness behind a request's k-th output token depends only on
 (seed, k) — a CPU torch.Generator seeded with a 63-bit mix of the two draws an Exp(1)
@@ -15,6 +16,7 @@ from typing import Optional
 import torch
 
 from pagedserve.protocol.step_state import HeldRequest
+from pagedserve.worker_proc.logits_processors import apply_logit_bias, apply_min_p, apply_penalties, top_logprobs
 
 _MASK64 = (1 << 64) - 1
 GREEDY_TEMPERATURE = 1e-5  # at or below this, sampling is argmax
@@ -32,6 +34,8 @@ def noise_seed(seed: int, k: int) -> int:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: Optional[list[float]]  # of the sampled token under the unmodified distribution
+    # Per row, its request's top_logprobs alternatives (unmodified distribution); None: nobody asked
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -60,9 +64,17 @@ def _exponential_noise(requests: list[HeldRequest], vocab: int, device: torch.de
 
 
 def sample(logits: torch.Tensor, requests: list[HeldRequest]) -> SamplerOutput:
-    """logits: float32 [len(requests), vocab], one row per request in order."""
+    """logits: float32 [len(requests), vocab], one row per request in order; not modified."""
     if not requests:
         return SamplerOutput([], None)
+    raw = logits
+    if any(r.sampling.logit_bias for r in requests):
+        logits = logits.clone()
+        apply_logit_bias(logits, requests)
+    if any(r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty != 0.0
+           or r.sampling.presence_penalty != 0.0 for r in requests):
+        logits = logits.clone() if logits is raw else logits
+        apply_penalties(logits, requests)
     temperatures = [r.sampling.temperature for r in requests]
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, t in enumerate(temperatures) if t > GREEDY_TEMPERATURE]
@@ -70,7 +82,7 @@ def sample(logits: torch.Tensor, requests: list[HeldRequest]) -> SamplerOutput:
         rows = torch.tensor(random_rows, device=logits.device)
         chosen = [requests[i] for i in random_rows]
         temps = torch.tensor([temperatures[i] for i in random_rows], device=logits.device)[:, None]
-        scaled = logits[rows] / temps
+        scaled = apply_min_p(logits[rows] / temps, [r.sampling.min_p for r in chosen])
         top_k = [r.sampling.top_k for r in chosen]
         top_p = [r.sampling.top_p for r in chosen]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
@@ -78,8 +90,10 @@ def sample(logits: torch.Tensor, requests: list[HeldRequest]) -> SamplerOutput:
         probs = torch.softmax(scaled, dim=-1)
         noise = _exponential_noise(chosen, logits.shape[-1], logits.device)
         token_ids[rows] = (probs / noise).argmax(dim=-1)
-    logprobs = None
-    if any(r.sampling.logprobs for r in requests):
-        log_probs = torch.log_softmax(logits, dim=-1)
+    logprobs = alternatives = None
+    if any(r.sampling.logprobs for r in requests):  # vLLM's default: of the raw logits
+        log_probs = torch.log_softmax(raw, dim=-1)
         logprobs = log_probs.gather(-1, token_ids[:, None]).squeeze(-1).tolist()
-    return SamplerOutput(token_ids.tolist(), logprobs)
+        if any(r.sampling.top_logprobs for r in requests):
+            alternatives = top_logprobs(raw, requests)
+    return SamplerOutput(token_ids.tolist(), logprobs, alternatives)
