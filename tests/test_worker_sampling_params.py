@@ -12,7 +12,7 @@ import torch
 from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from pagedserve.protocol.messages import SamplingParams
-from pagedserve.worker_proc.input_batch import RequestState
+from pagedserve.protocol.step_state import HeldRequest as RequestState
 from pagedserve.worker_proc.logits_processors import apply_min_p
 from pagedserve.worker_proc.sampler import sample
 
