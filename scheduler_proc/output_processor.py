@@ -17,7 +17,7 @@ from pagedserve.protocol.messages import RequestDelta, SchedulerOutput, StepResu
 
 from pagedserve.scheduler_proc import prefix_cache
 from pagedserve.scheduler_proc.decode_lane import lane_ready
-from pagedserve.scheduler_proc.request import FINISHED, RUNNING, Sequence, token_array
+from pagedserve.scheduler_proc.request import FINISHED, RUNNING, Sequence, child_sampling, token_array
 from pagedserve.scheduler_proc.step import StepOutputs
 
 if TYPE_CHECKING:
@@ -226,7 +226,7 @@ def fork(sched: "Scheduler", parent: Sequence) -> list[Sequence]:
     children = []
     for i in range(n):
         child = Sequence(f"{request.request_id}/{i}", request, i, token_array(parent.token_ids),
-                         sched.child_sampling(request, i), False)
+                         child_sampling(request, i), False)
         child.num_kv_tokens = parent.num_kv_tokens
         child.block_keys = list(parent.block_keys)
         child.recompute_until = parent.recompute_until

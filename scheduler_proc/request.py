@@ -11,6 +11,8 @@ from __future__ import annotations
 from array import array
 from typing import Iterable
 
+from msgspec.structs import replace
+
 from pagedserve.protocol.messages import AddRequest, SamplingParams
 
 from pagedserve.scheduler_proc.config import MAX_PARALLEL_SAMPLES
@@ -33,6 +35,11 @@ def token_array(tokens: Iterable[int]) -> array:
 def child_seed(base_seed: int, index: int) -> int:
     """A distinct, deterministic seed for sample ``index`` of a request seeded ``base_seed``."""
     return (base_seed + index * _SEED_STRIDE) & _SEED_MASK
+
+
+def child_sampling(request: "Request", index: int) -> SamplingParams:
+    """Sample ``index`` of an n > 1 request: one sample, with its own seed."""
+    return replace(request.sampling, seed=child_seed(request.sampling.seed, index), n=1)
 
 
 class Request:

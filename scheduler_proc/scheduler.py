@@ -27,8 +27,6 @@ from bisect import insort
 from collections import deque
 from operator import attrgetter
 
-from msgspec.structs import replace
-
 from pagedserve.protocol.messages import (
     AddRequest, CachedRequestData, NewRequestData, RequestDelta, SchedulerOutput, StepResult,
 )
@@ -40,17 +38,13 @@ from pagedserve.scheduler_proc.block_pool import CacheEventLog
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.decode_lane import DecodeLane
 from pagedserve.scheduler_proc.request import (
-    FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, child_seed, token_array,
+    FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, token_array,
 )
 from pagedserve.scheduler_proc.stats import SchedulerCounters, snapshot
-from pagedserve.scheduler_proc.step import StepPlan, StepOutputs
+from pagedserve.scheduler_proc.step import SchedulerStateError, StepOutputs, StepPlan
 
 _by_order = attrgetter("order")
 _NO_BLOCKS: list[int] = []  # shared by every CachedRequestData without new blocks; never mutated
-
-
-class SchedulerStateError(RuntimeError):
-    """The engine loop called the scheduler out of order (e.g. two schedules without an update)."""
 
 
 class Scheduler:
@@ -400,6 +394,3 @@ class Scheduler:
         if self.config.debug_invariants:
             self.check_invariants()
         return out
-
-    def child_sampling(self, request: Request, index: int):
-        return replace(request.sampling, seed=child_seed(request.sampling.seed, index), n=1)

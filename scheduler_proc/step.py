@@ -7,6 +7,10 @@ from typing import Optional
 from pagedserve.protocol.messages import RequestDelta, iter_deltas
 
 
+class SchedulerStateError(RuntimeError):
+    """The engine loop called the scheduler out of order (e.g. two schedules without an update)."""
+
+
 class StepPlan:
     __slots__ = ("budget", "new", "cached", "sampling_new", "sampling_cached", "others",
                  "swap_out", "swap_in", "preempted")
