@@ -36,6 +36,21 @@ class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=Fa
 # --------------------------------------------------------------------------- requests
 
 
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One grammar that constrains a request's output; exactly one field is set.
+
+    vLLM's ``StructuredOutputsParams`` names. ``json`` is a JSON Schema serialized as text,
+    so the wire type stays closed; the scheduler compiles it (docs/DECISIONS.md,
+    "Structured output").
+    """
+
+    json: Optional[str] = None  # JSON Schema text
+    json_object: bool = False  # any JSON object
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None  # EBNF (GBNF dialect, as xgrammar reads it)
+
+
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)] = 16
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)] = 1.0  # NaN fails both
@@ -54,6 +69,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     logit_bias: dict[TokenId, Annotated[float, msgspec.Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] = {}
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # alternatives, with logprobs
+    structured_outputs: Optional[StructuredOutputs] = None  # output constrained by a grammar
 
 
 # ------------------------------------------------------------ frontend -> scheduler
