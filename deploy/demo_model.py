@@ -21,11 +21,40 @@ Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000. Émile ate crème brûlée in Zürich; 
 def main():\n    return 42\n
 """
 
+# ChatML, plus tools and tool calls written as Qwen2.5 writes them (the hermes format:
+# tools listed in the system turn, calls as <tool_call>{"name", "arguments"}</tool_call>,
+# tool results as <tool_response> in a user turn), so tool calling is exercised end to end.
+# A conversation without tools renders exactly as plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "Function signatures are within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a JSON object with the function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
+    "+ (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -15,6 +15,7 @@ from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
 
 ROUTER_KINDS = ("cache-aware", "least-loaded", "round-robin")  # frontend_proc/routing_policy.py
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # frontend_proc/tool_parsers/__init__.py
 
 
 class ConfigError(ValueError):
@@ -63,6 +64,8 @@ class ServeConfig:
     disable_log_requests: bool = True  # pagedserve never logs prompts or outputs; vLLM's flag is accepted
     chat_template: Optional[str] = None  # a file path or the template itself
     max_logprobs: int = 20  # vLLM's default: the most alternatives per token a request may ask for
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" parses calls with tool_call_parser
+    tool_call_parser: Optional[str] = None
     internal_host: Optional[str] = None  # None: ipc sockets in the 0700 run dir
     internal_port_base: Optional[int] = None
     internal_curve: bool = False  # CurveZMQ even on loopback (always on off loopback)
@@ -100,6 +103,12 @@ class ServeConfig:
             if "{" not in self.chat_template and not Path(self.chat_template).is_file():
                 raise ConfigError(f"--chat-template {self.chat_template!r} is neither a file nor a "
                                   f"Jinja template")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"--tool-call-parser {self.tool_call_parser!r} is not known; choose one "
+                              f"of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                              f"{', '.join(TOOL_CALL_PARSERS)})")
         if self.router is None:
             self.router = "cache-aware" if self.data_parallel_size > 1 else "least-loaded"
         if self.router not in ROUTER_KINDS:
@@ -163,6 +172,10 @@ class ServeConfig:
             cmd += ["--uvicorn-log-level", self.uvicorn_log_level.lower()]
         if self.chat_template:
             cmd += ["--chat-template", self.chat_template]
+        if self.tool_call_parser:
+            cmd += ["--tool-call-parser", self.tool_call_parser]
+        if self.enable_auto_tool_choice:
+            cmd.append("--enable-auto-tool-choice")
         return cmd
 
     def scheduler_cmd(self, run_dir: str, replica: int) -> list[str]:
@@ -264,6 +277,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs alternatives per token (larger: 400)")
     p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template text) instead of the model's")
+    add_tool_calling_args(p)
     g = p.add_argument_group("beyond one node (deploy/README.md)")
     g.add_argument("--internal-host", metavar="HOST",
                    help="put the internal ZMQ endpoints on TCP at this IP (default: ipc sockets in the "
@@ -275,6 +289,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--remote-workers", action="store_true",
                    help="start no workers; write their command lines to RUN_DIR/worker-commands.sh "
                         "for the operator to run (on this or another node)")
+
+
+def add_tool_calling_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling flags, passed on to the frontend (frontend_proc/args.py)."""
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let requests use tool_choice "auto": tool calls are parsed from the output '
+                        "by --tool-call-parser")
+    p.add_argument("--tool-call-parser", metavar="NAME",
+                   help=f"how tool calls are written in the model's output: {', '.join(TOOL_CALL_PARSERS)} "
+                        "(hermes: Qwen2.5 and Hermes models; llama3_json: Llama 3.1+)")
 
 
 def serve_config_from_args(ns: argparse.Namespace, model: str) -> ServeConfig:

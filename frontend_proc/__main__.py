@@ -47,7 +47,7 @@ async def serve(config: FrontendConfig) -> None:
     engine = EngineClient(endpoints, router)
     metrics = FrontendMetrics(router, config.served_model_name)
     serving = Serving(config.served_model_names, config.max_model_len, engine, tokenizer,
-                      metrics, config.max_logprobs)
+                      metrics, config.max_logprobs, config.tool_calling)
     app = build_app(serving, router, metrics, config.api_key)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level,

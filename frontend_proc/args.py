@@ -10,6 +10,8 @@ from typing import Optional, Sequence
 
 from pagedserve.frontend_proc.routing_policy import (
     DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL, ROUTER_KINDS, RoutingPolicy, default_router)
+from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
+from pagedserve.frontend_proc.tool_parsers import TOOL_PARSERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,7 @@ class FrontendConfig:
     uvicorn_log_level: Optional[str] = None
     chat_template: Optional[str] = None  # a file path or the template text
     max_logprobs: int = 20  # alternatives per token a request may ask for
+    tool_calling: ToolCallingConfig = ToolCallingConfig()
 
     @property
     def served_model_name(self) -> str:
@@ -80,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the most logprobs alternatives per token a request may ask for (larger: 400)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file, or the template text, instead of the model's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let requests use tool_choice "auto" (calls parsed by --tool-call-parser)')
+    p.add_argument("--tool-call-parser", default=None,
+                   help=f"how tool calls are written in the output: {', '.join(sorted(TOOL_PARSERS))}")
     return p
 
 
@@ -125,4 +132,5 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> FrontendConfig:
         routing=RoutingPolicy(default_router(ns.num_replicas, ns.router), ns.router_balance_abs,
                               ns.router_balance_rel),
         max_logprobs=ns.max_logprobs,
+        tool_calling=ToolCallingConfig(ns.enable_auto_tool_choice, ns.tool_call_parser),
     )

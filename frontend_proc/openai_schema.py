@@ -5,7 +5,7 @@ Strict mode: a string where a number belongs is a 400, not a silent coercion.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -120,9 +120,23 @@ class CompletionRequest(SamplingFields):
         return self.logprobs or 0
 
 
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Lenient):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # role "tool": the call this answers
 
     def text(self) -> str:
         """The content as one string; only text parts are understood."""
@@ -136,8 +150,37 @@ class ChatMessage(_Lenient):
         return "".join(parts)
 
 
+class FunctionDefinition(_Lenient):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # JSON Schema of the arguments object
+    strict: Optional[bool] = None
+
+
+class ToolDefinition(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[list[ToolDefinition]] = None
+    # None: "auto" with tools, "none" without (OpenAI's default); frontend_proc/tool_choice.py
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
+    # vLLM's chat template controls (frontend_proc/chat_template_options.py)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     max_completion_tokens: Optional[int] = Field(default=None, gt=0)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0)  # <= --max-logprobs, checked in serving

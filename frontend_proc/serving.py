@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Optional, Sequence, TypeVar, U
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedserve.frontend_proc.chat_request import prepare_chat
 from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest
 from pagedserve.frontend_proc.metrics import FrontendMetrics
@@ -25,11 +26,15 @@ from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
 from pagedserve.frontend_proc.response_format import (
     ChatFormat, CompletionFormat, LogprobEntries, usage)
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
-from pagedserve.protocol.messages import AddRequest, SamplingParams
+from pagedserve.frontend_proc.tool_call_output import ToolCallChoices
+from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
+from pagedserve.protocol.messages import AddRequest, SamplingParams, StructuredOutputs
 from pagedserve.protocol.validate import InvalidField, check_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# What renders a request's choices: its format, or a wrapper of it (tool_call_output.py).
+ChoiceRenderer = Union[CompletionFormat, ToolCallChoices]
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Protocol field -> the request field a client sent it as.
 _CLIENT_FIELD = {"prompt_token_ids": "prompt", "request_id": None, "eos_token_ids": None}
@@ -70,7 +75,8 @@ def _sse(payload: Union[dict[str, Any], str]) -> bytes:
 class Serving:
     def __init__(self, served_model_names: Sequence[str], max_model_len: int, engine: EngineClient,
                  tokenizer: PromptTokenizer, metrics: FrontendMetrics,
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS):
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                 tool_calling: ToolCallingConfig = ToolCallingConfig()):
         self.served_model_names = list(served_model_names)
         self.served_model_name = self.served_model_names[0]  # what responses name
         self.max_model_len = max_model_len
@@ -78,6 +84,7 @@ class Serving:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_logprobs = max_logprobs
+        self.tool_calling = tool_calling
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body)
@@ -89,10 +96,11 @@ class Serving:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body)
-        prompt_ids = self.tokenizer.encode_chat(body.messages)
-        max_tokens = self._max_tokens(len(prompt_ids), body.requested_max_tokens(), default=None)
-        return await self._generate(body, prompt_ids, max_tokens, body.wants_logprobs(),
-                                    ChatFormat(self.served_model_name), request)
+        fmt = ChatFormat(self.served_model_name)
+        chat = prepare_chat(body, self.tokenizer, self.tool_calling, fmt)
+        max_tokens = self._max_tokens(len(chat.prompt_ids), body.requested_max_tokens(), default=None)
+        return await self._generate(body, chat.prompt_ids, max_tokens, body.wants_logprobs(), fmt,
+                                    request, chat.structured_outputs, chat.choices)
 
     def _check_model(self, body: SamplingFields) -> None:
         if body.model is not None and body.model not in self.served_model_names:
@@ -133,7 +141,8 @@ class Serving:
             raise InvalidRequest(f"best_of: only best_of equal to n ({body.n}) is supported, got "
                                  f"{body.best_of}; ask for n samples instead", param="best_of")
 
-    def _sampling(self, body: SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
+    def _sampling(self, body: SamplingFields, max_tokens: int, logprobs: bool,
+                  structured_outputs: Optional[StructuredOutputs] = None) -> SamplingParams:
         self._check_sampling_fields(body)
         return SamplingParams(
             max_tokens=max_tokens,
@@ -145,7 +154,8 @@ class Serving:
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             min_p=body.min_p or 0.0, logit_bias=body.token_logit_bias(),
-            top_logprobs=body.num_top_logprobs() if logprobs else 0)
+            top_logprobs=body.num_top_logprobs() if logprobs else 0,
+            structured_outputs=structured_outputs)
 
     def _check(self, add: AddRequest, body: SamplingFields) -> None:
         """The protocol's own ranges, checked before anything is encoded: a value no process
@@ -160,8 +170,11 @@ class Serving:
                                  param=param) from None
 
     async def _generate(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int,
-                        logprobs: bool, fmt: CompletionFormat, request: Request) -> Response:
-        sampling = self._sampling(body, max_tokens, logprobs)
+                        logprobs: bool, fmt: CompletionFormat, request: Request,
+                        structured_outputs: Optional[StructuredOutputs] = None,
+                        choices: Optional[ChoiceRenderer] = None) -> Response:
+        sampling = self._sampling(body, max_tokens, logprobs, structured_outputs)
+        choices = choices or fmt
         add = AddRequest(request_id=fmt.id, prompt_token_ids=prompt_ids, sampling=sampling,
                          eos_token_ids=self.tokenizer.eos_token_ids, arrival_time=time.time())
         self._check(add, body)
@@ -171,7 +184,7 @@ class Serving:
         updates = stream.updates()
         try:
             if not body.stream:
-                return await _unless_disconnected(request, self._collect(stream, updates, fmt))
+                return await _unless_disconnected(request, self._collect(stream, updates, fmt, choices))
             first = await _unless_disconnected(request, updates.__anext__())
         except ClientDisconnected:
             stream.abort()
@@ -182,7 +195,7 @@ class Serving:
         except StopAsyncIteration:
             first = []
         return StreamingResponse(
-            self._sse_events(stream, updates, first, fmt, body.include_usage_in_stream()),
+            self._sse_events(stream, updates, first, fmt, choices, body.include_usage_in_stream()),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def _logprob_entries(self, update: ChoiceUpdate) -> Optional[LogprobEntries]:
@@ -195,7 +208,7 @@ class Serving:
 
     async def _collect(self, stream: RequestStream,
                        updates: AsyncIterator[list[ChoiceUpdate]],
-                       fmt: CompletionFormat) -> JSONResponse:
+                       fmt: CompletionFormat, render: ChoiceRenderer) -> JSONResponse:
         texts = [[] for _ in stream.choices]
         logprobs: list[Optional[LogprobEntries]] = [None for _ in stream.choices]
         async for batch in updates:
@@ -204,24 +217,26 @@ class Serving:
                 entries = self._logprob_entries(update)
                 if entries is not None:
                     logprobs[update.index] = (logprobs[update.index] or []) + entries
-        choices = [fmt.full_choice(c.index, "".join(texts[c.index]), logprobs[c.index],
-                                   c.finish_reason) for c in stream.choices]
+        choices = [render.full_choice(c.index, "".join(texts[c.index]), logprobs[c.index],
+                                      c.finish_reason) for c in stream.choices]
         payload = fmt.envelope(fmt.object_full, choices)
         payload["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
         return JSONResponse(payload)
 
     async def _sse_events(self, stream: RequestStream,
                           updates: AsyncIterator[list[ChoiceUpdate]], first: list[ChoiceUpdate],
-                          fmt: CompletionFormat, include_usage: bool) -> AsyncIterator[bytes]:
+                          fmt: CompletionFormat, render: ChoiceRenderer,
+                          include_usage: bool) -> AsyncIterator[bytes]:
         try:
             opening = fmt.opening_chunk_choices(len(stream.choices))
             if opening:
                 yield _sse(fmt.envelope(fmt.object_chunk, opening))
             batch: Optional[list[ChoiceUpdate]] = first
             while batch is not None:
-                choices = [fmt.chunk_choice(u.index, u.text, self._logprob_entries(u),
-                                            u.finish_reason)
-                           for u in batch if u.text or u.finish_reason or u.logprobs]
+                choices = [c for c in (render.chunk_choice(u.index, u.text, self._logprob_entries(u),
+                                                           u.finish_reason)
+                                       for u in batch if u.text or u.finish_reason or u.logprobs)
+                           if c is not None]
                 if choices:
                     yield _sse(fmt.envelope(fmt.object_chunk, choices))
                 batch = await anext(updates, None)

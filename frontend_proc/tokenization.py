@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from pagedserve.frontend_proc.chat_template_options import ChatTemplateOptions, template_messages
 from pagedserve.frontend_proc.errors import InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatMessage
 
@@ -58,16 +59,19 @@ class PromptTokenizer:
             return self.encode_text(prompt)
         return list(prompt)
 
-    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None) is None:
+    def encode_chat(self, messages: list[ChatMessage],
+                    options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
-        try:
-            conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), param="messages") from None
+        conversation = template_messages(messages)
+        if isinstance(template, str):
+            options.check_template_reads_kwargs(template)
         try:
             ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+                conversation, tools=options.tools, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, tokenize=True,
+                **options.template_kwargs)
         except Exception as exc:  # template errors (jinja) are the client's input problem
             raise InvalidRequest(f"cannot apply the chat template: {exc}",
                                  param="messages") from None
