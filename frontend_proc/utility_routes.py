@@ -6,13 +6,14 @@ work unchanged. Every body is validated strictly: an unknown field is a 400 nami
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedserve.frontend_proc.chat_template_options import ChatTemplateOptions
 from pagedserve.frontend_proc.errors import InvalidRequest, NotFound
-from pagedserve.frontend_proc.openai_schema import ChatMessage
+from pagedserve.frontend_proc.openai_schema import ChatMessage, ToolDefinition
 from pagedserve.frontend_proc.serving import Serving
 from pagedserve.protocol.version import package_version
 
@@ -27,6 +28,14 @@ class TokenizeRequest(_Strict):
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[ToolDefinition]] = None
+
+    def template_options(self) -> ChatTemplateOptions:
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return ChatTemplateOptions.from_request(self.add_generation_prompt, self.continue_final_message,
+                                                self.chat_template_kwargs, tools)
 
     def check_one_input(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -68,7 +77,7 @@ def add_utility_routes(app: FastAPI, serving: Serving, authorized: list, created
         body.check_one_input()
         tokenizer = serving.tokenizer
         if body.messages is not None:
-            tokens = tokenizer.encode_chat(body.messages, add_generation_prompt=body.add_generation_prompt)
+            tokens = tokenizer.encode_chat(body.messages, body.template_options())
         else:
             tokens = tokenizer.encode_text(body.prompt or "", add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}

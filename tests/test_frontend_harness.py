@@ -131,7 +131,8 @@ class FrontendProcess:
     """`python -m pagedserve.frontend_proc` as a subprocess, with its ProcessReady checked."""
 
     def __init__(self, run_dir: Path, model_dir: str, num_replicas: int, max_model_len: int,
-                 replica_timeout_s: float = 1.0, api_key: Optional[str] = API_KEY):
+                 replica_timeout_s: float = 1.0, api_key: Optional[str] = API_KEY,
+                 extra_args: Sequence[str] = ()):
         self.port = free_port()
         self.run_dir = run_dir
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -144,6 +145,7 @@ class FrontendProcess:
                "--replica-timeout-s", str(replica_timeout_s), "--log-level", "warning"]
         if api_key:
             cmd += ["--api-key", api_key]
+        cmd += list(extra_args)
         self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.ready_msg = self._supervisor.recv(timeout_ms=60_000)
 
