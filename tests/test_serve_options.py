@@ -42,3 +42,18 @@ def test_a_chat_template_that_is_neither_a_file_nor_a_template_is_refused(model_
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     assert ServeConfig(model=model_dir("float32"), chat_template=str(template)).chat_template == str(template)
+
+
+def test_tool_calling_flags_reach_the_frontend_and_an_unknown_parser_is_refused(model_dir):
+    from pagedserve.deploy.serve_config import TOOL_CALL_PARSERS
+    from pagedserve.frontend_proc.args import parse_args
+    from pagedserve.frontend_proc.tool_parsers import TOOL_PARSERS
+
+    assert sorted(TOOL_CALL_PARSERS) == sorted(TOOL_PARSERS)  # deploy cannot import the frontend
+    cfg = ServeConfig(model=model_dir("float32"), enable_auto_tool_choice=True, tool_call_parser="hermes")
+    frontend = parse_args(cfg.frontend_cmd("/tmp/run")[3:]).tool_calling
+    assert (frontend.enable_auto_tool_choice, frontend.tool_call_parser) == (True, "hermes")
+    with pytest.raises(ConfigError, match="hermes, llama3_json"):
+        ServeConfig(model=model_dir("float32"), tool_call_parser="granite")
+    with pytest.raises(ConfigError, match="--tool-call-parser"):
+        ServeConfig(model=model_dir("float32"), enable_auto_tool_choice=True)
