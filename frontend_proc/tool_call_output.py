@@ -46,14 +46,15 @@ class ToolCallChoices:
     def _calls(self, calls: list[PartialCall]) -> list[PartialCall]:
         return calls[:self.max_calls]
 
+    # ``*more``: whatever else the format's methods take (passed through unchanged).
     def full_choice(self, index: int, text: str, logprobs: Optional[LogprobEntries],
-                    finish_reason: Optional[str]) -> dict[str, Any]:
+                    finish_reason: Optional[str], *more: Any) -> dict[str, Any]:
         parsed = self.parser(text, True)
         calls = [c for c in self._calls(parsed.calls) if c.name is not None]
         if not calls:
-            return self.fmt.full_choice(index, parsed.content, logprobs, finish_reason)
+            return self.fmt.full_choice(index, parsed.content, logprobs, finish_reason, *more)
         choice = self.fmt.full_choice(index, parsed.content, logprobs,
-                                      _finish_reason(finish_reason, True))
+                                      _finish_reason(finish_reason, True), *more)
         choice["message"]["content"] = parsed.content or None
         choice["message"]["tool_calls"] = [
             {"id": new_call_id(), "type": "function",
@@ -61,7 +62,7 @@ class ToolCallChoices:
         return choice
 
     def chunk_choice(self, index: int, text: str, logprobs: Optional[LogprobEntries],
-                     finish_reason: Optional[str]) -> Optional[dict[str, Any]]:
+                     finish_reason: Optional[str], *more: Any) -> Optional[dict[str, Any]]:
         """The chunk for this piece of output; None when it shows nothing yet (text that may
         begin a tool call is held back until the next piece says)."""
         state = self._streamed[index]
@@ -73,7 +74,7 @@ class ToolCallChoices:
         if not content and not deltas and finish_reason is None and logprobs is None:
             return None
         choice = self.fmt.chunk_choice(index, content, logprobs,
-                                       _finish_reason(finish_reason, bool(state.call_ids)))
+                                       _finish_reason(finish_reason, bool(state.call_ids)), *more)
         if deltas:
             if not content:
                 choice["delta"].pop("content", None)  # OpenAI's call deltas carry no content
