@@ -39,7 +39,7 @@ def client(model_factory, tmp_path_factory):
 def _streamed_calls(stream) -> tuple[list[dict], str]:
     calls, finish = [], None
     for chunk in stream:
-        for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
             if delta.index == len(calls):
                 calls.append({"name": delta.function.name, "arguments": ""})
             calls[delta.index]["arguments"] += delta.function.arguments or ""

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-from pagedserve.frontend_proc.tool_parsers.json_scan import ObjectScan
+from pagedserve.frontend_proc.tool_parsers.json_scan import ObjectScan, ScanError, scan_object, skip_ws
 
 
 @dataclass(slots=True)
@@ -44,6 +44,32 @@ def call_from_object(text: str, scan: ObjectScan, argument_keys: tuple[str, ...]
     complete = (name is not None and args_span is not None and args_span.complete
                 and scan.end is not None)
     return PartialCall(name, arguments, complete)
+
+
+@dataclass(slots=True)
+class CallScan:
+    calls: list[PartialCall]
+    end: int  # where the scan stopped (the text's length if the last call is still arriving)
+    malformed: bool = False
+
+
+def scan_calls(text: str, pos: int, argument_keys: tuple[str, ...],
+               separator: Optional[str]) -> CallScan:
+    """Call objects from ``pos`` on, joined by ``separator`` (None: just one)."""
+    calls: list[PartialCall] = []
+    while pos < len(text) and text[pos] == "{":
+        try:
+            scan = scan_object(text, pos)
+        except ScanError:
+            return CallScan(calls, pos, malformed=True)
+        calls.append(call_from_object(text, scan, argument_keys))
+        if scan.end is None:
+            return CallScan(calls, len(text))
+        pos = skip_ws(text, scan.end)
+        if separator is None or not text.startswith(separator, pos):
+            break
+        pos = skip_ws(text, pos + len(separator))
+    return CallScan(calls, pos, malformed=pos < len(text) and not calls)
 
 
 def held_back(text: str, marker: str) -> int:

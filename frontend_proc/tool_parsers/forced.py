@@ -8,8 +8,8 @@ Truncated output (max_tokens) yields the calls as far as they got.
 from __future__ import annotations
 
 from pagedserve.frontend_proc.tool_parsers.base import (
-    ParsedOutput, PartialCall, ToolParser, call_from_object, valid_json)
-from pagedserve.frontend_proc.tool_parsers.json_scan import ScanError, scan_object, skip_ws
+    ParsedOutput, PartialCall, ToolParser, scan_calls, valid_json)
+from pagedserve.frontend_proc.tool_parsers.json_scan import skip_ws
 
 
 def named_call_parser(name: str) -> ToolParser:
@@ -19,22 +19,7 @@ def named_call_parser(name: str) -> ToolParser:
 
 
 def parse_call_array(text: str, final: bool) -> ParsedOutput:
-    calls: list[PartialCall] = []
     pos = skip_ws(text, 0)
-    if pos >= len(text):
-        return ParsedOutput("", calls)
-    if text[pos] != "[":
-        return ParsedOutput(text if final else "", calls)
-    pos = skip_ws(text, pos + 1)
-    while pos < len(text) and text[pos] == "{":
-        try:
-            scan = scan_object(text, pos)
-        except ScanError:
-            break
-        calls.append(call_from_object(text, scan, ("arguments", "parameters")))
-        if scan.end is None:
-            break
-        pos = skip_ws(text, scan.end)
-        if pos < len(text) and text[pos] == ",":
-            pos = skip_ws(text, pos + 1)
-    return ParsedOutput("", calls)
+    if pos >= len(text) or text[pos] != "[":
+        return ParsedOutput(text if final else "")
+    return ParsedOutput("", scan_calls(text, skip_ws(text, pos + 1), ("arguments", "parameters"), ",").calls)

@@ -6,9 +6,8 @@ not all hold a well-formed call is returned whole as content, with no calls (vLL
 
 from __future__ import annotations
 
-from pagedserve.frontend_proc.tool_parsers.base import (
-    ParsedOutput, PartialCall, call_from_object, held_back)
-from pagedserve.frontend_proc.tool_parsers.json_scan import ScanError, scan_object, skip_ws
+from pagedserve.frontend_proc.tool_parsers.base import ParsedOutput, PartialCall, held_back, scan_calls
+from pagedserve.frontend_proc.tool_parsers.json_scan import skip_ws
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -25,16 +24,14 @@ def parse_hermes(text: str, final: bool) -> ParsedOutput:
         pos = skip_ws(text, start + len(START))
         if pos >= len(text):
             break
-        try:
-            scan = scan_object(text, pos)
-        except ScanError:
+        scan = scan_calls(text, pos, ("arguments", "parameters"), separator=None)
+        calls.extend(scan.calls)
+        if scan.malformed or not scan.calls:
             well_formed = False
             break
-        calls.append(call_from_object(text, scan, ("arguments", "parameters")))
-        if scan.end is None:
+        if scan.end >= len(text):
             break
-        after = skip_ws(text, scan.end)
-        if not text.startswith(END, after) and not END.startswith(text[after:]):
+        if not text.startswith(END, scan.end) and not END.startswith(text[scan.end:]):
             well_formed = False
             break
         start = text.find(START, scan.end)

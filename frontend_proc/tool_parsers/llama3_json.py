@@ -6,8 +6,8 @@ The output is calls only when it starts (after whitespace and an optional
 
 from __future__ import annotations
 
-from pagedserve.frontend_proc.tool_parsers.base import ParsedOutput, PartialCall, call_from_object
-from pagedserve.frontend_proc.tool_parsers.json_scan import ScanError, scan_object, skip_ws
+from pagedserve.frontend_proc.tool_parsers.base import ParsedOutput, scan_calls
+from pagedserve.frontend_proc.tool_parsers.json_scan import skip_ws
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -22,23 +22,7 @@ def parse_llama3_json(text: str, final: bool) -> ParsedOutput:
         return ParsedOutput(text if final else "")
     if text[pos] != "{":
         return ParsedOutput(text)
-    calls: list[PartialCall] = []
-    well_formed = True
-    while pos < len(text):
-        try:
-            scan = scan_object(text, pos)
-        except ScanError:
-            well_formed = False
-            break
-        calls.append(call_from_object(text, scan, ("parameters", "arguments")))
-        if scan.end is None:
-            break
-        pos = skip_ws(text, scan.end)
-        if pos < len(text) and text[pos] == ";":
-            pos = skip_ws(text, pos + 1)
-        elif pos < len(text):
-            well_formed = False
-            break
-    if final and (not well_formed or not all(c.complete for c in calls)):
+    scan = scan_calls(text, pos, ("parameters", "arguments"), separator=";")
+    if final and (scan.malformed or scan.end < len(text) or not all(c.complete for c in scan.calls)):
         return ParsedOutput(text)
-    return ParsedOutput("", calls)
+    return ParsedOutput("", scan.calls)
