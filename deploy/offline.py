@@ -28,12 +28,13 @@ from pagedserve.deploy.children import Child, free_tcp_port, spawn
 from pagedserve.deploy.offline_inputs import (
     Prompt, SamplingParams, as_params_list, as_prompt_list, prompt_token_ids)
 from pagedserve.deploy.offline_outputs import CompletionOutput, PendingRequest, RequestOutput, TextDecoder
+from pagedserve.deploy.offline_structured import StructuredOutputsParams
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.validate import InvalidField, check_request
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineDiedError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineDiedError"]
 
 WATCH_INTERVAL_S = 0.5  # how often generate looks at the processes, whatever arrives meanwhile
 # A dead worker is reported by its scheduler (RestartWorkers) within a second; if none comes

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 from pagedserve.protocol import messages as m
+from pagedserve.deploy.offline_structured import as_structured_outputs
 from pagedserve.protocol.validate import InvalidField, check_message
 
 Prompt = Union[str, list[int], dict]
@@ -40,6 +41,8 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None  # token id -> bias in [-100, 100]
     best_of: Optional[int] = None  # only None or n: no extra candidates are sampled
     prompt_logprobs: Optional[int] = None  # refused: prompt logprobs are not computed
+    # A grammar the output must follow: StructuredOutputsParams, or a dict of its keys.
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +60,7 @@ class SamplingParams:
             raise InvalidField("logit_bias", f"logit_bias must be a dict token id -> bias, got {self.logit_bias!r}")
         if self.prompt_logprobs is not None:
             raise InvalidField("prompt_logprobs", "prompt_logprobs is not supported")
+        self.structured_outputs = as_structured_outputs(self.structured_outputs)
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidField("best_of", f"only best_of equal to n ({self.n}) is supported, got {self.best_of}")
         try:

@@ -50,6 +50,11 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, omit_default
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None  # EBNF (GBNF dialect, as xgrammar reads it)
 
+    def kinds_set(self) -> list[str]:
+        """The names of the fields that are set; a valid one has exactly one."""
+        return [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                if getattr(self, name) not in (None, False)]
+
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)] = 16
@@ -168,6 +173,8 @@ class SchedulerStats(Msg):
     pid: int = 0  # the scheduler's: a new pid means a restarted replica that lost every request
     worker_pids: list[int] = []  # by rank, once connected
     cache_events_sent: int = 0  # PrefixCacheEvents sent by this pid so far (the next one's seq)
+    structured_output_requests: int = 0  # admitted requests constrained by a grammar
+    structured_output_mask_time_s: float = 0.0  # filling their bitmasks, summed over steps
 
 
 class PrefixCacheEvents(Msg, gc=False):  # holds only scalars and int lists: no cycles possible
@@ -284,6 +291,27 @@ class DecodeBatch(Msg, gc=False):
     new_blocks: list[tuple[int, int]]  # (index into req_ids, device block appended to its table)
 
 
+class GrammarBitmask(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """The allowed next tokens of a step's grammar-constrained entries, one row each.
+
+    ``bitmask`` holds ``len(req_ids)`` rows of ``words_per_row`` little-endian int32 words;
+    bit ``t % 32`` of word ``t // 32`` set means token ``t`` may be sampled. Every id names
+    an entry of the step that samples; its row is applied to its logits before sampling.
+    """
+
+    req_ids: list[str]
+    words_per_row: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+    bitmask: bytes
+
+    def __post_init__(self) -> None:
+        expected = 4 * self.words_per_row * len(self.req_ids)
+        if len(self.bitmask) != expected:
+            raise ValueError(f"grammar bitmask of {len(self.bitmask)} bytes for {len(self.req_ids)} rows "
+                             f"of {self.words_per_row} words (expected {expected})")
+        if len(set(self.req_ids)) != len(self.req_ids):
+            raise ValueError("grammar bitmask names a request twice")
+
+
 class SchedulerOutput(Msg):
     """One step: the same bytes go to every worker of the replica.
 
@@ -302,6 +330,7 @@ class SchedulerOutput(Msg):
     blocks_to_copy: list[tuple[int, int]]  # (src device block, dst device block)
     new_block_ids_to_zero: list[int]
     total_num_scheduled_tokens: int
+    grammar: Optional[GrammarBitmask] = None  # masks of the constrained entries that sample
 
 
 class StepResult(Msg):

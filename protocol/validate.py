@@ -60,6 +60,16 @@ def _check_vocabulary(field: str, token_ids: list[int], vocab_size: int) -> None
                                   f"(ids must be in [0, {vocab_size}))")
 
 
+def check_structured_outputs(spec) -> None:
+    """Exactly one kind set, and a choice list that can match something."""
+    kinds = spec.kinds_set()
+    if len(kinds) != 1:
+        raise InvalidField("structured_outputs", "exactly one of json, json_object, regex, choice, grammar "
+                                                 f"must be set, got {kinds or 'none'}")
+    if spec.choice is not None and (not spec.choice or any(not c for c in spec.choice)):
+        raise InvalidField("structured_outputs", "choice must list at least one non-empty string")
+
+
 def check_request(msg: AddRequest, vocab_size: int = 0) -> None:
     """Raise InvalidField unless ``msg`` is in range; ``vocab_size`` 0 skips the vocabulary check."""
     check_message(msg)
@@ -69,6 +79,8 @@ def check_request(msg: AddRequest, vocab_size: int = 0) -> None:
                                          f"({sampling.max_tokens})")
     if sampling.top_logprobs and not sampling.logprobs:
         raise InvalidField("top_logprobs", "top_logprobs needs logprobs: set logprobs to true as well")
+    if sampling.structured_outputs is not None:
+        check_structured_outputs(sampling.structured_outputs)
     if vocab_size > 0:
         _check_vocabulary("logit_bias", list(sampling.logit_bias), vocab_size)
         _check_vocabulary("prompt_token_ids", msg.prompt_token_ids, vocab_size)

@@ -29,6 +29,7 @@ from pagedserve.protocol.worker_link import PeerUnreachable, WorkerRouter
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 from pagedserve.scheduler_proc.frontend_inputs import apply_frontend_message
+from pagedserve.scheduler_proc.grammar_cache import grammar_cache_for
 from pagedserve.scheduler_proc.interval_log import IntervalLog
 from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
@@ -172,7 +173,7 @@ class EngineLoop:
         if self.scheduler is None or self.scheduler.config != config:
             # A recovered replica keeps its Scheduler (fail_all left it clean) so step
             # numbers keep increasing; only a different cache or model needs a new one.
-            self.scheduler = Scheduler(config)
+            self.scheduler = Scheduler(config, grammar_cache_for(cfg.model, vocab_size))
         self.state = "draining" if self.draining else "ready"
         log.info("replica %d ready: %d device blocks, %d host blocks of %d tokens",
                  cfg.replica, num_gpu_blocks, num_cpu_blocks, cfg.block_size)

@@ -17,6 +17,7 @@ from pagedserve.protocol.messages import RequestDelta, SchedulerOutput, StepResu
 
 from pagedserve.scheduler_proc import prefix_cache
 from pagedserve.scheduler_proc.decode_lane import lane_ready
+from pagedserve.scheduler_proc.grammar import grammar_finish
 from pagedserve.scheduler_proc.request import FINISHED, RUNNING, Sequence, child_sampling, token_array
 from pagedserve.scheduler_proc.step import StepOutputs
 
@@ -93,8 +94,11 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
             stop_token = token
         elif len(seq_tokens) >= seq.max_len:
             finish = "length"
+        error = None
+        if finish is None and seq.grammar is not None:
+            finish, stop_token, error = grammar_finish(seq, token)
         orders.append(seq.order)
-        append(RequestDelta(seq.request_id, seq.index, [token], finish, None, None, seq.num_prompt_tokens,
+        append(RequestDelta(seq.request_id, seq.index, [token], finish, error, error and "engine", seq.num_prompt_tokens,
                             seq.num_cached_tokens, [logprob] if seq.want_logprobs and logprob is not None else None,
                             stop_token, [top] if seq.want_logprobs and top else None))
         if finish is not None:

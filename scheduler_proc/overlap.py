@@ -4,8 +4,10 @@ Overlapped scheduling covers the steady state of plain decodes; everything else 
 the result (docs/DECISIONS.md). Ahead is allowed when exactly one step is out and:
 
 1. every sequence sampling in it is in the decode lane, so no token a per-object sequence
-   needs is unknown and no sequence enters the lane while a batch is out (a future
-   per-request "wait for my token" rule, e.g. structured output, belongs here);
+   needs is unknown and no sequence enters the lane while a batch is out; except
+   grammar-constrained sequences (never in the lane), which sit the step ahead out: their
+   mask needs the token still in flight, so they wait for it (vLLM's choice), and the
+   others stay overlapped;
 2. no lane sequence ended while out (its position is kept until nothing is out);
 3. the free blocks cover every block the running sequences can ask for, so the step
    preempts nothing: no in-flight sequence is swapped or recomputed with a token still
@@ -27,8 +29,11 @@ if TYPE_CHECKING:
 
 def can_schedule_ahead(sched: "Scheduler") -> bool:
     in_flight = sched.in_flight
-    if len(in_flight) != 1 or in_flight[0][1] or sched.lane.num_dead:  # rules 1 and 2
+    if len(in_flight) != 1 or sched.lane.num_dead:  # rules 1 and 2
         return False
+    for seq in in_flight[0][1]:
+        if seq.grammar is None:
+            return False
     bm = sched.bm
     free = bm.device.num_free - sched.lane.num_needing_blocks()
     budget = sched.config.max_num_batched_tokens

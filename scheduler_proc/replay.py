@@ -21,6 +21,7 @@ from pagedserve.protocol.codec import Decoder, ProtocolError, encode
 from pagedserve.protocol.trace import TraceError, read_trace
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 from pagedserve.scheduler_proc.frontend_inputs import apply_frontend_message
+from pagedserve.scheduler_proc.grammar_cache import grammar_cache_for
 from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
@@ -66,6 +67,10 @@ def replay_scheduler(trace_path: str) -> SchedulerReplayReport:
     cfg = _engine_config(trace)
     to_worker, from_worker = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
     from_frontend = Decoder(m.FrontendToScheduler)
+    try:
+        vocab_size = from_worker.decode(trace.hello_frame).vocab_size  # grammar masks' width
+    except ProtocolError as exc:
+        raise TraceError(f"{trace_path}: the header's hello is not a valid frame: {exc}") from None
     sched: Optional[Scheduler] = None
     outs: deque[m.SchedulerOutput] = deque()  # replayed steps whose results are not yet applied
     draining = False
@@ -77,7 +82,8 @@ def replay_scheduler(trace_path: str) -> SchedulerReplayReport:
                 msg = to_worker.decode(payload)
                 if isinstance(msg, m.WorkerInit) and (sched is None or
                                                       sched.config.num_gpu_blocks != msg.num_gpu_blocks):
-                    sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks))
+                    sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks),
+                                      grammar_cache_for(cfg.model, vocab_size))
                 elif isinstance(msg, m.SchedulerOutput):
                     _require(sched, trace_path, where)
                     out = sched.schedule()

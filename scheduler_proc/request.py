@@ -16,6 +16,7 @@ from msgspec.structs import replace
 from pagedserve.protocol.messages import AddRequest, SamplingParams
 
 from pagedserve.scheduler_proc.config import MAX_PARALLEL_SAMPLES
+from pagedserve.scheduler_proc.grammar import RequestGrammar
 
 WAITING = 0
 RUNNING = 1
@@ -57,9 +58,11 @@ class Request:
         "unfinished_indices",
         "sequences",
         "num_cached_tokens",
+        "grammar",
     )
 
-    def __init__(self, msg: AddRequest, arrival_number: int, seed: int, len_limit: int):
+    def __init__(self, msg: AddRequest, arrival_number: int, seed: int, len_limit: int,
+                 compiled_grammar=None):
         self.request_id = msg.request_id
         self.arrival_number = arrival_number
         self.sampling: SamplingParams = msg.sampling
@@ -77,6 +80,8 @@ class Request:
         self.unfinished_indices = set(range(msg.sampling.n))
         self.sequences: list[Sequence] = []
         self.num_cached_tokens = 0
+        # When the output is constrained: the grammar each sampling sequence gets a matcher of.
+        self.grammar = None if compiled_grammar is None else RequestGrammar(compiled_grammar, self.stop_token_ids)
 
 
 def _fields(params: SamplingParams) -> dict:
@@ -114,6 +119,7 @@ class Sequence:
         "want_logprobs",
         "num_cached_tokens",
         "lane_pos",
+        "grammar",
     )
 
     def __init__(self, seq_id: str, request: Request, index: int, token_ids: array,
@@ -147,6 +153,8 @@ class Sequence:
         self.want_logprobs = request.want_logprobs
         self.num_cached_tokens = 0  # the request's prefix hits at its first admission
         self.lane_pos = -1  # position in the decode lane, which then owns num_kv_tokens and new tokens
+        # Its own matcher (grammar.py) when constrained and sampling; a parent only computes the prompt.
+        self.grammar = request.grammar.new_matcher() if request.grammar is not None and not is_parent else None
 
     @property
     def target_len(self) -> int:

@@ -27,9 +27,8 @@ from bisect import insort
 from collections import deque
 from operator import attrgetter
 
-from pagedserve.protocol.messages import (
-    AddRequest, CachedRequestData, NewRequestData, RequestDelta, SchedulerOutput, StepResult,
-)
+from pagedserve.protocol.messages import (AddRequest, CachedRequestData, NewRequestData, RequestDelta,
+                                          SchedulerOutput, StepResult)
 
 from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap
 from pagedserve.scheduler_proc.admission import length_limit, rejection_reason
@@ -37,9 +36,9 @@ from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.block_pool import CacheEventLog
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.decode_lane import DecodeLane
-from pagedserve.scheduler_proc.request import (
-    FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, token_array,
-)
+from pagedserve.scheduler_proc.grammar import step_bitmask
+from pagedserve.scheduler_proc.grammar_cache import compile_for
+from pagedserve.scheduler_proc.request import FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, token_array
 from pagedserve.scheduler_proc.stats import SchedulerCounters, snapshot
 from pagedserve.scheduler_proc.step import SchedulerStateError, StepOutputs, StepPlan
 
@@ -48,8 +47,9 @@ _NO_BLOCKS: list[int] = []  # shared by every CachedRequestData without new bloc
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, grammars=None):
         self.config = config
+        self.grammars = grammars  # CompiledGrammarCache (grammar_cache.py); None: structured output refused
         self.block_size = config.block_size
         self.len_limit = length_limit(config)
         self.counters = SchedulerCounters()
@@ -80,6 +80,8 @@ class Scheduler:
         reason = rejection_reason(msg, self.config)
         if reason is None and msg.request_id in self.requests:
             reason = f"request id {msg.request_id!r} is already in use"
+        if reason is None:
+            compiled, reason = compile_for(self.grammars, msg.sampling.structured_outputs)
         if reason is not None:
             self.counters.num_finished += 1
             n = msg.sampling.n
@@ -90,7 +92,8 @@ class Scheduler:
         if seed is None:
             seed = self._rng.getrandbits(63)
         self._arrivals += 1
-        request = Request(msg, self._arrivals, seed, self.len_limit)
+        request = Request(msg, self._arrivals, seed, self.len_limit, compiled)
+        self.counters.structured_output_requests += compiled is not None
         seq = Sequence(msg.request_id, request, 0, token_array(msg.prompt_token_ids), request.sampling,
                        is_parent=msg.sampling.n > 1)
         request.sequences = [seq]
@@ -337,10 +340,9 @@ class Scheduler:
         self.counters.num_preemptions_recompute += 1
 
     def _should_swap(self, seq: Sequence) -> bool:
-        mode = self.config.preemption_mode
+        mode = self.config.preemption_mode  # auto: under one full block, recompute is cheaper than a move
         if mode == "recompute" or not self.bm.can_swap_out(seq):
             return False
-        # auto: a sequence without one full block is cheaper to recompute than to move.
         return mode == "swap" or seq.num_kv_tokens >= self.block_size
 
     def seats_free(self) -> int:
@@ -382,15 +384,17 @@ class Scheduler:
         zero, copies = self.bm.drain()
         finished, self.finished_ids = self.finished_ids, []
         total = self.config.max_num_batched_tokens - batch.budget
+        sampling = batch.sampling_new + batch.sampling_cached
+        masks = step_bitmask(sampling, self.grammars.words_per_row, self.counters) if self.grammars else None
         out = SchedulerOutput(self._step, batch.new, batch.cached, decodes, finished, batch.swap_out,
-                              batch.swap_in, copies, zero, total)
+                              batch.swap_in, copies, zero, total, masks)
         counters = self.counters
         counters.num_blocks_zeroed += len(zero)
         counters.num_blocks_copied += len(copies)
         counters.num_blocks_swapped_out += len(batch.swap_out)
         counters.num_blocks_swapped_in += len(batch.swap_in)
         if total:
-            self.in_flight.append((out, batch.sampling_new + batch.sampling_cached, batch.others))
+            self.in_flight.append((out, sampling, batch.others))
         if self.config.debug_invariants:
             self.check_invariants()
         return out

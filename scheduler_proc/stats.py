@@ -20,6 +20,8 @@ COUNTERS = (
     "generation_tokens",  # sampled tokens accepted
     "recomputed_tokens",  # tokens computed again after a recompute-preemption
     "num_finished",  # requests (not samples) that ended, for any reason
+    "structured_output_requests",  # admitted requests whose output a grammar constrains
+    "structured_output_mask_time_s",  # seconds spent filling grammar bitmasks (a float)
 )
 
 
@@ -28,7 +30,7 @@ class SchedulerCounters:
 
     def __init__(self) -> None:
         for name in COUNTERS:
-            setattr(self, name, 0)
+            setattr(self, name, 0.0 if name.endswith("_s") else 0)
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNTERS}

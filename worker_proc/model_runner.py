@@ -19,6 +19,7 @@ from pagedserve.kernels.ops import select_ops
 from pagedserve.protocol.messages import SchedulerOutput, StepResult, WorkerInit
 from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output, note_samples
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
+from pagedserve.worker_proc.grammar_mask import apply_grammar_bitmask
 from pagedserve.worker_proc.input_batch import BatchError, build_forward_batch
 from pagedserve.worker_proc.kv_cache import KVCache, block_bytes, max_num_blocks
 from pagedserve.worker_proc.model_config import load_model_spec
@@ -125,6 +126,7 @@ class ModelRunner:
                     # Every rank samples (the same logits, the same seeded noise), so every rank
                     # holds the token a placeholder in the next step stands for; rank 0 reports.
                     logits = self.model.compute_logits(hidden[batch.sample_indices])
+                    logits = apply_grammar_bitmask(logits, batch.sampled_requests, out.grammar, out.step)
                     sampled = sample(logits, batch.sampled_requests)
                     note_samples(batch.sampled_requests, sampled.token_ids)
                     if self.rank == 0:

@@ -1,0 +1,90 @@
+"""Each constrained sequence's grammar state, and the step's bitmask of allowed tokens.
+
+The scheduler and output processor call only what is here, and only for sequences that
+carry a ``SequenceGrammar``; no other module touches xgrammar. The matcher lives on the
+Sequence, so preemption keeps it: a swapped sequence resumes where it was, and a recomputed
+one recomputes KV for tokens the matcher has already accepted. Each of an n > 1 request's
+samples gets its own matcher when the parent forks (the parent only computes the prompt).
+
+A constrained sequence is never in the decode lane and never samples twice without the
+scheduler knowing its previous token: its mask depends on that token (overlap.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from pagedserve.protocol.messages import GrammarBitmask
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler_proc.request import Sequence
+
+
+class RequestGrammar:
+    """A request's compiled grammar and stop tokens: makes one matcher per sampling sequence."""
+
+    __slots__ = ("compiled", "stop_token_ids")
+
+    def __init__(self, compiled, stop_token_ids: frozenset[int]):
+        self.compiled = compiled
+        self.stop_token_ids = sorted(stop_token_ids)
+
+    def new_matcher(self) -> "SequenceGrammar":
+        return SequenceGrammar(self)
+
+
+class SequenceGrammar:
+    """One sequence's position in its grammar, advanced by each token it samples."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, grammar: RequestGrammar):
+        import xgrammar
+
+        if grammar.stop_token_ids:  # the request's own stop tokens end the grammar
+            self.matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=grammar.stop_token_ids)
+        else:  # ignore_eos and no stop ids: the grammar ends when it is complete
+            self.matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=[],
+                                                   terminate_without_stop_token=True)
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def step_bitmask(seqs: list["Sequence"], words_per_row: int, counters) -> Optional[GrammarBitmask]:
+    """The rows of the constrained sequences among ``seqs`` (those that sample this step), or
+    None when there are none; the time spent filling goes to ``counters`` (stats.py)."""
+    constrained = [seq for seq in seqs if seq.grammar is not None]
+    if not constrained:
+        return None
+    started = time.perf_counter()
+    rows = np.empty((len(constrained), words_per_row), dtype=np.int32)
+    for row, seq in enumerate(constrained):
+        seq.grammar.fill(rows, row)
+    counters.structured_output_mask_time_s += time.perf_counter() - started
+    return GrammarBitmask([seq.seq_id for seq in constrained], words_per_row, rows.astype("<i4", copy=False).tobytes())
+
+
+def grammar_finish(seq: "Sequence", token: int) -> tuple[Optional[str], Optional[int], Optional[str]]:
+    """(finish reason, stop token, error) after ``seq`` sampled ``token`` and no stop rule ended it.
+
+    The grammar's end is the sequence's end ("stop"), even before min_tokens: no token can
+    follow it. A token the grammar refuses means the mask was not applied: an engine error.
+    """
+    grammar = seq.grammar
+    if not grammar.accept(token):
+        return "error", None, (f"the sampled token {token} does not fit the request's grammar "
+                               f"(its mask was not applied)")
+    if grammar.terminated:
+        return "stop", (token if token in seq.stop_token_ids else None), None
+    return None, None, None
