@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import httpx
 import openai
 import pytest
 
@@ -109,7 +110,10 @@ def test_template_options_change_the_prompt_sent_to_the_engine(server):
     client, fake = server
     fake.reply_text = "ok"
     messages = [*USER, {"role": "assistant", "content": "Paris is"}]
-    client.chat.completions.create(model="tiny", messages=messages, extra_body={
-        "add_generation_prompt": False, "continue_final_message": True})
-    assert fake.tokenizer.decode(fake.added[-1].prompt_token_ids).endswith(
-        "<|im_start|>assistant\nParis is")
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    client.chat.completions.create(model="tiny", messages=messages, extra_body=options)
+    sent = fake.added[-1].prompt_token_ids
+    assert fake.tokenizer.decode(sent).endswith("<|im_start|>assistant\nParis is")
+    tokenized = httpx.post(f"{client.base_url}".replace("/v1/", "/tokenize"), headers={
+        "Authorization": f"Bearer {API_KEY}"}, json={"messages": messages, **options}).json()
+    assert tokenized["tokens"] == sent  # /tokenize renders the same options the same way
