@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
+import jsonschema
 import pytest
 
 from pagedserve.deploy.demo_model import build_tokenizer
@@ -135,3 +137,21 @@ def test_parallel_tool_calls_false_keeps_only_the_first_call():
     choices = ToolCallChoices(ChatFormat("m"), TOOL_PARSERS["hermes"], 1, parallel_tool_calls=False)
     calls = choices.full_choice(0, HERMES_OUTPUT, None, "stop")["message"]["tool_calls"]
     assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris"]
+
+
+OPENAI_SCHEMA = Path(__file__).resolve().parents[2] / "shared" / "openai-openapi" / "openai_subset.json"
+
+
+def test_calls_and_call_deltas_have_openai_shapes():
+    if not OPENAI_SCHEMA.is_file():
+        pytest.skip(f"OpenAI's schema is not at {OPENAI_SCHEMA}")
+    schemas = json.loads(OPENAI_SCHEMA.read_text())["components"]["schemas"]
+    parser = TOOL_PARSERS["hermes"]
+    for call in _full(parser, HERMES_OUTPUT)["message"]["tool_calls"]:
+        jsonschema.validate(call, schemas["ChatCompletionMessageToolCall"])
+    choices = ToolCallChoices(ChatFormat("m"), parser, 1)
+    deltas = [d for piece in _token_pieces(HERMES_OUTPUT)
+              for d in (choices.chunk_choice(0, piece, None, None) or {"delta": {}})["delta"].get("tool_calls", [])]
+    assert len(deltas) > 2
+    for delta in deltas:
+        jsonschema.validate(delta, schemas["ChatCompletionMessageToolCallChunk"])
