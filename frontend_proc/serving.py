@@ -24,6 +24,7 @@ from pagedserve.frontend_proc.openai_schema import (
 from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
 from pagedserve.frontend_proc.response_format import (
     ChatFormat, CompletionFormat, LogprobEntries, usage)
+from pagedserve.frontend_proc.structured_request import structured_outputs_of
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import AddRequest, SamplingParams
 from pagedserve.protocol.validate import InvalidField, check_request
@@ -145,7 +146,8 @@ class Serving:
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             min_p=body.min_p or 0.0, logit_bias=body.token_logit_bias(),
-            top_logprobs=body.num_top_logprobs() if logprobs else 0)
+            top_logprobs=body.num_top_logprobs() if logprobs else 0,
+            structured_outputs=structured_outputs_of(body))
 
     def _check(self, add: AddRequest, body: SamplingFields) -> None:
         """The protocol's own ranges, checked before anything is encoded: a value no process
