@@ -7,12 +7,15 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from pagedserve.frontend_proc.chat_template_options import ChatTemplateOptions
+from pagedserve.frontend_proc.errors import InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest
 from pagedserve.frontend_proc.response_format import ChatFormat
+from pagedserve.frontend_proc.structured_request import check_grammar, structured_outputs_of
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
 from pagedserve.frontend_proc.tool_call_output import ToolCallChoices
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig, plan_tool_calls
 from pagedserve.protocol.messages import StructuredOutputs
+from pagedserve.protocol.validate import InvalidField
 
 
 @dataclass(slots=True)
@@ -28,7 +31,22 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer,
     options = ChatTemplateOptions.from_request(
         body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
         plan.template_tools)
+    if plan.structured_outputs is not None:
+        _check_forced_call_grammar(body, plan.structured_outputs)
     prompt_ids = tokenizer.encode_chat(body.messages, options)
     choices = fmt if plan.parser is None else ToolCallChoices(
         fmt, plan.parser, body.n, plan.parallel_tool_calls)
     return ChatPrompt(prompt_ids, plan.structured_outputs, choices)
+
+
+def _check_forced_call_grammar(body: ChatCompletionRequest, grammar: StructuredOutputs) -> None:
+    """A forced tool choice is the request's one grammar, built from the tools' schemas."""
+    if structured_outputs_of(body) is not None:
+        raise InvalidRequest("tool_choice forces a tool call, so the output cannot also follow "
+                             "response_format (or structured_outputs / guided_*); send one of them",
+                             param="tool_choice")
+    try:
+        check_grammar(grammar)
+    except InvalidField as exc:
+        raise InvalidRequest(f"tools: a function's parameters schema cannot be enforced: {exc.reason}",
+                             param="tools") from None

@@ -54,6 +54,11 @@ _COUNTERS = {
     "pagedserve_num_swapped_blocks_total": (
         "KV blocks swapped out plus swapped in",
         lambda s: s.num_blocks_swapped_out + s.num_blocks_swapped_in),
+    "pagedserve_structured_output_requests_total": (
+        "Requests whose output a grammar constrains", lambda s: s.structured_output_requests),
+    "pagedserve_structured_output_mask_seconds_total": (
+        "Seconds the schedulers spent filling grammar bitmasks for their steps",
+        lambda s: s.structured_output_mask_time_s),
 }
 
 

@@ -21,6 +21,19 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    # "schema" shadows a BaseModel attribute: kept under another name, read by its JSON name
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None  # the schema is always enforced strictly (structured_request.py)
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 class SamplingFields(_Lenient):
     """Fields common to /v1/completions and /v1/chat/completions (vLLM names for extras)."""
 
@@ -44,6 +57,21 @@ class SamplingFields(_Lenient):
     prompt_logprobs: Optional[int] = None  # refused: prompt logprobs are not computed
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    # Structured output (frontend_proc/structured_request.py): OpenAI's, and vLLM's extras
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None  # refused: JSON is always compact
+
+    @field_validator("guided_whitespace_pattern")
+    @classmethod
+    def _whitespace_pattern_unsupported(cls, value: Optional[str]):
+        if value is not None:
+            raise ValueError("guided_whitespace_pattern is not supported: JSON output is compact")
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -25,6 +25,7 @@ from pagedserve.frontend_proc.openai_schema import (
 from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
 from pagedserve.frontend_proc.response_format import (
     ChatFormat, CompletionFormat, LogprobEntries, usage)
+from pagedserve.frontend_proc.structured_request import structured_outputs_of
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
 from pagedserve.frontend_proc.tool_call_output import ToolCallChoices
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
@@ -143,6 +144,8 @@ class Serving:
 
     def _sampling(self, body: SamplingFields, max_tokens: int, logprobs: bool,
                   structured_outputs: Optional[StructuredOutputs] = None) -> SamplingParams:
+        """``structured_outputs``: a forced tool choice's grammar (chat_request.py), which
+        already refused any other structured output the body asks for."""
         self._check_sampling_fields(body)
         return SamplingParams(
             max_tokens=max_tokens,
@@ -155,7 +158,7 @@ class Serving:
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             min_p=body.min_p or 0.0, logit_bias=body.token_logit_bias(),
             top_logprobs=body.num_top_logprobs() if logprobs else 0,
-            structured_outputs=structured_outputs)
+            structured_outputs=structured_outputs or structured_outputs_of(body))
 
     def _check(self, add: AddRequest, body: SamplingFields) -> None:
         """The protocol's own ranges, checked before anything is encoded: a value no process

@@ -124,3 +124,21 @@ def test_a_named_function_constrains_to_its_arguments_schema():
         _plan(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_news"}})
     with pytest.raises(InvalidRequest, match="tool_choice needs tools"):
         _plan(tool_choice="required")
+
+
+def test_a_forced_tool_choice_is_the_one_grammar_of_the_request(tokenizer):
+    from pagedserve.frontend_proc.chat_request import prepare_chat
+    from pagedserve.frontend_proc.response_format import ChatFormat
+
+    def prepare(**fields):
+        body = ChatCompletionRequest(messages=USER, tool_choice="required", **fields)
+        return prepare_chat(body, tokenizer, ToolCallingConfig(), ChatFormat("m"))
+
+    assert json.loads(prepare(tools=[WEATHER]).structured_outputs.json)["type"] == "array"
+    with pytest.raises(InvalidRequest, match="response_format") as refused:
+        prepare(tools=[WEATHER], response_format={"type": "json_object"})
+    assert refused.value.param == "tool_choice"
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minProperties": "x"}}}
+    with pytest.raises(InvalidRequest) as refused:
+        prepare(tools=[broken])
+    assert refused.value.param == "tools"

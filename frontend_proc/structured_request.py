@@ -1,0 +1,80 @@
+"""A request's ways of asking for structured output, as the one ``StructuredOutputs`` it sends.
+
+OpenAI's ``response_format`` (``json_object``, ``json_schema``; ``text`` asks for nothing)
+and vLLM's extras (``structured_outputs``, ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar``) on both endpoints. At most one may be given; two are a
+400 rather than a guess. The grammar is parsed here (protocol/structured_outputs.py, no
+tokenizer needed), so a schema that cannot compile is a 400 naming the field before anything
+reaches a scheduler; the scheduler compiles it against the tokenizer.
+
+``json_schema.strict``: the output is always held to the schema exactly (xgrammar's strict
+mode: no properties beyond those listed), so ``strict: false`` gets the strict behaviour too.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import msgspec
+
+from pagedserve.frontend_proc.errors import InvalidRequest
+from pagedserve.frontend_proc.openai_schema import SamplingFields
+from pagedserve.protocol.messages import StructuredOutputs
+from pagedserve.protocol.structured_outputs import build_grammar, structured_outputs_from_dict
+from pagedserve.protocol.validate import InvalidField
+
+_CHECKED_LIMIT = 1024
+_checked: OrderedDict[bytes, None] = OrderedDict()  # grammars already known to compile
+
+
+def _requested(body: SamplingFields) -> list[tuple[str, dict]]:
+    """(client field, vLLM structured_outputs dict) for every way the body asks."""
+    asked = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise InvalidRequest("response_format: type json_schema needs json_schema.schema",
+                                 param="response_format")
+        asked.append(("response_format", {"json": fmt.json_schema.json_schema}))
+    if body.structured_outputs is not None:
+        asked.append(("structured_outputs", body.structured_outputs))
+    for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        value = getattr(body, field)
+        if value is not None:
+            asked.append((field, {key: value}))
+    return asked
+
+
+def structured_outputs_of(body: SamplingFields) -> Optional[StructuredOutputs]:
+    """The body's structured output request in wire form, its grammar checked; None if none.
+    Raises InvalidRequest naming the field."""
+    asked = _requested(body)
+    if not asked:
+        return None
+    if len(asked) > 1:
+        fields = ", ".join(field for field, _ in asked)
+        raise InvalidRequest(f"structured output is asked for more than once ({fields}); send one",
+                             param=asked[1][0])
+    field, value = asked[0]
+    try:
+        spec = structured_outputs_from_dict(value, field)
+        check_grammar(spec)
+    except InvalidField as exc:
+        raise InvalidRequest(f"{field}: {exc.reason}", param=field) from None
+    return spec
+
+
+def check_grammar(spec: StructuredOutputs) -> None:
+    """Raise InvalidField unless ``spec``'s grammar parses; remembered once it did."""
+    key = msgspec.msgpack.encode(spec)
+    if key in _checked:
+        _checked.move_to_end(key)
+        return
+    build_grammar(spec)
+    _checked[key] = None
+    if len(_checked) > _CHECKED_LIMIT:
+        _checked.popitem(last=False)
