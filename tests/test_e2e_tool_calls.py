@@ -28,7 +28,8 @@ USER = [{"role": "user", "content": "Weather in Paris for three days?"}]
 
 @pytest.fixture(scope="module")
 def client(model_factory, tmp_path_factory):
-    srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "160", "--max-model-len", "2048"])
+    srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "160", "--max-model-len", "2048",
+                                             "--replica-timeout-s", "60"])
     srv.start(tmp_path_factory.mktemp("tools"))
     try:
         yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
