@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -180,21 +181,22 @@ class FrontendProcess:
         self._ctx.term()
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory, model_factory):
-    """One frontend (2 replicas, API key, 1 s replica timeout) shared by this module."""
-    model_dir = model_factory("qwen2")
+@contextmanager
+def fake_deployment(tmp_path_factory, model_dir: str, num_replicas: int, max_model_len: int,
+                    extra_args: Sequence[str] = ()):
+    """A frontend process (API key, 1 s replica timeout) in front of scripted fake replicas,
+    once every replica is live: yields (frontend, fakes, tokenizer)."""
     run_dir = tmp_path_factory.mktemp("run")
     os.chmod(run_dir, 0o700)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    fakes = [FakeReplica(run_dir, r, tokenizer, eos) for r in range(2)]
+    fakes = [FakeReplica(run_dir, r, tokenizer, eos) for r in range(num_replicas)]
     frontend = None
     try:
-        frontend = FrontendProcess(run_dir, model_dir, num_replicas=2,
-                                   max_model_len=MAX_MODEL_LEN)
+        frontend = FrontendProcess(run_dir, model_dir, num_replicas=num_replicas,
+                                   max_model_len=max_model_len, extra_args=extra_args)
         assert frontend.ready_msg is not None and frontend.ready_msg.role == "frontend"
         frontend.wait_until(lambda r: r.status_code == 200 and all(
             x["live"] for x in r.json()["replicas"]))
@@ -204,6 +206,13 @@ def deployment(tmp_path_factory, model_factory):
             frontend.close()
         for fake in fakes:
             fake.close()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, model_factory):
+    """One frontend (2 replicas, API key, 1 s replica timeout) shared by this module."""
+    with fake_deployment(tmp_path_factory, model_factory("qwen2"), 2, MAX_MODEL_LEN) as deployed:
+        yield deployed
 
 
 @pytest.fixture

@@ -5,13 +5,12 @@ test_e2e_tool_calls.py)."""
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import openai
 import pytest
 
-from test_frontend_harness import API_KEY, FakeReplica, FrontendProcess
+from test_frontend_harness import API_KEY, fake_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -25,25 +24,10 @@ HERMES_REPLY = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_factory):
-    from transformers import AutoTokenizer
-
-    model_dir = model_factory("qwen2")
-    run_dir = tmp_path_factory.mktemp("run")
-    os.chmod(run_dir, 0o700)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    fake = FakeReplica(run_dir, 0, tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    frontend = None
-    try:
-        frontend = FrontendProcess(run_dir, model_dir, num_replicas=1, max_model_len=512,
-                                   extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-        frontend.wait_until(lambda r: r.status_code == 200)
-        client = openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key=API_KEY, max_retries=0,
-                               timeout=20)
-        yield client, fake
-    finally:
-        if frontend is not None:
-            frontend.close()
-        fake.close()
+    with fake_deployment(tmp_path_factory, model_factory("qwen2"), 1, 512, extra_args=[
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as (frontend, (fake,), _):
+        yield openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key=API_KEY, max_retries=0,
+                            timeout=20), fake
 
 
 def _streamed_calls(stream) -> tuple[str, list[dict], str]:
