@@ -8,6 +8,7 @@ never reads is a 400 naming it rather than silently dropped (docs/DECISIONS.md).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Optional
@@ -82,8 +83,6 @@ def template_messages(messages: list) -> list[dict[str, Any]]:
     """OpenAI messages as chat templates read them: text content, and an assistant's earlier
     calls with their ``arguments`` parsed into objects (vLLM does the same: templates such as
     Qwen2.5's and Llama 3's write them with ``tojson``)."""
-    import json
-
     conversation = []
     for i, message in enumerate(messages):
         try:

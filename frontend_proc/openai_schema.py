@@ -209,6 +209,17 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # OpenAI's deprecated single-function form: refused, pointing at tools / tool_choice
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _legacy_functions_unsupported(cls, value: Any, info: Any):
+        if value is not None:
+            replacement = "tools" if info.field_name == "functions" else "tool_choice"
+            raise ValueError(f"{info.field_name} is the deprecated form; use {replacement}")
+        return value
     max_completion_tokens: Optional[int] = Field(default=None, gt=0)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0)  # <= --max-logprobs, checked in serving

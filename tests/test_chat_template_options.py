@@ -142,3 +142,9 @@ def test_a_forced_tool_choice_is_the_one_grammar_of_the_request(tokenizer):
     with pytest.raises(InvalidRequest) as refused:
         prepare(tools=[broken])
     assert refused.value.param == "tools"
+
+
+@pytest.mark.parametrize("field, value", [("functions", [WEATHER["function"]]), ("function_call", "auto")])
+def test_the_deprecated_functions_fields_are_refused_pointing_at_tools(field, value):
+    with pytest.raises(ValueError, match=f"{field} is the deprecated form; use tool"):
+        ChatCompletionRequest(messages=USER, **{field: value})
