@@ -155,3 +155,29 @@ def test_calls_and_call_deltas_have_openai_shapes():
     assert len(deltas) > 2
     for delta in deltas:
         jsonschema.validate(delta, schemas["ChatCompletionMessageToolCallChunk"])
+
+
+@pytest.mark.parametrize("text", ['<tool_call>{"na\\qme": "f", "arguments": {}}</tool_call>',
+                                  '<tool_call>{"name": "f\\q", "arguments": {}}</tool_call>',
+                                  '<tool_call>{"name": 7, "arguments": {}}</tool_call>',
+                                  '<tool_call>{"name": "f", "arguments": {]}</tool_call>'])
+def test_noise_that_looks_like_a_call_is_returned_as_content(text):
+    full = _full(TOOL_PARSERS["hermes"], text)
+    assert (full["message"]["content"], full["finish_reason"]) == (text, "stop")
+    assert "tool_calls" not in full["message"]
+    if '"f"' not in text:  # no call was ever named, so the stream has nothing to take back
+        assert _streamed(TOOL_PARSERS["hermes"], list(text)) == (text, [], "stop")
+
+
+def test_no_output_whatever_its_noise_makes_a_parser_raise():
+    rng = random.Random(0)
+    atoms = ['{', '}', '[', ']', '"', ':', ',', ';', '\\', ' ', 'a', '1', '-', 'e', 'true', '"name"',
+             '"arguments"', '"parameters"', '<tool_call>', '</tool_call>', '<|python_tag|>', '\\u12']
+    parsers = [*TOOL_PARSERS.values(), parse_call_array, named_call_parser("f")]
+    for _ in range(300):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 30)))
+        for parser in parsers:
+            for final in (False, True):
+                parser(text, final)
+            if text:
+                _streamed(parser, _random_pieces(text, rng.randrange(1 << 30)) if len(text) > 1 else [text])

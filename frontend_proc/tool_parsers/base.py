@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-from pagedserve.frontend_proc.tool_parsers.json_scan import ObjectScan, ScanError, scan_object, skip_ws
+from pagedserve.frontend_proc.tool_parsers.json_scan import (
+    ObjectScan, ScanError, decode_string, scan_object, skip_ws)
 
 
 @dataclass(slots=True)
@@ -36,9 +37,8 @@ def call_from_object(text: str, scan: ObjectScan, argument_keys: tuple[str, ...]
     """The call described by ``{"name": ..., "arguments": {...}}`` (keys in any order)."""
     name_span = scan.fields.get("name")
     name = None
-    if name_span is not None and name_span.complete:
-        value = json.loads(text[name_span.start:name_span.end])
-        name = value if isinstance(value, str) else None
+    if name_span is not None and name_span.complete and text[name_span.start] == '"':
+        name = decode_string(text, name_span)
     args_span = next((scan.fields[k] for k in argument_keys if k in scan.fields), None)
     arguments = "" if args_span is None else text[args_span.start:args_span.end]
     complete = (name is not None and args_span is not None and args_span.complete
@@ -60,9 +60,9 @@ def scan_calls(text: str, pos: int, argument_keys: tuple[str, ...],
     while pos < len(text) and text[pos] == "{":
         try:
             scan = scan_object(text, pos)
+            calls.append(call_from_object(text, scan, argument_keys))
         except ScanError:
             return CallScan(calls, pos, malformed=True)
-        calls.append(call_from_object(text, scan, argument_keys))
         if scan.end is None:
             return CallScan(calls, len(text))
         pos = skip_ws(text, scan.end)

@@ -32,6 +32,14 @@ class ObjectScan:
     end: Optional[int] = None  # just past the closing brace; None while incomplete
 
 
+def decode_string(text: str, span: Span) -> str:
+    """The value of a complete JSON string (a bad escape makes the text not JSON)."""
+    try:
+        return json.loads(text[span.start:span.end])
+    except ValueError:
+        raise ScanError(f"bad string at {span.start}") from None
+
+
 def skip_ws(text: str, pos: int) -> int:
     while pos < len(text) and text[pos] in _WHITESPACE:
         pos += 1
@@ -113,7 +121,7 @@ def scan_object(text: str, pos: int) -> ObjectScan:
         if pos >= len(text):
             return scan
         value = scan_value(text, pos)
-        scan.fields[json.loads(text[key.start:key.end])] = value
+        scan.fields[decode_string(text, key)] = value
         if not value.complete:
             return scan
         pos = skip_ws(text, value.end)
