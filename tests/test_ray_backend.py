@@ -81,11 +81,12 @@ def test_two_replicas_land_on_two_nodes_and_serve_transformers_greedy_tokens(dp2
 
 
 def stream(srv: Server, prompt: str, max_tokens: int, started) -> dict:
-    """One streamed completion: tokens seen, and the error event (with when it came) if any."""
+    """One streamed completion: tokens generated, and the error event (with when it came) if any."""
     out = {"tokens": 0, "error": None, "error_at": None}
     with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
             "model": client(srv).models.list().data[0].id, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+            "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -93,7 +94,8 @@ def stream(srv: Server, prompt: str, max_tokens: int, started) -> dict:
             if "error" in event:
                 out["error"], out["error_at"] = event["error"]["message"], time.monotonic()
                 continue
-            out["tokens"] += 1
+            if event.get("usage"):
+                out["tokens"] = event["usage"]["completion_tokens"]
             started()
     return out
 
