@@ -51,29 +51,34 @@ class RemoteChild:
     popen: RemoteProcess
     actor: Any
     node: str
+    stopping: Any = None  # the actor's answer to terminate(), once asked
 
     @property
     def name(self) -> str:
         return f"{self.role} {self.replica}.{self.rank} (pid {self.popen.pid} on Ray node {self.node[:12]})"
 
-    def _stop(self, grace_s: float) -> None:
+    def _wait_stopped(self, ref: Any, timeout_s: float) -> None:
         import ray
 
-        if self.popen.returncode is None:
-            try:
-                code = ray.get(self.actor.stop.remote(grace_s), timeout=grace_s + 5)
-                self.popen.returncode = -9 if code is None else code
-            except Exception:  # the actor or its node is gone: so is the process
-                self.popen.returncode = -9
+        try:
+            code = ray.get(ref, timeout=timeout_s)
+            self.popen.returncode = -9 if code is None else code
+        except Exception:  # the actor or its node is gone: so is the process
+            self.popen.returncode = -9
 
     def terminate(self) -> None:
-        pass  # stopped in wait_or_kill: one round trip per process
+        if self.popen.returncode is None and self.stopping is None:
+            self.stopping = self.actor.stop.remote(STOP_GRACE_S)
 
     def kill(self) -> None:
-        self._stop(0.0)
+        if self.popen.returncode is None:
+            self._wait_stopped(self.actor.stop.remote(0.0), STOP_GRACE_S)
 
     def wait_or_kill(self, timeout_s: float) -> None:
-        self._stop(timeout_s)
+        self.terminate()
+        if self.popen.returncode is None:
+            # the actor kills the process after STOP_GRACE_S; past that the actor is unreachable
+            self._wait_stopped(self.stopping, max(timeout_s, STOP_GRACE_S) + 5)
 
 
 class RayReplica:
@@ -165,6 +170,7 @@ class RayReplica:
         except Exception:
             self._lose("a worker's bundle actor is gone")
             return False
+        self._poll_refs = []  # answers about the processes just replaced
         for child, pid in zip(self.children[1:], pids):
             child.popen = RemoteProcess(pid)
         return True

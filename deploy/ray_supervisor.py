@@ -186,10 +186,14 @@ def serve_on_ray(cfg: ServeConfig) -> int:
         print(f"pagedserve serve: --distributed-executor-backend ray needs Ray: {INSTALL_HINT}", file=sys.stderr)
         return 2
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-    else:
-        ray.init(include_dashboard=False)
+    try:
+        if address:
+            ray.init(address=address)
+        else:
+            ray.init(include_dashboard=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        print(f"pagedserve serve: cannot join the Ray cluster at {address or '(local)'}: {exc}", file=sys.stderr)
+        return 2
     try:
         return serve(cfg, RaySupervisor)
     finally:
