@@ -90,6 +90,8 @@ class RayReplica:
         self.replica = replica
         self.state = "placing"
         self.since = time.monotonic()
+        self.avoid_nodes = avoid_nodes
+        self.warned = False  # about waiting long for a node
         self.error: Optional[str] = None
         self.lost_after_s = lost_after_s  # an actor silent this long is on a lost node
         self.sched_in: Optional[str] = None  # where the scheduler takes requests, once located

@@ -39,6 +39,7 @@ INSTALL_HINT = 'pip install -e ".[ray]"'
 SCHEDULER_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
 WORKER_FILES = ("server.key", "client.key_secret")  # a worker only connects (protocol/curve.py)
 REPLICA_PORTS = 3  # on the replica's node: requests in, the worker channel, torch.distributed
+PLACING_WARN_S = 30.0
 
 
 class RaySupervisor(Supervisor):
@@ -100,7 +101,7 @@ class RaySupervisor(Supervisor):
         rr = RayReplica(replica, self._bundles(), self._avoid_nodes(replica), self.host_class,
                         self.cfg.model, self.cfg.run_dir_parent, self.cfg.replica_timeout_s)
         self.ray_replicas[replica] = rr
-        log.info("replica %d: waiting for Ray to place %s (STRICT_PACK)", replica, rr._bundles)
+        log.info("replica %d: waiting for Ray to place %s (STRICT_PACK)", replica, self._bundles())
 
     def _replica_files(self, replica: int, rr: RayReplica) -> tuple[list[dict], Optional[str]]:
         where = rr.where[0]
@@ -137,6 +138,11 @@ class RaySupervisor(Supervisor):
                 if rr.actors:
                     rr.teardown()
                 continue
+            if rr.state == "placing" and not rr.warned and time.monotonic() - rr.since > PLACING_WARN_S:
+                rr.warned = True
+                log.warning("replica %d: Ray has not placed %s (STRICT_PACK, avoiding nodes %s) for %.0fs: "
+                            "the cluster needs a node with that much free beside the other replicas",
+                            replica, self._bundles(), sorted(rr.avoid_nodes) or "none", PLACING_WARN_S)
             try:
                 step = rr.advance(REPLICA_PORTS)
             except ModelMissingError as exc:
