@@ -9,7 +9,7 @@ would make every operator configure it. On a one-node cluster the exclusion is d
 so ``ray.init()`` on a laptop still serves DP > 1.
 
 ``advance()`` never blocks: the supervisor calls it every loop turn. States:
-placing -> locating (actors answer where they are) -> starting -> running; lost or
+queued -> placing -> locating (actors answer where they are) -> starting -> running; lost or
 broken when an actor dies, stops answering, or its node lacks the model.
 """
 
@@ -82,24 +82,21 @@ class RemoteChild:
 
 
 class RayReplica:
-    def __init__(self, replica: int, bundles: list[dict], avoid_nodes: set[str], host_class: Any,
+    def __init__(self, replica: int, bundles: list[dict], host_class: Any,
                  model: str, run_dir_parent: Optional[str], lost_after_s: float):
         import ray
-        from ray.util.placement_group import placement_group
 
         self.replica = replica
-        self.state = "placing"
+        self.state = "queued"  # placed one at a time, so each knows where the others went
         self.since = time.monotonic()
-        self.avoid_nodes = avoid_nodes
+        self.avoid_nodes: set[str] = set()
         self.warned = False  # about waiting long for a node
         self.error: Optional[str] = None
         self.lost_after_s = lost_after_s  # an actor silent this long is on a lost node
         self.sched_in: Optional[str] = None  # where the scheduler takes requests, once located
-        selector = [{"ray.io/node-id": f"!in({','.join(sorted(avoid_nodes))})"}] * len(bundles) \
-            if avoid_nodes else None
-        self.pg = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector,
-                                  name=f"pagedserve-replica-{replica}-{int(time.time() * 1000)}")
-        self._ready_ref = self.pg.ready()
+        self.pg = None
+        self.placed_on: Optional[str] = None  # the node Ray reserved the bundles on
+        self._ready_ref = None
         self._bundles = bundles
         self._host_class, self._model, self._run_dir_parent = host_class, model, run_dir_parent
         self.actors: list = []
@@ -112,7 +109,18 @@ class RayReplica:
 
     @property
     def node_id(self) -> Optional[str]:
-        return self.where[0]["node_id"] if self.where else None
+        return self.where[0]["node_id"] if self.where else self.placed_on
+
+    def place(self, avoid_nodes: set[str]) -> None:
+        from ray.util.placement_group import placement_group
+
+        self.avoid_nodes = avoid_nodes
+        selector = [{"ray.io/node-id": f"!in({','.join(sorted(avoid_nodes))})"}] * len(self._bundles) \
+            if avoid_nodes else None
+        self.pg = placement_group(self._bundles, strategy="STRICT_PACK", bundle_label_selector=selector,
+                                  name=f"pagedserve-replica-{self.replica}-{int(time.time() * 1000)}")
+        self._ready_ref = self.pg.ready()
+        self.state, self.since = "placing", time.monotonic()
 
     def _all_done(self, refs: list) -> bool:
         done, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -123,6 +131,9 @@ class RayReplica:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if self.state == "placing" and self._all_done([self._ready_ref]):
+            from ray.util.placement_group import placement_group_table
+
+            self.placed_on = placement_group_table(self.pg)["bundles_to_node_id"][0]
             for index, bundle in enumerate(self._bundles):
                 strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)
                 self.actors.append(self._host_class.options(
@@ -216,8 +227,9 @@ class RayReplica:
                 self._ray.kill(actor)
             except Exception:
                 pass
-        try:
-            remove_placement_group(self.pg)
-        except Exception:
-            pass
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
         self.actors, self.children = [], []

@@ -98,10 +98,18 @@ class RaySupervisor(Supervisor):
         self.schedulers.pop(replica, None)
         self.workers.pop(replica, None)
         self.relay.point(replica, None)
-        rr = RayReplica(replica, self._bundles(), self._avoid_nodes(replica), self.host_class,
-                        self.cfg.model, self.cfg.run_dir_parent, self.cfg.replica_timeout_s)
-        self.ray_replicas[replica] = rr
-        log.info("replica %d: waiting for Ray to place %s (STRICT_PACK)", replica, self._bundles())
+        self.ray_replicas[replica] = RayReplica(replica, self._bundles(), self.host_class, self.cfg.model,
+                                                self.cfg.run_dir_parent, self.cfg.replica_timeout_s)
+
+    def _place_next(self) -> None:
+        """One placement group in flight at a time: a replica placed while another is still
+        being placed could not avoid that one's node."""
+        if any(rr.state == "placing" for rr in self.ray_replicas.values()):
+            return
+        queued = [r for r, rr in sorted(self.ray_replicas.items()) if rr.state == "queued" and r not in self.failed]
+        if queued:
+            self.ray_replicas[queued[0]].place(self._avoid_nodes(queued[0]))
+            log.info("replica %d: waiting for Ray to place %s (STRICT_PACK)", queued[0], self._bundles())
 
     def _replica_files(self, replica: int, rr: RayReplica) -> tuple[list[dict], Optional[str]]:
         where = rr.where[0]
@@ -133,6 +141,7 @@ class RaySupervisor(Supervisor):
             self.workers[replica] = rr.children[1:]
 
     def _tick(self) -> None:
+        self._place_next()
         for replica, rr in list(self.ray_replicas.items()):
             if replica in self.failed:
                 if rr.actors:

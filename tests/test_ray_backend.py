@@ -1,6 +1,6 @@
 """``serve --distributed-executor-backend ray`` on a real Ray cluster of three nodes on this
 machine (``ray.cluster_utils.Cluster``): the head (no CPUs: the serve node) and two worker
-nodes, each with room for exactly one replica. Run alone with ``pytest -m ray``.
+nodes, each with room for two TP=1 replicas or one TP=2 replica. Run alone with ``pytest -m ray``.
 
 One cluster and one DP=2 deployment serve the first tests in order: placement and parity,
 then a lost node, then SIGTERM."""
@@ -23,7 +23,7 @@ from test_parallel_serving import assert_equal_to_transformers, client, greedy_c
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
-NODE_CPUS = 3  # a TP=2 replica (scheduler + 2 workers); a second replica never fits beside one
+NODE_CPUS = 4  # two DP replicas (scheduler + worker each) would fit on one node: spreading is a choice
 OBJECT_STORE = 80 * 2**20
 SERVER_ARGS = ["--distributed-executor-backend", "ray", "--num-gpu-blocks", "256", "--max-model-len", "512",
                "--replica-timeout-s", "3"]
