@@ -126,6 +126,7 @@ def test_a_lost_node_costs_only_its_replica_which_returns_when_a_node_is_added(d
     assert body["replicas"][1]["live"] is False and body["replicas"][0]["live"] is True, body
     new_node = cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=OBJECT_STORE)
     assert wait_until(lambda: health(dp2)["replicas"][1]["live"], 120), health(dp2)
+    # it had room beside replica 0 all along: it waited for a node of its own
     assert health(dp2)["replicas"][1]["node_id"] == new_node.node_id
     assert greedy_completions(dp2, prompts[:2], 4)[0][1] == 4
 
