@@ -6,7 +6,9 @@ places again after a lost node comes back on another node with another address, 
 supervisor binds that fixed address itself and forwards every frame to the replica's
 current scheduler (``point``). Frames for a replica that has no scheduler are dropped: the
 frontend has already failed the requests they belong to, and a new scheduler must not run
-requests nobody waits for. A full scheduler queue holds its frame here and stops reading
+requests nobody waits for (a frame still on its way when the replica is pointed at its
+new node may get through: the new scheduler runs it and the frontend ignores the answers
+for a request it no longer holds). A full scheduler queue holds its frame here and stops reading
 that replica's input, so the frontend's own queue fills and it answers 503 as without Ray.
 """
 
@@ -39,6 +41,10 @@ class InputRelay(threading.Thread):
     def point(self, replica: int, endpoint: Optional[Endpoint]) -> None:
         """Forward ``replica``'s frames to ``endpoint`` from now on (None: drop them)."""
         self._control.send_multipart([str(replica).encode(), (endpoint or "").encode()])
+        # wait until applied: whatever the frontend sends from now on goes to the new place
+        if not self._control.poll(5000):
+            raise RuntimeError("the request relay thread is not answering")
+        self._control.recv()
 
     def stop(self) -> None:
         if self.is_alive():
@@ -98,10 +104,13 @@ class InputRelay(threading.Thread):
                             old.close(linger=0)
                         if held.pop(replica, None) is not None:
                             poller.register(by_replica[replica], zmq.POLLIN)
+                        while old is None and by_replica[replica].poll(0):  # sent while it had none
+                            by_replica[replica].recv(copy=False)
                         if address:
                             endpoint = self.listen[replica]
                             outputs[replica] = self._connect(
                                 Endpoint(address.decode(), endpoint.curve_dir, endpoint.hwm))
+                        control.send(b"ok")
                         continue
                     if inputs.get(sock) not in held:  # unregistered sockets may still be in events
                         forward(inputs[sock], sock.recv(copy=False))

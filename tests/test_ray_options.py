@@ -61,3 +61,39 @@ def test_the_kuberay_manifest_runs_a_serve_command_that_parses_and_fits_its_work
     assert len(set(mounts)) == 1 and ns.model.startswith(mounts[0] + "/")
     service = next(d for d in docs if d["kind"] == "Service")
     assert service["spec"]["ports"][0]["targetPort"] == ns.port
+
+
+def test_the_request_relay_follows_a_replica_to_its_new_node_and_drops_frames_while_it_has_none(tmp_path):
+    import zmq
+
+    from pagedserve.deploy.ray_relay import InputRelay
+    from pagedserve.protocol.zmq_io import Endpoint
+
+    ctx = zmq.Context()
+    relay = InputRelay(ctx, {0: Endpoint(f"ipc://{tmp_path}/relay-in.sock")})
+    relay.start()
+    frontend = ctx.socket(zmq.PUSH)
+    frontend.connect(f"ipc://{tmp_path}/relay-in.sock")
+    nodes = []
+    for name in ("old-node", "new-node"):
+        sock = ctx.socket(zmq.PULL)
+        sock.bind(f"ipc://{tmp_path}/{name}.sock")
+        nodes.append(sock)
+    try:
+        relay.point(0, Endpoint(f"ipc://{tmp_path}/old-node.sock"))
+        frontend.send(b"first")
+        assert nodes[0].poll(5000) and nodes[0].recv() == b"first"
+        relay.point(0, None)  # lost: nobody waits for what is sent meanwhile
+        frontend.send(b"lost")
+        relay.point(0, Endpoint(f"ipc://{tmp_path}/new-node.sock"))
+        frontend.send(b"second")
+        received = []
+        while b"second" not in received and nodes[1].poll(5000):
+            received.append(nodes[1].recv())
+        assert received[-1:] == [b"second"]  # ("lost" may get through if still in flight: ray_relay.py)
+        assert not nodes[0].poll(200)  # the old node never hears of the replica again
+    finally:
+        relay.stop()
+        for sock in [frontend, *nodes]:
+            sock.close(linger=0)
+        ctx.term()
