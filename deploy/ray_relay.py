@@ -14,7 +14,9 @@ that replica's input, so the frontend's own queue fills and it answers 503 as wi
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import Optional
 
 import zmq
@@ -22,6 +24,8 @@ import zmq
 from pagedserve.protocol.zmq_io import Endpoint, apply_security, bounded_socket
 
 _CONTROL = "inproc://pagedserve-ray-relay"
+POINT_TIMEOUT_S = 5.0
+log = logging.getLogger("pagedserve.ray")
 
 
 class InputRelay(threading.Thread):
@@ -32,6 +36,7 @@ class InputRelay(threading.Thread):
         self._control = ctx.socket(zmq.PAIR)  # used by the supervisor's thread only
         self._control.bind(_CONTROL)
         self._ready = threading.Event()
+        self._seq = 0
         self._releases = []
 
     def start(self) -> None:
@@ -40,15 +45,20 @@ class InputRelay(threading.Thread):
 
     def point(self, replica: int, endpoint: Optional[Endpoint]) -> None:
         """Forward ``replica``'s frames to ``endpoint`` from now on (None: drop them)."""
-        self._control.send_multipart([str(replica).encode(), (endpoint or "").encode()])
+        self._seq += 1
+        seq = str(self._seq).encode()
+        self._control.send_multipart([str(replica).encode(), (endpoint or "").encode(), seq])
         # wait until applied: whatever the frontend sends from now on goes to the new place
-        if not self._control.poll(5000):
-            raise RuntimeError("the request relay thread is not answering")
-        self._control.recv()
+        deadline = time.monotonic() + POINT_TIMEOUT_S
+        while self._control.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            if self._control.recv() == seq:  # (an answer to an earlier call that timed out is skipped)
+                return
+        log.error("the request relay took over %.0fs to follow replica %d; it will when it can",
+                  POINT_TIMEOUT_S, replica)
 
     def stop(self) -> None:
         if self.is_alive():
-            self._control.send_multipart([b"stop", b""])
+            self._control.send_multipart([b"stop", b"", b""])
             self.join(5)
         self._control.close(linger=0)
 
@@ -95,7 +105,7 @@ class InputRelay(threading.Thread):
                     forward(replica, frame)
                 for sock, _ in events:
                     if sock is control:
-                        what, address = control.recv_multipart()
+                        what, address, seq = control.recv_multipart()
                         if what == b"stop":
                             return
                         replica = int(what)
@@ -110,7 +120,7 @@ class InputRelay(threading.Thread):
                             endpoint = self.listen[replica]
                             outputs[replica] = self._connect(
                                 Endpoint(address.decode(), endpoint.curve_dir, endpoint.hwm))
-                        control.send(b"ok")
+                        control.send(seq)
                         continue
                     if inputs.get(sock) not in held:  # unregistered sockets may still be in events
                         forward(inputs[sock], sock.recv(copy=False))

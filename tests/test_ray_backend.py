@@ -113,19 +113,19 @@ def test_a_lost_node_costs_only_its_replica_which_returns_when_a_node_is_added(d
         removed_at = time.monotonic()
         cluster.remove_node(victim, allow_graceful=False)
         # the other replica keeps serving while replica 1 is down
-        assert wait_until(lambda: health(dp2)["replicas"][1]["state"] == "placing", 20), health(dp2)
+        assert wait_until(lambda: health(dp2)["replicas"][1]["state"] == "placing", 20), (health(dp2), dp2.log())
         tok = hf_tokenizer(dp2.model)
         prompts = [tok(f"While node {i} is gone").input_ids for i in range(4)]
         assert_equal_to_transformers(dp2.model, prompts, greedy_completions(dp2, prompts, 8), 8)
         results = [f.result() for f in futures]
     failed = [r for r in results if r["error"]]
-    assert 0 < len(failed) <= in_flight, results
-    assert all("replica 1" in r["error"] and r["error_at"] - removed_at < 10 for r in failed), failed
-    assert all(r["tokens"] == max_tokens for r in results if not r["error"]), results
+    assert 0 < len(failed) <= in_flight, (results, dp2.log())
+    assert all("replica 1" in r["error"] and r["error_at"] - removed_at < 10 for r in failed), (failed, dp2.log())
+    assert all(r["tokens"] == max_tokens for r in results if not r["error"]), (results, dp2.log())
     body = health(dp2)
     assert body["replicas"][1]["live"] is False and body["replicas"][0]["live"] is True, body
     new_node = cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=OBJECT_STORE)
-    assert wait_until(lambda: health(dp2)["replicas"][1]["live"], 120), health(dp2)
+    assert wait_until(lambda: health(dp2)["replicas"][1]["live"], 120), (health(dp2), dp2.log())
     # it had room beside replica 0 all along: it waited for a node of its own
     assert health(dp2)["replicas"][1]["node_id"] == new_node.node_id
     assert greedy_completions(dp2, prompts[:2], 4)[0][1] == 4
@@ -133,11 +133,11 @@ def test_a_lost_node_costs_only_its_replica_which_returns_when_a_node_is_added(d
 
 def test_sigterm_leaves_no_process_and_no_live_placement_group(dp2):
     pids = deployment_pids(dp2) | set(dp2.pids())
-    assert len(pids) >= 6 and our_groups_alive()
+    assert len(pids) >= 6 and our_groups_alive(), (pids, dp2.log())
     dp2.proc.send_signal(15)
     assert dp2.proc.wait(60) == 0, dp2.log()
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, alive
+    assert not alive, (alive, dp2.log())
     assert our_groups_alive() == []
 
 
