@@ -267,7 +267,6 @@ class Supervisor:
         log.info("pagedserve stopped")
         return 0
 
-
     def _stop_children(self) -> None:
         children = self.children()
         for child in children:
