@@ -60,7 +60,7 @@ def spawn(role: str, replica: int, rank: int, cmd: list[str]) -> Child:
     return Child(role, replica, rank, popen)
 
 
-def free_tcp_port() -> int:
+def free_tcp_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]

@@ -38,6 +38,10 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2
+    if cfg.distributed_executor_backend == "ray":
+        from pagedserve.deploy.ray_supervisor import serve_on_ray
+
+        return serve_on_ray(cfg)
     return serve(cfg)
 
 

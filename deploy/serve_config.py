@@ -16,6 +16,7 @@ from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
 ROUTER_KINDS = ("cache-aware", "least-loaded", "round-robin")  # frontend_proc/routing_policy.py
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # frontend_proc/tool_parsers/__init__.py
+BACKENDS = ("mp", "ray")  # vLLM's names for --distributed-executor-backend
 
 
 class ConfigError(ValueError):
@@ -70,6 +71,8 @@ class ServeConfig:
     internal_port_base: Optional[int] = None
     internal_curve: bool = False  # CurveZMQ even on loopback (always on off loopback)
     remote_workers: bool = False  # start no workers: they are launched by hand, e.g. on another node
+    distributed_executor_backend: str = "mp"  # "ray": replicas placed by Ray (deploy/ray_supervisor.py)
+    ray_address: Optional[str] = None  # None: RAY_ADDRESS, else a local ray.init()
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -116,6 +119,11 @@ class ServeConfig:
         if self.router_balance_abs < 0 or self.router_balance_rel < 1.0:
             raise ConfigError("--router-balance-abs must be >= 0 and --router-balance-rel >= 1.0")
         self._check_internal_endpoints()
+        if self.distributed_executor_backend not in BACKENDS:
+            raise ConfigError(f"--distributed-executor-backend must be one of {', '.join(BACKENDS)}")
+        if self.distributed_executor_backend == "ray" and (self.remote_workers or self.internal_host):
+            raise ConfigError("--distributed-executor-backend ray places every process itself: drop "
+                              "--remote-workers / --internal-host")
 
     def _check_internal_endpoints(self) -> None:
         if (self.internal_host is None) != (self.internal_port_base is None):
@@ -289,6 +297,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--remote-workers", action="store_true",
                    help="start no workers; write their command lines to RUN_DIR/worker-commands.sh "
                         "for the operator to run (on this or another node)")
+    g.add_argument("--distributed-executor-backend", choices=BACKENDS, default="mp",
+                   help="mp: every process on this node; ray: each replica placed on a Ray cluster "
+                        "node (pip install -e \".[ray]\")")
+    g.add_argument("--ray-address", metavar="ADDRESS",
+                   help="the Ray cluster to join (default: $RAY_ADDRESS, else a local ray.init())")
 
 
 def add_tool_calling_args(p: argparse.ArgumentParser) -> None:

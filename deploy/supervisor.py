@@ -23,7 +23,8 @@ from pagedserve.deploy.restart_policy import RestartBudget
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.rate_limited_log import RateLimitedLog
-from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir, write_tcp_layout
+from pagedserve.protocol.zmq_io import (Endpoints, Receiver, Sender, TcpLayout, make_run_dir,
+                                        write_tcp_layout)
 
 log = logging.getLogger("pagedserve.supervisor")
 
@@ -44,8 +45,9 @@ class Supervisor:
         self.cfg = cfg
         self.ctx = zmq.Context()
         self.run_dir = str(make_run_dir(cfg.run_dir_parent))
-        if cfg.tcp_layout() is not None:  # every process reads it from the run dir
-            write_tcp_layout(self.run_dir, cfg.tcp_layout())
+        layout = self._layout()
+        if layout is not None:  # every process reads it from the run dir
+            write_tcp_layout(self.run_dir, layout)
         self.ep = Endpoints(self.run_dir)
         self.ctrl: Receiver = Receiver(self.ctx, self.ep.supervisor(), m.ToSupervisor)
         self.to_frontend = Sender(self.ctx, self.ep.frontend_outputs())
@@ -61,6 +63,13 @@ class Supervisor:
         self.stop_requested = False
         self.last_publish = 0.0
         self.stray_log = RateLimitedLog(log)  # whatever a flood of control messages may say
+
+    def _layout(self) -> Optional[TcpLayout]:
+        return self.cfg.tcp_layout()
+
+    def _tick(self) -> None:
+        """Per loop turn, during startup and after: nothing for local children (the Ray
+        backend advances its placements here)."""
 
     # ------------------------------------------------------------------ spawning
 
@@ -102,6 +111,7 @@ class Supervisor:
         while expected:
             if self.stop_requested:
                 raise StartupError("interrupted during startup")
+            self._tick()
             for child in self.children():
                 if child.popen.poll() is not None:
                     raise StartupError(f"{child.name} exited with code {child.popen.returncode} during startup")
@@ -201,7 +211,8 @@ class Supervisor:
         num = self.cfg.data_parallel_size
         self.to_frontend.try_send(m.ProcessTable(
             supervisor_pid=os.getpid(),
-            processes=[m.ProcessInfo(c.role, c.replica, c.rank, c.popen.pid, c.popen.poll() is None)
+            processes=[m.ProcessInfo(c.role, c.replica, c.rank, c.popen.pid, c.popen.poll() is None,
+                                     getattr(c, "node", ""))
                        for c in self.children()],
             replica_restarts=[self.budget.restarts_in_window(r, now) for r in range(num)],
             failed_replicas=sorted(self.failed)))
@@ -225,6 +236,7 @@ class Supervisor:
             msg = self.ctrl.recv(timeout_ms=100)
             if msg is not None:
                 self._handle_control(msg)
+            self._tick()
             self._watch_children()
             self._do_pending_restarts()
             self._publish()
@@ -246,12 +258,7 @@ class Supervisor:
                 self.frontend.popen.wait(self.cfg.drain_timeout_s + DRAIN_GRACE_S + 5)
             except Exception:
                 pass
-        children = self.children()
-        for child in children:
-            child.terminate()
-        deadline = time.monotonic() + 5
-        for child in children:
-            child.wait_or_kill(max(0.1, deadline - time.monotonic()))
+        self._stop_children()
         self.ctrl.close()  # stops its CURVE authenticator thread, if any
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -260,9 +267,17 @@ class Supervisor:
         log.info("pagedserve stopped")
         return 0
 
+    def _stop_children(self) -> None:
+        children = self.children()
+        for child in children:
+            child.terminate()
+        deadline = time.monotonic() + 5
+        for child in children:
+            child.wait_or_kill(max(0.1, deadline - time.monotonic()))
 
-def serve(cfg: ServeConfig) -> int:
-    sup = Supervisor(cfg)
+
+def serve(cfg: ServeConfig, supervisor_class: type = Supervisor) -> int:
+    sup = supervisor_class(cfg)
     signal.signal(signal.SIGTERM, sup.request_stop)
     signal.signal(signal.SIGINT, sup.request_stop)
     try:

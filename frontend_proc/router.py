@@ -140,8 +140,11 @@ class Router:
                 "worker_restarts": s.worker_restarts if s else 0,
                 "restarts_in_window": (table.replica_restarts[r.replica]
                                        if table and r.replica < len(table.replica_restarts) else 0),
+                "node_id": next((p.node for p in table.processes if p.replica == r.replica and p.node),
+                                None) if table else None,
                 "processes": [] if table is None else [
-                    {"role": p.role, "rank": p.rank, "pid": p.pid, "alive": p.alive}
+                    {"role": p.role, "rank": p.rank, "pid": p.pid, "alive": p.alive,
+                     **({"node_id": p.node} if p.node else {})}
                     for p in table.processes if p.replica == r.replica],
             })
         return out

@@ -142,7 +142,7 @@ def iter_deltas(outputs):
 
 class SchedulerStats(Msg):
     replica: int
-    state: str  # "starting" | "ready" | "recovering" | "draining" | "failed" (from the supervisor)
+    state: str  # "starting" | "ready" | "recovering" | "draining" | "failed" | "placing" (from the supervisor; "placing": Ray is finding it a node)
     step: int = 0
     num_running: int = 0
     num_waiting: int = 0
@@ -203,6 +203,7 @@ class ProcessInfo(msgspec.Struct, forbid_unknown_fields=True):
     rank: int
     pid: int
     alive: bool
+    node: str = ""  # the Ray node id the process runs on (Ray backend); "" when local
 
 
 class ProcessTable(Msg):

@@ -20,7 +20,7 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generic, Optional, TypeVar
 
@@ -83,16 +83,23 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class TcpLayout:
-    """Internal endpoints on ``host:port_base+k``; k is fixed by role, replica and rank."""
+    """Internal endpoints on ``host:port_base+k``; k is fixed by role, replica and rank.
+
+    ``addresses`` (endpoint name -> ``tcp://host:port``) overrides that rule per endpoint:
+    with the Ray backend each replica binds on whichever node Ray placed it
+    (deploy/ray_supervisor.py), so one host and one port range cannot name them all.
+    """
 
     host: str
     port_base: int
     tp_size: int
     num_replicas: int
     curve: bool
+    addresses: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.curve and not is_loopback(self.host):
+        hosts = [self.host] + [a.rsplit(":", 1)[0].removeprefix("tcp://") for a in self.addresses.values()]
+        if not self.curve and not all(is_loopback(h) for h in hosts):
             raise ValueError(f"internal host {self.host!r} is not a loopback address: "
                              f"its endpoints must use CurveZMQ (curve=True)")
         last = self.port_base + self.num_ports() - 1
@@ -129,7 +136,8 @@ class Endpoints:
         if self.tcp is None:
             return Endpoint(ipc_endpoint(self.run_dir, name), hwm=hwm)
         curve_dir = self.run_dir / CURVE_DIR if self.tcp.curve else None
-        return Endpoint(f"tcp://{self.tcp.host}:{self.tcp.port(index)}", curve_dir, hwm)
+        address = self.tcp.addresses.get(name) or f"tcp://{self.tcp.host}:{self.tcp.port(index)}"
+        return Endpoint(address, curve_dir, hwm)
 
     def _replica_index(self, replica: int, offset: int) -> int:
         if self.tcp is not None and not 0 <= replica < self.tcp.num_replicas:
