@@ -21,6 +21,7 @@ from pagedserve.frontend_proc.errors import APIError, InvalidRequest
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.openai_schema import (
     DEFAULT_MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields)
+from pagedserve.frontend_proc.completion_batch import CompletionBatch
 from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
 from pagedserve.frontend_proc.response_format import (
     ChatFormat, CompletionFormat, LogprobEntries, usage)
@@ -81,17 +82,24 @@ class Serving:
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body)
-        prompt_ids = self.tokenizer.encode_prompt(body.prompt)
-        max_tokens = self._max_tokens(len(prompt_ids), body.max_tokens,
-                                      default=DEFAULT_COMPLETION_MAX_TOKENS)
+        if body.echo and body.wants_logprobs():
+            raise InvalidRequest(
+                "echo with logprobs is not supported: it needs the prompt tokens' logprobs, "
+                "which the engine does not compute; drop logprobs or echo", param="echo")
+        prompts = body.prompts()
+        prompt_ids = [self.tokenizer.encode_prompt(p) for p in prompts]
+        max_tokens = [self._max_tokens(len(ids), body.max_tokens, default=DEFAULT_COMPLETION_MAX_TOKENS)
+                      for ids in prompt_ids]
+        echo_texts = ([p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+                      if body.echo else None)
         return await self._generate(body, prompt_ids, max_tokens, body.wants_logprobs(),
-                                    CompletionFormat(self.served_model_name), request)
+                                    CompletionFormat(self.served_model_name), request, echo_texts)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body)
         prompt_ids = self.tokenizer.encode_chat(body.messages)
         max_tokens = self._max_tokens(len(prompt_ids), body.requested_max_tokens(), default=None)
-        return await self._generate(body, prompt_ids, max_tokens, body.wants_logprobs(),
+        return await self._generate(body, [prompt_ids], [max_tokens], body.wants_logprobs(),
                                     ChatFormat(self.served_model_name), request)
 
     def _check_model(self, body: SamplingFields) -> None:
@@ -159,15 +167,34 @@ class Serving:
             raise InvalidRequest(str(exc) if param is None else f"{param}: {exc.reason}",
                                  param=param) from None
 
-    async def _generate(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int,
-                        logprobs: bool, fmt: CompletionFormat, request: Request) -> Response:
-        sampling = self._sampling(body, max_tokens, logprobs)
-        add = AddRequest(request_id=fmt.id, prompt_token_ids=prompt_ids, sampling=sampling,
-                         eos_token_ids=self.tokenizer.eos_token_ids, arrival_time=time.time())
-        self._check(add, body)
-        handle = self.engine.submit(add)
-        stream = RequestStream(self.engine, handle, self.tokenizer, body.stop_strings(),
-                               len(prompt_ids), self.metrics)
+    def _submit_all(self, body: SamplingFields, prompt_ids: list[list[int]], max_tokens: list[int],
+                    logprobs: bool, fmt: CompletionFormat) -> list[RequestStream]:
+        """One engine request per prompt, every one checked before any is sent."""
+        adds = []
+        for i, (ids, limit) in enumerate(zip(prompt_ids, max_tokens)):
+            request_id = fmt.id if len(prompt_ids) == 1 else f"{fmt.id}-{i}"
+            add = AddRequest(request_id=request_id, prompt_token_ids=ids,
+                             sampling=self._sampling(body, limit, logprobs),
+                             eos_token_ids=self.tokenizer.eos_token_ids, arrival_time=time.time())
+            self._check(add, body)
+            adds.append(add)
+        streams: list[RequestStream] = []
+        try:
+            for add in adds:
+                handle = self.engine.submit(add)
+                streams.append(RequestStream(self.engine, handle, self.tokenizer, body.stop_strings(),
+                                             len(add.prompt_token_ids), self.metrics))
+        except APIError:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
+
+    async def _generate(self, body: SamplingFields, prompt_ids: list[list[int]], max_tokens: list[int],
+                        logprobs: bool, fmt: CompletionFormat, request: Request,
+                        echo_texts: Optional[list[str]] = None) -> Response:
+        stream = CompletionBatch(self._submit_all(body, prompt_ids, max_tokens, logprobs, fmt),
+                                 echo_texts, stop_token_ids=frozenset(body.stop_token_ids or ()))
         updates = stream.updates()
         try:
             if not body.stream:
@@ -193,7 +220,7 @@ class Serving:
         return [(text(t), lp, [(text(a), alp) for a, alp in top])
                 for t, lp, top in zip(update.token_ids, update.logprobs, alternatives)]
 
-    async def _collect(self, stream: RequestStream,
+    async def _collect(self, stream: CompletionBatch,
                        updates: AsyncIterator[list[ChoiceUpdate]],
                        fmt: CompletionFormat) -> JSONResponse:
         texts = [[] for _ in stream.choices]
@@ -205,12 +232,12 @@ class Serving:
                 if entries is not None:
                     logprobs[update.index] = (logprobs[update.index] or []) + entries
         choices = [fmt.full_choice(c.index, "".join(texts[c.index]), logprobs[c.index],
-                                   c.finish_reason) for c in stream.choices]
+                                   c.finish_reason, c.stop_reason) for c in stream.choices]
         payload = fmt.envelope(fmt.object_full, choices)
         payload["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
         return JSONResponse(payload)
 
-    async def _sse_events(self, stream: RequestStream,
+    async def _sse_events(self, stream: CompletionBatch,
                           updates: AsyncIterator[list[ChoiceUpdate]], first: list[ChoiceUpdate],
                           fmt: CompletionFormat, include_usage: bool) -> AsyncIterator[bytes]:
         try:
@@ -219,8 +246,8 @@ class Serving:
                 yield _sse(fmt.envelope(fmt.object_chunk, opening))
             batch: Optional[list[ChoiceUpdate]] = first
             while batch is not None:
-                choices = [fmt.chunk_choice(u.index, u.text, self._logprob_entries(u),
-                                            u.finish_reason)
+                choices = [fmt.chunk_choice(u.index, u.text, self._logprob_entries(u), u.finish_reason,
+                                            stream.choices[u.index].stop_reason)
                            for u in batch if u.text or u.finish_reason or u.logprobs]
                 if choices:
                     yield _sse(fmt.envelope(fmt.object_chunk, choices))

@@ -1,0 +1,98 @@
+"""/v1/completions as vLLM users call it: several prompts, echo, stop_reason; chat's refusal.
+
+A real frontend process over fake schedulers (test_frontend_harness.py), driven with the
+official openai client. The fake answers every request with the same reply text.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from test_frontend_harness import API_KEY, deployment, env  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.slow
+REPLY = "Hello, world! How are you today?"
+
+
+def _client(frontend) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=20)
+
+
+def _sent(fakes, request_id_prefix: str):
+    return sorted((a for f in fakes for a in f.added if a.request_id.startswith(request_id_prefix)),
+                  key=lambda a: a.request_id)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_list_of_prompts_gets_n_choices_each_numbered_prompt_major(env, stream):
+    frontend, fakes, tokenizer = env
+    prompts = ["Hello", "A longer second prompt"]
+    args = dict(model="tiny", prompt=prompts, max_tokens=20, n=2)
+    if stream:
+        chunks = list(_client(frontend).completions.create(
+            **args, stream=True, stream_options={"include_usage": True}))
+        texts: dict[int, str] = {}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+        response_id, usage = chunks[0].id, chunks[-1].usage
+    else:
+        full = _client(frontend).completions.create(**args)
+        assert [c.index for c in full.choices] == [0, 1, 2, 3]
+        texts = {c.index: c.text for c in full.choices}
+        response_id, usage = full.id, full.usage
+    assert texts == {i: REPLY for i in range(4)}
+    sent = _sent(fakes, response_id)
+    assert [a.prompt_token_ids for a in sent] == [tokenizer.encode(p) for p in prompts]
+    assert all(a.sampling.n == 2 for a in sent)
+    reply_tokens = len(tokenizer.encode(REPLY)) + 1  # the EOS counts, unrendered
+    assert usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert usage.completion_tokens == 4 * reply_tokens
+
+
+def test_echo_puts_each_prompts_text_before_its_choices(env):
+    frontend, _, tokenizer = env
+    prompts = ["Hi there", " token ids"]
+    full = _client(frontend).completions.create(
+        model="tiny", prompt=[tokenizer.encode(p) for p in prompts], max_tokens=20, echo=True)
+    assert [c.text for c in full.choices] == [p + REPLY for p in prompts]
+    chunks = list(_client(frontend).completions.create(model="tiny", prompt="Hi there",
+                                                       max_tokens=20, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "Hi there" + REPLY
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"suffix": "x"}, "suffix"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": ["a", ""]}, "prompt"),
+])
+def test_unsupported_combinations_are_a_400_naming_the_field(env, body, param):
+    frontend, _, _ = env
+    r = httpx.post(f"{frontend.base_url}/v1/completions", headers=frontend.headers(), timeout=20,
+                   json={"model": "tiny", "prompt": "Hi", "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].split(".")[0] == param
+
+
+def test_stop_reason_names_the_stop_string_and_is_null_after_eos(env):
+    frontend, fakes, _ = env
+    client = _client(frontend)
+    by_string = client.completions.create(model="tiny", prompt="Hi", max_tokens=20, stop=["world"])
+    assert by_string.choices[0].finish_reason == "stop"
+    assert by_string.choices[0].model_extra["stop_reason"] == "world"
+    by_eos = client.completions.create(model="tiny", prompt="Hi", max_tokens=20)
+    assert by_eos.choices[0].model_extra["stop_reason"] is None
+
+
+def test_chat_messages_carry_refusal_null_as_openai_schema_requires(env):
+    frontend, _, _ = env
+    r = httpx.post(f"{frontend.base_url}/v1/chat/completions", headers=frontend.headers(),
+                   timeout=20, json={"model": "tiny", "max_tokens": 20, "logprobs": True,
+                                     "messages": [{"role": "user", "content": "Hi"}]})
+    choice = r.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": REPLY, "refusal": None}
+    assert choice["logprobs"]["refusal"] is None and choice["stop_reason"] is None
