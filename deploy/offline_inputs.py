@@ -56,7 +56,8 @@ class SamplingParams:
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise InvalidField("logit_bias", f"logit_bias must be a dict token id -> bias, got {self.logit_bias!r}")
         if self.prompt_logprobs is not None:
-            raise InvalidField("prompt_logprobs", "prompt_logprobs is not supported")
+            raise InvalidField("prompt_logprobs", "prompt_logprobs is not supported: the engine computes "
+                                                  "the logprobs of sampled tokens only")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidField("best_of", f"only best_of equal to n ({self.n}) is supported, got {self.best_of}")
         try:
@@ -110,6 +111,13 @@ def prompt_token_ids(prompt: Any, encode) -> list[int]:
             raise InvalidField("prompt_token_ids", "token ids must be integers") from None
     raise InvalidField("prompt", f"a prompt is a string, a list of token ids or a dict, "
                                  f"got {type(prompt).__name__}")
+
+
+def prompt_text(prompt: Any) -> Optional[str]:
+    """vLLM's ``RequestOutput.prompt``: the text a prompt was given as, None for token ids."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def as_prompt_list(prompts: Any) -> list:
