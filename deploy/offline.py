@@ -31,6 +31,7 @@ from pagedserve.deploy.offline_inputs import (
 from pagedserve.deploy.offline_outputs import CompletionOutput, PendingRequest, RequestOutput, TextDecoder
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
+from pagedserve.protocol.generation_defaults import load_generation_defaults
 from pagedserve.protocol.validate import InvalidField, check_request
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 
@@ -94,6 +95,7 @@ class LLM:
         self.eos_token_ids = _eos_token_ids(Path(model), self.tokenizer)
         self.vocab_size = _vocab_size(Path(model), self.tokenizer)
         self._decoder = TextDecoder(self.tokenizer)
+        self.generation_defaults = load_generation_defaults(self.config.generation_config, self.config.model)
         self._chat_tokenizers: dict[Optional[str], object] = {}  # per chat_template, made on first chat()
         self.worker_restarts = 0
         self._worker_dead_since: dict[int, float] = {}  # pid -> when first seen dead, unreported
@@ -192,6 +194,11 @@ class LLM:
     def encode(self, prompt: Prompt) -> list[int]:
         return prompt_token_ids(prompt, self.tokenizer.encode)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` use without SamplingParams: the --generation-config
+        defaults (``generation_config="auto"``: the model dir's generation_config.json)."""
+        return SamplingParams(**self.generation_defaults.as_dict())
+
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer (vLLM's ``LLM.get_tokenizer``)."""
         return self.tokenizer
@@ -231,7 +238,7 @@ class LLM:
                   use_tqdm: bool, timeout: Optional[float]) -> list[RequestOutput]:
         if not self._finalizer.alive:
             raise RuntimeError("this LLM is closed")
-        params = as_params_list(sampling_params, len(prompts))
+        params = as_params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
         requests = [self._request(i, prompt, sp) for i, (prompt, sp) in enumerate(zip(prompts, params))]
         self._watch()
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -26,6 +26,7 @@ from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
 from pagedserve.frontend_proc.response_format import (
     ChatFormat, CompletionFormat, LogprobEntries, usage)
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
+from pagedserve.protocol.generation_defaults import GenerationDefaults
 from pagedserve.protocol.messages import AddRequest, SamplingParams
 from pagedserve.protocol.validate import InvalidField, check_request
 
@@ -34,6 +35,11 @@ T = TypeVar("T")
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Protocol field -> the request field a client sent it as.
 _CLIENT_FIELD = {"prompt_token_ids": "prompt", "request_id": None, "eos_token_ids": None}
+
+
+def _first(*values: Optional[T]) -> T:
+    """The request's value, else the --generation-config default, else the built-in one."""
+    return next(v for v in values if v is not None)
 
 
 class ClientDisconnected(Exception):
@@ -71,7 +77,8 @@ def _sse(payload: Union[dict[str, Any], str]) -> bytes:
 class Serving:
     def __init__(self, served_model_names: Sequence[str], max_model_len: int, engine: EngineClient,
                  tokenizer: PromptTokenizer, metrics: FrontendMetrics,
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS):
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                 defaults: GenerationDefaults = GenerationDefaults()):
         self.served_model_names = list(served_model_names)
         self.served_model_name = self.served_model_names[0]  # what responses name
         self.max_model_len = max_model_len
@@ -79,6 +86,7 @@ class Serving:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_logprobs = max_logprobs
+        self.defaults = defaults  # --generation-config: for fields a request leaves out
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body)
@@ -119,7 +127,7 @@ class Serving:
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"the prompt has {num_prompt} tokens; shorten the prompt", param="prompt")
         if requested is None:
-            return room if default is None else min(default, room)
+            return min(v for v in (room, default, self.defaults.max_tokens) if v is not None)
         if num_prompt + requested > self.max_model_len:
             raise InvalidRequest(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
@@ -143,16 +151,18 @@ class Serving:
 
     def _sampling(self, body: SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
         self._check_sampling_fields(body)
+        d = self.defaults
+        top_k = _first(body.top_k, d.top_k, 0)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None or body.top_k < 0 else body.top_k,
+            temperature=_first(body.temperature, d.temperature, 1.0),
+            top_p=_first(body.top_p, d.top_p, 1.0),
+            top_k=0 if top_k < 0 else top_k,
             seed=body.seed, n=body.n, stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            min_p=body.min_p or 0.0, logit_bias=body.token_logit_bias(),
+            repetition_penalty=_first(body.repetition_penalty, d.repetition_penalty, 1.0),
+            min_p=_first(body.min_p, d.min_p, 0.0), logit_bias=body.token_logit_bias(),
             top_logprobs=body.num_top_logprobs() if logprobs else 0)
 
     def _check(self, add: AddRequest, body: SamplingFields) -> None:

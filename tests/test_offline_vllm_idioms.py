@@ -3,7 +3,11 @@ they return (prompt, finished, stop_reason, cumulative_logprob). One engine for 
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
+
+import psutil
 
 import pytest
 
@@ -11,6 +15,7 @@ from conftest import hf_greedy, hf_tokenizer
 from pagedserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
+GPU_MEMORY_UTILIZATION = 0.0005  # on CPU: the share of RAM the KV cache may take
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +25,7 @@ def model(model_factory):
 
 @pytest.fixture(scope="module")
 def llm(model):
-    engine = LLM(model, dtype="auto", seed=0, max_model_len=256, num_gpu_blocks=64)
+    engine = LLM(model, dtype="auto", seed=0, max_model_len=256, gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
     yield engine
     engine.close()
 
@@ -72,3 +77,11 @@ def test_chat_renders_conversations_with_the_chat_template_and_generates_greedil
         assert output.outputs[0].token_ids == hf_greedy(model, expected, 5)
     with pytest.raises(ValueError, match="messages"):
         llm.chat([{"content": "no role"}], greedy, use_tqdm=False)
+
+
+def test_gpu_memory_utilization_is_the_share_of_ram_the_kv_cache_takes_on_cpu(llm, model):
+    config = json.loads((Path(model) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    block_bytes = config["num_hidden_layers"] * 2 * 16 * config["num_key_value_heads"] * head_dim * 4  # fp32
+    blocks = llm.refresh_stats()[0].num_gpu_blocks
+    assert blocks == int(psutil.virtual_memory().total * GPU_MEMORY_UTILIZATION) // block_bytes
