@@ -22,6 +22,7 @@ from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.openai_schema import (
     DEFAULT_MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields)
 from pagedserve.frontend_proc.completion_batch import CompletionBatch
+from pagedserve.frontend_proc.request_fields import refuse_unsupported_fields
 from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
 from pagedserve.frontend_proc.response_format import (
     ChatFormat, CompletionFormat, LogprobEntries, usage)
@@ -89,6 +90,7 @@ class Serving:
         self.defaults = defaults  # --generation-config: for fields a request leaves out
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
+        refuse_unsupported_fields(body)
         self._check_model(body)
         if body.echo and body.wants_logprobs():
             raise InvalidRequest(
@@ -104,6 +106,7 @@ class Serving:
                                     CompletionFormat(self.served_model_name), request, echo_texts)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        refuse_unsupported_fields(body)
         self._check_model(body)
         prompt_ids = self.tokenizer.encode_chat(body.messages)
         max_tokens = self._max_tokens(len(prompt_ids), body.requested_max_tokens(), default=None)

@@ -66,7 +66,8 @@ COMPLETION = {
     **COMMON,
     "prompt": [[t] for t in HUGE] + [[-1], [VOCAB], [NAN], [], "", [[]], [1.5], NAN, 5, [5] * MAX_MODEL_LEN],
     "logprobs": [*HUGE, -1, 21, NAN, "", "x"],
-    "echo": [True, "x", NAN],
+    "echo": ["x", NAN, 1],
+    "suffix": ["x", 5],
 }
 CHAT = {
     **COMMON,

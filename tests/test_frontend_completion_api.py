@@ -6,9 +6,15 @@ official openai client. The fake answers every request with the same reply text.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
+
+from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest, CompletionRequest
+from pagedserve.frontend_proc.request_fields import ABOUT_THE_CALLER, REASONS
 
 from test_frontend_harness import API_KEY, deployment, env  # noqa: F401 (fixtures)
 
@@ -96,3 +102,55 @@ def test_chat_messages_carry_refusal_null_as_openai_schema_requires(env):
     choice = r.json()["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": REPLY, "refusal": None}
     assert choice["logprobs"]["refusal"] is None and choice["stop_reason"] is None
+
+
+OPENAI_SCHEMA = Path(__file__).resolve().parents[2] / "shared" / "openai-openapi" / "openai_subset.json"
+VLLM_EXTRAS = sorted(REASONS.keys() - {"tools", "tool_choice", "functions", "function_call", "audio",
+                                       "response_format", "modalities", "prediction", "reasoning_effort",
+                                       "verbosity", "web_search_options", "store", "service_tier",
+                                       "moderation", "prompt_cache_options", "prompt_cache_retention"})
+
+
+def _request_fields(schema_name: str) -> set[str]:
+    schemas = json.loads(OPENAI_SCHEMA.read_text())["components"]["schemas"]
+    node = schemas[schema_name]
+    names = set(node.get("properties", {}))
+    for part in node.get("allOf", []):
+        ref = part.get("$ref")
+        names |= _request_fields(ref.rsplit("/", 1)[-1]) if ref else set(part.get("properties", {}))
+    return names
+
+
+@pytest.mark.parametrize("path,schema_name,model", [
+    ("/v1/completions", "CreateCompletionRequest", CompletionRequest),
+    ("/v1/chat/completions", "CreateChatCompletionRequest", ChatCompletionRequest)])
+def test_every_openai_request_field_is_declared_about_the_caller_or_refused_by_name(env, path, schema_name, model):
+    if not OPENAI_SCHEMA.is_file():
+        pytest.skip(f"OpenAI's schema is not at {OPENAI_SCHEMA}")
+    frontend, _, _ = env
+    base = ({"prompt": "Hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "Hi"}]})
+    undeclared = sorted(_request_fields(schema_name) - set(model.model_fields))
+    assert undeclared  # the schema was read
+    for field in [*undeclared, *VLLM_EXTRAS]:
+        value = {"metadata": {"k": "v"}}.get(field, "some value")
+        r = httpx.post(f"{frontend.base_url}{path}", headers=frontend.headers(), timeout=20,
+                       json={"model": "tiny", "max_tokens": 3, **base, field: value})
+        if field in ABOUT_THE_CALLER:  # describe the caller: nothing in the output to change
+            assert r.status_code == 200, (field, r.text)
+        else:
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+            assert field in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field,value", [("store", False), ("service_tier", "auto"), ("modalities", ["text"]),
+                                         ("tools", None), ("user", "someone")])
+def test_a_field_at_its_neutral_value_or_null_is_accepted(env, field, value):
+    frontend, _, _ = env
+    r = httpx.post(f"{frontend.base_url}/v1/chat/completions", headers=frontend.headers(), timeout=20,
+                   json={"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}],
+                         field: value})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{frontend.base_url}/v1/chat/completions", headers=frontend.headers(), timeout=20,
+                   json={"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}],
+                         "store": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store"
