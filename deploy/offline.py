@@ -28,9 +28,10 @@ from pagedserve.deploy.children import Child, free_tcp_port, spawn
 from pagedserve.deploy.offline_chat import Conversation, chat_prompt_tokenizer, render_conversations
 from pagedserve.deploy.offline_inputs import (
     Prompt, SamplingParams, as_params_list, as_prompt_list, prompt_text, prompt_token_ids)
-from pagedserve.deploy.offline_outputs import CompletionOutput, PendingRequest, RequestOutput, TextDecoder
+from pagedserve.deploy.offline_outputs import CompletionOutput, PendingRequest, RequestOutput
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
+from pagedserve.protocol.detokenizer import TextDecoder
 from pagedserve.protocol.generation_defaults import load_generation_defaults
 from pagedserve.protocol.validate import InvalidField, check_request
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
@@ -94,7 +95,8 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.eos_token_ids = _eos_token_ids(Path(model), self.tokenizer)
         self.vocab_size = _vocab_size(Path(model), self.tokenizer)
-        self._decoder = TextDecoder(self.tokenizer)
+        # per skip_special_tokens (vLLM's): special tokens are not text unless asked for
+        self._decoders = {skip: TextDecoder(self.tokenizer, skip) for skip in (True, False)}
         self.generation_defaults = load_generation_defaults(self.config.generation_config, self.config.model)
         self._chat_tokenizers: dict[Optional[str], object] = {}  # per chat_template, made on first chat()
         self.worker_restarts = 0
@@ -250,8 +252,9 @@ class LLM:
                                 arrival_time=time.perf_counter(), prompt=prompt_texts[i])
             replica = min(range(len(self._inputs)), key=self._in_flight.__getitem__)
             self._in_flight[replica] += 1
-            pending[add.request_id] = PendingRequest(i, out, replica, self._decoder, sp.stop,
-                                                     sp.logprobs_as_dicts, sp.stop_token_ids)
+            decoder = self._decoders[sp.skip_special_tokens]
+            pending[add.request_id] = PendingRequest(i, out, replica, decoder, sp.stop, sp.logprobs_as_dicts,
+                                                     sp.stop_token_ids)
             self._inputs[replica].send(add)
         self._collect(pending, results, use_tqdm, deadline)
         return results  # type: ignore[return-value]

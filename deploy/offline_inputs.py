@@ -40,6 +40,7 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None  # token id -> bias in [-100, 100]
     best_of: Optional[int] = None  # only None or n: no extra candidates are sampled
     prompt_logprobs: Optional[int] = None  # refused: prompt logprobs are not computed
+    skip_special_tokens: bool = True  # False: special tokens are part of the text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +51,8 @@ class SamplingParams:
         self.stop = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if not isinstance(self.skip_special_tokens, bool):
+            raise InvalidField("skip_special_tokens", f"must be True or False, got {self.skip_special_tokens!r}")
         if self.logprobs is not None and not isinstance(self.logprobs, (bool, int)):
             raise InvalidField("logprobs", f"logprobs must be None, True or a number of alternatives, "
                                            f"got {self.logprobs!r}")

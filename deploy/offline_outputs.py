@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Optional, Union
 
 from pagedserve.protocol import messages as m
+from pagedserve.protocol.detokenizer import TextDecoder
 from pagedserve.protocol.sample_text import SampleText
 
 
@@ -66,16 +67,6 @@ class RequestOutput:
     @property
     def finish_reason(self) -> Optional[str]:
         return self.outputs[0].finish_reason
-
-
-class TextDecoder:
-    """The tokenizer as the detokenizer wants it: special tokens are not text (as over HTTP)."""
-
-    def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 class PendingRequest:

@@ -41,6 +41,7 @@ class SamplingFields(_Lenient):
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias in [-100, 100]
     best_of: Optional[int] = Field(default=None, ge=1)  # only best_of == n (no extra candidates)
+    skip_special_tokens: bool = True  # vLLM's: False renders special tokens in the text
     prompt_logprobs: Optional[int] = None  # refused: prompt logprobs are not computed (DECISIONS.md)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

@@ -67,6 +67,8 @@ REASONS = {
     "mm_processor_kwargs": "multimodal models are not supported",
     "kv_transfer_params": "disaggregated serving is not supported",
     "vllm_xargs": "no extra arguments are read",
+    "spaces_between_special_tokens": "special tokens are decoded as the tokenizer decodes them",
+    "add_special_tokens": "prompts get the tokenizer's special tokens (chat: the template's)",
 }
 
 

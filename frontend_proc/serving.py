@@ -27,6 +27,7 @@ from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
 from pagedserve.frontend_proc.response_format import (
     ChatFormat, CompletionFormat, LogprobEntries, usage)
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
+from pagedserve.protocol.detokenizer import Decodes, TextDecoder
 from pagedserve.protocol.generation_defaults import GenerationDefaults
 from pagedserve.protocol.messages import AddRequest, SamplingParams
 from pagedserve.protocol.validate import InvalidField, check_request
@@ -100,7 +101,7 @@ class Serving:
         prompt_ids = [self.tokenizer.encode_prompt(p) for p in prompts]
         max_tokens = [self._max_tokens(len(ids), body.max_tokens, default=DEFAULT_COMPLETION_MAX_TOKENS)
                       for ids in prompt_ids]
-        echo_texts = ([p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        echo_texts = ([p if isinstance(p, str) else self._decoder(body).decode(p) for p in prompts]
                       if body.echo else None)
         return await self._generate(body, prompt_ids, max_tokens, body.wants_logprobs(),
                                     CompletionFormat(self.served_model_name), request, echo_texts)
@@ -192,16 +193,21 @@ class Serving:
             self._check(add, body)
             adds.append(add)
         streams: list[RequestStream] = []
+        decoder = self._decoder(body)
         try:
             for add in adds:
                 handle = self.engine.submit(add)
-                streams.append(RequestStream(self.engine, handle, self.tokenizer, body.stop_strings(),
+                streams.append(RequestStream(self.engine, handle, decoder, body.stop_strings(),
                                              len(add.prompt_token_ids), self.metrics))
         except APIError:
             for stream in streams:
                 stream.abort()
             raise
         return streams
+
+    def _decoder(self, body: SamplingFields) -> Decodes:
+        """How the choices' text is decoded: with special tokens only when asked (vLLM)."""
+        return self.tokenizer if body.skip_special_tokens else TextDecoder(self.tokenizer.tokenizer, False)
 
     async def _generate(self, body: SamplingFields, prompt_ids: list[list[int]], max_tokens: list[int],
                         logprobs: bool, fmt: CompletionFormat, request: Request,

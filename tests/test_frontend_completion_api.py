@@ -154,3 +154,15 @@ def test_a_field_at_its_neutral_value_or_null_is_accepted(env, field, value):
                    json={"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}],
                          "store": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+
+
+def test_skip_special_tokens_false_renders_them_in_the_text(env):
+    frontend, fakes, tokenizer = env
+    special = next(t for t in tokenizer.all_special_tokens if t != "<|im_end|>")
+    for fake in fakes:
+        fake.reply_text = f"Hi{special} there"
+    client = _client(frontend)
+    plain = client.completions.create(model="tiny", prompt="Hi", max_tokens=20)
+    kept = client.completions.create(model="tiny", prompt="Hi", max_tokens=20,
+                                     extra_body={"skip_special_tokens": False})
+    assert special not in plain.choices[0].text and special in kept.choices[0].text

@@ -85,3 +85,14 @@ def test_gpu_memory_utilization_is_the_share_of_ram_the_kv_cache_takes_on_cpu(ll
     block_bytes = config["num_hidden_layers"] * 2 * 16 * config["num_key_value_heads"] * head_dim * 4  # fp32
     blocks = llm.refresh_stats()[0].num_gpu_blocks
     assert blocks == int(psutil.virtual_memory().total * GPU_MEMORY_UTILIZATION) // block_bytes
+
+
+def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(llm):
+    tok = llm.get_tokenizer()
+    special_id = next(i for i in tok.all_special_ids if i not in llm.eos_token_ids)
+    forced = dict(max_tokens=2, logit_bias={special_id: 100.0}, ignore_eos=True)
+    skipped, kept = llm.generate([[5, 6, 7]] * 2, [SamplingParams(**forced),
+                                                   SamplingParams(**forced, skip_special_tokens=False)],
+                                 use_tqdm=False)
+    assert skipped.outputs[0].token_ids == kept.outputs[0].token_ids == [special_id] * 2
+    assert skipped.outputs[0].text == "" and kept.outputs[0].text == tok.decode([special_id] * 2)
