@@ -1,4 +1,5 @@
-"""Pydantic models of the OpenAI request bodies we accept; undeclared fields are kept for request_fields.py to judge.
+"""Pydantic models of the OpenAI request bodies we accept (undeclared fields are kept, for
+request_fields.py to judge).
 
 Strict mode: a string where a number belongs is a 400, not a silent coercion.
 """

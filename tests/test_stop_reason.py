@@ -6,43 +6,36 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.deploy.demo_model import build_tokenizer
+from pagedserve.protocol.detokenizer import TextDecoder
 from pagedserve.protocol.messages import RequestDelta
 from pagedserve.protocol.sample_text import SampleText
 
 
-class _Decoder:
-    def __init__(self, hf_tokenizer):
-        self.hf = hf_tokenizer
-
-    def decode(self, ids):
-        return self.hf.decode(ids, skip_special_tokens=True)
-
-
 @pytest.fixture(scope="module")
-def decoder():
-    return _Decoder(build_tokenizer(512))
+def tokenizer():
+    return build_tokenizer(512)
 
 
-def _run(decoder, stop_strings, deltas):
-    sample = SampleText(decoder, stop_strings)
+def _run(tokenizer, stop_strings, deltas):
+    sample = SampleText(TextDecoder(tokenizer), stop_strings)
     for delta in deltas:
         sample.apply(delta)
     return sample
 
 
-def test_a_requested_stop_token_is_the_stop_reason_and_eos_is_none(decoder):
-    ids = decoder.hf.encode("Hello there")
+def test_a_requested_stop_token_is_the_stop_reason_and_eos_is_none(tokenizer):
+    ids = tokenizer.encode("Hello there")
     stop_id, eos_id = 7, 3
-    by_stop_id = _run(decoder, [], [RequestDelta("r", 0, [*ids, stop_id], "stop", stop_token_id=stop_id)])
+    by_stop_id = _run(tokenizer, [], [RequestDelta("r", 0, [*ids, stop_id], "stop", stop_token_id=stop_id)])
     assert by_stop_id.stop_reason({stop_id}) == stop_id
-    by_eos = _run(decoder, [], [RequestDelta("r", 0, [*ids, eos_id], "stop", stop_token_id=eos_id)])
+    by_eos = _run(tokenizer, [], [RequestDelta("r", 0, [*ids, eos_id], "stop", stop_token_id=eos_id)])
     assert by_eos.stop_reason({stop_id}) is None
-    by_length = _run(decoder, [], [RequestDelta("r", 0, ids, "length")])
+    by_length = _run(tokenizer, [], [RequestDelta("r", 0, ids, "length")])
     assert by_length.finish_reason == "length" and by_length.stop_reason({stop_id}) is None
 
 
-def test_a_stop_string_is_the_stop_reason_even_when_a_stop_token_follows(decoder):
-    ids = decoder.hf.encode("Hello there world")
-    sample = _run(decoder, ["there"], [RequestDelta("r", 0, ids[:-1], None),
+def test_a_stop_string_is_the_stop_reason_even_when_a_stop_token_follows(tokenizer):
+    ids = tokenizer.encode("Hello there world")
+    sample = _run(tokenizer, ["there"], [RequestDelta("r", 0, ids[:-1], None),
                                        RequestDelta("r", 0, [ids[-1], 7], "stop", stop_token_id=7)])
     assert sample.finish_reason == "stop" and sample.stop_reason({7}) == "there"
