@@ -93,3 +93,14 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_and_cannot_be_ignored(model_d
     blocks = max_num_blocks(block, torch.device("cpu"), None, 0, memory_utilization=0.01)
     assert blocks == int(psutil.virtual_memory().total * 0.01) // block
     assert max_num_blocks(block, torch.device("cpu"), None, 0) == 1024  # 1 GiB without it
+
+
+def test_on_cuda_the_share_of_the_whole_device_less_what_is_in_use_goes_to_the_kv_cache(monkeypatch):
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 80 * gib))  # 20 GiB in use
+    cuda = torch.device("cuda", 0)
+    headroom = gib
+    # 0.5 x 80 = 40 GiB for the deployment: 20 in use, 1 of headroom, 19 for the cache
+    assert max_num_blocks(gib, cuda, None, headroom, memory_utilization=0.5) == 19
+    assert max_num_blocks(gib, cuda, None, headroom, memory_utilization=0.2) == 0  # already over its share
+    assert max_num_blocks(gib, cuda, None, headroom) == int(60 * 0.9) - 1  # without it: 90% of free
