@@ -26,6 +26,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
     "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
+    "include_obfuscation": (False,),  # stream_options'
+    "continuous_usage_stats": (False,),  # stream_options' (vLLM)
 }
 
 REASONS = {
@@ -67,17 +69,27 @@ REASONS = {
     "mm_processor_kwargs": "multimodal models are not supported",
     "kv_transfer_params": "disaggregated serving is not supported",
     "vllm_xargs": "no extra arguments are read",
+    "include_obfuscation": "stream chunks carry no obfuscation padding",
+    "continuous_usage_stats": "usage comes once, in the final chunk (stream_options.include_usage)",
     "spaces_between_special_tokens": "special tokens are decoded as the tokenizer decodes them",
     "add_special_tokens": "prompts get the tokenizer's special tokens (chat: the template's)",
 }
 
 
 def refuse_unsupported_fields(body: BaseModel) -> None:
-    """A 400 naming the first field this server would otherwise have to ignore."""
+    """A 400 naming the first field this server would otherwise have to ignore (the request's
+    own, then its ``stream_options``')."""
+    _refuse(body, "")
+    options = getattr(body, "stream_options", None)
+    if isinstance(options, BaseModel):
+        _refuse(options, "stream_options.")
+
+
+def _refuse(body: BaseModel, prefix: str) -> None:
     for name, value in (body.model_extra or {}).items():
         if value is None or name in ABOUT_THE_CALLER:
             continue
         if any(type(value) is type(v) and value == v for v in NEUTRAL_VALUES.get(name, ())):
             continue  # the type too: 0 is not false here
         reason = REASONS.get(name, "it is not a field this server knows (a typo?)")
-        raise InvalidRequest(f"{name} is not supported: {reason}", param=name)
+        raise InvalidRequest(f"{prefix}{name} is not supported: {reason}", param=prefix + name)

@@ -166,3 +166,16 @@ def test_skip_special_tokens_false_renders_them_in_the_text(env):
     kept = client.completions.create(model="tiny", prompt="Hi", max_tokens=20,
                                      extra_body={"skip_special_tokens": False})
     assert special not in plain.choices[0].text and special in kept.choices[0].text
+
+
+def test_stream_options_beyond_include_usage_are_refused_unless_neutral(env):
+    frontend, _, _ = env
+    body = {"model": "tiny", "max_tokens": 3, "prompt": "Hi", "stream": True}
+    url, headers = f"{frontend.base_url}/v1/completions", frontend.headers()
+    refused = httpx.post(url, headers=headers, timeout=20,
+                         json={**body, "stream_options": {"continuous_usage_stats": True}})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+    neutral = httpx.post(url, headers=headers, timeout=20,
+                         json={**body, "stream_options": {"include_usage": True, "include_obfuscation": False}})
+    assert neutral.status_code == 200 and '"usage"' in neutral.text
