@@ -131,7 +131,8 @@ def test_every_openai_request_field_is_declared_about_the_caller_or_refused_by_n
     base = ({"prompt": "Hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "Hi"}]})
     undeclared = sorted(_request_fields(schema_name) - set(model.model_fields))
     assert undeclared  # the schema was read
-    for field in [*undeclared, *VLLM_EXTRAS]:
+    # vLLM's extras this server does not declare (a declared one is tested where it is honoured)
+    for field in [*undeclared, *(f for f in VLLM_EXTRAS if f not in model.model_fields)]:
         value = {"metadata": {"k": "v"}}.get(field, "some value")
         r = httpx.post(f"{frontend.base_url}{path}", headers=frontend.headers(), timeout=20,
                        json={"model": "tiny", "max_tokens": 3, **base, field: value})
