@@ -25,12 +25,15 @@ from typing import Optional, Sequence, Union
 import zmq
 
 from pagedserve.deploy.children import Child, free_tcp_port, spawn
+from pagedserve.deploy.offline_chat import Conversation, chat_prompt_tokenizer, render_conversations
 from pagedserve.deploy.offline_inputs import (
-    Prompt, SamplingParams, as_params_list, as_prompt_list, prompt_token_ids)
-from pagedserve.deploy.offline_outputs import CompletionOutput, PendingRequest, RequestOutput, TextDecoder
+    Prompt, SamplingParams, as_params_list, as_prompt_list, prompt_text, prompt_token_ids)
+from pagedserve.deploy.offline_outputs import CompletionOutput, PendingRequest, RequestOutput
 from pagedserve.deploy.offline_structured import StructuredOutputsParams
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
+from pagedserve.protocol.detokenizer import TextDecoder
+from pagedserve.protocol.generation_defaults import load_generation_defaults
 from pagedserve.protocol.validate import InvalidField, check_request
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 
@@ -93,7 +96,10 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.eos_token_ids = _eos_token_ids(Path(model), self.tokenizer)
         self.vocab_size = _vocab_size(Path(model), self.tokenizer)
-        self._decoder = TextDecoder(self.tokenizer)
+        # per skip_special_tokens (vLLM's): special tokens are not text unless asked for
+        self._decoders = {skip: TextDecoder(self.tokenizer, skip) for skip in (True, False)}
+        self.generation_defaults = load_generation_defaults(self.config.generation_config, self.config.model)
+        self._chat_tokenizers: dict[Optional[str], object] = {}  # per chat_template, made on first chat()
         self.worker_restarts = 0
         self._worker_dead_since: dict[int, float] = {}  # pid -> when first seen dead, unreported
         self._ids = itertools.count()
@@ -191,8 +197,17 @@ class LLM:
     def encode(self, prompt: Prompt) -> list[int]:
         return prompt_token_ids(prompt, self.tokenizer.encode)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` use without SamplingParams: the --generation-config
+        defaults (``generation_config="auto"``: the model dir's generation_config.json)."""
+        return SamplingParams(**self.generation_defaults.as_dict())
+
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer (vLLM's ``LLM.get_tokenizer``)."""
+        return self.tokenizer
+
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  *, use_tqdm: bool = True, timeout: Optional[float] = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order; returns when all have finished.
 
@@ -201,10 +216,33 @@ class LLM:
         range, TimeoutError after ``timeout`` seconds (what was in flight is aborted), and
         EngineDiedError if a scheduler dies.
         """
+        prompts = as_prompt_list(prompts)
+        return self._generate(prompts, [prompt_text(p) for p in prompts], sampling_params,
+                              use_tqdm, timeout)
+
+    def chat(self, messages: Union[Conversation, Sequence[Conversation]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             *, use_tqdm: bool = True, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: Optional[dict] = None, timeout: Optional[float] = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a
+        list of them, rendered by the model's chat template exactly as ``/v1/chat/completions``
+        renders it; one RequestOutput per conversation, its ``prompt`` the rendered text."""
+        prompt_ids = render_conversations(self._chat_tokenizer(chat_template), messages,
+                                          add_generation_prompt, continue_final_message, chat_template_kwargs)
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
+        return self._generate(prompt_ids, texts, sampling_params, use_tqdm, timeout)
+
+    def _chat_tokenizer(self, chat_template: Optional[str]):
+        if chat_template not in self._chat_tokenizers:
+            self._chat_tokenizers[chat_template] = chat_prompt_tokenizer(self.config.model, chat_template)
+        return self._chat_tokenizers[chat_template]
+
+    def _generate(self, prompts: list, prompt_texts: list[Optional[str]], sampling_params,
+                  use_tqdm: bool, timeout: Optional[float]) -> list[RequestOutput]:
         if not self._finalizer.alive:
             raise RuntimeError("this LLM is closed")
-        prompts = as_prompt_list(prompts)
-        params = as_params_list(sampling, len(prompts))
+        params = as_params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
         requests = [self._request(i, prompt, sp) for i, (prompt, sp) in enumerate(zip(prompts, params))]
         self._watch()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -213,10 +251,12 @@ class LLM:
         for i, (add, sp) in enumerate(zip(requests, params)):
             out = RequestOutput(add.request_id, add.prompt_token_ids,
                                 [CompletionOutput(k, "", [], None) for k in range(sp.n)],
-                                arrival_time=time.perf_counter())
+                                arrival_time=time.perf_counter(), prompt=prompt_texts[i])
             replica = min(range(len(self._inputs)), key=self._in_flight.__getitem__)
             self._in_flight[replica] += 1
-            pending[add.request_id] = PendingRequest(i, out, replica, self._decoder, sp.stop, sp.logprobs_as_dicts)
+            decoder = self._decoders[sp.skip_special_tokens]
+            pending[add.request_id] = PendingRequest(i, out, replica, decoder, sp.stop, sp.logprobs_as_dicts,
+                                                     sp.stop_token_ids)
             self._inputs[replica].send(add)
         self._collect(pending, results, use_tqdm, deadline)
         return results  # type: ignore[return-value]

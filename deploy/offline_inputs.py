@@ -41,6 +41,7 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None  # token id -> bias in [-100, 100]
     best_of: Optional[int] = None  # only None or n: no extra candidates are sampled
     prompt_logprobs: Optional[int] = None  # refused: prompt logprobs are not computed
+    skip_special_tokens: bool = True  # False: special tokens are part of the text
     # A grammar the output must follow: StructuredOutputsParams, or a dict of its keys.
     structured_outputs: Any = None
 
@@ -53,13 +54,16 @@ class SamplingParams:
         self.stop = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if not isinstance(self.skip_special_tokens, bool):
+            raise InvalidField("skip_special_tokens", f"must be True or False, got {self.skip_special_tokens!r}")
         if self.logprobs is not None and not isinstance(self.logprobs, (bool, int)):
             raise InvalidField("logprobs", f"logprobs must be None, True or a number of alternatives, "
                                            f"got {self.logprobs!r}")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise InvalidField("logit_bias", f"logit_bias must be a dict token id -> bias, got {self.logit_bias!r}")
         if self.prompt_logprobs is not None:
-            raise InvalidField("prompt_logprobs", "prompt_logprobs is not supported")
+            raise InvalidField("prompt_logprobs", "prompt_logprobs is not supported: the engine computes "
+                                                  "the logprobs of sampled tokens only")
         self.structured_outputs = as_structured_outputs(self.structured_outputs)
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidField("best_of", f"only best_of equal to n ({self.n}) is supported, got {self.best_of}")
@@ -114,6 +118,13 @@ def prompt_token_ids(prompt: Any, encode) -> list[int]:
             raise InvalidField("prompt_token_ids", "token ids must be integers") from None
     raise InvalidField("prompt", f"a prompt is a string, a list of token ids or a dict, "
                                  f"got {type(prompt).__name__}")
+
+
+def prompt_text(prompt: Any) -> Optional[str]:
+    """vLLM's ``RequestOutput.prompt``: the text a prompt was given as, None for token ids."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def as_prompt_list(prompts: Any) -> list:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Collection, Optional, Union
 
 from pagedserve.protocol import messages as m
+from pagedserve.protocol.detokenizer import TextDecoder
 from pagedserve.protocol.sample_text import SampleText
 
 
@@ -25,6 +26,17 @@ class CompletionOutput:
     # One per token id when SamplingParams.logprobs: a float (logprobs=True), or vLLM's dict
     # token id -> logprob of the sampled token and the k most likely (logprobs=k)
     logprobs: Optional[list] = None
+    # vLLM's: the stop string or requested stop token id that ended the sample, else None
+    stop_reason: Union[str, int, None] = None
+
+    @property
+    def cumulative_logprob(self) -> Optional[float]:
+        """The sum of the sampled tokens' logprobs (a stop token's included, as in vLLM);
+        None without logprobs."""
+        if self.logprobs is None:
+            return None
+        return float(sum(lp[token] if isinstance(lp, dict) else lp
+                         for token, lp in zip(self.token_ids, self.logprobs)))
 
 
 @dataclass(slots=True)
@@ -38,6 +50,11 @@ class RequestOutput:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     token_times: list[float] = field(default_factory=list)  # when each delta of sample 0 arrived
+    prompt: Optional[str] = None  # the prompt's text; None when given as token ids
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
 
     @property
     def text(self) -> str:
@@ -52,22 +69,14 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-class TextDecoder:
-    """The tokenizer as the detokenizer wants it: special tokens are not text (as over HTTP)."""
-
-    def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
-
-
 class PendingRequest:
     """A request sent and not finished: where its result goes and each sample's text so far."""
 
     def __init__(self, index: int, output: RequestOutput, replica: int, decoder: TextDecoder,
-                 stop_strings: list[str], logprobs_as_dicts: bool = False):
+                 stop_strings: list[str], logprobs_as_dicts: bool = False,
+                 stop_token_ids: Collection[int] = ()):
         self.index = index  # in the caller's list of prompts
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.logprobs_as_dicts = logprobs_as_dicts
         self.output = output
         self.replica = replica
@@ -78,7 +87,7 @@ class PendingRequest:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.output.outputs)
+        return self.output.finished
 
     @property
     def ended_by_stop_string(self) -> bool:
@@ -116,6 +125,7 @@ class PendingRequest:
                                                     stop_token_id=delta.stop_token_id)).text
         if text.finish_reason is not None:
             sample.finish_reason, sample.error = text.finish_reason, delta.error
+            sample.stop_reason = text.stop_reason(self.stop_token_ids)
         if self.finished:
             self.output.finish_time = now
         return len(delta.new_token_ids)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pagedserve.protocol.generation_defaults import check_generation_config_option
 from pagedserve.deploy.vllm_compat import DTYPE_CHOICES, resolve_dtype
 from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
@@ -35,6 +36,8 @@ class ServeConfig:
     block_size: int = 16
     num_gpu_blocks: Optional[int] = None
     kv_cache_memory_gib: Optional[float] = None
+    gpu_memory_utilization: Optional[float] = None  # vLLM's; how each worker reads it: worker_proc/kv_cache.py
+    generation_config: str = "auto"  # auto | vllm | a directory: default sampling (protocol/generation_defaults.py)
     swap_space: float = 1.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -90,6 +93,13 @@ class ServeConfig:
             raise ConfigError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs must be at least 0, got {self.max_logprobs}")
+        self._check_memory_options()
+        if self.generation_config not in ("auto", "vllm"):
+            self.generation_config = str(Path(self.generation_config).resolve())
+        try:
+            check_generation_config_option(self.generation_config, self.model)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
@@ -124,6 +134,22 @@ class ServeConfig:
         if self.distributed_executor_backend == "ray" and (self.remote_workers or self.internal_host):
             raise ConfigError("--distributed-executor-backend ray places every process itself: drop "
                               "--remote-workers / --internal-host")
+
+    def _check_memory_options(self) -> None:
+        if self.gpu_memory_utilization is None:
+            return
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gib is not None:
+            raise ConfigError("--gpu-memory-utilization and --kv-cache-memory-gib both size the KV cache; "
+                              "give one")
+
+    def worker_memory_utilization(self) -> Optional[float]:
+        """What each worker gets: on CUDA the share of its own device; on CPU the workers of
+        this node share its RAM, so each gets its part of the share."""
+        if self.gpu_memory_utilization is None or self.device != "cpu" or self.remote_workers:
+            return self.gpu_memory_utilization
+        return self.gpu_memory_utilization / (self.tensor_parallel_size * self.data_parallel_size)
 
     def _check_internal_endpoints(self) -> None:
         if (self.internal_host is None) != (self.internal_port_base is None):
@@ -173,7 +199,7 @@ class ServeConfig:
             "--drain-timeout-s", str(self.drain_timeout_s), "--log-level", self.log_level.lower(),
             "--router", self.router, "--router-balance-abs", str(self.router_balance_abs),
             "--router-balance-rel", str(self.router_balance_rel),
-            "--max-logprobs", str(self.max_logprobs)]
+            "--max-logprobs", str(self.max_logprobs), "--generation-config", self.generation_config]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         if self.uvicorn_log_level:
@@ -218,6 +244,8 @@ class ServeConfig:
             cmd += ["--dist-init", dist_init]
         if self.kv_cache_memory_gib:
             cmd += ["--kv-cache-memory-gib", str(self.kv_cache_memory_gib)]
+        if self.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", repr(self.worker_memory_utilization())]
         threads = self.threads_per_worker()
         if threads:
             cmd += ["--num-threads", str(threads)]
@@ -240,6 +268,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks", type=int, help="KV blocks per device (default: as many as fit)")
     p.add_argument("--kv-cache-memory-gib", type=float, help="memory budget for the KV cache per device")
+    p.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
+                   help="vLLM's: on CUDA the share of each device's memory the deployment may fill "
+                        "(weights included; the KV cache takes what is left); on CPU the share of "
+                        "RAM the KV caches may take (default: 90%% of free CUDA memory, 1 GiB on CPU)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="default sampling parameters for requests that omit them: auto = the model "
+                        "dir's generation_config.json, a directory = its generation_config.json, "
+                        "vllm = none (vLLM's own defaults)")
     p.add_argument("--swap-space", type=float, default=1.0, help="host swap space per replica, GiB")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -22,6 +22,7 @@ from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.serving import Serving
+from pagedserve.protocol.generation_defaults import load_generation_defaults
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import ProcessReady
 from pagedserve.protocol.zmq_io import Endpoints, Sender
@@ -47,7 +48,8 @@ async def serve(config: FrontendConfig) -> None:
     engine = EngineClient(endpoints, router)
     metrics = FrontendMetrics(router, config.served_model_name)
     serving = Serving(config.served_model_names, config.max_model_len, engine, tokenizer,
-                      metrics, config.max_logprobs, config.tool_calling)
+                      metrics, config.max_logprobs, config.tool_calling,
+                      defaults=load_generation_defaults(config.generation_config, str(config.model)))
     app = build_app(serving, router, metrics, config.api_key)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level,

@@ -30,6 +30,7 @@ class FrontendConfig:
     uvicorn_log_level: Optional[str] = None
     chat_template: Optional[str] = None  # a file path or the template text
     max_logprobs: int = 20  # alternatives per token a request may ask for
+    generation_config: str = "auto"  # where default sampling comes from (protocol/generation_defaults.py)
     tool_calling: ToolCallingConfig = ToolCallingConfig()
 
     @property
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs alternatives per token a request may ask for (larger: 400)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="default sampling for requests that omit it: the model dir's (auto), a "
+                        "directory's generation_config.json, or none (vllm)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file, or the template text, instead of the model's")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -132,5 +136,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> FrontendConfig:
         routing=RoutingPolicy(default_router(ns.num_replicas, ns.router), ns.router_balance_abs,
                               ns.router_balance_rel),
         max_logprobs=ns.max_logprobs,
+        generation_config=ns.generation_config,
         tool_calling=ToolCallingConfig(ns.enable_auto_tool_choice, ns.tool_call_parser),
     )

@@ -1,4 +1,5 @@
-"""Pydantic models of the OpenAI request bodies we accept (unknown extra fields are ignored).
+"""Pydantic models of the OpenAI request bodies we accept (undeclared fields are kept, for
+request_fields.py to judge).
 
 Strict mode: a string where a number belongs is a 400, not a silent coercion.
 """
@@ -54,7 +55,8 @@ class SamplingFields(_Lenient):
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias in [-100, 100]
     best_of: Optional[int] = Field(default=None, ge=1)  # only best_of == n (no extra candidates)
-    prompt_logprobs: Optional[int] = None  # refused: prompt logprobs are not computed
+    skip_special_tokens: bool = True  # vLLM's: False renders special tokens in the text
+    prompt_logprobs: Optional[int] = None  # refused: prompt logprobs are not computed (DECISIONS.md)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # Structured output (frontend_proc/structured_request.py): OpenAI's, and vLLM's extras
@@ -95,7 +97,8 @@ class SamplingFields(_Lenient):
     @classmethod
     def _prompt_logprobs_unsupported(cls, value: Optional[int]):
         if value is not None:
-            raise ValueError("prompt_logprobs is not supported")
+            raise ValueError("prompt_logprobs is not supported: the engine computes the logprobs "
+                             "of sampled tokens only, never of prompt tokens")
         return value
 
     def token_logit_bias(self) -> dict[int, float]:
@@ -114,32 +117,43 @@ class SamplingFields(_Lenient):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (each of them n choices)
+
+
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    # One prompt (text or token ids) or a list of them; choices are numbered prompt-major.
+    prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0)  # <= --max-logprobs, checked in serving
-    echo: bool = False
+    echo: bool = False  # the prompt's text before each choice's (without logprobs: see serving)
+    suffix: Optional[str] = None  # refused: no insertion (fill-in-the-middle) mode
 
     @field_validator("prompt")
     @classmethod
-    def _single_non_empty_prompt(cls, value: Any):
-        if isinstance(value, list):
-            if len(value) == 0:
-                raise ValueError("prompt must not be empty")
-            if isinstance(value[0], (str, list)):
-                if len(value) != 1:
-                    raise ValueError("batched prompts are not supported; send one prompt "
-                                     "per request")
-                value = value[0]
-        if len(value) == 0:
+    def _prompts_are_not_empty(cls, value: Any):
+        if isinstance(value, list) and len(value) == 0:
+            raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and isinstance(value[0], (str, list)):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+            if any(len(p) == 0 for p in value):
+                raise ValueError("no prompt in the list may be empty")
+        elif len(value) == 0:
             raise ValueError("prompt must not be empty")
         return value
 
-    @field_validator("echo")
+    @field_validator("suffix")
     @classmethod
-    def _echo_unsupported(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
+    def _suffix_unsupported(cls, value: Optional[str]):
+        if value is not None:
+            raise ValueError("suffix is not supported: this server has no insertion mode")
         return value
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts, one per choice group."""
+        value = self.prompt
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            return [value]
+        return list(value)
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None

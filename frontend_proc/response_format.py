@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 # Per token: (its text, its logprob, its top alternatives as (text, logprob), best first).
 LogprobEntries = list[tuple[str, float, list[tuple[str, float]]]]
+# vLLM's stop_reason: the stop string or requested stop token id that ended a choice, else None.
+StopReason = Optional[Union[str, int]]
 
 
 class CompletionFormat:
@@ -26,13 +28,13 @@ class CompletionFormat:
                 "choices": choices}
 
     def full_choice(self, index: int, text: str, logprobs: Optional[LogprobEntries],
-                    finish_reason: Optional[str]) -> dict[str, Any]:
+                    finish_reason: Optional[str], stop_reason: StopReason = None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": self._logprobs(index, logprobs),
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     def chunk_choice(self, index: int, text: str, logprobs: Optional[LogprobEntries],
-                     finish_reason: Optional[str]) -> dict[str, Any]:
-        return self.full_choice(index, text, logprobs, finish_reason)
+                     finish_reason: Optional[str], stop_reason: StopReason = None) -> dict[str, Any]:
+        return self.full_choice(index, text, logprobs, finish_reason, stop_reason)
 
     def opening_chunk_choices(self, n: int) -> list[dict[str, Any]]:
         return []
@@ -69,15 +71,17 @@ class ChatFormat(CompletionFormat):
     object_chunk = "chat.completion.chunk"
 
     def full_choice(self, index: int, text: str, logprobs: Optional[LogprobEntries],
-                    finish_reason: Optional[str]) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(index, logprobs), "finish_reason": finish_reason}
+                    finish_reason: Optional[str], stop_reason: StopReason = None) -> dict[str, Any]:
+        # refusal: OpenAI's schema requires the key; this server never refuses by policy
+        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": self._logprobs(index, logprobs), "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
     def chunk_choice(self, index: int, text: str, logprobs: Optional[LogprobEntries],
-                     finish_reason: Optional[str]) -> dict[str, Any]:
+                     finish_reason: Optional[str], stop_reason: StopReason = None) -> dict[str, Any]:
         delta = {"content": text} if text or finish_reason is None else {}
         return {"index": index, "delta": delta, "logprobs": self._logprobs(index, logprobs),
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     def opening_chunk_choices(self, n: int) -> list[dict[str, Any]]:
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -89,7 +93,8 @@ class ChatFormat(CompletionFormat):
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                              "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
                                               for a, alp in top]}
-                            for t, lp, top in entries]}
+                            for t, lp, top in entries],
+                "refusal": None}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

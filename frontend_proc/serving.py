@@ -22,6 +22,8 @@ from pagedserve.frontend_proc.errors import APIError, InvalidRequest
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.openai_schema import (
     DEFAULT_MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields)
+from pagedserve.frontend_proc.completion_batch import CompletionBatch
+from pagedserve.frontend_proc.request_fields import refuse_unsupported_fields
 from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
 from pagedserve.frontend_proc.response_format import (
     ChatFormat, CompletionFormat, LogprobEntries, usage)
@@ -30,6 +32,8 @@ from pagedserve.frontend_proc.tokenization import PromptTokenizer
 from pagedserve.frontend_proc.tool_call_output import ToolCallChoices
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
 from pagedserve.protocol.messages import AddRequest, SamplingParams, StructuredOutputs
+from pagedserve.protocol.detokenizer import Decodes, TextDecoder
+from pagedserve.protocol.generation_defaults import GenerationDefaults
 from pagedserve.protocol.validate import InvalidField, check_request
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,11 @@ ChoiceRenderer = Union[CompletionFormat, ToolCallChoices]
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Protocol field -> the request field a client sent it as.
 _CLIENT_FIELD = {"prompt_token_ids": "prompt", "request_id": None, "eos_token_ids": None}
+
+
+def _first(*values: Optional[T]) -> T:
+    """The request's value, else the --generation-config default, else the built-in one."""
+    return next(v for v in values if v is not None)
 
 
 class ClientDisconnected(Exception):
@@ -77,7 +86,8 @@ class Serving:
     def __init__(self, served_model_names: Sequence[str], max_model_len: int, engine: EngineClient,
                  tokenizer: PromptTokenizer, metrics: FrontendMetrics,
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-                 tool_calling: ToolCallingConfig = ToolCallingConfig()):
+                 tool_calling: ToolCallingConfig = ToolCallingConfig(),
+                 defaults: GenerationDefaults = GenerationDefaults()):
         self.served_model_names = list(served_model_names)
         self.served_model_name = self.served_model_names[0]  # what responses name
         self.max_model_len = max_model_len
@@ -86,22 +96,32 @@ class Serving:
         self.metrics = metrics
         self.max_logprobs = max_logprobs
         self.tool_calling = tool_calling
+        self.defaults = defaults  # --generation-config: for fields a request leaves out
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
+        refuse_unsupported_fields(body)
         self._check_model(body)
-        prompt_ids = self.tokenizer.encode_prompt(body.prompt)
-        max_tokens = self._max_tokens(len(prompt_ids), body.max_tokens,
-                                      default=DEFAULT_COMPLETION_MAX_TOKENS)
+        if body.echo and body.wants_logprobs():
+            raise InvalidRequest(
+                "echo with logprobs is not supported: it needs the prompt tokens' logprobs, "
+                "which the engine does not compute; drop logprobs or echo", param="echo")
+        prompts = body.prompts()
+        prompt_ids = [self.tokenizer.encode_prompt(p) for p in prompts]
+        max_tokens = [self._max_tokens(len(ids), body.max_tokens, default=DEFAULT_COMPLETION_MAX_TOKENS)
+                      for ids in prompt_ids]
+        echo_texts = ([p if isinstance(p, str) else self._decoder(body).decode(p) for p in prompts]
+                      if body.echo else None)
         return await self._generate(body, prompt_ids, max_tokens, body.wants_logprobs(),
-                                    CompletionFormat(self.served_model_name), request)
+                                    CompletionFormat(self.served_model_name), request, echo_texts)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        refuse_unsupported_fields(body)
         self._check_model(body)
         fmt = ChatFormat(self.served_model_name)
         chat = prepare_chat(body, self.tokenizer, self.tool_calling, fmt)
         max_tokens = self._max_tokens(len(chat.prompt_ids), body.requested_max_tokens(), default=None)
-        return await self._generate(body, chat.prompt_ids, max_tokens, body.wants_logprobs(), fmt,
-                                    request, chat.structured_outputs, chat.choices)
+        return await self._generate(body, [chat.prompt_ids], [max_tokens], body.wants_logprobs(), fmt,
+                                    request, structured_outputs=chat.structured_outputs, choices=chat.choices)
 
     def _check_model(self, body: SamplingFields) -> None:
         if body.model is not None and body.model not in self.served_model_names:
@@ -120,7 +140,7 @@ class Serving:
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"the prompt has {num_prompt} tokens; shorten the prompt", param="prompt")
         if requested is None:
-            return room if default is None else min(default, room)
+            return min(v for v in (room, default, self.defaults.max_tokens) if v is not None)
         if num_prompt + requested > self.max_model_len:
             raise InvalidRequest(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
@@ -147,16 +167,18 @@ class Serving:
         """``structured_outputs``: a forced tool choice's grammar (chat_request.py), which
         already refused any other structured output the body asks for."""
         self._check_sampling_fields(body)
+        d = self.defaults
+        top_k = _first(body.top_k, d.top_k, 0)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None or body.top_k < 0 else body.top_k,
+            temperature=_first(body.temperature, d.temperature, 1.0),
+            top_p=_first(body.top_p, d.top_p, 1.0),
+            top_k=0 if top_k < 0 else top_k,
             seed=body.seed, n=body.n, stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            min_p=body.min_p or 0.0, logit_bias=body.token_logit_bias(),
+            repetition_penalty=_first(body.repetition_penalty, d.repetition_penalty, 1.0),
+            min_p=_first(body.min_p, d.min_p, 0.0), logit_bias=body.token_logit_bias(),
             top_logprobs=body.num_top_logprobs() if logprobs else 0,
             structured_outputs=structured_outputs or structured_outputs_of(body))
 
@@ -172,18 +194,43 @@ class Serving:
             raise InvalidRequest(str(exc) if param is None else f"{param}: {exc.reason}",
                                  param=param) from None
 
-    async def _generate(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int,
+    def _submit_all(self, body: SamplingFields, prompt_ids: list[list[int]], max_tokens: list[int],
+                    logprobs: bool, fmt: CompletionFormat,
+                    structured_outputs: Optional[StructuredOutputs]) -> list[RequestStream]:
+        """One engine request per prompt, every one checked before any is sent."""
+        adds = []
+        for i, (ids, limit) in enumerate(zip(prompt_ids, max_tokens)):
+            request_id = fmt.id if len(prompt_ids) == 1 else f"{fmt.id}-{i}"
+            add = AddRequest(request_id=request_id, prompt_token_ids=ids,
+                             sampling=self._sampling(body, limit, logprobs, structured_outputs),
+                             eos_token_ids=self.tokenizer.eos_token_ids, arrival_time=time.time())
+            self._check(add, body)
+            adds.append(add)
+        streams: list[RequestStream] = []
+        decoder = self._decoder(body)
+        try:
+            for add in adds:
+                handle = self.engine.submit(add)
+                streams.append(RequestStream(self.engine, handle, decoder, body.stop_strings(),
+                                             len(add.prompt_token_ids), self.metrics))
+        except APIError:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
+
+    def _decoder(self, body: SamplingFields) -> Decodes:
+        """How the choices' text is decoded: with special tokens only when asked (vLLM)."""
+        return self.tokenizer if body.skip_special_tokens else TextDecoder(self.tokenizer.tokenizer, False)
+
+    async def _generate(self, body: SamplingFields, prompt_ids: list[list[int]], max_tokens: list[int],
                         logprobs: bool, fmt: CompletionFormat, request: Request,
+                        echo_texts: Optional[list[str]] = None,
                         structured_outputs: Optional[StructuredOutputs] = None,
                         choices: Optional[ChoiceRenderer] = None) -> Response:
-        sampling = self._sampling(body, max_tokens, logprobs, structured_outputs)
         choices = choices or fmt
-        add = AddRequest(request_id=fmt.id, prompt_token_ids=prompt_ids, sampling=sampling,
-                         eos_token_ids=self.tokenizer.eos_token_ids, arrival_time=time.time())
-        self._check(add, body)
-        handle = self.engine.submit(add)
-        stream = RequestStream(self.engine, handle, self.tokenizer, body.stop_strings(),
-                               len(prompt_ids), self.metrics)
+        streams = self._submit_all(body, prompt_ids, max_tokens, logprobs, fmt, structured_outputs)
+        stream = CompletionBatch(streams, echo_texts, stop_token_ids=frozenset(body.stop_token_ids or ()))
         updates = stream.updates()
         try:
             if not body.stream:
@@ -209,7 +256,7 @@ class Serving:
         return [(text(t), lp, [(text(a), alp) for a, alp in top])
                 for t, lp, top in zip(update.token_ids, update.logprobs, alternatives)]
 
-    async def _collect(self, stream: RequestStream,
+    async def _collect(self, stream: CompletionBatch,
                        updates: AsyncIterator[list[ChoiceUpdate]],
                        fmt: CompletionFormat, render: ChoiceRenderer) -> JSONResponse:
         texts = [[] for _ in stream.choices]
@@ -221,12 +268,12 @@ class Serving:
                 if entries is not None:
                     logprobs[update.index] = (logprobs[update.index] or []) + entries
         choices = [render.full_choice(c.index, "".join(texts[c.index]), logprobs[c.index],
-                                      c.finish_reason) for c in stream.choices]
+                                      c.finish_reason, c.stop_reason) for c in stream.choices]
         payload = fmt.envelope(fmt.object_full, choices)
         payload["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
         return JSONResponse(payload)
 
-    async def _sse_events(self, stream: RequestStream,
+    async def _sse_events(self, stream: CompletionBatch,
                           updates: AsyncIterator[list[ChoiceUpdate]], first: list[ChoiceUpdate],
                           fmt: CompletionFormat, render: ChoiceRenderer,
                           include_usage: bool) -> AsyncIterator[bytes]:
@@ -237,7 +284,7 @@ class Serving:
             batch: Optional[list[ChoiceUpdate]] = first
             while batch is not None:
                 choices = [c for c in (render.chunk_choice(u.index, u.text, self._logprob_entries(u),
-                                                           u.finish_reason)
+                                                           u.finish_reason, stream.choices[u.index].stop_reason)
                                        for u in batch if u.text or u.finish_reason or u.logprobs)
                            if c is not None]
                 if choices:

@@ -18,6 +18,18 @@ class Decodes(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
 
+class TextDecoder:
+    """A Hugging Face tokenizer as the detokenizer wants it: special tokens are not text
+    unless ``skip_special_tokens`` is false (vLLM's request field of that name)."""
+
+    def __init__(self, hf_tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = hf_tokenizer
+        self.skip_special_tokens = skip_special_tokens
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decodes):
         self._tokenizer = tokenizer

@@ -9,7 +9,7 @@ characters have arrived (``IncrementalDetokenizer``), and never a stop string's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Collection, Optional, Union
 
 from pagedserve.protocol.detokenizer import Decodes, IncrementalDetokenizer
 from pagedserve.protocol.messages import RequestDelta
@@ -30,12 +30,23 @@ class SampleText:
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stop_matcher = StopStringMatcher(stop_strings)
         self.finish_reason: Optional[str] = None
+        self.ended_by_token: Optional[int] = None  # the stop token (EOS or a stop id) that ended it
+
+    def stop_reason(self, stop_token_ids: Collection[int]) -> Optional[Union[str, int]]:
+        """vLLM's ``stop_reason``: the stop string or the requested stop token id that ended
+        the sample; None when it ended otherwise (EOS, length, still running)."""
+        if self.finish_reason != "stop":
+            return None
+        if self.stop_matcher.matched is not None:
+            return self.stop_matcher.matched
+        return self.ended_by_token if self.ended_by_token in stop_token_ids else None
 
     def apply(self, delta: RequestDelta) -> TextUpdate:
         rendered, logprobs, alternatives = delta.new_token_ids, delta.logprobs, delta.top_logprobs
         if (delta.stop_token_id is not None and rendered
                 and rendered[-1] == delta.stop_token_id):
             rendered = rendered[:-1]  # EOS / stop_token_ids are not part of the text
+            self.ended_by_token = delta.stop_token_id
             logprobs = logprobs[:len(rendered)] if logprobs is not None else None
             alternatives = alternatives[:len(rendered)] if alternatives is not None else None
         check = self.stop_matcher.feed(self.detokenizer.add(rendered))

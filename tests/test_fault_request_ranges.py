@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from fault_helpers import health, pid_of
+from openai_stream_schema import STREAM_SCHEMA, stream_validator, stream_violations
 from server import Server
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,8 @@ COMPLETION = {
     **COMMON,
     "prompt": [[t] for t in HUGE] + [[-1], [VOCAB], [NAN], [], "", [[]], [1.5], NAN, 5, [5] * MAX_MODEL_LEN],
     "logprobs": [*HUGE, -1, 21, NAN, "", "x"],
-    "echo": [True, "x", NAN],
+    "echo": ["x", NAN, 1],
+    "suffix": ["x", 5],
 }
 CHAT = {
     **COMMON,
@@ -127,13 +129,14 @@ def _pin_model(node, name: str) -> None:
             _pin_model(value, name)
 
 
-def test_openai_published_schema_fuzzed_by_schemathesis_gets_no_server_error(server):
+def test_openai_published_schema_fuzzed_by_schemathesis_gets_no_server_error_and_conforming_bodies(server):
     if not OPENAI_SCHEMA.is_file():
         pytest.skip(f"OpenAI's schema is not at {OPENAI_SCHEMA} (../shared/openai-openapi from the repo root)")
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
     from schemathesis.generation import GenerationMode
+    from schemathesis.specs.openapi.checks import response_schema_conformance
 
     raw = json.loads(OPENAI_SCHEMA.read_text())
     schemas = raw["components"]["schemas"]
@@ -143,7 +146,8 @@ def test_openai_published_schema_fuzzed_by_schemathesis_gets_no_server_error(ser
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {(op.method.upper(), op.path) for op in operations} >= {
         ("POST", "/completions"), ("POST", "/chat/completions"), ("GET", "/models")}
-    server_errors = []
+    server_errors, nonconforming = [], []
+    stream_validators = {path: stream_validator(raw, path) for path in STREAM_SCHEMA}
     for op in operations:
         strategy = st.one_of(op.as_strategy(GenerationMode.POSITIVE), op.as_strategy(GenerationMode.NEGATIVE))
 
@@ -154,7 +158,17 @@ def test_openai_published_schema_fuzzed_by_schemathesis_gets_no_server_error(ser
             response = case.call(base_url=server.url + "/v1", timeout=60)
             if response.status_code >= 500:
                 server_errors.append((op.method, op.path, case.body, response.status_code, response.text[:300]))
+            if response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+                problems = stream_violations(stream_validators[op.path], response.content.decode())
+                if problems:
+                    nonconforming.append((op.method, op.path, case.body, problems[:3]))
+                return
+            try:  # a 200 body must match OpenAI's response schema (a 400's is not specified there)
+                case.validate_response(response, checks=[response_schema_conformance])
+            except Exception as exc:  # schemathesis' failure group: which field, which rule
+                nonconforming.append((op.method, op.path, case.body, str(exc)[:500]))
 
         call()
     assert not server_errors, server_errors[:3]
+    assert not nonconforming, nonconforming[:3]
     assert pid_of(server, "scheduler") == server.first_scheduler_pid

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--dist-init", default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--poison-kv-cache", action="store_true")
     p.add_argument("--debug-sampling-seed-offset", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO")

@@ -23,14 +23,24 @@ def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: i
 
 
 def max_num_blocks(bytes_per_block: int, device: torch.device, memory_bytes: Optional[int],
-                   activation_headroom_bytes: int) -> int:
-    """How many blocks fit: in ``memory_bytes`` when given, else in 90% of free CUDA
-    memory less the activations headroom (weights are already resident), else 1 GiB on CPU."""
+                   activation_headroom_bytes: int, memory_utilization: Optional[float] = None) -> int:
+    """How many blocks fit: in ``memory_bytes`` when given; else, with ``memory_utilization``
+    (vLLM's --gpu-memory-utilization), on CUDA in that share of the device's total memory
+    less what is already used (these weights, other processes) and the activations
+    headroom, on CPU in that share of the host's RAM; else in 90% of free CUDA memory less
+    the headroom (weights are already resident), or 1 GiB on CPU."""
     if memory_bytes is not None:
         budget = memory_bytes
     elif device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * GPU_MEMORY_FRACTION) - activation_headroom_bytes
+        free, total = torch.cuda.mem_get_info(device)
+        if memory_utilization is None:
+            budget = int(free * GPU_MEMORY_FRACTION) - activation_headroom_bytes
+        else:
+            budget = int(total * memory_utilization) - (total - free) - activation_headroom_bytes
+    elif memory_utilization is not None:
+        import psutil
+
+        budget = int(psutil.virtual_memory().total * memory_utilization)
     else:
         budget = CPU_DEFAULT_BUDGET_BYTES
     return max(0, budget // bytes_per_block)

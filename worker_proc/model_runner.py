@@ -65,12 +65,14 @@ class ModelRunner:
     def block_bytes(self, block_size: int) -> int:
         return block_bytes(self.spec.num_layers, block_size, self.shard.num_kv_heads, self.spec.head_dim, self.dtype)
 
-    def max_gpu_blocks(self, block_size: int, memory_bytes: Optional[int] = None) -> int:
+    def max_gpu_blocks(self, block_size: int, memory_bytes: Optional[int] = None,
+                       memory_utilization: Optional[float] = None) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
         spec, shard = self.spec, self.shard
         per_token = 4 * spec.hidden_size + 3 * shard.num_heads * spec.head_dim + 3 * shard.intermediate_size
         headroom = HEADROOM_TOKENS * per_token * element + HEADROOM_LOGIT_ROWS * spec.vocab_size * 4 * 4
-        return max_num_blocks(self.block_bytes(block_size), self.device, memory_bytes, headroom)
+        return max_num_blocks(self.block_bytes(block_size), self.device, memory_bytes, headroom,
+                              memory_utilization)
 
     # ------------------------------------------------------------------ cache
 

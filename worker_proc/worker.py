@@ -36,6 +36,7 @@ class WorkerConfig:
     num_threads: Optional[int] = None  # CPU: torch intra-op threads
     dist_init: Optional[str] = None  # torch.distributed init method for tp_size > 1
     kv_cache_memory_gib: Optional[float] = None
+    gpu_memory_utilization: Optional[float] = None  # vLLM's; kv_cache.max_num_blocks says how
     poison_kv_cache: bool = False  # debug: fill the cache with NaN at start (stale contents)
     debug_sampling_seed_offset: int = 0  # debug: a deliberately different sampler (replay tests)
 
@@ -97,7 +98,8 @@ class Worker:
             rank=self.cfg.rank, pid=os.getpid(), device=str(self.runner.device),
             model_id=self.runner.model_id, num_layers=self.runner.num_layers,
             block_bytes=self.runner.block_bytes(block_size),
-            max_gpu_blocks=self.runner.max_gpu_blocks(block_size, budget), hostname=socket.gethostname(),
+            max_gpu_blocks=self.runner.max_gpu_blocks(block_size, budget, self.cfg.gpu_memory_utilization),
+            hostname=socket.gethostname(),
             vocab_size=self.runner.spec.vocab_size)
 
     def run(self) -> None:

@@ -1,0 +1,98 @@
+"""Request fields no model declares: accepted only where they cannot change the output.
+
+The request models (openai_schema.py) keep unknown fields (``model_extra``) rather than
+failing in pydantic, so that this one place decides, with a reason a user can act on:
+a field that only describes the caller (``user``, ``metadata``) is accepted; a field at its
+neutral value (``store: false``, ``modalities: ["text"]``) is accepted; ``null`` is taken as
+omitted; anything else is a 400 naming the field. Never a field accepted and then ignored.
+A field a model declares (tools, response_format, ... where supported) never reaches here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from pagedserve.frontend_proc.errors import InvalidRequest
+
+# They describe the caller or the account, not the completion (OpenAI's own words: "used to
+# help detect abuse", "for storing additional information", "to cache responses for similar
+# requests"): accepted with nothing to do.
+ABOUT_THE_CALLER = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
+
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
+    "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
+    "include_obfuscation": (False,),  # stream_options'
+    "continuous_usage_stats": (False,),  # stream_options' (vLLM)
+}
+
+REASONS = {
+    # OpenAI
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "response_format": "structured output is not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this server runs no reasoning models",
+    "verbosity": "this server runs no reasoning models",
+    "web_search_options": "web search is not supported",
+    "store": "completions are not stored",
+    "service_tier": "there is one service tier: auto",
+    "moderation": "moderation is not supported",
+    "prompt_cache_options": "the prefix cache is configured by the operator (--enable-prefix-caching)",
+    "prompt_cache_retention": "the prefix cache is configured by the operator (--enable-prefix-caching)",
+    # vLLM's extras
+    "guided_json": "structured output is not supported",
+    "guided_regex": "structured output is not supported",
+    "guided_choice": "structured output is not supported",
+    "guided_grammar": "structured output is not supported",
+    "structured_outputs": "structured output is not supported",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "beam search is not supported",
+    "include_stop_str_in_output": "stop strings are always cut from the text",
+    "truncate_prompt_tokens": "prompts are never truncated; a too long one is a 400",
+    "allowed_token_ids": "use logit_bias",
+    "bad_words": "use logit_bias",
+    "logits_processors": "custom logits processors are not supported",
+    "return_tokens_as_token_ids": "logprobs tokens are always text",
+    "priority": "scheduling is first come, first served",
+    "cache_salt": "the prefix cache is shared by every request",
+    "chat_template": "the chat template is set by the operator (--chat-template)",
+    "documents": "documents for the chat template are not supported",
+    "mm_processor_kwargs": "multimodal models are not supported",
+    "kv_transfer_params": "disaggregated serving is not supported",
+    "vllm_xargs": "no extra arguments are read",
+    "echo": "chat does not echo the last message; /v1/completions has echo",
+    "request_id": "the server names every request itself",
+    "return_token_ids": "token ids are not returned; /tokenize gives a text's ids",
+    "include_obfuscation": "stream chunks carry no obfuscation padding",
+    "continuous_usage_stats": "usage comes once, in the final chunk (stream_options.include_usage)",
+    "spaces_between_special_tokens": "special tokens are decoded as the tokenizer decodes them",
+    "add_special_tokens": "prompts get the tokenizer's special tokens (chat: the template's)",
+}
+
+
+def refuse_unsupported_fields(body: BaseModel) -> None:
+    """A 400 naming the first field this server would otherwise have to ignore (the request's
+    own, then its ``stream_options``')."""
+    _refuse(body, "")
+    options = getattr(body, "stream_options", None)
+    if isinstance(options, BaseModel):
+        _refuse(options, "stream_options.")
+
+
+def _refuse(body: BaseModel, prefix: str) -> None:
+    for name, value in (body.model_extra or {}).items():
+        if value is None or name in ABOUT_THE_CALLER:
+            continue
+        if any(type(value) is type(v) and value == v for v in NEUTRAL_VALUES.get(name, ())):
+            continue  # the type too: 0 is not false here
+        reason = REASONS.get(name, "it is not a field this server knows (a typo?)")
+        raise InvalidRequest(f"{prefix}{name} is not supported: {reason}", param=prefix + name)
