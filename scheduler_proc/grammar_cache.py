@@ -33,7 +33,7 @@ def words_per_row(vocab_size: int) -> int:
 
 class GrammarBackendLoader:
     """Imports xgrammar, reads ``model_dir``'s tokenizer and builds a grammar compiler for the
-    vocabulary size in its config.json, in a thread (``background``) or now."""
+    vocabulary size in its config.json: in a thread from now (``background``), or on first use."""
 
     def __init__(self, model_dir: str, background: bool = True):
         self.model_dir = model_dir
@@ -42,10 +42,10 @@ class GrammarBackendLoader:
         self.compiler_vocab_size = 0
         self.error: Optional[str] = None
         self._done = threading.Event()
+        self._thread = None
         if background:
-            threading.Thread(target=self._load, name="grammar-backend-loader", daemon=True).start()
-        else:
-            self._load()
+            self._thread = threading.Thread(target=self._load, name="grammar-backend-loader", daemon=True)
+            self._thread.start()
 
     def _load(self) -> None:
         try:
@@ -63,10 +63,13 @@ class GrammarBackendLoader:
             self._done.set()
 
     def ready(self) -> bool:
-        return self._done.is_set()
+        """Whether ``wait`` returns without waiting on the thread (a lazy loader loads then)."""
+        return self._thread is None or self._done.is_set()
 
     def wait(self):
         """The tokenizer; raises InvalidField if it could not be loaded."""
+        if self._thread is None and not self._done.is_set():
+            self._load()
         self._done.wait()
         if self.tokenizer is None:
             raise InvalidField("structured_outputs", f"structured output is not available on this replica: "

@@ -134,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="pagedserve.scheduler_proc.replay", description=__doc__)
     p.add_argument("trace")
+    p.add_argument("--model", help="model directory, in place of the recorded one (for grammar masks)")
     ns = p.parse_args(argv)
     try:
-        report = replay_scheduler(ns.trace)
+        report = replay_scheduler(ns.trace, ns.model)
     except TraceError as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
