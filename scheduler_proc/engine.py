@@ -70,8 +70,10 @@ class EngineLoop:
         self.last_stats_sent = 0.0
         self.interval_log = IntervalLog(log, cfg.log_interval_s)
         self.step_timeout = StepTimeout(cfg.step_timeout_s)
-        # Structured output: xgrammar and the tokenizer load meanwhile (grammar_cache.py).
+        # Structured output: xgrammar and the tokenizer load in a thread while the workers start.
         self.grammar_loader = GrammarBackendLoader(cfg.model) if cfg.model else None
+        if self.grammar_loader is not None:
+            self.grammar_loader.start()
         self.grammar_gate = GrammarGate(self.grammar_loader)
 
     # ------------------------------------------------------------------ workers

@@ -3,8 +3,11 @@
 The scheduler process owns every constrained request's matcher (grammar.py); this is where
 their compiled grammars come from. xgrammar (with torch) and the model directory's tokenizer
 take seconds to load, longer than the frontend waits for a heartbeat, so the engine loads
-them in a thread from process start (``GrammarBackendLoader``) and holds frontend messages
-until they are in (grammar_gate.py) should a constrained request come first. Compiled
+them in a thread (``GrammarBackendLoader``) from its start, while the workers start, and
+holds frontend messages from a constrained request that comes before they are in
+(grammar_gate.py). Loading them at the first constrained request instead was tried: loading
+torch's libraries holds the GIL, and on a loaded machine the loop's heartbeats stopped for
+more than the frontend's 5 s, failing requests. Compiled
 grammars are kept in a bounded LRU keyed by the grammar's wire bytes, so a schema sent by
 every request compiles once.
 
@@ -33,17 +36,20 @@ def words_per_row(vocab_size: int) -> int:
 
 class GrammarBackendLoader:
     """Imports xgrammar, reads ``model_dir``'s tokenizer and builds a grammar compiler for the
-    vocabulary size in its config.json: in a thread from now (``background``), or on first use."""
+    vocabulary size in its config.json: in a thread once ``start``ed (the engine, at its
+    start), or in the caller on first use (replay, tests)."""
 
-    def __init__(self, model_dir: str, background: bool = True):
+    def __init__(self, model_dir: str):
         self.model_dir = model_dir
         self.tokenizer = None
         self.compiler = None  # for ``compiler_vocab_size`` ids
         self.compiler_vocab_size = 0
         self.error: Optional[str] = None
         self._done = threading.Event()
-        self._thread = None
-        if background:
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self._thread is None and not self._done.is_set():
             self._thread = threading.Thread(target=self._load, name="grammar-backend-loader", daemon=True)
             self._thread.start()
 
@@ -63,8 +69,7 @@ class GrammarBackendLoader:
             self._done.set()
 
     def ready(self) -> bool:
-        """Whether ``wait`` returns without waiting on the thread (a lazy loader loads then)."""
-        return self._thread is None or self._done.is_set()
+        return self._done.is_set()
 
     def wait(self):
         """The tokenizer; raises InvalidField if it could not be loaded."""

@@ -1,7 +1,8 @@
-"""Holds the frontend's messages while the grammar backend is still loading, should a
-grammar-constrained request arrive before it is in (grammar_cache.py): compiling it would
-block the loop, and its heartbeats, for seconds. Everything after the first held message is
-held too, so messages are applied in arrival order (an abort never overtakes its request)."""
+"""Holds the frontend's messages from the first grammar-constrained request until the grammar
+backend has loaded (grammar_cache.py, in a thread; started here if it was not yet): loading
+it in the loop would block the loop, and its heartbeats, for seconds. Everything after the first held
+message is held too, so messages are applied in arrival order (an abort never overtakes its
+request); running requests keep stepping meanwhile."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class GrammarGate:
         now = []
         for msg in msgs:
             if self.held or (isinstance(msg, AddRequest) and msg.sampling.structured_outputs is not None):
+                self.loader.start()
                 self.held.append(msg)
             else:
                 now.append(msg)

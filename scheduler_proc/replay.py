@@ -67,7 +67,7 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
     need its tokenizer to rebuild their masks)."""
     trace = read_trace(trace_path)
     cfg = _engine_config(trace)
-    loader = None  # loaded once a WorkerInit is replayed, only if the trace names a model
+    loader = None  # loads at the first constrained request, in the replaying thread
     model = model or cfg.model
     to_worker, from_worker = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
     from_frontend = Decoder(m.FrontendToScheduler)
@@ -87,7 +87,7 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
                 if isinstance(msg, m.WorkerInit) and (sched is None or
                                                       sched.config.num_gpu_blocks != msg.num_gpu_blocks):
                     if model and loader is None:
-                        loader = GrammarBackendLoader(model, background=False)
+                        loader = GrammarBackendLoader(model)
                     sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks),
                                       grammar_cache_for(loader, vocab_size))
                 elif isinstance(msg, m.SchedulerOutput):

@@ -59,7 +59,7 @@ def model_dir(model_factory):
 
 @pytest.fixture(scope="module")
 def grammars(model_dir):
-    return CompiledGrammarCache(GrammarBackendLoader(model_dir, background=False), VOCAB)
+    return CompiledGrammarCache(GrammarBackendLoader(model_dir), VOCAB)
 
 
 def constrained(request_id: str, spec: StructuredOutputs, eos: int, n: int = 1, max_tokens: int = 400) -> AddRequest:
@@ -178,3 +178,20 @@ def test_a_grammar_that_cannot_compile_is_refused_at_admission_naming_the_proble
     unserved = Scheduler(config)  # no tokenizer: refused, never ignored
     deltas = unserved.add_request(constrained("x", SPECS["regex"], 2))
     assert deltas[0].error_kind == "invalid_request" and "structured output" in deltas[0].error
+
+
+def test_messages_after_a_first_constrained_request_wait_in_order_for_the_grammar_backend(model_dir):
+    from pagedserve.protocol.messages import AbortRequest
+    from pagedserve.scheduler_proc.grammar_cache import GrammarBackendLoader
+    from pagedserve.scheduler_proc.grammar_gate import GrammarGate
+
+    loader = GrammarBackendLoader(model_dir)
+    gate = GrammarGate(loader)
+    plain = AddRequest(request_id="plain", prompt_token_ids=[5], sampling=SamplingParams())
+    json_request = constrained("json", SPECS["regex"], 2)
+    abort = AbortRequest(request_ids=["json"])
+    assert gate.admit([plain, json_request, abort]) == [plain]  # the loader starts in a thread
+    loader.wait()
+    assert loader.ready()
+    assert gate.admit([plain]) == [json_request, abort, plain]
+    assert gate.admit([json_request]) == [json_request]  # loaded: nothing is held any more
