@@ -185,7 +185,8 @@ def replay_workers(trace_path: str, model: Optional[str], device: str, num_threa
 
 def replay_main(ns: argparse.Namespace) -> int:
     if ns.scheduler_only:
-        return subprocess.call([sys.executable, "-m", "pagedserve.scheduler_proc.replay", ns.trace])
+        model = ["--model", ns.model] if ns.model else []  # constrained requests' masks need its tokenizer
+        return subprocess.call([sys.executable, "-m", "pagedserve.scheduler_proc.replay", ns.trace, *model])
     try:
         steps, tokens = replay_workers(ns.trace, ns.model, ns.device, getattr(ns, "num_threads", None))
     except TraceError as exc:

@@ -25,6 +25,7 @@ from pagedserve.frontend_proc.serving import Serving
 from pagedserve.protocol.generation_defaults import load_generation_defaults
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import ProcessReady
+from pagedserve.protocol.structured_outputs import preload_in_background
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 
 log = logging.getLogger("pagedserve.frontend_proc")
@@ -56,6 +57,7 @@ async def serve(config: FrontendConfig) -> None:
         access_log=(config.uvicorn_log_level or config.log_level) in ("debug", "trace"),
         timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S))
     engine.start()
+    preload_in_background()  # structured output's grammar engine
     serve_task = asyncio.create_task(server.serve())
     drain_task = asyncio.create_task(end_requests_at_drain_deadline(
         lambda: server.should_exit, engine, config.drain_timeout_s))

@@ -54,6 +54,7 @@ _COUNTERS = {
     "pagedserve_num_swapped_blocks_total": (
         "KV blocks swapped out plus swapped in",
         lambda s: s.num_blocks_swapped_out + s.num_blocks_swapped_in),
+    "pagedserve_scheduler_steps_total": ("Steps the schedulers sent to their workers", lambda s: s.step),
     "pagedserve_structured_output_requests_total": (
         "Requests whose output a grammar constrains", lambda s: s.structured_output_requests),
     "pagedserve_structured_output_mask_seconds_total": (

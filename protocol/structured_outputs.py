@@ -11,8 +11,10 @@ noisy one does (docs/DECISIONS.md, "Structured output").
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import threading
 
 from pagedserve.protocol.messages import StructuredOutputs
 from pagedserve.protocol.validate import InvalidField, check_structured_outputs
@@ -23,6 +25,13 @@ _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[06:32:29] /project/cpp/grammar_parser.cc:820: "
 ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def preload_in_background() -> None:
+    """Import xgrammar (seconds: it brings torch) in a thread now, so the first constrained
+    request does not stall a frontend's event loop on it."""
+    threading.Thread(target=importlib.import_module, args=("xgrammar",), name="xgrammar-import",
+                     daemon=True).start()
 
 
 def json_schema_ebnf(schema: str) -> str:

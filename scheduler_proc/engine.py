@@ -29,7 +29,8 @@ from pagedserve.protocol.worker_link import PeerUnreachable, WorkerRouter
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 from pagedserve.scheduler_proc.frontend_inputs import apply_frontend_message
-from pagedserve.scheduler_proc.grammar_cache import grammar_cache_for
+from pagedserve.scheduler_proc.grammar_cache import GrammarBackendLoader, grammar_cache_for
+from pagedserve.scheduler_proc.grammar_gate import GrammarGate
 from pagedserve.scheduler_proc.interval_log import IntervalLog
 from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
@@ -69,6 +70,11 @@ class EngineLoop:
         self.last_stats_sent = 0.0
         self.interval_log = IntervalLog(log, cfg.log_interval_s)
         self.step_timeout = StepTimeout(cfg.step_timeout_s)
+        # Structured output: xgrammar and the tokenizer load in a thread while the workers start.
+        self.grammar_loader = GrammarBackendLoader(cfg.model) if cfg.model else None
+        if self.grammar_loader is not None:
+            self.grammar_loader.start()
+        self.grammar_gate = GrammarGate(self.grammar_loader)
 
     # ------------------------------------------------------------------ workers
 
@@ -173,7 +179,7 @@ class EngineLoop:
         if self.scheduler is None or self.scheduler.config != config:
             # A recovered replica keeps its Scheduler (fail_all left it clean) so step
             # numbers keep increasing; only a different cache or model needs a new one.
-            self.scheduler = Scheduler(config, grammar_cache_for(cfg.model, vocab_size))
+            self.scheduler = Scheduler(config, grammar_cache_for(self.grammar_loader, vocab_size))
         self.state = "draining" if self.draining else "ready"
         log.info("replica %d ready: %d device blocks, %d host blocks of %d tokens",
                  cfg.replica, num_gpu_blocks, num_cpu_blocks, cfg.block_size)
@@ -301,7 +307,7 @@ class EngineLoop:
                     self.connect_workers()
                     self._send_stats(force=True)
                 busy = self.scheduler.has_unfinished() or bool(self.pending)
-                for msg in self.inputs.recv_nowait() if busy else self._wait_input():
+                for msg in self.grammar_gate.admit(self.inputs.recv_nowait() if busy else self._wait_input()):
                     self._handle_input(msg)
                 self._answer_rejected_requests()
                 if self.scheduler.has_unfinished() or self.pending:

@@ -7,7 +7,7 @@ the result (docs/DECISIONS.md). Ahead is allowed when exactly one step is out an
    needs is unknown and no sequence enters the lane while a batch is out; except
    grammar-constrained sequences (never in the lane), which sit the step ahead out: their
    mask needs the token still in flight, so they wait for it (vLLM's choice), and the
-   others stay overlapped;
+   others stay overlapped; with no lane sequence to overlap, nobody waits for nothing;
 2. no lane sequence ended while out (its position is kept until nothing is out);
 3. the free blocks cover every block the running sequences can ask for, so the step
    preempts nothing: no in-flight sequence is swapped or recomputed with a token still
@@ -31,7 +31,10 @@ def can_schedule_ahead(sched: "Scheduler") -> bool:
     in_flight = sched.in_flight
     if len(in_flight) != 1 or sched.lane.num_dead:  # rules 1 and 2
         return False
-    for seq in in_flight[0][1]:
+    sampling = in_flight[0][1]
+    if sampling and not sched.lane.n:  # only constrained ones would run, and they sit it out
+        return False
+    for seq in sampling:
         if seq.grammar is None:
             return False
     bm = sched.bm

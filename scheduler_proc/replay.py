@@ -21,7 +21,7 @@ from pagedserve.protocol.codec import Decoder, ProtocolError, encode
 from pagedserve.protocol.trace import TraceError, read_trace
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 from pagedserve.scheduler_proc.frontend_inputs import apply_frontend_message
-from pagedserve.scheduler_proc.grammar_cache import grammar_cache_for
+from pagedserve.scheduler_proc.grammar_cache import GrammarBackendLoader, grammar_cache_for
 from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
@@ -61,10 +61,14 @@ def _engine_config(trace) -> EngineConfig:
         raise TraceError(f"{trace.path}: the recorded scheduler config is unusable: {exc}") from None
 
 
-def replay_scheduler(trace_path: str) -> SchedulerReplayReport:
-    """Rebuilds every SchedulerOutput from the recorded inputs; raises TraceError if unusable."""
+def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerReplayReport:
+    """Rebuilds every SchedulerOutput from the recorded inputs; raises TraceError if unusable.
+    ``model``: the model directory, in place of the recorded path (grammar-constrained requests
+    need its tokenizer to rebuild their masks)."""
     trace = read_trace(trace_path)
     cfg = _engine_config(trace)
+    loader = None  # loads at the first constrained request, in the replaying thread
+    model = model or cfg.model
     to_worker, from_worker = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
     from_frontend = Decoder(m.FrontendToScheduler)
     try:
@@ -82,8 +86,10 @@ def replay_scheduler(trace_path: str) -> SchedulerReplayReport:
                 msg = to_worker.decode(payload)
                 if isinstance(msg, m.WorkerInit) and (sched is None or
                                                       sched.config.num_gpu_blocks != msg.num_gpu_blocks):
+                    if model and loader is None:
+                        loader = GrammarBackendLoader(model)
                     sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks),
-                                      grammar_cache_for(cfg.model, vocab_size))
+                                      grammar_cache_for(loader, vocab_size))
                 elif isinstance(msg, m.SchedulerOutput):
                     _require(sched, trace_path, where)
                     out = sched.schedule()
@@ -128,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="pagedserve.scheduler_proc.replay", description=__doc__)
     p.add_argument("trace")
+    p.add_argument("--model", help="model directory, in place of the recorded one (for grammar masks)")
     ns = p.parse_args(argv)
     try:
-        report = replay_scheduler(ns.trace)
+        report = replay_scheduler(ns.trace, ns.model)
     except TraceError as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 2

@@ -88,9 +88,7 @@ class Scheduler:
             indices = range(n) if 1 <= n <= self.config.max_num_seqs else range(1)  # never 10**9 deltas
             return [RequestDelta(msg.request_id, i, [], "error", reason, "invalid_request",
                                  len(msg.prompt_token_ids)) for i in indices]
-        seed = msg.sampling.seed
-        if seed is None:
-            seed = self._rng.getrandbits(63)
+        seed = self._rng.getrandbits(63) if msg.sampling.seed is None else msg.sampling.seed
         self._arrivals += 1
         request = Request(msg, self._arrivals, seed, self.len_limit, compiled)
         self.counters.structured_output_requests += compiled is not None

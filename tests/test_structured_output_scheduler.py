@@ -10,43 +10,20 @@ from __future__ import annotations
 
 import json
 import random
-import re
 
-import jsonschema
 import pytest
 
 from pagedserve.protocol.messages import AddRequest, SamplingParams, StructuredOutputs
 from pagedserve.scheduler_proc.config import SchedulerConfig
-from pagedserve.scheduler_proc.grammar_cache import CompiledGrammarCache
+from pagedserve.scheduler_proc.grammar_cache import CompiledGrammarCache, GrammarBackendLoader
 from pagedserve.scheduler_proc.scheduler import Scheduler
 from pagedserve.worker_proc.grammar_mask import unpack_bitmask
 
 from conftest import hf_tokenizer
-from test_scheduler_support import SimWorker, assert_all_blocks_free, run_until_done
+from structured_schemas import CHOICES, REGEX, SCHEMAS, check_choice, check_json, check_regex
+from test_scheduler_support import SimWorker, StepDriver, assert_all_blocks_free, run_until_done
 
 VOCAB = 512
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
-                                                     "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-        "active": {"type": "boolean"},
-    },
-    "required": ["name", "age", "role", "address"],
-    "additionalProperties": False,
-}
-POINTS = {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -5, "maximum": 5},
-                                                                       "y": {"type": "integer", "minimum": -5, "maximum": 5}},
-                                     "required": ["x", "y"], "additionalProperties": False},
-          "minItems": 1, "maxItems": 4}
-REGEX = r"[a-z]{2,5}-[0-9]{3}"
-CHOICES = ["red", "green", "blue"]
 
 
 class MaskedSamplingWorker(SimWorker):
@@ -82,7 +59,7 @@ def model_dir(model_factory):
 
 @pytest.fixture(scope="module")
 def grammars(model_dir):
-    return CompiledGrammarCache(model_dir, VOCAB)
+    return CompiledGrammarCache(GrammarBackendLoader(model_dir), VOCAB)
 
 
 def constrained(request_id: str, spec: StructuredOutputs, eos: int, n: int = 1, max_tokens: int = 400) -> AddRequest:
@@ -103,19 +80,16 @@ def texts_by_sample(deltas, tokenizer, eos: int) -> dict[tuple[str, int], tuple[
 
 
 def check(text: str, kind: str) -> None:
-    if kind == "person":
-        jsonschema.validate(json.loads(text), PERSON)
-    elif kind == "points":
-        jsonschema.validate(json.loads(text), POINTS)
+    if kind in SCHEMAS:
+        check_json(text, kind)
     elif kind == "regex":
-        assert re.fullmatch(REGEX, text), text
+        check_regex(text)
     else:
-        assert text in CHOICES, text
+        check_choice(text)
 
 
 SPECS = {
-    "person": StructuredOutputs(json=json.dumps(PERSON)),
-    "points": StructuredOutputs(json=json.dumps(POINTS)),
+    **{name: StructuredOutputs(json=json.dumps(schema)) for name, schema in SCHEMAS.items()},
     "regex": StructuredOutputs(regex=REGEX),
     "choice": StructuredOutputs(choice=CHOICES),
 }
@@ -136,7 +110,7 @@ def test_every_constrained_sample_is_accepted_by_its_grammar(model_dir, grammars
     sched = Scheduler(config, grammars)
     worker = MaskedSamplingWorker(config, eos)
     kinds = {}
-    for i, kind in enumerate(["person", "points", "regex", "choice"] * 2):
+    for i, kind in enumerate(["person", "points", "reading", "regex", "choice", "person", "points", "regex"]):
         n = 3 if i == 1 else 1
         sched.add_request(constrained(f"{kind}-{i}", SPECS[kind], eos, n=n))
         kinds[f"{kind}-{i}"] = kind
@@ -170,7 +144,6 @@ def test_constrained_requests_sit_out_steps_scheduled_ahead_while_others_stay_ov
     for i in range(3):
         sched.add_request(AddRequest(request_id=f"plain-{i}", prompt_token_ids=[9, 10, 11],
                                      sampling=SamplingParams(max_tokens=60, ignore_eos=True), eos_token_ids=[eos]))
-    from test_scheduler_support import StepDriver
     driver = StepDriver(sched, worker, ahead=True)
     masked_ahead = masked_alone = 0
 
@@ -205,3 +178,20 @@ def test_a_grammar_that_cannot_compile_is_refused_at_admission_naming_the_proble
     unserved = Scheduler(config)  # no tokenizer: refused, never ignored
     deltas = unserved.add_request(constrained("x", SPECS["regex"], 2))
     assert deltas[0].error_kind == "invalid_request" and "structured output" in deltas[0].error
+
+
+def test_messages_after_a_first_constrained_request_wait_in_order_for_the_grammar_backend(model_dir):
+    from pagedserve.protocol.messages import AbortRequest
+    from pagedserve.scheduler_proc.grammar_cache import GrammarBackendLoader
+    from pagedserve.scheduler_proc.grammar_gate import GrammarGate
+
+    loader = GrammarBackendLoader(model_dir)
+    gate = GrammarGate(loader)
+    plain = AddRequest(request_id="plain", prompt_token_ids=[5], sampling=SamplingParams())
+    json_request = constrained("json", SPECS["regex"], 2)
+    abort = AbortRequest(request_ids=["json"])
+    assert gate.admit([plain, json_request, abort]) == [plain]  # the loader starts in a thread
+    loader.wait()
+    assert loader.ready()
+    assert gate.admit([plain]) == [json_request, abort, plain]
+    assert gate.admit([json_request]) == [json_request]  # loaded: nothing is held any more

@@ -40,18 +40,28 @@ def run_cli(capfd, *args: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("entry", GOLDENS, ids=[g["file"] for g in GOLDENS])
-def test_a_scheduler_alone_rebuilds_every_recorded_scheduler_output_byte_for_byte(entry, capfd):
-    report = replay_scheduler(str(FIXTURES / entry["file"]))
+def test_a_scheduler_alone_rebuilds_every_recorded_scheduler_output_byte_for_byte(entry, golden_model, capfd):
+    # The model's tokenizer rebuilds golden_structured's grammar bitmasks.
+    report = replay_scheduler(str(FIXTURES / entry["file"]), golden_model)
     assert report.ok, report.mismatch
     assert report.steps == summarize_trace(read_trace(str(FIXTURES / entry["file"]))).steps
-    rc, text = run_cli(capfd, "replay", "--scheduler-only", str(FIXTURES / entry["file"]))
+    rc, text = run_cli(capfd, "replay", "--scheduler-only", str(FIXTURES / entry["file"]), "--model", golden_model)
     assert rc == 0 and "every SchedulerOutput identical" in text
 
 
-def test_fresh_workers_reproduce_every_recorded_token(golden_model, capfd):
-    rc, text = run_cli(capfd, "replay", GOLDEN_PATH, "--model", golden_model, "--num-threads", "1")
+@pytest.mark.parametrize("entry", GOLDENS, ids=[g["file"] for g in GOLDENS])
+def test_fresh_workers_reproduce_every_recorded_token(entry, golden_model, capfd):
+    rc, text = run_cli(capfd, "replay", str(FIXTURES / entry["file"]), "--model", golden_model, "--num-threads", "1")
     assert rc == 0, text
     assert "identical to the recording" in text
+
+
+def test_the_structured_golden_carries_grammar_bitmasks():
+    to_worker = Decoder(m.SchedulerToWorker)
+    path = str(FIXTURES / "golden_structured.trace")
+    outs = [msg for direction, payload in read_trace(path).records if direction == "to_worker"
+            for msg in [to_worker.decode(payload)] if isinstance(msg, m.SchedulerOutput)]
+    assert sum(out.grammar is not None for out in outs) > 10
 
 
 def _stochastic_samples(path: str) -> list[tuple[int, str, int]]:
