@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-from pagedserve.frontend_proc.detokenizer import IncrementalDetokenizer
 from pagedserve.frontend_proc.engine_client import EngineClient, ReplicaFailed, RequestHandle
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest, ServiceUnavailable
 from pagedserve.frontend_proc.metrics import FrontendMetrics
@@ -36,7 +35,7 @@ class ChoiceUpdate:
 class ChoiceState:
     def __init__(self, index: int, tokenizer: PromptTokenizer, stop_strings: list[str]):
         self.index = index
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.detokenizer = tokenizer.make_detokenizer()
         self.stop_matcher = StopStringMatcher(stop_strings)
         self.num_tokens = 0
         self.finish_reason: Optional[str] = None

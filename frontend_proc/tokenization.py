@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
+from pagedserve.frontend_proc.detokenizer import Detokenizer, make_detokenizer
 from pagedserve.frontend_proc.errors import InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatMessage
 
@@ -44,6 +45,7 @@ class PromptTokenizer:
         if self.tokenizer.eos_token_id is not None:
             eos.append(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = sorted(set(eos))
+        self._stream_backend = self.stream_backend()
 
     def encode_prompt(self, prompt: Union[str, list[int]]) -> list[int]:
         if isinstance(prompt, str):
@@ -78,3 +80,15 @@ class PromptTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def stream_backend(self) -> Optional[Any]:
+        """The ``tokenizers.Tokenizer`` that streaming decoding can use, when its output equals
+        ``decode``'s: a fast tokenizer with no post-decode space clean-up."""
+        if not getattr(self.tokenizer, "is_fast", False):
+            return None
+        if getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            return None
+        return getattr(self.tokenizer, "backend_tokenizer", None)
+
+    def make_detokenizer(self) -> Detokenizer:
+        return make_detokenizer(self, self._stream_backend)
