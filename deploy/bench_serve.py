@@ -4,7 +4,8 @@ Requests are streamed completions (``/v1/completions``, ``stream=True``): random
 prompts of lengths uniform in a range, or the prompts of a JSONL file (``{"prompt": ...,
 "max_tokens": ...}`` per line). They arrive as a Poisson process at ``--request-rate``
 (default: all at once), at most ``--max-concurrency`` in flight. Reports TTFT, TPOT, ITL
-and end-to-end latency (mean, p50, p90, p99) and throughput; writes a JSON result and a
+(between events with choices, as vLLM's benchmark: the server sends one per token, with
+empty text while a character or a possible stop string is incomplete) and end-to-end latency (mean, p50, p90, p99) and throughput; writes a JSON result and a
 PNG (latency per request in arrival order; KV usage, running and waiting from /metrics).
 
 Connections are spread over several HTTP clients of at most ``CONNECTIONS_PER_CLIENT``
@@ -78,8 +79,8 @@ async def _one_request(client, ns, model: str, prompt, max_tokens: int, rec: Req
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     rec.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
-                    continue
+                if not chunk.get("choices"):
+                    continue  # the usage chunk; an event with empty text still carries a token
                 now = time.perf_counter()
                 if rec.ttft is None:
                     rec.ttft = now - sent

@@ -40,12 +40,34 @@ Event = Union[RequestDelta, ReplicaFailed]
 
 @dataclass(slots=True)
 class RequestHandle:
+    """A request's inbox. Its task takes everything that arrived since it last looked in one
+    go (``take``), so a task that wakes once per step handles that step's events together,
+    and one that fell behind catches up in one pass instead of one wake-up per token."""
+
     request_id: str
     replica: int
     num_seqs: int
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pending: list = field(default_factory=list)
     finished_indexes: set[int] = field(default_factory=set)
     done: bool = False  # the scheduler holds nothing more for it (or we stopped listening)
+    waiter: Optional[asyncio.Future] = None
+
+    def push(self, event: Event) -> None:
+        self.pending.append(event)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[Event]:
+        """Every event that arrived since the last call, in order; waits for at least one."""
+        while not self.pending:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        events, self.pending = self.pending, []
+        return events
 
 
 class EngineClient:
@@ -119,7 +141,7 @@ class EngineClient:
         if handle is None:
             log.debug("delta for unknown or finished request %s dropped", delta.request_id)
             return
-        handle.events.put_nowait(delta)
+        handle.push(delta)
         if delta.finish_reason is not None:
             handle.finished_indexes.add(delta.index)
             if len(handle.finished_indexes) >= handle.num_seqs:
@@ -160,7 +182,7 @@ class EngineClient:
             if handle is None:
                 self.router.release(replica, request_id, 0)
                 continue
-            handle.events.put_nowait(ReplicaFailed(f"{reason}; the request was lost, retry it"))
+            handle.push(ReplicaFailed(f"{reason}; the request was lost, retry it"))
             self._forget(handle)
         # Fire-and-forget: if the replica comes back it frees whatever it still holds.
         self._inputs[replica].send(AbortRequest(request_ids))

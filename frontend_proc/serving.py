@@ -183,11 +183,15 @@ class Serving:
                 yield _sse(fmt.envelope(fmt.object_chunk, opening))
             batch: Optional[list[ChoiceUpdate]] = first
             while batch is not None:
-                choices = [fmt.chunk_choice(u.index, u.text, self._logprob_entries(u),
-                                            u.finish_reason)
-                           for u in batch if u.text or u.finish_reason or u.logprobs]
-                if choices:
-                    yield _sse(fmt.envelope(fmt.object_chunk, choices))
+                # One event per step's token (as vLLM), even while its text waits for the rest
+                # of a character or a possible stop string; the events that piled up while
+                # this task waited go out in one write.
+                events = b"".join(
+                    _sse(fmt.envelope(fmt.object_chunk, [fmt.chunk_choice(
+                        u.index, u.text, self._logprob_entries(u), u.finish_reason)]))
+                    for u in batch if u.text or u.finish_reason or u.logprobs or u.token_ids)
+                if events:
+                    yield events
                 batch = await anext(updates, None)
             if include_usage:
                 final = fmt.envelope(fmt.object_chunk, [])
