@@ -55,12 +55,23 @@ def _device_for_rank(cfg: WorkerConfig) -> str:
     return cfg.device
 
 
-def _default_cpu_threads(cfg: WorkerConfig) -> Optional[int]:
-    """A CPU worker leaves one core to the scheduler and frontend: they run between every
-    two steps, and a worker thread that shares their core stalls every parallel op."""
+# A model whose layers hold this many weights costs >= 0.2 GFLOP per token: a step of a few
+# dozen tokens keeps every core busy for tens of ms, and the scheduler's and frontend's share
+# of the CPU per step is small. Measured on 2 cores (docs/DECISIONS.md): Qwen2.5-0.5B's shape
+# (358M) generates 1.5x faster offline on both cores than on one; the demo model (0.2M)
+# serving 64 streams is several times slower on both, since each step is short and an
+# intra-op thread that the frontend or scheduler preempts stalls the whole parallel op.
+ALL_CORES_MIN_LAYER_PARAMS = 100_000_000
+
+
+def _default_cpu_threads(cfg: WorkerConfig, num_layer_params: int) -> Optional[int]:
+    """Every core (over the TP size) for a compute-bound model; otherwise one core is left
+    to the scheduler and frontend, which run between and during every two steps."""
     if cfg.device != "cpu":
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if num_layer_params >= ALL_CORES_MIN_LAYER_PARAMS:
+        return max(1, cores // cfg.tp_size)
     return max(1, (cores - 1) // cfg.tp_size)
 
 
@@ -70,6 +81,7 @@ class StepOrderError(RuntimeError):
 
 class Worker:
     def __init__(self, cfg: WorkerConfig, ctx: Optional[zmq.Context] = None):
+        from pagedserve.worker_proc.model_config import load_model_spec
         from pagedserve.worker_proc.model_runner import ModelRunner
 
         self.cfg = cfg
@@ -79,7 +91,7 @@ class Worker:
                                          m.SchedulerToWorker, bind=False)
         self.results = Sender(self.ctx, ep.worker_results(cfg.replica))
         self.to_supervisor = Sender(self.ctx, ep.supervisor())
-        threads = cfg.num_threads or _default_cpu_threads(cfg)
+        threads = cfg.num_threads or _default_cpu_threads(cfg, load_model_spec(cfg.model).num_layer_params)
         if threads:
             import torch
 
