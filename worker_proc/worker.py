@@ -55,13 +55,15 @@ def _device_for_rank(cfg: WorkerConfig) -> str:
     return cfg.device
 
 
-# A model whose layers hold this many weights costs >= 0.2 GFLOP per token: a step of a few
-# dozen tokens keeps every core busy for tens of ms, and the scheduler's and frontend's share
-# of the CPU per step is small. Measured on 2 cores (docs/DECISIONS.md): Qwen2.5-0.5B's shape
-# (358M) generates 1.5x faster offline on both cores than on one; the demo model (0.2M)
-# serving 64 streams is several times slower on both, since each step is short and an
-# intra-op thread that the frontend or scheduler preempts stalls the whole parallel op.
-ALL_CORES_MIN_LAYER_PARAMS = 100_000_000
+# Host work (scheduler, frontend: detokenize, SSE, HTTP) costs up to ~0.1 ms of CPU per token.
+# A model whose layers hold 10M weights costs >= 20 MFLOP per token, ~0.4 ms on one core:
+# from there on the worker's compute dwarfs the host work running beside it, and a second
+# core's matmul throughput outweighs the stalls when the host work preempts one of its
+# threads. Measured on 2 cores (docs/DECISIONS.md): Qwen2.5-0.5B's shape (358M) generates
+# 1.5x faster offline on both cores than on one; the demo model (0.3M) serving 64 streams
+# is several times slower on both, since its steps last a few ms and every intra-op thread
+# the frontend or scheduler preempts stalls the whole parallel op.
+ALL_CORES_MIN_LAYER_PARAMS = 10_000_000
 
 
 def _default_cpu_threads(cfg: WorkerConfig, num_layer_params: int) -> Optional[int]:
