@@ -23,10 +23,29 @@ import json
 import random
 import time
 from dataclasses import asdict
+from typing import Optional
+
+import msgspec
 
 from pagedserve.deploy.bench_report import RequestRecord, latency_table, plot_run, summarize
 
 CONNECTIONS_PER_CLIENT = 32
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a stream event the bench reads: the client shares the server's cores,
+    and decoding only these (msgspec, raw bytes split here) keeps it from falling behind
+    and reading several events at once, which would show up as ITL near zero."""
+
+    choices: list[msgspec.Raw] = []
+    usage: Optional[_Usage] = None
+
+
+_CHUNK = msgspec.json.Decoder(_Chunk)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -73,20 +92,23 @@ async def _one_request(client, ns, model: str, prompt, max_tokens: int, rec: Req
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    rec.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices"):
-                    continue  # the usage chunk; an event with empty text still carries a token
-                now = time.perf_counter()
-                if rec.ttft is None:
-                    rec.ttft = now - sent
-                else:
-                    rec.itl.append(now - last)
-                last = now
+            pending = b""
+            async for data in resp.aiter_raw():
+                now = time.perf_counter()  # when this read's events reached the client
+                *events, pending = (pending + data).split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data: {"):
+                        continue  # [DONE], comments
+                    chunk = _CHUNK.decode(event[6:])
+                    if chunk.usage is not None:
+                        rec.output_tokens = chunk.usage.completion_tokens
+                    if not chunk.choices:
+                        continue  # the usage chunk; an event with empty text still carries a token
+                    if rec.ttft is None:
+                        rec.ttft = now - sent
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
         rec.e2e = time.perf_counter() - sent
     except Exception as exc:  # a failed request is reported, not fatal to the run
         rec.error = f"{type(exc).__name__}: {exc}"
@@ -95,7 +117,9 @@ async def _one_request(client, ns, model: str, prompt, max_tokens: int, rec: Req
 def _parse_metrics(text: str) -> dict[str, float]:
     wanted = {"pagedserve_kv_cache_usage_ratio": "kv_usage", "pagedserve_num_requests_running": "running",
               "pagedserve_num_requests_waiting": "waiting", "pagedserve_num_requests_swapped": "swapped",
-              "pagedserve_num_preemptions_total": "preemptions"}
+              "pagedserve_num_preemptions_total": "preemptions",
+              "pagedserve_worker_forward_seconds_total": "worker_forward_s",
+              "pagedserve_worker_idle_seconds_total": "worker_idle_s"}
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -158,8 +182,18 @@ async def run_bench(ns: argparse.Namespace) -> dict:
         await scraper
         bar.close()
         after = _parse_metrics((await client.get("/metrics")).text)
+        for _ in range(10):  # the worker counters come with the scheduler's next stats (<= 0.5 s)
+            await asyncio.sleep(0.1)
+            latest = _parse_metrics((await client.get("/metrics")).text)
+            if latest.get("worker_forward_s") != after.get("worker_forward_s"):
+                after = latest
+                break
     result = summarize(records, duration)
     result["preemptions"] = after.get("preemptions", 0) - before.get("preemptions", 0)
+    forward = after.get("worker_forward_s", 0.0) - before.get("worker_forward_s", 0.0)
+    idle = after.get("worker_idle_s", 0.0) - before.get("worker_idle_s", 0.0)
+    if forward + idle > 0:  # the counters arrive with the scheduler's stats, every 0.5 s
+        result["worker_idle_pct"] = 100 * idle / (forward + idle)
     result["config"] = {k: v for k, v in vars(ns).items() if k not in ("run", "api_key")}
     result["config"]["request_rate"] = str(ns.request_rate)
     result["requests"] = [asdict(r) for r in records]
