@@ -123,6 +123,7 @@ def _parse_metrics(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
+        name = name.partition("{")[0]  # labelled series count under their bare name
         if name in wanted:
             out[wanted[name]] = float(value)
     return out

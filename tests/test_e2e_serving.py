@@ -112,7 +112,7 @@ def test_bad_requests_get_400_with_a_message_and_serving_continues(server):
 def _worker_seconds(srv: Server) -> dict[str, float]:
     text = httpx.get(srv.url + "/metrics", timeout=10).text
     return {m.group(1): float(m.group(2)) for m in
-            re.finditer(r"^pagedserve_worker_(forward|idle)_seconds_total (\S+)$", text, re.M)}
+            re.finditer(r"^pagedserve_worker_(forward|idle)_seconds_total(?:\{[^}]*\})? (\S+)$", text, re.M)}
 
 
 def test_metrics_show_worker_forward_and_idle_seconds_within_the_wall_time(server):
