@@ -79,14 +79,16 @@ class StreamDetokenizer:
         if not new_token_ids:
             return ""
         self.token_ids.extend(new_token_ids)
-        chunk = self._stream.step(self._backend, new_token_ids if len(new_token_ids) > 1
-                                  else new_token_ids[0])
-        if chunk is None:
-            self._pending = True
-            return ""
-        self._pending = False
-        self._emitted_chars += len(chunk)
-        return chunk
+        text = ""
+        for token_id in new_token_ids:  # one id per call: older DecodeStreams take no lists
+            chunk = self._stream.step(self._backend, token_id)
+            if chunk is None:
+                self._pending = True
+            else:
+                self._pending = False
+                text += chunk
+        self._emitted_chars += len(text)
+        return text
 
     def flush(self) -> str:
         if not self._pending:
