@@ -48,6 +48,12 @@ class PhaseTimer:
         self._patches.append((owner, attr, original))
         setattr(owner, attr, timed)
 
+    def wrap_any(self, owner: object, attrs: tuple[str, ...], name: str) -> None:
+        """Wrap each of ``attrs`` that ``owner`` has (names differ between versions)."""
+        for attr in attrs:
+            if hasattr(owner, attr):
+                self.wrap(owner, attr, name)
+
     def restore(self) -> None:
         for owner, attr, original in reversed(self._patches):
             setattr(owner, attr, original)
@@ -77,8 +83,9 @@ def instrument_worker(runner) -> PhaseTimer:
     timer.wrap(causal_lm, "rms_norm", "norms and activations")
     timer.wrap(F, "silu", "norms and activations")
     timer.wrap(model_runner, "sample", "sampling")
-    timer.wrap(model_runner, "build_step_batch", "input preparation")
-    timer.wrap(type(runner), "_update_requests", "input preparation")
+    timer.wrap_any(model_runner, ("build_step_batch", "build_forward_batch", "apply_output"),
+                   "input preparation")
+    timer.wrap_any(type(runner), ("_update_requests",), "input preparation")
     timer.wrap(KVCache, "apply_block_ops", "cache ops")
     return timer
 
