@@ -8,11 +8,11 @@ disconnects, before or during the stream, gets its request aborted at the schedu
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar, Union
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -59,9 +59,13 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return work_task.result()
 
 
+_JSON = msgspec.json.Encoder()  # UTF-8 as is, like json.dumps(ensure_ascii=False), several times faster
+
+
 def _sse(payload: Union[dict[str, Any], str]) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
+    """One event; at one per token per stream, its encoding is on the frontend's hot path."""
+    data = payload.encode() if isinstance(payload, str) else _JSON.encode(payload)
+    return b"data: " + data + b"\n\n"
 
 
 class Serving:
