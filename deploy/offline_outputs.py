@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pagedserve.protocol import messages as m
+from pagedserve.protocol.detokenizer import fast_backend
 from pagedserve.protocol.sample_text import SampleText
 
 
@@ -57,6 +58,7 @@ class TextDecoder:
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
+        self.stream_backend = fast_backend(tokenizer)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -74,7 +76,8 @@ class PendingRequest:
         # Without stop strings, the text is decoded once at the end: the same text (the
         # detokenizer decodes its whole window), without a decode per token.
         self.streaming = bool(stop_strings)
-        self.texts = [SampleText(decoder, stop_strings) for _ in output.outputs]
+        self.texts = [SampleText(decoder, stop_strings, decoder.stream_backend)
+                      for _ in output.outputs]
 
     @property
     def finished(self) -> bool:

@@ -54,6 +54,12 @@ _COUNTERS = {
     "pagedserve_num_swapped_blocks_total": (
         "KV blocks swapped out plus swapped in",
         lambda s: s.num_blocks_swapped_out + s.num_blocks_swapped_in),
+    # forward / (forward + idle) is the share of time the device computes while there is work
+    "pagedserve_worker_forward_seconds_total": (
+        "Seconds the driver workers spent in forward + sample", lambda s: s.worker_forward_time_s),
+    "pagedserve_worker_idle_seconds_total": (
+        "Seconds the driver workers waited for a step while requests were running",
+        lambda s: s.worker_idle_time_s),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedModelError as exc:  # the operator's fix is in the message, not a traceback
         logging.getLogger("pagedserve.worker").error("cannot serve %s: %s", cfg.model, exc)
         return 2
+    gc.freeze()  # the model and torch's own objects: keep collections proportional to a step
     try:
         worker.run()
     except (KeyboardInterrupt, SystemExit):
