@@ -77,6 +77,21 @@ async def serve(config: FrontendConfig) -> None:
         await engine.close()
 
 
+# Where the frontend and a scheduler share a core, the scheduler should win it: a step it
+# sends late leaves the device idle for everyone, while a late SSE write delays one event.
+# Measured on 2 cores, demo model, 64 streams: 4.8-9.6k tok/s with this against 3.9-4.7k
+# without, TPOT mean 5.4-9.8 ms against 12.3-14.9 (bench/RESULTS.md). Only ever lowers
+# this process's priority, which needs no privilege.
+FRONTEND_NICENESS = 5
+
+
+def _yield_to_the_scheduler() -> None:
+    try:
+        os.nice(FRONTEND_NICENESS)
+    except OSError as exc:  # a platform without nice: run at the default priority
+        log.warning("could not lower the frontend's priority: %s", exc)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         config = parse_args(argv)
@@ -85,6 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _yield_to_the_scheduler()
     asyncio.run(serve(config))
     return 0
 
