@@ -2,9 +2,12 @@
 
 Splits a run into scheduler time (schedule + update_from_output) and worker time
 (ModelRunner.execute), and optionally profiles it with cProfile, to find what bounds
-throughput before any socket is involved.
+throughput before any socket is involved. ``--phases`` splits the worker's step into
+matmuls, attention, norms and activations, sampling, input preparation, ... (bench/step_phases.py),
+per step kind, and adds the msgpack encode + decode both ways that IPC costs (not the socket).
 
-    python bench/step_profile.py MODEL_DIR --num-prompts 64 --output-len 64 [--profile]
+    python bench/step_profile.py MODEL_DIR --num-prompts 64 --output-len 64 [--profile] [--phases]
+    python bench/step_profile.py --shape 0.5b --num-prompts 32 --input-len 8 256 --output-len 8 --phases
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from collections import defaultdict
 
 import torch
 
+from pagedserve.protocol import messages as m
+from pagedserve.protocol.codec import Decoder, encode
 from pagedserve.protocol.messages import AddRequest, SamplingParams, WorkerInit
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 from pagedserve.worker_proc.model_runner import ModelRunner
+from step_phases import PHASES, format_phases, instrument_worker
 
 
 def run(ns: argparse.Namespace) -> None:
@@ -45,15 +51,36 @@ def run(ns: argparse.Namespace) -> None:
     # Worker ms per step by kind: ("decode", batch size) for pure-decode steps,
     # ("prefill", tokens) for steps with any prefill chunk.
     by_kind: dict[tuple[str, int], list[float]] = defaultdict(list)
+    timer = instrument_worker(runner) if ns.phases else None
+    to_worker, to_scheduler = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
+    phases_by_kind: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    steps_by_kind: dict[str, list[float]] = defaultdict(list)
     start = time.perf_counter()
     while sched.has_unfinished():
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        result = runner.execute(out)
-        t2 = time.perf_counter()
+        if timer is not None:
+            with timer.phase("IPC encode/decode"):
+                sent = to_worker.decode(encode(out))
+            t1 = time.perf_counter()
+            result = runner.execute(sent)
+            t2 = time.perf_counter()
+            with timer.phase("IPC encode/decode"):
+                result = to_scheduler.decode(encode(result))
+        else:
+            result = runner.execute(out)
+            t2 = time.perf_counter()
         sched.update_from_output(out, result)
         t3 = time.perf_counter()
+        if timer is not None:
+            n_reqs = len(out.new_requests) + len(out.cached_requests) + len(out.decodes.req_ids)
+            kind = "decode" if out.total_num_scheduled_tokens == n_reqs else "prefill"
+            phases = timer.take()
+            phases["other (in forward)"] = (t2 - t1) - sum(v for k, v in phases.items() if k != "IPC encode/decode")
+            for name, seconds in phases.items():
+                phases_by_kind[kind][name] += seconds
+            steps_by_kind[kind].append(t2 - t1)
         t_sched += (t1 - t0) + (t3 - t2)
         t_exec += t2 - t1
         steps += 1
@@ -66,6 +93,10 @@ def run(ns: argparse.Namespace) -> None:
     tokens = ns.num_prompts * ns.output_len
     print(f"{steps} steps, {total:.2f}s, {tokens / total:.0f} tok/s; scheduler {1e3 * t_sched / steps:.2f} ms/step, "
           f"worker execute {1e3 * t_exec / steps:.2f} ms/step (threads {torch.get_num_threads()})")
+    for kind, times in sorted(steps_by_kind.items()):
+        per_step = {name: 1e3 * phases_by_kind[kind][name] / len(times) for name in PHASES}
+        print(format_phases(per_step, 1e3 * statistics.fmean(times),
+                            f"{kind} steps ({len(times)}), mean ms per step by phase:"))
     if ns.by_kind:
         print("worker execute by step kind (median ms over steps of that kind):")
         for (kind, n), times in sorted(by_kind.items()):
@@ -75,7 +106,9 @@ def run(ns: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("model")
+    p.add_argument("model", nargs="?", help="model directory (or --shape)")
+    p.add_argument("--shape", help="a built-in bench shape instead: tiny, small, 0.5b")
+    p.add_argument("--phases", action="store_true", help="worker time per phase, per step kind")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[16, 64])
     p.add_argument("--prompt-lens", type=int, nargs="+", help="explicit prompt lengths (replaces the random ones)")
@@ -85,6 +118,12 @@ def main() -> None:
     p.add_argument("--by-kind", action="store_true", help="median worker ms per step kind (batch size, prefill)")
     p.add_argument("--threads", type=int)
     ns = p.parse_args()
+    if ns.shape:
+        from pagedserve.deploy.bench_shapes import SHAPES, ensure_shape_model
+
+        ns.model = str(ensure_shape_model(SHAPES[ns.shape]))
+    if not ns.model:
+        p.error("give a model directory or --shape")
     if ns.threads:
         torch.set_num_threads(ns.threads)
     if ns.profile:

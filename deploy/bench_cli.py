@@ -25,6 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def bench_main(ns: argparse.Namespace) -> int:
     args = build_parser().parse_args(list(getattr(ns, "bench_args", None) or []))
-    for noisy in ("transformers", "httpx"):  # a line per HTTP request or CB step drowns the report
+    for noisy in ("transformers", "httpx", "ContinuousBatchingLogger"):  # a line per HTTP request or CB step drowns the report
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return args.run(args)

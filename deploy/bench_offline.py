@@ -1,22 +1,29 @@
-"""``pagedserve bench offline``: the offline LLM against transformers' generate_batch, one run.
+"""``pagedserve bench offline``: the offline LLM against transformers' generate_batch.
 
 Both engines get the same random prompts (token ids, lengths uniform in a range) and
-generate exactly ``--output-len`` tokens each (EOS ignored), greedy, float32. pagedserve
-runs first and its processes are stopped before transformers starts, so the two never
-share the CPU. Throughput is generated tokens over wall time from submit to last result.
+generate exactly the output length in tokens each (EOS ignored), greedy, float32.
+pagedserve runs first and its processes are stopped before transformers starts, so the two
+never share the CPU. Each engine warms up, then generates the whole workload ``--runs``
+times; throughput is generated tokens over wall time from submit to last result, reported
+as the median and the spread (min-max) of the runs. ``--shapes tiny,small,0.5b`` runs the
+shapes of ``bench_shapes.py`` one after the other and prints them side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
+import statistics
 import time
 from typing import Optional
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="model directory")
+    p.add_argument("model", nargs="?", help="model directory (or use --shapes)")
+    p.add_argument("--shapes", help="comma-separated built-in shapes instead of a model: tiny, small, 0.5b")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per engine (median and spread)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"),
                    help="prompt lengths, uniform in [MIN, MAX] tokens")
@@ -24,7 +31,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer", default="sdpa", help="transformers attn_implementation for generate_batch "
                    "(sdpa = its paged sdpa path; 'none' skips the peer)")
-    p.add_argument("--num-threads", type=int, help="torch threads for both engines")
+    p.add_argument("--num-threads", type=int, help="torch threads for both engines (default: each "
+                   "engine's own default)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-gpu-blocks", type=int)
@@ -41,7 +49,15 @@ def make_prompts(num: int, lengths: tuple[int, int], vocab: int, seed: int) -> l
     return [[rng.randrange(3, high) for _ in range(rng.randint(*lengths))] for _ in range(num)]
 
 
-def run_pagedserve(ns: argparse.Namespace, prompts: list[list[int]]) -> dict:
+def _summary(engine: str, seconds: list[float], token_ids: list[list[int]]) -> dict:
+    tokens = sum(len(t) for t in token_ids)
+    rates = [tokens / s for s in seconds]
+    return {"engine": engine, "runs_tokens_per_s": rates, "tokens_per_s": statistics.median(rates),
+            "min_tokens_per_s": min(rates), "max_tokens_per_s": max(rates),
+            "generated_tokens": tokens, "token_ids": token_ids}
+
+
+def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]], output_len: int) -> dict:
     from pagedserve.deploy.offline import LLM, SamplingParams
 
     opts = dict(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
@@ -49,72 +65,113 @@ def run_pagedserve(ns: argparse.Namespace, prompts: list[list[int]]) -> dict:
                 async_scheduling=ns.async_scheduling)
     if ns.num_gpu_blocks:
         opts["num_gpu_blocks"] = ns.num_gpu_blocks
-    sampling = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
-    with LLM(ns.model, **opts) as llm:
+    sampling = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    seconds, outputs = [], []
+    with LLM(model, **opts) as llm:
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)  # warm up
         before = llm.refresh_stats()[0]
-        start = time.perf_counter()
-        outs = llm.generate(prompts, sampling)
-        elapsed = time.perf_counter() - start
+        for _ in range(ns.runs):
+            start = time.perf_counter()
+            outs = llm.generate(prompts, sampling, use_tqdm=False)
+            seconds.append(time.perf_counter() - start)
+            outputs.append([o.token_ids for o in outs])
         stats = llm.refresh_stats()[0]
     idle = stats.worker_idle_time_s - before.worker_idle_time_s
     fwd = stats.worker_forward_time_s - before.worker_forward_time_s
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"engine": "pagedserve", "seconds": elapsed, "generated_tokens": tokens,
-            "tokens_per_s": tokens / elapsed, "preemptions": stats.num_preemptions_recompute
-            + stats.num_preemptions_swap, "worker_idle_pct": 100 * idle / (idle + fwd) if idle + fwd else 0.0,
-            "steps": stats.step - before.step,
-            "token_ids": [o.token_ids for o in outs]}
+    row = _summary("pagedserve", seconds, outputs[0])
+    row.update(runs_identical=all(o == outputs[0] for o in outputs),
+               preemptions=stats.num_preemptions_recompute + stats.num_preemptions_swap,
+               worker_idle_pct=100 * idle / (idle + fwd) if idle + fwd else 0.0,
+               steps=(stats.step - before.step) // max(ns.runs, 1))
+    return row
 
 
-def run_transformers(ns: argparse.Namespace, prompts: list[list[int]]) -> Optional[dict]:
+def run_transformers(ns: argparse.Namespace, model_dir: str, prompts: list[list[int]],
+                     output_len: int) -> dict:
     import torch
     import transformers
     from transformers import GenerationConfig
 
     if ns.num_threads:
         torch.set_num_threads(ns.num_threads)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # persistent_manager warnings
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        ns.model, dtype=torch.float32, attn_implementation=ns.peer).eval()
-    config = GenerationConfig(max_new_tokens=ns.output_len, do_sample=False, eos_token_id=-1,
-                              pad_token_id=model.generation_config.pad_token_id or 0)
-    model.generate_batch(prompts[:2], generation_config=GenerationConfig(
-        max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=config.pad_token_id))  # warm up
-    start = time.perf_counter()
-    results = model.generate_batch(prompts, generation_config=config, progress_bar=True)
-    elapsed = time.perf_counter() - start
-    # generate_batch returns its results in input order
-    token_ids = [list(r.generated_tokens) for r in results.values()]
-    tokens = sum(len(t) for t in token_ids)
-    return {"engine": f"transformers generate_batch ({ns.peer})", "seconds": elapsed,
-            "generated_tokens": tokens, "tokens_per_s": tokens / elapsed, "token_ids": token_ids}
+        model_dir, dtype=torch.float32, attn_implementation=ns.peer).eval()
+    pad = model.generation_config.pad_token_id or 0
+    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=pad)
+    # generate_batch warms up (a forward of its largest batch) each time it builds a manager:
+    # build and warm one, sized for this workload, outside the timed runs, and keep it.
+    model.generate_batch(prompts, generation_config=config, persistent_manager=True)
+    seconds, token_ids = [], []
+    for _ in range(ns.runs):
+        start = time.perf_counter()
+        results = model.generate_batch(prompts, generation_config=config, persistent_manager=True)
+        seconds.append(time.perf_counter() - start)
+        # generate_batch returns its results in input order
+        token_ids = [list(r.generated_tokens) for r in results.values()]
+    model.destroy_cached_continuous_batching_manager()
+    return _summary(f"transformers generate_batch ({ns.peer})", seconds, token_ids)
+
+
+def bench_one(ns: argparse.Namespace, label: str, model: str, num_prompts: int,
+              input_len: tuple[int, int], output_len: int) -> dict:
+    with open(f"{model}/config.json") as f:
+        vocab = int(json.load(f).get("vocab_size") or 1000)
+    prompts = make_prompts(num_prompts, input_len, min(vocab, 1000), ns.seed)
+    print(f"{label}: {num_prompts} prompts of {input_len[0]}-{input_len[1]} tokens, {output_len} output "
+          f"tokens each, greedy, float32, {ns.device}, {ns.runs} run(s) per engine", flush=True)
+    ours = run_pagedserve(ns, model, prompts, output_len)
+    result = {"shape": label, "model": model, "ours": ours}
+    if ns.peer != "none":
+        peer = run_transformers(ns, model, prompts, output_len)
+        result["peer"] = peer
+        result["ratio"] = ours["tokens_per_s"] / peer["tokens_per_s"]
+        if not ns.no_check:
+            result["identical_outputs"] = sum(a == b for a, b in zip(ours["token_ids"], peer["token_ids"]))
+    result["num_prompts"] = num_prompts
+    print(format_rows([result]), flush=True)
+    return result
+
+
+def format_rows(results: list[dict]) -> str:
+    lines = [f"{'shape':<8} {'engine':<36} {'median tok/s':>12} {'min-max':>15} {'ratio':>6} {'identical':>9}"]
+    for r in results:
+        for key in ("ours", "peer"):
+            row = r.get(key)
+            if row is None:
+                continue
+            spread = f"{row['min_tokens_per_s']:.1f}-{row['max_tokens_per_s']:.1f}"
+            ratio = f"{r['ratio']:.2f}x" if key == "ours" and "ratio" in r else ""
+            same = (f"{r['identical_outputs']}/{r['num_prompts']}"
+                    if key == "ours" and "identical_outputs" in r else "")
+            lines.append(f"{r['shape']:<8} {row['engine']:<36} {row['tokens_per_s']:12.1f} {spread:>15} "
+                         f"{ratio:>6} {same:>9}")
+        ours = r["ours"]
+        lines.append(f"{'':<8} pagedserve: worker idle {ours['worker_idle_pct']:.1f}% of step, "
+                     f"{ours['steps']} steps per run, preemptions {ours['preemptions']}, "
+                     f"runs identical: {ours['runs_identical']}")
+    return "\n".join(lines)
 
 
 def main(ns: argparse.Namespace) -> int:
-    with open(f"{ns.model}/config.json") as f:
-        vocab = int(json.load(f).get("vocab_size") or 1000)
-    prompts = make_prompts(ns.num_prompts, tuple(ns.input_len), min(vocab, 1000), ns.seed)
-    print(f"model {ns.model}: {ns.num_prompts} prompts of {ns.input_len[0]}-{ns.input_len[1]} tokens, "
-          f"{ns.output_len} output tokens each, greedy, float32, {ns.device}")
-    ours = run_pagedserve(ns, prompts)
-    rows = [ours]
-    peer = None if ns.peer == "none" else run_transformers(ns, prompts)
-    if peer:
-        rows.append(peer)
-    print(f"{'engine':<40} {'seconds':>8} {'tokens':>7} {'tok/s':>9}")
-    for r in rows:
-        print(f"{r['engine']:<40} {r['seconds']:8.2f} {r['generated_tokens']:7d} {r['tokens_per_s']:9.1f}")
-    print(f"pagedserve: preemptions {ours['preemptions']}, worker idle {ours['worker_idle_pct']:.1f}% of step")
-    result = {"rows": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]}
-    if peer:
-        ratio = ours["tokens_per_s"] / peer["tokens_per_s"]
-        result["ratio"] = ratio
-        print(f"ratio pagedserve / transformers: {ratio:.2f}x")
-        if not ns.no_check:
-            same = sum(a == b for a, b in zip(ours["token_ids"], peer["token_ids"]))
-            result["identical_outputs"] = same
-            print(f"identical greedy outputs: {same}/{len(prompts)}")
+    from pagedserve.deploy.bench_shapes import SHAPES, ensure_shape_model
+
+    if ns.shapes:
+        names = [s.strip() for s in ns.shapes.split(",") if s.strip()]
+        unknown = [n for n in names if n not in SHAPES]
+        if unknown:
+            raise SystemExit(f"unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
+        jobs = [(n, str(ensure_shape_model(SHAPES[n])), SHAPES[n].num_prompts, SHAPES[n].input_len,
+                 SHAPES[n].output_len) for n in names]
+    elif ns.model:
+        jobs = [("model", ns.model, ns.num_prompts, tuple(ns.input_len), ns.output_len)]
+    else:
+        raise SystemExit("give a model directory or --shapes")
+    results = [bench_one(ns, *job) for job in jobs]
+    if len(results) > 1:
+        print("\nall shapes:\n" + format_rows(results))
     if ns.output_json:
         with open(ns.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump([{**r, **{k: {kk: vv for kk, vv in r[k].items() if kk != "token_ids"}
+                                for k in ("ours", "peer") if k in r}} for r in results], f, indent=2)
     return 0

@@ -72,6 +72,8 @@ def latency_table(result: dict) -> str:
         lines.append(f"{label:<6}" + "".join(f"{1e3 * s[k]:10.1f}" for k in ("mean", "p50", "p90", "p99")))
     if "preemptions" in result:
         lines.append(f"preemptions {result['preemptions']:.0f}")
+    if "worker_idle_pct" in result:
+        lines.append(f"worker idle {result['worker_idle_pct']:.1f}% of busy time (from /metrics)")
     for err in result.get("errors", []):
         lines.append(f"error: {err}")
     return "\n".join(lines)

@@ -5,7 +5,9 @@ prompts of lengths uniform in a range, or the prompts of a JSONL file (``{"promp
 "max_tokens": ...}`` per line). They arrive as a Poisson process at ``--request-rate``
 (default: all at once), at most ``--max-concurrency`` in flight; or ``--dataset multi-turn``
 (bench_multi_turn.py): conversations whose turns each wait for the previous answer. Reports TTFT, TPOT, ITL
-and end-to-end latency (mean, p50, p90, p99), throughput, the prefix-cache hit rate and the
+(between events with choices, as vLLM's benchmark: the server sends one per token, with
+empty text while a character or a possible stop string is incomplete) and end-to-end latency
+(mean, p50, p90, p99), throughput, the worker's idle share, the prefix-cache hit rate and the
 router's decisions (from /metrics, over the run); writes a JSON result and a
 PNG (latency per request in arrival order; KV usage, running and waiting from /metrics).
 
@@ -25,11 +27,35 @@ import random
 import time
 from pathlib import Path
 from dataclasses import asdict
+from typing import Optional
+
+import msgspec
 
 from pagedserve.deploy import bench_multi_turn
 from pagedserve.deploy.bench_report import RequestRecord, cache_table, latency_table, plot_run, summarize
 
 CONNECTIONS_PER_CLIENT = 32
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+    prompt_tokens: int = -1
+
+
+class _Choice(msgspec.Struct):
+    text: str = ""
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a stream event the bench reads: the client shares the server's cores,
+    and decoding only these (msgspec, raw bytes split here) keeps it from falling behind
+    and reading several events at once, which would show up as ITL near zero."""
+
+    choices: list[_Choice] = []
+    usage: Optional[_Usage] = None
+
+
+_CHUNK = msgspec.json.Decoder(_Chunk)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -81,22 +107,25 @@ async def _one_request(client, ns, model: str, prompt, max_tokens: int, rec: Req
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    rec.output_tokens = chunk["usage"]["completion_tokens"]
-                    rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
-                    continue
-                pieces.append(chunk["choices"][0]["text"])
-                now = time.perf_counter()
-                if rec.ttft is None:
-                    rec.ttft = now - sent
-                else:
-                    rec.itl.append(now - last)
-                last = now
+            pending = b""
+            async for data in resp.aiter_raw():
+                now = time.perf_counter()  # when this read's events reached the client
+                *events, pending = (pending + data).split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data: {"):
+                        continue  # [DONE], comments
+                    chunk = _CHUNK.decode(event[6:])
+                    if chunk.usage is not None:
+                        rec.output_tokens = chunk.usage.completion_tokens
+                        rec.prompt_tokens = chunk.usage.prompt_tokens
+                    if not chunk.choices:
+                        continue  # the usage chunk; an event with empty text still carries a token
+                    pieces.append(chunk.choices[0].text)
+                    if rec.ttft is None:
+                        rec.ttft = now - sent
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
         rec.e2e = time.perf_counter() - sent
         return "".join(pieces)
     except Exception as exc:  # a failed request is reported, not fatal to the run
@@ -107,7 +136,9 @@ async def _one_request(client, ns, model: str, prompt, max_tokens: int, rec: Req
 def _parse_metrics(text: str) -> dict[str, float]:
     wanted = {"pagedserve_kv_cache_usage_ratio": "kv_usage", "pagedserve_num_requests_running": "running",
               "pagedserve_num_requests_waiting": "waiting", "pagedserve_num_requests_swapped": "swapped",
-              "pagedserve_num_preemptions_total": "preemptions"}
+              "pagedserve_num_preemptions_total": "preemptions",
+              "pagedserve_worker_forward_seconds_total": "worker_forward_s",
+              "pagedserve_worker_idle_seconds_total": "worker_idle_s"}
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -188,6 +219,12 @@ async def run_bench(ns: argparse.Namespace) -> dict:
         bar.close()
         text = (await client.get("/metrics")).text
         after, cache_after = _parse_metrics(text), _cache_counters(text)
+        for _ in range(10):  # the worker counters come with the scheduler's next stats (<= 0.5 s)
+            await asyncio.sleep(0.1)
+            latest = _parse_metrics((await client.get("/metrics")).text)
+            if latest.get("worker_forward_s") != after.get("worker_forward_s"):
+                after = latest
+                break
     result = summarize(records, duration)
     result["preemptions"] = after.get("preemptions", 0) - before.get("preemptions", 0)
     result["cache"] = cache = {k: v - cache_before.get(k, 0.0) for k, v in cache_after.items()}
@@ -196,6 +233,10 @@ async def run_bench(ns: argparse.Namespace) -> dict:
     hits = sum(v for k, v in cache.items() if k.startswith("pagedserve_router_actual_hit_tokens_total"))
     prompt_tokens = sum(max(r.prompt_tokens, 0) for r in records if r.error is None)
     result["prefix_hit_rate"] = hits / prompt_tokens if prompt_tokens else 0.0
+    forward = after.get("worker_forward_s", 0.0) - before.get("worker_forward_s", 0.0)
+    idle = after.get("worker_idle_s", 0.0) - before.get("worker_idle_s", 0.0)
+    if forward + idle > 0:  # the counters arrive with the scheduler's stats, every 0.5 s
+        result["worker_idle_pct"] = 100 * idle / (forward + idle)
     result["config"] = {k: v for k, v in vars(ns).items() if k not in ("run", "api_key")}
     result["config"]["request_rate"] = str(ns.request_rate)
     result["requests"] = [asdict(r) for r in records]

@@ -83,7 +83,8 @@ class PendingRequest:
         # Without stop strings, the text is decoded once at the end: the same text (the
         # detokenizer decodes its whole window), without a decode per token.
         self.streaming = bool(stop_strings)
-        self.texts = [SampleText(decoder, stop_strings) for _ in output.outputs]
+        self.texts = [SampleText(decoder, stop_strings, decoder.stream_backend)
+                      for _ in output.outputs]
 
     @property
     def finished(self) -> bool:

@@ -7,6 +7,7 @@ with a ProcessReady(role="frontend").
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -56,6 +57,11 @@ async def serve(config: FrontendConfig) -> None:
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level,
         access_log=(config.uvicorn_log_level or config.log_level) in ("debug", "trace"),
         timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S))
+    # The tokenizer's imports (transformers, torch) leave millions of objects that live for
+    # the whole process: freezing them keeps each collection proportional to the requests in
+    # flight. Unfrozen, a full collection stalled every stream for tens of ms.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     engine.start()
     preload_in_background()  # structured output's grammar engine
     serve_task = asyncio.create_task(server.serve())
@@ -75,6 +81,21 @@ async def serve(config: FrontendConfig) -> None:
         await engine.close()
 
 
+# Where the frontend and a scheduler share a core, the scheduler should win it: a step it
+# sends late leaves the device idle for everyone, while a late SSE write delays one event.
+# Measured on 2 cores, demo model, 64 streams: 4.8-9.6k tok/s with this against 3.9-4.7k
+# without, TPOT mean 5.4-9.8 ms against 12.3-14.9 (bench/RESULTS.md). Only ever lowers
+# this process's priority, which needs no privilege.
+FRONTEND_NICENESS = 5
+
+
+def _yield_to_the_scheduler() -> None:
+    try:
+        os.nice(FRONTEND_NICENESS)
+    except OSError as exc:  # a platform without nice: run at the default priority
+        log.warning("could not lower the frontend's priority: %s", exc)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         config = parse_args(argv)
@@ -83,6 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _yield_to_the_scheduler()
     asyncio.run(serve(config))
     return 0
 

@@ -42,13 +42,35 @@ Event = Union[RequestDelta, ReplicaFailed]
 
 @dataclass(slots=True)
 class RequestHandle:
+    """A request's inbox. Its task takes everything that arrived since it last looked in one
+    go (``take``), so a task that wakes once per step handles that step's events together,
+    and one that fell behind catches up in one pass instead of one wake-up per token."""
+
     request_id: str
     replica: int
     num_seqs: int
     predicted_hit_tokens: int = 0  # what the router expected the replica to have cached
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pending: list = field(default_factory=list)
     finished_indexes: set[int] = field(default_factory=set)
     done: bool = False  # the scheduler holds nothing more for it (or we stopped listening)
+    waiter: Optional[asyncio.Future] = None
+
+    def push(self, event: Event) -> None:
+        self.pending.append(event)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[Event]:
+        """Every event that arrived since the last call, in order; waits for at least one."""
+        while not self.pending:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        events, self.pending = self.pending, []
+        return events
 
 
 class EngineClient:
@@ -115,7 +137,7 @@ class EngineClient:
         """End every request in flight with ``reason`` (the drain deadline); returns how many."""
         handles = list(self._requests.values())
         for handle in handles:
-            handle.events.put_nowait(ReplicaFailed(reason, shutting_down=True))
+            handle.push(ReplicaFailed(reason, shutting_down=True))
             self._forget(handle)
             self._send_abort(handle.replica, [handle.request_id])
         return len(handles)
@@ -148,7 +170,7 @@ class EngineClient:
         if handle is None:
             log.debug("delta for unknown or finished request %s dropped", delta.request_id)
             return
-        handle.events.put_nowait(delta)
+        handle.push(delta)
         if delta.finish_reason is not None:
             handle.finished_indexes.add(delta.index)
             if len(handle.finished_indexes) >= handle.num_seqs:
@@ -195,7 +217,7 @@ class EngineClient:
             if handle is None:
                 self.router.release(replica, request_id, 0)
                 continue
-            handle.events.put_nowait(ReplicaFailed(f"{reason}; the request was lost, retry it"))
+            handle.push(ReplicaFailed(f"{reason}; the request was lost, retry it"))
             self._forget(handle)
         # Fire-and-forget: if the replica comes back it frees whatever it still holds.
         self._send_abort(replica, request_ids)

@@ -60,6 +60,12 @@ _COUNTERS = {
     "pagedserve_structured_output_mask_seconds_total": (
         "Seconds the schedulers spent filling grammar bitmasks for their steps",
         lambda s: s.structured_output_mask_time_s),
+    # forward / (forward + idle) is the share of time the device computes while there is work
+    "pagedserve_worker_forward_seconds_total": (
+        "Seconds the driver workers spent in forward + sample", lambda s: s.worker_forward_time_s),
+    "pagedserve_worker_idle_seconds_total": (
+        "Seconds the driver workers waited for a step while requests were running",
+        lambda s: s.worker_idle_time_s),
 }
 
 

@@ -36,7 +36,7 @@ class ChoiceUpdate:
 class ChoiceState:
     def __init__(self, index: int, tokenizer: PromptTokenizer, stop_strings: list[str]):
         self.index = index
-        self.text = SampleText(tokenizer, stop_strings)
+        self.text = SampleText(tokenizer, stop_strings, tokenizer.stream_backend)
         self.num_tokens = 0
 
     @property
@@ -76,21 +76,26 @@ class RequestStream:
         return all(c.finish_reason is not None for c in self.choices)
 
     async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
-        """Yield the choices' updates per arriving delta until every choice finished."""
+        """Yield, per wake-up, the updates of every delta that arrived meanwhile (in order;
+        several for one choice when this task fell behind) until every choice finished."""
         while not self.is_finished():
-            event = await self.handle.events.get()
-            if isinstance(event, ReplicaFailed):
-                raise (ShuttingDown if event.shutting_down else ServiceUnavailable)(event.message)
-            if event.finish_reason == "error":
-                self.abort()
-                raise _delta_error(event)
-            update = self._apply(event)
-            if update is None:
-                continue
-            if self.is_finished():
-                self.abort()  # ended by stop strings: free the blocks now
-                self._observe_finished()
-            yield [update]
+            batch = []
+            for event in await self.handle.take():
+                if isinstance(event, ReplicaFailed):
+                    raise (ShuttingDown if event.shutting_down else ServiceUnavailable)(event.message)
+                if event.finish_reason == "error":
+                    self.abort()
+                    raise _delta_error(event)
+                update = self._apply(event)
+                if update is None:
+                    continue
+                batch.append(update)
+                if self.is_finished():
+                    self.abort()  # ended by stop strings: free the blocks now
+                    self._observe_finished()
+                    break
+            if batch:
+                yield batch
 
     def _apply(self, delta: RequestDelta) -> Optional[ChoiceUpdate]:
         if not 0 <= delta.index < len(self.choices):

@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 from pagedserve.frontend_proc.chat_template_options import ChatTemplateOptions, template_messages
 from pagedserve.frontend_proc.errors import InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatMessage
+from pagedserve.protocol.detokenizer import fast_backend
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class PromptTokenizer:
         if self.tokenizer.eos_token_id is not None:
             eos.append(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = sorted(set(eos))
+        self.stream_backend = fast_backend(self.tokenizer)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -3,15 +3,15 @@
 A stop token (EOS, or one of ``stop_token_ids``) ends the sample but is not rendered; a stop
 string ends the text just before it (OpenAI semantics) and ends the sample with "stop", even
 while the scheduler, which knows no strings, still runs it. Text is emitted only once whole
-characters have arrived (``IncrementalDetokenizer``), and never a stop string's prefix.
+characters have arrived (``make_detokenizer``), and never a stop string's prefix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Optional, Union
+from typing import Any, Collection, Optional, Union
 
-from pagedserve.protocol.detokenizer import Decodes, IncrementalDetokenizer
+from pagedserve.protocol.detokenizer import Decodes, make_detokenizer
 from pagedserve.protocol.messages import RequestDelta
 from pagedserve.protocol.stop_strings import StopStringMatcher
 
@@ -26,8 +26,11 @@ class TextUpdate:
 
 
 class SampleText:
-    def __init__(self, tokenizer: Decodes, stop_strings: list[str]):
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Decodes, stop_strings: list[str],
+                 stream_backend: Optional[Any] = None):
+        # ``stream_backend``: a fast tokenizer's ``tokenizers.Tokenizer`` (``fast_backend``),
+        # for the Rust streaming decoder; without one, the Python window method.
+        self.detokenizer = make_detokenizer(tokenizer, stream_backend)
         self.stop_matcher = StopStringMatcher(stop_strings)
         self.finish_reason: Optional[str] = None
         self.ended_by_token: Optional[int] = None  # the stop token (EOS or a stop id) that ended it

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from conftest import hf_greedy, hf_tokenizer, prompt_whose_greedy_output_ends_at_eos
@@ -104,6 +107,28 @@ def test_bad_requests_get_400_with_a_message_and_serving_continues(server):
     r = client(server).completions.create(model=name, prompt="Hello", max_tokens=3, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
+
+
+def _worker_seconds(srv: Server) -> dict[str, float]:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r"^pagedserve_worker_(forward|idle)_seconds_total(?:\{[^}]*\})? (\S+)$", text, re.M)}
+
+
+def test_metrics_show_worker_forward_and_idle_seconds_within_the_wall_time(server):
+    c, name = client(server), model_name(server)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda p: c.completions.create(model=name, prompt=p, max_tokens=16, temperature=0,
+                                                     extra_body={"ignore_eos": True}), PROMPTS[:4]))
+    # the counters travel in the scheduler's stats, sent every 0.5 s: poll until they arrive
+    def both_positive():
+        seconds = _worker_seconds(server)
+        return set(seconds) == {"forward", "idle"} and min(seconds.values()) > 0
+
+    assert wait_until(both_positive, 10), _worker_seconds(server)
+    seconds = _worker_seconds(server)
+    wall = time.time() - psutil.Process(server.proc.pid).create_time()
+    assert seconds["forward"] + seconds["idle"] <= wall
 
 
 def test_sigterm_to_the_supervisor_leaves_no_pagedserve_process(model_factory, tmp_path):

@@ -53,7 +53,7 @@ def test_chat_stream_and_non_stream_return_the_same_text_from_the_chat_template(
     assert sent[0].eos_token_ids == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
-def test_multi_byte_characters_split_across_tokens_stream_without_replacement_chars(env):
+def test_multi_byte_characters_split_across_tokens_stream_without_replacement_chars_one_event_per_token(env):
     frontend, fakes, tokenizer = env
     text = "🎉€ 東京 crème"
     assert len(tokenizer.encode("🎉")) > 1
@@ -64,6 +64,9 @@ def test_multi_byte_characters_split_across_tokens_stream_without_replacement_ch
     pieces = [c.choices[0].text for c in chunks]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
+    # one event per generated token (the EOS included), even while a character is incomplete
+    assert len(chunks) == len(tokenizer.encode(text)) + 1
+    assert "" in pieces[:-1]
 
 
 def test_n_parallel_samples_come_back_as_indexed_choices_with_logprobs(env):

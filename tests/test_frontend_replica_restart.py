@@ -48,12 +48,12 @@ def test_a_new_scheduler_pid_fails_that_replicas_in_flight_requests_and_aborts_t
 
             heartbeats.send(SchedulerStats(replica=0, state="ready", pid=100, step=7))  # same process
             await poll(lambda: router.replicas[0].stats.step == 7)
-            assert on_0.events.empty() and client.num_in_flight() == 2
+            assert not on_0.pending and client.num_in_flight() == 2
 
             heartbeats.send(SchedulerStats(replica=0, state="ready", pid=101))  # restarted
-            event = await asyncio.wait_for(on_0.events.get(), 5.0)
+            [event] = await asyncio.wait_for(on_0.take(), 5.0)
             assert isinstance(event, ReplicaFailed) and "restarted (pid 100 -> 101)" in event.message
-            assert on_0.done and not on_1.done and on_1.events.empty()
+            assert on_0.done and not on_1.done and not on_1.pending
             assert router.replicas[0].in_flight == 0 and router.replicas[1].in_flight == 1
         finally:
             heartbeats.close()

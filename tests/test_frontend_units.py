@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagedserve.deploy.demo_model import build_tokenizer
-from pagedserve.protocol.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from pagedserve.frontend_proc.request_stream import ChoiceState
 from pagedserve.frontend_proc.router import Router
+from pagedserve.frontend_proc.tokenization import PromptTokenizer
+from pagedserve.protocol.detokenizer import REPLACEMENT_CHAR, StreamDetokenizer, WindowDetokenizer
 from pagedserve.protocol.stop_strings import StopStringMatcher
 from pagedserve.protocol.messages import SchedulerStats
 
@@ -26,34 +30,68 @@ def tokenizer():
     return build_tokenizer(512)
 
 
-def test_streamed_pieces_never_contain_half_characters_and_join_to_full_decode(tokenizer):
+@pytest.fixture(params=["stream", "window"])
+def new_detokenizer(request, tokenizer):
+    """Both implementations must keep the same contract."""
+    if request.param == "stream":
+        return lambda: StreamDetokenizer(tokenizer.backend_tokenizer, _Decoder(tokenizer))
+    return lambda: WindowDetokenizer(_Decoder(tokenizer))
+
+
+def test_streamed_pieces_never_contain_half_characters_and_join_to_full_decode(tokenizer, new_detokenizer):
     ids = tokenizer.encode(MULTILINGUAL)
-    detok = IncrementalDetokenizer(_Decoder(tokenizer))
+    detok = new_detokenizer()
     pieces = [detok.add([t]) for t in ids] + [detok.flush()]
     assert all(REPLACEMENT_CHAR not in p for p in pieces)
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True) == MULTILINGUAL
 
 
-def test_a_character_split_over_byte_tokens_is_emitted_only_when_complete(tokenizer):
+def test_random_token_sequences_stream_to_the_full_decode(tokenizer, new_detokenizer):
+    """Random ids (byte tokens that split characters, invalid byte runs, special tokens)
+    arriving one or several per step join to exactly what decoding the whole list gives."""
+    rng = random.Random(7)
+    words = [tokenizer.encode(w) for w in MULTILINGUAL.split()]
+    for _ in range(300):
+        ids: list[int] = []
+        while len(ids) < rng.randrange(1, 40):
+            if rng.random() < 0.5:
+                ids += rng.choice(words)
+            else:
+                ids.append(rng.randrange(len(tokenizer)))
+        detok, pieces, i = new_detokenizer(), [], 0
+        while i < len(ids):
+            n = rng.choice([1, 1, 1, 2, 5])
+            pieces.append(detok.add(ids[i:i + n]))
+            i += n
+        assert "".join(pieces) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=True), ids
+
+
+def test_a_character_split_over_byte_tokens_is_emitted_only_when_complete(tokenizer, new_detokenizer):
     ids = tokenizer.encode("🎉")
     assert len(ids) > 1, "the test needs a character that spans several tokens"
-    detok = IncrementalDetokenizer(_Decoder(tokenizer))
+    detok = new_detokenizer()
     assert [detok.add([t]) for t in ids[:-1]] == [""] * (len(ids) - 1)
     assert detok.add(ids[-1:]) == "🎉"
 
 
-def test_special_tokens_are_not_rendered(tokenizer):
+def test_special_tokens_are_not_rendered(tokenizer, new_detokenizer):
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids = tokenizer.encode("Hello") + [eos] + tokenizer.encode(" world")
-    detok = IncrementalDetokenizer(_Decoder(tokenizer))
+    detok = new_detokenizer()
     assert "".join(detok.add([t]) for t in ids) + detok.flush() == "Hello world"
 
 
-def test_flush_emits_an_unfinished_byte_sequence_at_the_end(tokenizer):
+def test_flush_emits_an_unfinished_byte_sequence_at_the_end(tokenizer, new_detokenizer):
     partial = tokenizer.encode("🎉")[:-1]
-    detok = IncrementalDetokenizer(_Decoder(tokenizer))
+    detok = new_detokenizer()
     assert detok.add(partial) == ""
     assert detok.flush() == tokenizer.decode(partial)
+
+
+def test_the_frontend_streams_with_decodestream_for_a_fast_tokenizer(tmp_path):
+    build_tokenizer(512).save_pretrained(tmp_path)
+    choice = ChoiceState(0, PromptTokenizer(tmp_path), stop_strings=[])
+    assert isinstance(choice.text.detokenizer, StreamDetokenizer)
 
 
 def test_stop_string_truncates_before_the_earliest_match():

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
 import sys
 from dataclasses import fields
+
+# Threads of a parallel op that wait at its end sleep instead of spinning (libgomp spins up
+# to ~300k iterations by default). Read once when torch loads OpenMP, so set before the
+# imports below. On 2 cores shared with the scheduler, the frontend and other processes,
+# spinning threads took the cores the late thread needed: a 2-thread step of the small
+# bench shape took 1.5 s spinning against 0.49 s sleeping (bench/RESULTS.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.worker import Worker, WorkerConfig
@@ -44,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedModelError as exc:  # the operator's fix is in the message, not a traceback
         logging.getLogger("pagedserve.worker").error("cannot serve %s: %s", cfg.model, exc)
         return 2
+    gc.freeze()  # the model and torch's own objects: keep collections proportional to a step
     try:
         worker.run()
     except (KeyboardInterrupt, SystemExit):

@@ -83,8 +83,11 @@ def decode_attention(
         k_buf, v_buf = context.workspace.buffers(numel, k_cache.dtype, k_cache.device)
         keys = torch.index_select(flat_k, 0, context.slots, out=k_buf.view(-1, num_kv_heads, head_dim)).view(shape)
         values = torch.index_select(flat_v, 0, context.slots, out=v_buf.view(-1, num_kv_heads, head_dim)).view(shape)
+    # The query heads that share a KV head (consecutive, as HF's repeat_kv pairs them) go in
+    # as that head's queries: plain multi-head attention with group-size queries, which CPU
+    # SDPA runs ~3x faster than one query per head with enable_gqa (0.5B shape, 32 decodes).
+    group = num_q_heads // num_kv_heads
     out = F.scaled_dot_product_attention(
-        query.float().view(batch, num_q_heads, 1, head_dim), keys.float().transpose(1, 2),
-        values.float().transpose(1, 2), attn_mask=context.bias, scale=scale,
-        enable_gqa=num_q_heads != num_kv_heads)
-    return out.view(batch, num_q_heads, head_dim).to(query.dtype)
+        query.float().view(batch, num_kv_heads, group, head_dim), keys.float().transpose(1, 2),
+        values.float().transpose(1, 2), attn_mask=context.bias, scale=scale)
+    return out.reshape(batch, num_q_heads, head_dim).to(query.dtype)

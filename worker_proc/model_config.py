@@ -48,6 +48,14 @@ class ModelSpec:
     hf_config: Any  # the transformers config, for the rotary init functions
 
     @property
+    def num_layer_params(self) -> int:
+        """Weights in the decoder layers (not embeddings): about the FLOPs of one token / 2."""
+        q_and_o = 2 * self.hidden_size * self.num_heads * self.head_dim
+        k_and_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (q_and_o + k_and_v + mlp)
+
+    @property
     def attention_scale(self) -> float:
         return self.head_dim**-0.5
 

@@ -55,16 +55,24 @@ class RotaryEmbedding:
             return
         # Same float32 arithmetic as HF's rotary forward (position * inv_freq, then cos),
         # so the table entries equal what the oracle computes per call.
+        # HF's table is cat((freqs, freqs)): both halves of a row are equal, so one half is kept.
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * self.scaling).to(self.device, self.dtype)
-        self.sin = (emb.sin() * self.scaling).to(self.device, self.dtype)
+        self.cos = (freqs.cos() * self.scaling).to(self.device, self.dtype)
+        self.sin = (freqs.sin() * self.scaling).to(self.device, self.dtype)
         self.max_positions = max_positions
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; positions: [T] long. Returns a new tensor."""
+        """x: [T, heads, head_dim]; positions: [T] long. Returns a new tensor.
+
+        HF computes x * cos + cat(-x2, x1) * sin; per half that is x1 * cos - x2 * sin and
+        x2 * cos + x1 * sin with the same roundings (a + (-b) is a - b exactly), so this is
+        bit for bit the same, written into one output without the concatenated copy."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         half = self.head_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        first, second = out[..., :half], out[..., half:]
+        torch.mul(x1, cos, out=first).sub_(x2 * sin)
+        torch.mul(x2, cos, out=second).add_(x1 * sin)
+        return out

@@ -57,12 +57,25 @@ def _device_for_rank(cfg: WorkerConfig) -> str:
     return cfg.device
 
 
-def _default_cpu_threads(cfg: WorkerConfig) -> Optional[int]:
-    """A CPU worker leaves one core to the scheduler and frontend: they run between every
-    two steps, and a worker thread that shares their core stalls every parallel op."""
+# Host work (scheduler, frontend: detokenize, SSE, HTTP) costs up to ~0.1 ms of CPU per token.
+# A model whose layers hold 10M weights costs >= 20 MFLOP per token, ~0.4 ms on one core:
+# from there on the worker's compute dwarfs the host work running beside it, and a second
+# core's matmul throughput outweighs the stalls when the host work preempts one of its
+# threads. Measured on 2 cores (docs/DECISIONS.md): Qwen2.5-0.5B's shape (358M) generates
+# 1.5x faster offline on both cores than on one; the demo model (0.3M) serving 64 streams
+# is several times slower on both, since its steps last a few ms and every intra-op thread
+# the frontend or scheduler preempts stalls the whole parallel op.
+ALL_CORES_MIN_LAYER_PARAMS = 10_000_000
+
+
+def _default_cpu_threads(cfg: WorkerConfig, num_layer_params: int) -> Optional[int]:
+    """Every core (over the TP size) for a compute-bound model; otherwise one core is left
+    to the scheduler and frontend, which run between and during every two steps."""
     if cfg.device != "cpu":
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if num_layer_params >= ALL_CORES_MIN_LAYER_PARAMS:
+        return max(1, cores // cfg.tp_size)
     return max(1, (cores - 1) // cfg.tp_size)
 
 
@@ -72,6 +85,7 @@ class StepOrderError(RuntimeError):
 
 class Worker:
     def __init__(self, cfg: WorkerConfig, ctx: Optional[zmq.Context] = None):
+        from pagedserve.worker_proc.model_config import load_model_spec
         from pagedserve.worker_proc.model_runner import ModelRunner
 
         self.cfg = cfg
@@ -80,7 +94,7 @@ class Worker:
         # One DEALER both ways, known to the scheduler by a routing id only a worker can mint.
         self.inputs = self.results = SchedulerLink(self.ctx, ep, cfg.replica, cfg.rank)
         self.to_supervisor = Sender(self.ctx, ep.supervisor())
-        threads = cfg.num_threads or _default_cpu_threads(cfg)
+        threads = cfg.num_threads or _default_cpu_threads(cfg, load_model_spec(cfg.model).num_layer_params)
         if threads:
             import torch
 

@@ -22,10 +22,13 @@ from pagedserve.worker_proc.weights import WeightSource
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm op for op (x * x is what pow(2) computes, and the products commute), so
+    bit for bit the same; the small intermediates and the result are updated in place,
+    which halves the fresh full-size tensors (each a round of page faults on CPU)."""
     input_dtype = x.dtype
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(input_dtype)
+    h = h * (h * h).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return h.to(input_dtype).mul_(weight)
 
 
 def _maybe(source: WeightSource, name: str, present: bool, **part) -> Optional[torch.Tensor]:
@@ -98,11 +101,11 @@ class DecoderLayer:
         out = self.shard.all_reduce(F.linear(attn.reshape(num_tokens, self.q_size), self.o_weight))
         if self.o_bias is not None:
             out = out + self.o_bias
-        hidden = hidden + out
+        hidden = out.add_(hidden)  # out is this layer's own tensor: no fresh one for the sum
 
         gate_up = F.linear(rms_norm(hidden, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        out = self.shard.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
+        out = self.shard.all_reduce(F.linear(F.silu(gate).mul_(up), self.down_weight))
         if self.down_bias is not None:
             out = out + self.down_bias
-        return hidden + out
+        return out.add_(hidden)

@@ -1,0 +1,59 @@
+"""The model shapes ``pagedserve bench offline --shapes`` compares, with the workload of each.
+
+Random weights (no download), built once into a cache directory by the demo-model code, so
+a run measures the same model every time. ``0.5b`` is Qwen2.5-0.5B's shape in float32
+(about 2 GB on disk): compute-bound on a CPU, where the matmuls should set the pace.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    name: str
+    model: dict[str, Any] = field(default_factory=dict)  # build_model_dir keyword arguments
+    num_prompts: int = 64
+    input_len: tuple[int, int] = (16, 64)
+    output_len: int = 64
+
+
+SHAPES = {s.name: s for s in (
+    # the demo model (deploy/demo_model.py build_demo_model)
+    BenchShape("tiny", dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                            intermediate_size=256, vocab_size=1024, max_position_embeddings=4096,
+                            seed=1234)),
+    BenchShape("small", dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
+                             intermediate_size=1536, vocab_size=32000, max_position_embeddings=4096,
+                             seed=1234), num_prompts=64, input_len=(16, 64), output_len=64),
+    BenchShape("0.5b", dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                            intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+                            tie_word_embeddings=True, rope_theta=1000000.0, seed=1234),
+               num_prompts=32, input_len=(8, 256), output_len=32),
+)}
+
+
+def shape_cache_dir() -> Path:
+    base = os.environ.get("PAGEDSERVE_BENCH_MODELS") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve", "bench-models")
+    return Path(base)
+
+
+def ensure_shape_model(shape: BenchShape) -> Path:
+    """The shape's model directory, written on first use."""
+    from pagedserve.deploy.demo_model import build_model_dir
+
+    path = shape_cache_dir() / shape.name
+    if not (path / "config.json").exists():
+        print(f"writing the random {shape.name} model to {path} (once)", flush=True)
+        partial = path.with_name(f"{shape.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        build_model_dir(partial, "qwen2", **shape.model)
+        shutil.rmtree(path, ignore_errors=True)
+        partial.rename(path)  # a run killed while writing leaves no half model behind
+    return path
