@@ -22,6 +22,7 @@ def wheel(tmp_path_factory) -> Path:
     return next(out.glob("pagedserve-*.whl"))
 
 
+@pytest.mark.slow  # pip builds the wheel in a subprocess
 def test_the_wheel_puts_nothing_but_pagedserve_in_site_packages(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"pagedserve", wheel.name.split("-py")[0] + ".dist-info"}
@@ -33,6 +34,7 @@ def test_the_wheel_puts_nothing_but_pagedserve_in_site_packages(wheel):
     assert b"pagedserve = pagedserve.deploy.cli:main" in entry_points
 
 
+@pytest.mark.slow
 def test_an_installed_wheel_imports_every_package_from_site_packages(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],

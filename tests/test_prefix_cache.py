@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
@@ -74,6 +76,7 @@ def test_evicting_a_cached_block_for_new_content_zeroes_it():
     assert_all_blocks_free(sched)
 
 
+@pytest.mark.slow
 def test_block_keys_are_deterministic_across_processes():
     import subprocess
     import sys
