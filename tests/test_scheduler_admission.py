@@ -1,0 +1,66 @@
+"""Admission's rules at their edges (scheduler_proc/admission.py, pure functions): the largest
+request that fits is accepted, one token or block more is refused with a message that names
+the numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.scheduler_proc.admission import length_limit, rejection_reason
+from pagedserve.scheduler_proc.config import SchedulerConfig
+
+from test_scheduler_support import request
+
+
+def config(**overrides) -> SchedulerConfig:
+    return SchedulerConfig(**{"block_size": 4, "num_gpu_blocks": 8, "max_model_len": 64, **overrides})
+
+
+def test_the_length_limit_is_the_model_limit_or_the_whole_cache_plus_the_uncomputed_last_token():
+    assert length_limit(config(max_model_len=20)) == 20
+    assert length_limit(config(max_model_len=64)) == 8 * 4 + 1
+    assert length_limit(config(max_model_len=33)) == 33
+
+
+def test_a_prompt_one_token_short_of_the_model_limit_is_accepted_and_one_more_is_refused():
+    assert rejection_reason(request("r", list(range(15))), config(max_model_len=16)) is None
+    reason = rejection_reason(request("r", list(range(16))), config(max_model_len=16))
+    assert reason == ("the prompt has 16 tokens; with at least one generated token that exceeds "
+                      "max_model_len=16")
+
+
+def test_a_prompt_that_fills_the_whole_cache_is_accepted_and_one_token_more_is_refused():
+    assert rejection_reason(request("r", list(range(32))), config()) is None
+    reason = rejection_reason(request("r", list(range(33))), config())
+    assert reason == ("the prompt has 33 tokens and needs 9 KV blocks of 4 tokens, but the cache has "
+                      "only 8 blocks")
+
+
+def test_as_many_parallel_samples_as_running_seats_are_accepted_and_one_more_is_refused():
+    assert rejection_reason(request("r", [1, 2, 3], n=4), config(max_num_seqs=4, num_gpu_blocks=64)) is None
+    reason = rejection_reason(request("r", [1, 2, 3], n=5), config(max_num_seqs=4, num_gpu_blocks=64))
+    assert reason == "n=5 parallel samples exceed max_num_seqs=4, the most sequences one step can run"
+
+
+@pytest.mark.parametrize("prompt_len, n, needed", [(9, 6, 8), (5, 7, 8), (2, 7, 8)])
+def test_parallel_samples_that_exactly_fill_the_cache_are_accepted(prompt_len, n, needed):
+    # prompt[:-1] shared, plus one block per sample for the first token it writes
+    assert -(-(prompt_len - 1) // 4) + n == needed
+    assert rejection_reason(request("r", list(range(prompt_len)), n=n), config()) is None
+
+
+def test_parallel_samples_one_block_over_the_cache_are_refused_naming_the_blocks():
+    reason = rejection_reason(request("r", list(range(9)), n=7), config())
+    assert reason == ("n=7 samples of a 9-token prompt need 9 KV blocks of 4 tokens at once, but the "
+                      "cache has only 8 blocks")
+
+
+def test_a_single_sample_does_not_count_the_parallel_sample_blocks():
+    # n=1 needs only the prompt's blocks: 32 tokens fill 8 blocks exactly
+    assert rejection_reason(request("r", list(range(32)), n=1), config()) is None
+
+
+def test_field_ranges_and_the_vocabulary_are_checked_with_the_field_named():
+    assert rejection_reason(request("r", [1, 2], max_tokens=2, min_tokens=3), config()).startswith("min_tokens:")
+    assert rejection_reason(request("r", [1, 99]), config(vocab_size=99)).startswith("prompt_token_ids:")
+    assert rejection_reason(request("r", [1, 98]), config(vocab_size=99)) is None
