@@ -90,9 +90,6 @@ class _ServeConfigRules:
 
     # ------------------------------------------------------------------ children
 
-    def _py(self, module: str) -> list[str]:
-        return [sys.executable, "-m", f"pagedserve.{module}"]
-
     def _child_cmd(self, process: str, run_dir: str, **overrides) -> list[str]:
         values = opts.values_of(self, opts.options_for(process)) | overrides
         return [sys.executable, "-m", f"pagedserve.{process}_proc", "--run-dir", run_dir, "--model", self.model,
