@@ -8,8 +8,9 @@ import pytest
 
 from pagedserve.scheduler_proc.admission import length_limit, rejection_reason
 from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.scheduler import Scheduler
 
-from test_scheduler_support import request
+from test_scheduler_support import SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done
 
 
 def config(**overrides) -> SchedulerConfig:
@@ -64,3 +65,49 @@ def test_field_ranges_and_the_vocabulary_are_checked_with_the_field_named():
     assert rejection_reason(request("r", [1, 2], max_tokens=2, min_tokens=3), config()).startswith("min_tokens:")
     assert rejection_reason(request("r", [1, 99]), config(vocab_size=99)).startswith("prompt_token_ids:")
     assert rejection_reason(request("r", [1, 98]), config(vocab_size=99)) is None
+
+
+def scheduler(**overrides) -> tuple[Scheduler, SimWorker]:
+    cfg = SchedulerConfig(debug_invariants=True, **{"block_size": 4, "num_gpu_blocks": 32, **overrides})
+    return Scheduler(cfg), SimWorker(cfg, counting_tokens())
+
+
+def tokens_by_sample(deltas) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for d in deltas:
+        out.setdefault(d.index, []).extend(d.new_token_ids)
+    return out
+
+
+def test_parallel_samples_of_a_prompt_whose_blocks_are_all_cached_fork_at_admission():
+    prompt = list(range(100, 108)) + [7]  # prompt[:-1] is two full blocks
+    uncached, worker = scheduler()
+    uncached.add_request(request("many", prompt, max_tokens=3, n=3))
+    expected = tokens_by_sample(run_until_done(uncached, worker))
+
+    sched, worker = scheduler(enable_prefix_caching=True)
+    sched.add_request(request("first", prompt, max_tokens=2))
+    run_until_done(sched, worker)
+    sched.add_request(request("many", prompt, max_tokens=3, n=3))
+    out = sched.schedule()  # no prompt token left to compute: each sample computes the last one now
+    assert sorted((r.req_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in out.new_requests) == [
+        ("many/0", 8, 1), ("many/1", 8, 1), ("many/2", 8, 1)]
+    deltas = list(sched.update_from_output(out, worker.step(out))) + run_until_done(sched, worker)
+    assert tokens_by_sample(deltas) == expected  # the simulated worker checked every KV slot read
+    sched.add_request(request("again", prompt, max_tokens=1))
+    run_until_done(sched, worker)
+    assert sched.stats()["prefix_cache_hits"] == 8 + 8
+    assert_all_blocks_free(sched)
+
+
+def test_parallel_samples_are_admitted_beside_a_running_sequence_when_the_seats_exactly_suffice():
+    sched, worker = scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    sched.add_request(request("one", [1, 2, 3], max_tokens=20))
+    out = sched.schedule()
+    sched.update_from_output(out, worker.step(out))
+    sched.add_request(request("three", [4, 5, 6], max_tokens=2, n=3))
+    out = sched.schedule()
+    assert [r.req_id for r in out.new_requests] == ["three"]  # 1 running + 3 samples = max_num_seqs
+    sched.update_from_output(out, worker.step(out))
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
