@@ -56,6 +56,12 @@ def test_parallel_samples_one_block_over_the_cache_are_refused_naming_the_blocks
                       "cache has only 8 blocks")
 
 
+@pytest.mark.parametrize("prompt_len, n", [(6, 7), (32, 2)])  # a 5-token prompt[:-1] fills 2 blocks; n=2 counts
+def test_parallel_samples_count_the_shared_prompt_blocks_and_one_block_each(prompt_len, n):
+    reason = rejection_reason(request("r", list(range(prompt_len)), n=n), config())
+    assert reason is not None and reason.startswith(f"n={n} samples of a {prompt_len}-token prompt need")
+
+
 def test_a_single_sample_does_not_count_the_parallel_sample_blocks():
     # n=1 needs only the prompt's blocks: 32 tokens fill 8 blocks exactly
     assert rejection_reason(request("r", list(range(32)), n=1), config()) is None
@@ -110,4 +116,20 @@ def test_parallel_samples_are_admitted_beside_a_running_sequence_when_the_seats_
     assert [r.req_id for r in out.new_requests] == ["three"]  # 1 running + 3 samples = max_num_seqs
     sched.update_from_output(out, worker.step(out))
     run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
+
+
+def test_samples_forked_at_admission_start_only_as_far_as_the_step_budget_goes():
+    prompt = list(range(100, 108)) + [7]
+    sched, worker = scheduler(enable_prefix_caching=True, max_num_seqs=4, max_num_batched_tokens=4)
+    sched.add_request(request("first", prompt, max_tokens=1))
+    run_until_done(sched, worker)
+    sched.add_request(request("ahead", [1, 2, 3], max_tokens=2))  # takes 3 of the step's 4 tokens
+    sched.add_request(request("many", prompt, max_tokens=2, n=3))
+    out = sched.schedule()
+    assert sorted((r.req_id, r.num_scheduled_tokens) for r in out.new_requests)[0] == ("ahead", 3)
+    assert len([r for r in out.new_requests if r.req_id.startswith("many/")]) == 1
+    deltas = list(sched.update_from_output(out, worker.step(out))) + run_until_done(sched, worker)
+    many = {i: t for i, t in tokens_by_sample(d for d in deltas if d.request_id == "many").items()}
+    assert sorted(many) == [0, 1, 2] and all(len(t) == 2 for t in many.values())
     assert_all_blocks_free(sched)
