@@ -133,3 +133,28 @@ def test_samples_forked_at_admission_start_only_as_far_as_the_step_budget_goes()
     many = {i: t for i, t in tokens_by_sample(d for d in deltas if d.request_id == "many").items()}
     assert sorted(many) == [0, 1, 2] and all(len(t) == 2 for t in many.values())
     assert_all_blocks_free(sched)
+
+
+def test_the_last_free_seat_admits_a_single_sample_request():
+    sched, worker = scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    for i in range(3):
+        sched.add_request(request(f"r{i}", [1, 2, 3 + i], max_tokens=20))
+    out = sched.schedule()
+    sched.update_from_output(out, worker.step(out))
+    sched.add_request(request("fourth", [9, 8, 7], max_tokens=2))
+    out = sched.schedule()
+    assert [r.req_id for r in out.new_requests] == ["fourth"]
+    sched.update_from_output(out, worker.step(out))
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
+
+
+def test_the_last_token_of_the_step_budget_admits_a_one_token_chunk():
+    sched, worker = scheduler(max_num_seqs=4, max_num_batched_tokens=4)
+    sched.add_request(request("ahead", [1, 2, 3], max_tokens=2))
+    sched.add_request(request("next", [4, 5, 6, 7, 8], max_tokens=2))
+    out = sched.schedule()
+    assert sorted((r.req_id, r.num_scheduled_tokens) for r in out.new_requests) == [("ahead", 3), ("next", 1)]
+    sched.update_from_output(out, worker.step(out))
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
