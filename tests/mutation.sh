@@ -27,8 +27,9 @@ pytest_add_cli_args_test_selection = [
   "tests/test_scheduler_admission.py", "tests/test_scheduler_requests.py", "tests/test_scheduler_policy.py",
   "tests/test_scheduler_support.py", "tests/test_block_manager.py", "tests/test_prefix_cache.py",
   "tests/test_scheduler_ahead.py", "tests/test_scheduler_draining.py", "tests/test_decode_lane.py",
-  "tests/test_output_processor.py", "tests/test_worker_sampler.py", "tests/test_worker_sampling_params.py"]
+  "tests/test_output_processor.py", "tests/test_sampler_exact_rules.py", "tests/test_worker_sampler.py",
+  "tests/test_worker_sampling_params.py"]
 TOML
-env -u PYTHONPATH mutmut run --max-children "${MUTMUT_CHILDREN:-2}"
+OMP_NUM_THREADS=1 env -u PYTHONPATH mutmut run --max-children "${MUTMUT_CHILDREN:-2}"
 env -u PYTHONPATH mutmut results
 echo "scratch copy: $scratch (mutmut show NAME there shows a mutant)"
