@@ -27,7 +27,7 @@ def test_a_stop_token_exactly_at_min_tokens_stops_the_request(stop_at):
     assert [t for d in deltas for t in d.new_token_ids] == [7] * (stop_at - 1) + [EOS]
     last = deltas[-1]
     assert (last.finish_reason, last.stop_token_id) == ("stop", EOS)
-    assert deltas[0].num_prompt_tokens == 3
+    assert all((d.num_prompt_tokens, d.num_cached_tokens) == (3, 0) for d in (deltas[0], last))
     assert_all_blocks_free(sched)
 
 
@@ -75,6 +75,25 @@ def test_a_lane_result_in_the_wrong_order_is_refused_naming_the_sample_and_the_o
     out = steps_until_the_lane_decodes(sched, worker)
     result = worker.step(out)
     first, second = out.decodes.req_ids
+    swapped = msgspec.structs.replace(result, req_ids=[second, first])
+    with pytest.raises(StepResultMismatch, match=f"step {out.step}: a sample for '{second}' where '{first}' was due"):
+        sched.update_from_output(out, swapped)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "top_logprobs"])
+def test_a_result_with_a_logprob_too_few_is_refused_naming_the_counts(field):
+    sched, worker = lane_scheduler()
+    out = steps_until_the_lane_decodes(sched, worker)
+    result = msgspec.structs.replace(worker.step(out), **{field: [0.0] if field == "logprobs" else [[]]})
+    with pytest.raises(StepResultMismatch, match=f"step {out.step}: 1 {field} for 2 tokens"):
+        sched.update_from_output(out, result)
+
+
+def test_first_samples_in_the_wrong_order_are_refused_naming_the_sample_and_the_one_due():
+    sched, worker = lane_scheduler()
+    out = sched.schedule()  # both prompts, each ending with its first sample
+    result = worker.step(out)
+    first, second = result.req_ids
     swapped = msgspec.structs.replace(result, req_ids=[second, first])
     with pytest.raises(StepResultMismatch, match=f"step {out.step}: a sample for '{second}' where '{first}' was due"):
         sched.update_from_output(out, swapped)
