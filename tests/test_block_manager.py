@@ -133,6 +133,37 @@ def test_samples_forked_at_a_block_boundary_share_only_full_blocks_and_copy_noth
     assert bm.num_new_blocks(a, 1) == 1 and bm.max_appendable_tokens(a) == 2 * 4
 
 
+def test_cached_free_blocks_a_prompt_hits_leave_the_free_pool_when_it_is_admitted():
+    bm = BlockManager(SchedulerConfig(block_size=4, num_gpu_blocks=4))
+    seq = sequence(8)
+    bm.allocate(seq, [], 2)
+    for i, block in enumerate(seq.block_ids):
+        bm.device.register(block, ("key", i))
+    hits = list(seq.block_ids)
+    bm.free(seq)
+    assert bm.device.num_free == 4  # cached but free: evictable
+    assert bm.can_allocate(hits, 4) and not bm.can_allocate(hits, 5)
+    holder = sequence(8)
+    bm.allocate(holder, hits, 2)  # in use now: a second hit costs no free block
+    assert bm.can_allocate(hits, 2 + 2) and not bm.can_allocate(hits, 2 + 3)
+
+
+def test_freeing_or_trimming_blocks_before_the_step_is_built_drops_their_pending_zeroing():
+    bm = BlockManager(SchedulerConfig(block_size=4, num_gpu_blocks=4))
+    seq = sequence(8)
+    bm.allocate(seq, [], 0)
+    bm.append_slots(seq, 8)
+    bm.free(seq)
+    assert bm.drain() == ([], [])
+    other = sequence(8)
+    bm.allocate(other, [], 0)
+    other.num_kv_tokens = 3
+    bm.append_slots(other, 6)  # three blocks granted; the step is then abandoned with 3 computed
+    bm.release_unused(other)
+    zero, _ = bm.drain()
+    assert zero == other.block_ids and len(zero) == 1
+
+
 def test_after_every_request_finishes_every_ref_count_is_zero_and_the_free_list_holds_every_block():
     config = SchedulerConfig(block_size=4, num_gpu_blocks=24, num_cpu_blocks=12, max_num_seqs=6,
                              max_num_batched_tokens=24, enable_prefix_caching=True, debug_invariants=True)
