@@ -97,3 +97,30 @@ def test_first_samples_in_the_wrong_order_are_refused_naming_the_sample_and_the_
     swapped = msgspec.structs.replace(result, req_ids=[second, first])
     with pytest.raises(StepResultMismatch, match=f"step {out.step}: a sample for '{second}' where '{first}' was due"):
         sched.update_from_output(out, swapped)
+
+
+def test_a_request_aborted_while_its_step_ran_gets_no_token_and_the_others_still_do():
+    sched, worker = lane_scheduler()
+    out = sched.schedule()  # both prompts, each ending with its first sample
+    result = worker.step(out)
+    first, second = result.req_ids
+    sched.abort_requests([first])
+    deltas = list(sched.update_from_output(out, result))
+    assert [(d.request_id, len(d.new_token_ids)) for d in deltas] == [(second, 1)]
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
+
+
+def test_parallel_samples_fork_after_their_prompt_even_when_an_earlier_prompt_was_aborted_meanwhile():
+    sched, worker = make(counting_tokens())
+    for rid in ("a", "b"):
+        sched.add_request(request(rid, [4, 5, 6, 7, 8], max_tokens=2, n=2))
+    out = sched.schedule()  # both parents compute prompt[:-1]; nobody samples yet
+    result = worker.step(out)
+    sched.abort_requests(["a"])
+    sched.update_from_output(out, result)
+    out = sched.schedule()
+    assert sorted(r.req_id for r in out.new_requests) == ["b/0", "b/1"]
+    sched.update_from_output(out, worker.step(out))
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
