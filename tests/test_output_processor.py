@@ -70,11 +70,13 @@ def test_a_result_with_a_token_too_few_is_refused_naming_the_counts():
         sched.update_from_output(out, short)
 
 
-def test_a_lane_result_in_the_wrong_order_is_refused_naming_the_sample_and_the_one_due():
+@pytest.mark.parametrize("where", ["first samples", "decode lane"])
+def test_samples_in_the_wrong_order_are_refused_naming_the_sample_and_the_one_due(where):
     sched, worker = lane_scheduler()
-    out = steps_until_the_lane_decodes(sched, worker)
+    # the first step holds both prompts, each ending with its first sample (the per-sequence path)
+    out = sched.schedule() if where == "first samples" else steps_until_the_lane_decodes(sched, worker)
     result = worker.step(out)
-    first, second = out.decodes.req_ids
+    first, second = result.req_ids
     swapped = msgspec.structs.replace(result, req_ids=[second, first])
     with pytest.raises(StepResultMismatch, match=f"step {out.step}: a sample for '{second}' where '{first}' was due"):
         sched.update_from_output(out, swapped)
@@ -87,16 +89,6 @@ def test_a_result_with_a_logprob_too_few_is_refused_naming_the_counts(field):
     result = msgspec.structs.replace(worker.step(out), **{field: [0.0] if field == "logprobs" else [[]]})
     with pytest.raises(StepResultMismatch, match=f"step {out.step}: 1 {field} for 2 tokens"):
         sched.update_from_output(out, result)
-
-
-def test_first_samples_in_the_wrong_order_are_refused_naming_the_sample_and_the_one_due():
-    sched, worker = lane_scheduler()
-    out = sched.schedule()  # both prompts, each ending with its first sample
-    result = worker.step(out)
-    first, second = result.req_ids
-    swapped = msgspec.structs.replace(result, req_ids=[second, first])
-    with pytest.raises(StepResultMismatch, match=f"step {out.step}: a sample for '{second}' where '{first}' was due"):
-        sched.update_from_output(out, swapped)
 
 
 def test_a_request_aborted_while_its_step_ran_gets_no_token_and_the_others_still_do():
