@@ -75,7 +75,7 @@ class WorkerReplay:
         self.trace, self.model, self.device, self.timeout_s = trace, model, device, timeout_s
         self.worker_args = list(worker_args)
         self.cfg = trace.meta["config"]
-        self.tp = int(self.cfg.get("tp_size", 1))
+        self.tp = int(self.cfg.get("tensor_parallel_size", self.cfg.get("tp_size", 1)))  # tp_size: older traces
         self.ctx = zmq.Context()
         self.run_dir = str(make_run_dir())
         ep = Endpoints(self.run_dir)
@@ -93,7 +93,7 @@ class WorkerReplay:
         self.workers = []
         for rank in range(self.tp):
             cmd = [sys.executable, "-m", "pagedserve.worker_proc", "--run-dir", self.run_dir, "--model", self.model,
-                   "--rank", str(rank), "--tp-size", str(self.tp), "--device", self.device,
+                   "--rank", str(rank), "--tensor-parallel-size", str(self.tp), "--device", self.device,
                    "--block-size", str(self.cfg.get("block_size", 16)), "--log-level", "WARNING",
                    *self.worker_args]
             self.workers.append(spawn("worker", 0, rank, cmd + (["--dist-init", dist] if dist else [])))

@@ -8,12 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-DTYPE_ALIASES = {
-    "float32": "float32", "float": "float32",
-    "float16": "float16", "half": "float16",
-    "bfloat16": "bfloat16",
-}
-DTYPE_CHOICES = ["auto", *DTYPE_ALIASES]
+from pagedserve.protocol.options import DTYPE_ALIASES, DTYPE_CHOICES, resolve_dtype  # noqa: F401 (re-exported)
 
 UNSUPPORTED_FLAGS = {
     "--quantization": "quantized weights are not supported; serve an unquantized model",
@@ -54,14 +49,3 @@ def unsupported_flag(argv: list[str]) -> Optional[str]:
         if reason is not None:
             return f"{flag} is a vLLM option that pagedserve does not support: {reason}"
     return None
-
-
-def resolve_dtype(requested: str, model_config: dict, device: str) -> str:
-    """``auto`` takes the model's own dtype (float16 becomes bfloat16 on CPU, as vLLM does)."""
-    if requested != "auto":
-        return DTYPE_ALIASES[requested]
-    name = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
-    name = DTYPE_ALIASES.get(name.removeprefix("torch."), "float32")
-    if name == "float16" and device == "cpu":
-        return "bfloat16"
-    return name

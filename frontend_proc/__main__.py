@@ -48,7 +48,7 @@ async def serve(config: FrontendConfig) -> None:
     tokenizer = PromptTokenizer(config.model, config.chat_template)
     router = Router(config.num_replicas, config.replica_timeout_s, config.routing)
     engine = EngineClient(endpoints, router)
-    metrics = FrontendMetrics(router, config.served_model_name)
+    metrics = FrontendMetrics(router, config.served_model_names[0])
     serving = Serving(config.served_model_names, config.max_model_len, engine, tokenizer,
                       metrics, config.max_logprobs, config.tool_calling,
                       defaults=load_generation_defaults(config.generation_config, str(config.model)))
@@ -73,7 +73,7 @@ async def serve(config: FrontendConfig) -> None:
         if server.started:
             await asyncio.to_thread(_announce_ready, endpoints)
             log.info("frontend serving %s on http://%s:%d for %d replica(s), %s routing",
-                     config.served_model_name, config.host, config.port, config.num_replicas,
+                     config.served_model_names[0], config.host, config.port, config.num_replicas,
                      config.routing.kind)
         await serve_task
     finally:

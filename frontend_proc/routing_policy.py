@@ -23,15 +23,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from pagedserve.protocol.block_hash import prefix_block_hashes
+from pagedserve.protocol.options import BY_NAME, ROUTER_KINDS  # noqa: F401 (ROUTER_KINDS re-exported)
 
 if TYPE_CHECKING:
     from pagedserve.frontend_proc.router import ReplicaStatus
 
-ROUTER_KINDS = ("cache-aware", "least-loaded", "round-robin")
 # Why a replica was chosen (the reason label of pagedserve_router_decisions_total).
 REASONS = ("cache_hit", "no_hit", "load_bound", "least_loaded", "round_robin")
-DEFAULT_BALANCE_ABS = 2  # sequences; measured in bench/RESULTS.md (cache-aware routing)
-DEFAULT_BALANCE_REL = 1.25
+# measured in bench/RESULTS.md (cache-aware routing); defined with the option
+DEFAULT_BALANCE_ABS = BY_NAME["router_balance_abs"].default  # sequences
+DEFAULT_BALANCE_REL = BY_NAME["router_balance_rel"].default
 
 
 @dataclass(frozen=True, slots=True)

@@ -283,9 +283,6 @@ class Receiver(Generic[T]):
         """A channel may swap in its own decoder (e.g. one that remembers rejected requests)."""
         self.check.decoder = decoder
 
-    def poll(self, timeout_ms: Optional[float]) -> bool:
-        return bool(self.sock.poll(None if timeout_ms is None else int(timeout_ms)))
-
     def recv(self, timeout_ms: Optional[float] = None) -> Optional[T]:
         """The next valid message, or None if none arrives within the timeout (a stream of
         bad frames does not extend it)."""

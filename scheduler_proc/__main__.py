@@ -15,7 +15,6 @@ from pagedserve.scheduler_proc.engine_config import EngineConfig
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedserve.scheduler_proc", description=__doc__)
     EngineConfig.add_cli_args(parser)
-    parser.add_argument("--log-level", default="INFO")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [scheduler {ns.replica}] %(message)s")

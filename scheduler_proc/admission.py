@@ -33,19 +33,11 @@ def length_limit(config: SchedulerConfig) -> int:
 def rejection_reason(msg: AddRequest, config: SchedulerConfig) -> Optional[str]:
     """Why ``msg`` can never be served by this scheduler, or None if it can."""
     try:  # decoding checked the ranges already; this covers in-process callers and the vocabulary
-        check_request(msg, config.vocab_size)
+        check_request(msg, config.vocab_size)  # so: a prompt token, max_tokens >= 1, n >= 1, ...
     except InvalidField as exc:
         return str(exc)
     sampling = msg.sampling
     num_prompt = len(msg.prompt_token_ids)
-    if num_prompt == 0:
-        return "the prompt is empty: at least one prompt token is needed"
-    if sampling.max_tokens < 1:
-        return f"max_tokens must be >= 1, got {sampling.max_tokens}"
-    if sampling.min_tokens < 0:
-        return f"min_tokens must be >= 0, got {sampling.min_tokens}"
-    if sampling.n < 1:
-        return f"n must be >= 1, got {sampling.n}"
     if sampling.n > config.max_num_seqs:
         return (f"n={sampling.n} parallel samples exceed max_num_seqs={config.max_num_seqs}, "
                 f"the most sequences one step can run")

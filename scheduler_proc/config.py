@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PREEMPTION_MODES = ("auto", "swap", "recompute")
+from pagedserve.protocol.options import PREEMPTION_MODES
+
 # Sequences are ordered by (arrival number, sample index) packed into one int; see request.py.
 MAX_PARALLEL_SAMPLES = 1 << 20
 

@@ -52,7 +52,7 @@ class EngineLoop:
         self.input_decoder = RequestFrameDecoder(max_frame_bytes=self.inputs.decoder.max_frame_bytes)
         self.inputs.decoder = self.input_decoder  # answers the requests of frames it rejects
         # One ROUTER: steps out to exactly this replica's workers, their results in (worker_link.py).
-        self.results = WorkerRouter(self.ctx, ep, cfg.replica, cfg.tp_size)
+        self.results = WorkerRouter(self.ctx, ep, cfg.replica, cfg.tensor_parallel_size)
         self.to_frontend = Sender(self.ctx, ep.frontend_outputs())
         self.to_supervisor = Sender(self.ctx, ep.supervisor())
         self.trace = TraceWriter(cfg.record_trace) if cfg.record_trace else None
@@ -101,9 +101,9 @@ class EngineLoop:
         if not isinstance(msg, want):
             log.warning("ignoring unexpected %s from a worker", type(msg).__name__)
             return False
-        if not 0 <= msg.rank < self.cfg.tp_size:
+        if not 0 <= msg.rank < self.cfg.tensor_parallel_size:
             log.warning("ignoring %s from rank %d: the replica has %d rank(s)",
-                        type(msg).__name__, msg.rank, self.cfg.tp_size)
+                        type(msg).__name__, msg.rank, self.cfg.tensor_parallel_size)
             return False
         if step is not None and msg.step != step:
             log.warning("ignoring a result for step %d while waiting for step %d", msg.step, step)
@@ -116,7 +116,7 @@ class EngineLoop:
         got: dict[int, object] = {}
         deadline = time.monotonic() + timeout_s
         next_check = 0.0
-        while len(got) < self.cfg.tp_size:
+        while len(got) < self.cfg.tensor_parallel_size:
             msg = self.results.recv(timeout_ms=100)
             if msg is not None and self._is_expected(msg, want, step):
                 if not isinstance(msg, m.WorkerHello):  # the trace header carries the hello
@@ -136,7 +136,7 @@ class EngineLoop:
                 self._check_worker_pids()
                 self._send_stats()
             if now > deadline:
-                missing = sorted(set(range(self.cfg.tp_size)) - set(got))
+                missing = sorted(set(range(self.cfg.tensor_parallel_size)) - set(got))
                 raise WorkerFailure(
                     f"worker rank(s) {missing} sent no {want.__name__} within {timeout_s:.1f}s (hung?)")
         return got
@@ -161,9 +161,9 @@ class EngineLoop:
         if num_gpu_blocks > fit:
             log.warning("--num-gpu-blocks %d exceeds the %d that fit; using %d", num_gpu_blocks, fit, fit)
             num_gpu_blocks = fit
-        num_cpu_blocks = int(cfg.swap_space_gib * (1 << 30)) // block_bytes
+        num_cpu_blocks = int(cfg.swap_space * (1 << 30)) // block_bytes
         init = m.WorkerInit(
-            replica=cfg.replica, tp_size=cfg.tp_size, block_size=cfg.block_size,
+            replica=cfg.replica, tp_size=cfg.tensor_parallel_size, block_size=cfg.block_size,
             num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
             max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs, seed=cfg.seed, debug_invariants=cfg.debug_invariants,

@@ -1,48 +1,45 @@
-"""Everything the scheduler process is started with, validated once."""
+"""Everything the scheduler process is started with, validated once.
+
+The serve options it takes (block size, budgets, preemption, ...) are fields generated from
+protocol/options.py, so their flags, defaults and checks are ``pagedserve serve``'s; the
+rest is this process's own wiring.
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import dataclasses
+import json
+from pathlib import Path
 from typing import Optional
 
+from pagedserve.protocol import options as opts
 from pagedserve.scheduler_proc.config import SchedulerConfig
 
+DEFAULT_MAX_MODEL_LEN = 2048  # without --max-model-len or a model that states its own
 
-@dataclass(slots=True)
-class EngineConfig:
-    run_dir: str
-    replica: int = 0
-    tp_size: int = 1
-    block_size: int = 16
-    num_gpu_blocks: Optional[int] = None  # None: as many as fit
-    swap_space_gib: float = 1.0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "auto"
-    debug_invariants: bool = False
-    async_scheduling: bool = True  # schedule step N+1 while the workers run step N
-    seed: int = 0
-    step_timeout_s: float = 60.0
-    worker_start_timeout_s: float = 300.0
-    stats_interval_s: float = 0.5
-    log_interval_s: float = 5.0
-    record_trace: Optional[str] = None
-    model: Optional[str] = None  # informational: recorded in traces so a replay finds the weights
+# Not serve options: how the supervisor wires this process, and its internal cadences.
+_WIRING = [
+    ("run_dir", str),
+    ("replica", int, dataclasses.field(default=0)),
+    ("worker_start_timeout_s", float, dataclasses.field(default=300.0)),
+    ("stats_interval_s", float, dataclasses.field(default=0.5)),
+    ("log_interval_s", float, dataclasses.field(default=5.0)),
+    # informational: recorded in traces so a replay finds the weights
+    ("model", Optional[str], dataclasses.field(default=None)),
+]
 
+
+class _EngineConfigRules:
     def __post_init__(self) -> None:
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.step_timeout_s <= 0 or self.worker_start_timeout_s <= 0:
+        opts.validate(opts.values_of(self, opts.options_for(opts.SCHEDULER)))
+        if self.worker_start_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
-        if self.swap_space_gib < 0:
-            raise ValueError(f"swap space must be >= 0 GiB, got {self.swap_space_gib}")
+        if self.max_model_len is None:
+            self.max_model_len = _model_max_len(self.model)
         # Fail at startup, not at the first handshake: the cache size is still unknown
         # here, so validate the policy options with a placeholder one.
-        self.scheduler_config(num_gpu_blocks=1 << 20, num_cpu_blocks=int(self.swap_space_gib > 0))
+        self.scheduler_config(num_gpu_blocks=1 << 20, num_cpu_blocks=int(self.swap_space > 0))
 
     def scheduler_config(self, num_gpu_blocks: int, num_cpu_blocks: int, vocab_size: int = 0) -> SchedulerConfig:
         return SchedulerConfig(
@@ -54,23 +51,30 @@ class EngineConfig:
         )
 
     def trace_config(self) -> dict:
-        """What a replay needs to rebuild this scheduler (paths and timeouts left out)."""
+        """What a replay needs to rebuild this scheduler (paths, timeouts and logging left out)."""
         skip = {"run_dir", "record_trace", "step_timeout_s", "worker_start_timeout_s",
-                "stats_interval_s", "log_interval_s"}
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+                "stats_interval_s", "log_interval_s", "log_level"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
-        for f in fields(EngineConfig):
-            flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool", bool):
-                p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-            else:
-                kind = {"int": int, "float": float, "str": str}.get(
-                    str(f.type).replace("Optional[", "").rstrip("]"), str)
-                p.add_argument(flag, type=kind, default=None if f.name == "run_dir" else f.default,
-                               required=f.name == "run_dir")
+        p.add_argument("--run-dir", required=True)
+        p.add_argument("--model", default=None)
+        p.add_argument("--replica", type=int, default=0)
+        opts.add_arguments(p, opts.SCHEDULER)
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> "EngineConfig":
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _model_max_len(model: Optional[str]) -> int:
+    path = Path(model or "") / "config.json"
+    if model is None or not path.is_file():
+        return DEFAULT_MAX_MODEL_LEN
+    return int(json.loads(path.read_text()).get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN)
+
+
+EngineConfig = opts.make_config(
+    "EngineConfig", [_WIRING[0], *opts.dataclass_fields(opts.SCHEDULER), *_WIRING[1:]], _EngineConfigRules)

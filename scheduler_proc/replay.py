@@ -53,10 +53,15 @@ def first_difference(recorded, replayed, path: str = "") -> str:
     return f"{path}: recorded {recorded!r}, replayed {replayed!r}"
 
 
+# Traces recorded before the scheduler took serve's option names (protocol/options.py).
+_RENAMED_CONFIG_KEYS = {"tp_size": "tensor_parallel_size", "swap_space_gib": "swap_space"}
+
+
 def _engine_config(trace) -> EngineConfig:
     known = {f.name for f in fields(EngineConfig)}
+    recorded = {_RENAMED_CONFIG_KEYS.get(k, k): v for k, v in trace.meta["config"].items()}
     try:
-        return EngineConfig(run_dir="", **{k: v for k, v in trace.meta["config"].items() if k in known})
+        return EngineConfig(run_dir="", **{k: v for k, v in recorded.items() if k in known})
     except (TypeError, ValueError) as exc:
         raise TraceError(f"{trace.path}: the recorded scheduler config is unusable: {exc}") from None
 

@@ -2,10 +2,63 @@
 
 from __future__ import annotations
 
+import multiprocessing.process
+import subprocess
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
+
+# ---------------------------------------------------------------- the slow mark, enforced
+# A test that starts a process (a deployment, LLM, a subprocess, multiprocessing) must be
+# marked slow, so `pytest -m "not slow"` stays the fast, single-process suite. Every start is
+# recorded against the test being set up, run or torn down (fixtures of any scope included);
+# the process still starts, so the test cleans up as usual, and then its report fails.
+
+_running_item = None
+_unmarked_starts: dict[str, str] = {}  # node id -> the first process it started
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _running_item
+    _running_item = item
+    try:
+        yield
+    finally:
+        _running_item = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    started = _unmarked_starts.pop(item.nodeid, None)
+    if started is not None and not report.failed:
+        report.outcome = "failed"
+        report.longrepr = (f"UnmarkedSlowTest: {item.nodeid} starts a process ({started}) but is not marked "
+                           "slow; add @pytest.mark.slow (docs/CONTRIBUTING.md)")
+
+
+def _record_start(what: str) -> None:
+    item = _running_item
+    if item is not None and item.get_closest_marker("slow") is None:
+        _unmarked_starts.setdefault(item.nodeid, what[:100])
+
+
+def pytest_configure(config):
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def recorded_popen_init(self, args, *rest, **kwargs):
+        _record_start(args if isinstance(args, str) else " ".join(map(str, args)))
+        popen_init(self, args, *rest, **kwargs)
+
+    def recorded_process_start(self):
+        _record_start(f"multiprocessing {self.name}")
+        process_start(self)
+
+    subprocess.Popen.__init__ = recorded_popen_init
+    multiprocessing.process.BaseProcess.start = recorded_process_start
 
 
 @pytest.fixture(scope="session")

@@ -86,6 +86,84 @@ def test_swap_out_and_in_move_every_block_and_return_the_host_blocks():
     assert seq.block_ids == [d for _, d in back]
 
 
+def test_swapping_fits_exactly_when_the_free_blocks_equal_the_table():
+    bm = BlockManager(SchedulerConfig(block_size=4, num_gpu_blocks=2, num_cpu_blocks=2))
+    seq = sequence(8)
+    bm.allocate(seq, [], 2)
+    seq.num_kv_tokens = 7
+    assert bm.can_swap_out(seq)  # 2 blocks into 2 free host blocks
+    bm.swap_out(seq)
+    assert bm.can_swap_in(seq, 1) and not bm.can_swap_in(seq, 2)  # 8 tokens fill the 2 device blocks
+
+
+def forked_pair(num_gpu_blocks: int, computed: int) -> tuple[BlockManager, Sequence, Sequence]:
+    """Two samples forked from a parent that computed ``computed`` prompt tokens (blocks of 4)."""
+    bm = BlockManager(SchedulerConfig(block_size=4, num_gpu_blocks=num_gpu_blocks))
+    parent = sequence(computed + 1)
+    bm.allocate(parent, [], bm.blocks_for(computed))
+    parent.num_kv_tokens = computed
+    children = [sequence(computed + 1) for _ in range(2)]
+    for child in children:
+        child.num_kv_tokens = computed
+    bm.fork(parent, children)
+    return bm, children[0], children[1]
+
+
+def test_a_sample_writing_into_a_shared_partial_tail_block_needs_a_block_for_its_copy():
+    bm, a, b = forked_pair(num_gpu_blocks=5, computed=5)  # 2 shared blocks, the tail holds 1 token
+    assert bm.device.num_free == 3
+    assert bm.num_new_blocks(a, 1) == 1 and bm.num_new_blocks(a, 4) == 2
+    assert bm.max_appendable_tokens(a) == 3 + 2 * 4  # the copy takes one of the 3 free blocks
+    assert bm.can_append_slots(a, 3 + 2 * 4) and not bm.can_append_slots(a, 4 + 2 * 4)
+    bm.append_slots(a, 1)
+    assert a.shared_tail is False and a.block_ids[-1] != b.block_ids[-1]  # its own copy
+    # the sibling is now the tail's only owner: it writes in place, no copy
+    assert bm.num_new_blocks(b, 1) == 0 and bm.max_appendable_tokens(b) == 3 + 2 * 4
+
+
+def test_a_shared_tail_copy_that_takes_the_last_free_block_leaves_room_only_in_the_copy():
+    bm, a, _ = forked_pair(num_gpu_blocks=3, computed=5)
+    assert bm.device.num_free == 1 and bm.max_appendable_tokens(a) == 3
+    bm.device.take_fresh()
+    assert bm.max_appendable_tokens(a) == 0 and not bm.can_append_slots(a, 1)
+
+
+def test_samples_forked_at_a_block_boundary_share_only_full_blocks_and_copy_nothing():
+    bm, a, _ = forked_pair(num_gpu_blocks=4, computed=8)
+    assert bm.num_new_blocks(a, 1) == 1 and bm.max_appendable_tokens(a) == 2 * 4
+
+
+def test_cached_free_blocks_a_prompt_hits_leave_the_free_pool_when_it_is_admitted():
+    bm = BlockManager(SchedulerConfig(block_size=4, num_gpu_blocks=4))
+    seq = sequence(8)
+    bm.allocate(seq, [], 2)
+    for i, block in enumerate(seq.block_ids):
+        bm.device.register(block, ("key", i))
+    hits = list(seq.block_ids)
+    bm.free(seq)
+    assert bm.device.num_free == 4  # cached but free: evictable
+    assert bm.can_allocate(hits, 4) and not bm.can_allocate(hits, 5)
+    holder = sequence(8)
+    bm.allocate(holder, hits, 2)  # in use now: a second hit costs no free block
+    assert bm.can_allocate(hits, 2 + 2) and not bm.can_allocate(hits, 2 + 3)
+
+
+def test_freeing_or_trimming_blocks_before_the_step_is_built_drops_their_pending_zeroing():
+    bm = BlockManager(SchedulerConfig(block_size=4, num_gpu_blocks=4))
+    seq = sequence(8)
+    bm.allocate(seq, [], 0)
+    bm.append_slots(seq, 8)
+    bm.free(seq)
+    assert bm.drain() == ([], [])
+    other = sequence(8)
+    bm.allocate(other, [], 0)
+    other.num_kv_tokens = 3
+    bm.append_slots(other, 6)  # three blocks granted; the step is then abandoned with 3 computed
+    bm.release_unused(other)
+    zero, _ = bm.drain()
+    assert zero == other.block_ids and len(zero) == 1
+
+
 def test_after_every_request_finishes_every_ref_count_is_zero_and_the_free_list_holds_every_block():
     config = SchedulerConfig(block_size=4, num_gpu_blocks=24, num_cpu_blocks=12, max_num_seqs=6,
                              max_num_batched_tokens=24, enable_prefix_caching=True, debug_invariants=True)

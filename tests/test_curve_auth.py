@@ -14,9 +14,6 @@ from pagedserve.protocol.codec import encode
 from pagedserve.protocol.curve import CurveKeyError
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, TcpLayout, make_run_dir, write_tcp_layout
 
-pytestmark = pytest.mark.slow
-
-
 def free_port_range(count: int) -> int:
     """A base port whose next ``count`` ports are all free right now."""
     for _ in range(50):

@@ -19,8 +19,6 @@ from server import Server
 from test_curve_auth import free_port_range
 from test_parallel_serving import assert_equal_to_transformers, greedy_completions
 
-pytestmark = pytest.mark.slow
-
 WORKER_NODE_FILES = ["endpoints.json", "curve/server.key", "curve/client.key_secret"]
 
 
@@ -60,6 +58,7 @@ class RemoteWorkers(threading.Thread):
         return [p.wait(30) for p in self.procs]
 
 
+@pytest.mark.slow
 def test_tcp_curve_deployment_with_workers_started_by_hand_serves_transformers_greedy_tokens(
         model_factory, tmp_path):
     model = model_factory("qwen2")

@@ -14,6 +14,8 @@ from pagedserve.protocol.messages import SchedulerStats
 from pagedserve.protocol.zmq_io import Endpoints
 from test_frontend_harness import API_KEY, MAX_MODEL_LEN, deployment, env  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.slow  # a real frontend process
+
 
 def _client(frontend) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key=API_KEY, max_retries=0,

@@ -142,7 +142,7 @@ class FrontendProcess:
         self._supervisor = Receiver(self._ctx, Endpoints(run_dir).supervisor(), ToSupervisor)
         cmd = [sys.executable, "-m", "pagedserve.frontend_proc", "--run-dir", str(run_dir),
                "--model", model_dir, "--served-model-name", "tiny", "--port", str(self.port),
-               "--num-replicas", str(num_replicas), "--max-model-len", str(max_model_len),
+               "--data-parallel-size", str(num_replicas), "--max-model-len", str(max_model_len),
                "--replica-timeout-s", str(replica_timeout_s), "--log-level", "warning"]
         if api_key:
             cmd += ["--api-key", api_key]

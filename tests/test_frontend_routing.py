@@ -6,7 +6,11 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from test_frontend_harness import deployment, env  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.slow  # a real frontend process
 
 
 def _load_until_seen(frontend, fakes, stats_per_replica):

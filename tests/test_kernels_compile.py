@@ -46,6 +46,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow  # a fresh interpreter, without TRITON_INTERPRET
 def test_every_kernel_compiles_for_sm90_in_every_cache_dtype(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")

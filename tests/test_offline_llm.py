@@ -18,6 +18,7 @@ def model(model_factory):
     return model_factory("qwen2")
 
 
+@pytest.mark.slow
 def test_greedy_generate_equals_transformers_keeps_input_order_and_close_stops_every_process(model):
     tok = hf_tokenizer(model)
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -22,6 +22,7 @@ def wheel(tmp_path_factory) -> Path:
     return next(out.glob("pagedserve-*.whl"))
 
 
+@pytest.mark.slow  # pip builds the wheel in a subprocess
 def test_the_wheel_puts_nothing_but_pagedserve_in_site_packages(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"pagedserve", wheel.name.split("-py")[0] + ".dist-info"}
@@ -33,6 +34,7 @@ def test_the_wheel_puts_nothing_but_pagedserve_in_site_packages(wheel):
     assert b"pagedserve = pagedserve.deploy.cli:main" in entry_points
 
 
+@pytest.mark.slow
 def test_an_installed_wheel_imports_every_package_from_site_packages(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
@@ -47,6 +49,7 @@ def test_an_installed_wheel_imports_every_package_from_site_packages(wheel, tmp_
     assert out.stdout.strip().startswith(str(target))
 
 
+@pytest.mark.slow  # a fresh interpreter: the import graph of this one is already polluted
 def test_importing_the_protocol_does_not_load_the_offline_api():
     code = "import sys, pagedserve.protocol.messages; print('pagedserve.deploy.offline' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)

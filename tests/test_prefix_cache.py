@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
@@ -74,6 +76,7 @@ def test_evicting_a_cached_block_for_new_content_zeroes_it():
     assert_all_blocks_free(sched)
 
 
+@pytest.mark.slow
 def test_block_keys_are_deterministic_across_processes():
     import subprocess
     import sys
@@ -84,3 +87,25 @@ def test_block_keys_are_deterministic_across_processes():
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={"PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert len(runs) == 1 and runs.pop().strip()
+
+
+def test_a_sequence_swapped_back_in_names_its_blocks_again_so_later_prompts_hit_them():
+    config = SchedulerConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, max_num_seqs=4,
+                             max_num_batched_tokens=32, preemption_mode="swap", enable_prefix_caching=True,
+                             debug_invariants=True)
+    sched, worker = Scheduler(config), SimWorker(config, counting_tokens())
+    for rid, first in (("old", 30), ("mid", 40), ("new", 50)):
+        sched.add_request(request(rid, list(range(first, first + 7)), max_tokens=8, ignore_eos=True))
+    swapped_in = False
+    while not swapped_in:
+        out = sched.schedule()
+        swapped_in = bool(out.blocks_to_swap_in)
+        sched.update_from_output(out, worker.step(out))
+    new = sched.requests["new"].sequences[0]
+    sched.add_request(request("probe", list(range(50, 54)) + [99], max_tokens=1))
+    out = sched.schedule()
+    [probe] = [r for r in out.new_requests if r.req_id == "probe"]
+    assert probe.num_computed_tokens == 4 and probe.block_ids[0] == new.block_ids[0]
+    sched.update_from_output(out, worker.step(out))  # the simulated worker checks the hit's KV
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)

@@ -45,7 +45,7 @@ def test_a_chat_template_that_is_neither_a_file_nor_a_template_is_refused(model_
 
 
 def test_tool_calling_flags_reach_the_frontend_and_an_unknown_parser_is_refused(model_dir):
-    from pagedserve.deploy.serve_config import TOOL_CALL_PARSERS
+    from pagedserve.protocol.options import TOOL_CALL_PARSERS
     from pagedserve.frontend_proc.args import parse_args
     from pagedserve.frontend_proc.tool_parsers import TOOL_PARSERS
 

@@ -181,3 +181,4 @@ def test_no_output_whatever_its_noise_makes_a_parser_raise():
                 parser(text, final)
             if text:
                 _streamed(parser, _random_pieces(text, rng.randrange(1 << 30)) if len(text) > 1 else [text])
+

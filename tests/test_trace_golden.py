@@ -40,6 +40,7 @@ def run_cli(capfd, *args: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("entry", GOLDENS, ids=[g["file"] for g in GOLDENS])
+@pytest.mark.slow  # replay starts worker / scheduler-replay processes
 def test_a_scheduler_alone_rebuilds_every_recorded_scheduler_output_byte_for_byte(entry, golden_model, capfd):
     # The model's tokenizer rebuilds golden_structured's grammar bitmasks.
     report = replay_scheduler(str(FIXTURES / entry["file"]), golden_model)
@@ -50,6 +51,7 @@ def test_a_scheduler_alone_rebuilds_every_recorded_scheduler_output_byte_for_byt
 
 
 @pytest.mark.parametrize("entry", GOLDENS, ids=[g["file"] for g in GOLDENS])
+@pytest.mark.slow
 def test_fresh_workers_reproduce_every_recorded_token(entry, golden_model, capfd):
     rc, text = run_cli(capfd, "replay", str(FIXTURES / entry["file"]), "--model", golden_model, "--num-threads", "1")
     assert rc == 0, text
@@ -82,6 +84,7 @@ def _stochastic_samples(path: str) -> list[tuple[int, str, int]]:
     return samples
 
 
+@pytest.mark.slow
 def test_a_worker_that_samples_differently_is_caught_at_the_first_differing_token(golden_model):
     with pytest.raises(ReplayMismatch) as info:
         replay_workers(GOLDEN_PATH, golden_model, "cpu", num_threads=1,
@@ -107,6 +110,7 @@ def test_a_missing_model_directory_is_refused_with_a_hint(tmp_path, capfd):
     assert rc == 2 and "pass --model DIR" in text
 
 
+@pytest.mark.slow
 def test_a_bit_flip_in_a_golden_is_reported_by_every_command_without_a_traceback(tmp_path, capfd):
     data = bytearray(Path(GOLDEN_PATH).read_bytes())
     data[len(data) // 2] ^= 0x04
@@ -119,6 +123,7 @@ def test_a_bit_flip_in_a_golden_is_reported_by_every_command_without_a_traceback
         assert "checksum mismatch" in text and "Traceback" not in text
 
 
+@pytest.mark.slow
 def test_a_truncated_golden_warns_and_replays_the_records_before_the_tear(golden_model, tmp_path, capfd):
     torn = tmp_path / "torn.trace"
     torn.write_bytes(Path(GOLDEN_PATH).read_bytes()[:-7])
@@ -130,6 +135,7 @@ def test_a_truncated_golden_warns_and_replays_the_records_before_the_tear(golden
     assert rc == 0 and "warning: torn record" in text and "identical to the recording" in text
 
 
+@pytest.mark.slow
 def test_a_golden_rewritten_as_another_protocol_version_is_refused(tmp_path, capfd):
     trace = read_trace(GOLDEN_PATH)
     meta = {**trace.meta, "protocol_version": trace.meta["protocol_version"] + 1}

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pagedserve.deploy.demo_model import build_model_dir
 from test_worker_harness import hf_greedy, random_prompts
 
@@ -61,6 +63,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_tensor_parallel_ranks_produce_transformers_greedy_tokens(tmp_path):
     split_kv = build_model_dir(tmp_path / "kv2", "qwen2", num_heads=4, num_kv_heads=2)
     replicated_kv = build_model_dir(tmp_path / "kv1", "llama", num_heads=4, num_kv_heads=1, seed=1)

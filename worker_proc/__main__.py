@@ -17,31 +17,32 @@ from dataclasses import fields
 # bench shape took 1.5 s spinning against 0.49 s sleeping (bench/RESULTS.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from pagedserve.protocol import options as opts
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.worker import Worker, WorkerConfig
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve.worker_proc", description=__doc__)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--replica", type=int, default=0)
     p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--dist-init", default=None)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument("--poison-kv-cache", action="store_true")
     p.add_argument("--debug-sampling-seed-offset", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default="INFO")
-    ns = p.parse_args(argv)
+    opts.add_arguments(p, opts.WORKER)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [worker {ns.replica}.{ns.rank}] %(message)s")
-    cfg = WorkerConfig(**{f.name: getattr(ns, f.name) for f in fields(WorkerConfig)})
+    try:
+        cfg = WorkerConfig(**{f.name: getattr(ns, f.name) for f in fields(WorkerConfig)})
+    except ValueError as exc:
+        print(f"pagedserve worker: invalid configuration: {exc}", file=sys.stderr)
+        return 2
 
     def stop(signum, _frame):
         raise SystemExit(0)
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         worker.close()
-    if cfg.tp_size > 1:
+    if cfg.tensor_parallel_size > 1:
         # torch + gloo can abort in C++ static destructors at interpreter exit even after
         # destroy_process_group ("terminate called without an active exception"), turning
         # a clean stop into a crash report; everything is closed, so skip them.

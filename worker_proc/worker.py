@@ -11,43 +11,50 @@ import os
 import socket
 import time
 import traceback
-from dataclasses import dataclass
+import dataclasses
+import json
+from pathlib import Path
 from typing import Optional
 
 import zmq
 
 from pagedserve.protocol import messages as m
+from pagedserve.protocol import options as opts
 from pagedserve.protocol.worker_link import SchedulerLink
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 
 log = logging.getLogger("pagedserve.worker")
 
 
-@dataclass(slots=True)
-class WorkerConfig:
-    run_dir: str
-    model: str
-    replica: int = 0
-    rank: int = 0
-    tp_size: int = 1
-    device: str = "cpu"
-    dtype: str = "float32"
-    block_size: int = 16
-    num_threads: Optional[int] = None  # CPU: torch intra-op threads
-    dist_init: Optional[str] = None  # torch.distributed init method for tp_size > 1
-    kv_cache_memory_gib: Optional[float] = None
-    gpu_memory_utilization: Optional[float] = None  # vLLM's; kv_cache.max_num_blocks says how
-    poison_kv_cache: bool = False  # debug: fill the cache with NaN at start (stale contents)
-    debug_sampling_seed_offset: int = 0  # debug: a deliberately different sampler (replay tests)
+class _WorkerConfigRules:
+    def __post_init__(self) -> None:
+        opts.validate(opts.values_of(self, opts.options_for(opts.WORKER)))
+        if self.dtype == "auto":  # started by hand: serve passes the dtype it resolved
+            path = Path(self.model) / "config.json"
+            model_config = json.loads(path.read_text()) if path.is_file() else {}
+            self.dtype = opts.resolve_dtype(self.dtype, model_config, self.device)
+        else:
+            self.dtype = opts.DTYPE_ALIASES[self.dtype]
+
+
+# The serve options a worker takes (protocol/options.py), plus how the supervisor wires it.
+WorkerConfig = opts.make_config("WorkerConfig", [
+    ("run_dir", str), ("model", str),
+    ("replica", int, dataclasses.field(default=0)),
+    ("rank", int, dataclasses.field(default=0)),
+    ("dist_init", Optional[str], dataclasses.field(default=None)),  # torch.distributed init for TP > 1
+    # debug: a deliberately different sampler (replay tests)
+    ("debug_sampling_seed_offset", int, dataclasses.field(default=0)),
+    *opts.dataclass_fields(opts.WORKER)], _WorkerConfigRules)
 
 
 def _init_distributed(cfg: WorkerConfig):
-    if cfg.tp_size == 1:
+    if cfg.tensor_parallel_size == 1:
         return None
     import torch.distributed as dist
 
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=cfg.dist_init, rank=cfg.rank, world_size=cfg.tp_size)
+    dist.init_process_group(backend, init_method=cfg.dist_init, rank=cfg.rank, world_size=cfg.tensor_parallel_size)
     return dist.group.WORLD
 
 
@@ -75,8 +82,8 @@ def _default_cpu_threads(cfg: WorkerConfig, num_layer_params: int) -> Optional[i
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if num_layer_params >= ALL_CORES_MIN_LAYER_PARAMS:
-        return max(1, cores // cfg.tp_size)
-    return max(1, (cores - 1) // cfg.tp_size)
+        return max(1, cores // cfg.tensor_parallel_size)
+    return max(1, (cores - 1) // cfg.tensor_parallel_size)
 
 
 class StepOrderError(RuntimeError):
@@ -101,7 +108,7 @@ class Worker:
             torch.set_num_threads(threads)
         group = _init_distributed(cfg)
         self.runner = ModelRunner(cfg.model, device=_device_for_rank(cfg), dtype=cfg.dtype,
-                                  tp_rank=cfg.rank, tp_size=cfg.tp_size, tp_group=group)
+                                  tp_rank=cfg.rank, tp_size=cfg.tensor_parallel_size, tp_group=group)
         log.info("%s on %s (%s), kernels: %s", self.runner.model_id, self.runner.device, cfg.dtype,
                  self.runner.ops.__name__.rsplit(".", 1)[-1])
 
@@ -154,7 +161,7 @@ class Worker:
     def close(self) -> None:
         for s in (self.inputs, self.results, self.to_supervisor):
             s.close()
-        if self.cfg.tp_size > 1:
+        if self.cfg.tensor_parallel_size > 1:
             _leave_distributed()
 
 

@@ -1,0 +1,260 @@
+"""Every serve option, defined once: name, type, default, check, help, and which child
+process is started with it.
+
+The ``pagedserve serve`` CLI, ServeConfig (and so the offline ``LLM(...)`` keywords), the
+scheduler's EngineConfig, the worker's WorkerConfig and the frontend's FrontendConfig all
+derive their flags, fields, defaults and checks from OPTIONS; the supervisor renders each
+child's command line from the same entries (``argv_for``), so a flag has one spelling in
+every process. Adding an option is one entry here (docs/CONTRIBUTING.md, "Adding an option").
+Cross-option rules (``--internal-curve`` needs ``--internal-host``) stay with the config that
+sees both options; an entry's ``check`` is about its own value only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+# The processes a serve option can be handed to (the supervisor keeps every option).
+SCHEDULER, WORKER, FRONTEND = "scheduler", "worker", "frontend"
+
+DTYPE_ALIASES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+                 "float16": "float16", "half": "float16"}
+DTYPE_CHOICES = ("auto", *DTYPE_ALIASES)
+ROUTER_KINDS = ("cache-aware", "least-loaded", "round-robin")  # frontend_proc/routing_policy.py
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # frontend_proc/tool_parsers/__init__.py (a test checks)
+BACKENDS = ("mp", "ray")  # vLLM's names for --distributed-executor-backend
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+class OptionError(ValueError):
+    """An option value that cannot work; the message names the flag and says why."""
+
+
+def _positive(v) -> bool:
+    return v >= 1
+
+
+def _non_negative(v) -> bool:
+    return v >= 0
+
+
+def _power_of_two(v) -> bool:
+    return v >= 1 and v & (v - 1) == 0
+
+
+def _log_level(v) -> bool:
+    return isinstance(logging.getLevelName(str(v).upper()), int)
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    name: str  # the config field; the flag is --name-with-dashes
+    type: type  # int | float | str | bool; with nargs="+" the type of one item
+    default: Any
+    help: str
+    check: Optional[tuple[Callable[[Any], bool], str]] = None  # (rule, "must be ...") on a non-None value
+    choices: Optional[tuple] = None
+    to: frozenset = frozenset()  # the child processes started with it
+    aliases: tuple[str, ...] = ()
+    nargs: Optional[str] = None
+    metavar: Optional[str] = None
+    hidden: bool = False  # accepted but not in --help (debug switches)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def validate(self, value: Any) -> None:
+        if value is None:
+            return
+        if self.choices is not None and value not in self.choices:
+            raise OptionError(f"{self.flag} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
+        if self.check is not None and not self.check[0](value):
+            raise OptionError(f"{self.flag} {self.check[1]}, got {value!r}")
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        kwargs: dict[str, Any] = {"default": self.default, "dest": self.name,
+                                  "help": argparse.SUPPRESS if self.hidden else self.help}
+        if self.type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs.update(type=self.type, nargs=self.nargs, metavar=self.metavar, choices=self.choices)
+        parser.add_argument(self.flag, *self.aliases, **kwargs)
+
+    def argv(self, value: Any) -> list[str]:
+        """This option as a child's command line: nothing for None (the child's default)."""
+        if value is None:
+            return []
+        if self.type is bool:
+            return [self.flag if value else "--no-" + self.flag[2:]]
+        if self.nargs:
+            return [self.flag, *map(str, value)]
+        return [self.flag, str(value)]
+
+
+_S, _W, _F = frozenset({SCHEDULER}), frozenset({WORKER}), frozenset({FRONTEND})
+_POSITIVE = (_positive, "must be at least 1")
+_NON_NEGATIVE = (_non_negative, "must be at least 0")
+_POSITIVE_S = (lambda v: v > 0, "must be positive")
+
+OPTIONS: tuple[Option, ...] = (
+    # -- HTTP
+    Option("host", str, "127.0.0.1", "the HTTP server's address", to=_F),
+    Option("port", int, 8000, "the HTTP server's port", (lambda v: 0 <= v <= 65535, "is not a TCP port (0..65535)"),
+           to=_F),
+    Option("served_model_name", str, None, "names clients may use for the model; responses carry the "
+           "first (default: the model directory's name)", nargs="+", metavar="NAME", to=_F),
+    Option("api_key", str, None, "require 'Authorization: Bearer KEY' on every endpoint but /health", to=_F),
+    Option("chat_template", str, None, "a Jinja chat template (a file, or the template text) instead of "
+           "the model's", metavar="FILE_OR_TEMPLATE", to=_F),
+    Option("max_logprobs", int, 20, "most logprobs alternatives per token a request may ask for "
+           "(larger: 400)", _NON_NEGATIVE, to=_F),
+    Option("replica_timeout_s", float, 5.0, "a replica whose last stats are older than this is down",
+           _POSITIVE_S, to=_F),
+    Option("drain_timeout_s", float, 30.0, "on SIGTERM, how long in-flight requests may take to finish",
+           _NON_NEGATIVE, to=_F),
+    Option("uvicorn_log_level", str.lower, None, "the HTTP server's log level (default: --log-level)",
+           choices=UVICORN_LOG_LEVELS, to=_F),
+    Option("generation_config", str, "auto", "default sampling for request fields left out: auto = the "
+           "model dir's generation_config.json, a directory = its generation_config.json, vllm = none "
+           "(vLLM's own defaults)", metavar="auto|vllm|DIR", to=_F),
+    Option("enable_auto_tool_choice", bool, False, 'let requests use tool_choice "auto": tool calls are '
+           "parsed from the output by --tool-call-parser", to=_F),
+    Option("tool_call_parser", str, None, "how tool calls are written in the model's output (hermes: "
+           "Qwen2.5 and Hermes models; llama3_json: Llama 3.1+)", choices=TOOL_CALL_PARSERS, metavar="NAME",
+           to=_F),
+    Option("disable_log_requests", bool, True, "accepted for vLLM command lines: pagedserve never logs "
+           "prompts or outputs"),
+    # -- model and devices
+    Option("device", str, "cpu", "cpu or cuda", to=_W),
+    Option("dtype", str, "auto", "weights and KV cache; auto: the model config's dtype (float16 -> "
+           "bfloat16 on CPU)", choices=DTYPE_CHOICES, to=_W),
+    Option("max_model_len", int, None, "prompt + output token limit (default: the model's "
+           "max_position_embeddings)", (lambda v: v >= 2, "must be at least 2"), to=_S | _F),
+    Option("tensor_parallel_size", int, 1, "workers (devices) per replica", _POSITIVE,
+           to=_S | _W, aliases=("-tp",)),
+    Option("data_parallel_size", int, 1, "replicas (a scheduler and its workers each)", _POSITIVE,
+           to=_F, aliases=("-dp",)),
+    Option("num_threads", int, None, "CPU threads per worker", _POSITIVE, to=_W),
+    # -- KV cache
+    Option("block_size", int, 16, "tokens per KV block", (_power_of_two, "must be a power of two"),
+           to=_S | _W),
+    Option("num_gpu_blocks", int, None, "KV blocks per device (default: as many as fit)", _POSITIVE, to=_S),
+    Option("kv_cache_memory_gib", float, None, "memory budget for the KV cache per device", _POSITIVE_S,
+           to=_W),
+    Option("gpu_memory_utilization", float, None, "vLLM's: on CUDA the share of each device's memory the "
+           "deployment may fill (weights included; the KV cache takes what is left); on CPU the share of "
+           "RAM the KV caches may take (default: 90%% of free CUDA memory, 1 GiB on CPU)",
+           (lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"), metavar="FRACTION", to=_W),
+    Option("swap_space", float, 1.0, "host swap space per replica, GiB", _NON_NEGATIVE, to=_S),
+    Option("enable_prefix_caching", bool, False, "reuse the KV blocks of prompt prefixes already computed",
+           to=_S),
+    Option("poison_kv_cache", bool, False, "debug: fill the KV cache with NaN at start", to=_W, hidden=True),
+    # -- scheduling
+    Option("max_num_seqs", int, 256, "most sequences running at once per replica", _POSITIVE, to=_S),
+    Option("max_num_batched_tokens", int, 2048, "most tokens computed in one step", _POSITIVE, to=_S),
+    Option("enable_chunked_prefill", bool, True, "split long prompts over steps", to=_S),
+    Option("preemption_mode", str, "auto", "how a preempted sequence gives its blocks back",
+           choices=PREEMPTION_MODES, to=_S),
+    Option("async_scheduling", bool, True, "schedule the next step while the workers run this one "
+           "(--no-async-scheduling waits for every step's result before the next)", to=_S),
+    Option("seed", int, 0, "sampling seed (replica r uses seed + r)", to=_S),
+    Option("debug_invariants", bool, False, "check block-manager invariants every step", to=_S),
+    Option("record_trace", str, None, "record the protocol to a trace file (replica r of several: "
+           "PATH.r)", metavar="PATH", to=_S),
+    Option("step_timeout_s", float, 60.0, "a step slower than this is a hung worker", _POSITIVE_S, to=_S),
+    # -- routing over replicas
+    Option("router", str, None, "how requests are spread over data-parallel replicas: cache-aware sends "
+           "each to the replica holding the longest cached prefix of its prompt (needs "
+           "--enable-prefix-caching), unless it is busier than the load bound allows, then to the least "
+           "loaded; least-loaded; round-robin (default: cache-aware when --data-parallel-size > 1; "
+           "docs/DECISIONS.md)", choices=ROUTER_KINDS, to=_F),
+    Option("router_balance_abs", int, 2, "cache-aware: the cache winner may carry this many more "
+           "sequences than the least-loaded replica (default %(default)s)", _NON_NEGATIVE, to=_F),
+    Option("router_balance_rel", float, 1.25, "cache-aware: ... or up to this many times its load "
+           "(default %(default)s)", (lambda v: v >= 1.0, "must be at least 1.0"), to=_F),
+    # -- supervision
+    Option("scheduler_timeout_s", float, 30.0, "a scheduler silent for this long (alive but no "
+           "heartbeat) is hung and restarted", _POSITIVE_S),
+    Option("max_restarts", int, 5, "restarts of a process within --restart-window-s before serve gives up",
+           _NON_NEGATIVE),
+    Option("restart_window_s", float, 300.0, "the window --max-restarts counts in", _POSITIVE_S),
+    Option("run_dir_parent", str, None, "where the private 0700 run directory is created"),
+    Option("log_level", str, "INFO", "log level of every process", (_log_level, "is not a log level"),
+           to=_S | _W | _F),
+    # -- beyond one node (deploy/README.md)
+    Option("internal_host", str, None, "put the internal ZMQ endpoints on TCP at this IP (default: ipc "
+           "sockets in the private run dir); CurveZMQ is required unless it is a loopback address",
+           metavar="HOST"),
+    Option("internal_port_base", int, None, "internal endpoint k listens on PORT+k; uses 2 + 2 x DP ports",
+           (lambda v: 1 <= v <= 65535, "is not a TCP port"), metavar="PORT"),
+    Option("internal_curve", bool, False, "encrypt and authenticate the internal TCP endpoints with "
+           "CurveZMQ even on loopback"),
+    Option("remote_workers", bool, False, "start no workers; write their command lines to "
+           "RUN_DIR/worker-commands.sh for the operator to run (on this or another node)"),
+    Option("distributed_executor_backend", str, "mp", "mp: every process on this node; ray: each replica "
+           "placed on a Ray cluster node (pip install -e \".[ray]\")", choices=BACKENDS),
+    Option("ray_address", str, None, "the Ray cluster to join (default: $RAY_ADDRESS, else a local "
+           "ray.init())", metavar="ADDRESS"),
+)
+
+BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+
+
+def options_for(process: Optional[str] = None) -> list[Option]:
+    """Every option (None), or those a child process is started with."""
+    return [o for o in OPTIONS if process is None or process in o.to]
+
+
+def add_arguments(parser: argparse.ArgumentParser, process: Optional[str] = None) -> None:
+    for option in options_for(process):
+        option.add_to(parser)
+
+
+def validate(values: dict) -> None:
+    """Each option's own check on the values given (OptionError names the first bad one)."""
+    for name, value in values.items():
+        if name in BY_NAME:
+            BY_NAME[name].validate(value)
+
+
+def argv_for(process: str, values: dict) -> list[str]:
+    """The flags of ``process``'s options with these values, for its command line."""
+    return [arg for o in options_for(process) for arg in o.argv(values[o.name])]
+
+
+def dataclass_fields(process: Optional[str] = None) -> list[tuple]:
+    """(name, type, field) of these options, for ``dataclasses.make_dataclass``."""
+    out = []
+    for o in options_for(process):
+        default = list(o.default) if isinstance(o.default, (list, tuple)) else o.default
+        out.append((o.name, Any, dataclasses.field(default=default)))
+    return out
+
+
+def make_config(name: str, fields: list, rules: type, frozen: bool = False) -> type:
+    """A dataclass whose fields are ``fields`` (option fields from ``dataclass_fields``
+    among them) and whose methods come from ``rules`` (its ``__post_init__`` included)."""
+    cls = dataclasses.make_dataclass(name, fields, bases=(rules,), frozen=frozen)
+    cls.__module__ = rules.__module__
+    return cls
+
+
+def values_of(config: Any, options: Iterable[Option]) -> dict:
+    return {o.name: getattr(config, o.name) for o in options}
+
+
+def resolve_dtype(requested: str, model_config: dict, device: str) -> str:
+    """``auto`` takes the model's own dtype (float16 becomes bfloat16 on CPU, as vLLM does)."""
+    if requested != "auto":
+        return DTYPE_ALIASES[requested]
+    name = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
+    name = DTYPE_ALIASES.get(name.removeprefix("torch."), "float32")
+    if name == "float16" and device == "cpu":
+        return "bfloat16"
+    return name

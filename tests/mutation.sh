@@ -1,0 +1,35 @@
+#!/bin/bash
+# Mutation testing of the rules that are easiest to break silently (docs/TESTING.md).
+#   tests/mutation.sh [SCRATCH_DIR]      needs: pip install -e '.[mutation]'
+# mutmut 3 names a mutant by its file's path, and the tests import pagedserve.<pkg>, so the
+# run happens in a scratch copy where the folders sit under pagedserve/ (as installed).
+# Only the fast (not slow) pure tests run; each mutant runs only the tests that reach it.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+scratch=${1:-$(mktemp -d /tmp/pagedserve-mutation.XXXXXX)}
+mkdir -p "$scratch/pagedserve"
+cd "$repo"
+git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$scratch"
+cd "$scratch"
+for pkg in protocol scheduler_proc worker_proc frontend_proc kernels deploy bench; do
+  rm -rf "pagedserve/$pkg" && mv "$pkg" pagedserve/
+done
+cp api/__init__.py pagedserve/__init__.py
+cat >> pyproject.toml <<'TOML'
+
+[tool.mutmut]
+source_paths = ["pagedserve"]
+only_mutate = ["pagedserve/worker_proc/sampler.py", "pagedserve/scheduler_proc/output_processor.py",
+               "pagedserve/scheduler_proc/admission.py", "pagedserve/scheduler_proc/block_manager.py",
+               "pagedserve/scheduler_proc/prefix_cache.py"]
+pytest_add_cli_args = ["-m", "not slow", "-p", "no:cacheprovider", "-q"]
+pytest_add_cli_args_test_selection = [
+  "tests/test_scheduler_admission.py", "tests/test_scheduler_requests.py", "tests/test_scheduler_policy.py",
+  "tests/test_scheduler_support.py", "tests/test_block_manager.py", "tests/test_prefix_cache.py",
+  "tests/test_scheduler_ahead.py", "tests/test_scheduler_draining.py", "tests/test_decode_lane.py",
+  "tests/test_output_processor.py", "tests/test_sampler_exact_rules.py", "tests/test_worker_sampler.py",
+  "tests/test_worker_sampling_params.py"]
+TOML
+OMP_NUM_THREADS=1 env -u PYTHONPATH mutmut run --max-children "${MUTMUT_CHILDREN:-2}"
+env -u PYTHONPATH mutmut results
+echo "scratch copy: $scratch (mutmut show NAME there shows a mutant)"
