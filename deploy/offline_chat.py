@@ -35,12 +35,20 @@ def _conversations(messages: Any) -> list[Conversation]:
 
 
 def render_conversations(tokenizer, messages: Union[Conversation, Sequence[Conversation]],
-                         add_generation_prompt: bool) -> list[list[int]]:
+                         add_generation_prompt: bool = True, continue_final_message: bool = False,
+                         chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[list[int]]:
     """Each conversation's prompt token ids; a bad one raises InvalidField naming it."""
     from pydantic import ValidationError
 
+    from pagedserve.frontend_proc.chat_template_options import ChatTemplateOptions
     from pagedserve.frontend_proc.errors import APIError
     from pagedserve.frontend_proc.openai_schema import ChatMessage
+
+    try:
+        options = ChatTemplateOptions.from_request(add_generation_prompt, continue_final_message,
+                                                   chat_template_kwargs)
+    except APIError as exc:
+        raise InvalidField(exc.param or "chat_template_kwargs", exc.message) from None
 
     prompts = []
     for i, conversation in enumerate(_conversations(messages)):
@@ -53,7 +61,7 @@ def render_conversations(tokenizer, messages: Union[Conversation, Sequence[Conve
             where = ".".join(str(p) for p in first.get("loc", ()))
             raise InvalidField("messages", f"conversation {i}: {where}: {first.get('msg')}") from None
         try:
-            prompts.append(tokenizer.encode_chat(parsed, add_generation_prompt=add_generation_prompt))
+            prompts.append(tokenizer.encode_chat(parsed, options))
         except APIError as exc:
             raise InvalidField("messages", f"conversation {i}: {exc.message}") from None
     return prompts

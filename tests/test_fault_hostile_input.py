@@ -191,7 +191,7 @@ def _malformed_requests(name: str) -> list[tuple[str, str, dict]]:
     for raw in [b"{", b"[1, 2", b"\xff\xfe\x00", b"", b"null", b"123", b'"prompt"', b"[]", b"{}}",
                 b'{"prompt": "hi",}', b"{'prompt': 'hi'}", b"NaN"]:
         cases += [("POST", c, {"content": raw, "headers": js}), ("POST", chat, {"content": raw, "headers": js})]
-    wrong = {"prompt": [123.5, {"a": 1}, None, True, [[1], [2]], [["a"]]], "max_tokens": ["5", 2.5, True, [1]],
+    wrong = {"prompt": [123.5, {"a": 1}, None, True, [[1], "a"], [["a"]]], "max_tokens": ["5", 2.5, True, [1]],
              "temperature": ["hot", [0], {}], "top_p": ["1", "x"], "n": ["2", 1.5],
              "stream": ["yes", 1], "stop": [5, [1, 2], {"s": 1}], "seed": ["x", 1.5], "logprobs": ["x", 2.5],
              "ignore_eos": ["no", 0], "top_k": ["3"], "min_tokens": ["1"], "stop_token_ids": ["1", [1.5]],

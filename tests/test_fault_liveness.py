@@ -17,13 +17,17 @@ from server import Server, pagedserve_processes, wait_until
 pytestmark = pytest.mark.slow
 
 DRAIN_S = 3
-ARGS = ["--num-threads", "1", "--num-gpu-blocks", "512", "--max-model-len", "2048",
+# Streams long enough to outlast the drain on a fast machine: at a few ms per step, 1,500
+# tokens can finish inside SIGTERM + DRAIN_S, and then nothing is left to end explicitly.
+CONTEXT = 16384
+LONG_STREAM = 15000
+ARGS = ["--num-threads", "1", "--num-gpu-blocks", str(8 * CONTEXT // 16 + 256), "--max-model-len", str(CONTEXT),
         "--drain-timeout-s", str(DRAIN_S)]  # no --step-timeout-s: the default (60 s) upper bound
 
 
 @pytest.fixture(scope="module")
 def server(model_factory, tmp_path_factory):
-    srv = Server(model_factory("qwen2"), ARGS).start(tmp_path_factory.mktemp("liveness"))
+    srv = Server(model_factory("qwen2", max_position_embeddings=CONTEXT), ARGS).start(tmp_path_factory.mktemp("liveness"))
     yield srv
     srv.stop()
 
@@ -53,7 +57,7 @@ def test_a_stopped_worker_under_load_ends_every_stream_within_15s_and_service_re
 def test_sigterm_ends_streams_longer_than_the_drain_timeout_explicitly_never_silently(server):
     """Last in this module on purpose: it stops the deployment."""
     assert wait_until(lambda: health(server)[0] == 200, 60)
-    clients = StreamingClients(server, 8, 1500).start()
+    clients = StreamingClients(server, 8, LONG_STREAM).start()
     result: dict = {}
     try:
         assert clients.wait_all_streaming(60)

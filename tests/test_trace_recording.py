@@ -82,7 +82,7 @@ def test_a_tensor_parallel_trace_with_a_lost_worker_replays_exactly_both_ways(mo
     finally:
         srv.stop()
     summary = summarize_trace(read_trace(str(path)))
-    assert summary.worker_failures == 1 and read_trace(str(path)).meta["config"]["tp_size"] == 2
+    assert summary.worker_failures == 1 and read_trace(str(path)).meta["config"]["tensor_parallel_size"] == 2
     report = replay_scheduler(str(path))
     assert report.ok, report.mismatch
     steps, tokens = replay_workers(str(path), model, "cpu", num_threads=1)

@@ -16,7 +16,7 @@ def test_a_compute_bound_model_gets_every_core_and_a_small_one_leaves_one_free(m
     assert small < ALL_CORES_MIN_LAYER_PARAMS
     assert _default_cpu_threads(cfg, small) == max(1, cores - 1)
     assert _default_cpu_threads(cfg, ALL_CORES_MIN_LAYER_PARAMS) == cores
-    two_ranks = WorkerConfig(run_dir="unused", model="unused", tp_size=2)
+    two_ranks = WorkerConfig(run_dir="unused", model="unused", tensor_parallel_size=2)
     assert _default_cpu_threads(two_ranks, ALL_CORES_MIN_LAYER_PARAMS) == max(1, cores // 2)
     assert _default_cpu_threads(WorkerConfig(run_dir="u", model="u", device="cuda"), small) is None
 
