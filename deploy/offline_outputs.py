@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Optional, Union
+from typing import Callable, Collection, Optional, Union
 
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.detokenizer import TextDecoder
 from pagedserve.protocol.sample_text import SampleText
+
+
+@dataclass(slots=True)
+class Logprob:
+    """vLLM's: a token's logprob, its rank among the vocabulary (1: most likely) and its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
 
 
 @dataclass(slots=True)
@@ -51,6 +60,9 @@ class RequestOutput:
     finish_time: Optional[float] = None
     token_times: list[float] = field(default_factory=list)  # when each delta of sample 0 arrived
     prompt: Optional[str] = None  # the prompt's text; None when given as token ids
+    # With SamplingParams.prompt_logprobs (vLLM's shape): None for the first prompt token, then
+    # per token a dict token id -> Logprob of the prompt token and the k most likely.
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
 
     @property
     def finished(self) -> bool:
@@ -83,6 +95,7 @@ class PendingRequest:
         # Without stop strings, the text is decoded once at the end: the same text (the
         # detokenizer decodes its whole window), without a decode per token.
         self.streaming = bool(stop_strings)
+        self.token_text = lambda token: decoder.decode([token])
         self.texts = [SampleText(decoder, stop_strings, decoder.stream_backend)
                       for _ in output.outputs]
 
@@ -112,6 +125,9 @@ class PendingRequest:
         if sample.finish_reason is not None:
             return 0  # ended by a stop string; the scheduler lags behind
         sample.token_ids += delta.new_token_ids
+        if delta.prompt_logprobs is not None and self.output.prompt_logprobs is None:
+            self.output.prompt_logprobs = prompt_logprob_dicts(self.output.prompt_token_ids, delta.prompt_logprobs,
+                                                               self.token_text)
         if delta.logprobs is not None:
             sample.logprobs = (sample.logprobs or []) + self._logprobs(delta)
         if delta.index == 0 and delta.new_token_ids:
@@ -140,3 +156,15 @@ class PendingRequest:
 
     def fail(self, reason: str) -> None:
         self.apply(m.RequestDelta(self.output.request_id, 0, [], "error", reason, "engine"), time.perf_counter())
+
+
+def prompt_logprob_dicts(prompt: list[int], chunk: m.PromptLogprobs,
+                         token_text: Callable[[int], str]) -> list[Optional[dict[int, Logprob]]]:
+    """vLLM's RequestOutput.prompt_logprobs from the scheduler's list (prompt tokens 1..)."""
+    dicts: list[Optional[dict[int, Logprob]]] = [None]
+    for i, (logprob, rank, top) in enumerate(zip(chunk.logprobs, chunk.ranks, chunk.top_logprobs)):
+        entry = {token: Logprob(lp, r, token_text(token)) for r, (token, lp) in enumerate(top, start=1)}
+        token = prompt[chunk.start + i]
+        entry[token] = Logprob(logprob, rank, token_text(token))
+        dicts.append(entry)
+    return dicts

@@ -1,0 +1,91 @@
+"""prompt_logprobs: every prompt position's logprobs equal log_softmax of transformers' logits on
+the same weights, across chunked prefill, with the prefix cache on, offline; the scheduler's
+joining of chunks sends each position once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import _hf
+from pagedserve.protocol.messages import AddRequest, PromptLogprobs, SamplingParams
+from pagedserve.scheduler_proc import prompt_logprobs as prompt_lp
+from pagedserve.scheduler_proc.request import Request, Sequence, token_array
+
+
+def hf_prompt_log_softmax(model_dir: str, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), vocab]: row i is the distribution transformers gives at position i."""
+    model, _ = _hf(model_dir)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+
+
+def _request(prompt_len: int, k: int = 1) -> Sequence:
+    msg = AddRequest("r", list(range(3, 3 + prompt_len)), SamplingParams(prompt_logprobs=k))
+    request = Request(msg, 0, 7, 1000)
+    return Sequence("r", request, 0, token_array(msg.prompt_token_ids), request.sampling, False)
+
+
+def _chunk(start: int, count: int, base: float = 0.0) -> PromptLogprobs:
+    return PromptLogprobs(start, [base - i for i in range(count)], [1] * count, [[(0, -0.1)]] * count)
+
+
+def test_chunks_join_in_order_and_a_recomputed_chunk_is_not_sent_again():
+    seq = _request(8)
+    prompt_lp.merge(1, {"r": _chunk(1, 3)}, {"r": seq})
+    prompt_lp.merge(2, {"r": _chunk(4, 2, base=-3.0)}, {"r": seq})
+    # recompute-preemption: the workers compute the prompt from position 0 again
+    prompt_lp.merge(3, {"r": _chunk(1, 7, base=-99.0)}, {"r": seq})
+    held = prompt_lp.complete(seq.request)
+    assert (held.start, held.end) == (1, 8)
+    assert held.logprobs[:5] == [0.0, -1.0, -2.0, -3.0, -4.0]  # the first-received values kept
+    assert held.logprobs[5:] == [-99.0 - 5, -99.0 - 6]  # only new positions taken from the recompute
+    # once complete, a recomputed sequence is sent to the workers without prompt_logprobs
+    assert prompt_lp.sampling_to_send(seq.request, seq.sampling).prompt_logprobs is None
+
+
+def test_a_gap_an_overrun_or_an_unasked_request_is_a_mismatch():
+    seq = _request(8)
+    with pytest.raises(prompt_lp.PromptLogprobsMismatch, match="missing"):
+        prompt_lp.merge(1, {"r": _chunk(2, 2)}, {"r": seq})
+    with pytest.raises(prompt_lp.PromptLogprobsMismatch, match="8-token prompt"):
+        prompt_lp.merge(1, {"r": _chunk(1, 8)}, {"r": seq})
+    with pytest.raises(prompt_lp.PromptLogprobsMismatch, match="did not ask"):
+        prompt_lp.merge(1, {"other": _chunk(1, 2)}, {"r": seq})
+    prompt_lp.merge(1, {"r": _chunk(1, 3)}, {"r": seq})
+    with pytest.raises(prompt_lp.PromptLogprobsMismatch, match=r"tokens \[1, 4\)"):
+        prompt_lp.complete(seq.request)  # sampling before the whole prompt was scored
+    assert prompt_lp.sampling_to_send(seq.request, seq.sampling).prompt_logprobs == 1
+
+
+@pytest.mark.slow
+def test_offline_prompt_logprobs_equal_transformers_log_softmax_across_chunks(model_factory):
+    from pagedserve.deploy.offline import LLM, SamplingParams as OfflineParams
+
+    model = model_factory("qwen2")
+    long_prompt = [(7 * i + 3) % 500 + 3 for i in range(45)]  # 3 chunks of at most 16 tokens
+    short_prompt = long_prompt[:20]  # shares a prefix the cache holds once the long one ran
+    k = 3
+    with LLM(model, num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=4,
+             enable_prefix_caching=True) as llm:
+        plain = llm.generate([long_prompt], OfflineParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
+        outs = llm.generate([long_prompt, short_prompt, [9]],
+                            [OfflineParams(max_tokens=3, temperature=0.0, prompt_logprobs=k),
+                             OfflineParams(max_tokens=2, temperature=0.0, prompt_logprobs=0, n=2),
+                             OfflineParams(max_tokens=1, prompt_logprobs=2)], use_tqdm=False)
+    assert plain.prompt_logprobs is None
+    assert outs[0].token_ids == plain.token_ids  # asking for them changes no output
+    for out, prompt, alternatives in ((outs[0], long_prompt, k), (outs[1], short_prompt, 0)):
+        expected = hf_prompt_log_softmax(model, prompt)
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            row = expected[i - 1]
+            token = prompt[i]
+            assert entry[token].logprob == pytest.approx(float(row[token]), abs=1e-4), f"position {i}"
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            best = row.topk(alternatives).indices.tolist()
+            assert set(entry) == set(best) | {token}
+            for rank, alt in enumerate(best, start=1):
+                assert entry[alt].logprob == pytest.approx(float(row[alt]), abs=1e-4)
+                assert entry[alt].rank == rank
+    assert outs[2].prompt_logprobs == [None]  # a one-token prompt has nothing to score
