@@ -160,11 +160,13 @@ class PendingRequest:
 
 def prompt_logprob_dicts(prompt: list[int], chunk: m.PromptLogprobs,
                          token_text: Callable[[int], str]) -> list[Optional[dict[int, Logprob]]]:
-    """vLLM's RequestOutput.prompt_logprobs from the scheduler's list (prompt tokens 1..)."""
+    """vLLM's RequestOutput.prompt_logprobs from the scheduler's list (prompt tokens 1..): the
+    prompt token first, then the alternatives the scheduler sent (as many as were asked for)."""
     dicts: list[Optional[dict[int, Logprob]]] = [None]
-    for i, (logprob, rank, top) in enumerate(zip(chunk.logprobs, chunk.ranks, chunk.top_logprobs)):
-        entry = {token: Logprob(lp, r, token_text(token)) for r, (token, lp) in enumerate(top, start=1)}
-        token = prompt[chunk.start + i]
-        entry[token] = Logprob(logprob, rank, token_text(token))
-        dicts.append(entry)
+    for entry in chunk.per_token(prompt, m.MAX_TOP_LOGPROBS):
+        table: dict[int, Logprob] = {}
+        for token, logprob, rank in entry:
+            if token not in table:
+                table[token] = Logprob(logprob, rank, token_text(token))
+        dicts.append(table)
     return dicts

@@ -123,6 +123,13 @@ class PromptLogprobs(msgspec.Struct, forbid_unknown_fields=True, gc=False):
         """One past the last prompt token covered."""
         return self.start + len(self.logprobs)
 
+    def per_token(self, prompt: list[int], k: int) -> list[list[tuple[int, float, int]]]:
+        """Per covered prompt token: (token id, logprob, rank) of the prompt token, then of its
+        ``k`` best alternatives (ranks 1..k), as every output format renders them."""
+        return [[(prompt[self.start + i], logprob, rank),
+                 *((token, lp, r) for r, (token, lp) in enumerate(top[:k], start=1))]
+                for i, (logprob, rank, top) in enumerate(zip(self.logprobs, self.ranks, self.top_logprobs))]
+
 
 class RequestDelta(Msg, gc=False):  # holds only scalars and int lists: no cycles possible
     request_id: str
