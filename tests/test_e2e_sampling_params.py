@@ -114,6 +114,11 @@ def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt_as_transformers
         assert entry[str(prompt[i])]["logprob"] == pytest.approx(row[prompt[i]].item(), abs=1e-4)
         assert entry[str(prompt[i])]["rank"] == int((row > row[prompt[i]]).sum()) + 1
         assert entry[str(best)]["rank"] == 1 and entry[str(best)]["decoded_token"] == tok.decode([best])
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = post(server, "/v1/chat/completions", {"messages": messages, "prompt_logprobs": 0}).json()
+    chat_prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert len(chat["prompt_logprobs"]) == len(chat_prompt)  # vLLM's place for chat: the response
+    assert [list(e) for e in chat["prompt_logprobs"][1:]] == [[str(t)] for t in chat_prompt[1:]]
     streamed = {"tokens": [], "token_logprobs": []}
     with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
             "prompt": prompt, "logprobs": 2, "echo": True, "max_tokens": MAX_TOKENS, "temperature": 0,
