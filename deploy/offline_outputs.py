@@ -7,7 +7,6 @@ sampled for the sample until it ended (a stop token included, as vLLM's do).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Optional, Union
 
@@ -154,8 +153,6 @@ class PendingRequest:
         return [{**dict(top), token: logprob}
                 for token, logprob, top in zip(delta.new_token_ids, delta.logprobs, alternatives)]
 
-    def fail(self, reason: str) -> None:
-        self.apply(m.RequestDelta(self.output.request_id, 0, [], "error", reason, "engine"), time.perf_counter())
 
 
 def prompt_logprob_dicts(prompt: list[int], chunk: m.PromptLogprobs,
