@@ -80,6 +80,20 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+def prompt_logprob_dicts(prompt: list[int], chunk: m.PromptLogprobs,
+                         token_text: Callable[[int], str]) -> list[Optional[dict[int, Logprob]]]:
+    """vLLM's RequestOutput.prompt_logprobs from the scheduler's list (prompt tokens 1..): the
+    prompt token first, then the alternatives the scheduler sent (as many as were asked for)."""
+    dicts: list[Optional[dict[int, Logprob]]] = [None]
+    for entry in chunk.per_token(prompt, m.MAX_TOP_LOGPROBS):
+        table: dict[int, Logprob] = {}
+        for token, logprob, rank in entry:
+            if token not in table:
+                table[token] = Logprob(logprob, rank, token_text(token))
+        dicts.append(table)
+    return dicts
+
+
 class PendingRequest:
     """A request sent and not finished: where its result goes and each sample's text so far."""
 
@@ -153,17 +167,3 @@ class PendingRequest:
         return [{**dict(top), token: logprob}
                 for token, logprob, top in zip(delta.new_token_ids, delta.logprobs, alternatives)]
 
-
-
-def prompt_logprob_dicts(prompt: list[int], chunk: m.PromptLogprobs,
-                         token_text: Callable[[int], str]) -> list[Optional[dict[int, Logprob]]]:
-    """vLLM's RequestOutput.prompt_logprobs from the scheduler's list (prompt tokens 1..): the
-    prompt token first, then the alternatives the scheduler sent (as many as were asked for)."""
-    dicts: list[Optional[dict[int, Logprob]]] = [None]
-    for entry in chunk.per_token(prompt, m.MAX_TOP_LOGPROBS):
-        table: dict[int, Logprob] = {}
-        for token, logprob, rank in entry:
-            if token not in table:
-                table[token] = Logprob(logprob, rank, token_text(token))
-        dicts.append(table)
-    return dicts
