@@ -9,8 +9,10 @@ import torch
 
 from conftest import _hf
 from pagedserve.protocol.messages import AddRequest, PromptLogprobs, SamplingParams
+from pagedserve.protocol.step_state import HeldRequest
 from pagedserve.scheduler_proc import prompt_logprobs as prompt_lp
 from pagedserve.scheduler_proc.request import Request, Sequence, token_array
+from pagedserve.worker_proc import prompt_logprobs as worker_prompt_lp
 
 
 def hf_prompt_log_softmax(model_dir: str, prompt: list[int]) -> torch.Tensor:
@@ -56,6 +58,39 @@ def test_a_gap_an_overrun_or_an_unasked_request_is_a_mismatch():
     with pytest.raises(prompt_lp.PromptLogprobsMismatch, match=r"tokens \[1, 4\)"):
         prompt_lp.complete(seq.request)  # sampling before the whole prompt was scored
     assert prompt_lp.sampling_to_send(seq.request, seq.sampling).prompt_logprobs == 1
+
+
+def test_the_worker_scores_only_the_asking_requests_prompt_rows_of_this_chunk(monkeypatch):
+    monkeypatch.setattr(worker_prompt_lp, "ROWS_PER_SLICE", 2)  # several slices per chunk
+    vocab, width = 11, 5
+    prompt = [1, 4, 9, 2, 7, 3, 8, 6]
+    plain = HeldRequest("plain", [5, 6, 7], 3, [0], 0, 3, SamplingParams())
+    # computes positions 4..8 (the last one samples): tokens 5, 6, 7 are scored from positions 4, 5, 6
+    asking = HeldRequest("asking", prompt, 8, [1], 4, 4, SamplingParams(prompt_logprobs=2))
+    first_chunk = HeldRequest("first", prompt, 8, [2], 0, 2, SamplingParams(prompt_logprobs=0))
+    rows = 3 + 4 + 2
+    hidden = torch.randn(rows, width, generator=torch.Generator().manual_seed(1))
+    head = torch.randn(vocab, width, generator=torch.Generator().manual_seed(2))
+    calls = []
+
+    def compute_logits(h):
+        calls.append(h.shape[0])
+        return h @ head.T
+
+    scored = worker_prompt_lp.compute_prompt_logprobs(hidden, [plain, asking, first_chunk], compute_logits)
+    assert set(scored) == {"asking", "first"} and sum(calls) == 3 + 2  # no row of "plain", nor the sampling one
+    expected = torch.log_softmax(hidden @ head.T, -1)
+    got = scored["asking"]
+    assert (got.start, got.end) == (5, 8)
+    for i, position in enumerate(range(4, 7)):
+        row = expected[3 + i]
+        target = prompt[position + 1]
+        assert got.logprobs[i] == pytest.approx(float(row[target]), abs=1e-6)
+        assert got.ranks[i] == int((row > row[target]).sum()) + 1
+        assert [t for t, _ in got.top_logprobs[i]] == row.topk(2).indices.tolist()
+    first = scored["first"]
+    assert (first.start, first.end, first.top_logprobs) == (1, 3, [[], []])
+    assert first.logprobs == pytest.approx([float(expected[7][prompt[1]]), float(expected[8][prompt[2]])], abs=1e-6)
 
 
 @pytest.mark.slow

@@ -125,9 +125,11 @@ class ModelRunner:
                                             batched_decodes=self.device.type == "cpu",
                                             workspace=self._gather_workspace)
                 hidden = self.model.forward(batch, cache.device_cache, self.ops)
-                if any(r.sampling.prompt_logprobs is not None for r in scheduled):
+                # Decodes (batched last) score no prompt token: only the prefill entries are looked at.
+                prefills = scheduled[:len(out.new_requests) + len(out.cached_requests)]
+                if any(r.sampling.prompt_logprobs is not None for r in prefills):
                     # Every rank runs the LM head over the same rows (it may be a collective).
-                    prompt_logprobs = compute_prompt_logprobs(hidden, scheduled, self.model.compute_logits) or None
+                    prompt_logprobs = compute_prompt_logprobs(hidden, prefills, self.model.compute_logits) or None
                 if batch.sampled_requests:
                     # Every rank samples (the same logits, the same seeded noise), so every rank
                     # holds the token a placeholder in the next step stands for; rank 0 reports.
