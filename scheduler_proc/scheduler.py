@@ -30,8 +30,7 @@ from operator import attrgetter
 from pagedserve.protocol.messages import (AddRequest, CachedRequestData, NewRequestData, RequestDelta,
                                           SchedulerOutput, StepResult)
 
-from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap
-from pagedserve.scheduler_proc import prompt_logprobs as prompt_lp
+from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap, prompt_logprobs as prompt_lp
 from pagedserve.scheduler_proc.admission import length_limit, rejection_reason
 from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.block_pool import CacheEventLog

@@ -12,7 +12,11 @@ from pagedserve.protocol.messages import AddRequest, PromptLogprobs, SamplingPar
 from pagedserve.protocol.step_state import HeldRequest
 from pagedserve.scheduler_proc import prompt_logprobs as prompt_lp
 from pagedserve.scheduler_proc.request import Request, Sequence, token_array
+from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.scheduler import Scheduler
 from pagedserve.worker_proc import prompt_logprobs as worker_prompt_lp
+
+from test_scheduler_support import SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done
 
 
 def hf_prompt_log_softmax(model_dir: str, prompt: list[int]) -> torch.Tensor:
@@ -91,6 +95,60 @@ def test_the_worker_scores_only_the_asking_requests_prompt_rows_of_this_chunk(mo
     first = scored["first"]
     assert (first.start, first.end, first.top_logprobs) == (1, 3, [[], []])
     assert first.logprobs == pytest.approx([float(expected[7][prompt[1]]), float(expected[8][prompt[2]])], abs=1e-6)
+
+
+def _score(index: int, token: int) -> float:
+    return -(index * 1000.0 + token)  # what the simulated worker reports for prompt token ``index``
+
+
+class ScoringWorker(SimWorker):
+    """The simulated worker, also scoring the prompt positions each prefill chunk computes
+    (with the real worker's choice of positions); counts how often each is sent."""
+
+    def step(self, out):
+        result = super().step(out)
+        prefills = [self.held[r.req_id] for r in (*out.new_requests, *out.cached_requests)]
+        chunks = {}
+        for held, _, start, count in worker_prompt_lp.prompt_positions(prefills):
+            tokens = range(start + 1, start + 1 + count)
+            for i in tokens:
+                self.sent[(held.req_id, i)] = self.sent.get((held.req_id, i), 0) + 1
+            chunks[held.req_id] = PromptLogprobs(start + 1, [_score(i, held.token_ids[i]) for i in tokens],
+                                                 [1] * count, [[] for _ in tokens])
+        result.prompt_logprobs = chunks or None
+        return result
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_each_prompt_position_reaches_each_sample_once_through_chunks_preemption_and_the_prefix_cache(
+        preemption_mode):
+    config = SchedulerConfig(block_size=4, num_gpu_blocks=7, num_cpu_blocks=16, max_num_seqs=4,
+                             max_num_batched_tokens=8, preemption_mode=preemption_mode,
+                             enable_prefix_caching=True, debug_invariants=True)
+    sched = Scheduler(config)
+    worker = ScoringWorker(config, counting_tokens())
+    worker.sent = {}
+    prompts = {"a": list(range(20, 30)), "b": list(range(20, 39)), "c": list(range(20, 33))}
+    sched.add_request(request("warm", list(range(20, 39)), max_tokens=2))  # fills the prefix cache
+    run_until_done(sched, worker)
+    for rid, prompt in prompts.items():
+        sched.add_request(request(rid, prompt, max_tokens=8, ignore_eos=True, prompt_logprobs=0,
+                                  n=2 if rid == "b" else 1))
+    deltas = run_until_done(sched, worker)
+    stats = sched.stats()
+    assert stats[f"num_preemptions_{preemption_mode}"] >= 1
+    with_prompt = [d for d in deltas if d.prompt_logprobs is not None]
+    assert sorted((d.request_id, d.index) for d in with_prompt) == [("a", 0), ("b", 0), ("b", 1), ("c", 0)]
+    for delta in with_prompt:
+        prompt = prompts[delta.request_id]
+        scored = delta.prompt_logprobs
+        assert (scored.start, scored.end) == (1, len(prompt))
+        assert scored.logprobs == [_score(i, prompt[i]) for i in range(1, len(prompt))]
+    resent = sum(count - 1 for count in worker.sent.values())
+    # recomputed mid-prefill, the workers score positions again; the frontend still gets each once.
+    # Swapped out and back in, nothing is computed twice.
+    assert resent > 0 if preemption_mode == "recompute" else resent == 0
+    assert_all_blocks_free(sched)
 
 
 @pytest.mark.slow
