@@ -127,8 +127,9 @@ class ModelRunner:
                 hidden = self.model.forward(batch, cache.device_cache, self.ops)
                 # Decodes (batched last) score no prompt token: only the prefill entries are looked at.
                 prefills = scheduled[:len(out.new_requests) + len(out.cached_requests)]
-                if any(r.sampling.prompt_logprobs is not None for r in prefills):
-                    # Every rank runs the LM head over the same rows (it may be a collective).
+                # Only rank 0 reports them and lm_head is replicated (models/causal_lm.py): the
+                # other ranks skip the work. A vocab-parallel lm_head would need every rank here.
+                if self.rank == 0 and any(r.sampling.prompt_logprobs is not None for r in prefills):
                     prompt_logprobs = compute_prompt_logprobs(hidden, prefills, self.model.compute_logits) or None
                 if batch.sampled_requests:
                     # Every rank samples (the same logits, the same seeded noise), so every rank
@@ -145,4 +146,4 @@ class ModelRunner:
         return StepResult(step=out.step, rank=self.rank, req_ids=req_ids, sampled_token_ids=token_ids,
                           logprobs=logprobs, forward_time_s=time.perf_counter() - started,
                           top_logprobs=alternatives,
-                          prompt_logprobs=prompt_logprobs if self.rank == 0 else None)
+                          prompt_logprobs=prompt_logprobs)
