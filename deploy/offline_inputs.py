@@ -40,7 +40,9 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: Optional[dict[int, float]] = None  # token id -> bias in [-100, 100]
     best_of: Optional[int] = None  # only None or n: no extra candidates are sampled
-    prompt_logprobs: Optional[int] = None  # refused: prompt logprobs are not computed
+    # vLLM's: RequestOutput.prompt_logprobs, per prompt token a dict token id -> Logprob of the
+    # prompt token and the k most likely (None for the first token). Skips the prefix cache.
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True  # False: special tokens are part of the text
     # A grammar the output must follow: StructuredOutputsParams, or a dict of its keys.
     structured_outputs: Any = None
@@ -61,9 +63,10 @@ class SamplingParams:
                                            f"got {self.logprobs!r}")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise InvalidField("logit_bias", f"logit_bias must be a dict token id -> bias, got {self.logit_bias!r}")
-        if self.prompt_logprobs is not None:
-            raise InvalidField("prompt_logprobs", "prompt_logprobs is not supported: the engine computes "
-                                                  "the logprobs of sampled tokens only")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)):
+            raise InvalidField("prompt_logprobs", f"prompt_logprobs must be None or a number of alternatives "
+                                                  f"(>= 0), got {self.prompt_logprobs!r}")
         self.structured_outputs = as_structured_outputs(self.structured_outputs)
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidField("best_of", f"only best_of equal to n ({self.n}) is supported, got {self.best_of}")

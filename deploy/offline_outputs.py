@@ -8,11 +8,20 @@ sampled for the sample until it ended (a stop token included, as vLLM's do).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection, Optional, Union
+from typing import Callable, Collection, Optional, Union
 
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.detokenizer import TextDecoder
 from pagedserve.protocol.sample_text import SampleText
+
+
+@dataclass(slots=True)
+class Logprob:
+    """vLLM's: a token's logprob, its rank among the vocabulary (1: most likely) and its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
 
 
 @dataclass(slots=True)
@@ -50,6 +59,9 @@ class RequestOutput:
     finish_time: Optional[float] = None
     token_times: list[float] = field(default_factory=list)  # when each delta of sample 0 arrived
     prompt: Optional[str] = None  # the prompt's text; None when given as token ids
+    # With SamplingParams.prompt_logprobs (vLLM's shape): None for the first prompt token, then
+    # per token a dict token id -> Logprob of the prompt token and the k most likely.
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
 
     @property
     def finished(self) -> bool:
@@ -68,6 +80,20 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+def prompt_logprob_dicts(prompt: list[int], chunk: m.PromptLogprobs,
+                         token_text: Callable[[int], str]) -> list[Optional[dict[int, Logprob]]]:
+    """vLLM's RequestOutput.prompt_logprobs from the scheduler's list (prompt tokens 1..): the
+    prompt token first, then the alternatives the scheduler sent (as many as were asked for)."""
+    dicts: list[Optional[dict[int, Logprob]]] = [None]
+    for entry in chunk.per_token(prompt, m.MAX_TOP_LOGPROBS):
+        table: dict[int, Logprob] = {}
+        for token, logprob, rank in entry:
+            if token not in table:
+                table[token] = Logprob(logprob, rank, token_text(token))
+        dicts.append(table)
+    return dicts
+
+
 class PendingRequest:
     """A request sent and not finished: where its result goes and each sample's text so far."""
 
@@ -82,6 +108,7 @@ class PendingRequest:
         # Without stop strings, the text is decoded once at the end: the same text (the
         # detokenizer decodes its whole window), without a decode per token.
         self.streaming = bool(stop_strings)
+        self.token_text = lambda token: decoder.decode([token])
         self.texts = [SampleText(decoder, stop_strings, decoder.stream_backend)
                       for _ in output.outputs]
 
@@ -111,6 +138,9 @@ class PendingRequest:
         if sample.finish_reason is not None:
             return 0  # ended by a stop string; the scheduler lags behind
         sample.token_ids += delta.new_token_ids
+        if delta.prompt_logprobs is not None and self.output.prompt_logprobs is None:
+            self.output.prompt_logprobs = prompt_logprob_dicts(self.output.prompt_token_ids, delta.prompt_logprobs,
+                                                               self.token_text)
         if delta.logprobs is not None:
             sample.logprobs = (sample.logprobs or []) + self._logprobs(delta)
         if delta.index == 0 and delta.new_token_ids:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import AsyncIterator, Collection, Optional, Union
+from typing import AsyncIterator, Collection, Optional, Sequence, Union
 
 from pagedserve.frontend_proc.request_stream import ChoiceState, ChoiceUpdate, RequestStream
 
@@ -25,6 +25,7 @@ class BatchChoice:
     state: ChoiceState
     echo: str = ""  # text to put before the first update ("" once sent, or without echo)
     stop_token_ids: Collection[int] = ()
+    prompt_token_ids: Sequence[int] = ()  # its prompt's, for prompt logprobs
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -39,14 +40,19 @@ class CompletionBatch:
     """The prompts' RequestStreams, seen as one (the interface serving.py formats)."""
 
     def __init__(self, streams: list[RequestStream], echo_texts: Optional[list[str]] = None,
-                 stop_token_ids: Collection[int] = ()):
+                 stop_token_ids: Collection[int] = (), prompt_ids: Optional[list[list[int]]] = None,
+                 prompt_logprobs: Optional[int] = None, echo_logprobs: Optional[int] = None):
         self.streams = streams
+        # Alternatives per prompt token, for the prompt_logprobs field / the echoed logprobs (None: not shown)
+        self.prompt_logprobs = prompt_logprobs
+        self.echo_logprobs = echo_logprobs
         self.choices: list[BatchChoice] = []
         self._offsets: list[int] = []
         for i, stream in enumerate(streams):
             self._offsets.append(len(self.choices))
             echo = echo_texts[i] if echo_texts else ""
-            self.choices += [BatchChoice(len(self.choices) + c.index, c, echo, stop_token_ids)
+            prompt = prompt_ids[i] if prompt_ids else ()
+            self.choices += [BatchChoice(len(self.choices) + c.index, c, echo, stop_token_ids, prompt)
                              for c in stream.choices]
 
     @property

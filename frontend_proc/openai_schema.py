@@ -56,7 +56,9 @@ class SamplingFields(_Lenient):
     logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias in [-100, 100]
     best_of: Optional[int] = Field(default=None, ge=1)  # only best_of == n (no extra candidates)
     skip_special_tokens: bool = True  # vLLM's: False renders special tokens in the text
-    prompt_logprobs: Optional[int] = None  # refused: prompt logprobs are not computed (DECISIONS.md)
+    # vLLM's: the prompt tokens' logprobs with this many alternatives (<= --max-logprobs, and not
+    # with stream, as vLLM; checked in serving). Skips the prefix cache (DECISIONS.md).
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # Structured output (frontend_proc/structured_request.py): OpenAI's, and vLLM's extras
@@ -93,20 +95,21 @@ class SamplingFields(_Lenient):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
         return value
 
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _prompt_logprobs_unsupported(cls, value: Optional[int]):
-        if value is not None:
-            raise ValueError("prompt_logprobs is not supported: the engine computes the logprobs "
-                             "of sampled tokens only, never of prompt tokens")
-        return value
-
     def token_logit_bias(self) -> dict[int, float]:
         return {int(key): float(bias) for key, bias in (self.logit_bias or {}).items()}
 
     def num_top_logprobs(self) -> int:
         """How many alternatives per token were asked for (0: the sampled token only)."""
         return 0
+
+    def echo_logprobs(self) -> Optional[int]:
+        """Alternatives per echoed prompt token; None: the prompt's logprobs are not echoed."""
+        return None
+
+    def wire_prompt_logprobs(self) -> Optional[int]:
+        """Alternatives per prompt token the engine computes, for prompt_logprobs and echo."""
+        wanted = [k for k in (self.prompt_logprobs, self.echo_logprobs()) if k is not None]
+        return max(wanted) if wanted else None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -124,7 +127,7 @@ class CompletionRequest(SamplingFields):
     # One prompt (text or token ids) or a list of them; choices are numbered prompt-major.
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0)  # <= --max-logprobs, checked in serving
-    echo: bool = False  # the prompt's text before each choice's (without logprobs: see serving)
+    echo: bool = False  # the prompt's text (and with logprobs its tokens' logprobs) before each choice's
     suffix: Optional[str] = None  # refused: no insertion (fill-in-the-middle) mode
 
     @field_validator("prompt")
@@ -160,6 +163,9 @@ class CompletionRequest(SamplingFields):
 
     def num_top_logprobs(self) -> int:
         return self.logprobs or 0
+
+    def echo_logprobs(self) -> Optional[int]:
+        return self.logprobs if self.echo else None
 
 
 class FunctionCall(_Lenient):

@@ -17,7 +17,7 @@ from pagedserve.frontend_proc.engine_client import EngineClient, ReplicaFailed, 
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest, ServiceUnavailable, ShuttingDown
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.tokenization import PromptTokenizer
-from pagedserve.protocol.messages import RequestDelta
+from pagedserve.protocol.messages import PromptLogprobs, RequestDelta
 from pagedserve.protocol.sample_text import SampleText
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class ChoiceUpdate:
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token, its alternatives
     finish_reason: Optional[str] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None  # with the sample's first token, when asked
 
 
 class ChoiceState:
@@ -47,7 +48,7 @@ class ChoiceState:
         self.num_tokens += len(delta.new_token_ids)
         update = self.text.apply(delta)
         return ChoiceUpdate(self.index, update.text, update.token_ids, update.logprobs,
-                            update.top_logprobs, update.finish_reason)
+                            update.top_logprobs, update.finish_reason, delta.prompt_logprobs)
 
 
 def _delta_error(delta: RequestDelta) -> APIError:

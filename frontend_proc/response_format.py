@@ -6,8 +6,9 @@ import time
 import uuid
 from typing import Any, Optional, Union
 
-# Per token: (its text, its logprob, its top alternatives as (text, logprob), best first).
-LogprobEntries = list[tuple[str, float, list[tuple[str, float]]]]
+# Per token: (its text, its logprob, its top alternatives as (text, logprob), best first); an
+# echoed prompt's first token has None for both (completions only).
+LogprobEntries = list[tuple[str, Optional[float], Optional[list[tuple[str, float]]]]]
 # vLLM's stop_reason: the stop string or requested stop token id that ended a choice, else None.
 StopReason = Optional[Union[str, int]]
 
@@ -51,7 +52,7 @@ class CompletionFormat:
         # vLLM's shape: the alternatives and the sampled token, keyed by text
         return {"tokens": [t for t, _, _ in entries],
                 "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [_by_text([(t, lp), *top]) for t, lp, top in entries],
+                "top_logprobs": [None if lp is None else _by_text([(t, lp), *top]) for t, lp, top in entries],
                 "text_offset": offsets}
 
 

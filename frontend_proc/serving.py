@@ -20,6 +20,7 @@ from pagedserve.frontend_proc.chat_request import prepare_chat
 from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest
 from pagedserve.frontend_proc.metrics import FrontendMetrics
+from pagedserve.frontend_proc.prompt_logprobs_format import echo_entries, prompt_logprob_dicts
 from pagedserve.frontend_proc.openai_schema import (
     DEFAULT_MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields)
 from pagedserve.frontend_proc.completion_batch import CompletionBatch
@@ -105,10 +106,6 @@ class Serving:
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         refuse_unsupported_fields(body)
         self._check_model(body)
-        if body.echo and body.wants_logprobs():
-            raise InvalidRequest(
-                "echo with logprobs is not supported: it needs the prompt tokens' logprobs, "
-                "which the engine does not compute; drop logprobs or echo", param="echo")
         prompts = body.prompts()
         prompt_ids = [self.tokenizer.encode_prompt(p) for p in prompts]
         max_tokens = [self._max_tokens(len(ids), body.max_tokens, default=DEFAULT_COMPLETION_MAX_TOKENS)
@@ -162,6 +159,13 @@ class Serving:
             field = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
             raise InvalidRequest(f"{field}: at most {self.max_logprobs} logprobs per token are served here "
                                  f"(--max-logprobs), got {body.num_top_logprobs()}", param=field)
+        if body.prompt_logprobs is not None:
+            if body.prompt_logprobs > self.max_logprobs:
+                raise InvalidRequest(f"prompt_logprobs: at most {self.max_logprobs} logprobs per token are served "
+                                     f"here (--max-logprobs), got {body.prompt_logprobs}", param="prompt_logprobs")
+            if body.stream:
+                raise InvalidRequest("prompt_logprobs are not available with stream=true (as in vLLM); "
+                                     "drop one of them", param="prompt_logprobs")
         if body.best_of is not None and body.best_of != body.n:
             raise InvalidRequest(f"best_of: only best_of equal to n ({body.n}) is supported, got "
                                  f"{body.best_of}; ask for n samples instead", param="best_of")
@@ -184,6 +188,7 @@ class Serving:
             repetition_penalty=_first(body.repetition_penalty, d.repetition_penalty, 1.0),
             min_p=_first(body.min_p, d.min_p, 0.0), logit_bias=body.token_logit_bias(),
             top_logprobs=body.num_top_logprobs() if logprobs else 0,
+            prompt_logprobs=body.wire_prompt_logprobs(),
             structured_outputs=structured_outputs or structured_outputs_of(body))
 
     def _check(self, add: AddRequest, body: SamplingFields) -> None:
@@ -234,7 +239,9 @@ class Serving:
                         choices: Optional[ChoiceRenderer] = None) -> Response:
         choices = choices or fmt
         streams = self._submit_all(body, prompt_ids, max_tokens, logprobs, fmt, structured_outputs)
-        stream = CompletionBatch(streams, echo_texts, stop_token_ids=frozenset(body.stop_token_ids or ()))
+        stream = CompletionBatch(streams, echo_texts, stop_token_ids=frozenset(body.stop_token_ids or ()),
+                                 prompt_ids=prompt_ids, prompt_logprobs=body.prompt_logprobs,
+                                 echo_logprobs=body.echo_logprobs())
         updates = stream.updates()
         try:
             if not body.stream:
@@ -252,28 +259,43 @@ class Serving:
             self._sse_events(stream, updates, first, fmt, choices, body.include_usage_in_stream()),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    def _logprob_entries(self, update: ChoiceUpdate) -> Optional[LogprobEntries]:
-        if update.logprobs is None:
-            return None
+    def _logprob_entries(self, update: ChoiceUpdate, stream: CompletionBatch) -> Optional[LogprobEntries]:
         text = self.tokenizer.token_text
+        echoed: LogprobEntries = []
+        if stream.echo_logprobs is not None and update.prompt_logprobs is not None:
+            prompt = stream.choices[update.index].prompt_token_ids
+            echoed = echo_entries(prompt, update.prompt_logprobs, stream.echo_logprobs, text)
+        if update.logprobs is None:
+            return echoed or None
         alternatives = update.top_logprobs or [[] for _ in update.token_ids]
-        return [(text(t), lp, [(text(a), alp) for a, alp in top])
-                for t, lp, top in zip(update.token_ids, update.logprobs, alternatives)]
+        return echoed + [(text(t), lp, [(text(a), alp) for a, alp in top])
+                         for t, lp, top in zip(update.token_ids, update.logprobs, alternatives)]
 
     async def _collect(self, stream: CompletionBatch,
                        updates: AsyncIterator[list[ChoiceUpdate]],
                        fmt: CompletionFormat, render: ChoiceRenderer) -> JSONResponse:
         texts = [[] for _ in stream.choices]
         logprobs: list[Optional[LogprobEntries]] = [None for _ in stream.choices]
+        prompt_logprobs = [None for _ in stream.choices]
         async for batch in updates:
             for update in batch:
                 texts[update.index].append(update.text)
-                entries = self._logprob_entries(update)
+                if update.prompt_logprobs is not None and stream.prompt_logprobs is not None:
+                    prompt_logprobs[update.index] = prompt_logprob_dicts(
+                        stream.choices[update.index].prompt_token_ids, update.prompt_logprobs,
+                        stream.prompt_logprobs, self.tokenizer.token_text)
+                entries = self._logprob_entries(update, stream)
                 if entries is not None:
                     logprobs[update.index] = (logprobs[update.index] or []) + entries
         choices = [render.full_choice(c.index, "".join(texts[c.index]), logprobs[c.index],
                                       c.finish_reason, c.stop_reason) for c in stream.choices]
         payload = fmt.envelope(fmt.object_full, choices)
+        if stream.prompt_logprobs is not None:  # vLLM's places: on each completion choice, atop a chat
+            if isinstance(fmt, ChatFormat):
+                payload["prompt_logprobs"] = prompt_logprobs[0]
+            else:
+                for choice, scored in zip(choices, prompt_logprobs):
+                    choice["prompt_logprobs"] = scored
         payload["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
         return JSONResponse(payload)
 
@@ -290,7 +312,7 @@ class Serving:
                 # One event per step's token (as vLLM), even while its text waits for the rest
                 # of a character or a possible stop string; the events that piled up while
                 # this task waited go out in one write. A tool-call renderer may hold a chunk.
-                chunks = (render.chunk_choice(u.index, u.text, self._logprob_entries(u), u.finish_reason,
+                chunks = (render.chunk_choice(u.index, u.text, self._logprob_entries(u, stream), u.finish_reason,
                                               stream.choices[u.index].stop_reason)
                           for u in batch if u.text or u.finish_reason or u.logprobs or u.token_ids)
                 events = b"".join(_sse(fmt.envelope(fmt.object_chunk, [c])) for c in chunks if c is not None)

@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 5  # 2: SchedulerOutput.decodes and RequestOutputs' token lists; 3: samples flags, placeholder tokens; 4: sampling controls, top logprobs, PrefixCacheEvents, WorkerHello.vocab_size; 5: structured outputs, SchedulerOutput.grammar
+PROTOCOL_VERSION = 6  # 2: SchedulerOutput.decodes and RequestOutputs' token lists; 3: samples flags, placeholder tokens; 4: sampling controls, top logprobs, PrefixCacheEvents, WorkerHello.vocab_size; 5: structured outputs, SchedulerOutput.grammar; 6: prompt logprobs (SamplingParams, StepResult, RequestDelta)
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 T = TypeVar("T")

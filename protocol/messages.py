@@ -74,6 +74,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     logit_bias: dict[TokenId, Annotated[float, msgspec.Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] = {}
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # alternatives, with logprobs
+    # vLLM's prompt_logprobs: each prompt token's logprob (and this many alternatives) under the
+    # model's distribution at the position before it. None: not computed. A request with it skips
+    # the prefix cache, whose hits compute nothing (docs/DECISIONS.md, "Prompt logprobs").
+    prompt_logprobs: Optional[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]] = None
     structured_outputs: Optional[StructuredOutputs] = None  # output constrained by a grammar
 
 
@@ -99,6 +103,34 @@ class Drain(Msg):
 # ------------------------------------------------------------ scheduler -> frontend
 
 
+class PromptLogprobs(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """Logprobs of consecutive prompt tokens ``start, start + 1, ...``: token ``i``'s logprob
+    under the model's distribution at position ``i - 1`` (so ``start >= 1``; the first prompt
+    token has none). Parallel lists, one entry per token."""
+
+    start: Annotated[int, msgspec.Meta(ge=1)]
+    logprobs: list[float]
+    ranks: list[int]  # 1 + how many tokens are more likely than the prompt token
+    top_logprobs: list[list[tuple[int, float]]]  # per token, its prompt_logprobs best alternatives
+
+    def __post_init__(self) -> None:
+        if not len(self.logprobs) == len(self.ranks) == len(self.top_logprobs):
+            raise ValueError(f"prompt logprobs of {len(self.logprobs)} tokens with {len(self.ranks)} ranks "
+                             f"and {len(self.top_logprobs)} alternatives lists")
+
+    @property
+    def end(self) -> int:
+        """One past the last prompt token covered."""
+        return self.start + len(self.logprobs)
+
+    def per_token(self, prompt: list[int], k: int) -> list[list[tuple[int, float, int]]]:
+        """Per covered prompt token: (token id, logprob, rank) of the prompt token, then of its
+        ``k`` best alternatives (ranks 1..k), as every output format renders them."""
+        return [[(prompt[self.start + i], logprob, rank),
+                 *((token, lp, r) for r, (token, lp) in enumerate(top[:k], start=1))]
+                for i, (logprob, rank, top) in enumerate(zip(self.logprobs, self.ranks, self.top_logprobs))]
+
+
 class RequestDelta(Msg, gc=False):  # holds only scalars and int lists: no cycles possible
     request_id: str
     index: int  # which of the n parallel samples
@@ -112,6 +144,8 @@ class RequestDelta(Msg, gc=False):  # holds only scalars and int lists: no cycle
     stop_token_id: Optional[int] = None
     # Per new token, its top-k alternatives (token id, logprob), best first; with top_logprobs > 0.
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    # With prompt_logprobs, on each sample's first delta: prompt tokens 1.. (start 1), all of them.
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class RequestOutputs(Msg, gc=False):
@@ -346,6 +380,9 @@ class StepResult(Msg):
     # Per sampled request: its top_logprobs alternatives (token id, logprob of the unmodified
     # distribution), best first; [] for a request that asked for none. None: nobody asked.
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    # By request id: the prompt logprobs this step's chunk computed (requests with prompt_logprobs
+    # only). None: none this step.
+    prompt_logprobs: Optional[dict[str, PromptLogprobs]] = None
 
 
 class Shutdown(Msg):

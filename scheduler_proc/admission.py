@@ -102,7 +102,9 @@ def admit_waiting(sched: "Scheduler", batch: StepPlan) -> None:
         n = request.sampling.n
         if sched.seats_free() < (n if seq.is_parent else 1):
             return
-        hits, keys = prefix_cache.lookup(bm.device, seq, bs) if prefix else ([], [])
+        # A cached block computes nothing, so prompt logprobs need the whole prompt computed (as vLLM).
+        lookup = prefix and request.sampling.prompt_logprobs is None
+        hits, keys = prefix_cache.lookup(bm.device, seq, bs) if lookup else ([], [])
         computed = len(hits) * bs
         remaining = seq.target_len - computed
         num_tokens = sched.chunk_size(remaining, batch.budget)
@@ -114,7 +116,7 @@ def admit_waiting(sched: "Scheduler", batch: StepPlan) -> None:
         if not bm.can_allocate(hits, num_blocks + children_blocks + admission_reserve(sched)):
             return
         waiting.popleft()
-        if prefix:
+        if lookup:
             sched.counters.prefix_cache_queries += len(seq.token_ids)
             sched.counters.prefix_cache_hits += computed
         first_admission = seq.num_preemptions == 0

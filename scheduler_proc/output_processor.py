@@ -16,6 +16,7 @@ import numpy as np
 from pagedserve.protocol.messages import RequestDelta, SchedulerOutput, StepResult
 
 from pagedserve.scheduler_proc import prefix_cache
+from pagedserve.scheduler_proc import prompt_logprobs as prompt_lp
 from pagedserve.scheduler_proc.decode_lane import lane_ready
 from pagedserve.scheduler_proc.grammar import grammar_finish
 from pagedserve.scheduler_proc.request import FINISHED, RUNNING, Sequence, child_sampling, token_array
@@ -61,6 +62,11 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
         raise StepResultMismatch(f"step {out.step}: a sample for {req_ids[num_slow + index]!r} where "
                                  f"{lane_ids[index]!r} was due")
     sched.in_flight.pop(0)
+    if result.prompt_logprobs:
+        try:
+            prompt_lp.merge(out.step, result.prompt_logprobs, {s.seq_id: s for s in (*sampling_seqs, *others)})
+        except prompt_lp.PromptLogprobsMismatch as exc:
+            raise StepResultMismatch(str(exc)) from None
     logprobs = result.logprobs
     prefix = sched.config.enable_prefix_caching
     block_size = sched.block_size
@@ -98,9 +104,15 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
         if finish is None and seq.grammar is not None:
             finish, stop_token, error = grammar_finish(seq, token)
         orders.append(seq.order)
+        prompt = None
+        if seq.sampling.prompt_logprobs is not None and len(seq_tokens) == seq.num_prompt_tokens + 1:
+            try:  # each sample's first token carries them
+                prompt = prompt_lp.complete(seq.request)
+            except prompt_lp.PromptLogprobsMismatch as exc:
+                raise StepResultMismatch(f"step {out.step}: {exc}") from None
         append(RequestDelta(seq.request_id, seq.index, [token], finish, error, error and "engine", seq.num_prompt_tokens,
                             seq.num_cached_tokens, [logprob] if seq.want_logprobs and logprob is not None else None,
-                            stop_token, [top] if seq.want_logprobs and top else None))
+                            stop_token, [top] if seq.want_logprobs and top else None, prompt))
         if finish is not None:
             _finish(sched, seq)
     if lane_ids:

@@ -59,6 +59,7 @@ class Request:
         "sequences",
         "num_cached_tokens",
         "grammar",
+        "prompt_logprobs",
     )
 
     def __init__(self, msg: AddRequest, arrival_number: int, seed: int, len_limit: int,
@@ -82,6 +83,7 @@ class Request:
         self.num_cached_tokens = 0
         # When the output is constrained: the grammar each sampling sequence gets a matcher of.
         self.grammar = None if compiled_grammar is None else RequestGrammar(compiled_grammar, self.stop_token_ids)
+        self.prompt_logprobs = None  # with sampling.prompt_logprobs: those received (prompt_logprobs.py)
 
 
 def _fields(params: SamplingParams) -> dict:

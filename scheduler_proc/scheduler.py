@@ -30,7 +30,7 @@ from operator import attrgetter
 from pagedserve.protocol.messages import (AddRequest, CachedRequestData, NewRequestData, RequestDelta,
                                           SchedulerOutput, StepResult)
 
-from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap
+from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap, prompt_logprobs as prompt_lp
 from pagedserve.scheduler_proc.admission import length_limit, rejection_reason
 from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.block_pool import CacheEventLog
@@ -371,7 +371,7 @@ class Scheduler:
         else:
             batch.new.append(NewRequestData(
                 seq.seq_id, seq.token_ids.tolist(), seq.num_prompt_tokens, list(seq.block_ids),
-                computed, num_tokens, seq.sampling, samples))
+                computed, num_tokens, prompt_lp.sampling_to_send(seq.request, seq.sampling), samples))
             seq.worker_knows = True
             (batch.sampling_new if samples else batch.others).append(seq)
         seq.num_tokens_sent = len(seq.token_ids)

@@ -87,6 +87,53 @@ def test_chat_top_logprobs_are_transformers_log_softmax(server):
     assert streamed == content
 
 
+def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt_as_transformers(server):
+    tok = hf_tokenizer(server.model)
+    prompt = tok("The quick brown fox jumps over").input_ids
+    tokens, steps = hf_greedy_with_logprobs(server.model, prompt)
+    model, _ = _hf(server.model)
+    with torch.no_grad():
+        prompt_rows = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    r = post(server, "/v1/completions", {"prompt": prompt, "logprobs": 2, "echo": True, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt) + MAX_TOKENS
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["tokens"][:len(prompt)] == [tok.decode([t]) for t in prompt]
+    expected = [prompt_rows[i - 1][prompt[i]].item() for i in range(1, len(prompt))]
+    expected += [reference[token].item() for token, reference in zip(tokens, steps)]
+    assert logprobs["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    assert choice["text"] == tok.decode(prompt) + tok.decode(tokens, skip_special_tokens=True)
+    scored = choice["prompt_logprobs"]
+    assert len(scored) == len(prompt) and scored[0] is None
+    for i, entry in enumerate(scored[1:], start=1):
+        row = prompt_rows[i - 1]
+        best = int(row.argmax())
+        assert set(entry) == {str(prompt[i]), str(best)}
+        assert entry[str(prompt[i])]["logprob"] == pytest.approx(row[prompt[i]].item(), abs=1e-4)
+        assert entry[str(prompt[i])]["rank"] == int((row > row[prompt[i]]).sum()) + 1
+        assert entry[str(best)]["rank"] == 1 and entry[str(best)]["decoded_token"] == tok.decode([best])
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = post(server, "/v1/chat/completions", {"messages": messages, "prompt_logprobs": 0}).json()
+    chat_prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert len(chat["prompt_logprobs"]) == len(chat_prompt)  # vLLM's place for chat: the response
+    assert [list(e) for e in chat["prompt_logprobs"][1:]] == [[str(t)] for t in chat_prompt[1:]]
+    streamed = {"tokens": [], "token_logprobs": []}
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
+            "prompt": prompt, "logprobs": 2, "echo": True, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as events:
+        for line in events.iter_lines():
+            if line.startswith("data: {"):
+                for chunk_choice in json.loads(line[6:])["choices"]:
+                    for key in streamed:
+                        streamed[key] += (chunk_choice["logprobs"] or {}).get(key, [])
+    assert streamed == {key: logprobs[key] for key in streamed}
+    plain = post(server, "/v1/completions", {"prompt": prompt, "logprobs": 2})
+    assert plain.json()["choices"][0]["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][len(prompt):]
+    assert "prompt_logprobs" not in plain.json()["choices"][0]
+
+
 # 1.8 first bites on a repeated output token (step 5), 0.3 on the prompt's tokens
 @pytest.mark.parametrize("text,penalty", [("The quick brown fox", 1.8), ("aaaa bbbb aaaa", 0.3)])
 def test_greedy_with_repetition_penalty_and_bias_follows_transformers(server, text, penalty):
@@ -110,7 +157,7 @@ def test_greedy_with_repetition_penalty_and_bias_follows_transformers(server, te
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
-    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, path, body, param):
     r = post(server, path, body)

@@ -60,7 +60,7 @@ COMMON = {
     "min_p": [*HUGE, -0.1, 1.5, NAN, ""],
     "logit_bias": [{"1": 101}, {"1": -101}, {"x": 1}, {"-1": 1}, {str(VOCAB): 1}, {"1": NAN}, {"1": "x"}, [], "x"],
     "best_of": [0, -1, 2, "", NAN],
-    "prompt_logprobs": [0, 1, "x"],
+    "prompt_logprobs": [*HUGE, -1, 21, NAN, "", "x"],
 }
 COMPLETION = {
     **COMMON,

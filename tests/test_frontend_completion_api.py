@@ -71,9 +71,8 @@ def test_echo_puts_each_prompts_text_before_its_choices(env):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"echo": True, "logprobs": 1}, "echo"),
     ({"suffix": "x"}, "suffix"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM: not with stream
     ({"prompt": ["a", ""]}, "prompt"),
 ])
 def test_unsupported_combinations_are_a_400_naming_the_field(env, body, param):

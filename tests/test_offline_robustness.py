@@ -44,7 +44,7 @@ def llm(model):
 BAD_SAMPLING = [dict(logprobs=-1), dict(logprobs=2000), dict(logprobs="x"), dict(presence_penalty=2.5),
                 dict(frequency_penalty=-3), dict(frequency_penalty=math.nan), dict(repetition_penalty=0),
                 dict(repetition_penalty=2.5), dict(min_p=1.5), dict(min_p=-0.1), dict(logit_bias={1: 101}),
-                dict(logit_bias={-1: 1.0}), dict(logit_bias="x"), dict(prompt_logprobs=1), dict(best_of=3), dict(temperature="x"), dict(temperature=math.nan), dict(temperature=-1),
+                dict(logit_bias={-1: 1.0}), dict(logit_bias="x"), dict(prompt_logprobs=-1), dict(prompt_logprobs="x"), dict(best_of=3), dict(temperature="x"), dict(temperature=math.nan), dict(temperature=-1),
                 dict(top_p=math.nan), dict(top_p=0), dict(top_k=-2), dict(top_k=2**70), dict(seed=2**63),
                 dict(seed=2**70), dict(seed=1.5), dict(n=0), dict(n=10**30), dict(max_tokens=0),
                 dict(max_tokens=2**70), dict(max_tokens=True), dict(min_tokens=-1), dict(min_tokens=100),

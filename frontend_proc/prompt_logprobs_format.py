@@ -1,0 +1,33 @@
+"""Prompt logprobs in the HTTP responses, as vLLM renders them.
+
+``prompt_logprobs`` (vLLM's extra field): per prompt token, None for the first, then a dict
+token id -> {logprob, rank, decoded_token} holding the prompt token and the k best
+alternatives. ``echo`` with ``logprobs`` on /v1/completions: the prompt's tokens lead the
+choice's ``logprobs`` object, the first with a null logprob and null alternatives.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from pagedserve.frontend_proc.response_format import LogprobEntries
+from pagedserve.protocol.messages import PromptLogprobs
+
+
+def prompt_logprob_dicts(prompt: list[int], scored: PromptLogprobs, k: int,
+                         token_text: Callable[[int], str]) -> list[Optional[dict[str, dict]]]:
+    dicts: list[Optional[dict[str, dict]]] = [None]
+    for entry in scored.per_token(prompt, k):
+        table: dict[str, dict] = {}
+        for token, logprob, rank in entry:  # the prompt token first; an alternative equal to it once
+            table.setdefault(str(token), {"logprob": logprob, "rank": rank, "decoded_token": token_text(token)})
+        dicts.append(table)
+    return dicts
+
+
+def echo_entries(prompt: list[int], scored: PromptLogprobs, k: int,
+                 token_text: Callable[[int], str]) -> LogprobEntries:
+    entries: LogprobEntries = [(token_text(prompt[0]), None, None)]
+    for (token, logprob, _), *alternatives in scored.per_token(prompt, k):
+        entries.append((token_text(token), logprob, [(token_text(t), lp) for t, lp, _ in alternatives]))
+    return entries
