@@ -202,13 +202,13 @@ def _malformed_requests(name: str) -> list[tuple[str, str, dict]]:
     for value in ["hi", [{"role": 1, "content": "x"}], [{"content": "x"}], [{"role": "user", "content": 5}],
                   [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], [], None, {}]:
         cases.append(("POST", chat, {"json": {**ok_chat, "messages": value}, "headers": AUTH}))
-    for body in [{}, {"model": name}, {"prompt": ""}, {"prompt": []}, {"prompt": [[]]}, {"prompt": ["a", "b"]}]:
+    for body in [{}, {"model": name}, {"prompt": ""}, {"prompt": []}, {"prompt": [[]]}, {"prompt": ["a", ""]}]:
         cases.append(("POST", c, {"json": body, "headers": AUTH}))
     cases.append(("POST", chat, {"json": {"model": name}, "headers": AUTH}))
     out_of_range = {"max_tokens": [0, -1, 10**9, MAX_MODEL_LEN], "temperature": [-0.1, 2.5, 1e308],
                     "top_p": [0.0, 1.5, -1], "top_k": [-2, -100], "n": [0, -1, 10**6], "min_tokens": [-1, 10**6],
                     "logprobs": [-1, 100], "prompt": [[-1], [10**9], [2**70], [5] * (MAX_MODEL_LEN + 1)],
-                    "echo": [True]}
+                    "suffix": ["x"]}  # refused: no fill-in-the-middle
     for field, values in out_of_range.items():
         for value in values:
             cases.append(("POST", c, {"json": {**ok_c, field: value}, "headers": AUTH}))
