@@ -58,6 +58,12 @@ def test_ties_are_ranked_by_token_id():
     assert kept([5, 0], [1.0, 0.5], tied) == [set(range(5)), set(range(33))]
 
 
+def test_top_p_of_1_keeps_every_token_even_where_the_running_mass_rounds_above_1():
+    # softmax of 0, -1, ..., -31 in float32: the running sum passes 1.0 before the last tokens
+    # (on x86 CPUs), so a top-p filter that ran at p = 1 would cut them
+    assert kept([0], [1.0], [-float(i) for i in range(32)]) == [set(range(32))]
+
+
 def test_each_row_of_a_batch_has_its_own_top_k_and_top_p():
     assert kept([0, 2, 0, 1, 3], [1.0, 1.0, 0.6, 1.0, 0.75]) == [
         {0, 1, 2, 3, 4}, {1, 3}, {1, 3}, {1}, {1, 3}]

@@ -55,7 +55,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
         # the best token's mass_before is exactly 0, never above p: every row keeps it
         mass_before = torch.cumsum(probs, 1) - probs
         sorted_logits = sorted_logits.masked_fill(mass_before > probs.new_tensor(top_p)[:, None], -torch.inf)
-    return torch.full_like(logits, -torch.inf).scatter(1, order, sorted_logits)
+    return torch.empty_like(logits).scatter(1, order, sorted_logits)  # order is a permutation: fills all
 
 
 def _exponential_noise(requests: list[HeldRequest], vocab: int) -> torch.Tensor:
