@@ -35,9 +35,8 @@ def run(ns: argparse.Namespace) -> None:
     runner = ModelRunner(ns.model)
     cfg = SchedulerConfig(block_size=16, num_gpu_blocks=ns.num_gpu_blocks, max_num_seqs=256,
                           max_num_batched_tokens=2048, max_model_len=4096)
-    runner.init_cache(WorkerInit(replica=0, tp_size=1, block_size=16, num_gpu_blocks=cfg.num_gpu_blocks,
-                                 num_cpu_blocks=0, max_model_len=4096, max_num_batched_tokens=2048,
-                                 max_num_seqs=256, seed=0))
+    runner.init_cache(WorkerInit(block_size=16, num_gpu_blocks=cfg.num_gpu_blocks,
+                                 num_cpu_blocks=0, max_model_len=4096, seed=0))
     sched = Scheduler(cfg)
     rng = random.Random(0)
     sampling = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)

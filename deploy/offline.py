@@ -264,8 +264,7 @@ class LLM:
     def _request(self, index: int, prompt: Prompt, sp: SamplingParams) -> m.AddRequest:
         try:
             add = m.AddRequest(request_id=f"offline-{next(self._ids)}", prompt_token_ids=self.encode(prompt),
-                               sampling=sp.to_protocol(), eos_token_ids=self.eos_token_ids,
-                               arrival_time=time.time())
+                               sampling=sp.to_protocol(), eos_token_ids=self.eos_token_ids)
             check_request(add, self.vocab_size)
         except InvalidField as exc:
             raise InvalidField(exc.field, f"{exc.reason} (prompt {index})") from None

@@ -225,9 +225,6 @@ class Supervisor:
                 self._schedule_restart(msg.replica, "workers", msg.reason)
         elif isinstance(msg, m.Heartbeat):
             self.last_heartbeat[msg.replica] = time.monotonic()
-        elif isinstance(msg, m.ProcessFailed):
-            self.stray_log.warning("a process reported failure", "%s %d.%d: %s", msg.role, msg.replica, msg.rank,
-                                   msg.reason)
 
     # ------------------------------------------------------------------ main loop
 

@@ -224,9 +224,3 @@ class EngineClient:
 
     def num_in_flight(self) -> int:
         return len(self._requests)
-
-    def num_rejected_frames(self) -> int:
-        return self._outputs.num_rejected
-
-    def get_handle(self, request_id: str) -> Optional[RequestHandle]:
-        return self._requests.get(request_id)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, AsyncIterator, Awaitable, Optional, Sequence, TypeVar, Union
 
 import msgspec
@@ -212,7 +211,7 @@ class Serving:
             request_id = fmt.id if len(prompt_ids) == 1 else f"{fmt.id}-{i}"
             add = AddRequest(request_id=request_id, prompt_token_ids=ids,
                              sampling=self._sampling(body, limit, logprobs, structured_outputs),
-                             eos_token_ids=self.tokenizer.eos_token_ids, arrival_time=time.time())
+                             eos_token_ids=self.tokenizer.eos_token_ids)
             self._check(add, body)
             adds.append(add)
         streams: list[RequestStream] = []

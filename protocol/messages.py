@@ -89,7 +89,6 @@ class AddRequest(Msg):
     prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
     sampling: SamplingParams
     eos_token_ids: list[TokenId] = []
-    arrival_time: Annotated[float, msgspec.Meta(ge=0.0, le=1e12)] = 0.0  # seconds since the epoch
 
 
 class AbortRequest(Msg):
@@ -198,14 +197,12 @@ class SchedulerStats(Msg):
     generation_tokens: int = 0
     recomputed_tokens: int = 0
     num_finished: int = 0
-    busy_time_s: float = 0.0
     worker_forward_time_s: float = 0.0
     worker_idle_time_s: float = 0.0
     worker_restarts: int = 0
     max_model_len: int = 0
     block_size: int = 0
     pid: int = 0  # the scheduler's: a new pid means a restarted replica that lost every request
-    worker_pids: list[int] = []  # by rank, once connected
     cache_events_sent: int = 0  # PrefixCacheEvents sent by this pid so far (the next one's seq)
     structured_output_requests: int = 0  # admitted requests constrained by a grammar
     structured_output_mask_time_s: float = 0.0  # filling their bitmasks, summed over steps
@@ -269,16 +266,11 @@ class WorkerHello(Msg):
 class WorkerInit(Msg):
     """The scheduler's answer to every worker's hello: the cache to build."""
 
-    replica: int
-    tp_size: int
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
+    max_model_len: int  # rotary positions to precompute
     seed: int
-    debug_invariants: bool = False
 
 
 class WorkerReady(Msg):
@@ -385,10 +377,6 @@ class StepResult(Msg):
     prompt_logprobs: Optional[dict[str, PromptLogprobs]] = None
 
 
-class Shutdown(Msg):
-    reason: str = ""
-
-
 # ------------------------------------------------------------ any process -> supervisor
 
 
@@ -397,14 +385,6 @@ class ProcessReady(Msg):
     replica: int
     rank: int
     pid: int
-
-
-class ProcessFailed(Msg):
-    role: str
-    replica: int
-    rank: int
-    pid: int
-    reason: str
 
 
 class RestartWorkers(Msg):
@@ -426,6 +406,6 @@ class Heartbeat(Msg):
 
 FrontendToScheduler = Union[AddRequest, AbortRequest, Drain]
 SchedulerToFrontend = Union[RequestOutputs, SchedulerStats, PrefixCacheEvents, ProcessTable]
-SchedulerToWorker = Union[WorkerInit, SchedulerOutput, Shutdown]
+SchedulerToWorker = Union[WorkerInit, SchedulerOutput]
 WorkerToScheduler = Union[WorkerHello, WorkerReady, StepResult]
-ToSupervisor = Union[ProcessReady, ProcessFailed, RestartWorkers, Heartbeat]
+ToSupervisor = Union[ProcessReady, RestartWorkers, Heartbeat]

@@ -66,7 +66,7 @@ class EngineLoop:
         self.state = "starting"
         self.draining = False
         self.restarts = 0
-        self.forward_time = self.idle_time = self.busy_time = 0.0
+        self.forward_time = self.idle_time = 0.0
         self.last_stats_sent = 0.0
         self.interval_log = IntervalLog(log, cfg.log_interval_s)
         self.step_timeout = StepTimeout(cfg.step_timeout_s)
@@ -162,12 +162,8 @@ class EngineLoop:
             log.warning("--num-gpu-blocks %d exceeds the %d that fit; using %d", num_gpu_blocks, fit, fit)
             num_gpu_blocks = fit
         num_cpu_blocks = int(cfg.swap_space * (1 << 30)) // block_bytes
-        init = m.WorkerInit(
-            replica=cfg.replica, tp_size=cfg.tensor_parallel_size, block_size=cfg.block_size,
-            num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-            max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs, seed=cfg.seed, debug_invariants=cfg.debug_invariants,
-        )
+        init = m.WorkerInit(block_size=cfg.block_size, num_gpu_blocks=num_gpu_blocks,
+                            num_cpu_blocks=num_cpu_blocks, max_model_len=cfg.max_model_len, seed=cfg.seed)
         if self.trace is not None:
             self.trace.write_header(hellos[0], init, self.cfg.trace_config())
         self._broadcast(init)
@@ -254,10 +250,10 @@ class EngineLoop:
         stats = m.SchedulerStats(
             replica=self.cfg.replica, state=self.state,
             step=self.scheduler.step if self.scheduler is not None else 0,
-            busy_time_s=self.busy_time, worker_forward_time_s=self.forward_time,
+            worker_forward_time_s=self.forward_time,
             worker_idle_time_s=self.idle_time, worker_restarts=self.restarts,
             max_model_len=self.cfg.max_model_len, block_size=self.cfg.block_size,
-            pid=os.getpid(), worker_pids=[self.worker_pids[r] for r in sorted(self.worker_pids)],
+            pid=os.getpid(),
             **counts)
         self.to_frontend.send(stats)
         self.to_supervisor.try_send(m.Heartbeat(role="scheduler", replica=self.cfg.replica, pid=stats.pid))
@@ -269,7 +265,6 @@ class EngineLoop:
         """One step; ``back_to_back`` when the previous step ran without waiting for input,
         so the worker's idle time since then is scheduling + IPC overhead, not an empty queue."""
         sched = self.scheduler
-        t0 = time.perf_counter()
         pending = self.pending
         if not pending:
             pending.append(sched.schedule())
@@ -296,7 +291,6 @@ class EngineLoop:
         self.forward_time += result.forward_time_s
         if back_to_back:
             self.idle_time += result.idle_time_s
-        self.busy_time += time.perf_counter() - t0
 
     def run(self) -> None:
         self.to_supervisor.send(m.ProcessReady(role="scheduler", replica=self.cfg.replica, rank=0, pid=os.getpid()))

@@ -27,9 +27,8 @@ SAMPLES = {  # channel -> valid messages (cut, padded, re-versioned: never flipp
     "frontend_outputs": [m.RequestOutputs(0, 1, [m.RequestDelta("fuzz-x", 0, [5], "error", "boom")]),
                          m.RequestOutputs(0, 2, [], ["fuzz-x"], [0], [5]),
                          m.SchedulerStats(replica=7, state="failed")],
-    "supervisor": [m.ProcessReady("worker", 9, 0, 1), m.ProcessFailed("worker", 9, 0, 1, "fuzz"),
-                   m.RestartWorkers(9, "fuzz")],
-    "worker_inputs": [m.WorkerInit(0, 1, 16, 8, 8, 64, 64, 8, 0), m.Shutdown("fuzz"),
+    "supervisor": [m.ProcessReady("worker", 9, 0, 1), m.RestartWorkers(9, "fuzz")],
+    "worker_inputs": [m.WorkerInit(16, 8, 8, 64, 0),
                       m.SchedulerOutput(1, [m.NewRequestData("fuzz", [1, 2], 2, [0], 0, 2, SP, True)], [],
                                         m.DecodeBatch(["fuzz-d"], [4], [7], [(0, 1)]), [], [], [], [], [0], 3)],
 }
@@ -41,13 +40,12 @@ FLIPPABLE = {
     "frontend_outputs": [m.RequestOutputs(0, 1, [m.RequestDelta("fuzz-x", 0, [5], "error", "boom")]),
                          m.RequestOutputs(0, 2, [], ["fuzz-x"], [0], [5]),
                          m.SchedulerStats(replica=7, state="ready")],
-    "supervisor": [m.ProcessReady("worker", 9, 0, 1), m.ProcessFailed("worker", 9, 0, 1, "fuzz"),
-                   m.RestartWorkers(9, "fuzz")],
+    "supervisor": [m.ProcessReady("worker", 9, 0, 1), m.RestartWorkers(9, "fuzz")],
     # Any valid variant of a worker's input would be obeyed (it trusts its scheduler): no flips.
     "worker_inputs": [],
 }
 # Valid messages of a channel other than the one fuzzed.
-_NOT_FOR_WORKERS = [m.Shutdown("fuzz"), m.WorkerInit(0, 1, 16, 8, 8, 64, 64, 8, 0)]
+_NOT_FOR_WORKERS = [m.WorkerInit(16, 8, 8, 64, 0)]
 OTHER_CHANNEL = {channel: _NOT_FOR_WORKERS for channel in SAMPLES}
 OTHER_CHANNEL["worker_inputs"] = [m.AbortRequest(["x"]), m.StepResult(1, 0, [], [])]
 

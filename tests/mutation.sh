@@ -1,6 +1,7 @@
 #!/bin/bash
 # Mutation testing of the rules that are easiest to break silently (docs/TESTING.md).
 #   tests/mutation.sh [SCRATCH_DIR]      needs: pip install -e '.[mutation]'
+#   MUTATE="worker_proc/sampler.py" tests/mutation.sh    mutates only the modules named
 # mutmut 3 names a mutant by its file's path, and the tests import pagedserve.<pkg>, so the
 # run happens in a scratch copy where the folders sit under pagedserve/ (as installed).
 # Only the fast (not slow) pure tests run; each mutant runs only the tests that reach it.
@@ -15,13 +16,14 @@ for pkg in protocol scheduler_proc worker_proc frontend_proc kernels deploy benc
   rm -rf "pagedserve/$pkg" && mv "$pkg" pagedserve/
 done
 cp api/__init__.py pagedserve/__init__.py
-cat >> pyproject.toml <<'TOML'
+modules=${MUTATE:-worker_proc/sampler.py scheduler_proc/output_processor.py scheduler_proc/admission.py
+                  scheduler_proc/block_manager.py scheduler_proc/prefix_cache.py}
+only_mutate=$(printf '"pagedserve/%s", ' $modules)
+cat >> pyproject.toml <<TOML
 
 [tool.mutmut]
 source_paths = ["pagedserve"]
-only_mutate = ["pagedserve/worker_proc/sampler.py", "pagedserve/scheduler_proc/output_processor.py",
-               "pagedserve/scheduler_proc/admission.py", "pagedserve/scheduler_proc/block_manager.py",
-               "pagedserve/scheduler_proc/prefix_cache.py"]
+only_mutate = [${only_mutate%, }]
 pytest_add_cli_args = ["-m", "not slow", "-p", "no:cacheprovider", "-q"]
 pytest_add_cli_args_test_selection = [
   "tests/test_scheduler_admission.py", "tests/test_scheduler_requests.py", "tests/test_scheduler_policy.py",

@@ -17,7 +17,7 @@ NO_DECODES = m.DecodeBatch([], [], [], [])
 
 SAMPLES = {
     m.FrontendToScheduler: [
-        m.AddRequest("r1", [1, 2, 3], SP, eos_token_ids=[0], arrival_time=1.5),
+        m.AddRequest("r1", [1, 2, 3], SP, eos_token_ids=[0]),
         m.AbortRequest(["r1", "r2"]),
         m.Drain(),
     ],
@@ -26,14 +26,14 @@ SAMPLES = {
         m.RequestOutputs(0, 4, [], token_request_ids=["r2", "r3", "r3"], token_indices=[0, 0, 1],
                          token_ids=[6, 7, 8]),
         m.SchedulerStats(replica=1, state="ready", num_running=2, kv_cache_usage=0.25, pid=41,
-                         worker_pids=[42, 43], cache_events_sent=3),
+                         cache_events_sent=3),
         m.PrefixCacheEvents(1, 41, 3, reset=True, stored=[-(1 << 62), 5], removed=[(1 << 63) - 1]),
         m.ProcessTable(supervisor_pid=40, processes=[m.ProcessInfo("scheduler", 1, 0, 41, True),
                                                      m.ProcessInfo("frontend", -1, 0, 44, False)],
                        replica_restarts=[0, 2], failed_replicas=[1]),
     ],
     m.SchedulerToWorker: [
-        m.WorkerInit(0, 1, 16, 100, 10, 256, 512, 8, 0, True),
+        m.WorkerInit(16, 100, 10, 256, 0),
         m.SchedulerOutput(
             step=4,
             new_requests=[m.NewRequestData("a", [1, 2], 2, [7], 0, 2, SP, True)],
@@ -41,7 +41,6 @@ SAMPLES = {
             decodes=m.DecodeBatch(["d", "e"], [30, 5], [11, 12], [(1, 9)]),
             finished_req_ids=["c"], blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(2, 3)],
             blocks_to_copy=[(4, 5)], new_block_ids_to_zero=[7, 8], total_num_scheduled_tokens=3),
-        m.Shutdown("bye"),
     ],
     m.WorkerToScheduler: [
         m.WorkerHello(0, 123, "cpu", "Qwen2ForCausalLM:abcd", 2, 4096, 1000, "node-1"),
@@ -50,7 +49,6 @@ SAMPLES = {
     ],
     m.ToSupervisor: [
         m.ProcessReady("worker", 0, 1, 99),
-        m.ProcessFailed("worker", 0, 1, 99, "oom"),
         m.RestartWorkers(0, "hung"),
         m.Heartbeat("scheduler", 0, 99),
     ],

@@ -16,8 +16,8 @@ from pagedserve.protocol.trace import (
 
 HELLO = m.WorkerHello(rank=0, pid=1, device="cpu", model_id="Qwen2ForCausalLM:abc", num_layers=2,
                       block_bytes=4096, max_gpu_blocks=100)
-INIT = m.WorkerInit(replica=0, tp_size=1, block_size=8, num_gpu_blocks=24, num_cpu_blocks=4,
-                    max_model_len=64, max_num_batched_tokens=32, max_num_seqs=8, seed=3)
+INIT = m.WorkerInit(block_size=8, num_gpu_blocks=24, num_cpu_blocks=4,
+                    max_model_len=64, seed=3)
 
 
 def write_trace(path, num_steps: int = 5) -> list[bytes]:

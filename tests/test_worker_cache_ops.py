@@ -30,8 +30,8 @@ def block_values(cache: torch.Tensor) -> list[float]:
 
 def test_swap_out_then_swap_in_then_copy_then_zero(model_dir):
     runner = ModelRunner(model_dir)
-    runner.init_cache(WorkerInit(replica=0, tp_size=1, block_size=4, num_gpu_blocks=8, num_cpu_blocks=4,
-                                 max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4, seed=0))
+    runner.init_cache(WorkerInit(block_size=4, num_gpu_blocks=8, num_cpu_blocks=4,
+                                 max_model_len=64, seed=0))
     for b in range(8):
         runner.kv_cache[:, :, b] = b + 1
     for h in range(4):
@@ -50,8 +50,8 @@ def test_swap_out_then_swap_in_then_copy_then_zero(model_dir):
 
 def test_zeroing_covers_every_layer_and_both_k_and_v(model_dir):
     runner = ModelRunner(model_dir)
-    runner.init_cache(WorkerInit(replica=0, tp_size=1, block_size=2, num_gpu_blocks=4, num_cpu_blocks=0,
-                                 max_model_len=8, max_num_batched_tokens=8, max_num_seqs=1, seed=0))
+    runner.init_cache(WorkerInit(block_size=2, num_gpu_blocks=4, num_cpu_blocks=0,
+                                 max_model_len=8, seed=0))
     runner.poison_cache()
     runner.execute(block_step(3, new_block_ids_to_zero=[1, 3]))
     assert torch.all(runner.kv_cache[:, :, [1, 3]] == 0)

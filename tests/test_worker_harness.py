@@ -49,9 +49,8 @@ class TrivialScheduler:
         self.runner, self.block_size = runner, block_size
         self.decode_batch = decode_batch
         runner.init_cache(WorkerInit(
-            replica=0, tp_size=1, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks, max_model_len=max_model_len, max_num_batched_tokens=4096,
-            max_num_seqs=256, seed=seed,
+            block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks, max_model_len=max_model_len, seed=seed,
         ))
         self.free_blocks = list(range(num_gpu_blocks - 1, -1, -1))
         self.free_host_blocks = list(range(num_cpu_blocks - 1, -1, -1))

@@ -49,8 +49,8 @@ def test_block_bytes_and_the_cpu_block_budget(model_dir):
 
 def test_init_cache_allocates_the_documented_layout(model_dir):
     runner = ModelRunner(str(model_dir))
-    runner.init_cache(WorkerInit(replica=0, tp_size=1, block_size=8, num_gpu_blocks=5, num_cpu_blocks=3,
-                                 max_model_len=64, max_num_batched_tokens=64, max_num_seqs=2, seed=0))
+    runner.init_cache(WorkerInit(block_size=8, num_gpu_blocks=5, num_cpu_blocks=3,
+                                 max_model_len=64, seed=0))
     assert tuple(runner.kv_cache.shape) == (2, 2, 5, 8, 2, 16)
     assert tuple(runner.host_cache.shape) == (2, 2, 3, 8, 2, 16)
 
@@ -62,8 +62,8 @@ def test_a_step_before_init_cache_is_an_error_that_says_so(model_dir):
 
 def test_a_diff_for_a_request_the_worker_never_saw_is_refused(model_dir):
     runner = ModelRunner(str(model_dir))
-    runner.init_cache(WorkerInit(replica=0, tp_size=1, block_size=8, num_gpu_blocks=4, num_cpu_blocks=0,
-                                 max_model_len=32, max_num_batched_tokens=32, max_num_seqs=1, seed=0))
+    runner.init_cache(WorkerInit(block_size=8, num_gpu_blocks=4, num_cpu_blocks=0,
+                                 max_model_len=32, seed=0))
     step = SchedulerOutput(
         step=0, new_requests=[], cached_requests=[CachedRequestData("ghost", [5], [], 3, 1, True)],
         decodes=DecodeBatch([], [], [], []), finished_req_ids=[], blocks_to_swap_out=[], blocks_to_swap_in=[],
@@ -75,8 +75,8 @@ def test_a_diff_for_a_request_the_worker_never_saw_is_refused(model_dir):
 
 def test_a_request_scheduled_past_its_block_table_is_refused(model_dir):
     runner = ModelRunner(str(model_dir))
-    runner.init_cache(WorkerInit(replica=0, tp_size=1, block_size=4, num_gpu_blocks=4, num_cpu_blocks=0,
-                                 max_model_len=32, max_num_batched_tokens=32, max_num_seqs=1, seed=0))
+    runner.init_cache(WorkerInit(block_size=4, num_gpu_blocks=4, num_cpu_blocks=0,
+                                 max_model_len=32, seed=0))
     request = NewRequestData("a", list(range(3, 12)), 9, [0, 1], 0, 9, SamplingParams(temperature=0.0), True)
     step = SchedulerOutput(
         step=0, new_requests=[request], cached_requests=[], decodes=DecodeBatch([], [], [], []),
@@ -92,8 +92,8 @@ GREEDY_LOGPROBS = SamplingParams(temperature=0.0, logprobs=True)
 
 def small_runner(model_dir) -> ModelRunner:
     runner = ModelRunner(str(model_dir))
-    runner.init_cache(WorkerInit(replica=0, tp_size=1, block_size=4, num_gpu_blocks=12, num_cpu_blocks=0,
-                                 max_model_len=48, max_num_batched_tokens=48, max_num_seqs=4, seed=0))
+    runner.init_cache(WorkerInit(block_size=4, num_gpu_blocks=12, num_cpu_blocks=0,
+                                 max_model_len=48, seed=0))
     return runner
 
 

@@ -38,62 +38,66 @@ class SamplerOutput:
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
 
+# Every tensor here is [rows, vocab]: dims are written as 1 (not -1) so that a slip to another
+# dim fails loudly; index tensors are made with new_tensor so that they follow the logits' device.
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask (to -inf) what top-k then top-p remove; rows keep at least their best token."""
-    vocab = logits.shape[-1]
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    """Mask (to -inf) what top-k then top-p remove; rows keep at least their best token.
+    Ties are ranked by token id (a stable sort), so which of equal tokens survive is fixed."""
+    vocab = logits.shape[1]
+    sorted_logits, order = torch.sort(logits, dim=1, descending=True, stable=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    if any(0 < k < vocab for k in top_k):
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)[:, None]
-        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
-    if any(p < 1.0 for p in top_p):
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        p = torch.tensor(top_p, device=logits.device, dtype=probs.dtype)[:, None]
-        sorted_logits = sorted_logits.masked_fill((mass_before > p) & (ranks > 0), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    k = order.new_tensor([k if k > 0 else vocab for k in top_k])[:, None]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, -torch.inf)
+    if any(p < 1.0 for p in top_p):  # skipped at p = 1: rounding in the cumsum could cut the tail
+        probs = torch.softmax(sorted_logits, 1)
+        # the best token's mass_before is exactly 0, never above p: every row keeps it
+        mass_before = torch.cumsum(probs, 1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before > probs.new_tensor(top_p)[:, None], -torch.inf)
+    return torch.empty_like(logits).scatter(1, order, sorted_logits)  # order is a permutation: fills all
 
 
-def _exponential_noise(requests: list[HeldRequest], vocab: int, device: torch.device) -> torch.Tensor:
+def _exponential_noise(requests: list[HeldRequest], vocab: int) -> torch.Tensor:
+    """On the CPU: a request's noise must not depend on the device it runs on."""
     noise = torch.empty(len(requests), vocab)
-    generator = torch.Generator(device="cpu")
+    generator = torch.Generator()
     for row, req in enumerate(requests):
         generator.manual_seed(noise_seed(req.seed, req.num_output_tokens))
         noise[row].exponential_(generator=generator)
-    return noise.to(device)
+    return noise
 
 
 def sample(logits: torch.Tensor, requests: list[HeldRequest]) -> SamplerOutput:
     """logits: float32 [len(requests), vocab], one row per request in order; not modified."""
-    if not requests:
-        return SamplerOutput([], None)
     raw = logits
-    if any(r.sampling.logit_bias for r in requests):
-        logits = logits.clone()
+    biased = any(r.sampling.logit_bias for r in requests)
+    penalized = any(r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty != 0.0
+                    or r.sampling.presence_penalty != 0.0 for r in requests)
+    if biased or penalized:
+        logits = logits.clone()  # the caller's logits, and the logprobs, stay the raw ones
+    if biased:
         apply_logit_bias(logits, requests)
-    if any(r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty != 0.0
-           or r.sampling.presence_penalty != 0.0 for r in requests):
-        logits = logits.clone() if logits is raw else logits
+    if penalized:
         apply_penalties(logits, requests)
     temperatures = [r.sampling.temperature for r in requests]
-    token_ids = logits.argmax(dim=-1)
+    token_ids = logits.argmax(1)
     random_rows = [i for i, t in enumerate(temperatures) if t > GREEDY_TEMPERATURE]
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
         chosen = [requests[i] for i in random_rows]
-        temps = torch.tensor([temperatures[i] for i in random_rows], device=logits.device)[:, None]
-        scaled = apply_min_p(logits[rows] / temps, [r.sampling.min_p for r in chosen])
+        temps = logits.new_tensor([temperatures[i] for i in random_rows])[:, None]
+        scaled = apply_min_p(logits[random_rows] / temps, [r.sampling.min_p for r in chosen])
         top_k = [r.sampling.top_k for r in chosen]
         top_p = [r.sampling.top_p for r in chosen]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):  # skips a sort of every row
             scaled = _apply_top_k_top_p(scaled, top_k, top_p)
-        probs = torch.softmax(scaled, dim=-1)
-        noise = _exponential_noise(chosen, logits.shape[-1], logits.device)
-        token_ids[rows] = (probs / noise).argmax(dim=-1)
+        probs = torch.softmax(scaled, 1)
+        noise = _exponential_noise(chosen, logits.shape[1]).to(probs.device)
+        token_ids[random_rows] = (probs / noise).argmax(1)
     logprobs = alternatives = None
     if any(r.sampling.logprobs for r in requests):  # vLLM's default: of the raw logits
-        log_probs = torch.log_softmax(raw, dim=-1)
-        logprobs = log_probs.gather(-1, token_ids[:, None]).squeeze(-1).tolist()
+        log_probs = torch.log_softmax(raw, 1)
+        logprobs = log_probs.gather(1, token_ids[:, None])[:, 0].tolist()
         if any(r.sampling.top_logprobs for r in requests):
             alternatives = top_logprobs(raw, requests)
     return SamplerOutput(token_ids.tolist(), logprobs, alternatives)

@@ -129,9 +129,6 @@ class Worker:
         sent_at = time.perf_counter()
         while True:
             msg = self.inputs.recv()
-            if isinstance(msg, m.Shutdown):
-                log.info("shutdown: %s", msg.reason)
-                return
             if isinstance(msg, m.WorkerInit):
                 self.runner.init_cache(msg)
                 if self.cfg.poison_kv_cache:
