@@ -75,7 +75,12 @@ def instrument_worker(runner) -> PhaseTimer:
 
     timer = PhaseTimer()
     lm_head = runner.model.lm_head
-    timer.wrap(F, "linear", lambda x, w, *a, **k: "lm_head matmul" if w is lm_head else "matmuls")
+
+    def matmul_phase(x, w, *a, **k) -> str:
+        return "lm_head matmul" if w is lm_head else "matmuls"
+
+    timer.wrap(decoder_layer, "linear", matmul_phase)  # models/linear.py: F.linear or W @ x.T
+    timer.wrap(causal_lm, "linear", matmul_phase)
     timer.wrap(decoder_layer, "attend", "attention")
     timer.wrap(runner.ops, "write_kv", "KV write")
     timer.wrap(RotaryEmbedding, "__call__", "rotary")

@@ -27,6 +27,7 @@ from pagedserve.protocol.codec import Decoder, encode
 from pagedserve.protocol.messages import AddRequest, SamplingParams, WorkerInit
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.worker_proc.host_memory import keep_freed_memory
 from pagedserve.worker_proc.model_runner import ModelRunner
 from step_phases import PHASES, format_phases, instrument_worker
 
@@ -116,7 +117,11 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--by-kind", action="store_true", help="median worker ms per step kind (batch size, prefill)")
     p.add_argument("--threads", type=int)
+    p.add_argument("--malloc-default", action="store_true",
+                   help="leave glibc's malloc thresholds alone (the worker process raises them)")
     ns = p.parse_args()
+    if not ns.malloc_default:
+        keep_freed_memory()  # as the worker process does (worker_proc/host_memory.py)
     if ns.shape:
         from pagedserve.deploy.bench_shapes import SHAPES, ensure_shape_model
 

@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pagedserve.protocol import options as opts
 from pagedserve.worker_proc.model_config import UnsupportedModelError
+from pagedserve.worker_proc.host_memory import keep_freed_memory
 from pagedserve.worker_proc.worker import Worker, WorkerConfig
 
 
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)
+    keep_freed_memory()  # before the weights load: their temporaries' pages are reused by steps
     try:
         worker = Worker(cfg)
     except UnsupportedModelError as exc:  # the operator's fix is in the message, not a traceback

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer, rms_norm
+from pagedserve.worker_proc.models.linear import linear
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -45,4 +46,4 @@ class CausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] of the given rows of forward()'s output."""
-        return F.linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+        return linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()

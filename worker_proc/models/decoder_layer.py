@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pagedserve.worker_proc.attention import attend
 from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec
+from pagedserve.worker_proc.models.linear import linear
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -87,7 +88,7 @@ class DecoderLayer:
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, rotary: RotaryEmbedding, ops: ModuleType) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = F.linear(rms_norm(hidden, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)
+        qkv = linear(rms_norm(hidden, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)
         # q and k rotate together as one [T, q_heads + kv_heads, dim] tensor.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm_weight is not None:
@@ -98,14 +99,14 @@ class DecoderLayer:
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         attn = attend(ops, q, k, v, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                       self.scale, self.sliding_window, batch.attention_plan)
-        out = self.shard.all_reduce(F.linear(attn.reshape(num_tokens, self.q_size), self.o_weight))
+        out = self.shard.all_reduce(linear(attn.reshape(num_tokens, self.q_size), self.o_weight))
         if self.o_bias is not None:
             out = out + self.o_bias
         hidden = out.add_(hidden)  # out is this layer's own tensor: no fresh one for the sum
 
-        gate_up = F.linear(rms_norm(hidden, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias)
+        gate_up = linear(rms_norm(hidden, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        out = self.shard.all_reduce(F.linear(F.silu(gate).mul_(up), self.down_weight))
+        out = self.shard.all_reduce(linear(F.silu(gate).mul_(up), self.down_weight))
         if self.down_bias is not None:
             out = out + self.down_bias
         return out.add_(hidden)
