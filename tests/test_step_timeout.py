@@ -41,10 +41,28 @@ def test_a_long_prefill_after_many_small_decodes_gets_time_in_proportion_to_its_
     assert policy.for_step(32) == policy.floor_s  # within 2x of the sizes seen: 10 x 0.1 s, so the floor
     # 2000 tokens: far beyond anything seen lately, so the upper bound, not a guess
     assert policy.for_step(2000) == 120
-    warmed(policy, seconds=0.05, tokens=16, steps=1)
     for _ in range(40):
-        policy.observe(0.2, 1024)  # now big steps are known: the allowance scales with them
-    assert policy.for_step(2000) == pytest.approx(10 * 0.05 / 16 * 2000)
+        policy.observe(2.0, 1024)  # now big steps are known: the allowance follows them
+    assert policy.for_step(2000) == pytest.approx(10 * 2.0 / 1024 * 2000)
+    assert policy.for_step(16) == policy.floor_s  # and the small steps keep their own
+
+
+def test_slow_single_token_steps_do_not_inflate_the_allowance_of_a_batch_of_decodes():
+    """The CI failure: warm-up decodes of one token at 50 ms each made the cost per token
+    50 ms, so a 32-decode step (80 ms) got 10 x 32 x 50 ms = 16 s instead of the floor."""
+    policy = warmed(StepTimeout(upper_s=60), seconds=0.05, tokens=1, steps=64)
+    warmed(policy, seconds=0.08, tokens=32, steps=16)
+    assert policy.for_step(32) == policy.floor_s
+    assert policy.for_step(40) == policy.floor_s  # same bucket
+
+
+def test_a_size_seen_rarely_borrows_the_tighter_bound_of_its_neighbours():
+    policy = warmed(StepTimeout(upper_s=60), seconds=0.01, tokens=1, steps=64)
+    warmed(policy, seconds=3.0, tokens=512, steps=16)
+    # 100 tokens, never seen: 512-token steps bound it by 3 s, single-token ones by 100 x 10 ms = 1 s
+    assert policy.for_step(100) == pytest.approx(10 * 1.0)
+    warmed(policy, seconds=0.1, tokens=1, steps=256)  # single tokens now cost 100 ms: the 512s bound it
+    assert policy.for_step(100) == pytest.approx(10 * 3.0)
 
 
 def test_one_slow_step_in_a_hundred_does_not_shrink_the_allowance_below_it():
