@@ -91,12 +91,7 @@ async def _one(client, engine: str, model: str, prompt: str, output_len: int, re
                 continue
             # An event per token from pagedserve (empty text mid-character); transformers sends
             # text only, so a token that ends no character arrives with the next one's event.
-            now = time.perf_counter()
-            if rec.ttft is None:
-                rec.ttft = now - sent
-            else:
-                rec.itl.append(now - last)
-            last = now
+            last = rec.token_event(sent, last, time.perf_counter())
         rec.e2e = time.perf_counter() - sent
         if rec.output_tokens != output_len:
             rec.error = f"{rec.output_tokens} tokens generated (usage), expected {output_len}"
