@@ -177,6 +177,8 @@ def main(ns: argparse.Namespace) -> int:
                 with BenchServer(engine, commands[engine], logs) as server:
                     asyncio.run(drive(server.url, engine, model, warmup, ns.output_len, ns.max_concurrency))
                     result = asyncio.run(drive(server.url, engine, model, prompts, ns.output_len, ns.max_concurrency))
+                    if result["failed"]:  # say why, from the server's side, before its log goes
+                        print(f"--- {engine} server log, last lines:\n{server.log_tail(2000)}\n---")
                 result["load"] = _load()
                 runs[engine].append(result)
                 print(_row(engine, result), flush=True)
