@@ -7,7 +7,7 @@ import logging
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedserve.deploy import bench_offline, bench_scenarios, bench_serve
+    from pagedserve.deploy import bench_offline, bench_peer, bench_scenarios, bench_serve
 
     p = argparse.ArgumentParser(prog="pagedserve bench", description="pagedserve benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)
@@ -20,11 +20,14 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("scenario", help="named seed workloads: misaligned, tight-kv")
     bench_scenarios.add_args(c)
     c.set_defaults(run=bench_scenarios.main)
+    v = sub.add_parser("peer", help="pagedserve and `transformers serve --continuous-batching` side by side over HTTP")
+    bench_peer.add_args(v)
+    v.set_defaults(run=bench_peer.main)
     return p
 
 
 def bench_main(ns: argparse.Namespace) -> int:
     args = build_parser().parse_args(list(getattr(ns, "bench_args", None) or []))
-    for noisy in ("transformers", "httpx", "ContinuousBatchingLogger"):  # a line per HTTP request or CB step drowns the report
+    for noisy in ("transformers", "httpx", "httpx2", "openai", "ContinuousBatchingLogger"):  # a line per HTTP request or CB step drowns the report
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return args.run(args)

@@ -26,6 +26,15 @@ class RequestRecord:
     error: Optional[str] = None
     preemptions: int = 0
 
+    def token_event(self, sent: float, last: float, now: float) -> float:
+        """A stream event with a token reached the client at ``now``: the first sets TTFT
+        (from ``sent``), each later one adds an ITL gap (from ``last``); returns ``now``."""
+        if self.ttft is None:
+            self.ttft = now - sent
+        else:
+            self.itl.append(now - last)
+        return now
+
 
 def _percentile(sorted_values: list[float], pct: float) -> float:
     if not sorted_values:

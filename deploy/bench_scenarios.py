@@ -38,6 +38,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="WARNING", help="of the engine processes (INFO shows the interval log)")
     p.add_argument("--output-json", help="write the result here")
     p.add_argument("--output-png", help="tight-kv: plot latency per request and queues")
+    p.add_argument("--http", action="store_true", help="misaligned: through a pagedserve server started here "
+                   "(HTTP frontend, warm; bench_misaligned_http.py) instead of the offline engine")
+    p.add_argument("--rounds", type=int, default=5, help="misaligned --http: timed rounds (alone, then six)")
+    p.add_argument("--serve-args", default="", help="misaligned --http: extra `pagedserve serve` options")
 
 
 def records_from(outputs, t0: float) -> list[RequestRecord]:
@@ -167,6 +171,16 @@ def main(ns: argparse.Namespace) -> int:
     from pagedserve.deploy.cli import ensure_demo_model
 
     model = ns.model or str(ensure_demo_model())
+    if ns.http:
+        if ns.name != "misaligned":
+            raise SystemExit("--http: only the misaligned scenario runs through HTTP")
+        from pagedserve.deploy.bench_misaligned_http import misaligned_http
+
+        result = misaligned_http(ns, model)
+        if ns.output_json:
+            with open(ns.output_json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     with tempfile.TemporaryDirectory(prefix="pagedserve-scenario-") as tmp:
         trace = os.path.join(tmp, "trace.bin")
         result = misaligned(ns, model, trace) if ns.name == "misaligned" else tight_kv(ns, model, trace)

@@ -121,11 +121,7 @@ async def _one_request(client, ns, model: str, prompt, max_tokens: int, rec: Req
                     if not chunk.choices:
                         continue  # the usage chunk; an event with empty text still carries a token
                     pieces.append(chunk.choices[0].text)
-                    if rec.ttft is None:
-                        rec.ttft = now - sent
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
+                    last = rec.token_event(sent, last, now)
         rec.e2e = time.perf_counter() - sent
         return "".join(pieces)
     except Exception as exc:  # a failed request is reported, not fatal to the run

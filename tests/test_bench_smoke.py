@@ -68,3 +68,18 @@ def test_tight_kv_scenario_completes_every_request_and_counts_preemptions(model_
     assert result["preemptions_recompute"] + result["preemptions_swap"] > 0
     assert sum(r["preemptions"] for r in result["requests"]) == \
         result["preemptions_recompute"] + result["preemptions_swap"]
+
+
+def test_misaligned_over_http_reports_rounds_and_stops_its_server(model_factory, tmp_path):
+    import psutil
+
+    model = model_factory("qwen2")
+    out_json = tmp_path / "mis.json"
+    rc = run_bench("scenario", "misaligned", "--http", "--model", model, "--rounds", "2", "--output-len", "4",
+                   "--serve-args", "--num-gpu-blocks 64 --max-model-len 512", "--output-json", str(out_json))
+    assert rc == 0
+    result = json.loads(out_json.read_text())
+    assert result["preemptions"] == 0 and len(result["rounds"]) == 2
+    assert all(r["alone_tok_s"] > 0 and r["aggregate_tok_s"] > 0 for r in result["rounds"])
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if model in " ".join(p.info["cmdline"] or [])]
+    assert left == []  # the server it started (supervisor, frontend, scheduler, worker) is gone

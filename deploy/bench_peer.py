@@ -1,0 +1,205 @@
+"""``pagedserve bench peer``: pagedserve and ``transformers serve --continuous-batching`` side by
+side, over HTTP, with the official ``openai`` client.
+
+One random 3-layer Llama (written once to the bench-model cache), both servers started here on
+127.0.0.1 with their defaults (transformers on the CPU), each warmed up, then the same workload
+against each in turn, ``--runs`` times, alternating so that load from other work on the machine
+falls on both: ``--num-prompts`` streamed completions, at most ``--max-concurrency`` in flight,
+``--output-len`` tokens each. Prompts are text (transformers serve takes no token ids): random
+token ids of lengths uniform in ``--input-len``, decoded; both servers tokenize them with the
+same tokenizer. Every request generates exactly ``--output-len`` tokens: pagedserve is asked
+``ignore_eos``, transformers gets a ``generation_config`` without an EOS (its own field).
+TTFT, TPOT and ITL are measured as ``bench serve`` measures them, from the stream's events.
+Servers are stopped on every exit path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from pagedserve.deploy.bench_report import RequestRecord, summarize
+from pagedserve.deploy.bench_serve import CONNECTIONS_PER_CLIENT, _parse_metrics
+from pagedserve.deploy.bench_servers import BenchServer, pagedserve_command, transformers_command
+from pagedserve.deploy.bench_shapes import BenchShape, shape_cache_dir
+
+ENGINES = ("pagedserve", "transformers")
+LLAMA3 = BenchShape("llama-3layer", dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
+                                         intermediate_size=256, vocab_size=1024,
+                                         max_position_embeddings=4096, seed=1234))
+GOALS = {"ratio": 6.0, "ttft_p50_ms": 60.0, "tpot_mean_ms": 8.0}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model directory (default: the random 3-layer Llama, written once)")
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, in turn order")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3, help="timed runs per engine, alternating engines")
+    p.add_argument("--warmup-prompts", type=int, default=16)
+    p.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` options, one string")
+    p.add_argument("--output-json", help="write every run's summary here")
+
+
+def ensure_llama_model() -> Path:
+    from pagedserve.deploy.demo_model import build_model_dir
+
+    path = shape_cache_dir() / LLAMA3.name
+    if not (path / "config.json").exists():
+        print(f"writing the random 3-layer Llama to {path} (once)", flush=True)
+        build_model_dir(path.with_name(LLAMA3.name + ".partial"), "llama", **LLAMA3.model)
+        path.with_name(LLAMA3.name + ".partial").rename(path)
+    return path
+
+
+def text_prompts(model: str, num: int, input_len: tuple[int, int], seed: int = 0) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(seed)
+    special = set(tok.all_special_ids)
+    ids = [i for i in range(len(tok)) if i not in special]
+    return [tok.decode([rng.choice(ids) for _ in range(rng.randint(*input_len))]) for _ in range(num)]
+
+
+def _request_body(engine: str, output_len: int) -> dict:
+    if engine == "pagedserve":
+        return {"extra_body": {"ignore_eos": True}}
+    return {"extra_body": {"generation_config": json.dumps(
+        {"max_new_tokens": output_len, "do_sample": False, "eos_token_id": -1})}}
+
+
+async def _one(client, engine: str, model: str, prompt: str, output_len: int, rec: RequestRecord) -> None:
+    sent = last = time.perf_counter()
+    try:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=output_len,
+                                                 temperature=0.0, stream=True, stream_options={"include_usage": True},
+                                                 **_request_body(engine, output_len))
+        async for chunk in stream:
+            if chunk.usage is not None:  # the last event (transformers sends usage unasked, with empty text)
+                rec.output_tokens, rec.prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+                continue
+            if not chunk.choices:
+                continue
+            # An event per token from pagedserve (empty text mid-character); transformers sends
+            # text only, so a token that ends no character arrives with the next one's event.
+            last = rec.token_event(sent, last, time.perf_counter())
+        rec.e2e = time.perf_counter() - sent
+        if rec.output_tokens != output_len:
+            rec.error = f"{rec.output_tokens} tokens generated (usage), expected {output_len}"
+    except Exception as exc:  # reported with the run, never fatal to it
+        rec.error = f"{type(exc).__name__}: {exc}"
+
+
+async def drive(url: str, engine: str, model: str, prompts: list[str], output_len: int, concurrency: int) -> dict:
+    """The workload against one server; ``summarize``'s result plus the pagedserve worker idle share."""
+    import httpx
+    import openai
+
+    limits = httpx.Limits(max_connections=CONNECTIONS_PER_CLIENT, max_keepalive_connections=CONNECTIONS_PER_CLIENT)
+    clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                  http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=None))
+               for _ in range(-(-concurrency // CONNECTIONS_PER_CLIENT))]
+    if engine == "pagedserve":  # transformers serve answers to its FORCE_MODEL argument, as given
+        model = (await clients[0].models.list()).data[0].id
+    gate = asyncio.Semaphore(concurrency)
+    records = [RequestRecord(i, -1, output_len) for i in range(len(prompts))]
+    metrics = clients[0]._client  # the httpx client underneath, for /metrics (pagedserve only)
+
+    async def scrape() -> dict:
+        if engine != "pagedserve":
+            return {}
+        return _parse_metrics((await metrics.get(url + "/metrics")).text)
+
+    async def limited(rec: RequestRecord, prompt: str) -> None:
+        async with gate:
+            await _one(clients[rec.index % len(clients)], engine, model, prompt, output_len, rec)
+
+    before = await scrape()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(limited(rec, p) for rec, p in zip(records, prompts)))
+    duration = time.perf_counter() - t0
+    after = before
+    for _ in range(10):  # the worker counters reach /metrics with the scheduler's stats (<= 0.5 s)
+        await asyncio.sleep(0.1)
+        after = await scrape()
+        if after.get("worker_forward_s") != before.get("worker_forward_s"):
+            break
+    for c in clients:
+        await c.close()
+    result = summarize(records, duration)
+    forward = after.get("worker_forward_s", 0.0) - before.get("worker_forward_s", 0.0)
+    idle = after.get("worker_idle_s", 0.0) - before.get("worker_idle_s", 0.0)
+    if forward + idle > 0:
+        result["worker_idle_pct"] = 100 * idle / (forward + idle)
+    result["preemptions"] = after.get("preemptions", 0) - before.get("preemptions", 0)
+    return result
+
+
+def _load() -> str:
+    import os
+
+    return "%.1f" % os.getloadavg()[0]
+
+
+def _row(engine: str, r: dict) -> str:
+    idle = f"{r['worker_idle_pct']:.1f}%" if "worker_idle_pct" in r else "-"
+    return (f"{engine:<14}{r['output_token_throughput']:10.1f}{1e3 * r['ttft_s']['p50']:10.1f}"
+            f"{1e3 * r['tpot_s']['mean']:10.1f}{1e3 * r['itl_s']['p50']:10.1f}{r['failed']:8d}{idle:>8}{r['load']:>7}")
+
+
+def _median_spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main(ns: argparse.Namespace) -> int:
+    model = ns.model or str(ensure_llama_model())
+    engines = [e for e in ns.engines.split(",") if e]
+    commands = {"pagedserve": lambda port: pagedserve_command(model, port, tuple(ns.pagedserve_args.split())),
+                "transformers": lambda port: transformers_command(model, port)}
+    prompts = text_prompts(model, ns.num_prompts, tuple(ns.input_len))
+    warmup = text_prompts(model, ns.warmup_prompts, tuple(ns.input_len), seed=1)
+    print(f"model {model}; {ns.num_prompts} prompts of {ns.input_len[0]}-{ns.input_len[1]} tokens, "
+          f"{ns.output_len} output tokens, {ns.max_concurrency} concurrent, {ns.runs} runs per engine")
+    print(f"{'engine':<14}{'tok/s':>10}{'TTFT p50':>10}{'TPOT':>10}{'ITL p50':>10}{'failed':>8}{'idle':>8}{'load':>7}")
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
+    with tempfile.TemporaryDirectory(prefix="pagedserve-bench-peer-") as logs:
+        for _ in range(ns.runs):
+            for engine in engines:  # one server at a time: the other's idle threads never share the cores
+                with BenchServer(engine, commands[engine], logs) as server:
+                    asyncio.run(drive(server.url, engine, model, warmup, ns.output_len, ns.max_concurrency))
+                    result = asyncio.run(drive(server.url, engine, model, prompts, ns.output_len, ns.max_concurrency))
+                    if result["failed"]:  # say why, from the server's side, before its log goes
+                        print(f"--- {engine} server log, last lines:\n{server.log_tail(2000)}\n---")
+                result["load"] = _load()
+                runs[engine].append(result)
+                print(_row(engine, result), flush=True)
+                for err in result["errors"]:
+                    print(f"  error: {err}")
+    print("\nmedian (min-max) over runs")
+    summary = {}
+    for engine in engines:
+        rs = runs[engine]
+        summary[engine] = {"tok_s": [r["output_token_throughput"] for r in rs],
+                           "ttft_p50_ms": [1e3 * r["ttft_s"]["p50"] for r in rs],
+                           "tpot_mean_ms": [1e3 * r["tpot_s"]["mean"] for r in rs]}
+        print(f"{engine:<14} tok/s {_median_spread(summary[engine]['tok_s'])}, TTFT p50 "
+              f"{_median_spread(summary[engine]['ttft_p50_ms'])} ms, TPOT mean "
+              f"{_median_spread(summary[engine]['tpot_mean_ms'])} ms")
+    if set(ENGINES) <= set(engines):
+        ratios = [a / b for a, b in zip(summary["pagedserve"]["tok_s"], summary["transformers"]["tok_s"]) if b]
+        print(f"pagedserve / transformers tok/s, per run pair: {', '.join(f'{x:.2f}x' for x in ratios)}; "
+              f"median {statistics.median(ratios or [0]):.2f}x (goal >= {GOALS['ratio']:.0f}x); "
+              f"pagedserve goals TTFT p50 <= {GOALS['ttft_p50_ms']:.0f} ms, TPOT mean <= {GOALS['tpot_mean_ms']:.0f} ms")
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(ns).items() if k != "run"}, "runs": runs}, f, indent=1)
+    return 0 if all(r["failed"] == 0 for rs in runs.values() for r in rs) else 1
