@@ -18,20 +18,21 @@ PHASES = ("matmuls", "lm_head matmul", "attention", "KV write", "rotary", "norms
 
 
 class PhaseTimer:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock  # time.thread_time: CPU time of this thread (one torch thread: all of it)
         self.totals: dict[str, float] = defaultdict(float)
         self._stack: list[list] = []  # [phase, start, time in nested phases]
         self._patches: list[tuple[object, str, object]] = []
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        frame = [name, time.perf_counter(), 0.0]
+        frame = [name, self.clock(), 0.0]
         self._stack.append(frame)
         try:
             yield
         finally:
             self._stack.pop()
-            elapsed = time.perf_counter() - frame[1]
+            elapsed = self.clock() - frame[1]
             self.totals[name] += elapsed - frame[2]
             if self._stack:
                 self._stack[-1][2] += elapsed
@@ -64,7 +65,7 @@ class PhaseTimer:
         return out
 
 
-def instrument_worker(runner) -> PhaseTimer:
+def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) -> PhaseTimer:
     """Wrap what ``ModelRunner.execute`` calls; ``runner`` is a ModelRunner."""
     import torch.nn.functional as F
 
@@ -73,10 +74,10 @@ def instrument_worker(runner) -> PhaseTimer:
     from pagedserve.worker_proc.models import causal_lm, decoder_layer
     from pagedserve.worker_proc.rotary import RotaryEmbedding
 
-    timer = PhaseTimer()
+    timer = PhaseTimer(clock)
     lm_head = runner.model.lm_head
 
-    def matmul_phase(x, w, *a, **k) -> str:
+    def matmul_phase(x, w, *a, **k) -> str:  # w: a models/linear.py LinearWeight
         return "lm_head matmul" if w is lm_head else "matmuls"
 
     timer.wrap(decoder_layer, "linear", matmul_phase)  # models/linear.py: F.linear or W @ x.T

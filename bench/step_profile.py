@@ -51,28 +51,29 @@ def run(ns: argparse.Namespace) -> None:
     # Worker ms per step by kind: ("decode", batch size) for pure-decode steps,
     # ("prefill", tokens) for steps with any prefill chunk.
     by_kind: dict[tuple[str, int], list[float]] = defaultdict(list)
-    timer = instrument_worker(runner) if ns.phases else None
+    clock = time.thread_time if ns.cpu_time else time.perf_counter
+    timer = instrument_worker(runner, clock) if ns.phases else None
     to_worker, to_scheduler = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
     phases_by_kind: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     steps_by_kind: dict[str, list[float]] = defaultdict(list)
-    start = time.perf_counter()
+    start = clock()
     while sched.has_unfinished():
-        t0 = time.perf_counter()
+        t0 = clock()
         out = sched.schedule()
-        t1 = time.perf_counter()
+        t1 = clock()
         if timer is not None:
             with timer.phase("IPC encode/decode"):
                 sent = to_worker.decode(encode(out))
-            t1 = time.perf_counter()
+            t1 = clock()
             result = runner.execute(sent)
-            t2 = time.perf_counter()
+            t2 = clock()
             with timer.phase("IPC encode/decode"):
                 result = to_scheduler.decode(encode(result))
         else:
             result = runner.execute(out)
-            t2 = time.perf_counter()
+            t2 = clock()
         sched.update_from_output(out, result)
-        t3 = time.perf_counter()
+        t3 = clock()
         if timer is not None:
             n_reqs = len(out.new_requests) + len(out.cached_requests) + len(out.decodes.req_ids)
             kind = "decode" if out.total_num_scheduled_tokens == n_reqs else "prefill"
@@ -89,7 +90,7 @@ def run(ns: argparse.Namespace) -> None:
             decode_only = out.total_num_scheduled_tokens == n_reqs
             kind = ("decode", n_reqs) if decode_only else ("prefill", out.total_num_scheduled_tokens)
             by_kind[kind].append(1e3 * (t2 - t1))
-    total = time.perf_counter() - start
+    total = clock() - start
     tokens = ns.num_prompts * ns.output_len
     print(f"{steps} steps, {total:.2f}s, {tokens / total:.0f} tok/s; scheduler {1e3 * t_sched / steps:.2f} ms/step, "
           f"worker execute {1e3 * t_exec / steps:.2f} ms/step (threads {torch.get_num_threads()})")
@@ -117,6 +118,10 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--by-kind", action="store_true", help="median worker ms per step kind (batch size, prefill)")
     p.add_argument("--threads", type=int)
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with this thread's CPU time (robust to other load; use with --threads 1)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the workload this many times in one process (the first warms allocator and kernels)")
     p.add_argument("--malloc-default", action="store_true",
                    help="leave glibc's malloc thresholds alone (the worker process raises them)")
     ns = p.parse_args()
@@ -135,7 +140,8 @@ def main() -> None:
         prof.runcall(run, ns)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     else:
-        run(ns)
+        for _ in range(ns.repeat):
+            run(ns)
 
 
 if __name__ == "__main__":

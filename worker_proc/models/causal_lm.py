@@ -1,7 +1,8 @@
 """The Llama-family causal LM: embeddings, decoder layers over the paged KV cache, final norm, lm_head.
 
 Embeddings and lm_head are replicated on every tensor-parallel rank (only rank 0
-samples); lm_head is the embedding matrix when the config ties them.
+samples); lm_head is the embedding matrix when the config ties them. Small models on CPU
+keep [in, out] copies of every projection and of lm_head as well (models/linear.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer, rms_norm
-from pagedserve.worker_proc.models.linear import linear
+from pagedserve.worker_proc.models.linear import LinearWeight, keeps_transposed, linear
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -27,12 +28,14 @@ class CausalLM:
         source = WeightSource(model_dir)
         try:
             self.embed_tokens = source.get("model.embed_tokens.weight").to(device, dtype)
-            if spec.tie_word_embeddings or "lm_head.weight" not in source:
-                self.lm_head = self.embed_tokens
-            else:
-                self.lm_head = source.get("lm_head.weight").to(device, dtype)
+            tied = spec.tie_word_embeddings or "lm_head.weight" not in source
+            num_params = spec.num_layer_params + self.embed_tokens.numel() * (1 if tied else 2)
+            transposed = keeps_transposed(device, num_params * self.embed_tokens.element_size())
+            head = self.embed_tokens if tied else source.get("lm_head.weight").to(device, dtype)
+            self.lm_head = LinearWeight.of(head, None, transposed)
             self.norm = source.get("model.norm.weight").to(device, dtype)
-            self.layers = [DecoderLayer(spec, shard, i, source, device, dtype) for i in range(spec.num_layers)]
+            self.layers = [DecoderLayer(spec, shard, i, source, device, dtype, transposed)
+                           for i in range(spec.num_layers)]
         finally:
             source.close()
         self.rotary = RotaryEmbedding(spec.hf_config, spec.head_dim, spec.max_position_embeddings, device, dtype)

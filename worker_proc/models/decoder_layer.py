@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pagedserve.worker_proc.attention import attend
 from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec
-from pagedserve.worker_proc.models.linear import linear
+from pagedserve.worker_proc.models.linear import LinearWeight, linear
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -38,7 +38,8 @@ def _maybe(source: WeightSource, name: str, present: bool, **part) -> Optional[t
 
 class DecoderLayer:
     def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int,
-                 source: WeightSource, device: torch.device, dtype: torch.dtype):
+                 source: WeightSource, device: torch.device, dtype: torch.dtype, transposed: bool = False):
+        """``transposed``: keep [in, out] copies of the projections too (models/linear.py)."""
         p = f"model.layers.{layer}."
         d = spec.head_dim
         self.eps = spec.rms_norm_eps
@@ -55,17 +56,19 @@ class DecoderLayer:
         attn, mlp = p + "self_attn.", p + "mlp."
         self.input_norm = load(source.get(p + "input_layernorm.weight"))
         self.post_norm = load(source.get(p + "post_attention_layernorm.weight"))
-        self.qkv_weight = load(torch.cat([
+        qkv_weight = load(torch.cat([
             source.get(attn + "q_proj.weight", dim=0, part=heads),
             source.get(attn + "k_proj.weight", dim=0, part=kv_heads),
             source.get(attn + "v_proj.weight", dim=0, part=kv_heads),
         ]))
-        self.qkv_bias = load(torch.cat([
+        qkv_bias = load(torch.cat([
             source.get(attn + "q_proj.bias", dim=0, part=heads),
             source.get(attn + "k_proj.bias", dim=0, part=kv_heads),
             source.get(attn + "v_proj.bias", dim=0, part=kv_heads),
         ])) if spec.qkv_bias else None
-        self.o_weight = load(source.get(attn + "o_proj.weight", dim=1, part=heads))
+        self.qkv = LinearWeight.of(qkv_weight, qkv_bias, transposed)
+        # o_proj's and down_proj's biases are added after the all-reduce (once, not per rank)
+        self.o_proj = LinearWeight.of(load(source.get(attn + "o_proj.weight", dim=1, part=heads)), None, transposed)
         self.o_bias = load(_maybe(source, attn + "o_proj.bias", spec.o_bias))
         # Qwen3 normalises each head of q and k; one [q_heads + kv_heads, dim] weight
         # lets a single norm call cover both.
@@ -73,22 +76,23 @@ class DecoderLayer:
             source.get(attn + "q_norm.weight").expand(shard.num_heads, d),
             source.get(attn + "k_norm.weight").expand(shard.num_kv_heads, d),
         ])) if spec.qk_norm else None
-        self.gate_up_weight = load(torch.cat([
+        gate_up_weight = load(torch.cat([
             source.get(mlp + "gate_proj.weight", dim=0, part=inter),
             source.get(mlp + "up_proj.weight", dim=0, part=inter),
         ]))
-        self.gate_up_bias = load(torch.cat([
+        gate_up_bias = load(torch.cat([
             source.get(mlp + "gate_proj.bias", dim=0, part=inter),
             source.get(mlp + "up_proj.bias", dim=0, part=inter),
         ])) if spec.mlp_bias else None
-        self.down_weight = load(source.get(mlp + "down_proj.weight", dim=1, part=inter))
+        self.gate_up = LinearWeight.of(gate_up_weight, gate_up_bias, transposed)
+        self.down = LinearWeight.of(load(source.get(mlp + "down_proj.weight", dim=1, part=inter)), None, transposed)
         self.down_bias = load(_maybe(source, mlp + "down_proj.bias", spec.mlp_bias))
         self.intermediate_size = shard.intermediate_size
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, rotary: RotaryEmbedding, ops: ModuleType) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = linear(rms_norm(hidden, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)
+        qkv = linear(rms_norm(hidden, self.input_norm, self.eps), self.qkv)
         # q and k rotate together as one [T, q_heads + kv_heads, dim] tensor.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm_weight is not None:
@@ -99,14 +103,14 @@ class DecoderLayer:
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         attn = attend(ops, q, k, v, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                       self.scale, self.sliding_window, batch.attention_plan)
-        out = self.shard.all_reduce(linear(attn.reshape(num_tokens, self.q_size), self.o_weight))
+        out = self.shard.all_reduce(linear(attn.reshape(num_tokens, self.q_size), self.o_proj))
         if self.o_bias is not None:
             out = out + self.o_bias
         hidden = out.add_(hidden)  # out is this layer's own tensor: no fresh one for the sum
 
-        gate_up = linear(rms_norm(hidden, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias)
+        gate_up = linear(rms_norm(hidden, self.post_norm, self.eps), self.gate_up)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        out = self.shard.all_reduce(linear(F.silu(gate).mul_(up), self.down_weight))
+        out = self.shard.all_reduce(linear(F.silu(gate).mul_(up), self.down))
         if self.down_bias is not None:
             out = out + self.down_bias
         return out.add_(hidden)
