@@ -3,7 +3,8 @@
 C conversations of T turns run side by side. Each turn's prompt is the conversation so far
 (an optional system prompt shared by every conversation, then each earlier user message and
 the answer the server gave to it) plus a new user message; a conversation sends its next turn
-only when the previous answer has arrived, as a chat client does. Prompts are text, so the
+only when the previous answer has arrived and its user has thought for a while (``--think-time``,
+exponential, so conversations drift apart as real ones do). Prompts are text, so the
 server tokenizes them like any client's; lengths are in words of a small English list (about a
 token each for an English-trained tokenizer; the real prompt token counts come back in usage).
 
@@ -31,7 +32,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-turns", type=int, default=6)
     g.add_argument("--system-prompt-len", type=int, default=256,
                    help="words of the system prompt every conversation shares (0: none)")
-    g.add_argument("--turn-len", type=int, default=24, help="words of each new user message")
+    g.add_argument("--turn-len", type=int, default=32, help="words of each new user message")
+    # A person reads the answer and types before the next turn. With no pause, the replica that
+    # just finished a turn is also the least loaded one, so least-loaded routing keeps each
+    # conversation on its replica by accident and the benchmark hides what routing is for.
+    g.add_argument("--think-time", type=float, default=1.0,
+                   help="mean seconds (exponential) a user takes before each turn, the first included; "
+                        "0: each turn goes as soon as the previous answer arrives")
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -49,8 +56,11 @@ async def run_conversations(ns: argparse.Namespace, records: list[RequestRecord]
 
     async def conversation(c: int) -> None:
         rng = random.Random(ns.seed * 7919 + c + 1)
+        pace = random.Random(ns.seed * 104729 + c + 1)
         history = system
         for t in range(ns.num_turns):
+            if ns.think_time > 0:  # its own generator, so the text is the same at any think time
+                await asyncio.sleep(pace.expovariate(1.0 / ns.think_time))
             history += f"\nUser: {_words(rng, ns.turn_len)}\nAssistant:"
             answer = await send(records[c * ns.num_turns + t], history, ns.output_len)
             if answer is None:  # the turn failed: a real client would stop here too

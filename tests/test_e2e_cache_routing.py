@@ -26,6 +26,7 @@ def _workload(model: str) -> argparse.Namespace:
     words = next(n for n in range(64, 1024, 8)
                  if len(tok(bench_multi_turn._words(random.Random(0), n)).input_ids) >= 256)
     return argparse.Namespace(num_conversations=16, num_turns=6, system_prompt_len=words, turn_len=16,
+                              think_time=0.0,
                               output_len=4, seed=0)
 
 
