@@ -64,7 +64,7 @@ def test_sigterm_ends_streams_longer_than_the_drain_timeout_explicitly_never_sil
         import threading
 
         plain = threading.Thread(target=lambda: result.setdefault("resp", completion(
-            server, "not streamed", 1500, timeout_s=120)))
+            server, "not streamed", LONG_STREAM, timeout_s=120)))
         plain.start()
         assert wait_until(lambda: health(server)[1]["replicas"][0]["num_running"] >= 9, 30)
         server.proc.send_signal(signal.SIGTERM)
