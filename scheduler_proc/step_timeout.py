@@ -97,14 +97,14 @@ class StepTimeout:
 
     def _expected_s(self, num_tokens: int) -> float | None:
         key = num_tokens.bit_length()
-        known = {k: b for k, b in self._buckets.items() if len(b.steps) >= self.min_samples}
-        if key in known:
-            b = known[key]
-            return max(b.step_s, b.per_token_s * num_tokens)
-        keys_up = sorted(k for k in known if k > key)
-        keys_down = sorted(k for k in known if k < key)
-        bounds = ([known[keys_up[0]].step_s] if keys_up else []) + \
-                 ([known[keys_down[-1]].per_token_s * num_tokens] if keys_down else [])
+        own = self._buckets.get(key)
+        if own is not None and len(own.steps) >= self.min_samples:  # the common case: no scan
+            return max(own.step_s, own.per_token_s * num_tokens)
+        known = [k for k, b in self._buckets.items() if len(b.steps) >= self.min_samples]
+        up = [k for k in known if k > key]
+        down = [k for k in known if k < key]
+        bounds = ([self._buckets[min(up)].step_s] if up else []) + \
+                 ([self._buckets[max(down)].per_token_s * num_tokens] if down else [])
         return min(bounds) if bounds else None
 
     def for_step(self, num_tokens: int) -> float:
