@@ -7,7 +7,8 @@ import torch
 
 from pagedserve.kernels import reference
 from pagedserve.worker_proc.attention import attend, plan_cpu_attention
-from pagedserve.worker_proc.decode_attention import GatherWorkspace, build_decode_context, decode_attention
+from pagedserve.worker_proc.decode_attention import (GROUP_BYTES, GatherWorkspace, build_decode_context,
+                                                     decode_attention)
 
 BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 4, 8, 64
 
@@ -32,8 +33,11 @@ def nan_cache_with_requests(seq_lens, kv_heads, generator):
 @pytest.mark.parametrize("use_workspace", [False, True])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("group_bytes", [GROUP_BYTES, 2 * 4 * 8 * BLOCK_SIZE * HEAD_DIM])
 def test_pure_decode_attention_matches_the_reference_over_stale_nan_slots(sliding_window, q_heads, kv_heads,
-                                                                         use_workspace):
+                                                                         use_workspace, group_bytes):
+    """Stale NaN in tails, padding and outside the window never leaks, in one group or many
+    (the small budget cuts the six requests, sorted by length, into several groups)."""
     generator = torch.Generator().manual_seed(q_heads * 10 + kv_heads)
     seq_lens = [1, 4, 5, 17, 30, 9]
     k_cache, v_cache, block_tables = nan_cache_with_requests(seq_lens, kv_heads, generator)
@@ -46,6 +50,8 @@ def test_pure_decode_attention_matches_the_reference_over_stale_nan_slots(slidin
                                          lens, scale, sliding_window)
     context = build_decode_context(lens, block_tables, BLOCK_SIZE, sliding_window)
     context.workspace = GatherWorkspace() if use_workspace else None
+    context.group_bytes = group_bytes
+    assert (len(context.groups(kv_heads * HEAD_DIM)) > 1) == (group_bytes != GROUP_BYTES)
     for _ in range(2):  # a reused workspace gives the same answer
         got = decode_attention(query, k_cache, v_cache, scale, context)
         assert not torch.isnan(got).any()

@@ -1,29 +1,40 @@
 """A batched path for the requests of a step that decode exactly one token (CPU).
 
 kernels.reference.paged_attention loops over requests in Python; for one query per
-request the same result comes from one gather of every request's visible keys into a
-[B, L] view (L = the most keys any of them sees) and one scaled_dot_product_attention
-with an additive mask. What to gather depends only on the step's sequence lengths and
-block tables, so the flat slot index and the mask are built once per step (per sliding
-window) and shared by all layers. Only slots a request may attend are ever gathered: a
-row shorter than L is padded with its own last key (always visible) and masked to -inf,
-so a stale NaN in an unused cache slot is never read, let alone multiplied by zero.
+request the same result comes from gathering each request's blocks into a padded
+[n, L] view and one scaled_dot_product_attention with an additive mask. What to gather
+depends only on the step's sequence lengths and block tables, so the plan is built once
+per step (per sliding window) and shared by every layer.
+
+Two choices come from measurement (bench/RESULTS.md, "decode attention groups"):
+- Whole blocks are gathered, not single slots: rows of block_size keys copy 20-30%
+  faster. A block's slots outside what its request may see (the unfilled tail of its last
+  block, the front of a sliding window, and the padding, which repeats the last block)
+  are zeroed in the gathered copy, so a stale NaN there is never multiplied in, and then
+  masked to -inf.
+- Requests are sorted by length and cut into groups whose gathered K/V stay within
+  GROUP_BYTES, one SDPA call per group: the gathered copy is then still in the core's
+  cache when SDPA reads it, and short requests are not padded to the longest. On 64
+  decodes of 64-384 keys this halves the layer's attention time.
 The gathered K/V land in a GatherWorkspace kept across steps: a fresh multi-megabyte
-buffer per layer costs more in page faults than the gather itself (64 decodes: 6.4 vs
-1.8 ms a step on the tiny model).
+buffer per layer costs more in page faults than the gather itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+# Gathered K + V of one group, in bytes of float32: about a core's L2. 0.5B shape and demo
+# shape both measured best between 1 and 2 MiB (4-8x slower per key at 8+ MiB).
+GROUP_BYTES = 3 << 19
+
 
 class GatherWorkspace:
-    """Two flat buffers (K and V) reused by every layer and step; grown, never shrunk."""
+    """Two flat buffers (K and V) reused by every group, layer and step; grown, never shrunk."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
@@ -36,30 +47,73 @@ class GatherWorkspace:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    rows: Optional[torch.Tensor]  # [n] long: the group's requests in the batch; None: all, in order
+    blocks: torch.Tensor  # [n * num_blocks] long: the cache blocks to gather, request by request
+    hidden: torch.Tensor  # [h] long: gathered key rows the request may not see (zeroed after the gather)
+    bias: torch.Tensor  # [n, 1, 1, L] float32: 0 where attended, -inf elsewhere
+    num_keys: int  # L = num_blocks * block_size
+
+
+@dataclass(slots=True)
 class DecodeContext:
-    slots: torch.Tensor  # [B * L] long: flat cache slot of key j of request b at b * L + j
-    bias: torch.Tensor  # [B, 1, 1, L] float32: 0 where attended, -inf on padding
-    num_keys: int  # L
+    first: torch.Tensor  # [B] long: first visible position of each request
+    last: torch.Tensor  # [B] long: its query's position (always visible)
+    block_tables: torch.Tensor
+    block_size: int
     workspace: Optional[GatherWorkspace] = None
+    group_bytes: int = GROUP_BYTES
+    _groups: dict[int, list[DecodeGroup]] = field(default_factory=dict)
+
+    def groups(self, row_numel: int) -> list[DecodeGroup]:
+        """The step's groups for a cache whose key row holds row_numel values (kv_heads * dim)."""
+        if row_numel not in self._groups:
+            self._groups[row_numel] = _plan_groups(self, row_numel)
+        return self._groups[row_numel]
 
 
 def build_decode_context(
     seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, sliding_window: Optional[int]
 ) -> DecodeContext:
-    """The query of request b sits at position seq_lens[b] - 1 and sees [start_b, seq_lens[b])."""
-    last = seq_lens.long() - 1
+    """The query of request b sits at position seq_lens[b] - 1 and sees [first_b, seq_lens[b])."""
+    last = seq_lens.long().cpu() - 1
     first = torch.zeros_like(last)
     if sliding_window is not None and sliding_window > 0:
         first = (last - sliding_window + 1).clamp_(min=0)
-    counts = last - first + 1
-    num_keys = int(counts.max())
-    offsets = torch.arange(num_keys)[None, :]
-    visible = offsets < counts[:, None]
-    positions = torch.where(visible, first[:, None] + offsets, last[:, None])
-    blocks = block_tables.long().gather(1, positions // block_size)
-    slots = (blocks * block_size + positions % block_size).reshape(-1)
-    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-    return DecodeContext(slots.to(block_tables.device), bias[:, None, None, :].to(block_tables.device), num_keys)
+    return DecodeContext(first, last, block_tables, block_size)
+
+
+def _plan_groups(context: DecodeContext, row_numel: int) -> list[DecodeGroup]:
+    bs = context.block_size
+    first_block, last_block = context.first // bs, context.last // bs
+    num_blocks = last_block - first_block + 1
+    # Consecutive requests in length order, each group's padded K + V within the budget.
+    budget_blocks = max(1, context.group_bytes // (2 * 4 * row_numel * bs))
+    order = torch.argsort(num_blocks, stable=True).tolist()
+    counts = num_blocks.tolist()
+    cuts, start = [], 0
+    for i in range(1, len(order) + 1):
+        if i == len(order) or (i - start + 1) * counts[order[i]] > budget_blocks:
+            cuts.append((start, i))
+            start = i
+    device = context.block_tables.device
+    tables = context.block_tables.long().cpu()
+    groups = []
+    for start, end in cuts:
+        rows = torch.tensor(order[start:end])
+        if len(cuts) == 1:
+            rows = torch.arange(len(order))
+        width = int(num_blocks[rows].max())
+        offsets = torch.arange(width)[None, :]
+        index = (first_block[rows, None] + offsets).minimum(last_block[rows, None])
+        blocks = tables[rows].gather(1, index).reshape(-1)
+        positions = first_block[rows, None] * bs + torch.arange(width * bs)[None, :]
+        visible = (positions >= context.first[rows, None]) & (positions <= context.last[rows, None])
+        hidden = (~visible).reshape(-1).nonzero().squeeze(1)
+        bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+        groups.append(DecodeGroup(None if len(cuts) == 1 else rows.to(device), blocks.to(device), hidden.to(device),
+                                  bias.to(device), width * bs))
+    return groups
 
 
 def decode_attention(
@@ -71,23 +125,36 @@ def decode_attention(
     (float32 arithmetic whatever the cache dtype).
     """
     batch, num_q_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    shape = (batch, context.num_keys, num_kv_heads, head_dim)
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    if context.workspace is None:
-        keys = flat_k.index_select(0, context.slots).view(shape)
-        values = flat_v.index_select(0, context.slots).view(shape)
-    else:
-        numel = batch * context.num_keys * num_kv_heads * head_dim
-        k_buf, v_buf = context.workspace.buffers(numel, k_cache.dtype, k_cache.device)
-        keys = torch.index_select(flat_k, 0, context.slots, out=k_buf.view(-1, num_kv_heads, head_dim)).view(shape)
-        values = torch.index_select(flat_v, 0, context.slots, out=v_buf.view(-1, num_kv_heads, head_dim)).view(shape)
-    # The query heads that share a KV head (consecutive, as HF's repeat_kv pairs them) go in
-    # as that head's queries: plain multi-head attention with group-size queries, which CPU
-    # SDPA runs ~3x faster than one query per head with enable_gqa (0.5B shape, 32 decodes).
+    num_blocks_total, block_size, num_kv_heads = k_cache.shape[:3]
+    row_numel = num_kv_heads * head_dim
+    groups = context.groups(row_numel)
+    flat_k = k_cache.view(num_blocks_total, block_size * row_numel)
+    flat_v = v_cache.view(num_blocks_total, block_size * row_numel)
     group = num_q_heads // num_kv_heads
-    out = F.scaled_dot_product_attention(
-        query.float().view(batch, num_kv_heads, group, head_dim), keys.float().transpose(1, 2),
-        values.float().transpose(1, 2), attn_mask=context.bias, scale=scale)
-    return out.reshape(batch, num_q_heads, head_dim).to(query.dtype)
+    out = None if len(groups) == 1 else torch.empty(batch, num_q_heads, head_dim, dtype=query.dtype,
+                                                   device=query.device)
+    for g in groups:
+        n = batch if g.rows is None else g.rows.numel()
+        shape = (n, g.num_keys, num_kv_heads, head_dim)
+        if context.workspace is None:
+            keys, values = flat_k.index_select(0, g.blocks), flat_v.index_select(0, g.blocks)
+        else:
+            k_buf, v_buf = context.workspace.buffers(n * g.num_keys * row_numel, k_cache.dtype, k_cache.device)
+            keys = torch.index_select(flat_k, 0, g.blocks, out=k_buf.view(-1, block_size * row_numel))
+            values = torch.index_select(flat_v, 0, g.blocks, out=v_buf.view(-1, block_size * row_numel))
+        keys, values = keys.view(-1, row_numel), values.view(-1, row_numel)
+        if g.hidden.numel():
+            keys.index_fill_(0, g.hidden, 0.0)
+            values.index_fill_(0, g.hidden, 0.0)
+        q = query if g.rows is None else query.index_select(0, g.rows)
+        # The query heads that share a KV head (consecutive, as HF's repeat_kv pairs them) go
+        # in as that head's queries: plain multi-head attention with group-size queries,
+        # which CPU SDPA runs ~3x faster than one query per head with enable_gqa.
+        o = F.scaled_dot_product_attention(
+            q.float().view(n, num_kv_heads, group, head_dim), keys.view(shape).float().transpose(1, 2),
+            values.view(shape).float().transpose(1, 2), attn_mask=g.bias, scale=scale)
+        o = o.reshape(n, num_q_heads, head_dim).to(query.dtype)
+        if out is None:
+            return o
+        out.index_copy_(0, g.rows, o)
+    return out
