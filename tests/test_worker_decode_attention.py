@@ -51,7 +51,7 @@ def test_pure_decode_attention_matches_the_reference_over_stale_nan_slots(slidin
     context = build_decode_context(lens, block_tables, BLOCK_SIZE, sliding_window)
     context.workspace = GatherWorkspace() if use_workspace else None
     context.group_bytes = group_bytes
-    assert (len(context.groups(kv_heads * HEAD_DIM)) > 1) == (group_bytes != GROUP_BYTES)
+    assert (len(context.plan(kv_heads * HEAD_DIM).groups) > 1) == (group_bytes != GROUP_BYTES)
     for _ in range(2):  # a reused workspace gives the same answer
         got = decode_attention(query, k_cache, v_cache, scale, context)
         assert not torch.isnan(got).any()

@@ -48,11 +48,18 @@ class GatherWorkspace:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    rows: Optional[torch.Tensor]  # [n] long: the group's requests in the batch; None: all, in order
+    start: int  # the group is requests [start, end) of the length-sorted order
+    end: int
     blocks: torch.Tensor  # [n * num_blocks] long: the cache blocks to gather, request by request
     hidden: torch.Tensor  # [h] long: gathered key rows the request may not see (zeroed after the gather)
     bias: torch.Tensor  # [n, 1, 1, L] float32: 0 where attended, -inf elsewhere
     num_keys: int  # L = num_blocks * block_size
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    order: Optional[torch.Tensor]  # [B] long: requests by length; None when there is one group
+    groups: list[DecodeGroup]
 
 
 @dataclass(slots=True)
@@ -63,13 +70,13 @@ class DecodeContext:
     block_size: int
     workspace: Optional[GatherWorkspace] = None
     group_bytes: int = GROUP_BYTES
-    _groups: dict[int, list[DecodeGroup]] = field(default_factory=dict)
+    _plans: dict[int, DecodePlan] = field(default_factory=dict)
 
-    def groups(self, row_numel: int) -> list[DecodeGroup]:
+    def plan(self, row_numel: int) -> DecodePlan:
         """The step's groups for a cache whose key row holds row_numel values (kv_heads * dim)."""
-        if row_numel not in self._groups:
-            self._groups[row_numel] = _plan_groups(self, row_numel)
-        return self._groups[row_numel]
+        if row_numel not in self._plans:
+            self._plans[row_numel] = _plan_groups(self, row_numel)
+        return self._plans[row_numel]
 
 
 def build_decode_context(
@@ -83,37 +90,37 @@ def build_decode_context(
     return DecodeContext(first, last, block_tables, block_size)
 
 
-def _plan_groups(context: DecodeContext, row_numel: int) -> list[DecodeGroup]:
+def _plan_groups(context: DecodeContext, row_numel: int) -> DecodePlan:
     bs = context.block_size
     first_block, last_block = context.first // bs, context.last // bs
     num_blocks = last_block - first_block + 1
+    order = torch.argsort(num_blocks, stable=True)
     # Consecutive requests in length order, each group's padded K + V within the budget.
     budget_blocks = max(1, context.group_bytes // (2 * 4 * row_numel * bs))
-    order = torch.argsort(num_blocks, stable=True).tolist()
-    counts = num_blocks.tolist()
+    counts = num_blocks[order].tolist()
     cuts, start = [], 0
-    for i in range(1, len(order) + 1):
-        if i == len(order) or (i - start + 1) * counts[order[i]] > budget_blocks:
+    for i in range(1, len(counts) + 1):
+        if i == len(counts) or (i - start + 1) * counts[i] > budget_blocks:
             cuts.append((start, i))
             start = i
+    if len(cuts) == 1:
+        order = torch.arange(len(counts))
+    first, last, first_block, last_block = (t[order] for t in (context.first, context.last, first_block, last_block))
+    width = counts[-1] if len(cuts) > 1 else int(num_blocks.max())
+    # Past its own blocks a request's row repeats its last block; those keys are hidden.
+    index = (first_block[:, None] + torch.arange(width)[None, :]).minimum(last_block[:, None])
+    blocks = context.block_tables.long().cpu()[order].gather(1, index)
+    positions = first_block[:, None] * bs + torch.arange(width * bs)[None, :]
+    visible = (positions >= first[:, None]) & (positions <= last[:, None])
+    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
     device = context.block_tables.device
-    tables = context.block_tables.long().cpu()
     groups = []
     for start, end in cuts:
-        rows = torch.tensor(order[start:end])
-        if len(cuts) == 1:
-            rows = torch.arange(len(order))
-        width = int(num_blocks[rows].max())
-        offsets = torch.arange(width)[None, :]
-        index = (first_block[rows, None] + offsets).minimum(last_block[rows, None])
-        blocks = tables[rows].gather(1, index).reshape(-1)
-        positions = first_block[rows, None] * bs + torch.arange(width * bs)[None, :]
-        visible = (positions >= context.first[rows, None]) & (positions <= context.last[rows, None])
-        hidden = (~visible).reshape(-1).nonzero().squeeze(1)
-        bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
-        groups.append(DecodeGroup(None if len(cuts) == 1 else rows.to(device), blocks.to(device), hidden.to(device),
-                                  bias.to(device), width * bs))
-    return groups
+        w = counts[end - 1] if len(cuts) > 1 else width
+        hidden = (~visible[start:end, :w * bs]).reshape(-1).nonzero().squeeze(1)
+        groups.append(DecodeGroup(start, end, blocks[start:end, :w].reshape(-1).to(device), hidden.to(device),
+                                  bias[start:end, None, None, :w * bs].contiguous().to(device), w * bs))
+    return DecodePlan(order.to(device) if len(cuts) > 1 else None, groups)
 
 
 def decode_attention(
@@ -127,14 +134,15 @@ def decode_attention(
     batch, num_q_heads, head_dim = query.shape
     num_blocks_total, block_size, num_kv_heads = k_cache.shape[:3]
     row_numel = num_kv_heads * head_dim
-    groups = context.groups(row_numel)
+    plan = context.plan(row_numel)
     flat_k = k_cache.view(num_blocks_total, block_size * row_numel)
     flat_v = v_cache.view(num_blocks_total, block_size * row_numel)
     group = num_q_heads // num_kv_heads
-    out = None if len(groups) == 1 else torch.empty(batch, num_q_heads, head_dim, dtype=query.dtype,
-                                                   device=query.device)
-    for g in groups:
-        n = batch if g.rows is None else g.rows.numel()
+    queries = query.float() if plan.order is None else query.index_select(0, plan.order).float()
+    queries = queries.view(batch, num_kv_heads, group, head_dim)
+    out = torch.empty(batch, num_kv_heads, group, head_dim)
+    for g in plan.groups:
+        n = g.end - g.start
         shape = (n, g.num_keys, num_kv_heads, head_dim)
         if context.workspace is None:
             keys, values = flat_k.index_select(0, g.blocks), flat_v.index_select(0, g.blocks)
@@ -146,15 +154,12 @@ def decode_attention(
         if g.hidden.numel():
             keys.index_fill_(0, g.hidden, 0.0)
             values.index_fill_(0, g.hidden, 0.0)
-        q = query if g.rows is None else query.index_select(0, g.rows)
         # The query heads that share a KV head (consecutive, as HF's repeat_kv pairs them) go
         # in as that head's queries: plain multi-head attention with group-size queries,
         # which CPU SDPA runs ~3x faster than one query per head with enable_gqa.
-        o = F.scaled_dot_product_attention(
-            q.float().view(n, num_kv_heads, group, head_dim), keys.view(shape).float().transpose(1, 2),
-            values.view(shape).float().transpose(1, 2), attn_mask=g.bias, scale=scale)
-        o = o.reshape(n, num_q_heads, head_dim).to(query.dtype)
-        if out is None:
-            return o
-        out.index_copy_(0, g.rows, o)
-    return out
+        out[g.start:g.end] = F.scaled_dot_product_attention(
+            queries[g.start:g.end], keys.view(shape).float().transpose(1, 2), values.view(shape).float().transpose(1, 2),
+            attn_mask=g.bias, scale=scale)
+    if plan.order is not None:
+        out = torch.empty_like(out).index_copy_(0, plan.order, out)
+    return out.view(batch, num_q_heads, head_dim).to(query.dtype)
