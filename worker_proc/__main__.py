@@ -10,12 +10,16 @@ import signal
 import sys
 from dataclasses import fields
 
-# Threads of a parallel op that wait at its end sleep instead of spinning (libgomp spins up
-# to ~300k iterations by default). Read once when torch loads OpenMP, so set before the
-# imports below. On 2 cores shared with the scheduler, the frontend and other processes,
-# spinning threads took the cores the late thread needed: a 2-thread step of the small
-# bench shape took 1.5 s spinning against 0.49 s sleeping (bench/RESULTS.md).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# libgomp's threads spin a while after each parallel op before they sleep; read once when
+# torch loads OpenMP, so set before the imports below. A step's ops follow each other within
+# ~0.1 ms, so a short spin (10k iterations, ~0.2 ms here) keeps the pool hot through a step,
+# while a thread waiting between steps sleeps almost at once. Quiet 2 cores, small bench shape
+# (bench/RESULTS.md): offline 1438 tok/s against 1078 sleeping at once (PASSIVE) and ~1290 at
+# 3k; serving 64 streams TPOT 43-46 ms against 56 ms. libgomp's own default (300k, ~6 ms)
+# holds a core the scheduler and frontend need. OMP_WAIT_POLICY or GOMP_SPINCOUNT set by the
+# environment win (PASSIVE for cores shared with other tenants: README, "CPU cores").
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from pagedserve.protocol import options as opts
 from pagedserve.worker_proc.model_config import UnsupportedModelError
