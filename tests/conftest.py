@@ -61,6 +61,14 @@ def pytest_configure(config):
     multiprocessing.process.BaseProcess.start = recorded_process_start
 
 
+def pytest_sessionstart(session):
+    """Build the native CPU kernels (a compiler run, cached) before any test, so the in-process
+    tests use them as a worker would, and the build is charged to no test (the slow mark)."""
+    from pagedserve.kernels import cpu_native
+
+    cpu_native.library()
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """build(arch, **overrides) -> model dir, cached per (arch, overrides) for the session."""

@@ -29,6 +29,7 @@ def test_the_wheel_puts_nothing_but_pagedserve_in_site_packages(wheel):
     for pkg in PACKAGES:
         assert f"pagedserve/{pkg}/__init__.py" in names
     assert "pagedserve/worker_proc/models/causal_lm.py" in names
+    assert "pagedserve/kernels/cpu_decode_attention.c" in names  # compiled where it runs
     assert "pagedserve/__init__.py" in names  # `from pagedserve import LLM, SamplingParams`
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
     assert b"pagedserve = pagedserve.deploy.cli:main" in entry_points

@@ -1,16 +1,29 @@
-"""The CPU attention paths (batched decodes, SDPA prefill chunks) equal kernels.reference.paged_attention."""
+"""The CPU attention paths (batched decodes, SDPA prefill chunks) equal kernels.reference.paged_attention.
+
+Decodes run through the native kernel where it is built (kernels/cpu_native.py) and through
+the gather + SDPA path otherwise; the ``decode_path`` fixture runs each test on both."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import cpu_native, reference
 from pagedserve.worker_proc.attention import attend, plan_cpu_attention
 from pagedserve.worker_proc.decode_attention import (GROUP_BYTES, GatherWorkspace, build_decode_context,
                                                      decode_attention)
 
 BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 4, 8, 64
+
+
+@pytest.fixture(params=["native", "torch"])
+def decode_path(request, monkeypatch):
+    if request.param == "native":
+        if cpu_native.library() is None:
+            pytest.skip("native CPU kernels are not built on this machine (no C compiler)")
+    else:
+        monkeypatch.setattr(cpu_native, "supports_decode", lambda *_: False)
+    return request.param
 
 
 def nan_cache_with_requests(seq_lens, kv_heads, generator):
@@ -35,7 +48,7 @@ def nan_cache_with_requests(seq_lens, kv_heads, generator):
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (4, 4), (6, 1)])
 @pytest.mark.parametrize("group_bytes", [GROUP_BYTES, 2 * 4 * 8 * BLOCK_SIZE * HEAD_DIM])
 def test_pure_decode_attention_matches_the_reference_over_stale_nan_slots(sliding_window, q_heads, kv_heads,
-                                                                         use_workspace, group_bytes):
+                                                                         use_workspace, group_bytes, decode_path):
     """Stale NaN in tails, padding and outside the window never leaks, in one group or many
     (the small budget cuts the six requests, sorted by length, into several groups)."""
     generator = torch.Generator().manual_seed(q_heads * 10 + kv_heads)
@@ -61,7 +74,7 @@ def test_pure_decode_attention_matches_the_reference_over_stale_nan_slots(slidin
 @pytest.mark.parametrize("sliding_window", [None, 3, 7])
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (6, 1), (2, 2)])
 def test_a_mixed_batch_of_decodes_fresh_prompts_and_chunks_after_cached_context_matches_the_reference(
-        sliding_window, q_heads, kv_heads):
+        sliding_window, q_heads, kv_heads, decode_path):
     generator = torch.Generator().manual_seed(q_heads + 7 * kv_heads)
     # decode, fresh prompt, decode, idle, chunk after 9 cached tokens, decode, fresh 1-block prompt
     num_scheduled = [1, 6, 1, 0, 3, 1, 13]

@@ -18,6 +18,10 @@ Two choices come from measurement (bench/RESULTS.md, "decode attention groups"):
   decodes of 64-384 keys this halves the layer's attention time.
 The gathered K/V land in a GatherWorkspace kept across steps: a fresh multi-megabyte
 buffer per layer costs more in page faults than the gather itself.
+
+Where the native kernels are built (kernels/cpu_native.py, float32) none of this runs: the
+C kernel reads each request's blocks in place, 2-10x faster. This path serves the other
+dtypes and machines without a C compiler.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from pagedserve.kernels import cpu_native
 
 # Gathered K + V of one group, in bytes of float32: about a core's L2. 0.5B shape and demo
 # shape both measured best between 1 and 2 MiB (4-8x slower per key at 8+ MiB).
@@ -71,6 +77,19 @@ class DecodeContext:
     workspace: Optional[GatherWorkspace] = None
     group_bytes: int = GROUP_BYTES
     _plans: dict[int, DecodePlan] = field(default_factory=dict)
+    _tables_checked: bool = False
+
+    def native_tables(self, num_blocks: int) -> torch.Tensor:
+        """The block tables, checked once per step against the cache's size: the C kernel
+        trusts every id it reads, where torch's indexing would raise."""
+        if not self._tables_checked:
+            cols = torch.arange(self.block_tables.shape[1])[None, :]
+            read = (cols >= (self.first // self.block_size)[:, None]) & (cols <= (self.last // self.block_size)[:, None])
+            ids = self.block_tables[read]
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+                raise IndexError(f"block table names a block outside the cache of {num_blocks}")
+            self._tables_checked = True
+        return self.block_tables
 
     def plan(self, row_numel: int) -> DecodePlan:
         """The step's groups for a cache whose key row holds row_numel values (kv_heads * dim)."""
@@ -131,6 +150,9 @@ def decode_attention(
     Same contract as kernels.reference.paged_attention restricted to one query per request
     (float32 arithmetic whatever the cache dtype).
     """
+    if cpu_native.supports_decode(query, k_cache):
+        return cpu_native.paged_decode_attention(query, k_cache, v_cache, context.native_tables(k_cache.shape[0]),
+                                                 context.first, context.last, scale)
     batch, num_q_heads, head_dim = query.shape
     num_blocks_total, block_size, num_kv_heads = k_cache.shape[:3]
     row_numel = num_kv_heads * head_dim

@@ -1,0 +1,121 @@
+/* Paged decode attention on CPU: one query token per request, read straight from the block
+ * cache (no gathered copy), float32 arithmetic.
+ *
+ * Built at run time by kernels/cpu_native.py with the machine's own compiler and loaded
+ * through ctypes; torch's OpenMP runtime (libgomp.so.1, already loaded by torch) runs the
+ * parallel loop, so it uses the worker's torch threads.
+ *
+ * Contract (kernels.reference.paged_attention, restricted to one query per request):
+ *   q        [B, Hq, D]            the queries
+ *   k, v     [N, bs, Hkv, D]       the cache of one layer
+ *   tables   [B, table_stride]     int32 block ids
+ *   first    [B] int64             first visible position (sliding window; 0 otherwise)
+ *   last     [B] int64             the query's position (seq_len - 1), always visible
+ *   out      [B, Hq, D]
+ * Query head h reads KV head h / (Hq / Hkv), as HF's repeat_kv pairs them.
+ * Only visible slots are read, so stale data elsewhere in a block is never touched.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+/* exp(x) for the x <= 0 of a softmax: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, and a
+ * degree-6 polynomial (error < 2 ulp). Written so the compiler vectorizes the loop over keys. */
+static inline float softmax_exp(float x) {
+    if (x < -87.0f) return 0.0f;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { float f; int32_t i; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+static inline float dot(const float *a, const float *b, int64_t d) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * b[i + l];
+    for (; i < d; i++) acc[i % LANES] += a[i] * b[i];
+    /* a tree of lane-wise adds, which vectorizes, rather than a serial chain */
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+/* One request: its slots are read row by row (all KV heads of a slot are adjacent), once
+ * for the scores and once for the values. Inlined into each case of the switch below, so
+ * the common head sizes get loops of a known length (unrolled, kept in registers). */
+static inline __attribute__((always_inline)) void attend_request(
+    const float *qb, const float *k, const float *v, const int32_t *table, int64_t lo, int64_t hi, float *ob,
+    float *scores, int64_t hq, int64_t hkv, int64_t group, const int64_t d, int64_t row, int64_t bs, float scale) {
+    const int64_t n = hi - lo;
+    for (int64_t pos = lo; pos < hi;) {
+        const int64_t end = (pos / bs + 1) * bs < hi ? (pos / bs + 1) * bs : hi;
+        const float *kr = k + ((int64_t)table[pos / bs] * bs + pos % bs) * row;
+        for (; pos < end; pos++, kr += row)
+            for (int64_t kh = 0, h = 0; kh < hkv; kh++)
+                for (int64_t g = 0; g < group; g++, h++)
+                    scores[h * n + pos - lo] = dot(qb + h * d, kr + kh * d, d) * scale;
+    }
+    for (int64_t h = 0; h < hq; h++) {
+        float *s = scores + h * n, m = s[0], sum = 0.0f;
+        for (int64_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
+        for (int64_t j = 0; j < n; j++) s[j] = softmax_exp(s[j] - m);
+        for (int64_t j = 0; j < n; j++) sum += s[j];
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < n; j++) s[j] *= inv;
+    }
+    memset(ob, 0, sizeof(float) * hq * d);
+    for (int64_t pos = lo; pos < hi;) {
+        const int64_t end = (pos / bs + 1) * bs < hi ? (pos / bs + 1) * bs : hi;
+        const float *vr = v + ((int64_t)table[pos / bs] * bs + pos % bs) * row;
+        for (; pos < end; pos++, vr += row)
+            for (int64_t kh = 0, h = 0; kh < hkv; kh++)
+                for (int64_t g = 0; g < group; g++, h++) {
+                    const float p = scores[h * n + pos - lo], *vh = vr + kh * d;
+                    float *o = ob + h * d;
+                    for (int64_t i = 0; i < d; i++) o[i] += p * vh[i];
+                }
+    }
+}
+
+void paged_decode_attention_f32(const float *q, const float *k, const float *v, const int32_t *tables,
+                                int64_t table_stride, const int64_t *first, const int64_t *last, float *out,
+                                int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale) {
+    const int64_t group = hq / hkv;
+    const int64_t row = hkv * d; /* floats per cache slot */
+#pragma omp parallel
+    {
+        float *scores = NULL;
+        int64_t capacity = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < batch; b++) {
+            const int64_t lo = first[b], hi = last[b] + 1;
+            if (capacity < hq * (hi - lo)) {
+                free(scores);
+                capacity = hq * (hi - lo);
+                scores = (float *)malloc(sizeof(float) * capacity);
+            }
+            const float *qb = q + b * hq * d;
+            const int32_t *table = tables + b * table_stride;
+            float *ob = out + b * hq * d;
+            switch (d) {
+            case 32: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 32, row, bs, scale); break;
+            case 64: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 64, row, bs, scale); break;
+            case 128: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 128, row, bs, scale); break;
+            default: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, d, row, bs, scale);
+            }
+        }
+        free(scores);
+    }
+}
