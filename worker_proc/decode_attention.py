@@ -77,16 +77,20 @@ class DecodeContext:
     workspace: Optional[GatherWorkspace] = None
     group_bytes: int = GROUP_BYTES
     _plans: dict[int, DecodePlan] = field(default_factory=dict)
+    windowed: bool = False
     _tables_checked: bool = False
 
     def native_tables(self, num_blocks: int) -> torch.Tensor:
         """The block tables, checked once per step against the cache's size: the C kernel
         trusts every id it reads, where torch's indexing would raise."""
         if not self._tables_checked:
-            cols = torch.arange(self.block_tables.shape[1])[None, :]
-            read = (cols >= (self.first // self.block_size)[:, None]) & (cols <= (self.last // self.block_size)[:, None])
-            ids = self.block_tables[read]
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+            ids = self.block_tables
+            if self.windowed:  # only the blocks it reads: those before a window may be stale
+                cols = torch.arange(ids.shape[1])[None, :]
+                ids = ids[(cols >= (self.first // self.block_size)[:, None])
+                          & (cols <= (self.last // self.block_size)[:, None])]
+            low, high = torch.aminmax(ids) if ids.numel() else (0, 0)
+            if int(low) < 0 or int(high) >= num_blocks:
                 raise IndexError(f"block table names a block outside the cache of {num_blocks}")
             self._tables_checked = True
         return self.block_tables
@@ -104,9 +108,10 @@ def build_decode_context(
     """The query of request b sits at position seq_lens[b] - 1 and sees [first_b, seq_lens[b])."""
     last = seq_lens.long().cpu() - 1
     first = torch.zeros_like(last)
-    if sliding_window is not None and sliding_window > 0:
+    windowed = sliding_window is not None and sliding_window > 0
+    if windowed:
         first = (last - sliding_window + 1).clamp_(min=0)
-    return DecodeContext(first, last, block_tables, block_size)
+    return DecodeContext(first, last, block_tables, block_size, windowed=windowed)
 
 
 def _plan_groups(context: DecodeContext, row_numel: int) -> DecodePlan:
