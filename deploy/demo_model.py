@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 _CORPUS = """
 The quick brown fox jumps over the lazy dog. A paged attention engine keeps the key and
@@ -134,8 +134,8 @@ def build_model_dir(
         initializer_range=0.2,  # wide logits: greedy ties between engines are unlikely
         **extra_config,
     )
-    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    _fill_weights(model, seed, config.initializer_range, config.pad_token_id)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path, safe_serialization=True)
@@ -143,6 +143,27 @@ def build_model_dir(
     meta = {"pagedserve_demo": True, "arch": arch, "seed": seed}
     (path / "pagedserve_demo.json").write_text(json.dumps(meta))
     return path
+
+
+def _fill_weights(model: Any, seed: int, std: float, pad_token_id: Optional[int]) -> None:
+    """Every parameter from our own seeded generator, in name order, with HF's init rules
+    (matrices ~ N(0, std), biases 0, norm weights 1, the pad token's embedding 0). The values
+    then depend on the seed and the parameter names and shapes only, not on how a transformers
+    release initializes (5.24 changed it, and with it every golden trace's model)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):  # tied weights appear once
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator))
+        embeddings = model.get_input_embeddings().weight
+        if pad_token_id is not None and 0 <= pad_token_id < embeddings.shape[0]:
+            embeddings[pad_token_id].zero_()
 
 
 def build_demo_model(path: str | Path) -> Path:

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import secrets
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from fastapi import Request
 
 from pagedserve.frontend_proc.errors import Unauthorized
 
 
-def make_api_key_check(api_key: Optional[str]) -> Callable[[Request], None]:
+def make_api_key_check(api_key: Optional[str]) -> Callable[[Request], Awaitable[None]]:
     """A dependency that accepts every request when no key is configured."""
 
     expected = f"Bearer {api_key}".encode() if api_key else None
 
-    def require_api_key(request: Request) -> None:
+    # async: FastAPI runs a plain def dependency in its thread pool, a thread hop per request
+    async def require_api_key(request: Request) -> None:
         if expected is None:
             return
         given = request.headers.get("authorization", "").encode()
