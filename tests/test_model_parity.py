@@ -126,18 +126,23 @@ def test_bfloat16_logits_match_transformers_in_bfloat16_and_so_do_greedy_tokens_
     assert torch.equal(torch.tensor(tokens)[clear], theirs.argmax(-1)[clear])
 
 
-@pytest.mark.parametrize("transposed", [True, False], ids=["weight_t_copy", "weight_only"])
-def test_decode_steps_of_many_rows_equal_transformers_in_either_weight_layout(tmp_path, monkeypatch, transposed):
+@pytest.mark.parametrize("transposed,resident", [(True, True), (True, False), (False, False)],
+                         ids=["weight_t_copy_cached", "weight_t_copy_streamed", "weight_only"])
+def test_decode_steps_of_many_rows_equal_transformers_in_either_weight_layout(tmp_path, monkeypatch, transposed,
+                                                                             resident):
     """40 requests decode together, so steps have more rows than the few-row matmul path
-    takes: they run x @ W_t (a small model's transposed copies) or F.linear (without)."""
+    takes: they run x @ W_t (a small model's transposed copies) or F.linear (without); the
+    last steps, with few rows left, run x @ W_t (a cache-resident model) or W @ x.T."""
     from pagedserve.worker_proc.models import linear
 
     monkeypatch.setattr(linear, "TRANSPOSED_COPY_MAX_BYTES", linear.TRANSPOSED_COPY_MAX_BYTES if transposed else 0)
+    monkeypatch.setattr(linear, "CACHE_RESIDENT_MAX_BYTES", linear.CACHE_RESIDENT_MAX_BYTES if resident else 0)
     model_dir = build_model_dir(tmp_path / "m", "qwen2", seed=6)
     prompts = random_prompts([3 + i % 11 for i in range(40)], vocab_size=512, seed=13)
     runner = ModelRunner(str(model_dir))
     assert (runner.model.layers[0].gate_up.weight_t is not None) == transposed
     assert (runner.model.lm_head.weight_t is not None) == transposed
+    assert runner.model.layers[0].qkv.resident == resident
     scheduler = TrivialScheduler(runner, block_size=4, num_gpu_blocks=512)
     for i, prompt in enumerate(prompts):
         scheduler.add(f"r{i}", prompt, NEW_TOKENS)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer, rms_norm
-from pagedserve.worker_proc.models.linear import LinearWeight, keeps_transposed, linear
+from pagedserve.worker_proc.models.linear import LinearWeight, linear, weight_layout
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -30,11 +30,11 @@ class CausalLM:
             self.embed_tokens = source.get("model.embed_tokens.weight").to(device, dtype)
             tied = spec.tie_word_embeddings or "lm_head.weight" not in source
             num_params = spec.num_layer_params + self.embed_tokens.numel() * (1 if tied else 2)
-            transposed = keeps_transposed(device, num_params * self.embed_tokens.element_size())
+            layout = weight_layout(device, num_params * self.embed_tokens.element_size())
             head = self.embed_tokens if tied else source.get("lm_head.weight").to(device, dtype)
-            self.lm_head = LinearWeight.of(head, None, transposed)
+            self.lm_head = LinearWeight.of(head, None, layout)
             self.norm = source.get("model.norm.weight").to(device, dtype)
-            self.layers = [DecoderLayer(spec, shard, i, source, device, dtype, transposed)
+            self.layers = [DecoderLayer(spec, shard, i, source, device, dtype, layout)
                            for i in range(spec.num_layers)]
         finally:
             source.close()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pagedserve.worker_proc.attention import attend
 from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec
-from pagedserve.worker_proc.models.linear import LinearWeight, linear
+from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -38,8 +38,9 @@ def _maybe(source: WeightSource, name: str, present: bool, **part) -> Optional[t
 
 class DecoderLayer:
     def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int,
-                 source: WeightSource, device: torch.device, dtype: torch.dtype, transposed: bool = False):
-        """``transposed``: keep [in, out] copies of the projections too (models/linear.py)."""
+                 source: WeightSource, device: torch.device, dtype: torch.dtype,
+                 layout: WeightLayout = WeightLayout()):
+        """``layout``: whether to keep [in, out] copies of the projections too (models/linear.py)."""
         p = f"model.layers.{layer}."
         d = spec.head_dim
         self.eps = spec.rms_norm_eps
@@ -66,9 +67,9 @@ class DecoderLayer:
             source.get(attn + "k_proj.bias", dim=0, part=kv_heads),
             source.get(attn + "v_proj.bias", dim=0, part=kv_heads),
         ])) if spec.qkv_bias else None
-        self.qkv = LinearWeight.of(qkv_weight, qkv_bias, transposed)
+        self.qkv = LinearWeight.of(qkv_weight, qkv_bias, layout)
         # o_proj's and down_proj's biases are added after the all-reduce (once, not per rank)
-        self.o_proj = LinearWeight.of(load(source.get(attn + "o_proj.weight", dim=1, part=heads)), None, transposed)
+        self.o_proj = LinearWeight.of(load(source.get(attn + "o_proj.weight", dim=1, part=heads)), None, layout)
         self.o_bias = load(_maybe(source, attn + "o_proj.bias", spec.o_bias))
         # Qwen3 normalises each head of q and k; one [q_heads + kv_heads, dim] weight
         # lets a single norm call cover both.
@@ -84,8 +85,8 @@ class DecoderLayer:
             source.get(mlp + "gate_proj.bias", dim=0, part=inter),
             source.get(mlp + "up_proj.bias", dim=0, part=inter),
         ])) if spec.mlp_bias else None
-        self.gate_up = LinearWeight.of(gate_up_weight, gate_up_bias, transposed)
-        self.down = LinearWeight.of(load(source.get(mlp + "down_proj.weight", dim=1, part=inter)), None, transposed)
+        self.gate_up = LinearWeight.of(gate_up_weight, gate_up_bias, layout)
+        self.down = LinearWeight.of(load(source.get(mlp + "down_proj.weight", dim=1, part=inter)), None, layout)
         self.down_bias = load(_maybe(source, mlp + "down_proj.bias", spec.mlp_bias))
         self.intermediate_size = shard.intermediate_size
 
