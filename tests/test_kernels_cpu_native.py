@@ -11,27 +11,15 @@ import torch
 
 from pagedserve.kernels import cpu_native, reference
 from pagedserve.worker_proc.decode_attention import build_decode_context, decode_attention
+from test_worker_decode_attention import nan_cache_with_requests
 
 needs_library = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler on this machine")
 
 
-def stale_cache(seq_lens, block_size, kv_heads, head_dim, generator, num_blocks=None):
+def stale_cache(seq_lens, block_size, kv_heads, head_dim, generator):
     """NaN everywhere but the slots the requests own, blocks scattered; tables padded with 0."""
-    needed = sum(-(-n // block_size) for n in seq_lens)
-    num_blocks = num_blocks or needed + 3
-    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    free = torch.randperm(num_blocks, generator=generator).tolist()
-    width = max(-(-n // block_size) for n in seq_lens)
-    tables = []
-    for n in seq_lens:
-        blocks = [free.pop() for _ in range(-(-n // block_size))]
-        for b, block in enumerate(blocks):
-            filled = min(block_size, n - b * block_size)
-            k_cache[block, :filled] = torch.randn(filled, kv_heads, head_dim, generator=generator)
-            v_cache[block, :filled] = torch.randn(filled, kv_heads, head_dim, generator=generator)
-        tables.append(blocks + [0] * (width - len(blocks)))
-    return k_cache, v_cache, torch.tensor(tables, dtype=torch.int32)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    return nan_cache_with_requests(seq_lens, kv_heads, generator, block_size, head_dim, num_blocks)
 
 
 def native(query, k_cache, v_cache, tables, seq_lens, scale, window):

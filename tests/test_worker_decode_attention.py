@@ -26,19 +26,21 @@ def decode_path(request, monkeypatch):
     return request.param
 
 
-def nan_cache_with_requests(seq_lens, kv_heads, generator):
-    """Caches full of NaN except the slots each request owns; block tables padded with block 0."""
-    k_cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, kv_heads, HEAD_DIM), float("nan"))
+def nan_cache_with_requests(seq_lens, kv_heads, generator, block_size=BLOCK_SIZE, head_dim=HEAD_DIM,
+                            num_blocks=NUM_BLOCKS):
+    """Caches full of NaN except the slots each request owns, its blocks scattered; block
+    tables padded with block 0 (also used by test_kernels_cpu_native.py)."""
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
-    permutation = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
-    max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens)
+    permutation = torch.randperm(num_blocks, generator=generator).tolist()
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
     tables = []
     for seq_len in seq_lens:
-        blocks = [permutation.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
-        for pos in range(seq_len):
-            slot = (blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
-            k_cache[slot] = torch.randn(kv_heads, HEAD_DIM, generator=generator)
-            v_cache[slot] = torch.randn(kv_heads, HEAD_DIM, generator=generator)
+        blocks = [permutation.pop() for _ in range(-(-seq_len // block_size))]
+        for b, block in enumerate(blocks):
+            filled = min(block_size, seq_len - b * block_size)
+            k_cache[block, :filled] = torch.randn(filled, kv_heads, head_dim, generator=generator)
+            v_cache[block, :filled] = torch.randn(filled, kv_heads, head_dim, generator=generator)
         tables.append(blocks + [0] * (max_blocks - len(blocks)))
     return k_cache, v_cache, torch.tensor(tables, dtype=torch.int32)
 

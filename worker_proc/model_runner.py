@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from pagedserve.kernels import cpu_native
 from pagedserve.kernels.ops import select_ops
 from pagedserve.protocol.messages import SchedulerOutput, StepResult, WorkerInit
 from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output, note_samples
@@ -47,6 +48,8 @@ class ModelRunner:
         self.rank = tp_rank
         self.shard = TensorParallelShard.for_rank(self.spec, tp_rank, tp_size, tp_group)
         self.ops = select_ops(self.device)
+        if self.device.type == "cpu":
+            cpu_native.library()  # compiled (once per machine) now, not during the first decode step
         self.model = MODEL_CLASSES[self.spec.architecture](model_dir, self.spec, self.shard, self.device, self.dtype)
         self._requests: dict[str, HeldRequest] = {}
         self._cache: Optional[KVCache] = None
