@@ -42,7 +42,8 @@ def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
               api_key: str | None) -> FastAPI:
     # FastAPI's own schema of these routes (as vLLM serves it); like /health, no key needed.
     app = FastAPI(title="pagedserve", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
-    authorized = [Depends(make_api_key_check(api_key))]
+    # Without a key there is nothing to check: no dependency for FastAPI to solve per request.
+    authorized = [Depends(make_api_key_check(api_key))] if api_key else []
     started = int(time.time())
 
     @app.exception_handler(APIError)
