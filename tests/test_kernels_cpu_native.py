@@ -132,3 +132,36 @@ def test_a_fresh_cache_builds_a_library_that_loads(monkeypatch, tmp_path):
     assert cpu_native._build() is not None
     built = list((tmp_path / "kernels").iterdir())
     assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so"
+
+
+@needs_library
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 128])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rotary_is_bit_for_bit_the_torch_path(monkeypatch, head_dim, strided):
+    from types import SimpleNamespace
+
+    from pagedserve.worker_proc.rotary import RotaryEmbedding
+
+    generator = torch.Generator().manual_seed(head_dim)
+    rotary = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0, rope_scaling=None), head_dim, 512,
+                             torch.device("cpu"), torch.float32)
+    qkv = torch.randn(300, 9 * head_dim, generator=generator)  # 6 q/k heads and 3 more, as a qkv row
+    x = qkv[:, :6 * head_dim].view(300, 6, head_dim) if strided else qkv[:, :6 * head_dim].reshape(300, 6, head_dim)
+    positions = torch.randint(0, 512, (300,), generator=generator)
+    native_out = rotary(x, positions)
+    monkeypatch.setattr(cpu_native, "supports_rotary", lambda *_: False)
+    assert torch.equal(native_out, rotary(x, positions))
+
+
+@needs_library
+def test_a_position_outside_the_rotary_table_is_an_error_not_a_wild_read():
+    from types import SimpleNamespace
+
+    from pagedserve.worker_proc.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0, rope_scaling=None), 16, 64,
+                             torch.device("cpu"), torch.float32)
+    x = torch.randn(3, 2, 16)
+    for bad in (64, -1):
+        with pytest.raises(IndexError, match="rotary table"):
+            rotary(x, torch.tensor([0, 5, bad]))

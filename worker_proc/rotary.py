@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.kernels import cpu_native
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 
 
@@ -47,6 +48,7 @@ class RotaryEmbedding:
         self.config, self.head_dim, self.dtype, self.device = config, head_dim, dtype, device
         self.inv_freq, self.scaling = inverse_frequencies(config, head_dim)
         self.max_positions = 0
+        self._checked_positions: torch.Tensor | None = None  # a step's positions, checked once
         self.ensure_positions(max_positions)
 
     def ensure_positions(self, max_positions: int) -> None:
@@ -66,7 +68,15 @@ class RotaryEmbedding:
 
         HF computes x * cos + cat(-x2, x1) * sin; per half that is x1 * cos - x2 * sin and
         x2 * cos + x1 * sin with the same roundings (a + (-b) is a - b exactly), so this is
-        bit for bit the same, written into one output without the concatenated copy."""
+        bit for bit the same, written into one output without the concatenated copy. On CPU
+        in float32 the native kernel computes the same products and sums in one pass."""
+        if cpu_native.supports_rotary(x, self.cos):
+            if positions is not self._checked_positions:  # once per step: every layer shares them
+                low, high = torch.aminmax(positions) if positions.numel() else (0, 0)
+                if int(low) < 0 or int(high) >= self.max_positions:
+                    raise IndexError(f"a position outside the rotary table of {self.max_positions}")
+                self._checked_positions = positions
+            return cpu_native.rotary(x, self.cos, self.sin, positions)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         half = self.head_dim // 2
