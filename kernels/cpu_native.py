@@ -41,6 +41,10 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
 # loader resolves to the copy torch already loaded. Without -fopenmp it runs on one thread.
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "paged_decode_attention_f32": [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float],
+    "rotary_f32": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
+}
 
 _library: Optional[ctypes.CDLL] = None
 _tried = False
@@ -104,7 +108,7 @@ def _build() -> Optional[ctypes.CDLL]:
         return None
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        log.warning("no C compiler (%s) found; CPU decode attention uses the torch path", compiler)
+        log.warning("no C compiler (%s) found; the CPU kernels use the torch path", compiler)
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -115,11 +119,23 @@ def _build() -> Optional[ctypes.CDLL]:
     name = f"cpu_kernels-{key.hexdigest()[:24]}.so"
     cache = _cache_dir()
     if cache is not None:
-        path = _compile(compiler, cache, name)
-        return None if path is None else ctypes.CDLL(str(path))
+        return _load(_compile(compiler, cache, name))
     with tempfile.TemporaryDirectory(prefix="pagedserve-kernels-") as tmp:  # private, this run only
-        path = _compile(compiler, Path(tmp), name)
-        return None if path is None else ctypes.CDLL(str(path))  # the mapping outlives the file
+        return _load(_compile(compiler, Path(tmp), name))  # the mapping outlives the file
+
+
+def _load(path: Optional[Path]) -> Optional[ctypes.CDLL]:
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+        for symbol, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, symbol)
+            fn.argtypes, fn.restype = argtypes, None
+        return lib
+    except (OSError, AttributeError) as exc:  # an unreadable or foreign file: never worth a crash
+        log.warning("native CPU kernels at %s did not load (%s); using the torch path", path, exc)
+        return None
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -128,13 +144,6 @@ def library() -> Optional[ctypes.CDLL]:
     if not _tried:
         _tried = True
         _library = _build()
-        if _library is not None:
-            fn = _library.paged_decode_attention_f32
-            fn.argtypes = [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]
-            fn.restype = None
-            fn = _library.rotary_f32
-            fn.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I]
-            fn.restype = None
     return _library
 
 

@@ -165,3 +165,11 @@ def test_a_position_outside_the_rotary_table_is_an_error_not_a_wild_read():
     for bad in (64, -1):
         with pytest.raises(IndexError, match="rotary table"):
             rotary(x, torch.tensor([0, 5, bad]))
+
+
+def test_a_cached_file_that_is_no_library_means_the_torch_path(tmp_path, caplog):
+    bogus = tmp_path / "cpu_kernels-bogus.so"
+    bogus.write_bytes(b"not an ELF file")
+    with caplog.at_level(logging.WARNING, logger="pagedserve.kernels"):
+        assert cpu_native._load(bogus) is None
+    assert "did not load" in caplog.text
