@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,10 +16,40 @@ import httpx
 import psutil
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux; 32768 otherwise)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_range(count: int = 1) -> int:
+    """A base port whose next ``count`` ports are all free now, chosen below the ephemeral range:
+    a port there is never taken meanwhile as the local end of some outgoing connection (gloo's,
+    a worker's), which is how a port picked by bind(0) was lost before a deployment bound it."""
+    rng = random.SystemRandom()
+    top = _ephemeral_low() - count
+    for _ in range(100):
+        base = rng.randrange(10000, top) if top > 10000 else rng.randrange(1024, 65536 - count)
+        held = []
+        try:
+            for port in range(base, base + count):
+                sk = socket.socket()
+                held.append(sk)
+                sk.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sk in held:
+                sk.close()
+    raise RuntimeError("no free port range")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port_range(1)
 
 
 def pagedserve_processes(run_dir_parent: str) -> list[psutil.Process]:

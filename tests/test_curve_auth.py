@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import stat
 
 import pytest
@@ -13,28 +12,7 @@ from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import encode
 from pagedserve.protocol.curve import CurveKeyError
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, TcpLayout, make_run_dir, write_tcp_layout
-
-def free_port_range(count: int) -> int:
-    """A base port whose next ``count`` ports are all free right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            held = []
-            for port in range(base, base + count):
-                sk = socket.socket()
-                held.append(sk)
-                sk.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sk in held:
-                sk.close()
-    raise RuntimeError("no free port range")
+from server import free_port_range
 
 
 @pytest.fixture

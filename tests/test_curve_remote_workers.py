@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import hf_tokenizer
-from server import Server
-from test_curve_auth import free_port_range
+from server import Server, free_port_range
 from test_parallel_serving import assert_equal_to_transformers, greedy_completions
 
 WORKER_NODE_FILES = ["endpoints.json", "curve/server.key", "curve/client.key_secret"]
