@@ -11,7 +11,6 @@ sent it is recorded; tests wait on those records through a condition variable.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from pagedserve.protocol.messages import (
     AbortRequest, AddRequest, FrontendToScheduler, RequestDelta, RequestOutputs,
     SchedulerStats, ToSupervisor)
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender
+from server import free_port
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 64
@@ -120,12 +120,6 @@ class FakeReplica:
                                         finish_reason="stop", stop_token_id=self.eos_token_id,
                                         logprobs=None if plain else [-0.1], num_prompt_tokens=n_prompt),
                            tokens=last)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FrontendProcess:

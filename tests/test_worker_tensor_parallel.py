@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.deploy.demo_model import build_model_dir
+from server import free_port
 from test_worker_harness import hf_greedy, random_prompts
 
 NEW_TOKENS = 12
@@ -55,12 +55,6 @@ dist.destroy_process_group()
 # ("terminate called without an active exception"); the work is done, so skip them.
 os._exit(0)
 """.replace("NEW_TOKENS", str(NEW_TOKENS))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
