@@ -190,7 +190,9 @@ def test_a_worker_killed_during_generate_ends_its_requests_within_seconds_and_is
     killer = threading.Thread(target=kill_once_running)
     killer.start()
     started = time.monotonic()
-    outs = llm.generate([PROMPT] * 8, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False, timeout=60)
+    # Four waves of max_num_seqs requests: seconds of work on any machine, so the kill (after the
+    # stats first show a running request, up to a heartbeat late) lands while requests run.
+    outs = llm.generate([PROMPT] * 32, SamplingParams(max_tokens=500, ignore_eos=True), use_tqdm=False, timeout=60)
     elapsed = time.monotonic() - started
     killer.join()
     assert elapsed < 20
