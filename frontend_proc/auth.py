@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import secrets
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable
 
 from fastapi import Request
 
 from pagedserve.frontend_proc.errors import Unauthorized
 
 
-def make_api_key_check(api_key: Optional[str]) -> Callable[[Request], Awaitable[None]]:
-    """A dependency that accepts every request when no key is configured."""
+def make_api_key_check(api_key: str) -> Callable[[Request], Awaitable[None]]:
+    """The dependency that admits only requests bearing the key (no key: no dependency, app.py)."""
 
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    expected = f"Bearer {api_key}".encode()
 
     # async: FastAPI runs a plain def dependency in its thread pool, a thread hop per request
     async def require_api_key(request: Request) -> None:
-        if expected is None:
-            return
         given = request.headers.get("authorization", "").encode()
         # compare_digest: the time taken must not reveal how much of the key matched.
         if not secrets.compare_digest(given, expected):

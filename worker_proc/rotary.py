@@ -48,7 +48,6 @@ class RotaryEmbedding:
         self.config, self.head_dim, self.dtype, self.device = config, head_dim, dtype, device
         self.inv_freq, self.scaling = inverse_frequencies(config, head_dim)
         self.max_positions = 0
-        self._checked_positions: torch.Tensor | None = None  # a step's positions, checked once
         self.ensure_positions(max_positions)
 
     def ensure_positions(self, max_positions: int) -> None:
@@ -63,6 +62,13 @@ class RotaryEmbedding:
         self.sin = (freqs.sin() * self.scaling).to(self.device, self.dtype)
         self.max_positions = max_positions
 
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """Once per step, before any layer: every position has a row in the table. The native
+        kernel reads the row it is given, and torch's indexing would wrap a negative one."""
+        low, high = torch.aminmax(positions) if positions.numel() else (0, 0)
+        if int(low) < 0 or int(high) >= self.max_positions:
+            raise IndexError(f"a position outside the rotary table of {self.max_positions}")
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]; positions: [T] long. Returns a new tensor.
 
@@ -70,12 +76,7 @@ class RotaryEmbedding:
         x2 * cos + x1 * sin with the same roundings (a + (-b) is a - b exactly), so this is
         bit for bit the same, written into one output without the concatenated copy. On CPU
         in float32 the native kernel computes the same products and sums in one pass."""
-        if cpu_native.supports_rotary(x, self.cos):
-            if positions is not self._checked_positions:  # once per step: every layer shares them
-                low, high = torch.aminmax(positions) if positions.numel() else (0, 0)
-                if int(low) < 0 or int(high) >= self.max_positions:
-                    raise IndexError(f"a position outside the rotary table of {self.max_positions}")
-                self._checked_positions = positions
+        if cpu_native.supports_rotary(x, self.cos):  # positions already checked (check_positions)
             return cpu_native.rotary(x, self.cos, self.sin, positions)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)

@@ -18,6 +18,7 @@ from typing import Optional
 
 import zmq
 
+from pagedserve.kernels import cpu_native
 from pagedserve.protocol import messages as m
 from pagedserve.protocol import options as opts
 from pagedserve.protocol.worker_link import SchedulerLink
@@ -109,8 +110,10 @@ class Worker:
         group = _init_distributed(cfg)
         self.runner = ModelRunner(cfg.model, device=_device_for_rank(cfg), dtype=cfg.dtype,
                                   tp_rank=cfg.rank, tp_size=cfg.tensor_parallel_size, tp_group=group)
-        log.info("%s on %s (%s), kernels: %s", self.runner.model_id, self.runner.device, cfg.dtype,
-                 self.runner.ops.__name__.rsplit(".", 1)[-1])
+        kernels = self.runner.ops.__name__.rsplit(".", 1)[-1]
+        if self.runner.device.type == "cpu" and cpu_native.library() is not None:
+            kernels += " + native CPU decode attention and rotary"
+        log.info("%s on %s (%s), kernels: %s", self.runner.model_id, self.runner.device, cfg.dtype, kernels)
 
     def hello(self) -> m.WorkerHello:
         block_size = self.cfg.block_size

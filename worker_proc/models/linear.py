@@ -53,8 +53,7 @@ class LinearWeight:
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], layout: WeightLayout) -> "LinearWeight":
-        return cls(weight, bias, weight.t().contiguous() if layout.transposed else None,
-                   layout.transposed and layout.resident)
+        return cls(weight, bias, weight.t().contiguous() if layout.transposed else None, layout.resident)
 
 
 def weight_layout(device: torch.device, weight_bytes: int) -> WeightLayout:
