@@ -33,7 +33,7 @@ from step_phases import PHASES, format_phases, instrument_worker
 
 
 def run(ns: argparse.Namespace) -> None:
-    runner = ModelRunner(ns.model)
+    runner = ModelRunner(ns.model, device=ns.device, dtype=ns.dtype)
     cfg = SchedulerConfig(block_size=16, num_gpu_blocks=ns.num_gpu_blocks, max_num_seqs=256,
                           max_num_batched_tokens=2048, max_model_len=4096)
     runner.init_cache(WorkerInit(block_size=16, num_gpu_blocks=cfg.num_gpu_blocks,
@@ -116,6 +116,10 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--torch-profile", action="store_true",
+                   help="torch.profiler over the last repeat: the ops and kernels by device time")
     p.add_argument("--by-kind", action="store_true", help="median worker ms per step kind (batch size, prefill)")
     p.add_argument("--threads", type=int)
     p.add_argument("--cpu-time", action="store_true",
@@ -140,8 +144,35 @@ def main() -> None:
         prof.runcall(run, ns)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     else:
-        for _ in range(ns.repeat):
+        for _ in range(ns.repeat - 1 if ns.torch_profile else ns.repeat):
             run(ns)
+        if ns.torch_profile:
+            torch_profile(ns)
+
+
+def torch_profile(ns: argparse.Namespace) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ns.device.startswith("cuda") else [])
+    with profile(activities=activities, with_stack=True) as prof:
+        run(ns)
+    key = "self_device_time_total" if ns.device.startswith("cuda") else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
+    # Where the host copies and waits: each copy or device read under the Python lines that made it.
+    sites: dict[tuple[str, tuple[str, ...]], list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.name not in ("aten::copy_", "aten::item", "aten::pin_memory", "cudaStreamSynchronize"):
+            continue
+        frames, parent = [], e.cpu_parent
+        while parent is not None and len(frames) < 3:
+            if ".py(" in parent.name and "torch/" not in parent.name:
+                frames.append(parent.name[-70:])
+            parent = parent.cpu_parent
+        site = sites[(e.name, tuple(frames))]
+        site[0] += 1
+        site[1] += e.cpu_time_total / 1e3
+    for (name, frames), (count, ms) in sorted(sites.items(), key=lambda kv: -kv[1][1])[:14]:
+        print(f"{name:<24} {count:6d} calls {ms:9.1f} ms host  " + " <- ".join(frames))
 
 
 if __name__ == "__main__":

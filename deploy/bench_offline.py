@@ -24,10 +24,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="model directory (or use --shapes)")
     p.add_argument("--shapes", help="comma-separated built-in shapes instead of a model: tiny, small, 0.5b")
     p.add_argument("--runs", type=int, default=3, help="timed runs per engine (median and spread)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"),
-                   help="prompt lengths, uniform in [MIN, MAX] tokens")
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, help="default: the shape's workload, or 64")
+    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX] tokens (default: the shape's, or 16 64)")
+    p.add_argument("--output-len", type=int, help="default: the shape's workload, or 64")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer", default="sdpa", help="transformers attn_implementation for generate_batch "
                    "(sdpa = its paged sdpa path; 'none' skips the peer)")
@@ -36,7 +36,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-gpu-blocks", type=int)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda, for both engines")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache of both engines")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="pagedserve's overlapped scheduling (default on)")
     p.add_argument("--no-check", action="store_true", help="skip comparing the two engines' tokens")
@@ -61,7 +63,7 @@ def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]],
     from pagedserve.deploy.offline import LLM, SamplingParams
 
     opts = dict(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-                device=ns.device, num_threads=ns.num_threads,
+                device=ns.device, dtype=ns.dtype, num_threads=ns.num_threads,
                 async_scheduling=ns.async_scheduling)
     if ns.num_gpu_blocks:
         opts["num_gpu_blocks"] = ns.num_gpu_blocks
@@ -96,7 +98,7 @@ def run_transformers(ns: argparse.Namespace, model_dir: str, prompts: list[list[
         torch.set_num_threads(ns.num_threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # persistent_manager warnings
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation=ns.peer).eval()
+        model_dir, dtype=getattr(torch, ns.dtype), attn_implementation=ns.peer).to(ns.device).eval()
     pad = model.generation_config.pad_token_id or 0
     config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=pad)
     # generate_batch warms up (a forward of its largest batch) each time it builds a manager:
@@ -119,7 +121,7 @@ def bench_one(ns: argparse.Namespace, label: str, model: str, num_prompts: int,
         vocab = int(json.load(f).get("vocab_size") or 1000)
     prompts = make_prompts(num_prompts, input_len, min(vocab, 1000), ns.seed)
     print(f"{label}: {num_prompts} prompts of {input_len[0]}-{input_len[1]} tokens, {output_len} output "
-          f"tokens each, greedy, float32, {ns.device}, {ns.runs} run(s) per engine", flush=True)
+          f"tokens each, greedy, {ns.dtype}, {ns.device}, {ns.runs} run(s) per engine", flush=True)
     ours = run_pagedserve(ns, model, prompts, output_len)
     result = {"shape": label, "model": model, "ours": ours}
     if ns.peer != "none":
@@ -155,16 +157,21 @@ def format_rows(results: list[dict]) -> str:
 
 def main(ns: argparse.Namespace) -> int:
     from pagedserve.deploy.bench_shapes import SHAPES, ensure_shape_model
+    from pagedserve.protocol.options import resolve_device
+
+    ns.device = resolve_device(ns.device)
 
     if ns.shapes:
         names = [s.strip() for s in ns.shapes.split(",") if s.strip()]
         unknown = [n for n in names if n not in SHAPES]
         if unknown:
             raise SystemExit(f"unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
-        jobs = [(n, str(ensure_shape_model(SHAPES[n])), SHAPES[n].num_prompts, SHAPES[n].input_len,
-                 SHAPES[n].output_len) for n in names]
+        # a GPU needs a larger workload than a CPU's shape defaults: the flags override them
+        jobs = [(n, str(ensure_shape_model(SHAPES[n])), ns.num_prompts or SHAPES[n].num_prompts,
+                 tuple(ns.input_len or SHAPES[n].input_len), ns.output_len or SHAPES[n].output_len)
+                for n in names]
     elif ns.model:
-        jobs = [("model", ns.model, ns.num_prompts, tuple(ns.input_len), ns.output_len)]
+        jobs = [("model", ns.model, ns.num_prompts or 64, tuple(ns.input_len or (16, 64)), ns.output_len or 64)]
     else:
         raise SystemExit("give a model directory or --shapes")
     results = [bench_one(ns, *job) for job in jobs]

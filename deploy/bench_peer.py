@@ -27,6 +27,7 @@ from pathlib import Path
 from pagedserve.deploy.bench_report import RequestRecord, summarize
 from pagedserve.deploy.bench_serve import CONNECTIONS_PER_CLIENT, _parse_metrics
 from pagedserve.deploy.bench_servers import BenchServer, pagedserve_command, transformers_command
+from pagedserve.protocol.options import resolve_device
 from pagedserve.deploy.bench_shapes import BenchShape, shape_cache_dir
 
 ENGINES = ("pagedserve", "transformers")
@@ -45,6 +46,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--runs", type=int, default=3, help="timed runs per engine, alternating engines")
     p.add_argument("--warmup-prompts", type=int, default=16)
+    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda, for both servers")
     p.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` options, one string")
     p.add_argument("--output-json", help="write every run's summary here")
 
@@ -163,8 +165,10 @@ def _median_spread(values: list[float]) -> str:
 def main(ns: argparse.Namespace) -> int:
     model = ns.model or str(ensure_llama_model())
     engines = [e for e in ns.engines.split(",") if e]
-    commands = {"pagedserve": lambda port: pagedserve_command(model, port, tuple(ns.pagedserve_args.split())),
-                "transformers": lambda port: transformers_command(model, port)}
+    device = resolve_device(ns.device)
+    commands = {"pagedserve": lambda port: pagedserve_command(
+                    model, port, ("--device", device, *ns.pagedserve_args.split())),
+                "transformers": lambda port: transformers_command(model, port, device)}
     prompts = text_prompts(model, ns.num_prompts, tuple(ns.input_len))
     warmup = text_prompts(model, ns.warmup_prompts, tuple(ns.input_len), seed=1)
     print(f"model {model}; {ns.num_prompts} prompts of {ns.input_len[0]}-{ns.input_len[1]} tokens, "

@@ -30,9 +30,9 @@ def pagedserve_command(model: str, port: int, extra: tuple[str, ...] = ()) -> li
             "--port", str(port), *extra]
 
 
-def transformers_command(model: str, port: int) -> list[str]:
+def transformers_command(model: str, port: int, device: str = "cpu") -> list[str]:
     code = "import sys; from transformers.cli.transformers import main; sys.exit(main())"
-    return [sys.executable, "-c", code, "serve", model, "--continuous-batching", "--device", "cpu",
+    return [sys.executable, "-c", code, "serve", model, "--continuous-batching", "--device", device,
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
 
 

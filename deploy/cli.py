@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="replay a recorded trace against fresh workers")
     r.add_argument("trace")
     r.add_argument("--model", help="model directory (default: the one recorded in the trace)")
-    r.add_argument("--device", default="cpu")
+    r.add_argument("--device", help="cpu or cuda (default: the kind the trace was recorded on)")
     r.add_argument("--num-threads", type=int, help="CPU threads per worker (results do not depend on it)")
     r.add_argument("--scheduler-only", action="store_true",
                    help="replay the frontend requests into a scheduler alone and compare its outputs")

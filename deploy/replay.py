@@ -161,7 +161,7 @@ class WorkerReplay:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def replay_workers(trace_path: str, model: Optional[str], device: str, num_threads: Optional[int] = None,
+def replay_workers(trace_path: str, model: Optional[str], device: Optional[str], num_threads: Optional[int] = None,
                    worker_args: tuple[str, ...] = ()) -> tuple[int, int]:
     """Returns (steps, tokens); raises TraceError (unusable) or ReplayMismatch (differs)."""
     trace = read_trace(trace_path)
@@ -172,6 +172,7 @@ def replay_workers(trace_path: str, model: Optional[str], device: str, num_threa
         raise TraceError("the trace names no model directory; pass --model DIR")
     check_model(trace, model)
     recorded_kind = str(trace.meta.get("device", "cpu")).split(":")[0]
+    device = device or recorded_kind  # replaying where it was recorded is what reproduces it
     if recorded_kind != device.split(":")[0]:
         print(f"pagedserve replay: warning: recorded on {trace.meta.get('device')}, replaying on {device}; "
               "tokens are only guaranteed identical on the same device kind", file=sys.stderr)

@@ -12,7 +12,7 @@ from typing import Optional
 
 from pagedserve.protocol import options as opts
 from pagedserve.protocol.generation_defaults import check_generation_config_option
-from pagedserve.protocol.options import FRONTEND, ROUTER_KINDS, SCHEDULER, WORKER, resolve_dtype
+from pagedserve.protocol.options import FRONTEND, ROUTER_KINDS, SCHEDULER, WORKER, resolve_device, resolve_dtype
 from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
 __all__ = ["ConfigError", "ROUTER_KINDS", "ServeConfig", "add_serve_args", "serve_config_from_args"]
@@ -37,6 +37,10 @@ class _ServeConfigRules:
             self.uvicorn_log_level = self.uvicorn_log_level.lower()
         try:
             opts.validate(opts.values_of(self, opts.OPTIONS))
+        except opts.OptionError as exc:
+            raise ConfigError(str(exc)) from None
+        try:
+            self.device = resolve_device(self.device)
         except opts.OptionError as exc:
             raise ConfigError(str(exc)) from None
         self.dtype = resolve_dtype(self.dtype, model_cfg, self.device)

@@ -131,7 +131,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("disable_log_requests", bool, True, "accepted for vLLM command lines: pagedserve never logs "
            "prompts or outputs"),
     # -- model and devices
-    Option("device", str, "cpu", "cpu or cuda", to=_W),
+    Option("device", str, "auto", "cpu, cuda, or auto: cuda when torch sees a GPU, else cpu", to=_W),
+    Option("enforce_eager", bool, False, "never use CUDA graphs: launch every decode step's kernels one "
+           "by one (slower on a GPU; no effect on CPU)", to=_W),
     Option("dtype", str, "auto", "weights and KV cache; auto: the model config's dtype (float16 -> "
            "bfloat16 on CPU)", choices=DTYPE_CHOICES, to=_W),
     Option("max_model_len", int, None, "prompt + output token limit (default: the model's "
@@ -247,6 +249,18 @@ def make_config(name: str, fields: list, rules: type, frozen: bool = False) -> t
 
 def values_of(config: Any, options: Iterable[Option]) -> dict:
     return {o.name: getattr(config, o.name) for o in options}
+
+
+def resolve_device(requested: str) -> str:
+    """``auto`` is CUDA when this process's torch sees a GPU, as a vLLM user expects; else CPU."""
+    name = requested.strip().lower()
+    if name == "auto":
+        import torch  # deferred: option parsing alone must not pay for importing torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu" or name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        return name
+    raise OptionError(f"--device must be auto, cpu, cuda or cuda:N, got {requested!r}")
 
 
 def resolve_dtype(requested: str, model_config: dict, device: str) -> str:

@@ -1,18 +1,19 @@
-"""Triton paged attention matches the torch reference on ragged batches, on CPU.
+"""Triton paged attention matches the torch reference on ragged batches.
 
-Runs under TRITON_INTERPRET=1 (set before triton is imported). Every cache slot a request
-does not own, including the tail of its last block, holds a stale NaN, as memory handed back
-by an earlier request may: the kernel must mask it out rather than multiply it by zero.
+Runs under TRITON_INTERPRET=1 on CPU, or natively on a GPU (see kernel_device). Every cache
+slot a request does not own, including the tail of its last block, holds a stale NaN, as
+memory handed back by an earlier request may: the kernel must mask it out rather than
+multiply it by zero.
 """
 
-import os
+from kernel_device import MARKS, to_device  # first: it decides TRITON_INTERPRET before triton loads
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from pagedserve.kernels import reference, triton_ops
 
-from pagedserve.kernels import reference, triton_ops  # noqa: E402
+pytestmark = MARKS
 
 # (seq_len, query tokens this step): fresh decode, decode, whole prefill, chunked prefill
 # spanning more than one key tile, an idle request, decode; all in one batch.
@@ -56,7 +57,7 @@ def build_batch(requests, block_size, kv_heads, group, head_dim, dtype, seed):
 def test_ragged_batch_of_decodes_and_prefills_matches_reference_despite_stale_nan_slots(
     dtype, block_size, kv_heads, group, head_dim, sliding_window
 ):
-    batch = build_batch(RAGGED_BATCH, block_size, kv_heads, group, head_dim, dtype, seed=11)
+    batch = to_device(*build_batch(RAGGED_BATCH, block_size, kv_heads, group, head_dim, dtype, seed=11))
     scale = head_dim**-0.5
 
     out = triton_ops.paged_attention(*batch, scale, sliding_window)
@@ -71,6 +72,7 @@ def test_ragged_batch_of_decodes_and_prefills_matches_reference_despite_stale_na
 def test_query_given_as_a_strided_slice_of_a_fused_projection_gives_the_same_result():
     query, *rest = build_batch([(5, 5), (12, 1)], 3, 1, 2, 16, torch.float32, seed=12)
     fused = torch.cat([query, torch.full_like(query, float("nan"))], dim=1)
+    fused, query, *rest = to_device(fused, query, *rest)
     strided_query = fused[:, : query.shape[1]]
 
     out = triton_ops.paged_attention(strided_query, *rest, 0.25)
@@ -84,16 +86,21 @@ def test_zeroing_fresh_blocks_of_a_nan_poisoned_cache_makes_attention_over_them_
     generator = torch.Generator().manual_seed(13)
     seq_len, fresh_blocks = 5, torch.tensor([4, 1])  # 5 tokens in 2 blocks: the last slot stays unused
 
-    triton_ops.zero_blocks(kv_cache, fresh_blocks)
     key = torch.randn(seq_len, kv_heads, head_dim, generator=generator)
     value = torch.randn(seq_len, kv_heads, head_dim, generator=generator)
+    query = torch.randn(seq_len, 2 * kv_heads, head_dim, generator=generator)
     slots = torch.tensor([4 * block_size + i for i in range(3)] + [1 * block_size + i for i in range(2)])
+    kv_cache, fresh_blocks, key, value, query, slots = to_device(kv_cache, fresh_blocks, key, value, query, slots)
+
+    triton_ops.zero_blocks(kv_cache, fresh_blocks)
     layer = 1
     triton_ops.write_kv(key, value, kv_cache[layer, 0], kv_cache[layer, 1], slots)
     assert not kv_cache[:, :, fresh_blocks].isnan().any()
 
-    query = torch.randn(seq_len, 2 * kv_heads, head_dim, generator=generator)
-    metadata = (fresh_blocks[None].to(torch.int32), torch.tensor([0, seq_len]), torch.tensor([seq_len]), 0.25)
+    metadata = (
+        *to_device(fresh_blocks[None].to(torch.int32), torch.tensor([0, seq_len]), torch.tensor([seq_len])),
+        0.25,
+    )
     out = triton_ops.paged_attention(query, kv_cache[layer, 0], kv_cache[layer, 1], *metadata)
     expected = reference.paged_attention(query, kv_cache[layer, 0], kv_cache[layer, 1], *metadata)
 

@@ -1,24 +1,23 @@
-"""The Triton paged-attention kernel inside a real forward pass, on CPU under TRITON_INTERPRET=1.
+"""The Triton paged-attention kernel inside a real forward pass: interpreted on CPU, or on a GPU.
 
 On CPU the worker normally attends with its torch paths (batched decodes, SDPA prefill chunks),
-so only PAGEDSERVE_KERNELS=triton sends a real model's attention through the kernel here.
+so only PAGEDSERVE_KERNELS=triton sends a real model's attention through the kernel there.
+On CUDA (see kernel_device) the worker picks the kernel anyway; the setting changes nothing.
 """
 
-import os
+from kernel_device import DEVICE, MARKS  # first: it decides TRITON_INTERPRET before triton loads
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, as in the other kernel tests
+from pagedserve.deploy.demo_model import build_model_dir
+from pagedserve.kernels import triton_ops
+from pagedserve.worker_proc.model_runner import ModelRunner
+from test_worker_harness import TrivialScheduler, hf_greedy, random_prompts
 
-import pytest  # noqa: E402
-
-from pagedserve.deploy.demo_model import build_model_dir  # noqa: E402
-from pagedserve.kernels import triton_ops  # noqa: E402
-from pagedserve.worker_proc.model_runner import ModelRunner  # noqa: E402
-from test_worker_harness import TrivialScheduler, hf_greedy, random_prompts  # noqa: E402
+pytestmark = MARKS
 
 NEW_TOKENS = 4
 
 
-def test_greedy_tokens_through_the_interpreted_triton_attention_kernel_equal_transformers(tmp_path, monkeypatch):
+def test_greedy_tokens_through_the_triton_attention_kernel_equal_transformers(tmp_path, monkeypatch):
     model_dir = str(build_model_dir(tmp_path / "m", "llama", num_layers=1))
     calls = []
     kernel = triton_ops.paged_attention
@@ -29,7 +28,7 @@ def test_greedy_tokens_through_the_interpreted_triton_attention_kernel_equal_tra
 
     monkeypatch.setattr(triton_ops, "paged_attention", counted_paged_attention)
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
-    runner = ModelRunner(model_dir)
+    runner = ModelRunner(model_dir, device=str(DEVICE))
     assert runner.ops is triton_ops
     prompts = random_prompts([11, 6], vocab_size=512, seed=2)
     scheduler = TrivialScheduler(runner)

@@ -33,7 +33,22 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int32: context + this step's tokens
     sample_indices: torch.Tensor  # [S] long: rows whose hidden state is sampled
     sampled_requests: list[HeldRequest]  # the entries flagged ``samples``, in batch order
+    position_range: tuple[int, int]  # (lowest, highest) position, known on the host: no device read
     attention_plan: Optional[CpuAttentionPlan]  # CPU only: batched decodes, SDPA prefill chunks
+
+
+def upload(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Host tensors of one dtype on ``device``. On CUDA: one pinned buffer, one non-blocking
+    copy, views into it. A copy from pageable memory would make the host wait for the
+    stream, and seven of them a step serialised host and GPU (bench/RESULTS.md, H100)."""
+    if device.type != "cuda":
+        return [t.to(device) for t in tensors]
+    flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory().to(device, non_blocking=True)
+    views, offset = [], 0
+    for t in tensors:
+        views.append(flat[offset:offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
 
 
 def build_forward_batch(
@@ -48,6 +63,7 @@ def build_forward_batch(
     tables: list[list[int]] = []
     sample_rows: list[int] = []
     sampled: list[HeldRequest] = []
+    low, high = 0, 0
     for req in requests:
         start = req.num_computed_tokens
         end = start + req.num_scheduled_tokens
@@ -61,6 +77,7 @@ def build_forward_batch(
                 f"request {req.req_id!r}: {end} tokens need {num_blocks} blocks of {block_size}, "
                 f"but its block table has {len(req.block_ids)}"
             )
+        low, high = min(low, start), max(high, end - 1)
         input_ids += req.token_ids[start:end]
         positions += range(start, end)
         query_start_loc.append(query_start_loc[-1] + req.num_scheduled_tokens)
@@ -79,15 +96,22 @@ def build_forward_batch(
     request_of_token = torch.repeat_interleave(torch.arange(len(requests)), counts)
     block_of_token = block_tables[request_of_token, positions_t // block_size].long()
     slot_mapping = block_of_token * block_size + positions_t % block_size
+    input_ids_t, positions_d, slot_mapping, sample_indices = upload(
+        device, torch.tensor(input_ids, dtype=torch.long), positions_t, slot_mapping,
+        torch.tensor(sample_rows, dtype=torch.long))
+    block_tables_d, query_start_loc_t, seq_lens_t = upload(
+        device, block_tables, torch.tensor(query_start_loc, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32))
     return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
-        positions=positions_t.to(device),
-        slot_mapping=slot_mapping.to(device),
-        block_tables=block_tables.to(device),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        sample_indices=torch.tensor(sample_rows, dtype=torch.long).to(device),
+        input_ids=input_ids_t,
+        positions=positions_d,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables_d,
+        query_start_loc=query_start_loc_t,
+        seq_lens=seq_lens_t,
+        sample_indices=sample_indices,
         sampled_requests=sampled,
+        position_range=(low, high),
         attention_plan=plan_cpu_attention(num_scheduled, query_start_loc, seq_lens, block_tables, block_size, workspace)
         if batched_decodes else None,
     )

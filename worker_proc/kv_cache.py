@@ -67,6 +67,6 @@ class KVCache:
         if swap_in:
             self.ops.swap_blocks(self.host_cache, self.device_cache, _pairs(swap_in))
         if copy:
-            self.ops.copy_blocks(self.device_cache, _pairs(copy).to(self.device))
+            self.ops.copy_blocks(self.device_cache, _pairs(copy))  # the kernel moves its ids (pinned)
         if zero:
-            self.ops.zero_blocks(self.device_cache, torch.tensor(zero, dtype=torch.long).to(self.device))
+            self.ops.zero_blocks(self.device_cache, torch.tensor(zero, dtype=torch.long))

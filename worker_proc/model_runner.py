@@ -19,6 +19,7 @@ from pagedserve.kernels import cpu_native
 from pagedserve.kernels.ops import select_ops
 from pagedserve.protocol.messages import SchedulerOutput, StepResult, WorkerInit
 from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output, note_samples
+from pagedserve.worker_proc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
 from pagedserve.worker_proc.grammar_mask import apply_grammar_bitmask
 from pagedserve.worker_proc.input_batch import BatchError, build_forward_batch
@@ -37,7 +38,9 @@ HEADROOM_LOGIT_ROWS = 256
 
 class ModelRunner:
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
-                 tp_rank: int = 0, tp_size: int = 1, tp_group=None):
+                 tp_rank: int = 0, tp_size: int = 1, tp_group=None, cuda_graphs: bool = True):
+        """``cuda_graphs``: on CUDA, replay decode steps from captured graphs (cuda_graphs.py);
+        one GPU per replica only, for now (an all-reduce inside a graph is not yet checked)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
         self.spec = load_model_spec(model_dir)
@@ -55,6 +58,8 @@ class ModelRunner:
         self._cache: Optional[KVCache] = None
         self._seed = 0
         self._gather_workspace = GatherWorkspace()  # CPU decode attention's K/V gather buffers
+        self._use_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1
+        self.decode_graphs: Optional[DecodeGraphs] = None
 
     # ------------------------------------------------------------------ description
 
@@ -84,6 +89,11 @@ class ModelRunner:
         self._cache = KVCache(self.spec.num_layers, init.num_gpu_blocks, init.num_cpu_blocks, init.block_size,
                               self.shard.num_kv_heads, self.spec.head_dim, self.dtype, self.device, self.ops)
         self.model.rotary.ensure_positions(init.max_model_len)
+        self.decode_graphs = None
+        if self._use_graphs:
+            self.decode_graphs = DecodeGraphs(self.model, self._cache.device_cache, self.ops, init.block_size,
+                                              init.max_model_len)
+            self.decode_graphs.capture()
         self._requests.clear()
         self._seed = init.seed
         torch.manual_seed(init.seed)
@@ -127,7 +137,9 @@ class ModelRunner:
                 batch = build_forward_batch(scheduled, cache.block_size, self.device,
                                             batched_decodes=self.device.type == "cpu",
                                             workspace=self._gather_workspace)
-                hidden = self.model.forward(batch, cache.device_cache, self.ops)
+                graph_size = self.decode_graphs.size_for(batch) if self.decode_graphs else None
+                hidden = (self.decode_graphs.forward(batch, graph_size) if graph_size
+                          else self.model.forward(batch, cache.device_cache, self.ops))
                 # Decodes (batched last) score no prompt token: only the prefill entries are looked at.
                 prefills = scheduled[:len(out.new_requests) + len(out.cached_requests)]
                 # Only rank 0 reports them and lm_head is replicated (models/causal_lm.py): the

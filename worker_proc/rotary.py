@@ -62,11 +62,11 @@ class RotaryEmbedding:
         self.sin = (freqs.sin() * self.scaling).to(self.device, self.dtype)
         self.max_positions = max_positions
 
-    def check_positions(self, positions: torch.Tensor) -> None:
-        """Once per step, before any layer: every position has a row in the table. The native
-        kernel reads the row it is given, and torch's indexing would wrap a negative one."""
-        low, high = torch.aminmax(positions) if positions.numel() else (0, 0)
-        if int(low) < 0 or int(high) >= self.max_positions:
+    def check_positions(self, low: int, high: int) -> None:
+        """Once per step, before any layer, on the host (ForwardBatch.position_range): every
+        position has a row in the table. The native kernel reads the row it is given, and
+        torch's indexing would wrap a negative one."""
+        if low < 0 or high >= self.max_positions:
             raise IndexError(f"a position outside the rotary table of {self.max_positions}")
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ log = logging.getLogger("pagedserve.worker")
 class _WorkerConfigRules:
     def __post_init__(self) -> None:
         opts.validate(opts.values_of(self, opts.options_for(opts.WORKER)))
+        self.device = opts.resolve_device(self.device)
         if self.dtype == "auto":  # started by hand: serve passes the dtype it resolved
             path = Path(self.model) / "config.json"
             model_config = json.loads(path.read_text()) if path.is_file() else {}
@@ -60,9 +61,18 @@ def _init_distributed(cfg: WorkerConfig):
 
 
 def _device_for_rank(cfg: WorkerConfig) -> str:
-    if cfg.device == "cuda":
-        return f"cuda:{cfg.rank}" if "CUDA_VISIBLE_DEVICES" not in os.environ else "cuda:0"
-    return cfg.device
+    """Replica r's rank k takes visible GPU r * tp + k, so replicas do not stack on one GPU;
+    where fewer are visible (Ray shows each worker only its own), they wrap around."""
+    if cfg.device != "cuda":
+        return cfg.device
+    import torch
+
+    index = cfg.replica * cfg.tensor_parallel_size + cfg.rank
+    count = max(torch.cuda.device_count(), 1)
+    if index >= count and count > 1:
+        log.warning("replica %d rank %d: only %d GPUs are visible; sharing cuda:%d",
+                    cfg.replica, cfg.rank, count, index % count)
+    return f"cuda:{index % count}"
 
 
 # Host work (scheduler, frontend: detokenize, SSE, HTTP) costs up to ~0.1 ms of CPU per token.
@@ -109,7 +119,8 @@ class Worker:
             torch.set_num_threads(threads)
         group = _init_distributed(cfg)
         self.runner = ModelRunner(cfg.model, device=_device_for_rank(cfg), dtype=cfg.dtype,
-                                  tp_rank=cfg.rank, tp_size=cfg.tensor_parallel_size, tp_group=group)
+                                  tp_rank=cfg.rank, tp_size=cfg.tensor_parallel_size, tp_group=group,
+                                  cuda_graphs=not cfg.enforce_eager)
         kernels = self.runner.ops.__name__.rsplit(".", 1)[-1]
         if self.runner.device.type == "cpu" and cpu_native.library() is not None:
             kernels += " + native CPU decode attention and rotary"
@@ -133,7 +144,11 @@ class Worker:
         while True:
             msg = self.inputs.recv()
             if isinstance(msg, m.WorkerInit):
+                started = time.perf_counter()
                 self.runner.init_cache(msg)
+                if self.runner.decode_graphs is not None:
+                    log.info("CUDA graphs of decode steps of %s requests captured in %.1f s",
+                             ", ".join(map(str, self.runner.decode_graphs.sizes)), time.perf_counter() - started)
                 if self.cfg.poison_kv_cache:
                     self.runner.poison_cache()
                 self.results.send(m.WorkerReady(rank=self.cfg.rank, num_gpu_blocks=msg.num_gpu_blocks,

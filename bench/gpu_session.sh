@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: installs pagedserve from carried wheels, then runs the
+# named steps, each under its own time limit, logging to $OUT (the device tool's folder).
+#   bench/gpu_session.sh tests check kernels offline serve
+# Wheels: `pip download` them into .whl/ (see /work/.library/device/README.md) and build
+# pagedserve's own with `pip wheel --no-deps -w .whl .` before the call.
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 3
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export PAGEDSERVE_BENCH_MODELS=/tmp/bench-models
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s"
+}
+
+for s in "$@"; do
+  case $s in
+    tests) step tests 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_attention.py \
+             tests/test_kernels_blocks.py tests/test_worker_triton_forward.py \
+             -o addopts="" --timeout 200 ;;
+    check) step check 180 python3 bench/cuda_check.py ;;
+    kernels) step kernels 240 python3 bench/kernels_bench.py --preset llama8b --device cuda ;;
+    offline) step offline 200 pagedserve bench offline --shapes 0.5b --device cuda --dtype bfloat16 \
+               --num-prompts 256 --input-len 32 512 --output-len 128 --runs 2 ;;
+    profile) step profile 200 python3 bench/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
+               --num-prompts 256 --input-len 32 512 --output-len 128 --by-kind --repeat 2 ;;
+    tprofile) step tprofile 200 python3 bench/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
+               --num-prompts 256 --input-len 32 64 --output-len 8 --repeat 2 --torch-profile ;;
+    cprofile) step cprofile 200 python3 bench/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
+               --num-prompts 256 --input-len 32 64 --output-len 32 --profile ;;
+    serve) step serve 170 bash -c 'pagedserve serve /tmp/bench-models/0.5b --dtype bfloat16 --port 8011 \
+               >"$OUT/server.log" 2>&1 & pid=$!; for i in $(seq 240); do curl -sf localhost:8011/health >/dev/null \
+               && break; sleep 0.5; done; pagedserve bench serve --url http://127.0.0.1:8011 --num-prompts 1024 \
+               --max-concurrency 256 --input-len 32 512 --output-len 128 --no-progress \
+               --output-json "$OUT/serve.json" --output-png /tmp/serve.png; kill -INT $pid; wait $pid' ;;
+    peer) step peer 420 pagedserve bench peer --device cuda --runs 2 ;;
+    peer05) step peer05 420 pagedserve bench peer --device cuda --runs 2 --model /tmp/bench-models/0.5b ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
