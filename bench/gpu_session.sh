@@ -2,8 +2,8 @@
 # One call on a lent GPU machine: installs pagedserve from carried wheels, then runs the
 # named steps, each under its own time limit, logging to $OUT (the device tool's folder).
 #   bench/gpu_session.sh tests check kernels offline serve
-# Wheels: `pip download` them into .whl/ (see /work/.library/device/README.md) and build
-# pagedserve's own with `pip wheel --no-deps -w .whl .` before the call.
+# Before the call, here: `bash bench/gpu_wheels.sh` (the missing packages and pagedserve's own
+# wheel into .whl/, which the call carries). Steps and their results: bench/RESULTS.md, "GPU".
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"

@@ -34,7 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, help="torch threads for both engines (default: each "
                    "engine's own default)")
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, help="default: the engine's for the device")
     p.add_argument("--num-gpu-blocks", type=int)
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda, for both engines")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -62,7 +62,7 @@ def _summary(engine: str, seconds: list[float], token_ids: list[list[int]]) -> d
 def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]], output_len: int) -> dict:
     from pagedserve.deploy.offline import LLM, SamplingParams
 
-    opts = dict(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+    opts = dict(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,  # None: default
                 device=ns.device, dtype=ns.dtype, num_threads=ns.num_threads,
                 async_scheduling=ns.async_scheduling)
     if ns.num_gpu_blocks:

@@ -44,6 +44,8 @@ class _ServeConfigRules:
         except opts.OptionError as exc:
             raise ConfigError(str(exc)) from None
         self.dtype = resolve_dtype(self.dtype, model_cfg, self.device)
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = opts.default_step_tokens(self.device)
         if self.max_model_len is None:
             self.max_model_len = limit
         if not self.served_model_name:

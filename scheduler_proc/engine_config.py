@@ -37,6 +37,8 @@ class _EngineConfigRules:
             raise ValueError("timeouts must be positive")
         if self.max_model_len is None:
             self.max_model_len = _model_max_len(self.model)
+        if self.max_num_batched_tokens is None:  # started by hand: serve passes the device's default
+            self.max_num_batched_tokens = opts.CPU_STEP_TOKENS
         # Fail at startup, not at the first handshake: the cache size is still unknown
         # here, so validate the policy options with a placeholder one.
         self.scheduler_config(num_gpu_blocks=1 << 20, num_cpu_blocks=int(self.swap_space > 0))

@@ -24,7 +24,8 @@ SPECIAL = {"served_model_name": ["alias-a", "alias-b"], "chat_template": "{{ mes
            "log_level": "DEBUG", "device": "cuda", "internal_host": None, "internal_port_base": None,
            "internal_curve": False, "remote_workers": False,
            # the two KV-cache budgets exclude each other; a generation config must exist
-           "gpu_memory_utilization": 0.5, "generation_config": "vllm"}
+           "gpu_memory_utilization": 0.5, "generation_config": "vllm",
+           "max_num_batched_tokens": 4096}  # at least the doubled max_num_seqs (512)
 KV_BUDGETS = ("gpu_memory_utilization", "kv_cache_memory_gib")  # exclude each other: one at a time
 OFFLINE_DEFAULTS = {"log_level": "WARNING"}  # LLM is quiet unless asked; the only default it changes
 

@@ -57,3 +57,18 @@ def test_tool_calling_flags_reach_the_frontend_and_an_unknown_parser_is_refused(
         ServeConfig(model=model_dir("float32"), tool_call_parser="granite")
     with pytest.raises(ConfigError, match="--tool-call-parser"):
         ServeConfig(model=model_dir("float32"), enable_auto_tool_choice=True)
+
+
+def test_the_device_defaults_to_what_torch_sees_and_sets_the_step_budget(model_dir, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = ServeConfig(model=model_dir("float32"))
+    assert (cpu.device, cpu.max_num_batched_tokens) == ("cpu", 2048)
+    argv = cpu.scheduler_cmd("/tmp/run", 0)
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "2048"  # the scheduler gets the resolved budget
+    cuda = ServeConfig(model=model_dir("float32"), device="cuda")
+    assert cuda.max_num_batched_tokens == 8192  # a GPU step's host cost hardly grows with its tokens
+    assert ServeConfig(model=model_dir("float32"), device="cuda", max_num_batched_tokens=512).max_num_batched_tokens == 512
+    with pytest.raises(ConfigError, match="--device"):
+        ServeConfig(model=model_dir("float32"), device="tpu")
