@@ -163,7 +163,8 @@ def main() -> None:
         (f"swap_blocks out {args.swap_blocks}", lambda: ops.swap_blocks(kv_cache, host_cache, swap_out), 2 * args.swap_blocks * block_bytes),
         (f"swap_blocks in {args.swap_blocks}", lambda: ops.swap_blocks(host_cache, kv_cache, swap_in), 2 * args.swap_blocks * block_bytes),
         # The other strategy, whichever select_ops chose: per-run async copies vs gather + one copy.
-        (f"swap out {args.swap_blocks} (per-run copies)", lambda: run_copies.swap_blocks(kv_cache, host_cache, swap_out), 2 * args.swap_blocks * block_bytes),
+        (f"swap out {args.swap_blocks} (staged by host runs)", lambda: run_copies.swap_blocks(kv_cache, host_cache, swap_out), 2 * args.swap_blocks * block_bytes),
+        (f"swap out {args.swap_blocks} (runs of both sides)", lambda: run_copies.swap_blocks(kv_cache, host_cache, swap_out, staging=False), 2 * args.swap_blocks * block_bytes),
         (f"swap out {args.swap_blocks} (gather+copy)", lambda: reference.swap_blocks(kv_cache, host_cache, swap_out), 2 * args.swap_blocks * block_bytes),
         (f"write_kv 1 layer x {args.batch} tok", lambda: ops.write_kv(k_new, k_new, *layer0, slots), 2 * args.batch * token_kv_bytes),
         (f"paged_attention 1 layer b={args.batch} ctx={preset.context + 1}",

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pagedserve.kernels import ops, reference, triton_ops
-from pagedserve.kernels.swap import block_runs
+from pagedserve.kernels import swap
+from pagedserve.kernels.swap import block_runs, swap_plan
 
 pytestmark = MARKS
 
@@ -105,6 +106,40 @@ def test_swap_blocks_moves_blocks_between_caches_of_different_sizes(shape):
     triton_ops.swap_blocks(host_cache, device_cache, swap_in)
     reference.swap_blocks(host_cache, expected_device, swap_in)
     assert torch.equal(bits(device_cache), bits(expected_device))
+
+
+def test_a_swap_stages_on_the_device_side_when_that_saves_copies():
+    scattered_to_run = torch.tensor([[7, 0], [2, 1], [5, 2], [0, 3]])  # device blocks anywhere, host in a run
+    assert swap_plan(scattered_to_run, may_gather=True, may_scatter=False) == "gather"  # 1 copy run, not 4
+    assert swap_plan(scattered_to_run.flip(1), may_gather=False, may_scatter=True) == "scatter"
+    assert swap_plan(scattered_to_run, may_gather=False, may_scatter=False) == "direct"
+    both_runs = torch.tensor([[4, 0], [5, 1], [6, 2]])
+    assert swap_plan(both_runs, may_gather=True, may_scatter=True) == "direct"  # a tie needs no staging
+
+
+@pytest.mark.parametrize("stage_bytes", [swap.STAGE_BYTES, 1])  # 1: every block its own staged chunk
+def test_staged_swaps_of_scattered_device_blocks_equal_the_reference(monkeypatch, stage_bytes):
+    monkeypatch.setattr(swap, "STAGE_BYTES", stage_bytes)
+    shape = CACHE_SHAPES[0]
+    generator = torch.Generator().manual_seed(8)
+    device_cache = random_cache(shape, generator).to(DEVICE)
+    host_cache = host_memory(random_cache((shape[0], 12, *shape[2:]), generator, nan_blocks=range(12)))
+    expected_host = host_cache.clone()
+    swap_out = torch.tensor([[8, 3], [1, 4], [5, 5], [0, 6], [3, 7]])  # scattered on the device side
+    assert swap_plan(swap_out, may_gather=True, may_scatter=False) == "gather"
+
+    triton_ops.swap_blocks(device_cache, host_cache, swap_out)
+    synchronize()
+    reference.swap_blocks(device_cache, expected_host, swap_out)
+    assert torch.equal(bits(host_cache), bits(expected_host))
+
+    device_cache[:, :, [2, 4, 6, 7]] = float("nan")
+    expected_device = device_cache.clone()
+    swap_in = torch.tensor([[4, 7], [5, 2], [6, 6], [7, 4]])
+    triton_ops.swap_blocks(host_cache, device_cache, swap_in)
+    reference.swap_blocks(host_cache, expected_device, swap_in)
+    assert torch.equal(bits(device_cache), bits(expected_device))
+    assert not device_cache.isnan().any()
 
 
 def test_swap_blocks_rejects_a_block_id_outside_either_cache():
