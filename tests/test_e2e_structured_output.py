@@ -57,16 +57,14 @@ def stream_texts(server: Server, path: str, body: dict) -> tuple[dict[int, str],
 def test_every_constrained_answer_follows_its_grammar_under_preemption(server):
     schema_format = {name: {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
                      for name, schema in SCHEMAS.items()}
-    # Any two of three 200-token answers need over 50 of the 32 blocks between them, so
-    # preemption comes however fast the constrained answers finish, unless each plain answer
-    # ran alone (~150 steps apart: not with three submitted at once; two were once not enough
-    # on a fast worker); submitted first, they are the oldest, and the constrained requests
-    # after them are the ones preempted.
-    plain = {"prompt": "noise", "max_tokens": 200, "ignore_eos": True}
+    # Three 200-token answers in one request (a prompt list) reach the scheduler together and
+    # are admitted in one step; any two of them need over 50 of the 32 blocks, so preemption
+    # comes however fast the worker is (three separate requests could be admitted ~150
+    # steps apart and run one after another). Submitted first, they are likely the oldest,
+    # and the constrained requests after them the ones preempted.
+    plain = {"prompt": ["noise", "noise", "noise"], "max_tokens": 200, "ignore_eos": True}
     jobs = {
-        "plain-1": lambda: post(server, "/v1/completions", plain),
-        "plain-2": lambda: post(server, "/v1/completions", plain),
-        "plain-3": lambda: post(server, "/v1/completions", plain),
+        "plain": lambda: post(server, "/v1/completions", plain),
         **{f"chat-{name}": (lambda fmt=fmt: chat(server, {"response_format": fmt, "seed": 3}))
            for name, fmt in schema_format.items()},
         "chat-n3": lambda: chat(server, {"response_format": schema_format["person"], "n": 3}),
