@@ -20,7 +20,8 @@ import torch
 
 CASES = (
     # (name, architecture, engine options)
-    ("qwen2 plain", "qwen2", {}),
+    ("qwen2 plain (decode steps replay CUDA graphs)", "qwen2", {}),
+    ("qwen2 --enforce-eager", "qwen2", dict(enforce_eager=True)),
     ("qwen2 chunked prefill 16, poisoned cache", "qwen2",
      dict(max_num_batched_tokens=16, max_num_seqs=16, poison_kv_cache=True)),
     ("llama tight cache, swap", "llama", dict(num_gpu_blocks=24, preemption_mode="swap", poison_kv_cache=True)),
@@ -79,9 +80,9 @@ def main() -> int:
             failed += same != len(prompts)
             preempted = stats.num_preemptions_recompute + stats.num_preemptions_swap
             rows.append((name, f"{same}/{len(prompts)}", preempted, time.perf_counter() - start))
-    print(f"\n{'case':<44} {'identical':>9} {'preemptions':>11} {'seconds':>8}")
+    print(f"\n{'case':<48} {'identical':>9} {'preemptions':>11} {'seconds':>8}")
     for name, same, preempted, seconds in rows:
-        print(f"{name:<44} {same:>9} {preempted:>11} {seconds:8.1f}")
+        print(f"{name:<48} {same:>9} {preempted:>11} {seconds:8.1f}")
     where = torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"
     print(f"{where}, torch {torch.__version__}")
     return 1 if failed else 0

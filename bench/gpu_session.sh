@@ -26,8 +26,9 @@ step() {  # step NAME SECONDS COMMAND...
 
 for s in "$@"; do
   case $s in
-    tests) step tests 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_attention.py \
-             tests/test_kernels_blocks.py tests/test_worker_triton_forward.py \
+    tests) PAGEDSERVE_TEST_DEVICE=cuda step tests 240 python3 -m pytest -q -x -p no:cacheprovider \
+             tests/test_kernels_attention.py tests/test_kernels_blocks.py tests/test_worker_triton_forward.py \
+             tests/test_worker_cuda_graphs.py \
              -o addopts="" --timeout 200 ;;
     check) step check 180 python3 bench/cuda_check.py ;;
     kernels) step kernels 240 python3 bench/kernels_bench.py --preset llama8b --device cuda ;;
