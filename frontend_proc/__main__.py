@@ -105,8 +105,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _yield_to_the_scheduler()
-    asyncio.run(serve(config))
+    _run(serve(config))
     return 0
+
+
+def _run(main_coroutine) -> None:
+    """On uvloop where it is installed (uvicorn's own choice for its `standard` extra): the
+    frontend's cost is event-loop work per token (a queue wake, an SSE write), which uvloop
+    does in C (bench/RESULTS.md)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main_coroutine)
+        return
+    uvloop.run(main_coroutine)
 
 
 if __name__ == "__main__":
