@@ -56,16 +56,20 @@ def test_a_tensor_parallel_trace_with_a_lost_worker_replays_exactly_both_ways(mo
         body = {"model": Path(model).name, "prompt": "Hello, world!", "max_tokens": 6, "temperature": 0,
                 "ignore_eos": True}
         assert httpx.post(srv.url + "/v1/completions", json=body, timeout=120).status_code == 200
-        long_done = threading.Event()
+        long_done, decoding = threading.Event(), threading.Event()
+        failure: list[str] = []
 
         def long_stream():
             try:
                 with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,
                                   json={**body, "max_tokens": 1000, "stream": True}) as r:
-                    for _ in r.iter_lines():
-                        pass
-            except httpx.HTTPError:
-                pass
+                    if r.status_code != 200:
+                        failure.append(f"{r.status_code}: {r.read()!r}")
+                    for events, _ in enumerate(line for line in r.iter_lines() if line.startswith("data:")):
+                        if events == 20:
+                            decoding.set()
+            except httpx.HTTPError as exc:
+                failure.append(repr(exc))
             long_done.set()
 
         threading.Thread(target=long_stream, daemon=True).start()
@@ -74,7 +78,7 @@ def test_a_tensor_parallel_trace_with_a_lost_worker_replays_exactly_both_ways(mo
                  and srv.run_dir_parent in " ".join(p.info["cmdline"])
                  and "--rank 1" in " ".join(p.info["cmdline"])]
         assert len(rank1) == 1
-        assert wait_until(lambda: path.stat().st_size > 20_000, 60)  # the long request is decoding
+        assert decoding.wait(120), f"the long request never streamed 20 tokens: {failure}"
         rank1[0].kill()
         assert long_done.wait(60)
         assert wait_until(lambda: httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
