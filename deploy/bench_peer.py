@@ -27,8 +27,8 @@ from pathlib import Path
 from pagedserve.deploy.bench_report import RequestRecord, summarize
 from pagedserve.deploy.bench_serve import CONNECTIONS_PER_CLIENT, _parse_metrics
 from pagedserve.deploy.bench_servers import BenchServer, pagedserve_command, transformers_command
-from pagedserve.protocol.options import resolve_device
 from pagedserve.deploy.bench_shapes import BenchShape, shape_cache_dir
+from pagedserve.protocol.options import resolve_device
 
 ENGINES = ("pagedserve", "transformers")
 LLAMA3 = BenchShape("llama-3layer", dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2,

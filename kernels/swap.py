@@ -108,7 +108,8 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch
     src = src_cache.view(-1, *src_cache.shape[2:])  # [layer * 2, blocks, slot, head, dim]
     dst = dst_cache.view(-1, *dst_cache.shape[2:])
     mapping = mapping.reshape(-1, 2).long().cpu()
-    _check_runs(block_runs(mapping), src.shape[1], dst.shape[1])
+    runs = block_runs(mapping)
+    _check_runs(runs, src.shape[1], dst.shape[1])
     non_blocking = src_cache.device.type == "cuda" or dst_cache.device.type == "cuda"
     # Stage only on a device (or where both sides are the CPU): staging in host memory would
     # make the host wait for the copy.
@@ -116,7 +117,7 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, mapping: torch
     kind = swap_plan(mapping, may_gather=staging and (not src_host or dst_host),
                      may_scatter=staging and (not dst_host or src_host))
     if kind == "direct":
-        _copy_runs(src, dst, block_runs(mapping), non_blocking)
+        _copy_runs(src, dst, runs, non_blocking)
         return
     chunk = max(1, STAGE_BYTES // (src.shape[0] * block_numel * src.element_size()))
     for start in range(0, len(mapping), chunk):

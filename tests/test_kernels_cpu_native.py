@@ -160,7 +160,7 @@ def test_a_position_outside_the_rotary_table_is_an_error_not_a_wild_read():
 
     rotary = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0, rope_scaling=None), 16, 64,
                              torch.device("cpu"), torch.float32)
-    for bad in (64, -1):  # CausalLM.forward checks each step's position range before any layer runs
+    for bad in (64, -1):  # ModelRunner.execute checks each step's position range before the forward
         with pytest.raises(IndexError, match="rotary table"):
             rotary.check_positions(min(0, bad), max(5, bad))
     rotary.check_positions(0, 63)

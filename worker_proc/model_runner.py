@@ -137,6 +137,8 @@ class ModelRunner:
                 batch = build_forward_batch(scheduled, cache.block_size, self.device,
                                             batched_decodes=self.device.type == "cpu",
                                             workspace=self._gather_workspace)
+                # Before either path: a graph replays rotary's table lookups without Python
+                self.model.rotary.check_positions(*batch.position_range)
                 graph_size = self.decode_graphs.size_for(batch) if self.decode_graphs else None
                 hidden = (self.decode_graphs.forward(batch, graph_size) if graph_size
                           else self.model.forward(batch, cache.device_cache, self.ops))

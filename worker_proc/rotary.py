@@ -63,9 +63,10 @@ class RotaryEmbedding:
         self.max_positions = max_positions
 
     def check_positions(self, low: int, high: int) -> None:
-        """Once per step, before any layer, on the host (ForwardBatch.position_range): every
-        position has a row in the table. The native kernel reads the row it is given, and
-        torch's indexing would wrap a negative one."""
+        """Once per step, before the forward (ModelRunner.execute), on the host
+        (ForwardBatch.position_range): every position has a row in the table. The native
+        kernel reads the row it is given, torch's indexing would wrap a negative one, and on
+        CUDA an index past the end is a device-side assert that ends the process."""
         if low < 0 or high >= self.max_positions:
             raise IndexError(f"a position outside the rotary table of {self.max_positions}")
 

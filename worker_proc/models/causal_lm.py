@@ -42,7 +42,6 @@ class CausalLM:
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """Hidden states [T, hidden] of every token in the batch (before the final norm)."""
-        self.rotary.check_positions(*batch.position_range)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
             hidden = layer.forward(hidden, batch, kv_cache[i, 0], kv_cache[i, 1], self.rotary, ops)
