@@ -17,7 +17,7 @@ import tempfile
 import time
 
 from pagedserve.deploy.bench_report import RequestRecord
-from pagedserve.deploy.bench_serve import _one_request, _parse_metrics
+from pagedserve.deploy.bench_serve import _one_request, _parse_metrics, first_model, get_text, http_session
 from pagedserve.deploy.bench_servers import BenchServer, pagedserve_command
 
 HTTP_PROMPT_LENS = (7, 31, 55, 80, 105, 130)
@@ -52,17 +52,15 @@ async def _round(client, knobs, model: str, prompts, output_len: int) -> dict:
 
 
 async def _run(url: str, ns: argparse.Namespace) -> dict:
-    import httpx
-
     knobs = argparse.Namespace(temperature=0.0)
     prompts = _prompts()
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None)) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+    async with http_session(url, len(prompts)) as client:
+        model = await first_model(client)
         await _round(client, knobs, model, prompts, ns.output_len)  # warm-up, not counted
-        before = _parse_metrics((await client.get("/metrics")).text)
+        before = _parse_metrics(await get_text(client, "/metrics"))
         rounds = [await _round(client, knobs, model, prompts, ns.output_len) for _ in range(ns.rounds)]
         await asyncio.sleep(0.6)  # preemptions reach /metrics with the scheduler's stats (every 0.5 s)
-        after = _parse_metrics((await client.get("/metrics")).text)
+        after = _parse_metrics(await get_text(client, "/metrics"))
     return {"rounds": rounds, "preemptions": after.get("preemptions", 0) - before.get("preemptions", 0)}
 
 

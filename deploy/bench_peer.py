@@ -101,14 +101,29 @@ async def _one(client, engine: str, model: str, prompt: str, output_len: int, re
         rec.error = f"{type(exc).__name__}: {exc}"
 
 
-async def drive(url: str, engine: str, model: str, prompts: list[str], output_len: int, concurrency: int) -> dict:
-    """The workload against one server; ``summarize``'s result plus the pagedserve worker idle share."""
+def _http_client():
+    """The openai client's aiohttp transport (its `aiohttp` extra) where installed, else httpx.
+
+    The client shares the servers' cores here; per stream event it spent 94 us of CPU over
+    httpx and 71 us over aiohttp (bench/RESULTS.md), time the server under test loses."""
     import httpx
     import openai
 
     limits = httpx.Limits(max_connections=CONNECTIONS_PER_CLIENT, max_keepalive_connections=CONNECTIONS_PER_CLIENT)
-    clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
-                                  http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=None))
+    try:
+        import httpx_aiohttp  # noqa: F401
+    except ImportError:
+        httpx_aiohttp = None
+    if httpx_aiohttp is None or not hasattr(openai, "DefaultAioHttpClient"):
+        return openai.DefaultAsyncHttpxClient(limits=limits, timeout=None)
+    return openai.DefaultAioHttpClient(limits=limits, timeout=None)
+
+
+async def drive(url: str, engine: str, model: str, prompts: list[str], output_len: int, concurrency: int) -> dict:
+    """The workload against one server; ``summarize``'s result plus the pagedserve worker idle share."""
+    import openai
+
+    clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, http_client=_http_client())
                for _ in range(-(-concurrency // CONNECTIONS_PER_CLIENT))]
     if engine == "pagedserve":  # transformers serve answers to its FORCE_MODEL argument, as given
         model = (await clients[0].models.list()).data[0].id

@@ -11,17 +11,17 @@ empty text while a character or a possible stop string is incomplete) and end-to
 router's decisions (from /metrics, over the run); writes a JSON result and a
 PNG (latency per request in arrival order; KV usage, running and waiting from /metrics).
 
-Connections are spread over several HTTP clients of at most ``CONNECTIONS_PER_CLIENT``
-each: one httpx pool of 512 keep-alive connections spent ~4x the CPU of the whole server
-on this 2-core machine (its bookkeeping grows with the pool), slowing the server it shares
-cores with and, starved, occasionally closing a connection it had just handed to a request.
+The client is aiohttp, as vLLM's own serving benchmark: on a machine where the client shares
+the server's cores, what it spends per event is taken from the server, and a client that falls
+behind reads several events at once (ITL near zero). At 64 streams on 2 cores httpx spent
+68-76 us of CPU per event and read in bursts (ITL p50 0.01 ms); aiohttp 24-25 us, with an
+ITL p50 of 2.7 ms that matches the server's steps (bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import time
@@ -34,7 +34,7 @@ import msgspec
 from pagedserve.deploy import bench_multi_turn
 from pagedserve.deploy.bench_report import RequestRecord, cache_table, latency_table, plot_run, summarize
 
-CONNECTIONS_PER_CLIENT = 32
+CONNECTIONS_PER_CLIENT = 32  # bench peer: connections per openai client
 
 
 class _Usage(msgspec.Struct):
@@ -56,6 +56,27 @@ class _Chunk(msgspec.Struct):
 
 
 _CHUNK = msgspec.json.Decoder(_Chunk)
+_JSON = msgspec.json.Encoder()
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
+def http_session(url: str, concurrency: int, api_key: Optional[str] = None):
+    """One aiohttp session for the run: keep-alive connections, enough for every request in flight."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return aiohttp.ClientSession(base_url=url, headers=headers, timeout=aiohttp.ClientTimeout(total=None),
+                                 connector=aiohttp.TCPConnector(limit=concurrency + 2))
+
+
+async def get_text(client, path: str) -> str:
+    async with client.get(path) as resp:
+        return await resp.text()
+
+
+async def first_model(client) -> str:
+    async with client.get("/v1/models") as resp:
+        return (await resp.json())["data"][0]["id"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -103,12 +124,12 @@ async def _one_request(client, ns, model: str, prompt, max_tokens: int, rec: Req
     last = sent
     pieces = []
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async with client.post("/v1/completions", data=_JSON.encode(body), headers=_JSON_HEADERS) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return
             pending = b""
-            async for data in resp.aiter_raw():
+            async for data in resp.content.iter_any():
                 now = time.perf_counter()  # when this read's events reached the client
                 *events, pending = (pending + data).split(b"\n\n")
                 for event in events:
@@ -157,8 +178,7 @@ def _cache_counters(text: str) -> dict[str, float]:
 async def _scrape(client, ns, t0: float, samples: list[dict], stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
-            resp = await client.get("/metrics")
-            samples.append({"t": time.perf_counter() - t0, **_parse_metrics(resp.text)})
+            samples.append({"t": time.perf_counter() - t0, **_parse_metrics(await get_text(client, "/metrics"))})
         except Exception:
             pass  # a missed scrape is a gap in the plot, nothing more
         try:
@@ -168,26 +188,18 @@ async def _scrape(client, ns, t0: float, samples: list[dict], stop: asyncio.Even
 
 
 async def run_bench(ns: argparse.Namespace) -> dict:
-    import httpx
     from tqdm.auto import tqdm
 
-    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
-    limits = httpx.Limits(max_connections=CONNECTIONS_PER_CLIENT, max_keepalive_connections=CONNECTIONS_PER_CLIENT)
     concurrency = ns.max_concurrency or (ns.num_conversations if ns.dataset == "multi-turn" else ns.num_prompts) or 1
-    pools = [httpx.AsyncClient(base_url=ns.url, headers=headers, timeout=httpx.Timeout(None), limits=limits)
-             for _ in range(-(-concurrency // CONNECTIONS_PER_CLIENT))]
-    async with contextlib.AsyncExitStack() as stack:
-        for pool in pools:
-            await stack.enter_async_context(pool)
-        client = pools[0]  # also scrapes /metrics
-        model = ns.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+    async with http_session(ns.url, concurrency, ns.api_key) as client:
+        model = ns.model or await first_model(client)
         multi_turn = ns.dataset == "multi-turn"
         workload = [] if multi_turn else load_workload(ns)
         records = (bench_multi_turn.conversation_records(ns) if multi_turn else
                    [RequestRecord(i, len(p) if isinstance(p, list) else -1, n) for i, (p, n) in enumerate(workload)])
         samples: list[dict] = []
         stop = asyncio.Event()
-        text = (await client.get("/metrics")).text
+        text = await get_text(client, "/metrics")
         before, cache_before = _parse_metrics(text), _cache_counters(text)
         gate = asyncio.Semaphore(ns.max_concurrency or len(records) or 1)
         bar = tqdm(total=len(records), desc="bench serve", unit="req", disable=ns.no_progress)
@@ -197,7 +209,7 @@ async def run_bench(ns: argparse.Namespace) -> dict:
 
         async def limited(rec: RequestRecord, prompt, max_tokens: int):
             async with gate:
-                text = await _one_request(pools[rec.index % len(pools)], ns, model, prompt, max_tokens, rec, t0)
+                text = await _one_request(client, ns, model, prompt, max_tokens, rec, t0)
             bar.update(1)
             return text
 
@@ -213,11 +225,11 @@ async def run_bench(ns: argparse.Namespace) -> dict:
         stop.set()
         await scraper
         bar.close()
-        text = (await client.get("/metrics")).text
+        text = await get_text(client, "/metrics")
         after, cache_after = _parse_metrics(text), _cache_counters(text)
         for _ in range(10):  # the worker counters come with the scheduler's next stats (<= 0.5 s)
             await asyncio.sleep(0.1)
-            latest = _parse_metrics((await client.get("/metrics")).text)
+            latest = _parse_metrics(await get_text(client, "/metrics"))
             if latest.get("worker_forward_s") != after.get("worker_forward_s"):
                 after = latest
                 break

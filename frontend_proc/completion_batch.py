@@ -68,8 +68,11 @@ class CompletionBatch:
             stream.abort()
 
     async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
-        source = single_updates(self.streams[0]) if len(self.streams) == 1 else self._merged()
-        async for batch in source:
+        if len(self.streams) == 1:  # the common case, one generator less per token
+            async for batch in self.streams[0].updates():
+                yield [self._renumber(0, update) for update in batch]
+            return
+        async for batch in self._merged():
             yield [self._renumber(stream_index, update) for stream_index, update in batch]
 
     def _renumber(self, stream_index: int, update: ChoiceUpdate) -> ChoiceUpdate:
@@ -106,8 +109,3 @@ class CompletionBatch:
             for task in pumps:
                 task.cancel()
             self.abort()
-
-
-async def single_updates(stream: RequestStream) -> AsyncIterator[list[tuple[int, ChoiceUpdate]]]:
-    async for batch in stream.updates():
-        yield [(0, u) for u in batch]

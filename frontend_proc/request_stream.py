@@ -68,13 +68,14 @@ class RequestStream:
         self.choices = [ChoiceState(i, tokenizer, stop_strings) for i in range(handle.num_seqs)]
         self.arrival = time.monotonic()
         self.first_token_time: Optional[float] = None
+        self._open = len(self.choices)  # choices without a finish_reason: checked per event
 
     @property
     def num_completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
 
     def is_finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        return self._open == 0
 
     async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
         """Yield, per wake-up, the updates of every delta that arrived meanwhile (in order;
@@ -108,7 +109,10 @@ class RequestStream:
         if delta.new_token_ids and self.first_token_time is None:
             self.first_token_time = time.monotonic()
             self.metrics.time_to_first_token.observe(self.first_token_time - self.arrival)
-        return choice.apply(delta)
+        update = choice.apply(delta)
+        if update.finish_reason is not None:  # once per choice: a finished one returns above
+            self._open -= 1
+        return update
 
     def abort(self) -> None:
         """Free the request at the scheduler unless it already finished there."""

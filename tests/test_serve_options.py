@@ -64,9 +64,9 @@ def test_the_device_defaults_to_what_torch_sees_and_sets_the_step_budget(model_d
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cpu = ServeConfig(model=model_dir("float32"))
-    assert (cpu.device, cpu.max_num_batched_tokens) == ("cpu", 2048)
+    assert (cpu.device, cpu.max_num_batched_tokens) == ("cpu", 1024)  # a CPU step grows with its tokens
     argv = cpu.scheduler_cmd("/tmp/run", 0)
-    assert argv[argv.index("--max-num-batched-tokens") + 1] == "2048"  # the scheduler gets the resolved budget
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "1024"  # the scheduler gets the resolved budget
     cuda = ServeConfig(model=model_dir("float32"), device="cuda")
     assert cuda.max_num_batched_tokens == 8192  # a GPU step's host cost hardly grows with its tokens
     assert ServeConfig(model=model_dir("float32"), device="cuda", max_num_batched_tokens=512).max_num_batched_tokens == 512
