@@ -287,6 +287,14 @@ class EngineLoop:
             deltas = sched.update_from_output(out, result)
         except StepResultMismatch as exc:
             raise WorkerFailure(f"worker rank 0 sent a result that does not fit its step: {exc}") from None
+        if self.cfg.async_scheduling and not pending and sched.has_unfinished():
+            # Nothing is queued at the workers (this step could not be followed ahead): the
+            # next step goes out before the deltas, whose encoding and send the workers would
+            # otherwise wait through. Inputs that came meanwhile join the step after, as they
+            # do whenever a step is scheduled ahead. The lane copies the lists these deltas
+            # share with it before changing them (DecodeLane._own_lists).
+            pending.append(sched.schedule())
+            self._send_step(pending[-1])
         self._send_deltas(deltas, out.step)
         self.forward_time += result.forward_time_s
         if back_to_back:
