@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from pagedserve.deploy.bench_report import RequestRecord, summarize
-from pagedserve.deploy.bench_serve import CONNECTIONS_PER_CLIENT, _parse_metrics
+from pagedserve.deploy.bench_serve import CONNECTIONS_PER_CLIENT, _parse_metrics, histogram_quantile, ttft_histogram
 from pagedserve.deploy.bench_servers import BenchServer, pagedserve_command, transformers_command
 from pagedserve.deploy.bench_shapes import BenchShape, shape_cache_dir
 from pagedserve.protocol.options import resolve_device
@@ -131,23 +131,24 @@ async def drive(url: str, engine: str, model: str, prompts: list[str], output_le
     records = [RequestRecord(i, -1, output_len) for i in range(len(prompts))]
     metrics = clients[0]._client  # the httpx client underneath, for /metrics (pagedserve only)
 
-    async def scrape() -> dict:
+    async def scrape() -> tuple[dict, dict]:
         if engine != "pagedserve":
-            return {}
-        return _parse_metrics((await metrics.get(url + "/metrics")).text)
+            return {}, {}
+        text = (await metrics.get(url + "/metrics")).text
+        return _parse_metrics(text), ttft_histogram(text)
 
     async def limited(rec: RequestRecord, prompt: str) -> None:
         async with gate:
             await _one(clients[rec.index % len(clients)], engine, model, prompt, output_len, rec)
 
-    before = await scrape()
+    before, ttft_before = await scrape()
     t0 = time.perf_counter()
     await asyncio.gather(*(limited(rec, p) for rec, p in zip(records, prompts)))
     duration = time.perf_counter() - t0
-    after = before
+    after, ttft_after = before, ttft_before
     for _ in range(10):  # the worker counters reach /metrics with the scheduler's stats (<= 0.5 s)
         await asyncio.sleep(0.1)
-        after = await scrape()
+        after, ttft_after = await scrape()
         if after.get("worker_forward_s") != before.get("worker_forward_s"):
             break
     for c in clients:
@@ -158,6 +159,7 @@ async def drive(url: str, engine: str, model: str, prompts: list[str], output_le
     if forward + idle > 0:
         result["worker_idle_pct"] = 100 * idle / (forward + idle)
     result["preemptions"] = after.get("preemptions", 0) - before.get("preemptions", 0)
+    result["server_ttft_p50_s"] = histogram_quantile(ttft_before, ttft_after, 0.5)
     return result
 
 
@@ -169,7 +171,9 @@ def _load() -> str:
 
 def _row(engine: str, r: dict) -> str:
     idle = f"{r['worker_idle_pct']:.1f}%" if "worker_idle_pct" in r else "-"
-    return (f"{engine:<14}{r['output_token_throughput']:10.1f}{1e3 * r['ttft_s']['p50']:10.1f}"
+    server = r.get("server_ttft_p50_s")
+    server = f"{1e3 * server:.1f}" if server is not None else "-"
+    return (f"{engine:<14}{r['output_token_throughput']:10.1f}{1e3 * r['ttft_s']['p50']:10.1f}{server:>10}"
             f"{1e3 * r['tpot_s']['mean']:10.1f}{1e3 * r['itl_s']['p50']:10.1f}{r['failed']:8d}{idle:>8}{r['load']:>7}")
 
 
@@ -188,7 +192,9 @@ def main(ns: argparse.Namespace) -> int:
     warmup = text_prompts(model, ns.warmup_prompts, tuple(ns.input_len), seed=1)
     print(f"model {model}; {ns.num_prompts} prompts of {ns.input_len[0]}-{ns.input_len[1]} tokens, "
           f"{ns.output_len} output tokens, {ns.max_concurrency} concurrent, {ns.runs} runs per engine")
-    print(f"{'engine':<14}{'tok/s':>10}{'TTFT p50':>10}{'TPOT':>10}{'ITL p50':>10}{'failed':>8}{'idle':>8}{'load':>7}")
+    print(f"{'engine':<14}{'tok/s':>10}{'TTFT p50':>10}{'server':>10}{'TPOT':>10}{'ITL p50':>10}{'failed':>8}"
+          f"{'idle':>8}{'load':>7}")
+    print("(server: TTFT p50 from pagedserve's own histogram, from the request's submission to the engine)")
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory(prefix="pagedserve-bench-peer-") as logs:
         for _ in range(ns.runs):

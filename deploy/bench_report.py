@@ -79,6 +79,9 @@ def latency_table(result: dict) -> str:
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
         s = result[key]
         lines.append(f"{label:<6}" + "".join(f"{1e3 * s[k]:10.1f}" for k in ("mean", "p50", "p90", "p99")))
+    if result.get("server_ttft_p50_s") is not None:
+        lines.append(f"server TTFT p50 {1e3 * result['server_ttft_p50_s']:.1f} ms (the frontend's histogram: "
+                     "from the request's submission to the engine, without the client's own delays)")
     if "preemptions" in result:
         lines.append(f"preemptions {result['preemptions']:.0f}")
     if "worker_idle_pct" in result:

@@ -165,6 +165,37 @@ def _parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+_TTFT_BUCKET = "pagedserve_time_to_first_token_seconds_bucket{"
+
+
+def ttft_histogram(text: str) -> dict[float, float]:
+    """The server's TTFT histogram in a /metrics text: cumulative count per upper bound."""
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(_TTFT_BUCKET):
+            labels, _, value = line.rpartition(" ")
+            out[float(labels.partition('le="')[2].partition('"')[0])] = float(value)  # "+Inf" parses
+    return out
+
+
+def histogram_quantile(before: dict[float, float], after: dict[float, float], q: float) -> Optional[float]:
+    """The ``q`` quantile of what was observed between two scrapes of a histogram, as
+    Prometheus's histogram_quantile reads it: linear inside the bucket it falls in."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    rank = q * counts[-1]
+    lower, below = 0.0, 0.0
+    for bound, count in zip(bounds, counts):
+        if count >= rank and count > below:
+            if bound == float("inf"):
+                return lower  # past the last finite bound: all it can say
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
 def _cache_counters(text: str) -> dict[str, float]:
     """Prefix-cache and router counters (labelled ones keyed with their labels), to diff over a run."""
     out = {}
@@ -200,7 +231,7 @@ async def run_bench(ns: argparse.Namespace) -> dict:
         samples: list[dict] = []
         stop = asyncio.Event()
         text = await get_text(client, "/metrics")
-        before, cache_before = _parse_metrics(text), _cache_counters(text)
+        before, cache_before, ttft_before = _parse_metrics(text), _cache_counters(text), ttft_histogram(text)
         gate = asyncio.Semaphore(ns.max_concurrency or len(records) or 1)
         bar = tqdm(total=len(records), desc="bench serve", unit="req", disable=ns.no_progress)
         rng = random.Random(ns.seed + 1)
@@ -226,7 +257,7 @@ async def run_bench(ns: argparse.Namespace) -> dict:
         await scraper
         bar.close()
         text = await get_text(client, "/metrics")
-        after, cache_after = _parse_metrics(text), _cache_counters(text)
+        after, cache_after, ttft_after = _parse_metrics(text), _cache_counters(text), ttft_histogram(text)
         for _ in range(10):  # the worker counters come with the scheduler's next stats (<= 0.5 s)
             await asyncio.sleep(0.1)
             latest = _parse_metrics(await get_text(client, "/metrics"))
@@ -235,6 +266,7 @@ async def run_bench(ns: argparse.Namespace) -> dict:
                 break
     result = summarize(records, duration)
     result["preemptions"] = after.get("preemptions", 0) - before.get("preemptions", 0)
+    result["server_ttft_p50_s"] = histogram_quantile(ttft_before, ttft_after, 0.5)
     result["cache"] = cache = {k: v - cache_before.get(k, 0.0) for k, v in cache_after.items()}
     # Hits as each finished request reported them (exact at once; the scheduler counters in
     # /metrics lag by a stats interval), over the prompt tokens of the same requests.

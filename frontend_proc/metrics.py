@@ -21,6 +21,9 @@ from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.router_metrics import RouterCollector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# vLLM's TTFT buckets (its dashboards' histogram_quantile reads the same resolution), fine below 100 ms
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # metric name -> (help, how to read it from one SchedulerStats)
@@ -147,7 +150,7 @@ class FrontendMetrics:
         self.registry.register(RouterCollector(router))
         self.time_to_first_token = _Observed(
             self.registry, model_name, "time_to_first_token_seconds", "Arrival to first output token",
-            _LATENCY_BUCKETS)
+            _TTFT_BUCKETS)
         self.time_per_output_token = _Observed(
             self.registry, model_name, "time_per_output_token_seconds", "Mean gap between output tokens",
             _TPOT_BUCKETS)

@@ -33,6 +33,7 @@ def test_bench_serve_writes_a_json_result_and_a_png_plot(model_factory, tmp_path
     # one stream event per token (empty text mid-character): 4 gaps for 5 tokens
     assert all(r["output_tokens"] == 5 and len(r["itl"]) == 4 for r in result["requests"])
     assert result["ttft_s"]["p50"] > 0 and result["e2e_s"]["p99"] >= result["e2e_s"]["p50"]
+    assert 0 < result["server_ttft_p50_s"] < 30  # from the server's histogram, over this run's requests
     assert result["metrics_samples"] and "kv_usage" in result["metrics_samples"][0]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
