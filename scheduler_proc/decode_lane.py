@@ -22,9 +22,11 @@ is in flight, so the positions of every ``DecodeBatch`` out stay those of its re
 
 Overlapped scheduling: with one batch in flight the lane may schedule the next, each
 sequence computing the token the in-flight step samples for it, sent as a placeholder the
-workers resolve. The scheduler does so only when no sequence enters or leaves the lane in
-between (scheduler.py, ``can_schedule_ahead``), so every lane sequence is in every batch out
-and the ring's clock stays one update per result.
+workers resolve. The scheduler does so only when no sequence leaves the lane in between
+(overlap.py, ``can_schedule_ahead``). A sequence may enter while a batch is out (its first
+token arrived while it sat out the step ahead): it takes the next position, behind the n
+each batch out holds and records, and its ring starts at the update after theirs, so the
+ring's clock stays one update per result for every sequence a batch holds.
 """
 
 from __future__ import annotations
@@ -115,7 +117,9 @@ class DecodeLane:
         self.order[pos] = seq.order
         self.index[pos] = seq.index
         self.last[pos] = tokens[-1]
-        self.since[pos] = self.entered[pos] = self.clock
+        # Entering while batches are out (that do not hold it): its first ring slot is the
+        # update after theirs, so nothing is flushed from it until then.
+        self.since[pos] = self.entered[pos] = self.clock + len(self.in_flight)
         self.num_held[pos] = 0
         self.tail_block[pos] = seq.block_ids[-1]
         self.before_tail_block[pos] = seq.block_ids[-2] if len(seq.block_ids) > 1 else -1
@@ -139,7 +143,7 @@ class DecodeLane:
         """The ring slots not yet flushed for ``where``, in order, as raw int64 bytes (array("q")
         has the same layout, so no int object is made per token), with each one's byte range."""
         starts = self.since[where]
-        counts = self.clock - starts
+        counts = np.maximum(self.clock - starts, 0)  # < 0: entered behind batches still out
         ends = np.cumsum(counts)
         firsts = ends - counts
         slots = (np.arange(int(ends[-1])) - np.repeat(firsts - starts, counts)) % RING
@@ -165,7 +169,7 @@ class DecodeLane:
             if blocks_held:
                 blocks.extend(held[i][:blocks_held])
             seq.num_blocks_sent = len(blocks)
-        self.since[where] = self.clock
+        self.since[where] = np.maximum(self.since[where], self.clock)
         self.num_held[where] = 0
 
     def sync_all(self) -> None:
@@ -178,12 +182,13 @@ class DecodeLane:
 
     def drop(self, seq: "Sequence") -> None:
         """``seq`` ended outside the lane's own step (an abort); synced so its blocks can be freed."""
-        self.sync(seq.lane_pos)
-        if self.in_flight:
-            self.dead[seq.lane_pos] = True
+        pos = seq.lane_pos
+        self.sync(pos)
+        if any(pos < size for size in self.in_flight):  # a batch out holds it: keep its position
+            self.dead[pos] = True
             self.num_dead += 1
-        else:
-            self._remove(seq.lane_pos)
+        else:  # none does (nor any position after it, entered later still): free to move
+            self._remove(pos)
 
     def _remove(self, pos: int) -> None:
         self._own_lists()

@@ -66,7 +66,9 @@ def check_lane(sched: "Scheduler") -> list:
             continue
         if seq.is_parent or seq.shared_tail or not seq.worker_knows:
             _fail(f"{seq.seq_id} in the lane is a parent, shares its tail or is unknown to the workers")
-        in_flight = len(lane.in_flight)  # each step out computes one token not yet sampled
+        # each step out that holds it computes one token not yet sampled (one that entered
+        # while a batch was out sits behind that batch's positions)
+        in_flight = sum(1 for size in lane.in_flight if pos < size)
         if len(seq.token_ids) != seq.num_kv_tokens + 1 - in_flight:
             _fail(f"{seq.seq_id} in the lane: {len(seq.token_ids)} tokens, {seq.num_kv_tokens} computed")
         live.append(seq)

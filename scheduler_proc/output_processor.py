@@ -124,7 +124,7 @@ def process(sched: "Scheduler", out: SchedulerOutput, result: StepResult) -> Ste
         outputs = StepOutputs(deltas)
     sched.counters.generation_tokens += accepted
     lane = sched.lane
-    for seq in sampling_seqs if not lane.in_flight else ():  # a batch out must hold every lane sequence
+    for seq in sampling_seqs:  # with a batch out, behind its positions (decode_lane.enter)
         if seq.status == RUNNING and seq.lane_pos < 0 and lane_ready(seq):
             lane.enter(seq)
             sched.num_gone_running += 1  # its entry in running is now stale
@@ -180,7 +180,9 @@ def _apply_lane(sched: "Scheduler", tokens: list[int], deltas: list[RequestDelta
     if not gone:
         lane.lists_out = True
         sched.counters.generation_tokens += n
-        return StepOutputs(deltas, lane.request_ids, lane.index[:n].tolist(), tokens)
+        # Sequences that entered while this batch was out sit behind its n positions.
+        request_ids = lane.request_ids if lane.n == n else lane.request_ids[:n]
+        return StepOutputs(deltas, request_ids, lane.index[:n].tolist(), tokens)
     keep = np.ones(n, bool)
     keep[gone] = False
     lane.sync_many(gone if dead is None else [pos for pos in gone if not dead[pos]])  # blocks to free

@@ -4,10 +4,11 @@ Overlapped scheduling covers the steady state of plain decodes; everything else 
 the result (docs/DECISIONS.md). Ahead is allowed when exactly one step is out and:
 
 1. every sequence sampling in it is in the decode lane, so no token a per-object sequence
-   needs is unknown and no sequence enters the lane while a batch is out; except
-   grammar-constrained sequences (never in the lane), which sit the step ahead out: their
-   mask needs the token still in flight, so they wait for it (vLLM's choice), and the
-   others stay overlapped; with no lane sequence to overlap, nobody waits for nothing;
+   needs is unknown; except sequences that sit the step ahead out: grammar-constrained
+   ones (never in the lane; their mask needs the token still in flight, so they wait for
+   it, vLLM's choice) and ones sampling their way into the lane (a prompt's first token),
+   which enter it when their token arrives, while the step ahead is out; with no lane
+   sequence to overlap, nobody waits for nothing;
 2. no lane sequence ended while out (its position is kept until nothing is out);
 3. the free blocks cover every block the running sequences can ask for, so the step
    preempts nothing: no in-flight sequence is swapped or recomputed with a token still
@@ -27,15 +28,22 @@ if TYPE_CHECKING:
     from pagedserve.scheduler_proc.scheduler import Scheduler
 
 
+def joins_lane(seq) -> bool:
+    """Whether ``seq``, sampling outside the lane in the step out, joins the lane once its
+    token is in (``decode_lane.lane_ready``): it sits out the step ahead, then enters while
+    that one is out. One that would not join keeps its every-step decode by waiting instead."""
+    return not seq.is_parent and not seq.want_logprobs and not seq.shared_tail
+
+
 def can_schedule_ahead(sched: "Scheduler") -> bool:
     in_flight = sched.in_flight
     if len(in_flight) != 1 or sched.lane.num_dead:  # rules 1 and 2
         return False
     sampling = in_flight[0][1]
-    if sampling and not sched.lane.n:  # only constrained ones would run, and they sit it out
+    if sampling and not sched.lane.n:  # only the ones sampling would run, and they sit it out
         return False
     for seq in sampling:
-        if seq.grammar is None:
+        if seq.grammar is None and not joins_lane(seq):
             return False
     bm = sched.bm
     free = bm.device.num_free - sched.lane.num_needing_blocks()

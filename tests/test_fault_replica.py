@@ -21,9 +21,10 @@ pytestmark = pytest.mark.slow
 # Two replicas of one worker each, one CPU thread per worker: fits the 2-core machine.
 SERVER_ARGS = ["-dp", "2", "--num-threads", "1", "--num-gpu-blocks", "256", "--max-model-len", "2048",
                "--step-timeout-s", "3", "--replica-timeout-s", "3", "--max-restarts", "10"]
-# 16 streams of this many tokens take ~5 s here: still running when the fault hits a second
-# in, yet the healthy replica's half finishes well inside the 10 s every request must end in.
-STREAM_TOKENS = 300
+# 16 streams of this many tokens take ~2 s here (300 took ~1 s once steps overlapped, and on a
+# loaded machine the first streams could end before the last began): still running when the
+# fault hits, yet the healthy replica's half finishes well inside the 10 s every request must end in.
+STREAM_TOKENS = 600
 LONG = 1500  # tokens: requests that are cut short on purpose
 
 

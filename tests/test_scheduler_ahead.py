@@ -179,3 +179,60 @@ def test_an_abort_while_two_steps_are_out_streams_and_counts_nothing_more():
     assert streams == {"a": [503 + k for k in range(5)], "b": [503 + k for k in range(30)]}
     assert sched.counters.generation_tokens == 35
     assert_all_blocks_free(sched)
+
+
+def test_a_new_prompt_joins_the_decode_lane_while_the_step_ahead_is_out():
+    config = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
+                             debug_invariants=True)
+    sched = Scheduler(config)
+    worker = SimWorker(config, lambda req_id, tokens: 500 + len(tokens))
+    sched.add_request(request("a", [3, 4, 5], max_tokens=30))
+    driver = StepDriver(sched, worker, ahead=True)
+    waited = []  # per step scheduled: whether nothing was out (the workers wait for it)
+    driver.on_schedule = lambda out: waited.append(not driver.pending)
+    streams: dict[str, list[int]] = {"a": [], "b": []}
+
+    def run(turns: int) -> None:
+        for _ in range(turns):
+            for delta in driver.step()[2]:
+                streams[delta.request_id] += delta.new_token_ids
+
+    run(5)
+    assert sched.lane.n == 1 and driver.pending  # a decodes in the lane, a step ahead out
+    before = len(waited)
+    assert sched.add_request(request("b", [6, 7], max_tokens=10)) == []
+    run(6)
+    b = sched.requests["b"].sequences[0]
+    assert b.lane_pos >= 0 and len(streams["b"]) >= 3  # in the lane, decoding
+    assert not any(waited[before:]), "a step waited for b's first token"
+    run(40)
+    assert streams == {"a": [503 + k for k in range(30)], "b": [502 + k for k in range(10)]}
+    assert sched.counters.generation_tokens == 40
+    assert_all_blocks_free(sched)
+
+
+@pytest.mark.parametrize("extra", [{"logprobs": True}, {"n": 2}], ids=["logprobs", "n=2"])
+def test_a_new_prompt_that_will_not_join_the_lane_is_waited_for_instead(extra):
+    config = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
+                             debug_invariants=True)
+    sched = Scheduler(config)
+    worker = SimWorker(config, lambda req_id, tokens: 500 + len(tokens))
+    sched.add_request(request("a", [3, 4, 5], max_tokens=30))
+    driver = StepDriver(sched, worker, ahead=True)
+    for _ in range(5):
+        driver.step()
+    assert sched.lane.n == 1
+    assert sched.add_request(request("b", [6, 7, 8, 9, 10], max_tokens=10, **extra)) == []
+    ahead_after_b = []  # for each step in which b samples: may the next one go out before its result?
+
+    def on_schedule(out) -> None:
+        _, sampling, _ = sched.in_flight[-1]
+        if any(seq.request_id == "b" for seq in sampling):
+            ahead_after_b.append(sched.can_schedule_ahead())
+
+    driver.on_schedule = on_schedule
+    while driver.busy():
+        driver.step()
+    # b samples outside the lane and stays there (its logprobs, or a fork to come): each next
+    # step needs its token, so none is scheduled ahead of it
+    assert ahead_after_b and not any(ahead_after_b)
