@@ -181,13 +181,17 @@ def test_an_abort_while_two_steps_are_out_streams_and_counts_nothing_more():
     assert_all_blocks_free(sched)
 
 
-def test_a_new_prompt_joins_the_decode_lane_while_the_step_ahead_is_out():
+def _one_request_in_the_lane() -> tuple[Scheduler, StepDriver]:
+    """"a" (30 tokens) decoding in the lane, overlapped: a step ahead is out."""
     config = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
                              debug_invariants=True)
     sched = Scheduler(config)
-    worker = SimWorker(config, lambda req_id, tokens: 500 + len(tokens))
     sched.add_request(request("a", [3, 4, 5], max_tokens=30))
-    driver = StepDriver(sched, worker, ahead=True)
+    return sched, StepDriver(sched, SimWorker(config, lambda req_id, tokens: 500 + len(tokens)), ahead=True)
+
+
+def test_a_new_prompt_joins_the_decode_lane_while_the_step_ahead_is_out():
+    sched, driver = _one_request_in_the_lane()
     waited = []  # per step scheduled: whether nothing was out (the workers wait for it)
     driver.on_schedule = lambda out: waited.append(not driver.pending)
     streams: dict[str, list[int]] = {"a": [], "b": []}
@@ -213,15 +217,10 @@ def test_a_new_prompt_joins_the_decode_lane_while_the_step_ahead_is_out():
 
 @pytest.mark.parametrize("extra", [{"logprobs": True}, {"n": 2}], ids=["logprobs", "n=2"])
 def test_a_new_prompt_that_will_not_join_the_lane_is_waited_for_instead(extra):
-    config = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
-                             debug_invariants=True)
-    sched = Scheduler(config)
-    worker = SimWorker(config, lambda req_id, tokens: 500 + len(tokens))
-    sched.add_request(request("a", [3, 4, 5], max_tokens=30))
-    driver = StepDriver(sched, worker, ahead=True)
+    sched, driver = _one_request_in_the_lane()
     for _ in range(5):
         driver.step()
-    assert sched.lane.n == 1
+    assert sched.lane.n == 1 and driver.pending
     assert sched.add_request(request("b", [6, 7, 8, 9, 10], max_tokens=10, **extra)) == []
     ahead_after_b = []  # for each step in which b samples: may the next one go out before its result?
 
