@@ -34,8 +34,6 @@ import msgspec
 from pagedserve.deploy import bench_multi_turn
 from pagedserve.deploy.bench_report import RequestRecord, cache_table, latency_table, plot_run, summarize
 
-CONNECTIONS_PER_CLIENT = 32  # bench peer: connections per openai client
-
 
 class _Usage(msgspec.Struct):
     completion_tokens: int = 0

@@ -50,10 +50,15 @@ EMPTY_DECODES = DecodeBatch([], [], [], [])  # never mutated
 _NO_GRANTS = (np.zeros(0, np.int64), [])  # never mutated
 
 
+def lane_kind(seq: "Sequence") -> bool:
+    """Whether ``seq`` is of the kind the lane holds: no fork to come, no shared tail to copy,
+    no logprobs, no grammar (its mask needs its previous token: never overlapped, grammar.py)."""
+    return not seq.is_parent and not seq.shared_tail and not seq.want_logprobs and seq.grammar is None
+
+
 def lane_ready(seq: "Sequence") -> bool:
     """True when ``seq`` (running, just sampled) has nothing but plain decodes ahead."""
-    return (seq.worker_knows and not seq.is_parent and not seq.shared_tail and not seq.want_logprobs
-            and seq.grammar is None  # its mask needs its previous token: never overlapped (grammar.py)
+    return (seq.worker_knows and lane_kind(seq)
             and len(seq.token_ids) == seq.num_kv_tokens + 1 == seq.num_tokens_sent + 1
             and seq.num_blocks_sent == len(seq.block_ids))
 

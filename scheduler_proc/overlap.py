@@ -7,7 +7,7 @@ the result (docs/DECISIONS.md). Ahead is allowed when exactly one step is out an
    needs is unknown; except sequences that sit the step ahead out: grammar-constrained
    ones (never in the lane; their mask needs the token still in flight, so they wait for
    it, vLLM's choice) and ones sampling their way into the lane (a prompt's first token),
-   which enter it when their token arrives, while the step ahead is out; with no lane
+   which enter it when their token arrives, while the step ahead is out (``lane_kind``); with no lane
    sequence to overlap, nobody waits for nothing;
 2. no lane sequence ended while out (its position is kept until nothing is out);
 3. the free blocks cover every block the running sequences can ask for, so the step
@@ -22,17 +22,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedserve.scheduler_proc.decode_lane import lane_kind
 from pagedserve.scheduler_proc.request import RUNNING
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_proc.scheduler import Scheduler
-
-
-def joins_lane(seq) -> bool:
-    """Whether ``seq``, sampling outside the lane in the step out, joins the lane once its
-    token is in (``decode_lane.lane_ready``): it sits out the step ahead, then enters while
-    that one is out. One that would not join keeps its every-step decode by waiting instead."""
-    return not seq.is_parent and not seq.want_logprobs and not seq.shared_tail
 
 
 def can_schedule_ahead(sched: "Scheduler") -> bool:
@@ -43,7 +37,10 @@ def can_schedule_ahead(sched: "Scheduler") -> bool:
     if sampling and not sched.lane.n:  # only the ones sampling would run, and they sit it out
         return False
     for seq in sampling:
-        if seq.grammar is None and not joins_lane(seq):
+        # One of the lane's kind joins it once its token is in (decode_lane.lane_ready): it sits
+        # out the step ahead, then enters while that one is out. Any other (but a grammar's)
+        # keeps its every-step decode by being waited for.
+        if seq.grammar is None and not lane_kind(seq):
             return False
     bm = sched.bm
     free = bm.device.num_free - sched.lane.num_needing_blocks()
