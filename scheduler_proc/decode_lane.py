@@ -16,17 +16,19 @@ granted since its last sync; ``sync`` writes all of it back to the Sequence, and
 outside the lane syncs before it reads one.
 
 Positions are dense (0..n-1) and a removal moves the last sequence into the gap, so lane
-order means nothing; FCFS order stays in ``Sequence.order`` (see ``newest``). Removals
-asked for while a step is in flight are deferred (the position is marked dead) until no step
-is in flight, so the positions of every ``DecodeBatch`` out stay those of its result.
+order means nothing; FCFS order stays in ``Sequence.order`` (see ``newest``). Each batch out
+remembers where its rows went (``in_flight``): at first row i is position i, and a removal
+while it is out rewrites that map (the ended row to -1, the moved row to its new position),
+so its result lands where its sequences are now and an ended sequence's extra token is
+dropped. An end therefore never holds the next step back.
 
 Overlapped scheduling: with one batch in flight the lane may schedule the next, each
 sequence computing the token the in-flight step samples for it, sent as a placeholder the
-workers resolve. The scheduler does so only when no sequence leaves the lane in between
-(overlap.py, ``can_schedule_ahead``). A sequence may enter while a batch is out (its first
-token arrived while it sat out the step ahead): it takes the next position, behind the n
-each batch out holds and records, and its ring starts at the update after theirs, so the
-ring's clock stays one update per result for every sequence a batch holds.
+workers resolve (overlap.py, ``can_schedule_ahead``). A sequence may enter while a batch is
+out (its first token arrived while it sat out the step ahead): it takes the next position,
+which no batch out holds, and its ring starts at the update after theirs, so the ring's clock
+stays one update per result for every sequence a batch holds. Only ends leave while a batch
+out holds the sequence: a sequence leaving for the per-object path needs its token in flight.
 """
 
 from __future__ import annotations
@@ -90,12 +92,12 @@ class DecodeLane:
          ) = self._columns
         self.max_held = RING // block_size + 2  # a sync every RING steps keeps it below this
         self.held = np.zeros((capacity, self.max_held), np.int64)
-        self.dead = np.zeros(capacity, bool)  # dropped while its step was in flight
         # ring[pos, clock % RING]: the token of that update; a row per sequence, read whole on a flush.
         self.ring = np.zeros((capacity, RING), np.int64)
         self.clock = 0  # results applied
-        self.in_flight: list[int] = []  # sequences in each DecodeBatch out at the workers, oldest first
-        self.num_dead = 0
+        # Per DecodeBatch out, oldest first, where its rows are now: n (row i is position i, for
+        # i < n, untouched since it left) or an array of positions, -1 for a sequence gone.
+        self.in_flight: list = []
         self._granted = _NO_GRANTS  # positions and the blocks granted them this step
         self._stop_counts: dict[int, int] = {}
         self._stop_ids = np.zeros(0, np.int64)
@@ -129,7 +131,6 @@ class DecodeLane:
         self.tail_block[pos] = seq.block_ids[-1]
         self.before_tail_block[pos] = seq.block_ids[-2] if len(seq.block_ids) > 1 else -1
         self.note_keys(pos, seq)
-        self.dead[pos] = False
         seq.lane_pos = pos
         for token in seq.stop_token_ids:
             self._stop_counts[token] = self._stop_counts.get(token, 0) + 1
@@ -178,31 +179,40 @@ class DecodeLane:
         self.num_held[where] = 0
 
     def sync_all(self) -> None:
-        self.sync_many([pos for pos in range(self.n) if not self.dead[pos]])
+        self.sync_many(list(range(self.n)))
+
+    def num_batches_holding(self, pos: int) -> int:
+        """How many batches out compute a token for the sequence now at ``pos``."""
+        return sum(pos < held if isinstance(held, int) else bool((held == pos).any()) for held in self.in_flight)
 
     def leave(self, seq: "Sequence") -> None:
         """Back to the Sequence object: its state synced, its lane position given up."""
-        self.sync(seq.lane_pos)
-        self._remove(seq.lane_pos)
+        pos = seq.lane_pos
+        if self.num_batches_holding(pos):  # its token in flight would be dropped (overlap.py, rule 2)
+            raise RuntimeError(f"{seq.seq_id} left the decode lane while a batch out computes its token")
+        self.sync(pos)
+        self._remove(pos)
 
     def drop(self, seq: "Sequence") -> None:
-        """``seq`` ended outside the lane's own step (an abort); synced so its blocks can be freed."""
-        pos = seq.lane_pos
-        self.sync(pos)
-        if any(pos < size for size in self.in_flight):  # a batch out holds it: keep its position
-            self.dead[pos] = True
-            self.num_dead += 1
-        else:  # none does (nor any position after it, entered later still): free to move
-            self._remove(pos)
+        """``seq`` ended outside the lane's own step (an abort); synced so its blocks can be freed.
+        A batch out that holds it computes a token that its result then drops."""
+        self.sync(seq.lane_pos)
+        self._remove(seq.lane_pos)
 
     def _remove(self, pos: int) -> None:
         self._own_lists()
         last = self.n - 1
         seq = self.seqs[pos]
+        for i, held in enumerate(self.in_flight):
+            if isinstance(held, int):
+                if pos >= held:  # this batch holds neither pos nor last (> pos)
+                    continue
+                held = self.in_flight[i] = np.arange(held)
+            held[held == pos] = -1
+            held[held == last] = pos
         if pos != last:
             for column in self._columns:
                 column[pos] = column[last]
-            self.dead[pos] = self.dead[last]
             self.ring[pos] = self.ring[last]
             self.held[pos] = self.held[last]
             moved = self.seqs[pos] = self.seqs[last]
@@ -284,22 +294,36 @@ class DecodeLane:
         n = self.n
         return int((self.computed[:n] >= self.table_tokens[:n]).sum())
 
-    def record(self, tokens: list[int]) -> np.ndarray:
-        """Append the in-flight batch's sampled tokens (in batch order) to its sequences."""
-        n = self.in_flight.pop(0)
+    def record(self, tokens: list[int]) -> tuple:
+        """Append the oldest batch out's sampled tokens (in batch order) to its sequences.
+
+        Returns where they went and the tokens kept: ``(slice(0, n), all of them)`` when the
+        batch's rows are still positions 0..n-1, else (positions, tokens) without the rows of
+        sequences gone since it was sent.
+        """
+        held = self.in_flight.pop(0)
         values = np.array(tokens, dtype=np.int64)
+        if isinstance(held, int):
+            where = slice(0, held)
+        else:
+            kept = held >= 0
+            where, values = held[kept], values[kept]
         # Every position is synced once per RING updates, a different 1/RING of them each time
         # (sequences that entered together would otherwise all sync in the same step); a
-        # sequence moved to a position synced before its turn is caught by the second test,
+        # sequence moved to a position synced before its turn is caught by the first test,
         # when the slot written next would be its oldest unflushed token.
         clock = self.clock
-        due = clock - self.since[:n] >= RING
-        due[(-clock) % RING::RING] = True
-        self.sync_many(due.nonzero()[0].tolist())
-        self.ring[:n, clock % RING] = values
-        self.last[:n] = values
+        due = clock - self.since[where] >= RING
+        if isinstance(where, slice):
+            due[(-clock) % RING::RING] = True
+            self.sync_many(due.nonzero()[0].tolist())
+        else:
+            due |= where % RING == (-clock) % RING
+            self.sync_many(where[due].tolist())
+        self.ring[where, clock % RING] = values
+        self.last[where] = values
         self.clock += 1
-        return values
+        return where, values
 
     def publish_filled(self, positions: list[int], pool: "BlockPool", ahead: int = 0) -> None:
         """Name, in the prefix cache, the block each sequence at ``positions`` just filled.

@@ -61,19 +61,15 @@ def check_lane(sched: "Scheduler") -> list:
         if seq.lane_pos != pos or lane.ids[pos] != seq.seq_id or lane.request_ids[pos] != seq.request_id:
             _fail(f"lane position {pos} holds {seq.seq_id} whose lane_pos is {seq.lane_pos}")
         if seq.status != RUNNING:
-            if not lane.dead[pos]:
-                _fail(f"{seq.seq_id} ended but is still in the lane")
-            continue
+            _fail(f"{seq.seq_id} ended but is still in the lane")
         if seq.is_parent or seq.shared_tail or not seq.worker_knows:
             _fail(f"{seq.seq_id} in the lane is a parent, shares its tail or is unknown to the workers")
         # each step out that holds it computes one token not yet sampled (one that entered
         # while a batch was out sits behind that batch's positions)
-        in_flight = sum(1 for size in lane.in_flight if pos < size)
+        in_flight = lane.num_batches_holding(pos)
         if len(seq.token_ids) != seq.num_kv_tokens + 1 - in_flight:
             _fail(f"{seq.seq_id} in the lane: {len(seq.token_ids)} tokens, {seq.num_kv_tokens} computed")
         live.append(seq)
-    if int(lane.dead[:lane.n].sum()) != lane.num_dead:
-        _fail(f"lane counts {lane.num_dead} dropped sequences, marks {int(lane.dead[:lane.n].sum())}")
     return live
 
 

@@ -156,64 +156,58 @@ def _apply_lane(sched: "Scheduler", tokens: list[int], deltas: list[RequestDelta
     """The decode lane's tokens, checked for their ends with array operations.
 
     Only the exceptions touch a Sequence: a stop-token candidate, a sequence at its length
-    limit, a block that just filled (published to the prefix cache), an abort mid-step.
+    limit, a block that just filled (published to the prefix cache). The tokens of sequences
+    that ended or were aborted while the batch was out are already gone (``DecodeLane.record``).
     """
     lane = sched.lane
-    n = lane.in_flight[0]
-    values = lane.record(tokens)
+    where, values = lane.record(tokens)
+    in_order = isinstance(where, slice)  # rows are positions 0..n-1
+    if not in_order:
+        tokens = values.tolist()
     ahead = len(lane.in_flight)  # 1 when the next step, scheduled ahead, is out too
-    still_out = ahead > 0
-    new_len = lane.computed[:n] + 1 - ahead  # tokens each sequence holds now
-    at_limit = new_len >= lane.max_len[:n]
+    new_len = lane.computed[where] + 1 - ahead  # tokens each sequence holds now
+    at_limit = new_len >= lane.max_len[where]
     stop_ids = lane.stop_ids()
-    stop_candidate = _any_of(values, stop_ids) & (new_len >= lane.min_len[:n]) if len(stop_ids) else None
+    stop_candidate = _any_of(values, stop_ids) & (new_len >= lane.min_len[where]) if len(stop_ids) else None
     ends = at_limit if stop_candidate is None else at_limit | stop_candidate
-    dead = lane.dead[:n] if lane.num_dead else None
-    seqs = lane.seqs
+    positions = np.arange(where.stop) if in_order else where
     if sched.config.enable_prefix_caching:
-        block_size = sched.block_size
-        filled = (new_len - 1) % block_size == 0
-        if dead is not None:
-            filled &= ~dead
-        lane.publish_filled(filled.nonzero()[0].tolist(), sched.bm.device, ahead)
-    gone = (ends if dead is None else ends | dead).nonzero()[0].tolist()
+        filled = (new_len - 1) % sched.block_size == 0
+        lane.publish_filled(positions[filled].tolist(), sched.bm.device, ahead)
+    m = len(tokens)
+    sched.counters.generation_tokens += m
+    gone = ends.nonzero()[0].tolist()
     if not gone:
         lane.lists_out = True
-        sched.counters.generation_tokens += n
-        # Sequences that entered while this batch was out sit behind its n positions.
-        request_ids = lane.request_ids if lane.n == n else lane.request_ids[:n]
-        return StepOutputs(deltas, request_ids, lane.index[:n].tolist(), tokens)
-    keep = np.ones(n, bool)
-    keep[gone] = False
-    lane.sync_many(gone if dead is None else [pos for pos in gone if not dead[pos]])  # blocks to free
-    for pos in gone:
-        if dead is not None and dead[pos]:
-            continue
+        if in_order:  # sequences that entered while this batch was out sit behind its m positions
+            request_ids = lane.request_ids if lane.n == m else lane.request_ids[:m]
+            return StepOutputs(deltas, request_ids, lane.index[:m].tolist(), tokens)
+        ids = lane.request_ids
+        return StepOutputs(deltas, [ids[pos] for pos in where.tolist()], lane.index[where].tolist(), tokens)
+    gone_positions = positions[gone].tolist()
+    lane.sync_many(gone_positions)  # blocks to free
+    keep = np.ones(m, bool)
+    ended = []
+    seqs = lane.seqs
+    for row, pos in zip(gone, gone_positions):
         seq = seqs[pos]
-        token = tokens[pos]
-        if stop_candidate is not None and stop_candidate[pos] and token in seq.stop_token_ids:
+        token = tokens[row]
+        if stop_candidate is not None and stop_candidate[row] and token in seq.stop_token_ids:
             finish, stop_token = "stop", token
-        elif at_limit[pos]:
+        elif at_limit[row]:
             finish, stop_token = "length", None
         else:
-            keep[pos] = True  # another sequence's stop token
-            continue
+            continue  # another sequence's stop token
+        keep[row] = False
+        ended.append(pos)
         orders.append(seq.order)
         deltas.append(RequestDelta(seq.request_id, seq.index, [token], finish, None, None,
                                    seq.num_prompt_tokens, seq.num_cached_tokens, None, stop_token))
         _retire(sched, seq)
-    accepted = n - (lane.num_dead if dead is not None else 0)
-    sched.counters.generation_tokens += accepted
-    kept = keep.tolist()
-    outputs = StepOutputs(deltas, [r for r, k in zip(lane.request_ids, kept) if k],
-                          lane.index[:n][keep].tolist(), values[keep].tolist())
-    if still_out:  # positions stay put until no batch is out; the step ahead's tokens for these are dropped
-        ended = [pos for pos in gone if not keep[pos] and not lane.dead[pos]]
-        lane.dead[ended] = True
-        lane.num_dead += len(ended)
-    else:
-        lane.remove_many(pos for pos in gone if not keep[pos])
-        lane.num_dead = 0
+    ids = lane.request_ids
+    kept = positions[keep]
+    outputs = StepOutputs(deltas, [ids[pos] for pos in kept.tolist()], lane.index[kept].tolist(), values[keep].tolist())
+    lane.remove_many(ended)  # a batch out that holds them drops their next token (decode_lane.record)
     return outputs
 
 

@@ -9,13 +9,13 @@ the result (docs/DECISIONS.md). Ahead is allowed when exactly one step is out an
    it, vLLM's choice) and ones sampling their way into the lane (a prompt's first token),
    which enter it when their token arrives, while the step ahead is out (``lane_kind``); with no lane
    sequence to overlap, nobody waits for nothing;
-2. no lane sequence ended while out (its position is kept until nothing is out);
-3. the free blocks cover every block the running sequences can ask for, so the step
+2. the free blocks cover every block the running sequences can ask for, so the step
    preempts nothing: no in-flight sequence is swapped or recomputed with a token still
    unknown, and the lane keeps its positions.
 
 Sequences with nothing to compute until the result arrives (a parent about to fork) simply
-sit the step out.
+sit the step out. A lane sequence that ends meanwhile holds nothing back: the batch out
+that computes a token past its end drops it (decode_lane.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def can_schedule_ahead(sched: "Scheduler") -> bool:
     in_flight = sched.in_flight
-    if len(in_flight) != 1 or sched.lane.num_dead:  # rules 1 and 2
+    if len(in_flight) != 1:
         return False
     sampling = in_flight[0][1]
     if sampling and not sched.lane.n:  # only the ones sampling would run, and they sit it out
@@ -45,7 +45,7 @@ def can_schedule_ahead(sched: "Scheduler") -> bool:
     bm = sched.bm
     free = bm.device.num_free - sched.lane.num_needing_blocks()
     budget = sched.config.max_num_batched_tokens
-    for seq in sched.running:  # rule 3: an upper bound on what the per-object loop can take
+    for seq in sched.running:  # rule 2: an upper bound on what the per-object loop can take
         if free < 0:
             return False
         if seq.status == RUNNING and seq.lane_pos < 0:

@@ -164,7 +164,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running) - self.num_gone_running + self.lane.n - self.lane.num_dead
+        return len(self.running) - self.num_gone_running + self.lane.n
 
     def running_sequences(self) -> list[Sequence]:
         """Every running sequence, oldest first, with its state synced (for tests and debugging)."""

@@ -235,3 +235,33 @@ def test_a_new_prompt_that_will_not_join_the_lane_is_waited_for_instead(extra):
     # b samples outside the lane and stays there (its logprobs, or a fork to come): each next
     # step needs its token, so none is scheduled ahead of it
     assert ahead_after_b and not any(ahead_after_b)
+
+
+def test_a_lane_sequence_that_ends_while_the_step_ahead_is_out_holds_no_step_back():
+    # Four requests decode in the lane; b (max_tokens), c (a stop token) and d (an abort) end
+    # while the step scheduled ahead holds them, each moving a later position into its gap.
+    config = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
+                             debug_invariants=True)
+    sched = Scheduler(config)
+    base = {"a": 1000, "b": 2000, "c": 3000, "d": 4000}  # each request's own tokens: a misrouted one shows
+    sched.add_request(request("a", [3, 4, 5], max_tokens=20, ignore_eos=True))
+    sched.add_request(request("b", [3, 4, 5], max_tokens=6, ignore_eos=True))
+    sched.add_request(request("c", [3, 4, 5], max_tokens=20, stop_token_ids=[3009]))
+    sched.add_request(request("d", [3, 4, 5], max_tokens=20, ignore_eos=True))
+    driver = StepDriver(sched, SimWorker(config, lambda req_id, tokens: base[req_id] + len(tokens)), ahead=True)
+    waited = []
+    driver.on_schedule = lambda out: waited.append(not driver.pending)
+    streams: dict[str, list[int]] = {name: [] for name in base}
+    while driver.busy():
+        if len(streams["d"]) == 4 and "d" in sched.requests:
+            assert driver.pending, "a step was scheduled ahead and is out"
+            sched.abort_requests(["d"])
+        for delta in driver.step()[2]:
+            streams[delta.request_id] += delta.new_token_ids
+    assert streams == {"a": [1003 + k for k in range(20)], "b": [2003 + k for k in range(6)],
+                       "c": [3003 + k for k in range(7)], "d": [4003 + k for k in range(4)]}
+    # the prefill's step and the first decode (after the prefill's result) went out with nothing
+    # out; every later step went out while the one before it ran
+    assert waited[:2] == [True, True] and not any(waited[2:]), f"waits: {waited}"
+    assert sched.counters.generation_tokens == 37
+    assert_all_blocks_free(sched)
