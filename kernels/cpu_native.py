@@ -3,7 +3,9 @@
 The worker's CPU decode attention reads the paged cache directly (cpu_decode_attention.c)
 instead of gathering each request's blocks into a padded copy for SDPA: 2-4x faster for 32-64
 decodes and ~9x for a few (bench/RESULTS.md); rotary embedding (cpu_rotary.c) is one pass
-instead of six torch ops, with the same roundings. No pagedserve
+instead of six torch ops, with the same roundings; a prompt chunk's causal attention over its
+own keys (cpu_prefill_attention.c) tiles queries and keys in registers where SDPA's per-block
+overhead dominates at small head dims. No pagedserve
 install step compiles anything, and a machine without a C compiler still serves through the
 torch path (worker_proc/decode_attention.py); so the library is built on first use with the
 compiler the machine has (``$CC``, else ``cc``), for this CPU (``-march=native``), and cached.
@@ -36,7 +38,9 @@ CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 # Each source with its own flags: rotary must not fuse a multiply and an add (bit for bit
 # torch's rounding), while attention's sums gain 7-10% from the fusion.
 SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
-           Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",)}
+           Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
+           # its register tiles are sized for 512-bit vectors where the CPU has them
+           Path(__file__).with_name("cpu_prefill_attention.c"): ("-mprefer-vector-width=512",)}
 # OpenMP runs the loops on torch's own threads: the library links libgomp.so.1, which the
 # loader resolves to the copy torch already loaded. Without -fopenmp it runs on one thread.
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC")
@@ -44,7 +48,10 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "paged_decode_attention_f32": [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float],
     "rotary_f32": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
+    "prefill_attention_f32": [_P, _I, _P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float],
 }
+_RESTYPES = {"prefill_attention_f32": ctypes.c_int}
+PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D
 
 _library: Optional[ctypes.CDLL] = None
 _tried = False
@@ -131,7 +138,7 @@ def _load(path: Optional[Path]) -> Optional[ctypes.CDLL]:
         lib = ctypes.CDLL(str(path))
         for symbol, argtypes in _SIGNATURES.items():
             fn = getattr(lib, symbol)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, _RESTYPES.get(symbol)
         return lib
     except (OSError, AttributeError) as exc:  # an unreadable or foreign file: never worth a crash
         log.warning("native CPU kernels at %s did not load (%s); using the torch path", path, exc)
@@ -190,3 +197,33 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     library().rotary_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                          out.data_ptr(), tokens, heads, dim)
     return out
+
+
+def supports_prefill(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether prefill_attention serves these tensors: float32 on CPU, a head_dim it tiles."""
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and key.dtype == torch.float32
+            and query.shape[2] in PREFILL_HEAD_DIMS and library() is not None)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, dim] with heads and dims contiguous in a row (rows may be strided)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                      first: torch.Tensor, length: torch.Tensor, scale: float) -> None:
+    """Causal attention of chunks over their own keys: chunk c is rows first[c]..+length[c] of
+    query [T, q_heads, dim] and key/value [T, kv_heads, dim]; writes those rows of out
+    [T, q_heads, dim] (contiguous). float32 only (supports_prefill)."""
+    num_q_heads, head_dim = query.shape[1:]
+    num_kv_heads = key.shape[1]
+    if num_q_heads % num_kv_heads or value.shape[1:] != key.shape[1:] or not out.is_contiguous():
+        raise ValueError("prefill_attention: mismatched shapes or a strided output")
+    query, key, value = _rows(query), _rows(key), _rows(value)
+    first, length = first.to(torch.int64).contiguous(), length.to(torch.int64).contiguous()
+    rc = library().prefill_attention_f32(
+        query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+        first.data_ptr(), length.data_ptr(), len(first), out.data_ptr(), out.stride(0), num_q_heads,
+        num_kv_heads, head_dim, scale)
+    if rc != 0:
+        raise MemoryError("prefill_attention: no memory for its scratch buffers")

@@ -3,7 +3,9 @@
 On CPU, kernels.reference.paged_attention loops over requests in Python and expands K/V
 per query head, which dominates a step. So the requests that decode one token go through
 decode_attention in one batched call, and each prefill chunk through one
-scaled_dot_product_attention call (prefill_attention). On other devices, and whenever the
+scaled_dot_product_attention call (prefill_attention), except the chunks that attend only to
+their own keys: in float32 those go to the native kernel (kernels/cpu_prefill_attention.c),
+all of the step's in one call. On other devices, and whenever the
 step's ops are not the torch references (PAGEDSERVE_KERNELS=triton under TRITON_INTERPRET=1 on
 CPU, which is how the tests run the Triton kernel inside a real forward pass), everything goes
 to the kernel. The plan is computed once per step and shared by every layer.
@@ -17,10 +19,15 @@ from typing import Optional
 
 import torch
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import cpu_native, reference
 from pagedserve.worker_proc.decode_attention import (DecodeContext, GatherWorkspace, build_decode_context,
                                                      decode_attention)
 from pagedserve.worker_proc.prefill_attention import PrefillChunk, plan_prefill_chunk, prefill_attention
+
+
+# Longer chunks go to SDPA: the native kernel re-reads K and V per 8 queries, and from ~2k
+# tokens on SDPA's larger tiles win (bench/cpu_prefill_bench.py; 1.2-1.6x faster below this).
+NATIVE_PREFILL_MAX_TOKENS = 1536
 
 
 @dataclass(slots=True)
@@ -33,6 +40,7 @@ class CpuAttentionPlan:
     chunks: list[PrefillChunk]  # the requests with more than one query
     workspace: Optional[GatherWorkspace] = None
     contexts: dict[Optional[int], DecodeContext] = field(default_factory=dict)
+    own_chunks: dict[Optional[int], tuple] = field(default_factory=dict)
 
     def decode_context(self, sliding_window: Optional[int]) -> DecodeContext:
         if sliding_window not in self.contexts:
@@ -41,6 +49,22 @@ class CpuAttentionPlan:
             context.workspace = self.workspace
             self.contexts[sliding_window] = context
         return self.contexts[sliding_window]
+
+
+    def chunks_on_own_keys(self, sliding_window: Optional[int]) -> tuple:
+        """(first rows, lengths, the other chunks): the chunks that attend only to their own
+        keys, causally (no cached context, no window inside them), which the native kernel
+        takes in one call, and the rest."""
+        if sliding_window not in self.own_chunks:
+            own, rest = [], []
+            for c in self.chunks:
+                windowed = sliding_window is not None and 0 < sliding_window < c.seq_len
+                fits = c.end - c.start <= NATIVE_PREFILL_MAX_TOKENS
+                (own if c.context_slots is None and not windowed and fits else rest).append(c)
+            self.own_chunks[sliding_window] = (torch.tensor([c.start for c in own], dtype=torch.int64),
+                                               torch.tensor([c.end - c.start for c in own], dtype=torch.int64),
+                                               rest)
+        return self.own_chunks[sliding_window]
 
 
 def plan_cpu_attention(num_scheduled: list[int], query_start_loc: list[int], seq_lens: list[int],
@@ -72,13 +96,20 @@ def attend(ops: ModuleType, query: torch.Tensor, key: torch.Tensor, value: torch
                                    seq_lens, scale, sliding_window)
     if plan.all_decode:
         return decode_attention(query, k_cache, v_cache, scale, plan.decode_context(sliding_window))
-    if plan.decode_rows is None and len(plan.chunks) == 1 and plan.chunks[0].end - plan.chunks[0].start == query.shape[0]:
-        return prefill_attention(query, key, value, k_cache, v_cache, plan.chunks[0], scale, sliding_window)
-    out = torch.empty_like(query)
+    rest = plan.chunks
+    native = k_cache.dtype == torch.float32 and cpu_native.supports_prefill(query, key)
+    if native:
+        first, length, rest = plan.chunks_on_own_keys(sliding_window)
+        native = len(first) > 0
+    elif plan.decode_rows is None and len(rest) == 1 and rest[0].end - rest[0].start == query.shape[0]:
+        return prefill_attention(query, key, value, k_cache, v_cache, rest[0], scale, sliding_window)
+    out = torch.empty(query.shape, dtype=query.dtype)
+    if native:
+        cpu_native.prefill_attention(query, key, value, out, first, length, scale)
     if plan.decode_rows is not None:
         out[plan.decode_rows] = decode_attention(query[plan.decode_rows], k_cache, v_cache, scale,
                                                  plan.decode_context(sliding_window))
-    for c in plan.chunks:
+    for c in rest:
         out[c.start:c.end] = prefill_attention(query[c.start:c.end], key[c.start:c.end], value[c.start:c.end],
                                                k_cache, v_cache, c, scale, sliding_window)
     return out
