@@ -2,10 +2,12 @@
 (some while a step is out), swaps, recomputes, forks, prefix hits and outputs longer than the
 decode lane's ring. Counting tokens (output i of a p-token prompt is 1000 + p + i) make every
 token checkable: nothing lost, repeated or out of order, and an aborted request's tokens stop
-at its abort and are a prefix of what it would have produced."""
+at its abort and are a prefix of what it would have produced. Each runs with every step waiting
+for its result or with the next scheduled ahead of it (async scheduling), drawn too."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, event, given, settings
@@ -39,8 +41,11 @@ aborts = st.lists(st.builds(Abort, st.integers(0, 200), st.integers(0, 9),
                             st.sampled_from(["before", "while out", "while out, per-object"])), max_size=3)
 
 
-def run_workload(config: SchedulerConfig, workload, abort_plan: list[Abort]) -> None:
+def run_workload(config: SchedulerConfig, workload, abort_plan: list[Abort], ahead: bool = False) -> None:
+    """``ahead``: the engine loop of async scheduling, the next step scheduled before the
+    result of the one out whenever the scheduler allows it (``while out`` then has two out)."""
     sched, worker = Scheduler(config), SimWorker(config, counting_tokens())
+    pending: deque = deque()
     prompts, ended_by_abort = {}, set()
     tokens: dict = {}  # (request id, sample index) -> tokens received
     abort_steps = {a.step: a for a in abort_plan}
@@ -66,15 +71,20 @@ def run_workload(config: SchedulerConfig, workload, abort_plan: list[Abort]) -> 
                 prompts[f"r{i}"] = (SHARED_PREFIX if shared else []) + prompt
                 receive(sched.add_request(request(f"r{i}", prompts[f"r{i}"], max_tokens=max_tokens,
                                                   ignore_eos=True, n=n)))
-        if not sched.has_unfinished() and all(at <= step for at, *_ in workload):
+        if not sched.has_unfinished() and not pending and all(at <= step for at, *_ in workload):
             break
         planned = abort_steps.get(step)
         if planned and planned.when == "before":
             abort_one(planned.pick)
-        out = sched.schedule()
+        if not pending and sched.has_unfinished():
+            pending.append(sched.schedule())
+        if ahead and len(pending) == 1 and sched.has_unfinished() and sched.can_schedule_ahead():
+            pending.append(sched.schedule())
         if planned and planned.when != "before":
-            abort_one(planned.pick, out if planned.when == "while out, per-object" else None)
-        receive(sched.update_from_output(out, worker.step(out)))
+            abort_one(planned.pick, pending[-1] if planned.when == "while out, per-object" and pending else None)
+        if pending:
+            out = pending.popleft()
+            receive(sched.update_from_output(out, worker.step(out)))
         if config.enable_prefix_caching and step % 7 == 0:
             assert_block_keys_name_their_tokens(sched)
     else:
@@ -85,7 +95,7 @@ def run_workload(config: SchedulerConfig, workload, abort_plan: list[Abort]) -> 
     assert_all_blocks_free(sched)
     stats = sched.stats()
     event(f"swapped: {stats['num_preemptions_swap'] > 0}, prefix hits: {stats['prefix_cache_hits'] > 0}, "
-          f"aborted: {bool(ended_by_abort)}")
+          f"aborted: {bool(ended_by_abort)}, ahead: {ahead}")
 
 
 def assert_block_keys_name_their_tokens(sched: Scheduler) -> None:
@@ -103,26 +113,26 @@ def assert_block_keys_name_their_tokens(sched: Scheduler) -> None:
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(block_size=st.sampled_from([1, 2, 4, 16]), num_gpu_blocks=st.integers(12, 60),
        num_cpu_blocks=st.sampled_from([0, 8, 40]), max_num_seqs=st.integers(1, 8),
-       prefix_caching=st.booleans(), workload=arrivals, abort_plan=aborts)
+       prefix_caching=st.booleans(), workload=arrivals, abort_plan=aborts, ahead=st.booleans())
 def test_random_workloads_deliver_every_token_once_in_order(block_size, num_gpu_blocks, num_cpu_blocks,
-                                                            max_num_seqs, prefix_caching, workload, abort_plan):
+                                                            max_num_seqs, prefix_caching, workload, abort_plan, ahead):
     run_workload(SchedulerConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                                  num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max(16, max_num_seqs), max_model_len=160,
                                  enable_prefix_caching=prefix_caching, debug_invariants=True),
-                 workload, abort_plan)
+                 workload, abort_plan, ahead)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(block_size=st.sampled_from([2, 4, 8]), num_gpu_blocks=st.integers(12, 40),
        num_cpu_blocks=st.sampled_from([8, 40]), max_num_seqs=st.integers(2, 8),
-       workload=arrivals, abort_plan=aborts)
+       workload=arrivals, abort_plan=aborts, ahead=st.booleans())
 def test_swap_preemption_with_prefix_caching_conserves_blocks_and_delivers_every_token(
-        block_size, num_gpu_blocks, num_cpu_blocks, max_num_seqs, workload, abort_plan):
+        block_size, num_gpu_blocks, num_cpu_blocks, max_num_seqs, workload, abort_plan, ahead):
     # debug_invariants checks after every step that every block is free or owned with a
     # matching ref count, on both pools; the end state must have every block free.
     run_workload(SchedulerConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                                  num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max(16, max_num_seqs), max_model_len=160,
                                  preemption_mode="swap", enable_prefix_caching=True, debug_invariants=True),
-                 workload, abort_plan)
+                 workload, abort_plan, ahead)
