@@ -123,7 +123,7 @@ class Worker:
                                   cuda_graphs=not cfg.enforce_eager)
         kernels = self.runner.ops.__name__.rsplit(".", 1)[-1]
         if self.runner.device.type == "cpu" and cpu_native.library() is not None:
-            kernels += " + native CPU decode attention and rotary"
+            kernels += " + native CPU decode and prompt attention, rotary"
         log.info("%s on %s (%s), kernels: %s", self.runner.model_id, self.runner.device, cfg.dtype, kernels)
 
     def hello(self) -> m.WorkerHello:
