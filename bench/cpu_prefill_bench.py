@@ -1,6 +1,6 @@
 """CPU prefill attention of one layer: the native kernel (kernels/cpu_prefill_attention.c)
 against one SDPA call per chunk (worker_proc/prefill_attention.py, the torch path), for a
-step's prompts that attend to their own keys, on the bench shapes' heads.
+step's fresh prompts and for chunks after cached context, on the bench shapes' heads.
 
 Prints ms per layer call (median of --repeat timed loops) and the largest difference.
 
@@ -16,7 +16,8 @@ import torch
 
 from cpu_attention_bench import time_ms
 from pagedserve.kernels import cpu_native
-from pagedserve.worker_proc.prefill_attention import PrefillChunk, prefill_attention
+from pagedserve.worker_proc.native_prefill import plan_native_prefill
+from pagedserve.worker_proc.prefill_attention import PrefillChunk, plan_prefill_chunk, prefill_attention
 
 # name, q heads, kv heads, head dim, prompt lengths (min, max), step tokens
 CASES = [
@@ -26,6 +27,13 @@ CASES = [
     ("0.5b, 1024-token step", 14, 2, 64, (8, 256), 1024),
     ("0.5b, one 2k prompt", 14, 2, 64, (2048, 2048), 2048),
 ]
+# name, q heads, kv heads, head dim, cached context, chunk length
+CONTEXT_CASES = [
+    ("llama-3layer, 64 after 1000", 4, 2, 32, 1000, 64),
+    ("llama-3layer, 512 after 512", 4, 2, 32, 512, 512),
+    ("0.5b, 128 after 896", 14, 2, 64, 896, 128),
+]
+BLOCK_SIZE = 16
 
 
 def main() -> None:
@@ -61,9 +69,33 @@ def main() -> None:
             cpu_native.prefill_attention(query, key, value, out, first, length, scale)
             return out
 
-        diff = (sdpa() - native()).abs().max().item()
-        sdpa_ms, native_ms = time_ms(sdpa, ns.repeat, loops=10), time_ms(native, ns.repeat, loops=10)
-        print(f"{name:<32}{sdpa_ms:9.3f}{native_ms:11.3f}{sdpa_ms / native_ms:8.1f}x{diff:10.1e}")
+        report(name, sdpa, native, ns.repeat)
+    for name, q_heads, kv_heads, head_dim, context, length in CONTEXT_CASES:
+        seq_len = context + length
+        num_blocks = -(-seq_len // BLOCK_SIZE)
+        k_cache = torch.randn(num_blocks + 8, BLOCK_SIZE, kv_heads, head_dim)
+        v_cache = torch.randn_like(k_cache)
+        table = torch.randperm(num_blocks + 8)[:num_blocks].to(torch.int32)  # scattered, as after churn
+        chunk = plan_prefill_chunk(0, length, seq_len, table, BLOCK_SIZE)
+        query = torch.randn(length, q_heads, head_dim)
+        key, value = torch.randn(length, kv_heads, head_dim), torch.randn(length, kv_heads, head_dim)  # SDPA reads the cache
+        plan, scale = plan_native_prefill([chunk], None), head_dim ** -0.5
+
+        def sdpa():
+            return prefill_attention(query, key, value, k_cache, v_cache, chunk, scale, None)
+
+        def native():
+            out = torch.empty(length, q_heads, head_dim)
+            plan.run(query, key, value, k_cache, v_cache, out, scale)
+            return out
+
+        report(name, sdpa, native, ns.repeat)
+
+
+def report(name, sdpa, native, repeat: int) -> None:
+    diff = (sdpa() - native()).abs().max().item()
+    sdpa_ms, native_ms = time_ms(sdpa, repeat, loops=10), time_ms(native, repeat, loops=10)
+    print(f"{name:<32}{sdpa_ms:9.3f}{native_ms:11.3f}{sdpa_ms / native_ms:8.1f}x{diff:10.1e}")
 
 
 if __name__ == "__main__":

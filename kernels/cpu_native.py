@@ -48,7 +48,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "paged_decode_attention_f32": [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float],
     "rotary_f32": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
-    "prefill_attention_f32": [_P, _I, _P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float],
+    "prefill_attention_f32": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float],
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int}
 PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D
@@ -211,19 +211,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-                      first: torch.Tensor, length: torch.Tensor, scale: float) -> None:
-    """Causal attention of chunks over their own keys: chunk c is rows first[c]..+length[c] of
-    query [T, q_heads, dim] and key/value [T, kv_heads, dim]; writes those rows of out
-    [T, q_heads, dim] (contiguous). float32 only (supports_prefill)."""
+                      first: torch.Tensor, length: torch.Tensor, scale: float,
+                      key_first: Optional[torch.Tensor] = None, context: Optional[torch.Tensor] = None) -> None:
+    """Causal attention of prompt chunks: chunk c is rows first[c]..+length[c] of query
+    [T, q_heads, dim]; its keys are rows key_first[c]..+context[c]+length[c] of key/value
+    [S, kv_heads, dim] (context[c] cached tokens, then its own), and its query i sees keys up to
+    context[c]+i. Without key_first and context, every chunk attends to its own rows of key and
+    value. Writes those rows of out [T, q_heads, dim] (contiguous). float32 only (supports_prefill)."""
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = key.shape[1]
     if num_q_heads % num_kv_heads or value.shape[1:] != key.shape[1:] or not out.is_contiguous():
         raise ValueError("prefill_attention: mismatched shapes or a strided output")
     query, key, value = _rows(query), _rows(key), _rows(value)
     first, length = first.to(torch.int64).contiguous(), length.to(torch.int64).contiguous()
+    key_first = first if key_first is None else key_first.to(torch.int64).contiguous()
+    context = torch.zeros_like(first) if context is None else context.to(torch.int64).contiguous()
     rc = library().prefill_attention_f32(
         query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-        first.data_ptr(), length.data_ptr(), len(first), out.data_ptr(), out.stride(0), num_q_heads,
-        num_kv_heads, head_dim, scale)
+        first.data_ptr(), key_first.data_ptr(), context.data_ptr(), length.data_ptr(), len(first),
+        out.data_ptr(), out.stride(0), num_q_heads, num_kv_heads, head_dim, scale)
     if rc != 0:
         raise MemoryError("prefill_attention: no memory for its scratch buffers")

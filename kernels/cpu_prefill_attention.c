@@ -1,4 +1,4 @@
-/* Causal attention of prefill chunks over their own keys (no cached prefix), float32, on CPU.
+/* Causal attention of prefill chunks, float32, on CPU.
  *
  * torch's SDPA spends most of a small-head call on per-block overhead: at head_dim 32 and a
  * 160-token chunk it reaches ~45 GFLOP/s against ~190 for the model's matmuls. Here a block of
@@ -9,10 +9,12 @@
  *
  * Built at run time by kernels/cpu_native.py, as cpu_decode_attention.c is.
  *
- * Contract (kernels.reference.paged_attention for chunks with no context before them):
+ * Contract (kernels.reference.paged_attention, keys given as rows rather than cache slots):
  *   q          rows of [Hq * D] floats, row stride q_stride (floats), heads contiguous in a row
  *   k, v       rows of [Hkv * D] floats, row strides k_stride, v_stride
- *   first, len [C] int64: chunk c is rows first[c]..first[c]+len[c]-1; its query i sees keys 0..i
+ *   qfirst, kfirst, ctx, len  [C] int64: chunk c's queries are rows qfirst[c]..+len[c]-1, its
+ *              keys rows kfirst[c]..+ctx[c]+len[c]-1 (ctx[c] cached tokens, then its own), and
+ *              its query i sees keys 0..ctx[c]+i
  *   out        rows of [Hq * D] floats, row stride out_stride; only the chunks' rows are written
  * D must be a multiple of DB and at most MAX_D (cpu_native.supports_prefill checks).
  * Query head h reads KV head h / (Hq / Hkv), as HF's repeat_kv pairs them.
@@ -66,12 +68,12 @@ static float softmax_row(float *s, int64_t n, int64_t kend) {
     return 1.0f / sum[0];
 }
 
-/* One query head, queries q0..q0+nq-1 (nq <= QB) of a chunk. kt: [D][lpad] transposed keys of
- * its KV head; scores: [QB][lpad] scratch. */
+/* One query head, queries q0..q0+nq-1 (nq <= QB) of a chunk after ctx cached keys. kt: [D][lpad]
+ * transposed keys of its KV head; scores: [QB][lpad] scratch. */
 static void attend_block(const float *q, int64_t q_stride, const float *kt, int64_t lpad,
                          const float *v, int64_t v_stride, float *out, int64_t out_stride,
-                         int64_t q0, int64_t nq, int64_t d, float scale, float *scores) {
-    const int64_t kend = q0 + nq;  /* keys the block's last query sees */
+                         int64_t ctx, int64_t q0, int64_t nq, int64_t d, float scale, float *scores) {
+    const int64_t kend = ctx + q0 + nq;  /* keys the block's last query sees */
     float qs[QB][MAX_D];
     for (int64_t i = 0; i < QB; i++)
         for (int64_t c = 0; c < d; c++) qs[i][c] = i < nq ? q[(q0 + i) * q_stride + c] * scale : 0.0f;
@@ -88,7 +90,7 @@ static void attend_block(const float *q, int64_t q_stride, const float *kt, int6
         for (int i = 0; i < QB; i++) memcpy(scores + i * lpad + j0, acc[i], sizeof(acc[i]));
     }
     float inv[QB];
-    for (int64_t i = 0; i < nq; i++) inv[i] = softmax_row(scores + i * lpad, q0 + i + 1, kend);
+    for (int64_t i = 0; i < nq; i++) inv[i] = softmax_row(scores + i * lpad, ctx + q0 + i + 1, kend);
     for (int64_t i = nq; i < QB; i++) memset(scores + i * lpad, 0, (size_t)kend * sizeof(float));
     for (int64_t c0 = 0; c0 < d; c0 += DB) {
         float o[QB][DB];
@@ -109,21 +111,21 @@ static void attend_block(const float *q, int64_t q_stride, const float *kt, int6
 
 /* Returns 0, or -1 when scratch memory could not be had (nothing written then for that chunk). */
 int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
-                          const float *v, int64_t v_stride, const int64_t *first, const int64_t *len,
-                          int64_t num_chunks, float *out, int64_t out_stride, int64_t hq, int64_t hkv,
-                          int64_t d, float scale) {
+                          const float *v, int64_t v_stride, const int64_t *qfirst, const int64_t *kfirst,
+                          const int64_t *ctx, const int64_t *len, int64_t num_chunks, float *out,
+                          int64_t out_stride, int64_t hq, int64_t hkv, int64_t d, float scale) {
     const int64_t group = hq / hkv;
     int failed = 0;
     for (int64_t c = 0; c < num_chunks; c++) {
-        const int64_t row0 = first[c], n = len[c];
-        const int64_t lpad = (n + KT - 1) / KT * KT;
+        const int64_t row0 = qfirst[c], key0 = kfirst[c], before = ctx[c], n = len[c];
+        const int64_t keys = before + n, lpad = (keys + KT - 1) / KT * KT;
         float *kt = malloc((size_t)(hkv * d * lpad) * sizeof(float));
         if (kt == NULL) { failed = 1; continue; }
         for (int64_t h = 0; h < hkv; h++)
             for (int64_t col = 0; col < d; col++) {
                 float *row = kt + (h * d + col) * lpad;
-                for (int64_t j = 0; j < n; j++) row[j] = k[(row0 + j) * k_stride + h * d + col];
-                for (int64_t j = n; j < lpad; j++) row[j] = 0.0f;
+                for (int64_t j = 0; j < keys; j++) row[j] = k[(key0 + j) * k_stride + h * d + col];
+                for (int64_t j = keys; j < lpad; j++) row[j] = 0.0f;
             }
         const int64_t num_blocks = (n + QB - 1) / QB;
         #pragma omp parallel
@@ -139,8 +141,8 @@ int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int6
                     if (scores == NULL) continue;
                     const int64_t q0 = b * QB, kh = h / group;
                     attend_block(q + row0 * q_stride + h * d, q_stride, kt + kh * d * lpad, lpad,
-                                 v + row0 * v_stride + kh * d, v_stride, out + row0 * out_stride + h * d,
-                                 out_stride, q0, n - q0 < QB ? n - q0 : QB, d, scale, scores);
+                                 v + key0 * v_stride + kh * d, v_stride, out + row0 * out_stride + h * d,
+                                 out_stride, before, q0, n - q0 < QB ? n - q0 : QB, d, scale, scores);
                 }
             free(scores);
         }

@@ -1,7 +1,7 @@
 """The native CPU prefill attention (kernels/cpu_prefill_attention.c): chunks attending
-causally to their own keys equal softmax attention computed in float64, write only their own
-rows, and give the same bits on any thread count; through ``attend`` a mixed step still
-equals kernels.reference.paged_attention."""
+causally to their own keys, or to cached context and then their own, equal softmax attention
+computed in float64, write only their own rows, and give the same bits on any thread count;
+through ``attend`` a mixed step still equals kernels.reference.paged_attention."""
 
 from __future__ import annotations
 
@@ -9,23 +9,25 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_native, reference
-from pagedserve.worker_proc import attention
+from pagedserve.worker_proc import native_prefill
 from pagedserve.worker_proc.attention import attend, plan_cpu_attention
 from test_worker_decode_attention import nan_cache_with_requests
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="native CPU kernels are not built here")
 
 
-def causal_attention_f64(query, key, value, first, length, scale):
+def causal_attention_f64(query, key, value, first, length, scale, key_first=None, context=None):
     """Plain softmax attention per chunk, in float64; rows outside the chunks stay NaN."""
     out = torch.full(query.shape, float("nan"), dtype=torch.float64)
     group = query.shape[1] // key.shape[1]
-    for f, n in zip(first, length):
+    key_first = first if key_first is None else key_first
+    context = [0] * len(first) if context is None else context
+    for f, kf, p, n in zip(first, key_first, context, length):
         q = query[f:f + n].double().transpose(0, 1)
-        k = key[f:f + n].double().repeat_interleave(group, 1).transpose(0, 1)
-        v = value[f:f + n].double().repeat_interleave(group, 1).transpose(0, 1)
+        k = key[kf:kf + p + n].double().repeat_interleave(group, 1).transpose(0, 1)
+        v = value[kf:kf + p + n].double().repeat_interleave(group, 1).transpose(0, 1)
         scores = (q @ k.transpose(1, 2)) * scale
-        scores.masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        scores.masked_fill_(~torch.ones(n, p + n, dtype=torch.bool).tril(p), float("-inf"))
         out[f:f + n] = (scores.softmax(-1) @ v).transpose(0, 1)
     return out
 
@@ -54,6 +56,20 @@ def test_chunks_attend_causally_to_their_own_keys_and_write_only_their_rows(head
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=8e-6, equal_nan=True)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_chunks_after_cached_context_see_it_all_and_their_own_keys_causally(head_dim):
+    generator = torch.Generator().manual_seed(head_dim)
+    first, length, context = [0, 5, 45], [5, 40, 9], [300, 7, 0]  # a follow-up turn, a chunk continuation, none
+    key_first = [0, 305, 352]  # keys: each chunk's context, then its own rows
+    query, _, _ = qkv_rows(60, 4, 2, head_dim, generator)
+    _, key, value = qkv_rows(361, 4, 2, head_dim, generator)
+    out = torch.full((60, 4, head_dim), float("nan"))
+    cpu_native.prefill_attention(query, key, value, out, torch.tensor(first), torch.tensor(length), 0.2,
+                                 torch.tensor(key_first), torch.tensor(context))
+    expected = causal_attention_f64(query, key, value, first, length, 0.2, key_first, context)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=8e-6, equal_nan=True)
+
+
 def test_threads_split_heads_and_query_blocks_so_the_answer_does_not_depend_on_the_thread_count():
     generator = torch.Generator().manual_seed(5)
     query, key, value = qkv_rows(700, 14, 2, 64, generator)
@@ -72,7 +88,7 @@ def test_threads_split_heads_and_query_blocks_so_the_answer_does_not_depend_on_t
 
 
 @pytest.mark.parametrize("sliding_window", [None, 5, 300])
-def test_a_mixed_step_takes_the_native_kernel_for_fresh_prompts_and_matches_the_reference(sliding_window,
+def test_a_mixed_step_takes_the_native_kernel_for_its_chunks_and_matches_the_reference(sliding_window,
                                                                                           monkeypatch):
     calls = []
     kernel = cpu_native.prefill_attention
@@ -80,7 +96,7 @@ def test_a_mixed_step_takes_the_native_kernel_for_fresh_prompts_and_matches_the_
     generator = torch.Generator().manual_seed(11)
     head_dim, q_heads, kv_heads, block_size = 32, 4, 2, 4
     # decode, fresh prompt, chunk after 9 cached tokens, decode, fresh prompt, one too long for the kernel
-    monkeypatch.setattr(attention, "NATIVE_PREFILL_MAX_TOKENS", 20)
+    monkeypatch.setattr(native_prefill, "NATIVE_PREFILL_MAX_TOKENS", 20)
     num_scheduled, seq_lens = [1, 19, 3, 1, 13, 21], [9, 19, 12, 30, 13, 21]
     k_cache, v_cache, block_tables = nan_cache_with_requests(seq_lens, kv_heads, generator, block_size=block_size,
                                                              head_dim=head_dim)
@@ -99,5 +115,6 @@ def test_a_mixed_step_takes_the_native_kernel_for_fresh_prompts_and_matches_the_
     plan = plan_cpu_attention(num_scheduled, starts, seq_lens, block_tables, block_size)
     got = attend(reference, query, key, value, *args, plan)
     torch.testing.assert_close(got, reference.paged_attention(query, *args), rtol=1e-5, atol=1e-6)
-    # a window shorter than a prompt masks inside it, and a long prompt is SDPA's: those take that path
-    assert calls == {None: [[1, 24]], 5: [], 300: [[1, 24]]}[sliding_window]
+    # fresh prompts in one call, the chunk after cached context in another; a window shorter than
+    # a chunk masks inside it, and a long prompt is SDPA's: those take that path
+    assert calls == {None: [[1, 24], [20]], 5: [], 300: [[1, 24], [20]]}[sliding_window]

@@ -24,6 +24,10 @@ CASES = {
     "qwen3": dict(arch="qwen3", seed=1),
     "mistral_sliding_window_8": dict(arch="mistral", sliding_window=8, seed=2),
     "llama_multi_query_llama3_rope": dict(arch="llama", num_kv_heads=1, rope_parameters=LLAMA3_ROPE, seed=4),
+    # head dims the native prompt-attention kernel takes (multiples of 32): fresh prompts and
+    # the chunks after the first, on their cached context
+    "qwen2_head_dim_32": dict(arch="qwen2", hidden_size=128, seed=6),
+    "llama_head_dim_64_multi_query": dict(arch="llama", hidden_size=256, num_heads=4, num_kv_heads=1, seed=10),
 }
 
 

@@ -3,10 +3,9 @@
 On CPU, kernels.reference.paged_attention loops over requests in Python and expands K/V
 per query head, which dominates a step. So the requests that decode one token go through
 decode_attention in one batched call, and each prefill chunk through one
-scaled_dot_product_attention call (prefill_attention), except the chunks that attend only to
-their own keys: in float32 those go to the native kernel (kernels/cpu_prefill_attention.c),
-all of the step's in one call. On other devices, and whenever the
-step's ops are not the torch references (PAGEDSERVE_KERNELS=triton under TRITON_INTERPRET=1 on
+scaled_dot_product_attention call (prefill_attention), except where the native kernel takes
+them (float32, native_prefill.py: no window inside them, at most 1536 keys). On other
+devices, and whenever the step's ops are not the torch references (PAGEDSERVE_KERNELS=triton under TRITON_INTERPRET=1 on
 CPU, which is how the tests run the Triton kernel inside a real forward pass), everything goes
 to the kernel. The plan is computed once per step and shared by every layer.
 """
@@ -22,12 +21,8 @@ import torch
 from pagedserve.kernels import cpu_native, reference
 from pagedserve.worker_proc.decode_attention import (DecodeContext, GatherWorkspace, build_decode_context,
                                                      decode_attention)
+from pagedserve.worker_proc.native_prefill import NativePrefill, plan_native_prefill
 from pagedserve.worker_proc.prefill_attention import PrefillChunk, plan_prefill_chunk, prefill_attention
-
-
-# Longer chunks go to SDPA: the native kernel re-reads K and V per 8 queries, and from ~2k
-# tokens on SDPA's larger tiles win (bench/cpu_prefill_bench.py; 1.2-1.6x faster below this).
-NATIVE_PREFILL_MAX_TOKENS = 1536
 
 
 @dataclass(slots=True)
@@ -40,7 +35,7 @@ class CpuAttentionPlan:
     chunks: list[PrefillChunk]  # the requests with more than one query
     workspace: Optional[GatherWorkspace] = None
     contexts: dict[Optional[int], DecodeContext] = field(default_factory=dict)
-    own_chunks: dict[Optional[int], tuple] = field(default_factory=dict)
+    natives: dict[Optional[int], NativePrefill] = field(default_factory=dict)
 
     def decode_context(self, sliding_window: Optional[int]) -> DecodeContext:
         if sliding_window not in self.contexts:
@@ -51,20 +46,10 @@ class CpuAttentionPlan:
         return self.contexts[sliding_window]
 
 
-    def chunks_on_own_keys(self, sliding_window: Optional[int]) -> tuple:
-        """(first rows, lengths, the other chunks): the chunks that attend only to their own
-        keys, causally (no cached context, no window inside them), which the native kernel
-        takes in one call, and the rest."""
-        if sliding_window not in self.own_chunks:
-            own, rest = [], []
-            for c in self.chunks:
-                windowed = sliding_window is not None and 0 < sliding_window < c.seq_len
-                fits = c.end - c.start <= NATIVE_PREFILL_MAX_TOKENS
-                (own if c.context_slots is None and not windowed and fits else rest).append(c)
-            self.own_chunks[sliding_window] = (torch.tensor([c.start for c in own], dtype=torch.int64),
-                                               torch.tensor([c.end - c.start for c in own], dtype=torch.int64),
-                                               rest)
-        return self.own_chunks[sliding_window]
+    def native_prefill(self, sliding_window: Optional[int]) -> NativePrefill:
+        if sliding_window not in self.natives:
+            self.natives[sliding_window] = plan_native_prefill(self.chunks, sliding_window)
+        return self.natives[sliding_window]
 
 
 def plan_cpu_attention(num_scheduled: list[int], query_start_loc: list[int], seq_lens: list[int],
@@ -96,16 +81,15 @@ def attend(ops: ModuleType, query: torch.Tensor, key: torch.Tensor, value: torch
                                    seq_lens, scale, sliding_window)
     if plan.all_decode:
         return decode_attention(query, k_cache, v_cache, scale, plan.decode_context(sliding_window))
-    rest = plan.chunks
-    native = k_cache.dtype == torch.float32 and cpu_native.supports_prefill(query, key)
-    if native:
-        first, length, rest = plan.chunks_on_own_keys(sliding_window)
-        native = len(first) > 0
+    rest, native = plan.chunks, None
+    if k_cache.dtype == torch.float32 and cpu_native.supports_prefill(query, key):
+        native = plan.native_prefill(sliding_window)
+        rest = native.rest
     elif plan.decode_rows is None and len(rest) == 1 and rest[0].end - rest[0].start == query.shape[0]:
         return prefill_attention(query, key, value, k_cache, v_cache, rest[0], scale, sliding_window)
     out = torch.empty(query.shape, dtype=query.dtype)
-    if native:
-        cpu_native.prefill_attention(query, key, value, out, first, length, scale)
+    if native is not None:
+        native.run(query, key, value, k_cache, v_cache, out, scale)
     if plan.decode_rows is not None:
         out[plan.decode_rows] = decode_attention(query[plan.decode_rows], k_cache, v_cache, scale,
                                                  plan.decode_context(sliding_window))
