@@ -3,9 +3,9 @@
 The worker's CPU decode attention reads the paged cache directly (cpu_decode_attention.c)
 instead of gathering each request's blocks into a padded copy for SDPA: 2-4x faster for 32-64
 decodes and ~9x for a few (bench/RESULTS.md); rotary embedding (cpu_rotary.c) is one pass
-instead of six torch ops, with the same roundings; a prompt chunk's causal attention over its
-own keys (cpu_prefill_attention.c) tiles queries and keys in registers where SDPA's per-block
-overhead dominates at small head dims. No pagedserve
+instead of six torch ops, with the same roundings; a prompt chunk's causal attention
+(cpu_prefill_attention.c) tiles queries and keys in registers where SDPA's per-block overhead
+dominates at small head dims. No pagedserve
 install step compiles anything, and a machine without a C compiler still serves through the
 torch path (worker_proc/decode_attention.py); so the library is built on first use with the
 compiler the machine has (``$CC``, else ``cc``), for this CPU (``-march=native``), and cached.
@@ -48,7 +48,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "paged_decode_attention_f32": [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float],
     "rotary_f32": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
-    "prefill_attention_f32": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float],
+    "prefill_attention_f32": [_P, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float],
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int}
 PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D
@@ -220,15 +220,18 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     value. Writes those rows of out [T, q_heads, dim] (contiguous). float32 only (supports_prefill)."""
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = key.shape[1]
-    if num_q_heads % num_kv_heads or value.shape[1:] != key.shape[1:] or not out.is_contiguous():
+    if (num_q_heads % num_kv_heads or value.shape != key.shape or out.shape != query.shape
+            or not out.is_contiguous()):
         raise ValueError("prefill_attention: mismatched shapes or a strided output")
     query, key, value = _rows(query), _rows(key), _rows(value)
     first, length = first.to(torch.int64).contiguous(), length.to(torch.int64).contiguous()
     key_first = first if key_first is None else key_first.to(torch.int64).contiguous()
     context = torch.zeros_like(first) if context is None else context.to(torch.int64).contiguous()
     rc = library().prefill_attention_f32(
-        query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-        first.data_ptr(), key_first.data_ptr(), context.data_ptr(), length.data_ptr(), len(first),
-        out.data_ptr(), out.stride(0), num_q_heads, num_kv_heads, head_dim, scale)
+        query.data_ptr(), query.stride(0), query.shape[0], key.data_ptr(), key.stride(0), value.data_ptr(),
+        value.stride(0), key.shape[0], first.data_ptr(), key_first.data_ptr(), context.data_ptr(),
+        length.data_ptr(), len(first), out.data_ptr(), out.stride(0), num_q_heads, num_kv_heads, head_dim, scale)
+    if rc == -2:  # what torch's indexing would raise, instead of a read out of bounds
+        raise IndexError("prefill_attention: a chunk's rows lie outside the query or key tensors")
     if rc != 0:
         raise MemoryError("prefill_attention: no memory for its scratch buffers")

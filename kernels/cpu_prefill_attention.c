@@ -109,13 +109,18 @@ static void attend_block(const float *q, int64_t q_stride, const float *kt, int6
     }
 }
 
-/* Returns 0, or -1 when scratch memory could not be had (nothing written then for that chunk). */
-int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
-                          const float *v, int64_t v_stride, const int64_t *qfirst, const int64_t *kfirst,
-                          const int64_t *ctx, const int64_t *len, int64_t num_chunks, float *out,
-                          int64_t out_stride, int64_t hq, int64_t hkv, int64_t d, float scale) {
+/* Returns 0; -2 when a chunk's rows fall outside q (q_rows) or k and v (k_rows), before anything
+ * is read; -1 when scratch memory could not be had (nothing written then for that chunk). */
+int prefill_attention_f32(const float *q, int64_t q_stride, int64_t q_rows, const float *k, int64_t k_stride,
+                          const float *v, int64_t v_stride, int64_t k_rows, const int64_t *qfirst,
+                          const int64_t *kfirst, const int64_t *ctx, const int64_t *len, int64_t num_chunks,
+                          float *out, int64_t out_stride, int64_t hq, int64_t hkv, int64_t d, float scale) {
     const int64_t group = hq / hkv;
     int failed = 0;
+    for (int64_t c = 0; c < num_chunks; c++)
+        if (qfirst[c] < 0 || kfirst[c] < 0 || ctx[c] < 0 || len[c] < 1 || qfirst[c] + len[c] > q_rows
+            || kfirst[c] + ctx[c] + len[c] > k_rows)
+            return -2;
     for (int64_t c = 0; c < num_chunks; c++) {
         const int64_t row0 = qfirst[c], key0 = kfirst[c], before = ctx[c], n = len[c];
         const int64_t keys = before + n, lpad = (keys + KT - 1) / KT * KT;

@@ -70,6 +70,16 @@ def test_chunks_after_cached_context_see_it_all_and_their_own_keys_causally(head
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=8e-6, equal_nan=True)
 
 
+def test_a_chunk_outside_its_tensors_is_an_error_not_a_wild_read():
+    query, key, value = qkv_rows(40, 4, 2, 32, torch.Generator().manual_seed(1))
+    out = torch.empty(40, 4, 32)
+    for first, length, key_first, context in (([30], [11], None, None), ([0], [8], [0], [33]), ([-1], [4], None, None)):
+        with pytest.raises(IndexError, match="outside"):
+            cpu_native.prefill_attention(query, key, value, out, torch.tensor(first), torch.tensor(length), 0.2,
+                                         None if key_first is None else torch.tensor(key_first),
+                                         None if context is None else torch.tensor(context))
+
+
 def test_threads_split_heads_and_query_blocks_so_the_answer_does_not_depend_on_the_thread_count():
     generator = torch.Generator().manual_seed(5)
     query, key, value = qkv_rows(700, 14, 2, 64, generator)
