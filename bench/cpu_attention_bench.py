@@ -57,14 +57,20 @@ def time_ms(fn, repeat: int, loops: int = 50) -> float:
     return statistics.median(runs)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def native_bench_args(doc: str) -> argparse.Namespace:
+    """--threads (set for torch and the kernels) and --repeat; exits where the kernels did not build."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=5)
     ns = p.parse_args()
     torch.set_num_threads(ns.threads)
     if cpu_native.library() is None:
         raise SystemExit("the native kernels did not build here (see the log); nothing to compare")
+    return ns
+
+
+def main() -> None:
+    ns = native_bench_args(__doc__)
     generator = torch.Generator().manual_seed(0)
     workspace = da.GatherWorkspace()
     print(f"one layer's decode attention, {ns.threads} thread(s), block size {BLOCK_SIZE}, median of {ns.repeat}")

@@ -9,12 +9,11 @@ Prints ms per layer call (median of --repeat timed loops) and the largest differ
 
 from __future__ import annotations
 
-import argparse
 import random
 
 import torch
 
-from cpu_attention_bench import time_ms
+from cpu_attention_bench import native_bench_args, time_ms
 from pagedserve.kernels import cpu_native
 from pagedserve.worker_proc.native_prefill import plan_native_prefill
 from pagedserve.worker_proc.prefill_attention import PrefillChunk, plan_prefill_chunk, prefill_attention
@@ -37,13 +36,7 @@ BLOCK_SIZE = 16
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeat", type=int, default=5)
-    ns = p.parse_args()
-    torch.set_num_threads(ns.threads)
-    if cpu_native.library() is None:
-        raise SystemExit("the native kernels did not build here (see the log); nothing to compare")
+    ns = native_bench_args(__doc__)
     rng = random.Random(0)
     print(f"one layer's prefill attention, {ns.threads} thread(s), median of {ns.repeat}")
     print(f"{'case':<32}{'SDPA ms':>9}{'native ms':>11}{'speedup':>9}{'max diff':>10}")

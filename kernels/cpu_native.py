@@ -41,6 +41,7 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
            # its register tiles are sized for 512-bit vectors where the CPU has them
            Path(__file__).with_name("cpu_prefill_attention.c"): ("-mprefer-vector-width=512",)}
+HEADERS = (Path(__file__).with_name("cpu_softmax_exp.h"),)  # part of the build's hash too
 # OpenMP runs the loops on torch's own threads: the library links libgomp.so.1, which the
 # loader resolves to the copy torch already loaded. Without -fopenmp it runs on one thread.
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC")
@@ -122,6 +123,7 @@ def _build() -> Optional[ctypes.CDLL]:
     except (OSError, subprocess.SubprocessError):
         return None
     parts = [f"{src.name}:{' '.join(extra)}:{src.read_text()}" for src, extra in SOURCES.items()]
+    parts += [f"{header.name}:{header.read_text()}" for header in HEADERS]
     key = hashlib.sha256("\0".join([*parts, " ".join(_FLAGS), version, _cpu_flags()]).encode())
     name = f"cpu_kernels-{key.hexdigest()[:24]}.so"
     cache = _cache_dir()

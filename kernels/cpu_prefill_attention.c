@@ -24,28 +24,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_softmax_exp.h"
+
 #define QB 8
 #define KT 32
 #define DB 32
 #define LANES 16
 #define MAX_D 256
-
-/* exp(x) for the x <= 0 of a softmax, as in cpu_decode_attention.c (error < 2 ulp). */
-static inline float softmax_exp(float x) {
-    if (x < -87.0f) return 0.0f;
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { float f; int32_t i; } scale;
-    scale.i = ((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
 
 /* Row i of scores (n visible keys, kend in the block) becomes its unnormalized softmax;
  * returns 1 / its sum. Lane-wise max and sum, so the loops vectorize without -ffast-math. */

@@ -170,21 +170,20 @@ def _apply_lane(sched: "Scheduler", tokens: list[int], deltas: list[RequestDelta
     stop_ids = lane.stop_ids()
     stop_candidate = _any_of(values, stop_ids) & (new_len >= lane.min_len[where]) if len(stop_ids) else None
     ends = at_limit if stop_candidate is None else at_limit | stop_candidate
-    positions = np.arange(where.stop) if in_order else where
     if sched.config.enable_prefix_caching:
         filled = (new_len - 1) % sched.block_size == 0
-        lane.publish_filled(positions[filled].tolist(), sched.bm.device, ahead)
+        lane.publish_filled((filled.nonzero()[0] if in_order else where[filled]).tolist(), sched.bm.device, ahead)
     m = len(tokens)
     sched.counters.generation_tokens += m
     gone = ends.nonzero()[0].tolist()
     if not gone:
-        lane.lists_out = True
         if in_order:  # sequences that entered while this batch was out sit behind its m positions
+            lane.lists_out = True  # the frontend's lists share the lane's until it changes them
             request_ids = lane.request_ids if lane.n == m else lane.request_ids[:m]
             return StepOutputs(deltas, request_ids, lane.index[:m].tolist(), tokens)
         ids = lane.request_ids
         return StepOutputs(deltas, [ids[pos] for pos in where.tolist()], lane.index[where].tolist(), tokens)
-    gone_positions = positions[gone].tolist()
+    gone_positions = gone if in_order else where[gone].tolist()
     lane.sync_many(gone_positions)  # blocks to free
     keep = np.ones(m, bool)
     ended = []
@@ -205,7 +204,7 @@ def _apply_lane(sched: "Scheduler", tokens: list[int], deltas: list[RequestDelta
                                    seq.num_prompt_tokens, seq.num_cached_tokens, None, stop_token))
         _retire(sched, seq)
     ids = lane.request_ids
-    kept = positions[keep]
+    kept = keep.nonzero()[0] if in_order else where[keep]
     outputs = StepOutputs(deltas, [ids[pos] for pos in kept.tolist()], lane.index[kept].tolist(), values[keep].tolist())
     lane.remove_many(ended)  # a batch out that holds them drops their next token (decode_lane.record)
     return outputs

@@ -11,7 +11,7 @@ the result (docs/DECISIONS.md). Ahead is allowed when exactly one step is out an
    sequence to overlap, nobody waits for nothing;
 2. the free blocks cover every block the running sequences can ask for, so the step
    preempts nothing: no in-flight sequence is swapped or recomputed with a token still
-   unknown, and the lane keeps its positions.
+   unknown, and none leaves the lane for the per-object path while its token is in flight.
 
 Sequences with nothing to compute until the result arrives (a parent about to fork) simply
 sit the step out. A lane sequence that ends meanwhile holds nothing back: the batch out
