@@ -14,8 +14,15 @@ export PAGEDSERVE_BENCH_MODELS=/tmp/bench-models
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
+# DEADLINE (seconds from the start, optional) caps every step, so a call ends inside the
+# device tool's limit with each step's log intact; a step with under 20 s left is skipped.
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt 20 ]; then echo "=== $name skipped: ${left} s left"; return; fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "=== $name ($(date +%T))"
   local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -28,9 +35,9 @@ for s in "$@"; do
   case $s in
     tests) PAGEDSERVE_TEST_DEVICE=cuda step tests 240 python3 -m pytest -q -x -p no:cacheprovider \
              tests/test_kernels_attention.py tests/test_kernels_blocks.py tests/test_worker_triton_forward.py \
-             tests/test_worker_cuda_graphs.py \
+             tests/test_worker_cuda_graphs.py tests/test_kernels_fused.py \
              -o addopts="" --timeout 200 ;;
-    check) step check 180 python3 bench/cuda_check.py ;;
+    check) step check 180 python3 bench/cuda_check.py ${CASES:+--cases $CASES} ;;
     kernels) step kernels 240 python3 bench/kernels_bench.py --preset llama8b --device cuda ;;
     offline) step offline 200 pagedserve bench offline --shapes 0.5b --device cuda --dtype bfloat16 \
                --num-prompts 256 --input-len 32 512 --output-len 128 --runs 2 ;;
@@ -38,6 +45,11 @@ for s in "$@"; do
                --num-prompts 256 --input-len 32 512 --output-len 128 --by-kind --repeat 2 ;;
     tprofile) step tprofile 200 python3 bench/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
                --num-prompts 256 --input-len 32 64 --output-len 8 --repeat 2 --torch-profile ;;
+    dprofile) step dprofile 200 python3 bench/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
+               --num-prompts 200 --input-len 32 64 --output-len 64 --by-kind --torch-profile ;;
+    abprofile) for fused in 0 1; do PAGEDSERVE_FUSED_OPS=$fused step "profile-fused$fused" 60 python3 \
+               bench/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 --num-prompts 256 \
+               --input-len 32 512 --output-len 128 --by-kind --repeat 2; done ;;
     cprofile) step cprofile 200 python3 bench/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
                --num-prompts 256 --input-len 32 64 --output-len 32 --profile ;;
     serve) step serve 170 bash -c 'pagedserve serve /tmp/bench-models/0.5b --dtype bfloat16 --port 8011 \

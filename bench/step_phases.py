@@ -67,12 +67,9 @@ class PhaseTimer:
 
 def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) -> PhaseTimer:
     """Wrap what ``ModelRunner.execute`` calls; ``runner`` is a ModelRunner."""
-    import torch.nn.functional as F
-
     from pagedserve.worker_proc import model_runner
     from pagedserve.worker_proc.kv_cache import KVCache
     from pagedserve.worker_proc.models import causal_lm, decoder_layer
-    from pagedserve.worker_proc.rotary import RotaryEmbedding
 
     timer = PhaseTimer(clock)
     lm_head = runner.model.lm_head
@@ -84,10 +81,9 @@ def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) ->
     timer.wrap(causal_lm, "linear", matmul_phase)
     timer.wrap(decoder_layer, "attend", "attention")
     timer.wrap(runner.ops, "write_kv", "KV write")
-    timer.wrap(RotaryEmbedding, "__call__", "rotary")
-    timer.wrap(decoder_layer, "rms_norm", "norms and activations")
-    timer.wrap(causal_lm, "rms_norm", "norms and activations")
-    timer.wrap(F, "silu", "norms and activations")
+    elementwise = type(runner.model.elementwise)
+    timer.wrap(elementwise, "rotary", "rotary")
+    timer.wrap_any(elementwise, ("rms_norm", "add_rms_norm", "silu_mul"), "norms and activations")
     timer.wrap(model_runner, "sample", "sampling")
     timer.wrap_any(model_runner, ("build_step_batch", "build_forward_batch", "apply_output"),
                    "input preparation")

@@ -23,6 +23,7 @@ from collections import defaultdict
 import torch
 
 from pagedserve.protocol import messages as m
+from pagedserve.protocol.options import default_step_tokens
 from pagedserve.protocol.codec import Decoder, encode
 from pagedserve.protocol.messages import AddRequest, SamplingParams, WorkerInit
 from pagedserve.scheduler_proc.config import SchedulerConfig
@@ -35,7 +36,8 @@ from step_phases import PHASES, format_phases, instrument_worker
 def run(ns: argparse.Namespace) -> None:
     runner = ModelRunner(ns.model, device=ns.device, dtype=ns.dtype)
     cfg = SchedulerConfig(block_size=16, num_gpu_blocks=ns.num_gpu_blocks, max_num_seqs=256,
-                          max_num_batched_tokens=2048, max_model_len=4096)
+                          max_num_batched_tokens=ns.max_num_batched_tokens or default_step_tokens(ns.device),
+                          max_model_len=4096)
     runner.init_cache(WorkerInit(block_size=16, num_gpu_blocks=cfg.num_gpu_blocks,
                                  num_cpu_blocks=0, max_model_len=4096, seed=0))
     sched = Scheduler(cfg)
@@ -115,6 +117,7 @@ def main() -> None:
     p.add_argument("--prompt-lens", type=int, nargs="+", help="explicit prompt lengths (replaces the random ones)")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step; default: the engine's for the device")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -28,7 +28,9 @@ def test_greedy_tokens_through_the_triton_attention_kernel_equal_transformers(tm
 
     monkeypatch.setattr(triton_ops, "paged_attention", counted_paged_attention)
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
-    runner = ModelRunner(model_dir, device=str(DEVICE))
+    # Eager: a replayed CUDA graph never calls the Python kernel function, and capture calls it
+    # once per batch size; test_worker_cuda_graphs.py covers the graphs.
+    runner = ModelRunner(model_dir, device=str(DEVICE), cuda_graphs=False)
     assert runner.ops is triton_ops
     prompts = random_prompts([11, 6], vocab_size=512, seed=2)
     scheduler = TrivialScheduler(runner)

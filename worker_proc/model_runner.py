@@ -21,6 +21,7 @@ from pagedserve.protocol.messages import SchedulerOutput, StepResult, WorkerInit
 from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output, note_samples
 from pagedserve.worker_proc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
+from pagedserve.worker_proc.elementwise import select_elementwise
 from pagedserve.worker_proc.grammar_mask import apply_grammar_bitmask
 from pagedserve.worker_proc.input_batch import BatchError, build_forward_batch
 from pagedserve.worker_proc.kv_cache import KVCache, block_bytes, max_num_blocks
@@ -53,7 +54,8 @@ class ModelRunner:
         self.ops = select_ops(self.device)
         if self.device.type == "cpu":
             cpu_native.library()  # compiled (once per machine) now, not during the first decode step
-        self.model = MODEL_CLASSES[self.spec.architecture](model_dir, self.spec, self.shard, self.device, self.dtype)
+        self.model = MODEL_CLASSES[self.spec.architecture](model_dir, self.spec, self.shard, self.device, self.dtype,
+                                                           select_elementwise(self.ops, self.dtype))
         self._requests: dict[str, HeldRequest] = {}
         self._cache: Optional[KVCache] = None
         self._seed = 0

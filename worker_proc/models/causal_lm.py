@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec
-from pagedserve.worker_proc.models.decoder_layer import DecoderLayer, rms_norm
+from pagedserve.worker_proc.elementwise import Elementwise, TorchElementwise
+from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.linear import LinearWeight, linear, weight_layout
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
@@ -23,8 +24,9 @@ from pagedserve.worker_proc.weights import WeightSource
 
 class CausalLM:
     def __init__(self, model_dir: str, spec: ModelSpec, shard: TensorParallelShard,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, elementwise: Elementwise = TorchElementwise()):
         self.spec, self.shard, self.device, self.dtype = spec, shard, device, dtype
+        self.elementwise = elementwise
         source = WeightSource(model_dir)
         try:
             self.embed_tokens = source.get("model.embed_tokens.weight").to(device, dtype)
@@ -42,11 +44,12 @@ class CausalLM:
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """Hidden states [T, hidden] of every token in the batch (before the final norm)."""
-        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        hidden, residual = F.embedding(batch.input_ids, self.embed_tokens), None
         for i, layer in enumerate(self.layers):
-            hidden = layer.forward(hidden, batch, kv_cache[i, 0], kv_cache[i, 1], self.rotary, ops)
-        return hidden
+            hidden, residual = layer.forward(hidden, residual, batch, kv_cache[i, 0], kv_cache[i, 1], self.rotary,
+                                             ops, self.elementwise)
+        return hidden.add_(residual) if residual is not None else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] of the given rows of forward()'s output."""
-        return linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+        return linear(self.elementwise.rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()

@@ -1,8 +1,9 @@
 """One pre-norm decoder layer of the Llama family (Llama, Mistral, Qwen2, Qwen3) over the paged cache.
 
 Weights are plain tensors, fused at load: q/k/v into one matmul and gate/up into one.
-Norms run in float32 and cast back before the weight multiply, exactly as HF's RMSNorm,
-so float32 greedy tokens equal transformers'.
+Norms, residual adds, rotary and the SiLU gate go through an Elementwise (elementwise.py):
+transformers' op sequence, so float32 greedy tokens equal transformers', or fused kernels.
+Each layer's residual add is deferred to the next norm, so the fused path does both in one.
 """
 
 from __future__ import annotations
@@ -11,25 +12,15 @@ from types import ModuleType
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.worker_proc.attention import attend
+from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm op for op (x * x is what pow(2) computes, and the products commute), so
-    bit for bit the same; the small intermediates and the result are updated in place,
-    which halves the fresh full-size tensors (each a round of page faults on CPU)."""
-    input_dtype = x.dtype
-    h = x.float()
-    h = h * (h * h).mean(-1, keepdim=True).add_(eps).rsqrt_()
-    return h.to(input_dtype).mul_(weight)
 
 
 def _maybe(source: WeightSource, name: str, present: bool, **part) -> Optional[torch.Tensor]:
@@ -90,15 +81,23 @@ class DecoderLayer:
         self.down_bias = load(_maybe(source, mlp + "down_proj.bias", spec.mlp_bias))
         self.intermediate_size = shard.intermediate_size
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, rotary: RotaryEmbedding, ops: ModuleType) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, rotary: RotaryEmbedding, ops: ModuleType,
+                ew: Elementwise) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it). The previous layer's output
+        joins the residual here, in the same op as this layer's first norm; ``residual`` is
+        None for the first layer, whose input is the embeddings."""
         num_tokens = hidden.shape[0]
-        qkv = linear(rms_norm(hidden, self.input_norm, self.eps), self.qkv)
+        if residual is None:
+            residual, normed = hidden, ew.rms_norm(hidden, self.input_norm, self.eps)
+        else:
+            normed, residual = ew.add_rms_norm(hidden, residual, self.input_norm, self.eps)
+        qkv = linear(normed, self.qkv)
         # q and k rotate together as one [T, q_heads + kv_heads, dim] tensor.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm_weight is not None:
-            qk = rms_norm(qk, self.qk_norm_weight, self.eps)
-        qk = rotary(qk, batch.positions)
+            qk = ew.rms_norm(qk, self.qk_norm_weight, self.eps)
+        qk = ew.rotary(rotary, qk, batch.positions)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
@@ -107,11 +106,9 @@ class DecoderLayer:
         out = self.shard.all_reduce(linear(attn.reshape(num_tokens, self.q_size), self.o_proj))
         if self.o_bias is not None:
             out = out + self.o_bias
-        hidden = out.add_(hidden)  # out is this layer's own tensor: no fresh one for the sum
-
-        gate_up = linear(rms_norm(hidden, self.post_norm, self.eps), self.gate_up)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        out = self.shard.all_reduce(linear(F.silu(gate).mul_(up), self.down))
+        normed, residual = ew.add_rms_norm(out, residual, self.post_norm, self.eps)
+        gate_up = linear(normed, self.gate_up)
+        out = self.shard.all_reduce(linear(ew.silu_mul(gate_up, self.intermediate_size), self.down))
         if self.down_bias is not None:
             out = out + self.down_bias
-        return out.add_(hidden)
+        return out, residual

@@ -1,0 +1,36 @@
+"""Triton SiLU gate: silu(gate) * up from the fused gate_up projection, in one pass.
+
+The torch path is a split, a SiLU and a product, two launches and an intermediate the size
+of the MLP. The SiLU is rounded to the model's dtype before the product, as in transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, size, in_stride, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < size
+    gate = tl.load(gate_up_ptr + token * in_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + token * in_stride + size + cols, mask=inside, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * size + cols, (silu * up).to(dtype), mask=inside)
+
+
+def silu_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor:
+    """gate_up [T, 2 * size] (gate first, rows contiguous) -> silu(gate) * up, [T, size]."""
+    num_tokens = gate_up.shape[0]
+    if gate_up.shape[1] != 2 * size or gate_up.stride(1) != 1:
+        raise ValueError(f"silu_mul needs [T, {2 * size}] with contiguous rows, got {tuple(gate_up.shape)}")
+    out = torch.empty((num_tokens, size), dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(size))
+    _silu_mul_kernel[(num_tokens, triton.cdiv(size, block))](gate_up, out, size, gate_up.stride(0), BLOCK=block)
+    return out

@@ -1,0 +1,93 @@
+"""A decoder layer's elementwise ops (norms, residual adds, rotary, SiLU gate), two ways.
+
+``TorchElementwise`` is transformers' own op sequence, bit for bit: the greedy-parity
+oracle holds in float32 on every device, and on CPU these ops are already few and large
+(the native rotary kernel aside, cpu_native). ``FusedElementwise`` runs each as one Triton
+kernel (kernels/fused_*.py). On a GPU at decode batch sizes those ops are ~25 of a layer's
+~35 launches, each a few microseconds over a few kilobytes, so fusing them shortens the
+step the GPU runs even inside a CUDA graph. Its rounding points follow transformers', but
+its results are not bit for bit theirs (a norm's squares are summed in another order, and
+rotary and SiLU differ by a rounding step here and there), so it is chosen where two engines
+never agree bit for bit anyway: half precision on the Triton path. ``PAGEDSERVE_FUSED_OPS=0``
+turns it off, ``=1`` takes it in float32 too (still only with the Triton kernels).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import reference
+
+FUSED_ENV = "PAGEDSERVE_FUSED_OPS"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm op for op (x * x is what pow(2) computes, and the products commute), so
+    bit for bit the same; the small intermediates and the result are updated in place,
+    which halves the fresh full-size tensors (each a round of page faults on CPU)."""
+    input_dtype = x.dtype
+    h = x.float()
+    h = h * (h * h).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return h.to(input_dtype).mul_(weight)
+
+
+class TorchElementwise:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual), the sum written over x (the layer's own
+        output, so no fresh tensor for it)."""
+        total = x.add_(residual)
+        return rms_norm(total, weight, eps), total
+
+    def rotary(self, rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return rotary(x, positions)
+
+    def silu_mul(self, gate_up: torch.Tensor, size: int) -> torch.Tensor:
+        gate, up = gate_up.split(size, dim=-1)
+        return F.silu(gate).mul_(up)
+
+
+class FusedElementwise:
+    name = "fused"
+
+    def __init__(self):
+        from pagedserve.kernels import fused_norm, fused_rotary, fused_silu_mul  # imports triton
+
+        self._norm, self._rotary, self._silu_mul = fused_norm, fused_rotary, fused_silu_mul
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._norm.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._norm.add_rms_norm(x, residual, weight, eps)
+
+    def rotary(self, rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._rotary.rotary(x, rotary.cos, rotary.sin, positions)
+
+    def silu_mul(self, gate_up: torch.Tensor, size: int) -> torch.Tensor:
+        return self._silu_mul.silu_mul(gate_up, size)
+
+
+Elementwise = Union[TorchElementwise, FusedElementwise]
+
+
+def select_elementwise(ops: ModuleType, dtype: torch.dtype) -> Elementwise:
+    """Fused where the attention kernels are Triton's (CUDA, or the interpreter in tests) and
+    the dtype is half precision; transformers' sequence otherwise."""
+    setting = os.environ.get(FUSED_ENV, "").strip()
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{FUSED_ENV} must be 0 or 1, got {setting!r}")
+    if ops is not reference and (setting == "1" or (setting == "" and dtype in (torch.bfloat16, torch.float16))):
+        return FusedElementwise()
+    return TorchElementwise()
