@@ -1,4 +1,5 @@
-"""Every Triton kernel compiles to a cubin for an H100 (sm_90) without a GPU present.
+"""Every Triton kernel, the fused elementwise ones too, compiles to a cubin for an H100 (sm_90)
+without a GPU present.
 
 The interpreter tests check the maths; this catches what only the real compiler rejects
 (loop-carried type changes, dot shapes under 16, unsupported dtype casts). It runs in a
@@ -17,7 +18,7 @@ COMPILE_EVERY_KERNEL = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pagedserve.kernels import copy_blocks, paged_attention, write_kv, zero_blocks
+from pagedserve.kernels import copy_blocks, fused_norm, fused_rotary, fused_silu_mul, paged_attention, write_kv, zero_blocks
 
 def compile_for_h100(kernel, pointer_types, constexprs):
     signature = {}
@@ -42,6 +43,12 @@ for dtype in ("bf16", "fp16", "fp32"):
     compile_for_h100(copy_blocks._copy_blocks_kernel, dict(cache_ptr=data, mapping_ptr="*i32"), dict(CHUNK=4096))
     compile_for_h100(write_kv._write_kv_kernel, dict(key_ptr=data, value_ptr=data, k_cache_ptr=data,
                      v_cache_ptr=data, slot_mapping_ptr="*i64"), dict(HEADS_PAD=8, DIM_PAD=128))
+    for add in (False, True):
+        compile_for_h100(fused_norm._rms_norm_kernel, dict(x_ptr=data, residual_ptr=data, weight_ptr=data,
+                         out_ptr=data, eps="fp32"), dict(ADD_RESIDUAL=add, BLOCK=1024))
+    compile_for_h100(fused_rotary._rotary_kernel, dict(x_ptr=data, positions_ptr="*i64", cos_ptr=data,
+                     sin_ptr=data, out_ptr=data), dict(HEADS_PAD=16, HALF_PAD=64))
+    compile_for_h100(fused_silu_mul._silu_mul_kernel, dict(gate_up_ptr=data, out_ptr=data), dict(BLOCK=1024))
 print("compiled")
 """
 
