@@ -55,12 +55,12 @@ def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float) -> torc
         weight_head_stride = n if weight.dim() == 2 else 0
     else:
         raise ValueError(f"rms_norm takes [T, n] or [T, heads, n], got {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1 or x.dim() != 2):
+        raise ValueError("the residual must be [T, n] like x")
     rows = x.shape[0] * heads
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1 or x.dim() != 2):
-        raise ValueError("the residual must be [T, n] like x")
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out,

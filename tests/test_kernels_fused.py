@@ -9,6 +9,8 @@ precision is compared within a rounding step, and the residual sum bit for bit o
 
 from kernel_device import DEVICE, MARKS, to_device  # first: it decides TRITON_INTERPRET
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -75,12 +77,11 @@ def test_add_rms_norm_leaves_the_sum_in_x_and_norms_it(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_rotates_every_q_and_k_head_as_the_table_path(dtype):
     tokens, heads, kv_heads, dim = 9, 6, 2, 64
-    config = build_config_with_rope(theta=10000.0)
-    table = RotaryEmbedding(config, dim, 300, DEVICE, dtype)
+    table = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0, rope_scaling=None), dim, 300, DEVICE, dtype)
     qkv = to_device(randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype))[0]
     qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
     positions = to_device(torch.tensor([0, 1, 2, 299, 17, 17, 150, 3, 64]))[0]
-    expected = rotate_by_table(table, qk, positions)
+    expected = table.torch_rotate(qk, positions)
     # Not bit for bit: on an H200 some bfloat16 elements differed by a rounding step.
     close(fused_rotary.rotary(qk, table.cos, table.sin, positions), expected)
 
@@ -132,16 +133,3 @@ def test_greedy_tokens_through_the_fused_ops_equal_transformers(tmp_path, monkey
     outputs = scheduler.run()
     assert [outputs["chunked"], outputs["late"], outputs["plain"]] == hf_greedy(model_dir, prompts, 5)
 
-
-def build_config_with_rope(theta: float):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(hidden_size=64, num_attention_heads=1, rope_theta=theta)
-
-
-def rotate_by_table(table: RotaryEmbedding, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The torch path of RotaryEmbedding (the native CPU kernel takes float32 on CPU)."""
-    cos, sin = table.cos[positions].unsqueeze(1), table.sin[positions].unsqueeze(1)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -79,6 +79,10 @@ class RotaryEmbedding:
         in float32 the native kernel computes the same products and sums in one pass."""
         if cpu_native.supports_rotary(x, self.cos):  # positions already checked (check_positions)
             return cpu_native.rotary(x, self.cos, self.sin, positions)
+        return self.torch_rotate(x, positions)
+
+    def torch_rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The torch ops' rotation (any device and dtype): the reference the kernels are held to."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         half = self.head_dim // 2

@@ -48,7 +48,7 @@ class CausalLM:
         for i, layer in enumerate(self.layers):
             hidden, residual = layer.forward(hidden, residual, batch, kv_cache[i, 0], kv_cache[i, 1], self.rotary,
                                              ops, self.elementwise)
-        return hidden.add_(residual) if residual is not None else hidden
+        return hidden.add_(residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] of the given rows of forward()'s output."""
