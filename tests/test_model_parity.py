@@ -130,23 +130,34 @@ def test_bfloat16_logits_match_transformers_in_bfloat16_and_so_do_greedy_tokens_
     assert torch.equal(torch.tensor(tokens)[clear], theirs.argmax(-1)[clear])
 
 
-@pytest.mark.parametrize("transposed,resident", [(True, True), (True, False), (False, False)],
-                         ids=["weight_t_copy_cached", "weight_t_copy_streamed", "weight_only"])
-def test_decode_steps_of_many_rows_equal_transformers_in_either_weight_layout(tmp_path, monkeypatch, transposed,
-                                                                             resident):
-    """40 requests decode together, so steps have more rows than the few-row matmul path
-    takes: they run x @ W_t (a small model's transposed copies) or F.linear (without); the
-    last steps, with few rows left, run x @ W_t (a cache-resident model) or W @ x.T."""
+# (PAGEDSERVE_CPU_PACKED_LINEAR, cache-resident, transposed copy kept) -> the layout expected:
+# (packed copy, [out, in] weight, [in, out] copy, resident)
+WEIGHT_LAYOUTS = {
+    "cached_copy": ("", True, True, (False, True, True, True)),
+    "cached_copy_and_packed": ("1", True, True, (True, True, True, True)),
+    "streamed_packed_and_plain": ("", False, True, (True, True, False, False)),
+    "streamed_packed_only": ("", False, False, (True, False, False, False)),
+    "streamed_copy_onemkl": ("0", False, True, (False, True, True, False)),
+    "weight_only_onemkl": ("0", False, False, (False, True, False, False)),
+}
+
+
+@pytest.mark.parametrize("layout", list(WEIGHT_LAYOUTS))
+def test_decode_steps_of_many_rows_equal_transformers_in_every_weight_layout(tmp_path, monkeypatch, layout):
+    """40 requests decode together, so steps have more rows than the few-row matmul paths
+    take: they run oneDNN's packed weight, x @ W_t or F.linear; the last steps, with few rows
+    left, run x @ W_t (a cache-resident model), W @ x.T or the packed weight (kept alone)."""
     from pagedserve.worker_proc.models import linear
 
+    env, resident, transposed, expected_layout = WEIGHT_LAYOUTS[layout]
+    monkeypatch.setenv(linear.PACKED_ENV, env)
     monkeypatch.setattr(linear, "TRANSPOSED_COPY_MAX_BYTES", linear.TRANSPOSED_COPY_MAX_BYTES if transposed else 0)
     monkeypatch.setattr(linear, "CACHE_RESIDENT_MAX_BYTES", linear.CACHE_RESIDENT_MAX_BYTES if resident else 0)
     model_dir = build_model_dir(tmp_path / "m", "qwen2", seed=6)
     prompts = random_prompts([3 + i % 11 for i in range(40)], vocab_size=512, seed=13)
     runner = ModelRunner(str(model_dir))
-    assert (runner.model.layers[0].gate_up.weight_t is not None) == transposed
-    assert (runner.model.lm_head.weight_t is not None) == transposed
-    assert runner.model.layers[0].qkv.resident == resident
+    for w in (runner.model.layers[0].gate_up, runner.model.lm_head):
+        assert (w.packed is not None, w.weight is not None, w.weight_t is not None, w.resident) == expected_layout
     scheduler = TrivialScheduler(runner, block_size=4, num_gpu_blocks=512)
     for i, prompt in enumerate(prompts):
         scheduler.add(f"r{i}", prompt, NEW_TOKENS)

@@ -1,8 +1,9 @@
 """The Llama-family causal LM: embeddings, decoder layers over the paged KV cache, final norm, lm_head.
 
 Embeddings and lm_head are replicated on every tensor-parallel rank (only rank 0
-samples); lm_head is the embedding matrix when the config ties them. Small models on CPU
-keep [in, out] copies of every projection and of lm_head as well (models/linear.py).
+samples); lm_head is the embedding matrix when the config ties them. On CPU the matrices are
+kept in the layouts that run fastest for the model's size (models/linear.py): oneDNN's packed
+copy (lm_head's a copy beside the embeddings), an [in, out] copy, or both.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class CausalLM:
             self.embed_tokens = source.get("model.embed_tokens.weight").to(device, dtype)
             tied = spec.tie_word_embeddings or "lm_head.weight" not in source
             num_params = spec.num_layer_params + self.embed_tokens.numel() * (1 if tied else 2)
-            layout = weight_layout(device, num_params * self.embed_tokens.element_size())
+            layout = weight_layout(device, num_params * self.embed_tokens.element_size(), dtype)
             head = self.embed_tokens if tied else source.get("lm_head.weight").to(device, dtype)
             self.lm_head = LinearWeight.of(head, None, layout)
             self.norm = source.get("model.norm.weight").to(device, dtype)

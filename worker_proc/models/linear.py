@@ -1,40 +1,42 @@
-"""The model's matmuls: F.linear, except on CPU, where the layout that streams fastest is used.
+"""The model's matmuls: F.linear, except on CPU, where the layout that runs fastest is used.
 
-For a few rows (a decode step, the sampled rows through lm_head) oneMKL's x @ W.T streams
-the weight more slowly than W @ x.T: on the 0.5B shape with 32 rows, 20-33% less time per
-projection and lm_head, and a 32-request decode step ~17% faster (bench/RESULTS.md).
+oneDNN's prepacked weights (``torch.ops.mkldnn``) beat oneMKL's sgemm from two rows up on
+every weight that streams from memory: 1.1-1.4x per projection and 1.2-1.9x for lm_head on the
+0.5B and small shapes, and oneMKL barely gains from a second thread at few rows where oneDNN
+doubles (bench/RESULTS.md). oneDNN costs ~45 us a call more than torch.mm, so:
 
-Above that, x @ W_t with W_t a contiguous [in, out] copy beats F.linear: on the small bench
-shape, 64 rows, 16% less time for the layers' projections and 23% for lm_head (one thread,
-bench/RESULTS.md). The copy doubles the weights' memory, so it is kept only for models
-whose weights are small (``weight_layout``); larger ones decode in steps of few rows
-anyway, where W @ x.T wins, and gain nothing from it in prefill (+3% at 512 rows).
-Models small enough to stay in the caches (the demo, a few MB) take x @ W_t for few rows
-too: 2-4x faster per matmul at 1-32 rows, where W @ x.T's advantage is in streaming.
+- models small enough to stay in the caches (<= 16 MiB: the demo, tiny, llama-3layer) keep an
+  [in, out] copy and take x @ W_t at every row count (2-4x W @ x.T at 1-32 rows there);
+- larger ones take the packed weight from ``PACKED_MIN_ROWS`` rows up. A single row takes
+  W @ x.T where the [out, in] weight is kept (models up to 512 MiB; oneDNN is ~2x slower on
+  one row of a small weight). Larger models keep only the packed weight, as big as the
+  original, which is also faster on one row with two threads.
 
-W @ x.T and x @ W_t sum some dot products in a different order than F.linear, so results
-may differ from it in the last bits; greedy parity with transformers is checked by
-tests/test_model_parity.py and the bench's identical-output count. Large prefill batches
-without the copy keep F.linear, which is as fast there and bit for bit HF's op.
+``PAGEDSERVE_CPU_PACKED_LINEAR=0`` keeps oneMKL everywhere (the layouts below), ``=1`` packs
+cache-resident models' weights too. Every path here sums dot products in its own order, so
+results may differ from F.linear in the last bits; greedy parity with transformers is checked
+by tests/test_model_parity.py and the bench's identical-output count.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-# Measured per decode step (bench/step_profile.py --by-kind, 2 threads): W @ x.T won at 16
-# and 32 rows on the small and 0.5B shapes, and lost at 64 rows on the small one.
+# W @ x.T won over F.linear at 16 and 32 rows on the small and 0.5B shapes, and lost at 64.
 SMALL_BATCH_ROWS = 32
-# Weights (all of them, lm_head included) up to this size also keep a transposed copy on CPU.
+# Weights (all of them, lm_head included) up to this size also keep a second layout on CPU.
 TRANSPOSED_COPY_MAX_BYTES = 512 << 20
 # Up to this size they stay in the caches from step to step, where x @ W_t is 2-4x faster than
-# W @ x.T at every row count (demo model, 1-32 rows); larger ones stream from memory each
-# step, where W @ x.T streams a little faster for few rows (small shape, 16 rows: -5%).
+# W @ x.T at every row count (demo model, 1-32 rows).
 CACHE_RESIDENT_MAX_BYTES = 16 << 20
+# From two rows oneDNN's packed weight wins (896x1152: 210 against 231 us).
+PACKED_MIN_ROWS = 2
+PACKED_ENV = "PAGEDSERVE_CPU_PACKED_LINEAR"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,32 +44,55 @@ class WeightLayout:
     """How a model's matrices are kept on CPU (chosen once per model by its size)."""
     transposed: bool = False  # an [in, out] copy beside each [out, in] weight
     resident: bool = False  # small enough to stay cached: the copy serves every row count
+    packed: bool = False  # a oneDNN prepacked copy serves PACKED_MIN_ROWS rows and up
+    plain: bool = True  # the [out, in] weight itself is kept (False: only the packed copy)
 
 
 @dataclass(slots=True)
 class LinearWeight:
-    weight: torch.Tensor  # [out, in], contiguous
+    weight: Optional[torch.Tensor]  # [out, in], contiguous; None when only `packed` is kept
     bias: Optional[torch.Tensor] = None  # [out]
     weight_t: Optional[torch.Tensor] = None  # [in, out] contiguous copy (CPU, small models)
     resident: bool = False  # use weight_t for few rows too
+    packed: Optional[torch.Tensor] = None  # oneDNN's blocked layout of weight (CPU)
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], layout: WeightLayout) -> "LinearWeight":
-        return cls(weight, bias, weight.t().contiguous() if layout.transposed else None, layout.resident)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if layout.packed else None
+        return cls(weight if layout.plain else None, bias,
+                   weight.t().contiguous() if layout.transposed else None, layout.resident, packed)
 
 
-def weight_layout(device: torch.device, weight_bytes: int) -> WeightLayout:
+def packed_linear_available(dtype: torch.dtype) -> bool:
+    """oneDNN's packed linear, in a dtype it was measured in (float32)."""
+    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def weight_layout(device: torch.device, weight_bytes: int, dtype: torch.dtype = torch.float32) -> WeightLayout:
     """How a model of ``weight_bytes`` of weights keeps its matrices."""
-    if device.type != "cpu" or weight_bytes > TRANSPOSED_COPY_MAX_BYTES:
+    if device.type != "cpu":
         return WeightLayout()
-    return WeightLayout(transposed=True, resident=weight_bytes <= CACHE_RESIDENT_MAX_BYTES)
+    resident = weight_bytes <= CACHE_RESIDENT_MAX_BYTES
+    choice = os.environ.get(PACKED_ENV, "")
+    packed = choice != "0" and (choice == "1" or not resident) and packed_linear_available(dtype)
+    if weight_bytes > TRANSPOSED_COPY_MAX_BYTES:
+        return WeightLayout(packed=packed, plain=not packed)
+    return WeightLayout(transposed=not packed or resident, resident=resident, packed=packed)
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     """x [rows, in] @ weight[out, in].T (+ bias): [rows, out], contiguous."""
     if x.device.type != "cpu":
         return F.linear(x, w.weight, w.bias)
-    if x.shape[0] <= SMALL_BATCH_ROWS and not w.resident:
+    rows = x.shape[0]
+    if w.packed is not None and (rows >= PACKED_MIN_ROWS or w.weight is None):
+        return torch.ops.mkldnn._linear_pointwise(x, w.packed, w.bias, "none", [], "")
+    if rows <= SMALL_BATCH_ROWS and not w.resident:
         out = torch.mm(w.weight, x.t()).t().contiguous()
         return out if w.bias is None else out.add_(w.bias)
     if w.weight_t is not None:

@@ -1,0 +1,60 @@
+"""The CPU matmul layouts of worker_proc/models/linear.py: which one a model gets, and that
+every one of them computes x @ W.T + b (greedy parity through them: test_model_parity.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.worker_proc.models import linear as lin
+
+CPU = torch.device("cpu")
+MIB = 1 << 20
+
+
+@pytest.mark.skipif(not lin.packed_linear_available(torch.float32), reason="torch built without oneDNN")
+@pytest.mark.parametrize("env,weight_bytes,expected", [
+    ("", 8 * MIB, lin.WeightLayout(transposed=True, resident=True)),
+    ("1", 8 * MIB, lin.WeightLayout(transposed=True, resident=True, packed=True)),
+    ("", 100 * MIB, lin.WeightLayout(packed=True)),
+    ("0", 100 * MIB, lin.WeightLayout(transposed=True)),
+    ("", 2048 * MIB, lin.WeightLayout(packed=True, plain=False)),
+    ("0", 2048 * MIB, lin.WeightLayout()),
+])
+def test_each_model_size_gets_its_layout(monkeypatch, env, weight_bytes, expected):
+    monkeypatch.setenv(lin.PACKED_ENV, env)
+    assert lin.weight_layout(CPU, weight_bytes) == expected
+
+
+def test_packing_needs_float32_on_cpu(monkeypatch):
+    monkeypatch.setenv(lin.PACKED_ENV, "1")
+    assert not lin.weight_layout(CPU, 100 * MIB, torch.bfloat16).packed
+    assert lin.weight_layout(torch.device("meta"), 100 * MIB) == lin.WeightLayout()
+
+
+LAYOUTS = {
+    "resident_copy": lin.WeightLayout(transposed=True, resident=True),
+    "resident_copy_and_packed": lin.WeightLayout(transposed=True, resident=True, packed=True),
+    "streamed_copy": lin.WeightLayout(transposed=True),
+    "packed_and_plain": lin.WeightLayout(packed=True),
+    "packed_only": lin.WeightLayout(packed=True, plain=False),
+    "plain_only": lin.WeightLayout(),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("rows", [1, 2, 5, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_every_layout_computes_x_times_w_transposed_plus_bias(layout, rows, with_bias):
+    if LAYOUTS[layout].packed and not lin.packed_linear_available(torch.float32):
+        pytest.skip("torch built without oneDNN")
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    w = lin.LinearWeight.of(weight, bias, LAYOUTS[layout])
+    x = torch.randn(2 * rows, 64, generator=gen)[::2]  # strided rows, as a gathered view can be
+    out = lin.linear(x, w)
+    expected = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    assert out.shape == (rows, 96) and out.is_contiguous() and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, lin.linear(x.contiguous(), w))
