@@ -58,3 +58,11 @@ def test_every_layout_computes_x_times_w_transposed_plus_bias(layout, rows, with
     assert out.shape == (rows, 96) and out.is_contiguous() and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(out, lin.linear(x.contiguous(), w))
+
+
+def test_a_torch_without_onednn_keeps_onemkl_layouts(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert not lin._packed_linear_works.__wrapped__()
+    monkeypatch.setattr(lin, "_packed_linear_works", lambda: False)
+    monkeypatch.setenv(lin.PACKED_ENV, "1")
+    assert lin.weight_layout(CPU, 100 * MIB) == lin.WeightLayout(transposed=True)

@@ -20,6 +20,7 @@ by tests/test_model_parity.py and the bench's identical-output count.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -65,11 +66,20 @@ class LinearWeight:
 
 def packed_linear_available(dtype: torch.dtype) -> bool:
     """oneDNN's packed linear, in a dtype it was measured in (float32)."""
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    return dtype == torch.float32 and _packed_linear_works()
+
+
+@functools.cache
+def _packed_linear_works() -> bool:
+    """The ops are private to torch: one small product, checked, before any model relies on them."""
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
-        return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    except (AttributeError, RuntimeError):
+        weight, x = torch.arange(12.0).reshape(4, 3), torch.ones(2, 3)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return torch.equal(out, F.linear(x, weight))
+    except (AttributeError, RuntimeError, TypeError):
         return False
 
 
