@@ -124,6 +124,8 @@ class Worker:
         kernels = self.runner.ops.__name__.rsplit(".", 1)[-1]
         if self.runner.device.type == "cpu" and cpu_native.library() is not None:
             kernels += " + native CPU decode and prompt attention, rotary"
+        if self.runner.model.lm_head.packed is not None:
+            kernels += " + oneDNN packed matmuls"
         if self.runner.model.elementwise.name == "fused":
             kernels += " + fused norms, rotary and SiLU gate"
         log.info("%s on %s (%s), kernels: %s", self.runner.model_id, self.runner.device, cfg.dtype, kernels)
