@@ -66,3 +66,9 @@ def test_a_torch_without_onednn_keeps_onemkl_layouts(monkeypatch):
     monkeypatch.setattr(lin, "_packed_linear_works", lambda: False)
     monkeypatch.setenv(lin.PACKED_ENV, "1")
     assert lin.weight_layout(CPU, 100 * MIB) == lin.WeightLayout(transposed=True)
+
+
+def test_a_misspelt_switch_is_refused_not_ignored(monkeypatch):
+    monkeypatch.setenv(lin.PACKED_ENV, "yes")
+    with pytest.raises(ValueError, match=lin.PACKED_ENV):
+        lin.weight_layout(CPU, 100 * MIB)

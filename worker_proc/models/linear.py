@@ -10,9 +10,10 @@ doubles (bench/RESULTS.md). oneDNN costs ~45 us a call more than torch.mm, so:
 - larger ones take the packed weight from ``PACKED_MIN_ROWS`` rows up. A single row takes
   W @ x.T where the [out, in] weight is kept (models up to 512 MiB; oneDNN is ~2x slower on
   one row of a small weight). Larger models keep only the packed weight, as big as the
-  original, which is also faster on one row with two threads.
+  original; on one row it is faster with two threads and ~8% slower with one.
 
-``PAGEDSERVE_CPU_PACKED_LINEAR=0`` keeps oneMKL everywhere (the layouts below), ``=1`` packs
+``PAGEDSERVE_CPU_PACKED_LINEAR=0`` keeps oneMKL everywhere (``W @ x.T`` up to 32 rows, an
+[in, out] copy above for models up to 512 MiB, F.linear above for larger ones), ``=1`` packs
 cache-resident models' weights too. Every path here sums dot products in its own order, so
 results may differ from F.linear in the last bits; greedy parity with transformers is checked
 by tests/test_model_parity.py and the bench's identical-output count.
@@ -88,7 +89,9 @@ def weight_layout(device: torch.device, weight_bytes: int, dtype: torch.dtype = 
     if device.type != "cpu":
         return WeightLayout()
     resident = weight_bytes <= CACHE_RESIDENT_MAX_BYTES
-    choice = os.environ.get(PACKED_ENV, "")
+    choice = os.environ.get(PACKED_ENV, "").strip()
+    if choice not in ("", "0", "1"):
+        raise ValueError(f"{PACKED_ENV} must be 0 or 1, got {choice!r}")
     packed = choice != "0" and (choice == "1" or not resident) and packed_linear_available(dtype)
     if weight_bytes > TRANSPOSED_COPY_MAX_BYTES:
         return WeightLayout(packed=packed, plain=not packed)
