@@ -14,7 +14,6 @@ turns it off, ``=1`` takes it in float32 too (still only with the Triton kernels
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import Union
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import reference
+from pagedserve.worker_proc.env_switch import env_switch
 
 FUSED_ENV = "PAGEDSERVE_FUSED_OPS"
 
@@ -85,9 +85,7 @@ Elementwise = Union[TorchElementwise, FusedElementwise]
 def select_elementwise(ops: ModuleType, dtype: torch.dtype) -> Elementwise:
     """Fused where the attention kernels are Triton's (CUDA, or the interpreter in tests) and
     the dtype is half precision; transformers' sequence otherwise."""
-    setting = os.environ.get(FUSED_ENV, "").strip()
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"{FUSED_ENV} must be 0 or 1, got {setting!r}")
-    if ops is not reference and (setting == "1" or (setting == "" and dtype in (torch.bfloat16, torch.float16))):
+    fused = env_switch(FUSED_ENV)
+    if ops is not reference and (fused or (fused is None and dtype in (torch.bfloat16, torch.float16))):
         return FusedElementwise()
     return TorchElementwise()

@@ -22,12 +22,13 @@ by tests/test_model_parity.py and the bench's identical-output count.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from pagedserve.worker_proc.env_switch import env_switch
 
 # W @ x.T won over F.linear at 16 and 32 rows on the small and 0.5B shapes, and lost at 64.
 SMALL_BATCH_ROWS = 32
@@ -89,10 +90,8 @@ def weight_layout(device: torch.device, weight_bytes: int, dtype: torch.dtype = 
     if device.type != "cpu":
         return WeightLayout()
     resident = weight_bytes <= CACHE_RESIDENT_MAX_BYTES
-    choice = os.environ.get(PACKED_ENV, "").strip()
-    if choice not in ("", "0", "1"):
-        raise ValueError(f"{PACKED_ENV} must be 0 or 1, got {choice!r}")
-    packed = choice != "0" and (choice == "1" or not resident) and packed_linear_available(dtype)
+    choice = env_switch(PACKED_ENV)
+    packed = (not resident if choice is None else choice) and packed_linear_available(dtype)
     if weight_bytes > TRANSPOSED_COPY_MAX_BYTES:
         return WeightLayout(packed=packed, plain=not packed)
     return WeightLayout(transposed=not packed or resident, resident=resident, packed=packed)
