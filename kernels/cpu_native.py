@@ -39,7 +39,7 @@ CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 # torch's rounding), while attention's sums gain 7-10% from the fusion.
 SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
-           # its register tiles are sized for 512-bit vectors where the CPU has them
+           # its loops over keys (softmax) take 512-bit vectors where the CPU has them
            Path(__file__).with_name("cpu_prefill_attention.c"): ("-mprefer-vector-width=512",)}
 HEADERS = (Path(__file__).with_name("cpu_softmax_exp.h"),)  # part of the build's hash too
 # OpenMP runs the loops on torch's own threads: the library links libgomp.so.1, which the

@@ -45,8 +45,9 @@ def qkv_rows(total, q_heads, kv_heads, head_dim, generator):
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (7, 1), (4, 4), (14, 2)])
 def test_chunks_attend_causally_to_their_own_keys_and_write_only_their_rows(head_dim, q_heads, kv_heads):
     generator = torch.Generator().manual_seed(head_dim + q_heads)
-    # lengths around the kernel's 8-query and 32-key tiles; rows 40..42 and the last 5 are no chunk's
-    first, length = [0, 1, 9, 43, 76, 109, 309], [1, 8, 31, 33, 33, 200, 40]
+    # lengths around the kernel's query tiles (4 or 8) and key tiles (16 or 32); rows 40..42
+    # and the last 5 are no chunk's
+    first, length = [0, 1, 9, 43, 76, 109, 309, 349, 352, 357, 372], [1, 8, 31, 33, 33, 200, 40, 3, 5, 15, 17]
     total = first[-1] + length[-1] + 5
     query, key, value = qkv_rows(total, q_heads, kv_heads, head_dim, generator)
     out = torch.full((total, q_heads, head_dim), float("nan"))
