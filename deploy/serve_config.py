@@ -43,7 +43,8 @@ class _ServeConfigRules:
             self.device = resolve_device(self.device)
         except opts.OptionError as exc:
             raise ConfigError(str(exc)) from None
-        self.dtype = resolve_dtype(self.dtype, model_cfg, self.device)
+        local_replicas = 1 if self.remote_workers else self.data_parallel_size
+        self.dtype = resolve_dtype(self.dtype, model_cfg, self.device, self.model, local_replicas)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = opts.default_step_tokens(self.device)
         if self.max_model_len is None:

@@ -134,8 +134,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("device", str, "auto", "cpu, cuda, or auto: cuda when torch sees a GPU, else cpu", to=_W),
     Option("enforce_eager", bool, False, "never use CUDA graphs: launch every decode step's kernels one "
            "by one (slower on a GPU; no effect on CPU)", to=_W),
-    Option("dtype", str, "auto", "weights and KV cache; auto: the model config's dtype (float16 -> "
-           "bfloat16 on CPU)", choices=DTYPE_CHOICES, to=_W),
+    Option("dtype", str, "auto", "weights and KV cache; auto: the model config's dtype, but on CPU a "
+           "float16 or bfloat16 model computes in bfloat16 where oneDNN has it (AVX-512 and up), else in "
+           "float32 if that fits half the free memory", choices=DTYPE_CHOICES, to=_W),
     Option("max_model_len", int, None, "prompt + output token limit (default: the model's "
            "max_position_embeddings)", (lambda v: v >= 2, "must be at least 2"), to=_S | _F),
     Option("tensor_parallel_size", int, 1, "workers (devices) per replica", _POSITIVE,
@@ -278,12 +279,18 @@ def resolve_device(requested: str) -> str:
     raise OptionError(f"--device must be auto, cpu, cuda or cuda:N, got {requested!r}")
 
 
-def resolve_dtype(requested: str, model_config: dict, device: str) -> str:
-    """``auto`` takes the model's own dtype (float16 becomes bfloat16 on CPU, as vLLM does)."""
+def resolve_dtype(requested: str, model_config: dict, device: str, model_dir: Optional[str] = None,
+                  copies: int = 1) -> str:
+    """``auto`` takes the model's own dtype, except for a half-precision checkpoint on a CPU:
+    bfloat16 where oneDNN multiplies it, else float32 if it fits (protocol/cpu_dtype.py).
+    ``model_dir`` (for the checkpoint's size) and ``copies`` (replicas on this host) matter
+    only there."""
     if requested != "auto":
         return DTYPE_ALIASES[requested]
     name = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
     name = DTYPE_ALIASES.get(name.removeprefix("torch."), "float32")
-    if name == "float16" and device == "cpu":
-        return "bfloat16"
+    if name != "float32" and device == "cpu":
+        from pagedserve.protocol.cpu_dtype import cpu_dtype_for_half_checkpoint
+
+        return cpu_dtype_for_half_checkpoint(name, model_dir or "", copies)
     return name

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from pagedserve.deploy.serve_config import ConfigError, ServeConfig
+from pagedserve.protocol import cpu_dtype
 
 
 @pytest.fixture
@@ -19,14 +20,53 @@ def model_dir(tmp_path):
 
 @pytest.mark.parametrize("requested, config_dtype, device, expected", [
     ("auto", "float32", "cpu", "float32"),
-    ("auto", "bfloat16", "cpu", "bfloat16"),
-    ("auto", "float16", "cpu", "bfloat16"),  # vLLM's CPU rule: no half-precision matmuls there
     ("auto", "float16", "cuda", "float16"),
+    ("auto", "bfloat16", "cuda", "bfloat16"),
     ("half", "float32", "cpu", "float16"),
     ("float", "bfloat16", "cpu", "float32"),
+    ("bfloat16", "float32", "cpu", "bfloat16"),
 ])
 def test_dtype_names_resolve_as_vllm_does(model_dir, requested, config_dtype, device, expected):
     assert ServeConfig(model=model_dir(config_dtype), dtype=requested, device=device).dtype == expected
+
+
+@pytest.mark.parametrize("config_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("fast_bfloat16, expected", [(True, "bfloat16"), (False, "float32")])
+def test_a_half_precision_checkpoint_on_cpu_computes_in_bfloat16_only_where_onednn_multiplies_it(
+        model_dir, monkeypatch, config_dtype, fast_bfloat16, expected):
+    # vLLM's CPU rule (float16 becomes bfloat16) where torch has oneDNN's bfloat16 matmuls; on an
+    # AVX2 CPU torch's fallback is 2-6x slower than float32, so auto computes in float32 there
+    monkeypatch.setattr(cpu_dtype, "fast_bfloat16_matmuls", lambda: fast_bfloat16)
+    assert ServeConfig(model=model_dir(config_dtype), dtype="auto", device="cpu").dtype == expected
+
+
+def test_this_cpus_answer_is_the_one_its_torch_gives(model_dir):
+    expected = "bfloat16" if cpu_dtype.fast_bfloat16_matmuls() else "float32"
+    assert ServeConfig(model=model_dir("bfloat16"), dtype="auto", device="cpu").dtype == expected
+
+
+@pytest.mark.parametrize("fast, float32_gib, available_gib, expected", [
+    (False, 2.0, 16.0, "float32"),
+    (False, 8.0, 16.0, "float32"),  # exactly half: still fits
+    (False, 8.1, 16.0, "bfloat16"),  # a 7B on a 32 GB laptop: too big in float32, slow but it fits
+    (True, 0.1, 16.0, "bfloat16"),
+])
+def test_float32_is_chosen_only_where_its_weights_fit_half_the_available_memory(fast, float32_gib, available_gib,
+                                                                                expected):
+    dtype, why = cpu_dtype.choose_cpu_dtype("bfloat16", fast, int(float32_gib * 2**30), int(available_gib * 2**30))
+    assert dtype == expected
+    assert ("float32" if expected == "float32" else "bfloat16") in why
+
+
+def test_replicas_on_one_host_each_count_their_float32_copy(model_dir, monkeypatch, tmp_path):
+    import psutil
+
+    path = model_dir("bfloat16")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)  # 2000 bytes a copy in float32
+    monkeypatch.setattr(cpu_dtype, "fast_bfloat16_matmuls", lambda: False)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"available": 7000})())
+    assert ServeConfig(model=path, dtype="auto", device="cpu").dtype == "float32"  # 2000 <= 3500
+    assert ServeConfig(model=path, dtype="auto", device="cpu", data_parallel_size=2).dtype == "bfloat16"  # 4000
 
 
 def test_served_model_names_go_to_the_frontend_and_the_first_is_the_response_name(model_dir):

@@ -34,7 +34,7 @@ class _WorkerConfigRules:
         if self.dtype == "auto":  # started by hand: serve passes the dtype it resolved
             path = Path(self.model) / "config.json"
             model_config = json.loads(path.read_text()) if path.is_file() else {}
-            self.dtype = opts.resolve_dtype(self.dtype, model_config, self.device)
+            self.dtype = opts.resolve_dtype(self.dtype, model_config, self.device, self.model)
         else:
             self.dtype = opts.DTYPE_ALIASES[self.dtype]
 
