@@ -17,7 +17,6 @@ from pathlib import Path
 log = logging.getLogger("pagedserve.dtype")
 
 FLOAT32_MEMORY_SHARE = 0.5  # of the memory available at start, for float32 copies of the weights
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
 def fast_bfloat16_matmuls() -> bool:
@@ -31,9 +30,11 @@ def fast_bfloat16_matmuls() -> bool:
 
 
 def checkpoint_bytes(model_dir: str) -> int:
-    path = Path(model_dir)
-    return sum(f.stat().st_size for f in path.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)) \
-        if path.is_dir() else 0
+    """The weight files' size (0 where there is no directory to look in)."""
+    path = Path(model_dir) if model_dir else None
+    if path is None or not path.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())
 
 
 def choose_cpu_dtype(half: str, fast_bfloat16: bool, float32_bytes: int, available_bytes: int) -> tuple[str, str]:
