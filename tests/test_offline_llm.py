@@ -49,33 +49,16 @@ def test_greedy_generate_equals_transformers_keeps_input_order_and_close_stops_e
 
 @pytest.mark.slow
 def test_a_bfloat16_checkpoint_without_onednn_bfloat16_runs_in_float32_and_matches_transformers_there(
-        model, tmp_path):
-    import json
-    import shutil
-    from pathlib import Path
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
+        model_factory):
     from pagedserve.protocol.cpu_dtype import fast_bfloat16_matmuls
 
     if fast_bfloat16_matmuls():
         pytest.skip("oneDNN multiplies bfloat16 on this CPU: auto keeps bfloat16 (tests/test_serve_options.py)")
-    # The checkpoint as downloaded: bfloat16 weights, a config that says so.
-    for f in Path(model).iterdir():
-        if f.suffix == ".safetensors":
-            save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(f)).items()},
-                      str(tmp_path / f.name), metadata={"format": "pt"})
-        elif f.name == "config.json":
-            config = json.loads(f.read_text())
-            config["dtype"] = config["torch_dtype"] = "bfloat16"
-            (tmp_path / f.name).write_text(json.dumps(config))
-        else:
-            shutil.copy(f, tmp_path / f.name)
+    model = model_factory("qwen2", dtype="bfloat16")  # as downloaded: bfloat16 weights, a config that says so
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    with LLM(str(tmp_path), num_gpu_blocks=64, max_model_len=512) as llm:  # dtype auto, as a user starts it
+    with LLM(model, num_gpu_blocks=64, max_model_len=512) as llm:  # dtype auto, as a user starts it
         outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     tok = hf_tokenizer(model)
     for prompt, out in zip(PROMPTS, outs):
         # transformers in float32 on the same bfloat16 weights: equal only if the engine computed in float32
-        assert out.token_ids == hf_greedy(str(tmp_path), tok(prompt).input_ids, 10)
+        assert out.token_ids == hf_greedy(model, tok(prompt).input_ids, 10)
