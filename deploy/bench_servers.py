@@ -40,13 +40,14 @@ class BenchServer:
     """One server process group: ``with BenchServer(name, cmd_for_port, log_dir) as s: s.url``."""
 
     def __init__(self, name: str, command, log_dir: str, ready_path: str = "/health",
-                 timeout_s: float = 180.0):
+                 timeout_s: float = 180.0, poll_s: float = 0.25):
         self.name = name
         self.port = free_port()
         self.command = command(self.port)
         self.log_path = Path(log_dir) / f"{name}-{self.port}.log"
         self.ready_path = ready_path
         self.timeout_s = timeout_s
+        self.poll_s = poll_s
         self.proc: Optional[subprocess.Popen] = None
 
     @property
@@ -77,7 +78,7 @@ class BenchServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.25)  # polling readiness: there is no event to wait on across processes
+            time.sleep(self.poll_s)  # polling readiness: there is no event to wait on across processes
         raise RuntimeError(f"{self.name} not ready after {self.timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 4000) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
@@ -267,10 +268,19 @@ def default_step_tokens(device: str) -> int:
     return CUDA_STEP_TOKENS if device.startswith("cuda") else CPU_STEP_TOKENS
 
 
+# A GPU torch could use shows one of these: NVIDIA's driver and devices (a container may hold
+# only /dev/nvidia3), WSL2's GPU bridge, ROCm's KFD.
+GPU_DEVICE_PATTERNS = ("/proc/driver/nvidia/version", "/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd")
+
+
 def resolve_device(requested: str) -> str:
-    """``auto`` is CUDA when this process's torch sees a GPU, as a vLLM user expects; else CPU."""
+    """``auto`` is CUDA when this process's torch sees a GPU, as a vLLM user expects; else CPU.
+    Where no GPU driver shows at all, that is CPU without importing torch: the import took
+    1.5-3 s of every ``serve`` start before any child was spawned."""
     name = requested.strip().lower()
     if name == "auto":
+        if not any(glob.glob(pattern) for pattern in GPU_DEVICE_PATTERNS):
+            return "cpu"
         import torch  # deferred: option parsing alone must not pay for importing torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from pagedserve.deploy.serve_config import ConfigError, ServeConfig
-from pagedserve.protocol import cpu_dtype
+from pagedserve.protocol import cpu_dtype, options
 
 
 @pytest.fixture
@@ -99,9 +101,13 @@ def test_tool_calling_flags_reach_the_frontend_and_an_unknown_parser_is_refused(
         ServeConfig(model=model_dir("float32"), enable_auto_tool_choice=True)
 
 
-def test_the_device_defaults_to_what_torch_sees_and_sets_the_step_budget(model_dir, monkeypatch):
+def test_the_device_defaults_to_what_torch_sees_and_sets_the_step_budget(model_dir, monkeypatch, tmp_path):
     import torch
 
+    # a GPU driver shows, so auto asks torch
+    monkeypatch.setattr(options, "GPU_DEVICE_PATTERNS", (str(tmp_path / "config.json"),))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ServeConfig(model=model_dir("float32")).device == "cuda"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cpu = ServeConfig(model=model_dir("float32"))
     assert (cpu.device, cpu.max_num_batched_tokens) == ("cpu", 1024)  # a CPU step grows with its tokens
@@ -112,3 +118,17 @@ def test_the_device_defaults_to_what_torch_sees_and_sets_the_step_budget(model_d
     assert ServeConfig(model=model_dir("float32"), device="cuda", max_num_batched_tokens=512).max_num_batched_tokens == 512
     with pytest.raises(ConfigError, match="--device"):
         ServeConfig(model=model_dir("float32"), device="tpu")
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_without_a_gpu_driver_auto_is_cpu_without_importing_torch(model_dir, monkeypatch, tmp_path):
+    # `serve` resolves the device before it spawns anything: importing torch there cost every
+    # start 1.5-3 s. The check runs in a fresh interpreter, where nothing imported torch yet.
+    monkeypatch.setattr(options, "GPU_DEVICE_PATTERNS", (str(tmp_path / "no-such-driver*"),))
+    assert ServeConfig(model=model_dir("float32")).device == "cpu"
+    code = ("import sys; from pagedserve.protocol import options; "
+            f"options.GPU_DEVICE_PATTERNS = ({str(tmp_path / 'none*')!r},); "
+            "from pagedserve.deploy.serve_config import ServeConfig; "
+            f"print(ServeConfig(model={model_dir('float32')!r}).device, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["cpu", "False"]

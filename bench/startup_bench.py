@@ -1,0 +1,69 @@
+"""Time from launching a server to its first answer, pagedserve against `transformers serve`.
+
+    python bench/startup_bench.py [MODEL_DIR] [--runs 5] [--engines pagedserve,transformers]
+
+Each run starts the server cold (a new process group, this checkout's defaults), waits
+for it to accept a one-token completion, and stops it; engines alternate run by run.
+`ready` is the first 200 from the readiness path (pagedserve's /health, transformers'
+/v1/models); `first answer` adds one `max_tokens=1` completion, which is where
+transformers serve loads its model. The default model is the bench's random 3-layer
+Llama. Prints the median and the spread of both per engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import httpx
+
+from pagedserve.deploy.bench_peer import ensure_llama_model
+from pagedserve.deploy.bench_servers import BenchServer, pagedserve_command, transformers_command
+
+READY_PATHS = {"pagedserve": "/health", "transformers": "/v1/models"}
+COMMANDS = {"pagedserve": pagedserve_command, "transformers": transformers_command}
+
+
+def one_start(engine: str, model: str, logs: str) -> tuple[float, float]:
+    started = time.monotonic()
+    server = BenchServer(engine, lambda port: COMMANDS[engine](model, port), logs,
+                         ready_path=READY_PATHS[engine], poll_s=0.05)
+    with server:
+        ready = time.monotonic() - started
+        name = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        reply = httpx.post(server.url + "/v1/completions", timeout=300,
+                           json={"model": name, "prompt": "Hello", "max_tokens": 1})
+        if reply.status_code != 200:
+            raise RuntimeError(f"{engine}: {reply.status_code} {reply.text}")
+        return ready, time.monotonic() - started
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):6.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", help="model directory (default: the random 3-layer Llama)")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--engines", default="pagedserve,transformers")
+    ns = parser.parse_args()
+    model = ns.model or str(ensure_llama_model())
+    engines = [e.strip() for e in ns.engines.split(",") if e.strip()]
+    times: dict[str, list[tuple[float, float]]] = {e: [] for e in engines}
+    with tempfile.TemporaryDirectory() as logs:
+        for run in range(ns.runs):
+            for engine in engines:
+                times[engine].append(one_start(engine, model, logs))
+                print(f"run {run + 1} {engine:13s} ready {times[engine][-1][0]:6.2f} s, "
+                      f"first answer {times[engine][-1][1]:6.2f} s", flush=True)
+    print(f"\n{'engine':13s} {'ready s, median (range)':>26s} {'first answer s':>26s}")
+    for engine in engines:
+        print(f"{engine:13s} {spread([t[0] for t in times[engine]]):>26s} "
+              f"{spread([t[1] for t in times[engine]]):>26s}")
+
+
+if __name__ == "__main__":
+    main()
