@@ -13,23 +13,24 @@ Llama. Prints the median and the spread of both per engine.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 
 import httpx
 
 from pagedserve.deploy.bench_peer import ensure_llama_model
+from pagedserve.deploy.bench_report import median_spread
 from pagedserve.deploy.bench_servers import BenchServer, pagedserve_command, transformers_command
+from pagedserve.protocol.options import resolve_device
 
 READY_PATHS = {"pagedserve": "/health", "transformers": "/v1/models"}
-COMMANDS = {"pagedserve": pagedserve_command, "transformers": transformers_command}
 
 
-def one_start(engine: str, model: str, logs: str) -> tuple[float, float]:
+def one_start(engine: str, model: str, device: str, logs: str) -> tuple[float, float]:
+    commands = {"pagedserve": lambda port: pagedserve_command(model, port, ("--device", device)),
+                "transformers": lambda port: transformers_command(model, port, device)}
     started = time.monotonic()
-    server = BenchServer(engine, lambda port: COMMANDS[engine](model, port), logs,
-                         ready_path=READY_PATHS[engine], poll_s=0.05)
+    server = BenchServer(engine, commands[engine], logs, ready_path=READY_PATHS[engine], poll_s=0.05)
     with server:
         ready = time.monotonic() - started
         name = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -40,29 +41,27 @@ def one_start(engine: str, model: str, logs: str) -> tuple[float, float]:
         return ready, time.monotonic() - started
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):6.2f} ({min(values):.2f}-{max(values):.2f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", help="model directory (default: the random 3-layer Llama)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--engines", default="pagedserve,transformers")
+    parser.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda, for both servers")
     ns = parser.parse_args()
     model = ns.model or str(ensure_llama_model())
+    device = resolve_device(ns.device)
     engines = [e.strip() for e in ns.engines.split(",") if e.strip()]
     times: dict[str, list[tuple[float, float]]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory() as logs:
         for run in range(ns.runs):
             for engine in engines:
-                times[engine].append(one_start(engine, model, logs))
+                times[engine].append(one_start(engine, model, device, logs))
                 print(f"run {run + 1} {engine:13s} ready {times[engine][-1][0]:6.2f} s, "
                       f"first answer {times[engine][-1][1]:6.2f} s", flush=True)
     print(f"\n{'engine':13s} {'ready s, median (range)':>26s} {'first answer s':>26s}")
     for engine in engines:
-        print(f"{engine:13s} {spread([t[0] for t in times[engine]]):>26s} "
-              f"{spread([t[1] for t in times[engine]]):>26s}")
+        print(f"{engine:13s} {median_spread([t[0] for t in times[engine]], 2):>26s} "
+              f"{median_spread([t[1] for t in times[engine]], 2):>26s}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedserve.deploy.bench_report import RequestRecord, summarize
+from pagedserve.deploy.bench_report import RequestRecord, median_spread, summarize
 from pagedserve.deploy.bench_serve import _parse_metrics, histogram_quantile, ttft_histogram
 from pagedserve.deploy.bench_servers import BenchServer, pagedserve_command, transformers_command
 from pagedserve.deploy.bench_shapes import BenchShape, shape_cache_dir
@@ -178,10 +178,6 @@ def _row(engine: str, r: dict) -> str:
             f"{1e3 * r['tpot_s']['mean']:10.1f}{1e3 * r['itl_s']['p50']:10.1f}{r['failed']:8d}{idle:>8}{r['load']:>7}")
 
 
-def _median_spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
-
-
 def main(ns: argparse.Namespace) -> int:
     model = ns.model or str(ensure_llama_model())
     engines = [e for e in ns.engines.split(",") if e]
@@ -217,9 +213,9 @@ def main(ns: argparse.Namespace) -> int:
         summary[engine] = {"tok_s": [r["output_token_throughput"] for r in rs],
                            "ttft_p50_ms": [1e3 * r["ttft_s"]["p50"] for r in rs],
                            "tpot_mean_ms": [1e3 * r["tpot_s"]["mean"] for r in rs]}
-        print(f"{engine:<14} tok/s {_median_spread(summary[engine]['tok_s'])}, TTFT p50 "
-              f"{_median_spread(summary[engine]['ttft_p50_ms'])} ms, TPOT mean "
-              f"{_median_spread(summary[engine]['tpot_mean_ms'])} ms")
+        print(f"{engine:<14} tok/s {median_spread(summary[engine]['tok_s'])}, TTFT p50 "
+              f"{median_spread(summary[engine]['ttft_p50_ms'])} ms, TPOT mean "
+              f"{median_spread(summary[engine]['tpot_mean_ms'])} ms")
     if set(ENGINES) <= set(engines):
         ratios = [a / b for a, b in zip(summary["pagedserve"]["tok_s"], summary["transformers"]["tok_s"]) if b]
         print(f"pagedserve / transformers tok/s, per run pair: {', '.join(f'{x:.2f}x' for x in ratios)}; "

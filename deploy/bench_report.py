@@ -44,6 +44,11 @@ def _percentile(sorted_values: list[float], pct: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
+def median_spread(values: Sequence[float], digits: int = 1) -> str:
+    """``median (min-max)``: how every bench prints the runs of one measurement."""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
 def stats(values: Sequence[float]) -> dict[str, float]:
     ordered = sorted(values)
     out = {"mean": statistics.fmean(ordered) if ordered else 0.0}
