@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
 
         return package_version()
     if name in __all__:
-        from pagedserve.deploy import offline
+        from pagedserve.offline import llm as offline
 
         return getattr(offline, name)
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -7,7 +7,7 @@ import logging
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedserve.deploy import bench_offline, bench_peer, bench_scenarios, bench_serve
+    from pagedserve.bench import offline as bench_offline, peer as bench_peer, scenarios as bench_scenarios, serve as bench_serve
 
     p = argparse.ArgumentParser(prog="pagedserve bench", description="pagedserve benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)

@@ -37,20 +37,20 @@ for s in "$@"; do
              tests/test_kernels_attention.py tests/test_kernels_blocks.py tests/test_worker_triton_forward.py \
              tests/test_worker_cuda_graphs.py tests/test_kernels_fused.py \
              -o addopts="" --timeout 200 ;;
-    check) step check 180 python3 bench/cuda_check.py ${CASES:+--cases $CASES} ;;
-    kernels) step kernels 240 python3 bench/kernels_bench.py --preset llama8b --device cuda ;;
+    check) step check 180 python3 bench/scripts/cuda_check.py ${CASES:+--cases $CASES} ;;
+    kernels) step kernels 240 python3 bench/scripts/kernels_bench.py --preset llama8b --device cuda ;;
     offline) step offline 200 pagedserve bench offline --shapes 0.5b --device cuda --dtype bfloat16 \
                --num-prompts 256 --input-len 32 512 --output-len 128 --runs 2 ;;
-    profile) step profile 200 python3 bench/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
+    profile) step profile 200 python3 bench/scripts/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
                --num-prompts 256 --input-len 32 512 --output-len 128 --by-kind --repeat 2 ;;
-    tprofile) step tprofile 200 python3 bench/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
+    tprofile) step tprofile 200 python3 bench/scripts/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
                --num-prompts 256 --input-len 32 64 --output-len 8 --repeat 2 --torch-profile ;;
-    dprofile) step dprofile 200 python3 bench/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
+    dprofile) step dprofile 200 python3 bench/scripts/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
                --num-prompts 200 --input-len 32 64 --output-len 64 --by-kind --torch-profile ;;
     abprofile) for fused in 0 1; do PAGEDSERVE_FUSED_OPS=$fused step "profile-fused$fused" 60 python3 \
-               bench/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 --num-prompts 256 \
+               bench/scripts/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 --num-prompts 256 \
                --input-len 32 512 --output-len 128 --by-kind --repeat 2; done ;;
-    cprofile) step cprofile 200 python3 bench/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
+    cprofile) step cprofile 200 python3 bench/scripts/step_profile.py --shape 0.5b --device cuda --dtype bfloat16 \
                --num-prompts 256 --input-len 32 64 --output-len 32 --profile ;;
     serve) step serve 170 bash -c 'pagedserve serve /tmp/bench-models/0.5b --dtype bfloat16 --port 8011 \
                >"$OUT/server.log" 2>&1 & pid=$!; for i in $(seq 240); do curl -sf localhost:8011/health >/dev/null \

@@ -16,9 +16,9 @@ import statistics
 import tempfile
 import time
 
-from pagedserve.deploy.bench_report import RequestRecord
-from pagedserve.deploy.bench_serve import _one_request, _parse_metrics, first_model, get_text, http_session
-from pagedserve.deploy.bench_servers import BenchServer, pagedserve_command
+from pagedserve.bench.report import RequestRecord
+from pagedserve.bench.serve import _one_request, _parse_metrics, first_model, get_text, http_session
+from pagedserve.bench.servers import BenchServer, pagedserve_command
 
 HTTP_PROMPT_LENS = (7, 31, 55, 80, 105, 130)
 ALONE = 3  # the one alone: the 80-token prompt

@@ -18,7 +18,7 @@ import argparse
 import asyncio
 import random
 
-from pagedserve.deploy.bench_report import RequestRecord
+from pagedserve.bench.report import RequestRecord
 
 WORDS = ("the", "a", "of", "and", "to", "in", "is", "it", "that", "was", "for", "on", "with",
          "as", "we", "you", "they", "this", "be", "at", "one", "have", "from", "or", "by", "but",

@@ -6,7 +6,7 @@ pagedserve runs first and its processes are stopped before transformers starts, 
 never share the CPU. Each engine warms up, then generates the whole workload ``--runs``
 times; throughput is generated tokens over wall time from submit to last result, reported
 as the median and the spread (min-max) of the runs. ``--shapes tiny,small,0.5b`` runs the
-shapes of ``bench_shapes.py`` one after the other and prints them side by side.
+shapes of ``shapes.py`` one after the other and prints them side by side.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _summary(engine: str, seconds: list[float], token_ids: list[list[int]]) -> d
 
 
 def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]], output_len: int) -> dict:
-    from pagedserve.deploy.offline import LLM, SamplingParams
+    from pagedserve.offline.llm import LLM, SamplingParams
 
     opts = dict(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,  # None: default
                 device=ns.device, dtype=ns.dtype, num_threads=ns.num_threads,
@@ -156,7 +156,7 @@ def format_rows(results: list[dict]) -> str:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from pagedserve.deploy.bench_shapes import SHAPES, ensure_shape_model
+    from pagedserve.bench.shapes import SHAPES, ensure_shape_model
     from pagedserve.protocol.options import resolve_device
 
     ns.device = resolve_device(ns.device)

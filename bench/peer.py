@@ -24,10 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedserve.deploy.bench_report import RequestRecord, median_spread, summarize
-from pagedserve.deploy.bench_serve import _parse_metrics, histogram_quantile, ttft_histogram
-from pagedserve.deploy.bench_servers import BenchServer, pagedserve_command, transformers_command
-from pagedserve.deploy.bench_shapes import BenchShape, shape_cache_dir
+from pagedserve.bench.report import RequestRecord, median_spread, summarize
+from pagedserve.bench.serve import _parse_metrics, histogram_quantile, ttft_histogram
+from pagedserve.bench.servers import BenchServer, pagedserve_command, transformers_command
+from pagedserve.bench.shapes import BenchShape, shape_cache_dir
 from pagedserve.protocol.options import resolve_device
 
 ENGINES = ("pagedserve", "transformers")
@@ -55,7 +55,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def ensure_llama_model() -> Path:
-    from pagedserve.deploy.demo_model import build_model_dir
+    from pagedserve.tools.demo_model import build_model_dir
 
     path = shape_cache_dir() / LLAMA3.name
     if not (path / "config.json").exists():

@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections import Counter
 
-from pagedserve.deploy.bench_report import RequestRecord, latency_table, plot_run, summarize
+from pagedserve.bench.report import RequestRecord, latency_table, plot_run, summarize
 
 MISALIGNED_PROMPT_LENS = (7, 33, 90, 170, 260, 411)
 BLOCK_SIZE = 16
@@ -39,7 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", help="write the result here")
     p.add_argument("--output-png", help="tight-kv: plot latency per request and queues")
     p.add_argument("--http", action="store_true", help="misaligned: through a pagedserve server started here "
-                   "(HTTP frontend, warm; bench_misaligned_http.py) instead of the offline engine")
+                   "(HTTP frontend, warm; misaligned_http.py) instead of the offline engine")
     p.add_argument("--rounds", type=int, default=5, help="misaligned --http: timed rounds (alone, then six)")
     p.add_argument("--serve-args", default="", help="misaligned --http: extra `pagedserve serve` options")
 
@@ -83,7 +83,7 @@ def _random_prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def misaligned(ns: argparse.Namespace, model: str, trace: str) -> dict:
-    from pagedserve.deploy.offline import LLM, SamplingParams
+    from pagedserve.offline.llm import LLM, SamplingParams
 
     rng = random.Random(0)
     prompts = [_random_prompt(rng, n) for n in MISALIGNED_PROMPT_LENS]
@@ -127,7 +127,7 @@ def misaligned(ns: argparse.Namespace, model: str, trace: str) -> dict:
 
 
 def tight_kv(ns: argparse.Namespace, model: str, trace: str) -> dict:
-    from pagedserve.deploy.offline import LLM, SamplingParams
+    from pagedserve.offline.llm import LLM, SamplingParams
 
     num = ns.num_requests or 40
     rng = random.Random(1)
@@ -174,7 +174,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.http:
         if ns.name != "misaligned":
             raise SystemExit("--http: only the misaligned scenario runs through HTTP")
-        from pagedserve.deploy.bench_misaligned_http import misaligned_http
+        from pagedserve.bench.misaligned_http import misaligned_http
 
         result = misaligned_http(ns, model)
         if ns.output_json:

@@ -4,7 +4,7 @@ Requests are streamed completions (``/v1/completions``, ``stream=True``): random
 prompts of lengths uniform in a range, or the prompts of a JSONL file (``{"prompt": ...,
 "max_tokens": ...}`` per line). They arrive as a Poisson process at ``--request-rate``
 (default: all at once), at most ``--max-concurrency`` in flight; or ``--dataset multi-turn``
-(bench_multi_turn.py): conversations whose turns each wait for the previous answer. Reports TTFT, TPOT, ITL
+(multi_turn.py): conversations whose turns each wait for the previous answer. Reports TTFT, TPOT, ITL
 (between events with choices, as vLLM's benchmark: the server sends one per token, with
 empty text while a character or a possible stop string is incomplete) and end-to-end latency
 (mean, p50, p90, p99), throughput, the worker's idle share, the prefix-cache hit rate and the
@@ -31,8 +31,8 @@ from typing import Optional
 
 import msgspec
 
-from pagedserve.deploy import bench_multi_turn
-from pagedserve.deploy.bench_report import RequestRecord, cache_table, latency_table, plot_run, summarize
+from pagedserve.bench import multi_turn as bench_multi_turn
+from pagedserve.bench.report import RequestRecord, cache_table, latency_table, plot_run, summarize
 
 
 class _Usage(msgspec.Struct):

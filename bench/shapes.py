@@ -24,7 +24,7 @@ class BenchShape:
 
 
 SHAPES = {s.name: s for s in (
-    # the demo model (deploy/demo_model.py build_demo_model)
+    # the demo model (tools/demo_model.py build_demo_model)
     BenchShape("tiny", dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                             intermediate_size=256, vocab_size=1024, max_position_embeddings=4096,
                             seed=1234)),
@@ -46,7 +46,7 @@ def shape_cache_dir() -> Path:
 
 def ensure_shape_model(shape: BenchShape) -> Path:
     """The shape's model directory, written on first use."""
-    from pagedserve.deploy.demo_model import build_model_dir
+    from pagedserve.tools.demo_model import build_model_dir
 
     path = shape_cache_dir() / shape.name
     if not (path / "config.json").exists():

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Optional
 
-from pagedserve.frontend_proc.errors import InvalidRequest
+from pagedserve.client.errors import InvalidRequest
 
 # apply_chat_template's own arguments and what the request already carries elsewhere.
 _RESERVED_KWARGS = frozenset({

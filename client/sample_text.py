@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection, Optional, Union
 
-from pagedserve.protocol.detokenizer import Decodes, make_detokenizer
+from pagedserve.client.detokenizer import Decodes, make_detokenizer
 from pagedserve.protocol.messages import RequestDelta
-from pagedserve.protocol.stop_strings import StopStringMatcher
+from pagedserve.client.stop_strings import StopStringMatcher
 
 
 @dataclass(slots=True)

@@ -7,10 +7,10 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from pagedserve.frontend_proc.chat_template_options import ChatTemplateOptions, template_messages
-from pagedserve.frontend_proc.errors import InvalidRequest
-from pagedserve.frontend_proc.openai_schema import ChatMessage
-from pagedserve.protocol.detokenizer import fast_backend
+from pagedserve.client.chat_template_options import ChatTemplateOptions, template_messages
+from pagedserve.client.errors import InvalidRequest
+from pagedserve.client.chat_messages import ChatMessage
+from pagedserve.client.detokenizer import fast_backend
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ def default_demo_dir() -> Path:
 
 
 def ensure_demo_model(path: Path | None = None) -> Path:
-    from pagedserve.deploy.demo_model import build_demo_model
+    from pagedserve.tools.demo_model import build_demo_model
 
     path = path or default_demo_dir()
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
@@ -39,14 +39,14 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2
     if cfg.distributed_executor_backend == "ray":
-        from pagedserve.deploy.ray_supervisor import serve_on_ray
+        from pagedserve.deploy.ray.supervisor import serve_on_ray
 
         return serve_on_ray(cfg)
     return serve(cfg)
 
 
 def _cmd_demo_model(ns: argparse.Namespace) -> int:
-    from pagedserve.deploy.demo_model import build_demo_model
+    from pagedserve.tools.demo_model import build_demo_model
 
     path = build_demo_model(ns.dir)
     print(f"wrote the demo model to {path}")
@@ -54,19 +54,19 @@ def _cmd_demo_model(ns: argparse.Namespace) -> int:
 
 
 def _cmd_replay(ns: argparse.Namespace) -> int:
-    from pagedserve.deploy.replay import replay_main
+    from pagedserve.tools.replay import replay_main
 
     return replay_main(ns)
 
 
 def _cmd_trace_show(ns: argparse.Namespace) -> int:
-    from pagedserve.deploy.trace_show import show_main
+    from pagedserve.tools.trace_show import show_main
 
     return show_main(ns)
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
-    from pagedserve.deploy.bench_cli import bench_main
+    from pagedserve.bench.cli import bench_main
 
     return bench_main(ns)
 

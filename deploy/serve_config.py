@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagedserve.protocol import options as opts
-from pagedserve.protocol.generation_defaults import check_generation_config_option
+from pagedserve.client.generation_defaults import check_generation_config_option
 from pagedserve.protocol.options import FRONTEND, ROUTER_KINDS, SCHEDULER, WORKER, resolve_device, resolve_dtype
 from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 

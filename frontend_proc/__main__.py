@@ -23,8 +23,8 @@ from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.serving import Serving
-from pagedserve.protocol.generation_defaults import load_generation_defaults
-from pagedserve.frontend_proc.tokenization import PromptTokenizer
+from pagedserve.client.generation_defaults import load_generation_defaults
+from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import ProcessReady
 from pagedserve.protocol.structured_outputs import preload_in_background
 from pagedserve.protocol.zmq_io import Endpoints, Sender

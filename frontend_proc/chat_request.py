@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from pagedserve.frontend_proc.chat_template_options import ChatTemplateOptions
+from pagedserve.client.chat_template_options import ChatTemplateOptions
 from pagedserve.frontend_proc.errors import InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest
 from pagedserve.frontend_proc.response_format import ChatFormat
 from pagedserve.frontend_proc.structured_request import check_grammar, structured_outputs_of
-from pagedserve.frontend_proc.tokenization import PromptTokenizer
+from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.frontend_proc.tool_call_output import ToolCallChoices
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig, plan_tool_calls
 from pagedserve.protocol.messages import StructuredOutputs

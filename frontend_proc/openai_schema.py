@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from pagedserve.client.chat_messages import ChatMessage, FunctionCall, Lenient as _Lenient, ToolCall  # noqa: F401
 
 MAX_N = 128
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default; a deployment may set another
-
-
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Lenient):
@@ -168,36 +166,6 @@ class CompletionRequest(SamplingFields):
         return self.logprobs if self.echo else None
 
 
-class FunctionCall(_Lenient):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(_Lenient):
-    id: Optional[str] = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Lenient):
-    role: str
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
-    tool_call_id: Optional[str] = None  # role "tool": the call this answers
-
-    def text(self) -> str:
-        """The content as one string; only text parts are understood."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
 class FunctionDefinition(_Lenient):
     name: str = Field(min_length=1)
     description: Optional[str] = None
@@ -225,7 +193,7 @@ class ChatCompletionRequest(SamplingFields):
     # None: "auto" with tools, "none" without (OpenAI's default); frontend_proc/tool_choice.py
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
-    # vLLM's chat template controls (frontend_proc/chat_template_options.py)
+    # vLLM's chat template controls (client/chat_template_options.py)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None

@@ -16,9 +16,9 @@ from typing import AsyncIterator, Optional
 from pagedserve.frontend_proc.engine_client import EngineClient, ReplicaFailed, RequestHandle
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest, ServiceUnavailable, ShuttingDown
 from pagedserve.frontend_proc.metrics import FrontendMetrics
-from pagedserve.frontend_proc.tokenization import PromptTokenizer
+from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import PromptLogprobs, RequestDelta
-from pagedserve.protocol.sample_text import SampleText
+from pagedserve.client.sample_text import SampleText
 
 log = logging.getLogger(__name__)
 

@@ -28,12 +28,12 @@ from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
 from pagedserve.frontend_proc.response_format import (
     ChatFormat, CompletionFormat, LogprobEntries, usage)
 from pagedserve.frontend_proc.structured_request import structured_outputs_of
-from pagedserve.frontend_proc.tokenization import PromptTokenizer
+from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.frontend_proc.tool_call_output import ToolCallChoices
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
 from pagedserve.protocol.messages import AddRequest, SamplingParams, StructuredOutputs
-from pagedserve.protocol.detokenizer import Decodes, TextDecoder
-from pagedserve.protocol.generation_defaults import GenerationDefaults
+from pagedserve.client.detokenizer import Decodes, TextDecoder
+from pagedserve.client.generation_defaults import GenerationDefaults
 from pagedserve.protocol.validate import InvalidField, check_request
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedserve.frontend_proc.chat_template_options import ChatTemplateOptions
+from pagedserve.client.chat_template_options import ChatTemplateOptions
 from pagedserve.frontend_proc.errors import InvalidRequest, NotFound
 from pagedserve.frontend_proc.openai_schema import ChatMessage, ToolDefinition
 from pagedserve.frontend_proc.serving import Serving

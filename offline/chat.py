@@ -1,10 +1,9 @@
 """``LLM.chat``'s prompts: conversations rendered by the HTTP frontend's own chat code.
 
-The offline LLM plays the frontend of its engine, so it renders a conversation with the
-frontend's ``PromptTokenizer.encode_chat`` (frontend_proc/tokenization.py), the function
-/v1/chat/completions uses: the two cannot render one conversation differently. It is the
-one place deploy/ imports from a process's package (docs/DECISIONS.md), lazily, on the
-first ``chat()``.
+The offline LLM plays the frontend of its engine, so it renders a conversation with
+``PromptTokenizer.encode_chat`` (client/tokenization.py), the function /v1/chat/completions
+uses: the two cannot render one conversation differently. Imported lazily, on the first
+``chat()``: pydantic and jinja are not needed before.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ Conversation = list[dict[str, Any]]  # [{"role": ..., "content": ...}, ...]
 
 
 def chat_prompt_tokenizer(model_dir: str, chat_template: Optional[str]):
-    """The frontend's PromptTokenizer for the model (``chat_template``: a file or the text)."""
-    from pagedserve.frontend_proc.tokenization import PromptTokenizer
+    """The PromptTokenizer the frontend uses, for the model (``chat_template``: a file or the text)."""
+    from pagedserve.client.tokenization import PromptTokenizer
 
     return PromptTokenizer(Path(model_dir), chat_template)
 
@@ -40,9 +39,9 @@ def render_conversations(tokenizer, messages: Union[Conversation, Sequence[Conve
     """Each conversation's prompt token ids; a bad one raises InvalidField naming it."""
     from pydantic import ValidationError
 
-    from pagedserve.frontend_proc.chat_template_options import ChatTemplateOptions
-    from pagedserve.frontend_proc.errors import APIError
-    from pagedserve.frontend_proc.openai_schema import ChatMessage
+    from pagedserve.client.chat_template_options import ChatTemplateOptions
+    from pagedserve.client.errors import APIError
+    from pagedserve.client.chat_messages import ChatMessage
 
     try:
         options = ChatTemplateOptions.from_request(add_generation_prompt, continue_final_message,

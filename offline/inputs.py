@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 from pagedserve.protocol import messages as m
-from pagedserve.deploy.offline_structured import as_structured_outputs
+from pagedserve.offline.structured import as_structured_outputs
 from pagedserve.protocol.validate import InvalidField, check_message
 
 Prompt = Union[str, list[int], dict]
@@ -19,7 +19,7 @@ Prompt = Union[str, list[int], dict]
 @dataclass
 class SamplingParams:
     """The protocol's SamplingParams (same names, same ranges) plus ``stop`` strings, which the
-    caller's side applies, exactly as the HTTP frontend does (protocol/sample_text.py)."""
+    caller's side applies, exactly as the HTTP frontend does (client/sample_text.py)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -149,5 +149,5 @@ def as_params_list(sampling: Any, num_prompts: int) -> list[SamplingParams]:
         raise ValueError(f"{len(params)} SamplingParams for {num_prompts} prompts")
     for p in params:
         if not isinstance(p, SamplingParams):
-            raise TypeError(f"expected pagedserve.deploy.offline.SamplingParams, got {type(p).__name__}")
+            raise TypeError(f"expected pagedserve.SamplingParams, got {type(p).__name__}")
     return params

@@ -4,10 +4,10 @@ It reuses the serving loop and swaps only the I/O: the same scheduler and worker
 processes the supervisor starts (same command lines, a private run dir) and no HTTP
 frontend; this object plays the frontend over the protocol. It binds the frontend's
 output socket, pushes AddRequests to the schedulers and collects RequestDeltas until every
-request finished; text follows the HTTP frontend's rules (deploy/offline_outputs.py).
+request finished; text follows the HTTP frontend's rules (offline/outputs.py).
 
 It never waits without end: every input is checked before anything is sent
-(deploy/offline_inputs.py), a dead scheduler raises EngineDiedError, dead workers are
+(offline/inputs.py), a dead scheduler raises EngineDiedError, dead workers are
 replaced as ``serve`` replaces them (the requests they held end with finish_reason
 "error"), and ``generate`` takes a timeout.
 """
@@ -25,15 +25,15 @@ from typing import Optional, Sequence, Union
 import zmq
 
 from pagedserve.deploy.children import Child, free_tcp_port, spawn
-from pagedserve.deploy.offline_chat import Conversation, chat_prompt_tokenizer, render_conversations
-from pagedserve.deploy.offline_inputs import (
+from pagedserve.offline.chat import Conversation, chat_prompt_tokenizer, render_conversations
+from pagedserve.offline.inputs import (
     Prompt, SamplingParams, as_params_list, as_prompt_list, prompt_text, prompt_token_ids)
-from pagedserve.deploy.offline_outputs import CompletionOutput, PendingRequest, RequestOutput
-from pagedserve.deploy.offline_structured import StructuredOutputsParams
+from pagedserve.offline.outputs import CompletionOutput, PendingRequest, RequestOutput
+from pagedserve.offline.structured import StructuredOutputsParams
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
-from pagedserve.protocol.detokenizer import TextDecoder
-from pagedserve.protocol.generation_defaults import load_generation_defaults
+from pagedserve.client.detokenizer import TextDecoder
+from pagedserve.client.generation_defaults import load_generation_defaults
 from pagedserve.protocol.validate import InvalidField, check_request
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 

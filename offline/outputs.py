@@ -1,6 +1,6 @@
 """What ``LLM.generate`` returns, and how one request's deltas build it.
 
-Text follows the HTTP frontend's rules exactly (protocol/sample_text.py): stop tokens are not
+Text follows the HTTP frontend's rules exactly (client/sample_text.py): stop tokens are not
 rendered, a stop string ends the text before it. ``token_ids`` holds every token the engine
 sampled for the sample until it ended (a stop token included, as vLLM's do).
 """
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, Optional, Union
 
 from pagedserve.protocol import messages as m
-from pagedserve.protocol.detokenizer import TextDecoder
-from pagedserve.protocol.sample_text import SampleText
+from pagedserve.client.detokenizer import TextDecoder
+from pagedserve.client.sample_text import SampleText
 
 
 @dataclass(slots=True)

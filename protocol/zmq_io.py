@@ -87,7 +87,7 @@ class TcpLayout:
 
     ``addresses`` (endpoint name -> ``tcp://host:port``) overrides that rule per endpoint:
     with the Ray backend each replica binds on whichever node Ray placed it
-    (deploy/ray_supervisor.py), so one host and one port range cannot name them all.
+    (deploy/ray/supervisor.py), so one host and one port range cannot name them all.
     """
 
     host: str

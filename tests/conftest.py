@@ -72,7 +72,7 @@ def pytest_sessionstart(session):
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """build(arch, **overrides) -> model dir, cached per (arch, overrides) for the session."""
-    from pagedserve.deploy.demo_model import build_model_dir
+    from pagedserve.tools.demo_model import build_model_dir
 
     cache: dict = {}
 

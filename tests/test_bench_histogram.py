@@ -7,7 +7,7 @@ import math
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pagedserve.deploy.bench_serve import histogram_quantile, ttft_histogram
+from pagedserve.bench.serve import histogram_quantile, ttft_histogram
 from pagedserve.frontend_proc.metrics import _TTFT_BUCKETS, _Observed
 
 

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import time
 
-from pagedserve.deploy import bench_multi_turn
+from pagedserve.bench import multi_turn as bench_multi_turn
 
 
 def _ns(think_time: float) -> argparse.Namespace:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagedserve.deploy.bench_cli import bench_main
+from pagedserve.bench.cli import bench_main
 from server import Server
 
 pytestmark = pytest.mark.slow

@@ -8,11 +8,11 @@ import json
 import jsonschema
 import pytest
 
-from pagedserve.deploy.demo_model import build_tokenizer
-from pagedserve.frontend_proc.chat_template_options import ChatTemplateOptions
+from pagedserve.tools.demo_model import build_tokenizer
+from pagedserve.client.chat_template_options import ChatTemplateOptions
 from pagedserve.frontend_proc.errors import InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest
-from pagedserve.frontend_proc.tokenization import PromptTokenizer
+from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig, plan_tool_calls
 
 WEATHER = {"type": "function", "function": {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import hf_greedy
-from pagedserve.deploy.offline import LLM, SamplingParams
+from pagedserve.offline.llm import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from pagedserve.deploy import bench_multi_turn
+from pagedserve.bench import multi_turn as bench_multi_turn
 from server import Server, wait_until
 
 pytestmark = pytest.mark.slow

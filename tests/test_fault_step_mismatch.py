@@ -14,7 +14,7 @@ import time
 import pytest
 import zmq
 
-from pagedserve.deploy.demo_model import build_model_dir
+from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.worker_link import SchedulerLink
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir

@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from pagedserve.deploy.demo_model import build_tokenizer
+from pagedserve.tools.demo_model import build_tokenizer
 from pagedserve.frontend_proc.request_stream import ChoiceState
 from pagedserve.frontend_proc.router import Router
-from pagedserve.frontend_proc.tokenization import PromptTokenizer
-from pagedserve.protocol.detokenizer import REPLACEMENT_CHAR, StreamDetokenizer, WindowDetokenizer
-from pagedserve.protocol.stop_strings import StopStringMatcher
+from pagedserve.client.tokenization import PromptTokenizer
+from pagedserve.client.detokenizer import REPLACEMENT_CHAR, StreamDetokenizer, WindowDetokenizer
+from pagedserve.client.stop_strings import StopStringMatcher
 from pagedserve.protocol.messages import SchedulerStats
 
 MULTILINGUAL = "Émile ate crème brûlée in Zürich; 東京は大きい。 🙂🚀 🎉€ ∑ π done"

@@ -11,7 +11,7 @@ import torch
 from pagedserve.deploy.serve_config import ConfigError, ServeConfig
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest, CompletionRequest
 from pagedserve.frontend_proc.serving import Serving
-from pagedserve.protocol.generation_defaults import (
+from pagedserve.client.generation_defaults import (
     GenerationConfigError, GenerationDefaults, load_generation_defaults)
 from pagedserve.worker_proc.kv_cache import max_num_blocks
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedserve.deploy.demo_model import build_model_dir
+from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.kernels import fused_norm, fused_rotary, fused_silu_mul, reference, triton_ops
 from pagedserve.worker_proc import elementwise
 from pagedserve.worker_proc.elementwise import FusedElementwise, TorchElementwise, select_elementwise

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.deploy.demo_model import build_model_dir
+from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.worker_proc.model_runner import ModelRunner
 from test_worker_harness import TrivialScheduler, hf_greedy, random_prompts
 

@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from conftest import hf_greedy, hf_tokenizer
-from pagedserve.deploy.offline import LLM, SamplingParams
+from pagedserve.offline.llm import LLM, SamplingParams
 
 PROMPTS = ["Hello, world!", "The quick brown fox jumps over the lazy dog.", "東京は"]
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import hf_greedy
 from server import Server
 
-from pagedserve.deploy.offline import LLM, SamplingParams
+from pagedserve.offline.llm import LLM, SamplingParams
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import PROTOCOL_VERSION
 

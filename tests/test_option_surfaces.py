@@ -11,7 +11,7 @@ import json
 import pytest
 
 from pagedserve.deploy.cli import build_parser as serve_cli
-from pagedserve.deploy.offline import LLM
+from pagedserve.offline.llm import LLM
 from pagedserve.deploy.serve_config import ConfigError, ServeConfig
 from pagedserve.frontend_proc.args import FrontendConfig, build_parser as frontend_cli, parse_args as frontend_args
 from pagedserve.protocol import options as opts

@@ -52,7 +52,7 @@ def test_an_installed_wheel_imports_every_package_from_site_packages(wheel, tmp_
 
 @pytest.mark.slow  # a fresh interpreter: the import graph of this one is already polluted
 def test_importing_the_protocol_does_not_load_the_offline_api():
-    code = "import sys, pagedserve.protocol.messages; print('pagedserve.deploy.offline' in sys.modules)"
+    code = "import sys, pagedserve.protocol.messages; print('pagedserve.offline.llm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "False"
 

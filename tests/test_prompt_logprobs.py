@@ -153,7 +153,7 @@ def test_each_prompt_position_reaches_each_sample_once_through_chunks_preemption
 
 @pytest.mark.slow
 def test_offline_prompt_logprobs_equal_transformers_log_softmax_across_chunks(model_factory):
-    from pagedserve.deploy.offline import LLM, SamplingParams as OfflineParams
+    from pagedserve.offline.llm import LLM, SamplingParams as OfflineParams
 
     model = model_factory("qwen2")
     long_prompt = [(7 * i + 3) % 500 + 3 for i in range(45)]  # 3 chunks of at most 16 tokens

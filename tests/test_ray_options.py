@@ -66,7 +66,7 @@ def test_the_kuberay_manifest_runs_a_serve_command_that_parses_and_fits_its_work
 def test_the_request_relay_follows_a_replica_to_its_new_node_and_drops_frames_while_it_has_none(tmp_path):
     import zmq
 
-    from pagedserve.deploy.ray_relay import InputRelay
+    from pagedserve.deploy.ray.relay import InputRelay
     from pagedserve.protocol.zmq_io import Endpoint
 
     ctx = zmq.Context()
@@ -90,7 +90,7 @@ def test_the_request_relay_follows_a_replica_to_its_new_node_and_drops_frames_wh
         received = []
         while b"second" not in received and nodes[1].poll(5000):
             received.append(nodes[1].recv())
-        assert received[-1:] == [b"second"]  # ("lost" may get through if still in flight: ray_relay.py)
+        assert received[-1:] == [b"second"]  # ("lost" may get through if still in flight: deploy/ray/relay.py)
         assert not nodes[0].poll(200)  # the old node never hears of the replica again
     finally:
         relay.stop()

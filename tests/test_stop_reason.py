@@ -1,14 +1,14 @@
-"""vLLM's stop_reason of one sample (protocol/sample_text.py): the stop string or requested
+"""vLLM's stop_reason of one sample (client/sample_text.py): the stop string or requested
 stop token that ended it, else None. Pure objects."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedserve.deploy.demo_model import build_tokenizer
-from pagedserve.protocol.detokenizer import TextDecoder
+from pagedserve.tools.demo_model import build_tokenizer
+from pagedserve.client.detokenizer import TextDecoder
 from pagedserve.protocol.messages import RequestDelta
-from pagedserve.protocol.sample_text import SampleText
+from pagedserve.client.sample_text import SampleText
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from pagedserve.deploy.demo_model import build_tokenizer
+from pagedserve.tools.demo_model import build_tokenizer
 from pagedserve.frontend_proc.response_format import ChatFormat
 from pagedserve.frontend_proc.tool_call_output import ToolCallChoices
 from pagedserve.frontend_proc.tool_parsers import TOOL_PARSERS, UnknownToolParser, get_tool_parser

@@ -7,7 +7,7 @@ import os
 import msgspec
 import pytest
 
-from pagedserve.deploy.trace_show import summarize_trace
+from pagedserve.tools.trace_show import summarize_trace
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import PROTOCOL_VERSION, Decoder, encode
 from pagedserve.protocol.trace import (

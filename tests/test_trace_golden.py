@@ -15,8 +15,8 @@ import msgspec
 import pytest
 
 from pagedserve.deploy.cli import main as cli
-from pagedserve.deploy.replay import ReplayMismatch, replay_workers
-from pagedserve.deploy.trace_show import summarize_trace
+from pagedserve.tools.replay import ReplayMismatch, replay_workers
+from pagedserve.tools.trace_show import summarize_trace
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import Decoder
 from pagedserve.protocol.trace import TRACE_MAGIC, frame_record, read_trace

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.deploy.replay import replay_workers
-from pagedserve.deploy.trace_show import summarize_trace
+from pagedserve.tools.replay import replay_workers
+from pagedserve.tools.trace_show import summarize_trace
 from pagedserve.protocol.trace import read_trace
 from pagedserve.scheduler_proc.replay import replay_scheduler
 

@@ -9,7 +9,7 @@ NaN-poisoned cache that padding rows read.
 
 from kernel_device import DEVICE, MARKS  # first: it decides TRITON_INTERPRET
 
-from pagedserve.deploy.demo_model import build_model_dir
+from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.worker_proc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_proc.model_runner import ModelRunner
 from test_worker_harness import TrivialScheduler, hf_greedy, random_prompts

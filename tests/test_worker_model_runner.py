@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagedserve.deploy.demo_model import build_model_dir
+from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.protocol.messages import (
     CachedRequestData, DecodeBatch, NewRequestData, SamplingParams, SchedulerOutput, WorkerInit,
 )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.deploy.demo_model import build_model_dir
+from pagedserve.tools.demo_model import build_model_dir
 from server import free_port
 from test_worker_harness import hf_greedy, random_prompts
 

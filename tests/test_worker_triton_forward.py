@@ -7,7 +7,7 @@ On CUDA (see kernel_device) the worker picks the kernel anyway; the setting chan
 
 from kernel_device import DEVICE, MARKS  # first: it decides TRITON_INTERPRET before triton loads
 
-from pagedserve.deploy.demo_model import build_model_dir
+from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.kernels import triton_ops
 from pagedserve.worker_proc.model_runner import ModelRunner
 from test_worker_harness import TrivialScheduler, hf_greedy, random_prompts

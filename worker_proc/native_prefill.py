@@ -17,7 +17,7 @@ from pagedserve.kernels import cpu_native
 from pagedserve.worker_proc.prefill_attention import PrefillChunk
 
 # Longer chunks go to SDPA: the native kernel re-reads K and V per 8 queries, and from ~2k
-# keys on SDPA's larger tiles win (bench/cpu_prefill_bench.py; 1.2-1.6x faster below this).
+# keys on SDPA's larger tiles win (bench/scripts/cpu_prefill_bench.py; 1.2-1.6x faster below this).
 NATIVE_PREFILL_MAX_TOKENS = 1536
 
 

@@ -5,7 +5,7 @@ Each case is a step's decodes over random context lengths, their blocks scattere
 cache sized for them (as a worker's cache is after some churn). Prints ms per layer call,
 median of --repeat timed loops, and the largest difference between the two paths.
 
-    python bench/cpu_attention_bench.py [--threads 1] [--repeat 5]
+    python bench/scripts/cpu_attention_bench.py [--threads 1] [--repeat 5]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ step's fresh prompts and for chunks after cached context, on the bench shapes' h
 
 Prints ms per layer call (median of --repeat timed loops) and the largest difference.
 
-    python bench/cpu_prefill_bench.py [--threads 1] [--repeat 5]
+    python bench/scripts/cpu_prefill_bench.py [--threads 1] [--repeat 5]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Greedy parity with transformers on a CUDA GPU, through the real multi-process engine.
 
-    python bench/cuda_check.py            # needs a GPU; prints one row per case
+    python bench/scripts/cuda_check.py            # needs a GPU; prints one row per case
 
 The test suite runs on CPU only (CI has no GPU). This is what a GPU session runs to check
 that the CUDA path (Triton kernels, pinned host swap, the zeroing rule on the GPU stream,
@@ -61,8 +61,8 @@ def main() -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from pagedserve.deploy.demo_model import build_model_dir
-    from pagedserve.deploy.offline import LLM, SamplingParams
+    from pagedserve.tools.demo_model import build_model_dir
+    from pagedserve.offline.llm import LLM, SamplingParams
 
     rng = random.Random(0)
     shared = [rng.randrange(3, 500) for _ in range(40)]  # a common prefix for the prefix-cache case

@@ -1,7 +1,7 @@
 """Times every KV-cache kernel and a synthetic decode step on the device present.
 
-    python bench/kernels_bench.py                 # CUDA if available (Triton), else CPU (torch references)
-    python bench/kernels_bench.py --preset llama8b --device cuda
+    python bench/scripts/kernels_bench.py                 # CUDA if available (Triton), else CPU (torch references)
+    python bench/scripts/kernels_bench.py --preset llama8b --device cuda
 
 Bandwidth is bytes read plus bytes written per second, set against a large same-device
 tensor copy measured the same way. The headline ratio is "zeroing 512 blocks / one decode

@@ -7,7 +7,7 @@ zmq_io.Sender/Receiver (the old layout: one PUSH per worker, one PULL for result
 ``router-dealer`` is worker_link.WorkerRouter/SchedulerLink (routing ids with a MAC).
 Printed: median round trip per step in microseconds.
 
-    python bench/link_bench.py [--steps 2000]
+    python bench/scripts/link_bench.py [--steps 2000]
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ itself costs, without the collector walking the process's objects).
 ``--soak``: a steady workload (requests arriving and finishing) for many steps; reports
 traced Python memory and RSS growth between an early and the final sample.
 
-    python bench/scheduler_bench.py
-    python bench/scheduler_bench.py --soak --steps 100000
+    python bench/scripts/scheduler_bench.py
+    python bench/scripts/scheduler_bench.py --soak --steps 100000
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Time from launching a server to its first answer, pagedserve against `transformers serve`.
 
-    python bench/startup_bench.py [MODEL_DIR] [--runs 5] [--engines pagedserve,transformers]
+    python bench/scripts/startup_bench.py [MODEL_DIR] [--runs 5] [--engines pagedserve,transformers]
 
 Each run starts the server cold (a new process group, this checkout's defaults), waits
 for it to accept a one-token completion, and stops it; engines alternate run by run.
@@ -18,9 +18,9 @@ import time
 
 import httpx
 
-from pagedserve.deploy.bench_peer import ensure_llama_model
-from pagedserve.deploy.bench_report import median_spread
-from pagedserve.deploy.bench_servers import BenchServer, pagedserve_command, transformers_command
+from pagedserve.bench.peer import ensure_llama_model
+from pagedserve.bench.report import median_spread
+from pagedserve.bench.servers import BenchServer, pagedserve_command, transformers_command
 from pagedserve.protocol.options import resolve_device
 
 READY_PATHS = {"pagedserve": "/health", "transformers": "/v1/models"}

@@ -1,4 +1,4 @@
-"""Per-phase timing of the worker's step, for bench/step_profile.py --phases.
+"""Per-phase timing of the worker's step, for bench/scripts/step_profile.py --phases.
 
 Wraps the functions a step calls (module attributes, for this process only) with timers
 that book *exclusive* time: a norm inside the final logits call counts as a norm, and the

@@ -3,11 +3,11 @@
 Splits a run into scheduler time (schedule + update_from_output) and worker time
 (ModelRunner.execute), and optionally profiles it with cProfile, to find what bounds
 throughput before any socket is involved. ``--phases`` splits the worker's step into
-matmuls, attention, norms and activations, sampling, input preparation, ... (bench/step_phases.py),
+matmuls, attention, norms and activations, sampling, input preparation, ... (bench/scripts/step_phases.py),
 per step kind, and adds the msgpack encode + decode both ways that IPC costs (not the socket).
 
-    python bench/step_profile.py MODEL_DIR --num-prompts 64 --output-len 64 [--profile] [--phases]
-    python bench/step_profile.py --shape 0.5b --num-prompts 32 --input-len 8 256 --output-len 8 --phases
+    python bench/scripts/step_profile.py MODEL_DIR --num-prompts 64 --output-len 64 [--profile] [--phases]
+    python bench/scripts/step_profile.py --shape 0.5b --num-prompts 32 --input-len 8 256 --output-len 8 --phases
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def main() -> None:
     if not ns.malloc_default:
         keep_freed_memory()  # as the worker process does (worker_proc/host_memory.py)
     if ns.shape:
-        from pagedserve.deploy.bench_shapes import SHAPES, ensure_shape_model
+        from pagedserve.bench.shapes import SHAPES, ensure_shape_model
 
         ns.model = str(ensure_shape_model(SHAPES[ns.shape]))
     if not ns.model:

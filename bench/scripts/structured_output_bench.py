@@ -1,7 +1,7 @@
 """What grammar-constrained output costs: throughput of 64 concurrent requests, a quarter of
 them ``json_schema``, against the same load unconstrained, on one server in one run.
 
-    python bench/structured_output_bench.py [--model DIR] [--rounds 3] [--device cpu]
+    python bench/scripts/structured_output_bench.py [--model DIR] [--rounds 3] [--device cpu]
 
 Starts ``pagedserve serve`` (the demo model unless ``--model``), then alternates rounds of the
 two loads (so drift on a shared machine hits both alike): 64 streamed-less completions of
@@ -120,7 +120,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pagedserve-so-bench-") as tmp:
         model = ns.model
         if model is None:
-            from pagedserve.deploy.demo_model import build_demo_model
+            from pagedserve.tools.demo_model import build_demo_model
 
             model = str(build_demo_model(Path(tmp) / "demo"))
         port = free_port()

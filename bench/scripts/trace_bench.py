@@ -5,7 +5,7 @@ loop does anyway — ``schedule()``, encoding the SchedulerOutput, ``update_from
 with a fabricated StepResult frame — and, when recording, the two trace appends the loop
 adds (the to_worker and from_worker frames, already encoded, one flushed write each).
 
-    python bench/trace_bench.py [--steps 300] [--dir /tmp]
+    python bench/scripts/trace_bench.py [--steps 300] [--dir /tmp]
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """``pagedserve serve --distributed-executor-backend ray``: the supervisor, with replicas on Ray.
 
 The frontend (and this supervisor, Ray's driver) stay on the node where ``serve`` runs.
-Each data-parallel replica is a placement group (deploy/ray_placement.py) whose bundle
+Each data-parallel replica is a placement group (deploy/ray/placement.py) whose bundle
 actors run the same scheduler and worker command lines as the local supervisor
-(deploy/ray_host.py). Every internal socket is TCP with CurveZMQ; the keys and each
+(deploy/ray/host.py). Every internal socket is TCP with CurveZMQ; the keys and each
 process's endpoint layout travel to the nodes as actor arguments, never through a shared
 filesystem. A replica's request channel is relayed from a fixed serve-node address to
-wherever the replica runs now (deploy/ray_relay.py), so a replica placed again on another
+wherever the replica runs now (deploy/ray/relay.py), so a replica placed again on another
 node needs no frontend restart.
 
 Restarts, the restart budget, /health publishing and draining are the local supervisor's
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Optional
 
 from pagedserve.deploy.children import free_tcp_port
-from pagedserve.deploy.ray_placement import ModelMissingError, RayReplica
-from pagedserve.deploy.ray_relay import InputRelay
+from pagedserve.deploy.ray.placement import ModelMissingError, RayReplica
+from pagedserve.deploy.ray.relay import InputRelay
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.deploy.supervisor import PUBLISH_INTERVAL_S, StartupError, Supervisor, serve
 from pagedserve.protocol import messages as m
@@ -46,7 +46,7 @@ class RaySupervisor(Supervisor):
     def __init__(self, cfg: ServeConfig):
         import ray
 
-        from pagedserve.deploy.ray_host import remote_class
+        from pagedserve.deploy.ray.host import remote_class
 
         self.serve_ip = ray.util.get_node_ip_address()
         self.serve_ports = [free_tcp_port(self.serve_ip) for _ in range(2 + cfg.data_parallel_size)]
@@ -86,7 +86,7 @@ class RaySupervisor(Supervisor):
         import ray
 
         if sum(1 for n in ray.nodes() if n.get("Alive")) <= 1:
-            return set()  # one node: replicas share it (see ray_placement.py)
+            return set()  # one node: replicas share it (see placement.py)
         others = {rr.node_id for r, rr in self.ray_replicas.items()
                   if r != replica and rr.node_id and rr.state != "lost"}
         return others | self.lost_nodes

@@ -1,0 +1,1 @@
+"""The Ray backend: the supervisor with each replica in a placement group on a Ray cluster."""
