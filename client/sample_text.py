@@ -9,7 +9,7 @@ characters have arrived (``make_detokenizer``), and never a stop string's prefix
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection, Optional, Union
+from typing import Any, Collection, Iterable, Optional, Union
 
 from pagedserve.client.detokenizer import Decodes, make_detokenizer
 from pagedserve.protocol.messages import RequestDelta
@@ -65,3 +65,11 @@ class SampleText:
                 finish_reason = delta.finish_reason
         self.finish_reason = finish_reason
         return TextUpdate(text, list(rendered), logprobs, alternatives, finish_reason)
+
+
+def ended_by_stop_string(samples: Iterable[SampleText]) -> bool:
+    """Every sample of a request has ended, one of them on a stop string: the scheduler, which
+    knows no strings, still runs it, so the client aborts it there to free its blocks now."""
+    samples = list(samples)
+    return (all(s.finish_reason is not None for s in samples)
+            and any(s.finish_reason == "stop" and s.stop_matcher.matched is not None for s in samples))

@@ -2,33 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from pagedserve.client.chat_template_options import ChatTemplateOptions, template_messages
 from pagedserve.client.errors import InvalidRequest
 from pagedserve.client.chat_messages import ChatMessage
 from pagedserve.client.detokenizer import fast_backend
-
-log = logging.getLogger(__name__)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except ValueError as exc:
-        log.warning("ignoring unreadable %s: %s", path, exc)
-        return {}
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+from pagedserve.client.model_files import eos_token_ids, vocab_size
 
 
 class PromptTokenizer:
@@ -41,15 +22,8 @@ class PromptTokenizer:
         if chat_template is not None:  # --chat-template: a file, or the template text itself
             path = Path(chat_template)
             self.tokenizer.chat_template = path.read_text() if path.is_file() else chat_template
-        config = _read_json(model_dir / "config.json")
-        generation_config = _read_json(model_dir / "generation_config.json")
-        # The embedding's rows: the model may have more than the tokenizer has tokens, and an
-        # id at or above them is an index no worker can look up.
-        self.vocab_size = int(config.get("vocab_size") or 0) or len(self.tokenizer)
-        eos = _as_id_list(generation_config.get("eos_token_id", config.get("eos_token_id")))
-        if self.tokenizer.eos_token_id is not None:
-            eos.append(int(self.tokenizer.eos_token_id))
-        self.eos_token_ids = sorted(set(eos))
+        self.vocab_size = vocab_size(model_dir, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
         self.stream_backend = fast_backend(self.tokenizer)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:

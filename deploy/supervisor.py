@@ -18,7 +18,8 @@ from typing import Optional
 
 import zmq
 
-from pagedserve.deploy.children import Child, free_tcp_port, spawn
+from pagedserve.deploy.children import Child, spawn
+from pagedserve.deploy.launcher import Launcher, StartupError, dist_init_address, stop_children
 from pagedserve.deploy.restart_policy import RestartBudget
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
@@ -29,15 +30,11 @@ from pagedserve.protocol.zmq_io import (Endpoints, Receiver, Sender, TcpLayout, 
 log = logging.getLogger("pagedserve.supervisor")
 
 FRONTEND = -1  # the frontend's unit in the restart budget (replicas are 0, 1, ...)
-# A dead worker is normally reported by its scheduler within half a second (RestartWorkers);
-# if none comes (the scheduler was still waiting for its workers' hello), restart them anyway.
-WORKER_REPORT_GRACE_S = 3.0
 DRAIN_GRACE_S = 5.0  # the frontend's own grace after --drain-timeout-s (frontend_proc/drain.py)
 PUBLISH_INTERVAL_S = 1.0
 
 
-class StartupError(RuntimeError):
-    pass
+__all__ = ["Supervisor", "StartupError", "serve"]
 
 
 class Supervisor:
@@ -52,12 +49,12 @@ class Supervisor:
         self.ctrl: Receiver = Receiver(self.ctx, self.ep.supervisor(), m.ToSupervisor)
         self.to_frontend = Sender(self.ctx, self.ep.frontend_outputs())
         self.frontend: Optional[Child] = None
-        self.schedulers: dict[int, Child] = {}
-        self.workers: dict[int, list[Child]] = {}
+        self.launcher = Launcher(cfg, self.run_dir, self.ctrl)
+        self.schedulers = self.launcher.schedulers
+        self.workers = self.launcher.workers
         self.budget = RestartBudget(cfg.max_restarts, cfg.restart_window_s)
         self.pending_restart: dict[int, float] = {}  # replica -> when to respawn
         self.restart_what: dict[int, str] = {}  # replica -> "workers" | "replica"
-        self.worker_dead_since: dict[int, float] = {}  # replica -> when a dead worker was first seen
         self.failed: set[int] = set()
         self.last_heartbeat: dict[int, float] = {}  # replica -> when its scheduler last said so
         self.stop_requested = False
@@ -74,15 +71,11 @@ class Supervisor:
     # ------------------------------------------------------------------ spawning
 
     def _spawn_workers(self, replica: int) -> None:
-        tp = self.cfg.tensor_parallel_size
-        dist_init = f"tcp://127.0.0.1:{free_tcp_port()}" if tp > 1 else None
         if self.cfg.remote_workers:
-            self._write_worker_commands(replica, dist_init)
+            self._write_worker_commands(replica, dist_init_address(self.cfg.tensor_parallel_size))
             self.workers[replica] = []
             return
-        self.workers[replica] = [
-            spawn("worker", replica, rank, self.cfg.worker_cmd(self.run_dir, replica, rank, dist_init))
-            for rank in range(tp)]
+        self.launcher.spawn_workers(replica)
 
     def _write_worker_commands(self, replica: int, dist_init: Optional[str]) -> None:
         """--remote-workers: the operator runs these (deploy/README.md, "Beyond one node")."""
@@ -95,50 +88,34 @@ class Supervisor:
                     replica, path, "\n".join(lines))
 
     def _spawn_replica(self, replica: int) -> None:
-        self.schedulers[replica] = spawn("scheduler", replica, 0, self.cfg.scheduler_cmd(self.run_dir, replica))
+        self.launcher.spawn_scheduler(replica)
         self.last_heartbeat[replica] = time.monotonic()  # startup counts against the timeout too
         self._spawn_workers(replica)
 
     def start(self, timeout_s: float = 600.0) -> None:
-        self.frontend = spawn("frontend", -1, 0, self.cfg.frontend_cmd(self.run_dir))
+        self.frontend = spawn("frontend", FRONTEND, 0, self.cfg.frontend_cmd(self.run_dir))
         for replica in range(self.cfg.data_parallel_size):
             self._spawn_replica(replica)
-        expected = {("frontend", -1, 0)}
-        for r in range(self.cfg.data_parallel_size):
-            expected.add(("scheduler", r, 0))
-            expected.update(("worker", r, k) for k in range(self.cfg.tensor_parallel_size))
-        deadline = time.monotonic() + timeout_s
-        while expected:
-            if self.stop_requested:
-                raise StartupError("interrupted during startup")
-            self._tick()
-            for child in self.children():
-                if child.popen.poll() is not None:
-                    raise StartupError(f"{child.name} exited with code {child.popen.returncode} during startup")
-            if time.monotonic() > deadline:
-                raise StartupError(f"not ready after {timeout_s:.0f}s: {sorted(expected)}")
-            msg = self.ctrl.recv(timeout_ms=200)
-            if isinstance(msg, m.ProcessReady):
-                expected.discard((msg.role, msg.replica, msg.rank))
-            elif isinstance(msg, m.Heartbeat):
-                self.last_heartbeat[msg.replica] = time.monotonic()
+        self.launcher.wait_ready(self.launcher.expected() | {("frontend", FRONTEND, 0)}, timeout_s,
+                                 children=self.children, on_message=self._note_heartbeat, tick=self._tick,
+                                 stopped=lambda: self.stop_requested)
         log.info("pagedserve ready on http://%s:%d (model %s, %d replica(s) x %d worker(s), run dir %s)",
                  self.cfg.host, self.cfg.port, self.cfg.served_model_name[0],
                  self.cfg.data_parallel_size, self.cfg.tensor_parallel_size, self.run_dir)
 
     def children(self) -> list[Child]:
-        out = [self.frontend] if self.frontend else []
-        out += list(self.schedulers.values())
-        for ws in self.workers.values():
-            out += ws
-        return out
+        return ([self.frontend] if self.frontend else []) + self.launcher.children()
+
+    def _note_heartbeat(self, msg) -> None:
+        if isinstance(msg, m.Heartbeat):
+            self.last_heartbeat[msg.replica] = time.monotonic()
 
     # ------------------------------------------------------------------ restarts
 
     def _schedule_restart(self, replica: int, what: str, reason: str) -> None:
         if replica in self.failed or replica in self.pending_restart:
             return
-        self.worker_dead_since.pop(replica, None)
+        self.launcher.forget_dead_workers(replica)
         now = time.monotonic()
         delay = self.budget.next_delay(replica, now)
         if delay is None:
@@ -191,14 +168,14 @@ class Supervisor:
             if (silent > self.cfg.scheduler_timeout_s and sched.popen.poll() is None
                     and replica not in self.pending_restart and replica not in self.failed):
                 self._schedule_restart(replica, "replica", f"scheduler alive but silent for {silent:.1f}s (hung)")
-        for replica, workers in self.workers.items():
-            dead = [w for w in workers if w.popen.poll() is not None]
-            if not dead or replica in self.pending_restart or replica in self.failed:
-                self.worker_dead_since.pop(replica, None)
+        for replica in self.workers:
+            if replica in self.pending_restart or replica in self.failed:
+                self.launcher.forget_dead_workers(replica)
                 continue
-            if now - self.worker_dead_since.setdefault(replica, now) > WORKER_REPORT_GRACE_S:
-                self._schedule_restart(replica, "workers", f"{dead[0].name} exited with code "
-                                       f"{dead[0].popen.returncode} and its scheduler did not report it")
+            dead = self.launcher.unreported_dead_worker(replica, now)
+            if dead is not None:
+                self._schedule_restart(replica, "workers", f"{dead.name} exited with code "
+                                       f"{dead.popen.returncode} and its scheduler did not report it")
 
     def _publish(self) -> None:
         """The process table and failed replicas, for the frontend's /health."""
@@ -265,12 +242,7 @@ class Supervisor:
         return 0
 
     def _stop_children(self) -> None:
-        children = self.children()
-        for child in children:
-            child.terminate()
-        deadline = time.monotonic() + 5
-        for child in children:
-            child.wait_or_kill(max(0.1, deadline - time.monotonic()))
+        stop_children(self.children())
 
 
 def serve(cfg: ServeConfig, supervisor_class: type = Supervisor) -> int:

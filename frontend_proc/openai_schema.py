@@ -10,7 +10,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from pagedserve.client.chat_messages import ChatMessage, FunctionCall, Lenient as _Lenient, ToolCall  # noqa: F401
+from pagedserve.client.chat_messages import ChatMessage, Lenient as _Lenient
 
 MAX_N = 128
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default; a deployment may set another

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from pagedserve.client.prompt_logprobs import prompt_logprob_tables
 from pagedserve.frontend_proc.response_format import LogprobEntries
 from pagedserve.protocol.messages import PromptLogprobs
 
 
 def prompt_logprob_dicts(prompt: list[int], scored: PromptLogprobs, k: int,
                          token_text: Callable[[int], str]) -> list[Optional[dict[str, dict]]]:
-    dicts: list[Optional[dict[str, dict]]] = [None]
-    for entry in scored.per_token(prompt, k):
-        table: dict[str, dict] = {}
-        for token, logprob, rank in entry:  # the prompt token first; an alternative equal to it once
-            table.setdefault(str(token), {"logprob": logprob, "rank": rank, "decoded_token": token_text(token)})
-        dicts.append(table)
-    return dicts
+    return prompt_logprob_tables(
+        prompt, scored, k, lambda token, logprob, rank: {"logprob": logprob, "rank": rank,
+                                                         "decoded_token": token_text(token)}, key=str)
 
 
 def echo_entries(prompt: list[int], scored: PromptLogprobs, k: int,

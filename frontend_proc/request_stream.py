@@ -18,7 +18,7 @@ from pagedserve.frontend_proc.errors import APIError, InvalidRequest, ServiceUna
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import PromptLogprobs, RequestDelta
-from pagedserve.client.sample_text import SampleText
+from pagedserve.client.sample_text import SampleText, ended_by_stop_string
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ class RequestStream:
                     continue
                 batch.append(update)
                 if self.is_finished():
-                    self.abort()  # ended by stop strings: free the blocks now
+                    if ended_by_stop_string(c.text for c in self.choices):
+                        self.abort()  # the scheduler still runs it: free the blocks now
                     self._observe_finished()
                     break
             if batch:

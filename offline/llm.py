@@ -15,7 +15,6 @@ replaced as ``serve`` replaces them (the requests they held end with finish_reas
 from __future__ import annotations
 
 import itertools
-import json
 import shutil
 import time
 import weakref
@@ -24,7 +23,8 @@ from typing import Optional, Sequence, Union
 
 import zmq
 
-from pagedserve.deploy.children import Child, free_tcp_port, spawn
+from pagedserve.deploy.children import Child
+from pagedserve.deploy.launcher import Launcher, StartupError
 from pagedserve.offline.chat import Conversation, chat_prompt_tokenizer, render_conversations
 from pagedserve.offline.inputs import (
     Prompt, SamplingParams, as_params_list, as_prompt_list, prompt_text, prompt_token_ids)
@@ -34,49 +34,22 @@ from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
 from pagedserve.client.detokenizer import TextDecoder
 from pagedserve.client.generation_defaults import load_generation_defaults
+from pagedserve.client.model_files import eos_token_ids, vocab_size
 from pagedserve.protocol.validate import InvalidField, check_request
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineDiedError"]
 
 WATCH_INTERVAL_S = 0.5  # how often generate looks at the processes, whatever arrives meanwhile
-# A dead worker is reported by its scheduler (RestartWorkers) within a second; if none comes
-# (it died before its hello), it is replaced anyway after this long.
-WORKER_REPORT_GRACE_S = 3.0
 
 
 class EngineDiedError(RuntimeError):
     """A scheduler exited, or workers kept dying, while the LLM was using them."""
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        value = _read_json(model_dir / name).get("eos_token_id")
-        if value is not None:
-            ids += value if isinstance(value, list) else [value]
-            break
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted({int(i) for i in ids})
-
-
-def _vocab_size(model_dir: Path, tokenizer) -> int:
-    """The embedding's rows (as the frontend counts them): ids at or above are refused."""
-    return int(_read_json(model_dir / "config.json").get("vocab_size") or 0) or len(tokenizer)
-
-
-def _stop_children(children: list[Child], ctx: zmq.Context, run_dir: str) -> None:
+def _stop_processes(launcher: Launcher, ctx: zmq.Context, run_dir: str) -> None:
     """Also the finalizer of an LLM that was never closed: takes no reference to it."""
-    for child in children:
-        child.terminate()
-    deadline = time.monotonic() + 5
-    for child in children:
-        child.wait_or_kill(max(0.1, deadline - time.monotonic()))
+    launcher.stop()
     ctx.destroy(linger=0)
     shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -94,21 +67,20 @@ class LLM:
 
         self.config = ServeConfig(model=str(model), log_level=log_level, **engine_options)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
-        self.eos_token_ids = _eos_token_ids(Path(model), self.tokenizer)
-        self.vocab_size = _vocab_size(Path(model), self.tokenizer)
+        self.eos_token_ids = eos_token_ids(Path(model), self.tokenizer)
+        self.vocab_size = vocab_size(Path(model), self.tokenizer)
         # per skip_special_tokens (vLLM's): special tokens are not text unless asked for
         self._decoders = {skip: TextDecoder(self.tokenizer, skip) for skip in (True, False)}
         self.generation_defaults = load_generation_defaults(self.config.generation_config, self.config.model)
         self._chat_tokenizers: dict[Optional[str], object] = {}  # per chat_template, made on first chat()
         self.worker_restarts = 0
-        self._worker_dead_since: dict[int, float] = {}  # pid -> when first seen dead, unreported
         self._ids = itertools.count()
         self._ctx = zmq.Context()
         self.run_dir = str(make_run_dir(self.config.run_dir_parent))
         ep = Endpoints(self.run_dir)
-        self._children: list[Child] = []
-        self._finalizer = weakref.finalize(self, _stop_children, self._children, self._ctx, self.run_dir)
         self._ready = Receiver(self._ctx, ep.supervisor(), m.ToSupervisor)
+        self._launcher = Launcher(self.config, self.run_dir, self._ready)
+        self._finalizer = weakref.finalize(self, _stop_processes, self._launcher, self._ctx, self.run_dir)
         self._outputs = Receiver(self._ctx, ep.frontend_outputs(), m.SchedulerToFrontend)
         replicas = range(self.config.data_parallel_size)
         self._inputs = [Sender(self._ctx, ep.scheduler_inputs(r)) for r in replicas]
@@ -122,33 +94,18 @@ class LLM:
 
     # ------------------------------------------------------------------ processes
 
-    def _worker_cmd(self, replica: int, rank: int, dist_init: Optional[str]) -> list[str]:
-        return self.config.worker_cmd(self.run_dir, replica, rank, dist_init)
-
-    def _spawn_workers(self, replica: int) -> None:
-        tp = self.config.tensor_parallel_size
-        dist_init = f"tcp://127.0.0.1:{free_tcp_port()}" if tp > 1 else None
-        for rank in range(tp):
-            self._children.append(spawn("worker", replica, rank, self._worker_cmd(replica, rank, dist_init)))
+    @property
+    def _children(self) -> list[Child]:
+        return self._launcher.children()
 
     def _start(self, timeout_s: float) -> None:
-        cfg, tp = self.config, self.config.tensor_parallel_size
-        expected = set()
-        for replica in range(cfg.data_parallel_size):
-            self._children.append(spawn("scheduler", replica, 0, cfg.scheduler_cmd(self.run_dir, replica)))
-            self._spawn_workers(replica)
-            expected.add(("scheduler", replica, 0))
-            expected.update(("worker", replica, rank) for rank in range(tp))
-        deadline = time.monotonic() + timeout_s
-        while expected:
-            for child in self._children:
-                if child.popen.poll() is not None:
-                    raise EngineDiedError(f"{child.name} exited with code {child.popen.returncode}")
-            if time.monotonic() > deadline:
-                raise EngineDiedError(f"engine not ready after {timeout_s:.0f}s: {sorted(expected)}")
-            msg = self._ready.recv(timeout_ms=200)
-            if isinstance(msg, m.ProcessReady):
-                expected.discard((msg.role, msg.replica, msg.rank))
+        for replica in range(self.config.data_parallel_size):
+            self._launcher.spawn_scheduler(replica)
+            self._launcher.spawn_workers(replica)
+        try:
+            self._launcher.wait_ready(self._launcher.expected(), timeout_s)
+        except StartupError as exc:
+            raise EngineDiedError(str(exc)) from None
 
     def _restart_workers(self, replica: int, reason: str) -> None:
         """What the supervisor does for ``serve``: the replica's workers are replaced; its
@@ -157,27 +114,21 @@ class LLM:
         if self.worker_restarts > self.config.max_restarts:
             raise EngineDiedError(f"workers of replica {replica} died {self.worker_restarts} times "
                                   f"(last: {reason}); giving up")
-        old = [c for c in self._children if c.role == "worker" and c.replica == replica]
-        for child in old:
-            child.kill()
-            self._children.remove(child)
-            self._worker_dead_since.pop(child.popen.pid, None)
-        self._spawn_workers(replica)
+        self._launcher.replace_workers(replica)
 
     def _watch(self) -> None:
         """A dead scheduler ends the LLM; dead workers are replaced (asked or not)."""
-        for child in self._children:
-            if child.role == "scheduler" and child.popen.poll() is not None:
+        for child in self._launcher.schedulers.values():
+            if child.popen.poll() is not None:
                 raise EngineDiedError(f"{child.name} exited with code {child.popen.returncode}")
         for msg in self._ready.recv_nowait():
             if isinstance(msg, m.RestartWorkers) and 0 <= msg.replica < len(self._inputs):
                 self._restart_workers(msg.replica, msg.reason)
         now = time.monotonic()
-        for child in list(self._children):
-            if child.role == "worker" and child.popen.poll() is not None:
-                since = self._worker_dead_since.setdefault(child.popen.pid, now)
-                if now - since > WORKER_REPORT_GRACE_S and child in self._children:
-                    self._restart_workers(child.replica, f"{child.name} exited")
+        for replica in list(self._launcher.workers):
+            dead = self._launcher.unreported_dead_worker(replica, now)
+            if dead is not None:
+                self._restart_workers(replica, f"{dead.name} exited")
 
     def pids(self) -> list[int]:
         return [c.popen.pid for c in self._children]

@@ -8,11 +8,12 @@ sampled for the sample until it ended (a stop token included, as vLLM's do).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Optional, Union
+from typing import Collection, Optional, Union
 
 from pagedserve.protocol import messages as m
 from pagedserve.client.detokenizer import TextDecoder
-from pagedserve.client.sample_text import SampleText
+from pagedserve.client.prompt_logprobs import prompt_logprob_tables
+from pagedserve.client.sample_text import SampleText, ended_by_stop_string
 
 
 @dataclass(slots=True)
@@ -80,20 +81,6 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-def prompt_logprob_dicts(prompt: list[int], chunk: m.PromptLogprobs,
-                         token_text: Callable[[int], str]) -> list[Optional[dict[int, Logprob]]]:
-    """vLLM's RequestOutput.prompt_logprobs from the scheduler's list (prompt tokens 1..): the
-    prompt token first, then the alternatives the scheduler sent (as many as were asked for)."""
-    dicts: list[Optional[dict[int, Logprob]]] = [None]
-    for entry in chunk.per_token(prompt, m.MAX_TOP_LOGPROBS):
-        table: dict[int, Logprob] = {}
-        for token, logprob, rank in entry:
-            if token not in table:
-                table[token] = Logprob(logprob, rank, token_text(token))
-        dicts.append(table)
-    return dicts
-
-
 class PendingRequest:
     """A request sent and not finished: where its result goes and each sample's text so far."""
 
@@ -119,8 +106,7 @@ class PendingRequest:
     @property
     def ended_by_stop_string(self) -> bool:
         """Finished here while the scheduler still runs it (it knows no strings)."""
-        return self.finished and any(t.finish_reason == "stop" and t.stop_matcher.matched
-                                     for t in self.texts)
+        return ended_by_stop_string(self.texts)
 
     def apply(self, delta: m.RequestDelta, now: float) -> int:
         """Apply one delta; returns how many tokens it added."""
@@ -139,8 +125,10 @@ class PendingRequest:
             return 0  # ended by a stop string; the scheduler lags behind
         sample.token_ids += delta.new_token_ids
         if delta.prompt_logprobs is not None and self.output.prompt_logprobs is None:
-            self.output.prompt_logprobs = prompt_logprob_dicts(self.output.prompt_token_ids, delta.prompt_logprobs,
-                                                               self.token_text)
+            # as many alternatives as the scheduler sent (as were asked for)
+            self.output.prompt_logprobs = prompt_logprob_tables(
+                self.output.prompt_token_ids, delta.prompt_logprobs, m.MAX_TOP_LOGPROBS,
+                lambda token, logprob, rank: Logprob(logprob, rank, self.token_text(token)))
         if delta.logprobs is not None:
             sample.logprobs = (sample.logprobs or []) + self._logprobs(delta)
         if delta.index == 0 and delta.new_token_ids:

@@ -14,13 +14,13 @@ import argparse
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
 import zmq
 
-from pagedserve.deploy.children import Child, free_tcp_port, spawn
+from pagedserve.deploy.children import Child
+from pagedserve.deploy.launcher import StartupError, spawn_workers, stop_children, wait_for
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import Decoder, ProtocolError
 from pagedserve.protocol.trace import Trace, TraceError, read_trace, weights_fingerprint
@@ -89,31 +89,33 @@ class WorkerReplay:
     def _start_workers(self) -> None:
         for w in self.workers:
             w.kill()
-        dist = f"tcp://127.0.0.1:{free_tcp_port()}" if self.tp > 1 else None
-        self.workers = []
-        for rank in range(self.tp):
-            cmd = [sys.executable, "-m", "pagedserve.worker_proc", "--run-dir", self.run_dir, "--model", self.model,
-                   "--rank", str(rank), "--tensor-parallel-size", str(self.tp), "--device", self.device,
-                   "--block-size", str(self.cfg.get("block_size", 16)), "--log-level", "WARNING",
-                   *self.worker_args]
-            self.workers.append(spawn("worker", 0, rank, cmd + (["--dist-init", dist] if dist else [])))
+        self.workers = spawn_workers(0, self.tp, self._worker_cmd)
         hellos = self._collect(m.WorkerHello)
         if hellos[0].model_id != self.recorded_hello.model_id:
             raise TraceError(f"the trace was recorded with model {self.recorded_hello.model_id}, "
                              f"but {self.model} is {hellos[0].model_id}")
 
+    def _worker_cmd(self, rank: int, dist_init: Optional[str]) -> list[str]:
+        return [sys.executable, "-m", "pagedserve.worker_proc", "--run-dir", self.run_dir, "--model", self.model,
+                "--rank", str(rank), "--tensor-parallel-size", str(self.tp), "--device", self.device,
+                "--block-size", str(self.cfg.get("block_size", 16)), "--log-level", "WARNING",
+                *self.worker_args, *(["--dist-init", dist_init] if dist_init else [])]
+
     def _collect(self, kind: type) -> dict[int, object]:
+        """One ``kind`` message from each rank."""
         got: dict[int, object] = {}
-        deadline = time.monotonic() + self.timeout_s
-        while len(got) < self.tp:
-            for w in self.workers:
-                if w.popen.poll() is not None:
-                    raise ReplayMismatch(f"worker {w.rank} exited with code {w.popen.returncode}")
-            if time.monotonic() > deadline:
-                raise ReplayMismatch(f"no {kind.__name__} from the workers within {self.timeout_s:.0f}s")
-            msg = self.results.recv(timeout_ms=200)
+        pending = set(range(self.tp))
+
+        def accept(msg) -> None:
             if isinstance(msg, kind):
                 got[msg.rank] = msg
+                pending.discard(msg.rank)
+
+        try:
+            wait_for(pending, self.results.recv, lambda: self.workers,
+                     self.timeout_s, accept, what=kind.__name__)
+        except StartupError as exc:
+            raise ReplayMismatch(str(exc)) from None
         return got
 
     def run(self) -> tuple[int, int]:
@@ -153,10 +155,7 @@ class WorkerReplay:
         return steps, tokens
 
     def close(self) -> None:
-        for w in self.workers:
-            w.terminate()
-        for w in self.workers:
-            w.wait_or_kill(5)
+        stop_children(self.workers)
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
