@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from pagedserve.protocol.validate import InvalidField
+from pagedserve.protocol.validate import InvalidField, unencodable_string
 
 Conversation = list[dict[str, Any]]  # [{"role": ..., "content": ...}, ...]
 
@@ -44,6 +44,9 @@ def render_conversations(tokenizer, messages: Union[Conversation, Sequence[Conve
     from pagedserve.frontend_proc.errors import APIError
     from pagedserve.frontend_proc.openai_schema import ChatMessage
 
+    found = unencodable_string({"messages": messages, "chat_template_kwargs": chat_template_kwargs})
+    if found:  # what the HTTP frontend refuses with a 400 (protocol/validate.py)
+        raise InvalidField(*found)
     try:
         options = ChatTemplateOptions.from_request(add_generation_prompt, continue_final_message,
                                                    chat_template_kwargs)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.frontend_proc.chat_template_options import ChatTemplateOptions
 from pagedserve.frontend_proc.errors import InvalidRequest, NotFound
-from pagedserve.frontend_proc.openai_schema import ChatMessage, ToolDefinition
+from pagedserve.frontend_proc.openai_schema import ChatMessage, EncodableStrings, ToolDefinition
 from pagedserve.frontend_proc.serving import Serving
 from pagedserve.protocol.version import package_version
 
@@ -22,7 +22,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Strict, EncodableStrings):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
