@@ -59,6 +59,7 @@ for s in "$@"; do
                --output-json "$OUT/serve.json" --output-png /tmp/serve.png; kill -INT $pid; wait $pid' ;;
     peer) step peer 420 pagedserve bench peer --device cuda --runs 2 ;;
     peer05) step peer05 420 pagedserve bench peer --device cuda --runs 2 --model /tmp/bench-models/0.5b ;;
+    serve06) step serve06 420 bash bench/gpu_serve_qwen3.sh ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     ts = tsub.add_parser("show", help="a readable summary of a trace")
     ts.add_argument("trace")
     ts.add_argument("--steps", action="store_true", help="one line per step")
+    ts.add_argument("--requests", action="store_true", help="one line per request: arrival, first scheduled "
+                    "step, first-token step, preemptions, finish")
     ts.set_defaults(func=_cmd_trace_show)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -49,6 +49,11 @@ class _ServeConfigRules:
             self.max_num_batched_tokens = opts.default_step_tokens(self.device)
         if self.max_model_len is None:
             self.max_model_len = limit
+        if self.model_aliases is None:  # once: a replace() keeps what the first call found
+            # vLLM serves `vllm serve /models/x` as "/models/x", and its clients (vllm bench
+            # serve among them) send that name; the directory's name stays the listed one.
+            primary = self.served_model_name[0] if self.served_model_name else Path(self.model).resolve().name
+            self.model_aliases = [] if self.served_model_name or self.model == primary else [self.model]
         if not self.served_model_name:
             self.served_model_name = [Path(self.model).resolve().name]
         if self.chat_template is not None:
@@ -131,7 +136,7 @@ class _ServeConfigRules:
                 *opts.argv_for(process, values)]
 
     def frontend_cmd(self, run_dir: str) -> list[str]:
-        return self._child_cmd(FRONTEND, run_dir)
+        return self._child_cmd(FRONTEND, run_dir) + [a for alias in self.model_aliases for a in ("--model-alias", alias)]
 
     def scheduler_cmd(self, run_dir: str, replica: int) -> list[str]:
         trace = self.record_trace if self.data_parallel_size == 1 or not self.record_trace \
@@ -147,7 +152,8 @@ class _ServeConfigRules:
 
 
 ServeConfig = opts.make_config(
-    "ServeConfig", [("model", str), *opts.dataclass_fields(), ("extra", dict, dataclasses.field(default_factory=dict))],
+    "ServeConfig", [("model", str), *opts.dataclass_fields(), ("extra", dict, dataclasses.field(default_factory=dict)),
+                    ("model_aliases", Optional[list], None)],
     _ServeConfigRules)
 
 

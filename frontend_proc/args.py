@@ -45,7 +45,8 @@ class _FrontendConfigRules:
 
 
 FrontendConfig = opts.make_config(
-    "FrontendConfig", [("run_dir", Path), ("model", Path), *opts.dataclass_fields(opts.FRONTEND)],
+    "FrontendConfig", [("run_dir", Path), ("model", Path), *opts.dataclass_fields(opts.FRONTEND),
+                       ("model_aliases", tuple, ())],
     _FrontendConfigRules, frozen=True)
 
 
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the deployment's private (0700) directory holding its ipc sockets")
     p.add_argument("--model", required=True, type=Path,
                    help="HF model directory (tokenizer, config.json, generation_config.json)")
+    p.add_argument("--model-alias", action="append", default=[], dest="model_aliases",
+                   help="another name a request may give the model (not listed by /v1/models)")
     opts.add_arguments(p, opts.FRONTEND)
     return p
 
@@ -80,4 +83,4 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> FrontendConfig:
         log_level=ns.log_level.lower(),  # uvicorn's spelling
         router=default_router(ns.data_parallel_size, ns.router),
     )
-    return FrontendConfig(run_dir=ns.run_dir, model=model, **values)
+    return FrontendConfig(run_dir=ns.run_dir, model=model, model_aliases=tuple(ns.model_aliases), **values)

@@ -8,12 +8,27 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from pagedserve.client.chat_messages import ChatMessage, Lenient as _Lenient
+from pagedserve.frontend_proc.errors import InvalidRequest
+from pagedserve.protocol.validate import unencodable_string
 
 MAX_N = 128
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default; a deployment may set another
+
+
+class EncodableStrings(BaseModel):
+    """A request body whose every string, declared field or not, UTF-8 can encode: checked once,
+    on the raw body, so a lone surrogate is a 400 naming its field wherever it hides."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strings_are_encodable(cls, data: Any) -> Any:
+        found = unencodable_string(data)
+        if found:  # not a ValueError: pydantic lets it through to the route's 400 handler
+            raise InvalidRequest(f"{found[0]}: {found[1]}", param=found[0])
+        return data
 
 
 class StreamOptions(_Lenient):
@@ -121,7 +136,7 @@ class SamplingFields(_Lenient):
 MAX_PROMPTS = 256  # prompts in one /v1/completions request (each of them n choices)
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, EncodableStrings):
     # One prompt (text or token ids) or a list of them; choices are numbered prompt-major.
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0)  # <= --max-logprobs, checked in serving
@@ -187,7 +202,7 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, EncodableStrings):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Optional[list[ToolDefinition]] = None
     # None: "auto" with tools, "none" without (OpenAI's default); frontend_proc/tool_choice.py

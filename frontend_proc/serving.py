@@ -91,9 +91,12 @@ class Serving:
                  tokenizer: PromptTokenizer, metrics: FrontendMetrics,
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                  tool_calling: ToolCallingConfig = ToolCallingConfig(),
-                 defaults: GenerationDefaults = GenerationDefaults()):
-        self.served_model_names = list(served_model_names)
+                 defaults: GenerationDefaults = GenerationDefaults(), model_aliases: Sequence[str] = ()):
+        self.served_model_names = list(served_model_names)  # what /v1/models lists
         self.served_model_name = self.served_model_names[0]  # what responses name
+        # what a request may name the model: the served names, or the path as given (vLLM's name)
+        self.accepted_model_names = self.served_model_names + [a for a in model_aliases
+                                                               if a not in self.served_model_names]
         self.max_model_len = max_model_len
         self.engine = engine
         self.tokenizer = tokenizer
@@ -124,7 +127,7 @@ class Serving:
                                     request, structured_outputs=chat.structured_outputs, choices=chat.choices)
 
     def _check_model(self, body: SamplingFields) -> None:
-        if body.model is not None and body.model not in self.served_model_names:
+        if body.model is not None and body.model not in self.accepted_model_names:
             raise InvalidRequest(f"model {body.model!r} is not served here; "
                                  f"use one of {self.served_model_names}",
                                  param="model", code="model_not_found")

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.client.chat_template_options import ChatTemplateOptions
 from pagedserve.frontend_proc.errors import InvalidRequest, NotFound
-from pagedserve.frontend_proc.openai_schema import ChatMessage, ToolDefinition
+from pagedserve.frontend_proc.openai_schema import ChatMessage, EncodableStrings, ToolDefinition
 from pagedserve.frontend_proc.serving import Serving
 from pagedserve.protocol.version import package_version
 
@@ -22,7 +22,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Strict, EncodableStrings):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
@@ -56,7 +56,7 @@ def add_utility_routes(app: FastAPI, serving: Serving, authorized: list, created
     names = serving.served_model_names
 
     def check_model(name: Optional[str]) -> None:
-        if name is not None and name not in names:
+        if name is not None and name not in serving.accepted_model_names:
             raise InvalidRequest(f"model {name!r} is not served here; use one of {names}",
                                  param="model", code="model_not_found")
 
@@ -66,7 +66,7 @@ def add_utility_routes(app: FastAPI, serving: Serving, authorized: list, created
 
     @app.get("/v1/models/{model_id:path}", dependencies=authorized)
     async def model(model_id: str) -> dict:
-        if model_id not in names:
+        if model_id not in serving.accepted_model_names:
             raise NotFound(f"the model {model_id!r} does not exist; served: {names}",
                            param="model", code="model_not_found")
         return _model_card(serving, model_id, created)

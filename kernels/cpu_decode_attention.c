@@ -42,8 +42,7 @@ static inline float dot(const float *a, const float *b, int64_t d) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* Eight keys' scores at once: each key's products are summed lane-wise in a register, and the
- * eight registers are then reduced together (hadd tree + one cross-lane add) instead of eight
- * separate horizontal sums, which cost more than the products for heads of 32-64. */
+ * eight registers are then reduced together (sum_eight_keys, cpu_softmax_exp.h). */
 #define SCORE_KEYS 8
 static inline void scores8(const float *q, const float *k0, int64_t row, int64_t d, float scale, float *out) {
     __m256 a[8];
@@ -52,11 +51,7 @@ static inline void scores8(const float *q, const float *k0, int64_t row, int64_t
         const __m256 qv = _mm256_loadu_ps(q + i);
         for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + j * row + i), a[j]);
     }
-    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-    _mm256_storeu_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+    sum_eight_keys(a, scale, out);
 }
 #else
 #define SCORE_KEYS 0
@@ -85,24 +80,7 @@ static inline __attribute__((always_inline)) void attend_request(
                     scores[h * n + pos - lo] = dot(qb + h * d, kr + kh * d, d) * scale;
     }
     float inv_sum[hq];
-    for (int64_t h = 0; h < hq; h++) {
-        /* max and sum in LANES independent lanes (vectorized, fixed order), then combined */
-        float *s = scores + h * n, m = s[0], lane[LANES], sum = 0.0f;
-        int64_t j = 0;
-        for (int l = 0; l < LANES; l++) lane[l] = s[0];
-        for (; j + LANES <= n; j += LANES)
-            for (int l = 0; l < LANES; l++) lane[l] = s[j + l] > lane[l] ? s[j + l] : lane[l];
-        for (int l = 0; l < LANES; l++) m = lane[l] > m ? lane[l] : m;
-        for (; j < n; j++) m = s[j] > m ? s[j] : m;
-        for (j = 0; j < n; j++) s[j] = softmax_exp(s[j] - m);
-        for (int l = 0; l < LANES; l++) lane[l] = 0.0f;
-        for (j = 0; j + LANES <= n; j += LANES)
-            for (int l = 0; l < LANES; l++) lane[l] += s[j + l];
-        for (; j < n; j++) sum += s[j];
-        for (int w = LANES / 2; w > 0; w /= 2)
-            for (int l = 0; l < w; l++) lane[l] += lane[l + w];
-        inv_sum[h] = 1.0f / (sum + lane[0]);
-    }
+    for (int64_t h = 0; h < hq; h++) inv_sum[h] = decode_softmax(scores + h * n, n);
     memset(ob, 0, sizeof(float) * hq * d);
     for (int64_t pos = lo; pos < hi;) {
         const int64_t end = (pos / bs + 1) * bs < hi ? (pos / bs + 1) * bs : hi;

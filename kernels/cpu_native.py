@@ -5,7 +5,9 @@ instead of gathering each request's blocks into a padded copy for SDPA: 2-4x fas
 decodes and ~9x for a few (bench/RESULTS.md); rotary embedding (cpu_rotary.c) is one pass
 instead of six torch ops, with the same roundings; a prompt chunk's causal attention
 (cpu_prefill_attention.c) tiles queries and keys in registers where SDPA's per-block overhead
-dominates at small head dims. No pagedserve
+dominates at small head dims. Each has bfloat16 and float16 forms (cpu_*_half.c, cpu_half.h):
+values widened to float32 in registers, float32 arithmetic, with the instructions this CPU has
+(kernel_variant() names them; the worker logs it). No pagedserve
 install step compiles anything, and a machine without a C compiler still serves through the
 torch path (worker_proc/decode_attention.py); so the library is built on first use with the
 compiler the machine has (``$CC``, else ``cc``), for this CPU (``-march=native``), and cached.
@@ -38,20 +40,27 @@ CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 # Each source with its own flags: rotary must not fuse a multiply and an add (bit for bit
 # torch's rounding), while attention's sums gain 7-10% from the fusion.
 SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
+           Path(__file__).with_name("cpu_decode_attention_half.c"): (),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
+           Path(__file__).with_name("cpu_rotary_half.c"): ("-ffp-contract=off",),
            # its loops over keys (softmax) take 512-bit vectors where the CPU has them
            Path(__file__).with_name("cpu_prefill_attention.c"): ("-mprefer-vector-width=512",)}
-HEADERS = (Path(__file__).with_name("cpu_softmax_exp.h"),)  # part of the build's hash too
+HEADERS = (Path(__file__).with_name("cpu_softmax_exp.h"), Path(__file__).with_name("cpu_half.h"))  # hashed too
 # OpenMP runs the loops on torch's own threads: the library links libgomp.so.1, which the
 # loader resolves to the copy torch already loaded. Without -fopenmp it runs on one thread.
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC")
+_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_DECODE_ARGS = [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]
+_ROTARY_ARGS = [_P, _I, _P, _P, _P, _P, _I, _I, _I]
 _SIGNATURES = {
-    "paged_decode_attention_f32": [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float],
-    "rotary_f32": [_P, _I, _P, _P, _P, _P, _I, _I, _I],
+    **{f"paged_decode_attention_{suffix}": _DECODE_ARGS for suffix in ("f32", "bf16", "f16")},
+    **{f"rotary_{suffix}": _ROTARY_ARGS for suffix in ("f32", "bf16", "f16")},
     "prefill_attention_f32": [_P, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float],
+    "cpu_kernel_variant": [],
 }
-_RESTYPES = {"prefill_attention_f32": ctypes.c_int}
+_RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p}
+# The kernels' name for each dtype they take (their symbols end in it).
+DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D
 
 _library: Optional[ctypes.CDLL] = None
@@ -92,14 +101,14 @@ def _run(cmd: list[str]) -> Optional[str]:
     return None if result.returncode == 0 else (result.stderr.strip()[-500:] or f"exit {result.returncode}")
 
 
-def _compile(compiler: str, out_dir: Path, name: str) -> Optional[Path]:
+def _compile(compiler: str, out_dir: Path, name: str, march: str) -> Optional[Path]:
     target = out_dir / name
     if target.exists():
         return target
     for openmp in (("-fopenmp",), ()):
         with tempfile.TemporaryDirectory(dir=out_dir) as work:
             objects = [str(Path(work) / f"{src.stem}.o") for src in SOURCES]
-            commands = [[compiler, *_FLAGS, *extra, *openmp, "-c", str(src), "-o", obj]
+            commands = [[compiler, f"-march={march}", *_FLAGS, *extra, *openmp, "-c", str(src), "-o", obj]
                         for (src, extra), obj in zip(SOURCES.items(), objects)]
             commands.append([compiler, "-shared", *openmp, *objects, "-o", str(Path(work) / name)])
             error = next((e for e in map(_run, commands) if e is not None), None)
@@ -111,7 +120,9 @@ def _compile(compiler: str, out_dir: Path, name: str) -> Optional[Path]:
     return None
 
 
-def _build() -> Optional[ctypes.CDLL]:
+def _build(march: str = "native") -> Optional[ctypes.CDLL]:
+    """The library for this CPU; another ``march`` (an x86-64 level, say) builds the variant that a
+    CPU of that level would get, which tests run where this CPU can."""
     if os.environ.get(CPU_KERNELS_ENV, "").strip().lower() == "torch":
         return None
     compiler = os.environ.get("CC") or "cc"
@@ -124,13 +135,13 @@ def _build() -> Optional[ctypes.CDLL]:
         return None
     parts = [f"{src.name}:{' '.join(extra)}:{src.read_text()}" for src, extra in SOURCES.items()]
     parts += [f"{header.name}:{header.read_text()}" for header in HEADERS]
-    key = hashlib.sha256("\0".join([*parts, " ".join(_FLAGS), version, _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([*parts, march, " ".join(_FLAGS), version, _cpu_flags()]).encode())
     name = f"cpu_kernels-{key.hexdigest()[:24]}.so"
     cache = _cache_dir()
     if cache is not None:
-        return _load(_compile(compiler, cache, name))
+        return _load(_compile(compiler, cache, name, march))
     with tempfile.TemporaryDirectory(prefix="pagedserve-kernels-") as tmp:  # private, this run only
-        return _load(_compile(compiler, Path(tmp), name))  # the mapping outlives the file
+        return _load(_compile(compiler, Path(tmp), name, march))  # the mapping outlives the file
 
 
 def _load(path: Optional[Path]) -> Optional[ctypes.CDLL]:
@@ -156,10 +167,24 @@ def library() -> Optional[ctypes.CDLL]:
     return _library
 
 
-def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_decode_attention serves these tensors (float32 on CPU, library built)."""
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and k_cache.dtype == torch.float32
+def kernel_variant() -> Optional[str]:
+    """Which instructions the half precision kernels use on this CPU ("avx512bf16", "avx512",
+    "avx2" or "scalar"); None where the library is not built."""
+    lib = library()
+    return None if lib is None else lib.cpu_kernel_variant().decode()
+
+
+def _native_dtype(*tensors: torch.Tensor) -> bool:
+    """All on CPU in one dtype the kernels take, and the library built."""
+    dtype = tensors[0].dtype
+    return (dtype in DTYPE_SUFFIXES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
             and library() is not None)
+
+
+def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_decode_attention serves these tensors: query and cache of one dtype
+    (float32, bfloat16 or float16) on CPU, library built."""
+    return _native_dtype(query, k_cache)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -167,7 +192,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            scale: float) -> torch.Tensor:
     """query [B, q_heads, dim], one token per request at position last[b], seeing keys
     first[b]..last[b] of its blocks; k/v_cache [N, block_size, kv_heads, dim] (one layer).
-    Returns [B, q_heads, dim]. float32 only (supports_decode)."""
+    Returns [B, q_heads, dim] in the query's dtype, float32 arithmetic (supports_decode)."""
     batch, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_q_heads % num_kv_heads or block_tables.dtype != torch.int32:
@@ -177,7 +202,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     query, block_tables = query.contiguous(), block_tables.contiguous()
     first, last = first.to(torch.int64).contiguous(), last.to(torch.int64).contiguous()
     out = torch.empty_like(query)
-    library().paged_decode_attention_f32(
+    getattr(library(), f"paged_decode_attention_{DTYPE_SUFFIXES[query.dtype]}")(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         first.data_ptr(), last.data_ptr(), out.data_ptr(), batch, num_q_heads, num_kv_heads, head_dim,
         block_size, scale)
@@ -185,9 +210,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def supports_rotary(x: torch.Tensor, table: torch.Tensor) -> bool:
-    """Whether rotary serves these tensors: float32 on CPU, heads and dims contiguous."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and table.dtype == torch.float32
-            and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and library() is not None)
+    """Whether rotary serves these tensors: x and table of one dtype the kernels take, on CPU,
+    heads and dims contiguous."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and _native_dtype(x, table)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -196,15 +221,16 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     tokens, heads, dim = x.shape
     positions = positions.to(torch.int64).contiguous()
     out = torch.empty((tokens, heads, dim), dtype=x.dtype)
-    library().rotary_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                         out.data_ptr(), tokens, heads, dim)
+    kernel = getattr(library(), f"rotary_{DTYPE_SUFFIXES[x.dtype]}")
+    kernel(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), out.data_ptr(), tokens,
+           heads, dim)
     return out
 
 
 def supports_prefill(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether prefill_attention serves these tensors: float32 on CPU, a head_dim it tiles."""
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and key.dtype == torch.float32
-            and query.shape[2] in PREFILL_HEAD_DIMS and library() is not None)
+    """Whether prefill_attention serves these tensors: one dtype the kernels take, on CPU, a
+    head_dim the kernel tiles."""
+    return query.shape[2] in PREFILL_HEAD_DIMS and _native_dtype(query, key)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -219,12 +245,18 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     [T, q_heads, dim]; its keys are rows key_first[c]..+context[c]+length[c] of key/value
     [S, kv_heads, dim] (context[c] cached tokens, then its own), and its query i sees keys up to
     context[c]+i. Without key_first and context, every chunk attends to its own rows of key and
-    value. Writes those rows of out [T, q_heads, dim] (contiguous). float32 only (supports_prefill)."""
+    value. Writes those rows of out [T, q_heads, dim] (contiguous), in its dtype (supports_prefill).
+
+    bfloat16 and float16 run the float32 kernel on widened copies: widening is linear in the rows
+    where the attention is rows x keys, and the float32 tiles already run near the FMA peak."""
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = key.shape[1]
     if (num_q_heads % num_kv_heads or value.shape != key.shape or out.shape != query.shape
             or not out.is_contiguous()):
         raise ValueError("prefill_attention: mismatched shapes or a strided output")
+    target = out
+    if out.dtype != torch.float32:  # the rows no chunk writes go back as they came (exactly)
+        query, key, value, out = query.float(), key.float(), value.float(), out.float()
     query, key, value = _rows(query), _rows(key), _rows(value)
     first, length = first.to(torch.int64).contiguous(), length.to(torch.int64).contiguous()
     key_first = first if key_first is None else key_first.to(torch.int64).contiguous()
@@ -237,3 +269,5 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         raise IndexError("prefill_attention: a chunk's rows lie outside the query or key tensors")
     if rc != 0:
         raise MemoryError("prefill_attention: no memory for its scratch buffers")
+    if target is not out:
+        target.copy_(out)

@@ -1,9 +1,15 @@
-/* exp(x) for the x <= 0 of a softmax, shared by the native attention kernels: 2^n * p(r) with
+/* What the native attention kernels share: their softmax, and the decode kernels' sum of eight
+ * keys' scores.
+ *
+ * exp(x) for the x <= 0 of a softmax: 2^n * p(r) with
  * x = n ln2 + r, |r| <= ln2/2, and a degree-6 polynomial (error < 2 ulp). Written so the
  * compiler vectorizes the loops over keys that call it. */
 #ifndef PAGEDSERVE_CPU_SOFTMAX_EXP_H
 #define PAGEDSERVE_CPU_SOFTMAX_EXP_H
 #include <stdint.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 static inline float softmax_exp(float x) {
     if (x < -87.0f) return 0.0f;
@@ -20,5 +26,40 @@ static inline float softmax_exp(float x) {
     scale.i = ((int32_t)n + 127) << 23;
     return p * scale.f;
 }
+
+/* One decode query's n scores (n >= 1) become exp(s - max); returns 1 / their sum. Max and sum
+ * run in SOFTMAX_LANES independent lanes (vectorized, a fixed order), then combine: the same
+ * bits on every thread count, for the float32 and the half precision kernels alike. */
+#define SOFTMAX_LANES 16
+static inline float decode_softmax(float *s, int64_t n) {
+    float m = s[0], lane[SOFTMAX_LANES], sum = 0.0f;
+    int64_t j = 0;
+    for (int l = 0; l < SOFTMAX_LANES; l++) lane[l] = s[0];
+    for (; j + SOFTMAX_LANES <= n; j += SOFTMAX_LANES)
+        for (int l = 0; l < SOFTMAX_LANES; l++) lane[l] = s[j + l] > lane[l] ? s[j + l] : lane[l];
+    for (int l = 0; l < SOFTMAX_LANES; l++) m = lane[l] > m ? lane[l] : m;
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    for (j = 0; j < n; j++) s[j] = softmax_exp(s[j] - m);
+    for (int l = 0; l < SOFTMAX_LANES; l++) lane[l] = 0.0f;
+    for (j = 0; j + SOFTMAX_LANES <= n; j += SOFTMAX_LANES)
+        for (int l = 0; l < SOFTMAX_LANES; l++) lane[l] += s[j + l];
+    for (; j < n; j++) sum += s[j];
+    for (int w = SOFTMAX_LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+    return 1.0f / (sum + lane[0]);
+}
+
+#if defined(__AVX__)
+/* out[j] = scale * (the sum of a[j]'s lanes), j < 8: the decode kernels' scores of eight keys,
+ * reduced together (hadd tree + one cross-lane add) rather than as eight horizontal sums, which
+ * cost more than the products for heads of 32-64. */
+static inline void sum_eight_keys(const __m256 a[8], float scale, float *out) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+}
+#endif
 
 #endif

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from pagedserve.protocol.validate import InvalidField
+from pagedserve.protocol.validate import InvalidField, unencodable_string
 
 Conversation = list[dict[str, Any]]  # [{"role": ..., "content": ...}, ...]
 
@@ -43,6 +43,9 @@ def render_conversations(tokenizer, messages: Union[Conversation, Sequence[Conve
     from pagedserve.client.errors import APIError
     from pagedserve.client.chat_messages import ChatMessage
 
+    found = unencodable_string({"messages": messages, "chat_template_kwargs": chat_template_kwargs})
+    if found:  # what the HTTP frontend refuses with a 400 (protocol/validate.py)
+        raise InvalidField(*found)
     try:
         options = ChatTemplateOptions.from_request(add_generation_prompt, continue_final_message,
                                                    chat_template_kwargs)

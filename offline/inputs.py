@@ -6,12 +6,14 @@ the engine refused after sending would leave the caller waiting for an answer.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any, Optional, Union
+
+import msgspec
 
 from pagedserve.protocol import messages as m
 from pagedserve.offline.structured import as_structured_outputs
-from pagedserve.protocol.validate import InvalidField, check_message
+from pagedserve.protocol.validate import InvalidField, check_message, unencodable_string
 
 Prompt = Union[str, list[int], dict]
 
@@ -54,6 +56,7 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidField("stop", f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
+        _check_encodable("stop", self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not isinstance(self.skip_special_tokens, bool):
@@ -67,6 +70,7 @@ class SamplingParams:
                                                  or not isinstance(self.prompt_logprobs, int)):
             raise InvalidField("prompt_logprobs", f"prompt_logprobs must be None or a number of alternatives "
                                                   f"(>= 0), got {self.prompt_logprobs!r}")
+        _check_encodable("structured_outputs", _fields_of(self.structured_outputs))
         self.structured_outputs = as_structured_outputs(self.structured_outputs)
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidField("best_of", f"only best_of equal to n ({self.n}) is supported, got {self.best_of}")
@@ -96,6 +100,23 @@ class SamplingParams:
         return m.SamplingParams(**values)
 
 
+def _fields_of(value: Any) -> Any:
+    """A dataclass or msgspec struct as a dict, for the string check; anything else as it is."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    if isinstance(value, msgspec.Struct):
+        return msgspec.structs.asdict(value)
+    return value
+
+
+def _check_encodable(field: str, value: Any) -> None:
+    """The HTTP frontend's rule (protocol/validate.py): a lone surrogate is no text any tokenizer,
+    grammar or frame can take, so it is refused here, naming where it is."""
+    found = unencodable_string(value, field)
+    if found:
+        raise InvalidField(found[0], found[1])
+
+
 def prompt_token_ids(prompt: Any, encode) -> list[int]:
     """A prompt in any of vLLM's forms (str, token ids, {"prompt": str}, {"prompt_token_ids": ids})
     as token ids; ``encode`` turns text into ids."""
@@ -113,6 +134,7 @@ def prompt_token_ids(prompt: Any, encode) -> list[int]:
             if not isinstance(prompt, (list, tuple)):
                 raise InvalidField("prompt_token_ids", "must be a list of token ids")
     if isinstance(prompt, str):
+        _check_encodable("prompt", prompt)
         return list(encode(prompt))
     if isinstance(prompt, (list, tuple)):
         try:

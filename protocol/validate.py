@@ -43,6 +43,33 @@ def _field_error(exc: msgspec.ValidationError) -> InvalidField:
     return InvalidField(top, why if where == top else f"{why} (at {where})")
 
 
+def unencodable_string(value: Any, path: str = "") -> Optional[tuple[str, str]]:
+    """(field path, why) of the first string in ``value`` (nested dicts, lists, tuples, dict keys)
+    that UTF-8 cannot encode: a lone UTF-16 surrogate, which JSON's ``\\ud800`` escapes and
+    Python's ``json.loads`` of bytes ``ED A0 80`` both produce. No tokenizer, msgpack frame or
+    grammar compiler can take one, so every edge refuses it where the request is decoded."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path or "(body)", (f"holds the lone UTF-16 surrogate {ascii(value[exc.start])} at character "
+                                      f"{exc.start}, which is not a character")
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = key if isinstance(key, str) and unencodable_string(key) is None else ascii(key)
+            where = f"{path}.{name}" if path else name
+            found = unencodable_string(key, where) or unencodable_string(item, where)
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = unencodable_string(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def check_message(msg: Any) -> None:
     """The ranges of ``type(msg)``, applied to a message built in process, as decoding would."""
     try:

@@ -6,6 +6,7 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -70,6 +71,17 @@ def test_greedy_generation_stops_at_the_eos_token_where_transformers_stops(serve
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == len(expected) < 40  # the EOS token itself is the last one counted
     assert r.choices[0].text == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_a_client_that_names_the_model_by_its_path_is_served_as_vllm_serves_it(server):
+    # `vllm serve /models/x` serves "/models/x", and `vllm bench serve --model PATH` sends that
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == [Path(server.model).name]  # the primary name only
+    for chat in (False, True):
+        kw = dict(model=str(server.model), max_tokens=2, temperature=0)
+        r = c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw) if chat else \
+            c.completions.create(prompt="hi", **kw)
+        assert r.model == Path(server.model).name and r.usage.completion_tokens >= 1
 
 
 def test_streaming_returns_the_same_text_as_non_streaming(server):

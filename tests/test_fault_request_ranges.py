@@ -172,3 +172,67 @@ def test_openai_published_schema_fuzzed_by_schemathesis_gets_no_server_error_and
     assert not server_errors, server_errors[:3]
     assert not nonconforming, nonconforming[:3]
     assert pid_of(server, "scheduler") == server.first_scheduler_pid
+
+
+# Strings no tool should be able to turn into a server error: lone UTF-16 surrogates (JSON
+# escapes), NUL, terminal control characters, a BOM with a right-to-left override.
+HOSTILE_STRINGS = ["\ud800", "\udfff x", "a\x00b", "\x1b[31m\x07\x08", "\ufeff\u202eabc"]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
+STRING_FIELDS = {  # where each hostile string goes, as a function of it
+    "/v1/completions": {
+        "prompt": lambda s: {"prompt": s}, "stop": lambda s: {"stop": [s]}, "user": lambda s: {"user": s},
+        "model": lambda s: {"model": s},
+        "structured_outputs.regex": lambda s: {"structured_outputs": {"regex": s}},
+        "structured_outputs.choice": lambda s: {"structured_outputs": {"choice": [s, "b"]}},
+        "structured_outputs.grammar": lambda s: {"structured_outputs": {"grammar": f'root ::= "{s}"'}},
+        "guided_regex": lambda s: {"guided_regex": s},
+        "guided_json": lambda s: {"guided_json": {"type": "string", "const": s}},
+        "response_format.json_schema.name": lambda s: {"response_format": {"type": "json_schema", "json_schema": {
+            "name": s, "schema": SCHEMA}}},
+        "response_format.json_schema.description": lambda s: {"response_format": {"type": "json_schema",
+                                                                                  "json_schema": {"name": "x", "description": s, "schema": SCHEMA}}},
+        "undeclared key": lambda s: {s: 1},
+    },
+    "/v1/chat/completions": {
+        "messages.content": lambda s: {"messages": [{"role": "user", "content": s}]},
+        "messages.name": lambda s: {"messages": [{"role": "user", "content": "hi", "name": s}]},
+        "tools.function.name": lambda s: {"tools": [{"type": "function", "function": {"name": s}}]},
+        "tools.function.description": lambda s: {"tools": [{"type": "function", "function": {
+            "name": "f", "description": s, "parameters": {"type": "object"}}}]},
+        "tool_choice.function.name": lambda s: {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                                "tool_choice": {"type": "function", "function": {"name": s}}},
+        "chat_template_kwargs": lambda s: {"chat_template_kwargs": {"x": s}},
+        "response_format.json_schema.name": lambda s: {"response_format": {"type": "json_schema", "json_schema": {
+            "name": s, "schema": SCHEMA}}},
+        "structured_outputs.regex": lambda s: {"structured_outputs": {"regex": s}},
+        "stop": lambda s: {"stop": s}, "user": lambda s: {"user": s},
+    },
+}
+STRING_CASES = [(path, field, s) for path, fields in STRING_FIELDS.items() for field in fields for s in HOSTILE_STRINGS]
+
+
+@pytest.mark.parametrize("path,field,hostile", STRING_CASES,
+                         ids=[f"{p.rsplit('/', 1)[-1]}-{f}-{ascii(s)[:12]}" for p, f, s in STRING_CASES])
+def test_a_hostile_string_in_any_field_is_never_a_server_error(server, path, field, hostile):
+    base = {"model": _name(server), "max_tokens": 3}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    body = json.dumps({**base, **STRING_FIELDS[path][field](hostile)})  # ensure_ascii: "\ud800" escapes
+    r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in hostile):  # nothing can encode it: refused, naming where
+        assert r.status_code == 400, r.text[:300]
+        assert "surrogate" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("raw", [b'"\xed\xa0\x80"', b'"\xc0\xaf"', b'"\xff\xfe"', b'"a\x00b"'],
+                         ids=["utf8-of-a-surrogate", "overlong-slash", "not-utf8", "raw-nul"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_body_that_is_not_utf8_is_a_4xx(server, path, raw):
+    if "chat" in path:
+        body = b'{"max_tokens": 3, "messages": [{"role": "user", "content": ' + raw + b'}]}'
+    else:
+        body = b'{"max_tokens": 3, "prompt": ' + raw + b'}' if path != "/tokenize" else b'{"prompt": ' + raw + b'}'
+    r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    status, body = health(server)
+    assert status == 200 and pid_of(server, "scheduler") == server.first_scheduler_pid

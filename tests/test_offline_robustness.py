@@ -49,7 +49,9 @@ BAD_SAMPLING = [dict(logprobs=-1), dict(logprobs=2000), dict(logprobs="x"), dict
                 dict(seed=2**70), dict(seed=1.5), dict(n=0), dict(n=10**30), dict(max_tokens=0),
                 dict(max_tokens=2**70), dict(max_tokens=True), dict(min_tokens=-1), dict(min_tokens=100),
                 dict(stop_token_ids=[2**63]), dict(stop_token_ids=[10**30]), dict(stop_token_ids=[-1]),
-                dict(stop_token_ids="x"), dict(stop=[""]), dict(stop=5), dict(ignore_eos="no")]
+                dict(stop_token_ids="x"), dict(stop=[""]), dict(stop=5), dict(ignore_eos="no"),
+                dict(stop=["a\ud800"]), dict(structured_outputs={"regex": "\udfff"}),
+                dict(structured_outputs={"json": {"type": "string", "const": "\ud800"}})]
 
 
 @pytest.mark.parametrize("kwargs", BAD_SAMPLING, ids=[str(k)[:40] for k in BAD_SAMPLING])
@@ -60,7 +62,8 @@ def test_bad_sampling_params_raise_value_error_naming_the_field(kwargs):
 
 
 BAD_PROMPTS = [[VOCAB], [-1], [2**63], [2**70], [1.5], [], "", {"prompt": 5}, {"x": [1]},
-               {"prompt": "a", "prompt_token_ids": [1]}, {"prompt_token_ids": "abc"}, None]
+               {"prompt": "a", "prompt_token_ids": [1]}, {"prompt_token_ids": "abc"}, None, "x\ud800",
+               {"prompt": "\udfff y"}]
 
 
 @pytest.mark.parametrize("prompt", BAD_PROMPTS, ids=[str(p)[:30] for p in BAD_PROMPTS])

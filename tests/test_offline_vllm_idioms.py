@@ -77,6 +77,9 @@ def test_chat_renders_conversations_with_the_chat_template_and_generates_greedil
         assert output.outputs[0].token_ids == hf_greedy(model, expected, 5)
     with pytest.raises(ValueError, match="messages"):
         llm.chat([{"content": "no role"}], greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content.*surrogate"):
+        llm.chat([{"role": "user", "content": "a\ud800"}], greedy, use_tqdm=False)
+    assert llm.chat(conversations[0], greedy, use_tqdm=False)[0].outputs[0].token_ids == one[0].outputs[0].token_ids
 
 
 def test_gpu_memory_utilization_is_the_share_of_ram_the_kv_cache_takes_on_cpu(llm, model):

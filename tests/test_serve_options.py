@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 from pagedserve.deploy.serve_config import ConfigError, ServeConfig
@@ -76,6 +78,16 @@ def test_served_model_names_go_to_the_frontend_and_the_first_is_the_response_nam
     cmd = cfg.frontend_cmd("/tmp/run")
     at = cmd.index("--served-model-name")
     assert cmd[at + 1:at + 3] == ["a", "b"]
+
+
+def test_the_model_path_as_given_is_an_accepted_name_unless_names_are_set(model_dir):
+    from pagedserve.frontend_proc.args import parse_args
+
+    path = model_dir("float32")  # vLLM serves `vllm serve /models/x` as "/models/x"
+    frontend = parse_args(ServeConfig(model=path).frontend_cmd("/tmp/run")[3:])
+    assert frontend.served_model_names == (Path(path).name,) and frontend.model_aliases == (path,)
+    named = parse_args(ServeConfig(model=path, served_model_name=["a"]).frontend_cmd("/tmp/run")[3:])
+    assert named.served_model_names == ("a",) and named.model_aliases == ()
 
 
 def test_a_chat_template_that_is_neither_a_file_nor_a_template_is_refused(model_dir, tmp_path):

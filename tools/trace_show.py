@@ -43,6 +43,27 @@ class TraceSummary:
     worker_errors: int = 0
     worker_failures: int = 0  # fail_all records: the scheduler lost its workers
     step_lines: list[str] = field(default_factory=list)
+    requests_by_id: dict[str, "RequestRecord"] = field(default_factory=dict)  # arrival order
+    drops: list[tuple[int, list[str], list[str]]] = field(default_factory=list)  # (step, dropped, still held)
+
+
+@dataclass
+class RequestRecord:
+    """One sequence's life as the scheduler's own record shows it: the order it arrived in, the
+    step that first scheduled it, the step whose result is its first token (its prompt's last
+    chunk), the steps that preempted it (the workers dropped it, then were sent it whole again), and
+    the last step that computed a token of it."""
+    req_id: str
+    arrival: int  # index among the AddRequests, in the order the scheduler received them
+    first_scheduled_step: int = -1
+    first_token_step: int = -1
+    preempted_steps: list[int] = field(default_factory=list)
+    last_step: int = -1
+
+    def line(self) -> str:
+        return (f"  {self.req_id}: arrival #{self.arrival}, first scheduled at step {self.first_scheduled_step}, "
+                f"first token at step {self.first_token_step}, preempted at steps {self.preempted_steps or '-'}, "
+                f"last token at step {self.last_step}")
 
 
 class _Summarizer:
@@ -51,11 +72,12 @@ class _Summarizer:
         self.per_step = per_step
         self.held: dict[str, HeldRequest] = {}  # what the workers hold, as they would apply each step
         self.seen: set[str] = set()  # every sequence id sent in full
-        self.dropped: set[str] = set()  # dropped by the workers and not (yet) sent again
+        self.dropped: dict[str, int] = {}  # dropped by the workers and not (yet) sent again -> the step
         self.steps_out = 0  # steps sent whose rank-0 result is not yet in
 
     def frontend(self, msg) -> None:
         if isinstance(msg, m.AddRequest):
+            self.s.requests_by_id[msg.request_id] = RequestRecord(msg.request_id, self.s.requests)
             self.s.requests += 1
             self.s.parallel_sample_requests += msg.sampling.n > 1
         elif isinstance(msg, m.AbortRequest):
@@ -71,6 +93,14 @@ class _Summarizer:
             s.decode_tokens += 1
         else:
             s.prefill_tokens += scheduled
+
+    def _record(self, req_id: str) -> RequestRecord:
+        """A sequence's record (samples of an n>1 request, "PARENT/i", get their own)."""
+        records = self.s.requests_by_id
+        if req_id not in records:
+            records[req_id] = RequestRecord(req_id, records[req_id.rpartition("/")[0]].arrival
+                                            if req_id.rpartition("/")[0] in records else -1)
+        return records[req_id]
 
     def step(self, out: m.SchedulerOutput) -> None:
         s = self.s
@@ -88,13 +118,18 @@ class _Summarizer:
                     s.prefix_hits += 1
                     s.prefix_hit_tokens += r.num_computed_tokens
             elif r.req_id in self.dropped:
+                self._record(r.req_id).preempted_steps.append(self.dropped[r.req_id])
                 if swapped_in & set(r.block_ids):
                     s.preemptions_swap += 1
                 else:
                     s.preemptions_recompute += 1
             self.seen.add(r.req_id)
-            self.dropped.discard(r.req_id)
-        self.dropped.update(req_id for req_id in out.finished_req_ids if req_id in self.held)
+            self.dropped.pop(r.req_id, None)
+        dropped = [req_id for req_id in out.finished_req_ids if req_id in self.held]
+        if dropped:  # a preemption or an end: which one shows when (if) it is sent again
+            s.drops.append((out.step, dropped, [r for r in self.held if r not in dropped]))
+        for req_id in dropped:
+            self.dropped[req_id] = out.step
         try:
             # Counting needs no token values, and a step sent ahead precedes the result its
             # placeholders stand for: they stay unresolved.
@@ -103,6 +138,12 @@ class _Summarizer:
             raise TraceError(str(exc)) from None
         for seq in scheduled:
             self._count(seq)
+            record = self._record(seq.req_id)
+            if record.first_scheduled_step < 0:
+                record.first_scheduled_step = out.step
+            if record.first_token_step < 0 and seq.num_computed_tokens + seq.num_scheduled_tokens >= seq.num_prompt_tokens:
+                record.first_token_step = out.step
+            record.last_step = out.step
         decodes = out.decodes
         s.blocks_swapped_out += len(out.blocks_to_swap_out)
         s.blocks_swapped_in += len(out.blocks_to_swap_in)
@@ -173,14 +214,18 @@ def format_summary(trace: Trace, s: TraceSummary) -> str:
     return "\n".join(out + s.step_lines)
 
 
-def summarize(path: str, per_step: bool = False) -> str:
+def summarize(path: str, per_step: bool = False, per_request: bool = False) -> str:
     trace = read_trace(path)
-    return format_summary(trace, summarize_trace(trace, per_step))
+    summary = summarize_trace(trace, per_step)
+    lines = [format_summary(trace, summary)]
+    if per_request:
+        lines += ["requests (arrival order):", *(r.line() for r in summary.requests_by_id.values())]
+    return "\n".join(lines)
 
 
 def show_main(ns: argparse.Namespace) -> int:
     try:
-        text = summarize(ns.trace, per_step=ns.steps)
+        text = summarize(ns.trace, per_step=ns.steps, per_request=ns.requests)
     except TraceError as exc:
         print(f"pagedserve trace show: {exc}", file=sys.stderr)
         return 2

@@ -4,8 +4,8 @@ On CPU, kernels.reference.paged_attention loops over requests in Python and expa
 per query head, which dominates a step. So the requests that decode one token go through
 decode_attention in one batched call, and each prefill chunk through one
 scaled_dot_product_attention call (prefill_attention), except where the native kernel takes
-them (float32, native_prefill.py: no window inside them, at most 1536 keys). On other
-devices, and whenever the step's ops are not the torch references (PAGEDSERVE_KERNELS=triton under TRITON_INTERPRET=1 on
+them (native_prefill.py: a cache in the query's dtype, no window inside them, at most 1536
+keys). On other devices, and whenever the step's ops are not the torch references (PAGEDSERVE_KERNELS=triton under TRITON_INTERPRET=1 on
 CPU, which is how the tests run the Triton kernel inside a real forward pass), everything goes
 to the kernel. The plan is computed once per step and shared by every layer.
 """
@@ -82,7 +82,7 @@ def attend(ops: ModuleType, query: torch.Tensor, key: torch.Tensor, value: torch
     if plan.all_decode:
         return decode_attention(query, k_cache, v_cache, scale, plan.decode_context(sliding_window))
     rest, native = plan.chunks, None
-    if k_cache.dtype == torch.float32 and cpu_native.supports_prefill(query, key):
+    if k_cache.dtype == query.dtype and cpu_native.supports_prefill(query, key):
         native = plan.native_prefill(sliding_window)
         rest = native.rest
     elif plan.decode_rows is None and len(rest) == 1 and rest[0].end - rest[0].start == query.shape[0]:

@@ -19,9 +19,9 @@ Two choices come from measurement (bench/RESULTS.md, "decode attention groups"):
 The gathered K/V land in a GatherWorkspace kept across steps: a fresh multi-megabyte
 buffer per layer costs more in page faults than the gather itself.
 
-Where the native kernels are built (kernels/cpu_native.py, float32) none of this runs: the
-C kernel reads each request's blocks in place, 2-10x faster. This path serves the other
-dtypes and machines without a C compiler.
+Where the native kernels are built (kernels/cpu_native.py: float32, bfloat16, float16) none
+of this runs: the C kernel reads each request's blocks in place, 2-10x faster. This path serves
+the other dtypes and machines without a C compiler.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class Worker:
                                   cuda_graphs=not cfg.enforce_eager)
         kernels = self.runner.ops.__name__.rsplit(".", 1)[-1]
         if self.runner.device.type == "cpu" and cpu_native.library() is not None:
-            kernels += " + native CPU decode and prompt attention, rotary"
+            kernels += f" + native CPU decode and prompt attention, rotary ({cpu_native.kernel_variant()})"
         if self.runner.model.lm_head.packed is not None:
             kernels += " + oneDNN packed matmuls"
         if self.runner.model.elementwise.name == "fused":
