@@ -123,3 +123,14 @@ def test_one_request_takes_at_most_a_dozen_steps_each_naming_a_file_that_exists(
         assert named, f"a step names no file: {step}"
         gone = [n for n in named if not any(p == n or p.endswith("/" + n) for p in mapped)]
         assert not gone, f"a step of the request path names files that do not exist: {gone}"
+
+
+def test_every_measurement_docs_decisions_points_to_is_a_heading_of_results():
+    headings = [line.lstrip("#").strip() for line in (ROOT / "bench" / "RESULTS.md").read_text().splitlines()
+                if line.startswith("#")]
+    text = (ROOT / "docs" / "DECISIONS.md").read_text()
+    pointers = [p for arrow in re.findall(r"→ RESULTS ((?:\"[^\"]+\"(?:,\s*)?)+)", text)
+                for p in re.findall(r"\"([^\"]+)\"", arrow)]
+    assert pointers
+    dangling = [p for p in pointers if not any(h.startswith(p) for h in headings)]
+    assert not dangling, f"docs/DECISIONS.md points to no heading of bench/RESULTS.md: {dangling}"
