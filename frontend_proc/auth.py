@@ -1,4 +1,5 @@
-"""Bearer-token check for every endpoint but /health (used as a FastAPI dependency)."""
+"""Bearer-token check (a FastAPI dependency) for the generation, model, tokenize and metrics
+routes; /health, /version, /ping and the API docs stay open, as vLLM leaves them."""
 
 from __future__ import annotations
 

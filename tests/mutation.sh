@@ -12,7 +12,7 @@ mkdir -p "$scratch/pagedserve"
 cd "$repo"
 git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$scratch"
 cd "$scratch"
-for pkg in protocol scheduler_proc worker_proc frontend_proc kernels deploy bench; do
+for pkg in protocol client scheduler_proc worker_proc frontend_proc kernels offline deploy tools bench; do
   rm -rf "pagedserve/$pkg" && mv "$pkg" pagedserve/
 done
 cp api/__init__.py pagedserve/__init__.py
