@@ -14,13 +14,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="drive a running server through the OpenAI API")
     bench_serve.add_args(s)
     s.set_defaults(run=bench_serve.main)
-    o = sub.add_parser("offline", help="offline LLM.generate against transformers' generate_batch")
+    o = sub.add_parser("offline", help="offline LLM.generate against vLLM's LLM and transformers' generate_batch")
     bench_offline.add_args(o)
     o.set_defaults(run=bench_offline.main)
     c = sub.add_parser("scenario", help="named seed workloads: misaligned, tight-kv")
     bench_scenarios.add_args(c)
     c.set_defaults(run=bench_scenarios.main)
-    v = sub.add_parser("peer", help="pagedserve and `transformers serve --continuous-batching` side by side over HTTP")
+    v = sub.add_parser("peer", help="pagedserve, vLLM's server and `transformers serve --continuous-batching` "
+                       "side by side over HTTP")
     bench_peer.add_args(v)
     v.set_defaults(run=bench_peer.main)
     return p

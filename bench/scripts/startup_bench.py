@@ -1,11 +1,13 @@
-"""Time from launching a server to its first answer, pagedserve against `transformers serve`.
+"""Time from launching a server to its first answer, pagedserve against `transformers serve`
+and vLLM's OpenAI server.
 
-    python bench/scripts/startup_bench.py [MODEL_DIR] [--runs 5] [--engines pagedserve,transformers]
+    python bench/scripts/startup_bench.py [MODEL_DIR] [--runs 5] [--engines pagedserve,transformers,vllm]
+        [--vllm-python PATH] [--dtype auto]
 
 Each run starts the server cold (a new process group, this checkout's defaults), waits
 for it to accept a one-token completion, and stops it; engines alternate run by run.
-`ready` is the first 200 from the readiness path (pagedserve's /health, transformers'
-/v1/models); `first answer` adds one `max_tokens=1` completion, which is where
+`ready` is the first 200 from the readiness path (pagedserve's and vLLM's /health,
+transformers' /v1/models); `first answer` adds one `max_tokens=1` completion, which is where
 transformers serve loads its model. The default model is the bench's random 3-layer
 Llama. Prints the median and the spread of both per engine.
 """
@@ -19,18 +21,22 @@ import time
 import httpx
 
 from pagedserve.bench.peer import ensure_llama_model
-from pagedserve.bench.report import median_spread
-from pagedserve.bench.servers import BenchServer, pagedserve_command, transformers_command
+from pagedserve.bench.report import cpu_label, median_spread
+from pagedserve.bench.servers import (VLLM_START_TIMEOUT_S, BenchServer, pagedserve_command, parse_engines,
+                                             resolve_vllm_python, transformers_command, vllm_command, vllm_env)
 from pagedserve.protocol.options import resolve_device
 
-READY_PATHS = {"pagedserve": "/health", "transformers": "/v1/models"}
+READY_PATHS = {"pagedserve": "/health", "transformers": "/v1/models", "vllm": "/health"}
 
 
-def one_start(engine: str, model: str, device: str, logs: str) -> tuple[float, float]:
-    commands = {"pagedserve": lambda port: pagedserve_command(model, port, ("--device", device)),
-                "transformers": lambda port: transformers_command(model, port, device)}
+def one_start(engine: str, model: str, device: str, logs: str, ns: argparse.Namespace) -> tuple[float, float]:
+    dtype = ("--dtype", ns.dtype) if ns.dtype != "auto" else ()
+    commands = {"pagedserve": lambda port: pagedserve_command(model, port, ("--device", device, *dtype)),
+                "transformers": lambda port: transformers_command(model, port, device, ns.dtype),
+                "vllm": lambda port: vllm_command(ns.vllm_python, model, port, ns.dtype)}
+    extra = dict(env=vllm_env(), timeout_s=VLLM_START_TIMEOUT_S) if engine == "vllm" else {}
     started = time.monotonic()
-    server = BenchServer(engine, commands[engine], logs, ready_path=READY_PATHS[engine], poll_s=0.05)
+    server = BenchServer(engine, commands[engine], logs, ready_path=READY_PATHS[engine], poll_s=0.05, **extra)
     with server:
         ready = time.monotonic() - started
         name = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -47,15 +53,19 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--engines", default="pagedserve,transformers")
     parser.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda, for both servers")
+    parser.add_argument("--dtype", default="auto", help="every server's --dtype")
+    parser.add_argument("--vllm-python", help="the python of vLLM's own venv (default: $PAGEDSERVE_VLLM_PYTHON)")
     ns = parser.parse_args()
     model = ns.model or str(ensure_llama_model())
     device = resolve_device(ns.device)
-    engines = [e.strip() for e in ns.engines.split(",") if e.strip()]
+    engines = parse_engines(ns.engines)
+    ns.vllm_python = resolve_vllm_python(engines, ns.vllm_python)
+    print(f"model {model}, dtype {ns.dtype}, {device}; {cpu_label()}")
     times: dict[str, list[tuple[float, float]]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory() as logs:
         for run in range(ns.runs):
             for engine in engines:
-                times[engine].append(one_start(engine, model, device, logs))
+                times[engine].append(one_start(engine, model, device, logs, ns))
                 print(f"run {run + 1} {engine:13s} ready {times[engine][-1][0]:6.2f} s, "
                       f"first answer {times[engine][-1][1]:6.2f} s", flush=True)
     print(f"\n{'engine':13s} {'ready s, median (range)':>26s} {'first answer s':>26s}")
