@@ -6,7 +6,7 @@ Sequence, so preemption keeps it: a swapped sequence resumes where it was, and a
 one recomputes KV for tokens the matcher has already accepted. Each of an n > 1 request's
 samples gets its own matcher when the parent forks (the parent only computes the prompt).
 
-A constrained sequence is never in the decode lane and never samples twice without the
+A constrained sequence is never a steady decode (running.py) and never samples twice without the
 scheduler knowing its previous token: its mask depends on that token (overlap.py).
 """
 
