@@ -24,5 +24,7 @@ class FcfsPolicy:
         return waiting[0]
 
     def victim(self, running: "RunningSequences") -> "Sequence":
-        """The running sequence to preempt when blocks run out (``running`` is not empty)."""
+        """The running sequence to preempt when blocks run out (``running`` is not empty): the
+        one asking for blocks, or one the step has not scheduled yet (the running loop goes
+        oldest first, so the newest qualifies)."""
         return running.newest()

@@ -4,12 +4,10 @@ Each ``schedule()``:
 
 1. Running sequences, oldest first. Decodes always run (the token budget keeps one token
    for every later decode, so prefill chunks can never starve them); running prefills
-   continue with a chunk of what is left. A sequence that needs a block that is not there
-   preempts the policy's victim (the newest running sequence under FCFS, policy.py),
-   possibly itself, until it fits (swap to host when allowed and cheaper, recompute
-   otherwise). Nothing is preempted while blocks suffice. Steady decodes (running.py) get
-   their block first if all of them fit, else they join this loop; their one token each is
-   reserved from the budget up front.
+   continue with a chunk of what is left. While a sequence cannot have its blocks, the
+   policy's victim (policy.py; FCFS: the newest, possibly itself) is preempted, by swap when
+   allowed and cheaper, else by recompute. Steady decodes (running.py) get their blocks
+   first if all fit, else they join this loop; their tokens are reserved up front.
 2. Only in a step that preempted nothing: swapped sequences resume (oldest first), then
    waiting ones are admitted in the policy's order; the first that does not fit stops
    admission, so nothing overtakes it. Skipping resumption in a preempting step also keeps
@@ -259,15 +257,13 @@ class Scheduler:
                 continue
             if later_decodes is None:  # a prefill continuing (or a parent's prompt[:-1])
                 later_decodes = sum(1 for s in queue[i + 1:] if s.status == RUNNING and _is_decode(s))
-            num_tokens = self.chunk_size(seq.target_len - seq.num_kv_tokens, batch.budget - later_decodes)
+            num_tokens = admission.chunk_size(seq.target_len - seq.num_kv_tokens, batch.budget - later_decodes,
+                                              self.config.enable_chunked_prefill)
             if num_tokens > 0:
                 num_tokens = self._make_room(seq, num_tokens, batch)
                 if num_tokens > 0:
                     self.bm.append_slots(seq, num_tokens)
                     batch.add(seq, num_tokens)
-
-    def chunk_size(self, remaining: int, budget: int) -> int:
-        return admission.chunk_size(remaining, budget, self.config.enable_chunked_prefill)
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: StepPlan) -> int:
         """Preempt the policy's victims until ``seq`` fits; how many tokens it may compute.
@@ -290,6 +286,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: StepPlan) -> None:
         """Take a running sequence off the device, by swap or by recompute."""
+        if batch.holds(seq):  # un-scheduling a victim is not supported (FCFS's newest never is one)
+            raise SchedulerStateError(f"the policy chose {seq.seq_id!r}, already scheduled this step, as a victim")
         batch.budget += self.running.preempt(seq, self.bm)
         batch.preempted = True
         seq.num_preemptions += 1

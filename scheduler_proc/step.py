@@ -59,6 +59,10 @@ class StepPlan:
         seq.num_tokens_sent = len(seq.token_ids)
         seq.num_blocks_sent = len(seq.block_ids)
 
+    def holds(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is already in this batch as a per-object entry (O(batch): for preemptions only)."""
+        return any(s is seq for s in (*self.sampling_new, *self.sampling_cached, *self.others))
+
     def add_decode(self, seq: Sequence) -> None:
         """``add(seq, 1)`` for a decode the workers hold: its one new token, without slicing."""
         computed = seq.num_kv_tokens
