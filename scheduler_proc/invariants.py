@@ -9,7 +9,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pagedserve.scheduler_proc.block_pool import BlockPool
-from pagedserve.scheduler_proc.request import FINISHED, RUNNING, SWAPPED, WAITING
+from pagedserve.scheduler_proc.request import RUNNING, SWAPPED, WAITING
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_proc.scheduler import Scheduler

@@ -88,6 +88,7 @@ class RunningSequences:
     # ------------------------------------------------------------------ membership
 
     def add(self, seq: Sequence) -> None:
+        seq.status = RUNNING
         if seq.is_parent:
             self._reserved_seats += seq.request.sampling.n - 1
         queue = self._queue

@@ -21,6 +21,7 @@ only this class applies them to the queues and counters.
 from __future__ import annotations
 
 import random
+import time
 from bisect import insort
 from collections import deque
 
@@ -322,10 +323,6 @@ class Scheduler:
     def seats_free(self) -> int:
         return self.config.max_num_seqs - self.running.num_seats
 
-    def _enter_running(self, seq: Sequence) -> None:
-        seq.status = RUNNING
-        self.running.add(seq)
-
     def _resume_swapped(self, batch: StepPlan) -> None:
         """Swapped sequences come back oldest first, until one does not fit."""
         swapped = self.swapped
@@ -341,7 +338,7 @@ class Scheduler:
             if self.config.enable_prefix_caching:
                 prefix_cache.republish(self.bm.device, seq)
             self.bm.append_slots(seq, num_tokens)
-            self._enter_running(seq)
+            self.running.add(seq)
             batch.add(seq, num_tokens)
 
     def _admit_waiting(self, batch: StepPlan) -> None:
@@ -370,7 +367,7 @@ class Scheduler:
         self.bm.allocate(seq, plan.hits, plan.num_blocks)
         seq.block_keys = plan.keys
         seq.num_kv_tokens = plan.num_computed
-        self._enter_running(seq)
+        self.running.add(seq)
         if plan.num_tokens > 0:
             batch.add(seq, plan.num_tokens)
         elif plan.forks_now:  # sample right away
@@ -385,7 +382,12 @@ class Scheduler:
         finished, self.finished_ids = self.finished_ids, []
         total = self.config.max_num_batched_tokens - batch.budget
         sampling = batch.sampling_new + batch.sampling_cached
-        masks = step_bitmask(sampling, self.grammars.words_per_row, self.counters) if self.grammars else None
+        masks = None
+        if self.grammars:
+            started = time.perf_counter()
+            masks = step_bitmask(sampling, self.grammars.words_per_row)
+            if masks is not None:
+                self.counters.structured_output_mask_time_s += time.perf_counter() - started
         out = SchedulerOutput(self._step, batch.new, batch.cached, decodes, finished, batch.swap_out,
                               batch.swap_in, copies, zero, total, masks)
         counters = self.counters
