@@ -16,7 +16,7 @@ the result (docs/DECISIONS.md). Ahead is allowed when exactly one step is out an
 
 Sequences with nothing to compute until the result arrives (a parent about to fork) simply
 sit the step out. A steady decode that ends meanwhile holds nothing back: the batch out
-that computes a token past its end drops it (decode_lane.py).
+that computes a token past its end drops it (running.py).
 """
 
 from __future__ import annotations
