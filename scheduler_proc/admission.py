@@ -4,21 +4,21 @@ A request that could never be scheduled ends at once with an ``invalid_request``
 whose message names the numbers, instead of waiting forever (or being silently dropped).
 Swapped sequences come back before any waiting one is admitted, and waiting ones are
 admitted strictly in arrival order (recompute-preempted ones sit at the front).
+
+The functions here answer questions and return plain decisions; the scheduler applies them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from pagedserve.protocol.messages import AddRequest
 from pagedserve.protocol.validate import InvalidField, check_request
 
-from pagedserve.scheduler_proc import output_processor, prefix_cache
+from pagedserve.scheduler_proc import prefix_cache
+from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.config import SchedulerConfig
-from pagedserve.scheduler_proc.step import StepPlan
-
-if TYPE_CHECKING:
-    from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.scheduler_proc.request import Sequence
 
 
 def length_limit(config: SchedulerConfig) -> int:
@@ -58,27 +58,25 @@ def rejection_reason(msg: AddRequest, config: SchedulerConfig) -> Optional[str]:
     return None
 
 
-def resume_swapped(sched: "Scheduler", batch: StepPlan) -> None:
-    """Swapped sequences come back oldest first, until one does not fit."""
-    swapped = sched.swapped
-    while swapped:
-        seq = swapped[0]
-        seats = seq.request.sampling.n if seq.is_parent else 1
-        if sched.seats_free() < seats:
-            return
-        num_tokens = sched.chunk_size(seq.target_len - seq.num_kv_tokens, batch.budget)
-        if num_tokens <= 0 or not sched.bm.can_swap_in(seq, num_tokens):
-            return
-        swapped.pop(0)
-        batch.swap_in.extend(sched.bm.swap_in(seq))
-        if sched.config.enable_prefix_caching:
-            prefix_cache.republish(sched.bm.device, seq)
-        sched.bm.append_slots(seq, num_tokens)
-        sched.enter_running(seq)
-        sched.emit(seq, seq.num_kv_tokens, num_tokens, batch)
+def chunk_size(remaining: int, budget: int, chunked_prefill: bool) -> int:
+    """Tokens of ``remaining`` a sequence computes this step, with ``budget`` tokens left."""
+    if remaining <= budget:
+        return remaining
+    return budget if chunked_prefill else 0
 
 
-def admission_reserve(sched: "Scheduler") -> int:
+def seats_needed(seq: Sequence) -> int:
+    """A parent holds a seat for each child it forks into."""
+    return seq.request.sampling.n if seq.is_parent else 1
+
+
+def tokens_to_resume(seq: Sequence, bm: BlockManager, budget: int, chunked_prefill: bool) -> int:
+    """Tokens a swapped ``seq`` computes if it comes back this step; 0: it does not fit."""
+    num_tokens = chunk_size(seq.target_len - seq.num_kv_tokens, budget, chunked_prefill)
+    return num_tokens if num_tokens > 0 and bm.can_swap_in(seq, num_tokens) else 0
+
+
+def admission_reserve(num_running: int) -> int:
     """Free blocks a new admission must leave for the running sequences to grow into.
 
     One block per running sequence: room for every one of them to grow for the next
@@ -87,51 +85,42 @@ def admission_reserve(sched: "Scheduler") -> int:
     alone cannot stop. With nothing running the reserve is 0, so the head of the queue,
     which fits the whole cache, can always be admitted eventually.
     """
-    return len(sched.running) + sched.lane.n
+    return num_running
 
 
-def admit_waiting(sched: "Scheduler", batch: StepPlan) -> None:
-    """Waiting sequences start strictly in arrival order; the first that does not fit stops the rest."""
-    waiting = sched.waiting
-    bm = sched.bm
-    bs = sched.block_size
-    prefix = sched.config.enable_prefix_caching
-    while waiting and batch.budget > 0:
-        seq = waiting[0]
-        request = seq.request
-        n = request.sampling.n
-        if sched.seats_free() < (n if seq.is_parent else 1):
-            return
-        # A cached block computes nothing, so prompt logprobs need the whole prompt computed (as vLLM).
-        lookup = prefix and request.sampling.prompt_logprobs is None
-        hits, keys = prefix_cache.lookup(bm.device, seq, bs) if lookup else ([], [])
-        computed = len(hits) * bs
-        remaining = seq.target_len - computed
-        num_tokens = sched.chunk_size(remaining, batch.budget)
-        if num_tokens <= 0 and remaining > 0:
-            return
-        forks_now = seq.is_parent and remaining == 0  # the cache holds all of prompt[:-1]
-        num_blocks = bm.blocks_for(computed + num_tokens)
-        children_blocks = n if forks_now else 0  # each child's first token needs a block
-        if not bm.can_allocate(hits, num_blocks + children_blocks + admission_reserve(sched)):
-            return
-        waiting.popleft()
-        if lookup:
-            sched.counters.prefix_cache_queries += len(seq.token_ids)
-            sched.counters.prefix_cache_hits += computed
-        first_admission = seq.num_preemptions == 0
-        if first_admission:
-            sched.counters.prompt_tokens += request.num_prompt_tokens
-            request.num_cached_tokens = computed
-        seq.num_cached_tokens = request.num_cached_tokens
-        bm.allocate(seq, hits, num_blocks)
-        seq.block_keys = keys
-        seq.num_kv_tokens = computed
-        sched.enter_running(seq)
-        if num_tokens > 0:
-            sched.emit(seq, computed, num_tokens, batch)
-        elif forks_now:  # sample right away
-            for child in output_processor.fork(sched, seq):
-                if batch.budget > 0 and bm.can_append_slots(child, 1):
-                    bm.append_slots(child, 1)
-                    sched.emit(child, child.num_kv_tokens, 1, batch)
+class Admission:
+    """How a waiting sequence starts: its prefix-cache hits and the blocks and tokens of its first step."""
+
+    __slots__ = ("seq", "hits", "keys", "looked_up", "num_computed", "num_blocks", "num_tokens", "forks_now")
+
+    def __init__(self, seq: Sequence, hits: list[int], keys: list, looked_up: bool, num_computed: int,
+                 num_blocks: int, num_tokens: int, forks_now: bool):
+        self.seq = seq
+        self.hits = hits
+        self.keys = keys
+        self.looked_up = looked_up  # counted as a prefix-cache query
+        self.num_computed = num_computed  # tokens the hits cover
+        self.num_blocks = num_blocks
+        self.num_tokens = num_tokens  # to compute this step (0 when the parent forks at once)
+        self.forks_now = forks_now  # a parent whose prompt[:-1] is all cached: its children sample now
+
+
+def plan_admission(seq: Sequence, bm: BlockManager, config: SchedulerConfig, budget: int,
+                   num_running: int) -> Optional[Admission]:
+    """How ``seq`` (waiting, with a seat free) starts this step, or None if it does not fit."""
+    request = seq.request
+    block_size = config.block_size
+    # A cached block computes nothing, so prompt logprobs need the whole prompt computed (as vLLM).
+    lookup = config.enable_prefix_caching and request.sampling.prompt_logprobs is None
+    hits, keys = prefix_cache.lookup(bm.device, seq, block_size) if lookup else ([], [])
+    computed = len(hits) * block_size
+    remaining = seq.target_len - computed
+    num_tokens = chunk_size(remaining, budget, config.enable_chunked_prefill)
+    if num_tokens <= 0 and remaining > 0:
+        return None
+    forks_now = seq.is_parent and remaining == 0
+    num_blocks = bm.blocks_for(computed + num_tokens)
+    children_blocks = request.sampling.n if forks_now else 0  # each child's first token needs a block
+    if not bm.can_allocate(hits, num_blocks + children_blocks + admission_reserve(num_running)):
+        return None
+    return Admission(seq, hits, keys, lookup, computed, num_blocks, num_tokens, forks_now)

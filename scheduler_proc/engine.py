@@ -291,8 +291,8 @@ class EngineLoop:
             # Nothing is queued at the workers (this step could not be followed ahead): the
             # next step goes out before the deltas, whose encoding and send the workers would
             # otherwise wait through. Inputs that came meanwhile join the step after, as they
-            # do whenever a step is scheduled ahead. The lane copies the lists these deltas
-            # share with it before changing them (DecodeLane._own_lists).
+            # do whenever a step is scheduled ahead. The running set copies the lists these
+            # deltas share with it before changing them (running.py).
             pending.append(sched.schedule())
             self._send_step(pending[-1])
         self._send_deltas(deltas, out.step)

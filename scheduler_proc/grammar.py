@@ -6,13 +6,12 @@ Sequence, so preemption keeps it: a swapped sequence resumes where it was, and a
 one recomputes KV for tokens the matcher has already accepted. Each of an n > 1 request's
 samples gets its own matcher when the parent forks (the parent only computes the prompt).
 
-A constrained sequence is never in the decode lane and never samples twice without the
+A constrained sequence is never a steady decode (running.py) and never samples twice without the
 scheduler knowing its previous token: its mask depends on that token (overlap.py).
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -61,17 +60,15 @@ class SequenceGrammar:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def step_bitmask(seqs: list["Sequence"], words_per_row: int, counters) -> Optional[GrammarBitmask]:
+def step_bitmask(seqs: list["Sequence"], words_per_row: int) -> Optional[GrammarBitmask]:
     """The rows of the constrained sequences among ``seqs`` (those that sample this step), or
-    None when there are none; the time spent filling goes to ``counters`` (stats.py)."""
+    None when there are none."""
     constrained = [seq for seq in seqs if seq.grammar is not None]
     if not constrained:
         return None
-    started = time.perf_counter()
     rows = np.empty((len(constrained), words_per_row), dtype=np.int32)
     for row, seq in enumerate(constrained):
         seq.grammar.fill(rows, row)
-    counters.structured_output_mask_time_s += time.perf_counter() - started
     return GrammarBitmask([seq.seq_id for seq in constrained], words_per_row, rows.astype("<i4", copy=False).tobytes())
 
 

@@ -9,7 +9,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pagedserve.scheduler_proc.block_pool import BlockPool
-from pagedserve.scheduler_proc.request import FINISHED, RUNNING, SWAPPED, WAITING
+from pagedserve.scheduler_proc.request import RUNNING, SWAPPED, WAITING
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_proc.scheduler import Scheduler
@@ -51,48 +51,21 @@ def check_pool(pool: BlockPool, owners: Counter, name: str) -> None:
         _fail(f"{name}: {len(pool.cache)} cache entries but a different number of named blocks")
 
 
-def check_lane(sched: "Scheduler") -> list:
-    """The decode lane agrees with its sequences (synced first); returns its live ones."""
-    lane = sched.lane
-    if not len(lane.seqs) == len(lane.ids) == len(lane.request_ids) == lane.n:
-        _fail(f"lane holds {lane.n} sequences but lists of {len(lane.seqs)}/{len(lane.ids)}/{len(lane.request_ids)}")
-    live = []
-    for pos, seq in enumerate(lane.seqs):
-        if seq.lane_pos != pos or lane.ids[pos] != seq.seq_id or lane.request_ids[pos] != seq.request_id:
-            _fail(f"lane position {pos} holds {seq.seq_id} whose lane_pos is {seq.lane_pos}")
-        if seq.status != RUNNING:
-            _fail(f"{seq.seq_id} ended but is still in the lane")
-        if seq.is_parent or seq.shared_tail or not seq.worker_knows:
-            _fail(f"{seq.seq_id} in the lane is a parent, shares its tail or is unknown to the workers")
-        # each step out that holds it computes one token not yet sampled (one that entered
-        # while a batch was out sits behind that batch's positions)
-        in_flight = lane.num_batches_holding(pos)
-        if len(seq.token_ids) != seq.num_kv_tokens + 1 - in_flight:
-            _fail(f"{seq.seq_id} in the lane: {len(seq.token_ids)} tokens, {seq.num_kv_tokens} computed")
-        live.append(seq)
-    return live
-
-
 def check(sched: "Scheduler") -> None:
     bm = sched.bm
     if bm.pending_zero or bm.pending_copies:
         _fail(f"pending zero {list(bm.pending_zero)} / copies {bm.pending_copies} not drained")
     device_owners: Counter = Counter()
     host_owners: Counter = Counter()
-    slow = [s for s in sched.running if s.status == RUNNING and s.lane_pos < 0]
-    if len(slow) != len(sched.running) - sched.num_gone_running:
-        _fail(f"num_gone_running={sched.num_gone_running} but {len(sched.running) - len(slow)} are gone")
-    in_lane = check_lane(sched)
-    live = slow + in_lane
+    per_object, steady = sched.running.check(_fail)
+    live = per_object + steady
     seats = sum(s.request.sampling.n if s.is_parent else 1 for s in live)
     if seats > sched.config.max_num_seqs:
         _fail(f"{seats} seats in use exceed max_num_seqs={sched.config.max_num_seqs}")
-    if len(live) + sched.parent_seats != seats:
-        _fail(f"parent_seats={sched.parent_seats} disagrees with the running parents")
-    for queue, status, name in ((slow, RUNNING, "running"), (in_lane, RUNNING, "lane"),
+    for queue, status, name in ((per_object, RUNNING, "running"), (steady, RUNNING, "steady"),
                                 (sched.waiting, WAITING, "waiting"), (sched.swapped, SWAPPED, "swapped")):
         orders = [s.order for s in queue]
-        if name != "lane" and orders != sorted(orders):
+        if name != "steady" and orders != sorted(orders):
             _fail(f"{name} is not in arrival order: {[s.seq_id for s in queue]}")
         for seq in queue:
             if seq.status != status:

@@ -1,55 +1,55 @@
-"""The scheduler: queues, admission and one step's batch. Pure CPU; no sockets, no torch.
+"""The scheduler: the one owner of the queues, the counters and every step's batch. Pure CPU.
 
 Each ``schedule()``:
 
 1. Running sequences, oldest first. Decodes always run (the token budget keeps one token
    for every later decode, so prefill chunks can never starve them); running prefills
-   continue with a chunk of what is left. A sequence that needs a block that is not there
-   preempts the *newest* running sequence, possibly itself, until it fits (swap to host
-   when allowed and cheaper, recompute otherwise). Nothing is preempted while blocks suffice.
-   Sequences in the decode lane (decode_lane.py: steady decodes held as numpy columns)
-   get their block first if all of them fit, else they leave the lane for this loop;
-   their one token each is reserved from the budget up front, and they are batched after
-   the loop, minus any the loop preempted.
+   continue with a chunk of what is left. While a sequence cannot have its blocks, the
+   policy's victim (policy.py; FCFS: the newest, possibly itself) is preempted, by swap when
+   allowed and cheaper, else by recompute. Steady decodes (running.py) get their blocks
+   first if all fit, else they join this loop; their tokens are reserved up front.
 2. Only in a step that preempted nothing: swapped sequences resume (oldest first), then
-   waiting ones are admitted strictly in arrival order; the first that does not fit stops
-   admission, so nothing overtakes an older request. Skipping resumption in a preempting
-   step also keeps this step's freed blocks out of swap-in destinations, whose data would
-   otherwise be read by a copy or overwritten by a zero listed in the same step.
+   waiting ones are admitted in the policy's order; the first that does not fit stops
+   admission, so nothing overtakes it. Skipping resumption in a preempting step also keeps
+   this step's freed blocks out of swap-in destinations, whose data would otherwise be read
+   by a copy or overwritten by a zero listed in the same step.
 
-The output-side half (``update_from_output``) lives in output_processor.py.
+Helpers answer questions and return decisions (admission.py, output_processor.py, policy.py);
+only this class applies them to the queues and counters.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from bisect import insort
 from collections import deque
-from operator import attrgetter
 
-from pagedserve.protocol.messages import (AddRequest, CachedRequestData, NewRequestData, RequestDelta,
-                                          SchedulerOutput, StepResult)
+from pagedserve.protocol.messages import AddRequest, RequestDelta, SchedulerOutput, StepResult
 
-from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap, prompt_logprobs as prompt_lp
-from pagedserve.scheduler_proc.admission import length_limit, rejection_reason
+from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap, prefix_cache
+from pagedserve.scheduler_proc.admission import Admission, length_limit, rejection_reason
 from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.block_pool import CacheEventLog
 from pagedserve.scheduler_proc.config import SchedulerConfig
-from pagedserve.scheduler_proc.decode_lane import DecodeLane
 from pagedserve.scheduler_proc.grammar import step_bitmask
 from pagedserve.scheduler_proc.grammar_cache import compile_for
+from pagedserve.scheduler_proc.policy import FcfsPolicy
 from pagedserve.scheduler_proc.request import FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, token_array
+from pagedserve.scheduler_proc.running import RunningSequences, by_order
 from pagedserve.scheduler_proc.stats import SchedulerCounters, snapshot
 from pagedserve.scheduler_proc.step import SchedulerStateError, StepOutputs, StepPlan
 
-_by_order = attrgetter("order")
-_NO_BLOCKS: list[int] = []  # shared by every CachedRequestData without new blocks; never mutated
+
+def _is_decode(seq: Sequence) -> bool:
+    return len(seq.token_ids) - seq.num_kv_tokens == 1 and not seq.is_parent
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, grammars=None):
+    def __init__(self, config: SchedulerConfig, grammars=None, policy=None):
         self.config = config
         self.grammars = grammars  # CompiledGrammarCache (grammar_cache.py); None: structured output refused
+        self.policy = FcfsPolicy() if policy is None else policy
         self.block_size = config.block_size
         self.len_limit = length_limit(config)
         self.counters = SchedulerCounters()
@@ -63,15 +63,12 @@ class Scheduler:
         self.bm = BlockManager(self.config)
         self.bm.device.events = self.cache_events.restart()
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Sequence] = deque()  # arrival order; recompute-preempted at the front
-        self.running: list[Sequence] = []  # running outside the lane; arrival order, oldest first
-        self.lane = DecodeLane(self.config.max_num_seqs, self.block_size)
+        self.waiting: deque[Sequence] = deque()  # arrival order; recompute-preempted by their own arrival
+        self.running = RunningSequences(self.config.max_num_seqs, self.block_size)
         self.swapped: list[Sequence] = []  # arrival order, oldest first
         self.finished_ids: list[str] = []  # for the next SchedulerOutput
-        self.num_gone_running = 0  # listed in running but finished, aborted or moved to the lane
-        self.parent_seats = 0  # seats reserved for the children of running parents
         # Steps out at the workers, oldest first (at most two: one scheduled ahead), each as
-        # (SchedulerOutput, sequences sampling outside the lane, other scheduled sequences).
+        # (SchedulerOutput, per-object sequences sampling in it, other scheduled sequences).
         self.in_flight: list[tuple] = []
 
     # ------------------------------------------------------------------ frontend side
@@ -127,51 +124,95 @@ class Scheduler:
                                request.num_prompt_tokens, request.num_cached_tokens)
                   for i in sorted(request.unfinished_indices)]
         request.unfinished_indices.clear()
-        request.sequences = []  # break the request <-> sequence cycle: freed without the collector
-        del self.requests[request.request_id]
-        self.counters.num_finished += 1
+        self._close(request)
         return deltas
+
+    def _close(self, request: Request) -> None:
+        del self.requests[request.request_id]
+        request.sequences = []  # break the request <-> sequence cycle: freed without the collector
+        self.counters.num_finished += 1
 
     def _drop(self, seq: Sequence) -> None:
         """Remove ``seq`` from its queue and give back its blocks."""
-        if seq.lane_pos >= 0:
-            self.lane.drop(seq)
-        elif seq.status == RUNNING:
-            self.num_gone_running += 1
-            if seq.is_parent:
-                self.parent_seats -= seq.request.sampling.n - 1
+        if seq.status == RUNNING:
+            self.running.discard(seq)
         elif seq.status == WAITING:
             self.waiting.remove(seq)
         elif seq.status == SWAPPED:
             self.swapped.remove(seq)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        """``seq`` is off every queue: its blocks back, the workers told."""
         self.bm.free(seq)
         if seq.worker_knows:
             self.finished_ids.append(seq.seq_id)
             seq.worker_knows = False
         seq.status = FINISHED
 
+    def _retire(self, seq: Sequence) -> None:
+        """``seq`` ended with its last sample and left the running set: its request closes with its last one."""
+        self._forget(seq)
+        request = seq.request
+        request.unfinished_indices.discard(seq.index)
+        if not request.unfinished_indices:
+            self._close(request)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """A running parent that computed prompt[:-1] gives way to its n children, sharing its blocks."""
+        children = output_processor.children_of(parent)
+        self.bm.fork(parent, children)
+        self.running.replace(parent, children)
+        self._forget(parent)  # its blocks are the children's now
+        parent.request.sequences = children
+        return children
+
     # ------------------------------------------------------------------ worker side
 
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> StepOutputs:
-        deltas = output_processor.process(self, out, result)
+        if not self.in_flight or self.in_flight[0][0] is not out:
+            # An empty step (nothing computed), or a step that fail_all() already wrote off.
+            return StepOutputs([])
+        _, sampling, others = self.in_flight[0]
+        output_processor.check_result(out, result, len(sampling))
+        self.in_flight.pop(0)
+        pool = self.bm.device if self.config.enable_prefix_caching else None
+        sampled = output_processor.apply_samples(out, result, sampling, others, pool, self.block_size)
+        for seq in sampled.ended:
+            self.running.discard(seq)
+            self._retire(seq)
+        deltas = sampled.deltas
+        num_accepted = sampled.num_accepted
+        if out.decodes.req_ids:
+            num_per_object_deltas = len(deltas)
+            outputs, ended, num_steady = self.running.record_steady(
+                result.sampled_token_ids[len(sampling):], deltas, sampled.orders, pool)
+            for seq in ended:  # already out of the running set
+                self._retire(seq)
+            num_accepted += num_steady
+            if len(deltas) > max(num_per_object_deltas, 1):  # the steady ends come in their batch's order
+                outputs.deltas = output_processor.in_arrival_order(deltas, sampled.orders)
+        else:
+            outputs = StepOutputs(deltas)
+        self.counters.generation_tokens += num_accepted
+        for seq in sampling:  # with a batch out, behind its positions (running.after_sample)
+            self.running.after_sample(seq)
+        for parent in output_processor.parents_to_fork(others, pool, self.block_size):
+            self._fork(parent)
         if self.config.debug_invariants:
             self.check_invariants()
-        return deltas
+        return outputs
 
     def check_invariants(self) -> None:
-        self.lane.sync_all()
         invariants.check(self)
 
     @property
     def num_running(self) -> int:
-        return len(self.running) - self.num_gone_running + self.lane.n
+        return len(self.running)
 
     def running_sequences(self) -> list[Sequence]:
         """Every running sequence, oldest first, with its state synced (for tests and debugging)."""
-        self.lane.sync_all()
-        live = [s for s in self.running if s.status == RUNNING and s.lane_pos < 0]
-        live += (s for s in self.lane.seqs if s.status == RUNNING)
-        return sorted(live, key=_by_order)
+        return self.running.all_synced()
 
     def stats(self) -> dict:
         return snapshot(self)
@@ -193,94 +234,47 @@ class Scheduler:
                 f"schedule() called again before update_from_output() for step {self.in_flight[0][0].step}, "
                 f"and the next step cannot be scheduled ahead of it (can_schedule_ahead())")
         self._step += 1
-        if self.num_gone_running:
-            self.running = [seq for seq in self.running if seq.status == RUNNING and seq.lane_pos < 0]
-            self.num_gone_running = 0
         batch = StepPlan(self.config.max_num_batched_tokens)
-        for seq in self.lane.grant_blocks(self.bm):
-            self._leave_lane(seq)
-        batch.budget -= self.lane.n  # every lane decode runs: its token is reserved first
+        batch.budget -= self.running.begin_step(self.bm)  # every steady decode runs: its token comes first
         self._schedule_running(batch)
         if not batch.preempted:
-            admission.resume_swapped(self, batch)
+            self._resume_swapped(batch)
             if not self.swapped:
-                admission.admit_waiting(self, batch)
+                self._admit_waiting(batch)
         return self._finish_step(batch)
 
     def _schedule_running(self, batch: StepPlan) -> None:
-        running = self.running
-        bs = self.block_size
-        bm = self.bm
-        cached_append = batch.cached.append
-        sampling_append = batch.sampling_cached.append
-        budget = batch.budget
-        later_decodes = -1  # decodes after the current one; counted once a prefill needs it
-        i = 0
-        while i < len(running):
-            seq = running[i]
-            tokens = seq.token_ids
-            computed = seq.num_kv_tokens
-            if len(tokens) - computed == 1 and not seq.is_parent:  # the steady-state decode
-                if computed % bs == 0 or seq.shared_tail:
-                    batch.budget = budget
-                    fits = self._make_room(seq, 1, batch)
-                    budget = batch.budget  # a preempted lane sequence gave its token back
-                    if not fits:
-                        continue  # seq preempted itself: it was the last one
-                    bm.append_slots(seq, 1)
-                budget -= 1
-                later_decodes -= 1
-                seq.num_kv_tokens = computed + 1
-                if seq.worker_knows:
-                    blocks = seq.block_ids
-                    num_blocks = len(blocks)
-                    sent = seq.num_blocks_sent
-                    if sent != num_blocks:
-                        new_blocks = blocks[sent:]
-                        seq.num_blocks_sent = num_blocks
-                    else:
-                        new_blocks = _NO_BLOCKS
-                    sent = seq.num_tokens_sent
-                    new_tokens = [tokens[computed]] if sent == computed else tokens[sent:].tolist()
-                    cached_append(CachedRequestData(seq.seq_id, new_tokens, new_blocks, computed, 1, True))
-                    seq.num_tokens_sent = computed + 1
-                    sampling_append(seq)
-                else:
-                    batch.budget = budget
-                    self.emit(seq, computed, 1, batch)
-                i += 1
+        queue = self.running.per_object()
+        later_decodes = None  # decodes after the current sequence; counted once a prefill needs it
+        for i, seq in enumerate(queue):
+            if seq.status != RUNNING:
+                continue  # preempted for an older sequence earlier in this step
+            if _is_decode(seq):
+                if self._make_room(seq, 1, batch):
+                    self.bm.append_slots(seq, 1)
+                    batch.add_decode(seq)
+                if later_decodes is not None:
+                    later_decodes -= 1
                 continue
-            # A prefill continuing (or a parent's prompt[:-1]): a chunk of what is left.
-            if later_decodes < 0:
-                later_decodes = sum(1 for s in running[i + 1:]
-                                    if len(s.token_ids) - s.num_kv_tokens == 1 and not s.is_parent)
-            batch.budget = budget
-            num_tokens = self.chunk_size(seq.target_len - computed, budget - later_decodes)
+            if later_decodes is None:  # a prefill continuing (or a parent's prompt[:-1])
+                later_decodes = sum(1 for s in queue[i + 1:] if s.status == RUNNING and _is_decode(s))
+            num_tokens = admission.chunk_size(seq.target_len - seq.num_kv_tokens, batch.budget - later_decodes,
+                                              self.config.enable_chunked_prefill)
             if num_tokens > 0:
                 num_tokens = self._make_room(seq, num_tokens, batch)
-                budget = batch.budget
-                if num_tokens == 0:
-                    continue
-                bm.append_slots(seq, num_tokens)
-                self.emit(seq, computed, num_tokens, batch)
-                budget = batch.budget
-            i += 1
-        batch.budget = budget
-
-    def chunk_size(self, remaining: int, budget: int) -> int:
-        if remaining <= budget:
-            return remaining
-        return budget if self.config.enable_chunked_prefill else 0
+                if num_tokens > 0:
+                    self.bm.append_slots(seq, num_tokens)
+                    batch.add(seq, num_tokens)
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: StepPlan) -> int:
-        """Preempt the newest running sequences until ``seq`` fits; how many tokens it may compute.
+        """Preempt the policy's victims until ``seq`` fits; how many tokens it may compute.
 
-        When ``seq`` is itself the newest, its chunk shrinks to what fits; when not even one
+        When ``seq`` is itself the victim, its chunk shrinks to what fits; when not even one
         token fits it is preempted and 0 is returned.
         """
         bm = self.bm
         while not bm.can_append_slots(seq, num_tokens):
-            victim = self._newest_running()
+            victim = self.policy.victim(self.running)
             if victim is not seq:
                 self._preempt(victim, batch)
                 continue
@@ -291,37 +285,20 @@ class Scheduler:
             return 0
         return num_tokens
 
-    def _newest_running(self) -> Sequence:
-        lane, running = self.lane, self.running
-        if not lane.n:
-            return running[-1]
-        newest = lane.newest()
-        return running[-1] if running and running[-1].order > newest.order else newest
-
-    def _leave_lane(self, seq: Sequence) -> None:
-        """Back to the per-object path (in arrival order) for this step's loop."""
-        self.lane.leave(seq)
-        insort(self.running, seq, key=_by_order)
-
     def _preempt(self, seq: Sequence, batch: StepPlan) -> None:
-        """Take the newest running sequence off the device, by swap or by recompute."""
-        if seq.lane_pos >= 0:
-            self.lane.leave(seq)
-            self.bm.release_unused(seq)  # a block granted this step
-            batch.budget += 1  # its reserved decode token
-        else:
-            self.running.pop()
+        """Take a running sequence off the device, by swap or by recompute."""
+        if batch.holds(seq):  # un-scheduling a victim is not supported (FCFS's newest never is one)
+            raise SchedulerStateError(f"the policy chose {seq.seq_id!r}, already scheduled this step, as a victim")
+        batch.budget += self.running.preempt(seq, self.bm)
         batch.preempted = True
         seq.num_preemptions += 1
-        if seq.is_parent:
-            self.parent_seats -= seq.request.sampling.n - 1
         if seq.worker_knows:
             self.finished_ids.append(seq.seq_id)
             seq.worker_knows = False
         if self._should_swap(seq):
             batch.swap_out.extend(self.bm.swap_out(seq))
             seq.status = SWAPPED
-            insort(self.swapped, seq, key=_by_order)
+            insort(self.swapped, seq, key=by_order)
             self.counters.num_preemptions_swap += 1
             return
         seq.recompute_until = max(seq.recompute_until, seq.num_kv_tokens)
@@ -344,49 +321,77 @@ class Scheduler:
         return mode == "swap" or seq.num_kv_tokens >= self.block_size
 
     def seats_free(self) -> int:
-        return self.config.max_num_seqs - len(self.running) - self.lane.n - self.parent_seats
+        return self.config.max_num_seqs - self.running.num_seats
 
-    def enter_running(self, seq: Sequence) -> None:
-        seq.status = RUNNING
-        if seq.is_parent:
-            self.parent_seats += seq.request.sampling.n - 1
-        running = self.running
-        if not running or running[-1].order < seq.order:
-            running.append(seq)
-        else:
-            insort(running, seq, key=_by_order)
+    def _resume_swapped(self, batch: StepPlan) -> None:
+        """Swapped sequences come back oldest first, until one does not fit."""
+        swapped = self.swapped
+        while swapped:
+            seq = swapped[0]
+            if self.seats_free() < admission.seats_needed(seq):
+                return
+            num_tokens = admission.tokens_to_resume(seq, self.bm, batch.budget, self.config.enable_chunked_prefill)
+            if not num_tokens:
+                return
+            swapped.pop(0)
+            batch.swap_in.extend(self.bm.swap_in(seq))
+            if self.config.enable_prefix_caching:
+                prefix_cache.republish(self.bm.device, seq)
+            self.bm.append_slots(seq, num_tokens)
+            self.running.add(seq)
+            batch.add(seq, num_tokens)
 
-    def emit(self, seq: Sequence, computed: int, num_tokens: int, batch: StepPlan) -> None:
-        """Put ``seq`` in the batch computing ``num_tokens`` tokens from position ``computed``."""
-        if seq.recompute_until > computed:
-            self.counters.recomputed_tokens += min(seq.recompute_until, computed + num_tokens) - computed
-        seq.num_kv_tokens = computed + num_tokens
-        batch.budget -= num_tokens
-        samples = computed + num_tokens == len(seq.token_ids)
-        if seq.worker_knows:
-            batch.cached.append(CachedRequestData(
-                seq.seq_id, seq.token_ids[seq.num_tokens_sent:].tolist(), seq.block_ids[seq.num_blocks_sent:],
-                computed, num_tokens, samples))
-            (batch.sampling_cached if samples else batch.others).append(seq)
-        else:
-            batch.new.append(NewRequestData(
-                seq.seq_id, seq.token_ids.tolist(), seq.num_prompt_tokens, list(seq.block_ids),
-                computed, num_tokens, prompt_lp.sampling_to_send(seq.request, seq.sampling), samples))
-            seq.worker_knows = True
-            (batch.sampling_new if samples else batch.others).append(seq)
-        seq.num_tokens_sent = len(seq.token_ids)
-        seq.num_blocks_sent = len(seq.block_ids)
+    def _admit_waiting(self, batch: StepPlan) -> None:
+        """Waiting sequences start in the policy's order; the first that does not fit stops the rest."""
+        while self.waiting and batch.budget > 0:
+            seq = self.policy.next_waiting(self.waiting)
+            if self.seats_free() < admission.seats_needed(seq):
+                return
+            plan = admission.plan_admission(seq, self.bm, self.config, batch.budget, len(self.running))
+            if plan is None:
+                return
+            self._admit(plan, batch)
+
+    def _admit(self, plan: Admission, batch: StepPlan) -> None:
+        seq = plan.seq
+        self.waiting.remove(seq)  # the head under FCFS: found at once
+        request = seq.request
+        counters = self.counters
+        if plan.looked_up:
+            counters.prefix_cache_queries += len(seq.token_ids)
+            counters.prefix_cache_hits += plan.num_computed
+        if seq.num_preemptions == 0:  # its first admission
+            counters.prompt_tokens += request.num_prompt_tokens
+            request.num_cached_tokens = plan.num_computed
+        seq.num_cached_tokens = request.num_cached_tokens
+        self.bm.allocate(seq, plan.hits, plan.num_blocks)
+        seq.block_keys = plan.keys
+        seq.num_kv_tokens = plan.num_computed
+        self.running.add(seq)
+        if plan.num_tokens > 0:
+            batch.add(seq, plan.num_tokens)
+        elif plan.forks_now:  # sample right away
+            for child in self._fork(seq):
+                if batch.budget > 0 and self.bm.can_append_slots(child, 1):
+                    self.bm.append_slots(child, 1)
+                    batch.add(child, 1)
 
     def _finish_step(self, batch: StepPlan) -> SchedulerOutput:
-        decodes = self.lane.schedule()
+        decodes = self.running.steady_batch()
         zero, copies = self.bm.drain()
         finished, self.finished_ids = self.finished_ids, []
         total = self.config.max_num_batched_tokens - batch.budget
         sampling = batch.sampling_new + batch.sampling_cached
-        masks = step_bitmask(sampling, self.grammars.words_per_row, self.counters) if self.grammars else None
+        masks = None
+        if self.grammars:
+            started = time.perf_counter()
+            masks = step_bitmask(sampling, self.grammars.words_per_row)
+            if masks is not None:
+                self.counters.structured_output_mask_time_s += time.perf_counter() - started
         out = SchedulerOutput(self._step, batch.new, batch.cached, decodes, finished, batch.swap_out,
                               batch.swap_in, copies, zero, total, masks)
         counters = self.counters
+        counters.recomputed_tokens += batch.num_recomputed
         counters.num_blocks_zeroed += len(zero)
         counters.num_blocks_copied += len(copies)
         counters.num_blocks_swapped_out += len(batch.swap_out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.policy import FcfsPolicy
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
 from test_scheduler_support import (
@@ -218,4 +219,56 @@ def test_random_tokens_with_eos_finish_every_request():
         sched.add_request(request(f"r{i}", list(range(i, i + 9)), max_tokens=15))
     run_until_done(sched, worker)
     assert sched.stats()["num_finished"] == 12
+    assert_all_blocks_free(sched)
+
+
+class _NamedVictim(FcfsPolicy):
+    """FCFS, but the victim is the running sequence of one named request when it runs."""
+
+    def __init__(self, victim_id: str):
+        self.victim_id = victim_id
+
+    def victim(self, running):
+        named = [s for s in running.per_object() if s.seq_id == self.victim_id]
+        return named[0] if named else super().victim(running)
+
+
+class _NewestFirst(FcfsPolicy):
+    def next_waiting(self, waiting):
+        return waiting[-1]
+
+
+def test_the_scheduler_preempts_whichever_running_sequence_its_policy_names():
+    # 8 blocks of 4 tokens, prompts of 7, 7 and 8 tokens: at step 3 "old" and "mid" each need
+    # a third block and one is free. "old" takes it; for "mid", FCFS preempts the newest, "new",
+    # whose blocks then serve "mid"; a policy that names "mid" makes "mid" give way instead.
+    config = SchedulerConfig(debug_invariants=True, block_size=4, num_gpu_blocks=8, max_num_seqs=4,
+                             max_num_batched_tokens=32, preemption_mode="recompute")
+    for policy, victim, kept in ((None, "new", ["mid", "old"]), (_NamedVictim("mid"), "mid", ["new", "old"])):
+        sched, worker = Scheduler(config, policy=policy), SimWorker(config, counting_tokens())
+        for rid, length in (("old", 7), ("mid", 7), ("new", 8)):
+            sched.add_request(request(rid, list(range(20, 20 + length)), max_tokens=6, ignore_eos=True))
+        step(sched, worker)
+        step(sched, worker)
+        out, _ = step(sched, worker)
+        assert out.finished_req_ids == [victim]
+        assert sorted(scheduled_ids(out)) == kept
+        assert [s.seq_id for s in sched.waiting] == [victim]
+        run_until_done(sched, worker)
+        assert_all_blocks_free(sched)
+
+
+def test_waiting_sequences_start_in_the_order_the_policy_names():
+    config = SchedulerConfig(debug_invariants=True, block_size=4, num_gpu_blocks=64, max_num_seqs=1,
+                             max_num_batched_tokens=32)
+    sched, worker = Scheduler(config, policy=_NewestFirst()), SimWorker(config, counting_tokens())
+    for rid in ("a", "b", "c"):
+        sched.add_request(request(rid, list(range(20, 27)), max_tokens=2, ignore_eos=True))
+    started = []
+
+    def on_step(out, result, deltas):
+        started.extend(r.req_id for r in out.new_requests)
+
+    run_until_done(sched, worker, on_step=on_step)
+    assert started == ["c", "b", "a"]
     assert_all_blocks_free(sched)

@@ -44,7 +44,7 @@ class TraceSummary:
     worker_failures: int = 0  # fail_all records: the scheduler lost its workers
     step_lines: list[str] = field(default_factory=list)
     requests_by_id: dict[str, "RequestRecord"] = field(default_factory=dict)  # arrival order
-    drops: list[tuple[int, list[str], list[str]]] = field(default_factory=list)  # (step, dropped, still held)
+    drops: list[tuple[int, list[str], list[str]]] = field(default_factory=list)  # (step, dropped, running after it)
 
 
 @dataclass
@@ -127,7 +127,8 @@ class _Summarizer:
             self.dropped.pop(r.req_id, None)
         dropped = [req_id for req_id in out.finished_req_ids if req_id in self.held]
         if dropped:  # a preemption or an end: which one shows when (if) it is sent again
-            s.drops.append((out.step, dropped, [r for r in self.held if r not in dropped]))
+            running = [r for r in self.held if r not in dropped]  # and those this step sends (admits)
+            s.drops.append((out.step, dropped, running + [r.req_id for r in out.new_requests if r.req_id not in running]))
         for req_id in dropped:
             self.dropped[req_id] = out.step
         try:

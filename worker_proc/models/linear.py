@@ -12,7 +12,14 @@ doubles (bench/RESULTS.md). oneDNN costs ~45 us a call more than torch.mm, so:
   one row of a small weight). Larger models keep only the packed weight, as big as the
   original; on one row it is faster with two threads and ~8% slower with one.
 
-``PAGEDSERVE_CPU_PACKED_LINEAR=0`` keeps oneMKL everywhere (``W @ x.T`` up to 32 rows, an
+In bfloat16 (where oneDNN has it: AVX-512 up) the packed weight wins at nearly every row count
+and size, cache-resident ones too, and alone is kept: 1.6-2.4x torch's unpacked bf16 matmul (oneDNN's too) at 1-8 rows,
+1.1-1.4x at 32, 1.03-1.07x at 256-1024, lm_head 17.5 -> 8.2 ms at one row; W @ x.T beat it only
+on down_proj at 32 rows, by 5-8% (bench/RESULTS.md, "CPU: bf16 on AVX512-BF16"). Measured with
+AVX512-BF16 (oneDNN's ``brg_matmul:avx512_core_bf16``); on AMX oneDNN picks its AMX brgemm
+behind the same call, so the rule is the same there, unmeasured. float16 keeps the unpacked paths.
+
+``PAGEDSERVE_CPU_PACKED_LINEAR=0`` keeps the unpacked paths everywhere (oneMKL in float32: ``W @ x.T`` up to 32 rows, an
 [in, out] copy above for models up to 512 MiB, F.linear above for larger ones), ``=1`` packs
 cache-resident models' weights too. Every path here sums dot products in its own order, so
 results may differ from F.linear in the last bits; greedy parity with transformers is checked
@@ -67,20 +74,31 @@ class LinearWeight:
 
 
 def packed_linear_available(dtype: torch.dtype) -> bool:
-    """oneDNN's packed linear, in a dtype it was measured in (float32)."""
-    return dtype == torch.float32 and _packed_linear_works()
+    """oneDNN's packed linear, in a dtype it was measured in: float32, and bfloat16 where
+    oneDNN computes it (without AVX-512 it would take oneDNN's reference loops)."""
+    if dtype == torch.bfloat16:
+        return _onednn_bfloat16() and _packed_linear_works(dtype)
+    return dtype == torch.float32 and _packed_linear_works(dtype)
+
+
+def _onednn_bfloat16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @functools.cache
-def _packed_linear_works() -> bool:
-    """The ops are private to torch: one small product, checked, before any model relies on them."""
+def _packed_linear_works(dtype: torch.dtype = torch.float32) -> bool:
+    """The ops are private to torch: one small product, checked, before any model relies on them
+    (small integers: exact in bfloat16 too)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        weight, x = torch.arange(12.0).reshape(4, 3), torch.ones(2, 3)
+        weight, x = torch.arange(12.0, dtype=dtype).reshape(4, 3), torch.ones(2, 3, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return torch.equal(out, F.linear(x, weight))
+        return out.dtype == dtype and torch.equal(out, F.linear(x, weight))
     except (AttributeError, RuntimeError, TypeError):
         return False
 
@@ -91,6 +109,8 @@ def weight_layout(device: torch.device, weight_bytes: int, dtype: torch.dtype = 
         return WeightLayout()
     resident = weight_bytes <= CACHE_RESIDENT_MAX_BYTES
     choice = env_switch(PACKED_ENV)
+    if dtype == torch.bfloat16 and choice is not False and packed_linear_available(dtype):
+        return WeightLayout(packed=True, plain=False)  # fastest at every size and row count
     packed = (not resident if choice is None else choice) and packed_linear_available(dtype)
     if weight_bytes > TRANSPOSED_COPY_MAX_BYTES:
         return WeightLayout(packed=packed, plain=not packed)

@@ -1,0 +1,255 @@
+"""The running sequences: one interface over two representations.
+
+Most running sequences are steady decodes, held as numpy columns in the decode lane
+(decode_lane.py), which keeps the scheduler's cost per sequence flat in N (bench/RESULTS.md,
+"Scheduler"); the rest (prefills, parents, copy-on-write tails, logprobs, grammars) are
+``Sequence`` objects in a list in arrival order. Only this module and the lane know that
+there are two: the scheduler asks it for the newest sequence, a victim's removal, the
+per-object ones to schedule and the steady decodes' batch, and nothing else reads the lane.
+
+The scheduler owns this object and is the only caller of its mutating methods.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from operator import attrgetter
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from pagedserve.protocol.messages import DecodeBatch, RequestDelta
+
+from pagedserve.scheduler_proc.decode_lane import DecodeLane, lane_kind, lane_ready
+from pagedserve.scheduler_proc.request import RUNNING, Sequence
+from pagedserve.scheduler_proc.step import StepOutputs
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler_proc.block_manager import BlockManager
+    from pagedserve.scheduler_proc.block_pool import BlockPool
+
+by_order = attrgetter("order")
+
+
+def is_steady_kind(seq: Sequence) -> bool:
+    """Whether ``seq`` joins the steady decodes once its next token is in (no fork, shared tail,
+    logprobs or grammar ahead), so it may sit out a step scheduled ahead (overlap.py)."""
+    return lane_kind(seq)
+
+
+class RunningSequences:
+    def __init__(self, capacity: int, block_size: int):
+        self._queue: list[Sequence] = []  # per-object, arrival order; may hold gone entries
+        self._num_gone = 0  # entries of _queue finished, aborted or moved to the lane since the last step
+        self._lane = DecodeLane(capacity, block_size)
+        self._reserved_seats = 0  # for the children of running parents
+
+    # ------------------------------------------------------------------ questions
+
+    def __len__(self) -> int:
+        return len(self._queue) - self._num_gone + self._lane.n
+
+    @property
+    def num_seats(self) -> int:
+        """Seats in use: one per sequence, plus the children a running parent will fork into."""
+        return len(self) + self._reserved_seats
+
+    @property
+    def num_steady(self) -> int:
+        """Steady decodes: each computes one token every step, scheduled as one batch."""
+        return self._lane.n
+
+    def num_steady_needing_blocks(self) -> int:
+        return self._lane.num_needing_blocks()
+
+    def is_steady(self, seq: Sequence) -> bool:
+        return seq.lane_pos >= 0
+
+    def per_object(self) -> list[Sequence]:
+        """The running sequences outside the steady batch, oldest first, as a snapshot."""
+        return [seq for seq in self._queue if seq.status == RUNNING and seq.lane_pos < 0]
+
+    def newest(self) -> Sequence:
+        """The most recently arrived running sequence (FCFS's victim)."""
+        queue, lane = self._queue, self._lane
+        if not lane.n:
+            return queue[-1]
+        newest = lane.newest()
+        return queue[-1] if queue and queue[-1].order > newest.order else newest
+
+    def all_synced(self) -> list[Sequence]:
+        """Every running sequence, oldest first, with its state synced (tests, debugging)."""
+        self._lane.sync_all()
+        return sorted(self.per_object() + [s for s in self._lane.seqs if s.status == RUNNING], key=by_order)
+
+    def sync_all(self) -> None:
+        self._lane.sync_all()
+
+    # ------------------------------------------------------------------ membership
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = RUNNING
+        if seq.is_parent:
+            self._reserved_seats += seq.request.sampling.n - 1
+        queue = self._queue
+        if not queue or queue[-1].order < seq.order:
+            queue.append(seq)
+        else:
+            insort(queue, seq, key=by_order)
+
+    def discard(self, seq: Sequence) -> None:
+        """``seq`` ended (finished or aborted) between steps; synced, so its blocks can be freed."""
+        if seq.lane_pos >= 0:
+            self._lane.drop(seq)
+            return
+        self._num_gone += 1
+        if seq.is_parent:
+            self._reserved_seats -= seq.request.sampling.n - 1
+
+    def preempt(self, seq: Sequence, bm: "BlockManager") -> int:
+        """Take ``seq`` out during a step; returns the decode tokens it had reserved (0 or 1)."""
+        if seq.is_parent:
+            self._reserved_seats -= seq.request.sampling.n - 1
+        if seq.lane_pos >= 0:
+            self._lane.leave(seq)
+            bm.release_unused(seq)  # a block granted this step, never written
+            return 1
+        queue = self._queue
+        if queue[-1] is seq:
+            queue.pop()
+        else:
+            queue.remove(seq)
+        return 0
+
+    def replace(self, parent: Sequence, children: list[Sequence]) -> None:
+        """A parent forked: its children take its place and the seats it reserved for them."""
+        queue = self._queue
+        position = queue.index(parent)
+        queue[position:position + 1] = children
+        self._reserved_seats -= len(children) - 1
+
+    # ------------------------------------------------------------------ one step
+
+    def begin_step(self, bm: "BlockManager") -> int:
+        """Blocks for the steady decodes; the decode tokens they reserve from the step's budget.
+
+        When blocks do not cover every steady decode that needs one, those leave the batch for
+        the per-object loop, which decides FCFS who gets what.
+        """
+        if self._num_gone:
+            self._queue = [seq for seq in self._queue if seq.status == RUNNING and seq.lane_pos < 0]
+            self._num_gone = 0
+        for seq in self._lane.grant_blocks(bm):
+            self._lane.leave(seq)
+            insort(self._queue, seq, key=by_order)
+        return self._lane.n
+
+    def steady_batch(self) -> DecodeBatch:
+        """The step's batch of steady decodes (after the per-object loop and admissions)."""
+        return self._lane.schedule()
+
+    def after_sample(self, seq: Sequence) -> None:
+        """``seq`` just sampled; once nothing but plain decodes lie ahead it joins the steady batch."""
+        if seq.status == RUNNING and seq.lane_pos < 0 and lane_ready(seq):
+            self._lane.enter(seq)
+            self._num_gone += 1  # its entry in the queue is now stale
+
+    def record_steady(self, tokens: list[int], deltas: list[RequestDelta], orders: list[int],
+                      prefix_pool: Optional["BlockPool"]) -> tuple[StepOutputs, list[Sequence], int]:
+        """The steady decodes' tokens, checked for their ends with array operations.
+
+        Appends an end's delta (and its sequence's order) to ``deltas`` and ``orders``; returns
+        the step's outputs, the sequences that ended (for the scheduler to retire) and how many
+        tokens were sampled for sequences still there. Only the
+        exceptions touch a Sequence: a stop-token candidate, a sequence at its length limit, a
+        block that just filled (published to the prefix cache). The tokens of sequences that
+        ended or were aborted while the batch was out are already gone (``DecodeLane.record``).
+        """
+        lane = self._lane
+        where, values = lane.record(tokens)
+        in_order = isinstance(where, slice)  # rows are positions 0..n-1
+        if not in_order:
+            tokens = values.tolist()
+        ahead = len(lane.in_flight)  # 1 when the next step, scheduled ahead, is out too
+        new_len = lane.computed[where] + 1 - ahead  # tokens each sequence holds now
+        at_limit = new_len >= lane.max_len[where]
+        stop_ids = lane.stop_ids()
+        stop_candidate = _any_of(values, stop_ids) & (new_len >= lane.min_len[where]) if len(stop_ids) else None
+        ends = at_limit if stop_candidate is None else at_limit | stop_candidate
+        if prefix_pool is not None:
+            filled = (new_len - 1) % lane.block_size == 0
+            lane.publish_filled((filled.nonzero()[0] if in_order else where[filled]).tolist(), prefix_pool, ahead)
+        m = len(tokens)
+        gone = ends.nonzero()[0].tolist()
+        if not gone:
+            if in_order:  # sequences that entered while this batch was out sit behind its m positions
+                lane.lists_out = True  # the frontend's lists share the lane's until it changes them
+                request_ids = lane.request_ids if lane.n == m else lane.request_ids[:m]
+                return StepOutputs(deltas, request_ids, lane.index[:m].tolist(), tokens), [], m
+            ids = lane.request_ids
+            return StepOutputs(deltas, [ids[pos] for pos in where.tolist()], lane.index[where].tolist(), tokens), [], m
+        gone_positions = gone if in_order else where[gone].tolist()
+        lane.sync_many(gone_positions)  # blocks to free
+        keep = np.ones(m, bool)
+        ended_positions, ended = [], []
+        seqs = lane.seqs
+        for row, pos in zip(gone, gone_positions):
+            seq = seqs[pos]
+            token = tokens[row]
+            if stop_candidate is not None and stop_candidate[row] and token in seq.stop_token_ids:
+                finish, stop_token = "stop", token
+            elif at_limit[row]:
+                finish, stop_token = "length", None
+            else:
+                continue  # another sequence's stop token
+            keep[row] = False
+            ended_positions.append(pos)
+            ended.append(seq)
+            orders.append(seq.order)
+            deltas.append(RequestDelta(seq.request_id, seq.index, [token], finish, None, None,
+                                       seq.num_prompt_tokens, seq.num_cached_tokens, None, stop_token))
+        ids = lane.request_ids
+        kept = keep.nonzero()[0] if in_order else where[keep]
+        outputs = StepOutputs(deltas, [ids[pos] for pos in kept.tolist()], lane.index[kept].tolist(),
+                              values[keep].tolist())
+        lane.remove_many(ended_positions)  # a batch out that holds them drops their next token (decode_lane.record)
+        return outputs, ended, m
+
+    # ------------------------------------------------------------------ debugging
+
+    def check(self, fail) -> tuple[list[Sequence], list[Sequence]]:
+        """Whether the two representations agree (synced first); the live per-object and steady ones."""
+        queue = self._queue
+        per_object = [s for s in queue if s.status == RUNNING and s.lane_pos < 0]
+        if len(per_object) != len(queue) - self._num_gone:
+            fail(f"{self._num_gone} running entries counted gone but {len(queue) - len(per_object)} are")
+        lane = self._lane
+        lane.sync_all()
+        if not len(lane.seqs) == len(lane.ids) == len(lane.request_ids) == lane.n:
+            fail(f"lane holds {lane.n} sequences but lists of {len(lane.seqs)}/{len(lane.ids)}/{len(lane.request_ids)}")
+        for pos, seq in enumerate(lane.seqs):
+            if seq.lane_pos != pos or lane.ids[pos] != seq.seq_id or lane.request_ids[pos] != seq.request_id:
+                fail(f"lane position {pos} holds {seq.seq_id} whose lane_pos is {seq.lane_pos}")
+            if seq.status != RUNNING:
+                fail(f"{seq.seq_id} ended but is still in the lane")
+            if seq.is_parent or seq.shared_tail or not seq.worker_knows:
+                fail(f"{seq.seq_id} in the lane is a parent, shares its tail or is unknown to the workers")
+            # each step out that holds it computes one token not yet sampled (one that entered
+            # while a batch was out sits behind that batch's positions)
+            if len(seq.token_ids) != seq.num_kv_tokens + 1 - lane.num_batches_holding(pos):
+                fail(f"{seq.seq_id} in the lane: {len(seq.token_ids)} tokens, {seq.num_kv_tokens} computed")
+        steady = list(lane.seqs)
+        seats = sum(s.request.sampling.n if s.is_parent else 1 for s in per_object + steady)
+        if len(per_object) + len(steady) + self._reserved_seats != seats:
+            fail(f"{self._reserved_seats} seats reserved for children disagree with the running parents")
+        return per_object, steady
+
+
+def _any_of(values: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``np.isin``, without its sort for the usual handful of stop ids."""
+    if len(ids) > 8:
+        return np.isin(values, ids)
+    hit = values == ids[0]
+    for token in ids[1:].tolist():
+        hit |= values == token
+    return hit
