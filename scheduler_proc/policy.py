@@ -99,12 +99,10 @@ class PriorityPolicy(FcfsPolicy):
             return None
         key = self._key()
         candidate = self.next_to_start(sched.swapped, sched.waiting)
-        if candidate is None:
+        if candidate is None or _fits(sched, candidate):
             return None
-        victim = sched.running.max_by(key)
-        if key(victim)[0] <= key(candidate)[0] or _fits(sched, candidate):
-            return None
-        return victim
+        victim = sched.running.max_by(key)  # a scan of the running set: only when one waits
+        return victim if key(victim)[0] > key(candidate)[0] else None
 
 
 def _fits(sched: "Scheduler", seq: "Sequence") -> bool:
