@@ -20,6 +20,9 @@ class APIError(Exception):
         self.param = param
         self.code = code
 
+    def headers(self) -> dict[str, str]:
+        return {}
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type,
                           "param": self.param, "code": self.code}}

@@ -47,12 +47,12 @@ async def serve(config: FrontendConfig) -> None:
     endpoints = Endpoints(config.run_dir)
     tokenizer = PromptTokenizer(config.model, config.chat_template)
     router = Router(config.num_replicas, config.replica_timeout_s, config.routing)
-    engine = EngineClient(endpoints, router)
+    engine = EngineClient(endpoints, router, config.max_waiting_requests)
     metrics = FrontendMetrics(router, config.served_model_names[0])
     serving = Serving(config.served_model_names, config.max_model_len, engine, tokenizer,
                       metrics, config.max_logprobs, config.tool_calling,
                       defaults=load_generation_defaults(config.generation_config, str(config.model)),
-                      model_aliases=config.model_aliases)
+                      model_aliases=config.model_aliases, scheduling_policy=config.scheduling_policy)
     app = build_app(serving, router, metrics, config.api_key)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level,

@@ -74,7 +74,8 @@ def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
     @app.get("/health")
     async def health() -> Response:
         live = router.any_live()
-        body = {"status": "ok" if live else "unavailable", "replicas": router.describe(),
+        body = {"status": "ok" if live else "unavailable", "scheduling_policy": serving.scheduling_policy,
+                "replicas": router.describe(),
                 **router.describe_deployment()}
         return Response(json.dumps(body), status_code=200 if live else 503,
                         media_type="application/json")

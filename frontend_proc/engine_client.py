@@ -19,7 +19,7 @@ from typing import Optional, Union
 import zmq
 import zmq.asyncio
 
-from pagedserve.frontend_proc.errors import ServiceUnavailable
+from pagedserve.frontend_proc.errors import ServiceUnavailable, TooManyRequests
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.zmq_async import AsyncReceiver
 from pagedserve.protocol.messages import (
@@ -74,8 +74,9 @@ class RequestHandle:
 
 
 class EngineClient:
-    def __init__(self, endpoints: Endpoints, router: Router):
+    def __init__(self, endpoints: Endpoints, router: Router, max_waiting_requests: Optional[int] = None):
         self.router = router
+        self.max_waiting_requests = max_waiting_requests  # --max-waiting-requests, per replica
         self._ctx = zmq.asyncio.Context()
         self._outputs: AsyncReceiver[SchedulerToFrontend] = AsyncReceiver(
             self._ctx, endpoints.frontend_outputs(), SchedulerToFrontend)
@@ -110,6 +111,7 @@ class EngineClient:
         if decision is None:
             raise ServiceUnavailable("no scheduler replica is ready; see GET /health")
         replica = decision.replica
+        self._shed(replica)
         handle = RequestHandle(request.request_id, replica, request.sampling.n,
                                decision.predicted_hit_tokens)
         self._requests[request.request_id] = handle
@@ -119,6 +121,17 @@ class EngineClient:
                                      f"is full); retry the request later")
         self.router.assign(replica, request.request_id, handle.num_seqs)
         return handle
+
+    def _shed(self, replica: int) -> None:
+        """A 429 at once when the chosen (least-loaded) replica's queue is full as far as this
+        frontend knows; the scheduler refuses what a stale view lets through (admission.py)."""
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        waiting = self.router.replicas[replica].num_waiting()
+        if waiting >= limit:
+            raise TooManyRequests(f"the server is overloaded: {waiting} requests are waiting on replica "
+                                  f"{replica}, the limit is {limit} (--max-waiting-requests); retry later")
 
     def abort(self, handle: RequestHandle) -> None:
         """Stop a request the client no longer needs; the scheduler frees its blocks."""

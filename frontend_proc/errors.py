@@ -15,6 +15,21 @@ class NotFound(APIError):
     error_type = "invalid_request_error"
 
 
+class TooManyRequests(APIError):
+    """Load shedding (--max-waiting-requests): refused at once, before any byte is streamed;
+    retrying after ``Retry-After`` seconds may find room."""
+
+    status_code = 429
+    error_type = "too_many_requests"
+    retry_after_s = 1  # one second: about how long a busy replica takes to start a few more
+
+    def __init__(self, message: str):
+        super().__init__(message, code="overloaded")
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
 class ServiceUnavailable(APIError):
     """No live replica, or the replica serving the request failed (retrying may help)."""
 

@@ -113,8 +113,17 @@ class SchedulerStatsCollector(Collector):
         generated = CounterMetricFamily("pagedserve_replica_generation_tokens",
                                         "Tokens generated per replica (data-parallel balance)",
                                         labels=labels)
+        # Under --scheduling-policy priority only (vLLM has no per-priority series: pagedserve's names)
+        by_priority = [GaugeMetricFamily(f"pagedserve_replica_num_requests_{kind}_by_priority",
+                                         f"Requests {kind} per replica and priority", labels=[*labels, "priority"])
+                       for kind in ("waiting", "running")]
         for r in self.router.replicas:
             label = [self.model_name, str(r.replica)]
+            if r.stats is not None and r.is_fresh(now, self.router.timeout_s):
+                for family, counts in zip(by_priority, (r.stats.num_waiting_by_priority,
+                                                        r.stats.num_running_by_priority)):
+                    for priority, count in sorted(counts.items()):
+                        family.add_metric([*label, str(priority)], count)
             up.add_metric(label, 1.0 if r.is_live(now, self.router.timeout_s) else 0.0)
             if r.stats is not None and r.is_fresh(now, self.router.timeout_s):
                 running.add_metric(label, r.stats.num_running)
@@ -122,7 +131,7 @@ class SchedulerStatsCollector(Collector):
                 usage.add_metric(label, r.stats.kv_cache_usage)
             if r.stats is not None:
                 generated.add_metric(label, r.stats.generation_tokens)
-        yield from (up, running, waiting, usage, generated)
+        yield from (up, running, waiting, usage, generated, *by_priority)
 
 
 class _Observed:

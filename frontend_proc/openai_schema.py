@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from pagedserve.client.chat_messages import ChatMessage, Lenient as _Lenient
 from pagedserve.frontend_proc.errors import InvalidRequest
+from pagedserve.protocol.priority import PRIORITY_MAX, PRIORITY_MIN
 from pagedserve.protocol.validate import unencodable_string
 
 MAX_N = 128
@@ -72,6 +73,8 @@ class SamplingFields(_Lenient):
     # vLLM's: the prompt tokens' logprobs with this many alternatives (<= --max-logprobs, and not
     # with stream, as vLLM; checked in serving). Skips the prefix cache (DECISIONS.md).
     prompt_logprobs: Optional[int] = Field(default=None, ge=0)
+    # vLLM's: lower runs first; non-zero only with --scheduling-policy priority (serving checks)
+    priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # Structured output (frontend_proc/structured_request.py): OpenAI's, and vLLM's extras

@@ -62,7 +62,6 @@ REASONS = {
     "bad_words": "use logit_bias",
     "logits_processors": "custom logits processors are not supported",
     "return_tokens_as_token_ids": "logprobs tokens are always text",
-    "priority": "scheduling is first come, first served",
     "cache_salt": "the prefix cache is shared by every request",
     "chat_template": "the chat template is set by the operator (--chat-template)",
     "documents": "documents for the chat template are not supported",

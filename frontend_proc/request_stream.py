@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 from pagedserve.frontend_proc.engine_client import EngineClient, ReplicaFailed, RequestHandle
-from pagedserve.frontend_proc.errors import APIError, InvalidRequest, ServiceUnavailable, ShuttingDown
+from pagedserve.frontend_proc.errors import (
+    APIError, InvalidRequest, ServiceUnavailable, ShuttingDown, TooManyRequests)
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import PromptLogprobs, RequestDelta
@@ -55,6 +56,8 @@ def _delta_error(delta: RequestDelta) -> APIError:
     message = delta.error or "the request failed in the engine"
     if delta.error_kind == "invalid_request":
         return InvalidRequest(message)
+    if delta.error_kind == "overloaded":  # the scheduler shed what the frontend's view let through
+        return TooManyRequests(message)
     return ServiceUnavailable(message)
 
 

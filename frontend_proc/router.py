@@ -47,6 +47,15 @@ class ReplicaStatus:
     def is_serving(self, now: float, timeout_s: float) -> bool:
         return self.is_fresh(now, timeout_s) and self.stats.state in SERVING_STATES
 
+    def num_waiting(self) -> int:
+        """Requests waiting for a seat here: the stats' count, plus the requests sent since those
+        stats that the stats' running count and seats cannot hold (not yet counted anywhere)."""
+        s = self.stats
+        if s is None:
+            return 0
+        unseen = self.in_flight - (s.num_running + s.num_waiting + s.num_swapped)
+        return s.num_waiting + max(0, unseen) if s.num_waiting else 0
+
     def load(self) -> tuple[float, float, int]:
         s = self.stats
         # Stats older than a finish still count it: on a uniform workload trusting them
@@ -131,6 +140,9 @@ class Router:
                 "num_running": s.num_running if s else 0,
                 "num_waiting": s.num_waiting if s else 0,
                 "num_swapped": s.num_swapped if s else 0,
+                "scheduling_policy": s.scheduling_policy if s else None,
+                "num_waiting_by_priority": dict(s.num_waiting_by_priority) if s else {},
+                "num_running_by_priority": dict(s.num_running_by_priority) if s else {},
                 "kv_cache_usage": s.kv_cache_usage if s else 0.0,
                 "num_gpu_blocks": s.num_gpu_blocks if s else 0,
                 "num_free_gpu_blocks": s.num_free_gpu_blocks if s else 0,

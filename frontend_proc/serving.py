@@ -34,6 +34,7 @@ from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
 from pagedserve.protocol.messages import AddRequest, SamplingParams, StructuredOutputs
 from pagedserve.client.detokenizer import Decodes, TextDecoder
 from pagedserve.client.generation_defaults import GenerationDefaults
+from pagedserve.protocol.priority import priority_refusal
 from pagedserve.protocol.validate import InvalidField, check_request
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class ClientDisconnected(Exception):
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status_code)
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers())
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -91,7 +92,8 @@ class Serving:
                  tokenizer: PromptTokenizer, metrics: FrontendMetrics,
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                  tool_calling: ToolCallingConfig = ToolCallingConfig(),
-                 defaults: GenerationDefaults = GenerationDefaults(), model_aliases: Sequence[str] = ()):
+                 defaults: GenerationDefaults = GenerationDefaults(), model_aliases: Sequence[str] = (),
+                 scheduling_policy: str = "fcfs"):
         self.served_model_names = list(served_model_names)  # what /v1/models lists
         self.served_model_name = self.served_model_names[0]  # what responses name
         # what a request may name the model: the served names, or the path as given (vLLM's name)
@@ -104,6 +106,7 @@ class Serving:
         self.max_logprobs = max_logprobs
         self.tool_calling = tool_calling
         self.defaults = defaults  # --generation-config: for fields a request leaves out
+        self.scheduling_policy = scheduling_policy
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         refuse_unsupported_fields(body)
@@ -168,6 +171,9 @@ class Serving:
             if body.stream:
                 raise InvalidRequest("prompt_logprobs are not available with stream=true (as in vLLM); "
                                      "drop one of them", param="prompt_logprobs")
+        refusal = priority_refusal(self.scheduling_policy, body.priority)
+        if refusal is not None:
+            raise InvalidRequest(refusal, param="priority")
         if body.best_of is not None and body.best_of != body.n:
             raise InvalidRequest(f"best_of: only best_of equal to n ({body.n}) is supported, got "
                                  f"{body.best_of}; ask for n samples instead", param="best_of")
@@ -214,7 +220,7 @@ class Serving:
             request_id = fmt.id if len(prompt_ids) == 1 else f"{fmt.id}-{i}"
             add = AddRequest(request_id=request_id, prompt_token_ids=ids,
                              sampling=self._sampling(body, limit, logprobs, structured_outputs),
-                             eos_token_ids=self.tokenizer.eos_token_ids)
+                             eos_token_ids=self.tokenizer.eos_token_ids, priority=body.priority)
             self._check(add, body)
             adds.append(add)
         streams: list[RequestStream] = []

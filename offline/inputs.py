@@ -14,6 +14,7 @@ import msgspec
 from pagedserve.protocol import messages as m
 from pagedserve.offline.structured import as_structured_outputs
 from pagedserve.protocol.validate import InvalidField, check_message, unencodable_string
+from pagedserve.protocol.priority import PRIORITY_MAX, PRIORITY_MIN
 
 Prompt = Union[str, list[int], dict]
 
@@ -173,3 +174,18 @@ def as_params_list(sampling: Any, num_prompts: int) -> list[SamplingParams]:
         if not isinstance(p, SamplingParams):
             raise TypeError(f"expected pagedserve.SamplingParams, got {type(p).__name__}")
     return params
+
+
+def as_priority_list(priority: Any, num_prompts: int) -> list[int]:
+    """vLLM's ``generate(..., priority=[...])``: one integer per prompt; None: every one 0."""
+    if priority is None:
+        return [0] * num_prompts
+    if isinstance(priority, (str, bytes)) or not hasattr(priority, "__len__"):
+        raise ValueError(f"priority: a list of one integer per prompt, got {type(priority).__name__}")
+    values = list(priority)
+    if len(values) != num_prompts:
+        raise ValueError(f"priority: {len(values)} priorities for {num_prompts} prompts")
+    for value in values:
+        if type(value) is not int or not PRIORITY_MIN <= value <= PRIORITY_MAX:
+            raise ValueError(f"priority: each must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {value!r}")
+    return values

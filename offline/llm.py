@@ -27,7 +27,7 @@ from pagedserve.deploy.children import Child
 from pagedserve.deploy.launcher import Launcher, StartupError
 from pagedserve.offline.chat import Conversation, chat_prompt_tokenizer, render_conversations
 from pagedserve.offline.inputs import (
-    Prompt, SamplingParams, as_params_list, as_prompt_list, prompt_text, prompt_token_ids)
+    Prompt, SamplingParams, as_params_list, as_priority_list, as_prompt_list, prompt_text, prompt_token_ids)
 from pagedserve.offline.outputs import CompletionOutput, PendingRequest, RequestOutput
 from pagedserve.offline.structured import StructuredOutputsParams
 from pagedserve.deploy.serve_config import ServeConfig
@@ -35,6 +35,7 @@ from pagedserve.protocol import messages as m
 from pagedserve.client.detokenizer import TextDecoder
 from pagedserve.client.generation_defaults import load_generation_defaults
 from pagedserve.client.model_files import eos_token_ids, vocab_size
+from pagedserve.protocol.priority import priority_refusal
 from pagedserve.protocol.validate import InvalidField, check_request
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 
@@ -159,17 +160,20 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 *, use_tqdm: bool = True, timeout: Optional[float] = None) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True, timeout: Optional[float] = None,
+                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order; returns when all have finished.
 
         Prompts: strings, token-id lists, ``{"prompt": str}`` or ``{"prompt_token_ids": ids}``.
+        ``priority``: one integer per prompt, lower first (vLLM's), only with
+        ``scheduling_policy="priority"``.
         Raises ValueError (naming the field) before sending anything if any input is out of
         range, TimeoutError after ``timeout`` seconds (what was in flight is aborted), and
         EngineDiedError if a scheduler dies.
         """
         prompts = as_prompt_list(prompts)
         return self._generate(prompts, [prompt_text(p) for p in prompts], sampling_params,
-                              use_tqdm, timeout)
+                              use_tqdm, timeout, priority)
 
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -190,11 +194,12 @@ class LLM:
         return self._chat_tokenizers[chat_template]
 
     def _generate(self, prompts: list, prompt_texts: list[Optional[str]], sampling_params,
-                  use_tqdm: bool, timeout: Optional[float]) -> list[RequestOutput]:
+                  use_tqdm: bool, timeout: Optional[float], priority=None) -> list[RequestOutput]:
         if not self._finalizer.alive:
             raise RuntimeError("this LLM is closed")
         params = as_params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
-        requests = [self._request(i, prompt, sp) for i, (prompt, sp) in enumerate(zip(prompts, params))]
+        priorities = as_priority_list(priority, len(prompts))
+        requests = [self._request(i, prompt, sp, p) for i, (prompt, sp, p) in enumerate(zip(prompts, params, priorities))]
         self._watch()
         deadline = None if timeout is None else time.monotonic() + timeout
         pending: dict[str, PendingRequest] = {}
@@ -212,10 +217,13 @@ class LLM:
         self._collect(pending, results, use_tqdm, deadline)
         return results  # type: ignore[return-value]
 
-    def _request(self, index: int, prompt: Prompt, sp: SamplingParams) -> m.AddRequest:
+    def _request(self, index: int, prompt: Prompt, sp: SamplingParams, priority: int = 0) -> m.AddRequest:
+        refusal = priority_refusal(self.config.scheduling_policy, priority)
+        if refusal is not None:
+            raise InvalidField("priority", f"{refusal} (prompt {index})")
         try:
             add = m.AddRequest(request_id=f"offline-{next(self._ids)}", prompt_token_ids=self.encode(prompt),
-                               sampling=sp.to_protocol(), eos_token_ids=self.eos_token_ids)
+                               sampling=sp.to_protocol(), eos_token_ids=self.eos_token_ids, priority=priority)
             check_request(add, self.vocab_size)
         except InvalidField as exc:
             raise InvalidField(exc.field, f"{exc.reason} (prompt {index})") from None

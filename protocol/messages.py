@@ -13,6 +13,7 @@ import msgspec
 from pagedserve.protocol.sampling_params import (  # noqa: F401  (re-exported: one vocabulary)
     INT64_MIN, INT64_MAX, MAX_TOKEN_ID, MAX_COUNT, MAX_N, MAX_TEMPERATURE,
     MAX_REQUEST_ID_CHARS, MAX_TOP_LOGPROBS, MAX_LOGIT_BIAS, TokenId, Seed, StructuredOutputs, SamplingParams)
+from pagedserve.protocol.priority import PRIORITY_MAX, PRIORITY_MIN
 
 
 class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=False):
@@ -27,6 +28,9 @@ class AddRequest(Msg):
     prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
     sampling: SamplingParams
     eos_token_ids: list[TokenId] = []
+    # Lower runs first (vLLM's); only under --scheduling-policy priority may it be non-zero
+    # (protocol/priority.py). 32-bit, as vLLM's is in practice.
+    priority: Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
 
 
 class AbortRequest(Msg):
@@ -74,7 +78,7 @@ class RequestDelta(Msg, gc=False):  # holds only scalars and int lists: no cycle
     new_token_ids: list[int]
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     error: Optional[str] = None
-    error_kind: Optional[str] = None  # "invalid_request" (-> 4xx) | "engine" (-> 5xx)
+    error_kind: Optional[str] = None  # "invalid_request" (-> 400) | "overloaded" (-> 429) | "engine" (-> 5xx)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: Optional[list[float]] = None
@@ -142,6 +146,10 @@ class SchedulerStats(Msg):
     block_size: int = 0
     pid: int = 0  # the scheduler's: a new pid means a restarted replica that lost every request
     cache_events_sent: int = 0  # PrefixCacheEvents sent by this pid so far (the next one's seq)
+    scheduling_policy: str = ""  # --scheduling-policy (for /health and the interval log)
+    # Under the priority policy: requests per priority (empty under fcfs, where all are 0)
+    num_waiting_by_priority: dict[int, int] = {}
+    num_running_by_priority: dict[int, int] = {}
     structured_output_requests: int = 0  # admitted requests constrained by a grammar
     structured_output_mask_time_s: float = 0.0  # filling their bitmasks, summed over steps
 

@@ -19,6 +19,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
+from pagedserve.protocol.priority import SCHEDULING_POLICIES
+
 # The processes a serve option can be handed to (the supervisor keeps every option).
 SCHEDULER, WORKER, FRONTEND = "scheduler", "worker", "frontend"
 
@@ -168,6 +170,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("enable_chunked_prefill", bool, True, "split long prompts over steps", to=_S),
     Option("preemption_mode", str, "auto", "how a preempted sequence gives its blocks back",
            choices=PREEMPTION_MODES, to=_S),
+    Option("scheduling_policy", str, "fcfs", "fcfs: first come, first served (a request's non-zero "
+           "priority is refused); priority: lower priority values run first, a waiting request preempts "
+           "running ones of a lower priority, and within one priority first come, first served",
+           choices=SCHEDULING_POLICIES, to=_S | _F),
+    Option("priority_aging_s", float, None, "priority policy: lift a request one priority level for every "
+           "this many seconds since it arrived, so that low priority cannot starve forever (default: off, "
+           "a request keeps its priority for its whole life and a steady flow of higher-priority requests "
+           "can hold it back indefinitely)", _POSITIVE_S, metavar="SECONDS", to=_S),
+    Option("max_waiting_requests", int, None, "load shedding: most requests waiting for a seat per "
+           "replica; past it a new request is refused at once (HTTP 429 with Retry-After; offline a "
+           "ValueError), and nothing already admitted is affected (default: no limit)", _NON_NEGATIVE,
+           metavar="N", to=_S | _F),
     Option("async_scheduling", bool, True, "schedule the next step while the workers run this one "
            "(--no-async-scheduling waits for every step's result before the next)", to=_S),
     Option("seed", int, 0, "sampling seed (replica r uses seed + r)", to=_S),

@@ -2,8 +2,8 @@
 
 A request that could never be scheduled ends at once with an ``invalid_request`` error
 whose message names the numbers, instead of waiting forever (or being silently dropped).
-Swapped sequences come back before any waiting one is admitted, and waiting ones are
-admitted strictly in arrival order (recompute-preempted ones sit at the front).
+Swapped and waiting sequences start in the policy's order (policy.py; FCFS: swapped ones
+first, then waiting ones strictly in arrival order, recompute-preempted ones at the front).
 
 The functions here answer questions and return plain decisions; the scheduler applies them.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pagedserve.protocol.messages import AddRequest
+from pagedserve.protocol.priority import priority_refusal
 from pagedserve.protocol.validate import InvalidField, check_request
 
 from pagedserve.scheduler_proc import prefix_cache
@@ -36,6 +37,9 @@ def rejection_reason(msg: AddRequest, config: SchedulerConfig) -> Optional[str]:
         check_request(msg, config.vocab_size)  # so: a prompt token, max_tokens >= 1, n >= 1, ...
     except InvalidField as exc:
         return str(exc)
+    refusal = priority_refusal(config.scheduling_policy, msg.priority)  # the edges refuse it first
+    if refusal is not None:
+        return refusal
     sampling = msg.sampling
     num_prompt = len(msg.prompt_token_ids)
     if sampling.n > config.max_num_seqs:
@@ -56,6 +60,24 @@ def rejection_reason(msg: AddRequest, config: SchedulerConfig) -> Optional[str]:
             return (f"n={sampling.n} samples of a {num_prompt}-token prompt need {needed} KV blocks of "
                     f"{block_size} tokens at once, but the cache has only {config.num_gpu_blocks} blocks")
     return None
+
+
+def shedding_reason(num_waiting: int, config: SchedulerConfig) -> Optional[str]:
+    """Why a new request is refused for now (--max-waiting-requests), or None. The frontend
+    sheds first from its view of the replicas' stats; this catches what that view missed."""
+    limit = config.max_waiting_requests
+    if limit is None or num_waiting < limit:
+        return None
+    return (f"the server is overloaded: {num_waiting} requests are waiting, the limit is "
+            f"{limit} (--max-waiting-requests); retry later")
+
+
+def should_swap(seq: Sequence, bm: BlockManager, config: SchedulerConfig) -> bool:
+    """Whether a running ``seq`` leaves by swap (else by recompute)."""
+    mode = config.preemption_mode  # auto: under one full block, recompute is cheaper than a move
+    if mode == "recompute" or not bm.can_swap_out(seq):
+        return False
+    return mode == "swap" or seq.num_kv_tokens >= config.block_size
 
 
 def chunk_size(remaining: int, budget: int, chunked_prefill: bool) -> int:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from pagedserve.protocol.options import PREEMPTION_MODES
+from pagedserve.protocol.priority import SCHEDULING_POLICIES
 
 # Sequences are ordered by (arrival number, sample index) packed into one int; see request.py.
 MAX_PARALLEL_SAMPLES = 1 << 20
@@ -24,6 +26,9 @@ class SchedulerConfig:
     debug_invariants: bool = False
     seed: int = 0
     vocab_size: int = 0  # from the workers' hello: token ids at or above it are refused; 0: unchecked
+    scheduling_policy: str = "fcfs"  # protocol/priority.py SCHEDULING_POLICIES; policy.py
+    priority_aging_s: Optional[float] = None  # priority policy: one level lifted per interval; None: off
+    max_waiting_requests: Optional[int] = None  # past it a new request is refused (load shedding); None: no limit
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -42,6 +47,11 @@ class SchedulerConfig:
                 f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
                 f"got {self.preemption_mode!r}"
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.priority_aging_s is not None and self.scheduling_policy != "priority":
+            raise ValueError("priority_aging_s ages priorities: it needs scheduling_policy=\"priority\"")
         if self.max_num_seqs >= MAX_PARALLEL_SAMPLES:
             raise ValueError(f"max_num_seqs must be below {MAX_PARALLEL_SAMPLES}, got {self.max_num_seqs}")
         if not self.enable_chunked_prefill:

@@ -50,6 +50,8 @@ class _EngineConfigRules:
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode,
             debug_invariants=self.debug_invariants, seed=self.seed, vocab_size=vocab_size,
+            scheduling_policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s,
+            max_waiting_requests=self.max_waiting_requests,
         )
 
     def trace_config(self) -> dict:

@@ -33,9 +33,9 @@ class IntervalLog:
         preempt = (s.num_preemptions_recompute + s.num_preemptions_swap
                    - prev.num_preemptions_recompute - prev.num_preemptions_swap)
         self.log.info(
-            "replica %d: prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d, "
+            "replica %d (%s): prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d, "
             "swapped %d | KV %.1f%% | prefix hit %.1f%% | preemptions +%d | worker idle %.1f%% of step",
-            s.replica, (s.prompt_tokens - prev.prompt_tokens) / dt,
+            s.replica, s.scheduling_policy, (s.prompt_tokens - prev.prompt_tokens) / dt,
             (s.generation_tokens - prev.generation_tokens) / dt, s.num_running, s.num_waiting,
             s.num_swapped, 100 * s.kv_cache_usage, 100 * hits / queries if queries else 0.0,
             preempt, 100 * idle / (idle + fwd) if idle + fwd > 0 else 0.0)

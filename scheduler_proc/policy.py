@@ -1,30 +1,120 @@
-"""Which waiting sequence starts next and which running one gives way: the scheduling policy.
+"""Which sequence starts next and which running one gives way: the scheduling policy.
 
-The scheduler asks these two questions and applies the answers; everything else (budgets,
+The scheduler asks these questions and applies the answers; everything else (budgets,
 blocks, swap or recompute) is the same under every policy. A policy only reads the queues.
 
-First come, first served (the default, and the seed workloads' rule): the oldest waiting
-sequence is admitted first and nothing overtakes it; under memory pressure the newest running
-sequence is preempted, so the oldest is never starved (shared/seeds 001).
+First come, first served (``fcfs``, the default, and the seed workloads' rule): swapped
+sequences come back oldest first, then the oldest waiting sequence is admitted and nothing
+overtakes it; under memory pressure the newest running sequence is preempted, so the oldest
+is never starved (shared/seeds 001).
+
+``priority``: every order is by (level, arrival), level being the request's priority (lower
+first, vLLM's convention), lifted one level per ``priority_aging_s`` since its arrival when
+aging is on. Within one level this is exactly FCFS. A swapped or recompute-preempted sequence
+keeps its arrival, so it comes back before any newer one of its level. The victim is the
+newest running sequence of the worst level present. A waiting (or swapped) sequence that does
+not fit preempts running ones of a strictly worse level, before the step's batch is built
+(``victim_for_waiting``): nothing is scheduled yet, so no victim has to be taken back out of
+a batch, and the freed blocks carry no copy or zero listed in the same step.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence as Queue
+import time
+from typing import TYPE_CHECKING, Callable, Optional, Sequence as Queue
+
+from pagedserve.scheduler_proc import admission
+from pagedserve.scheduler_proc.request import SWAPPED
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_proc.request import Sequence
     from pagedserve.scheduler_proc.running import RunningSequences
+    from pagedserve.scheduler_proc.scheduler import Scheduler
 
 
 class FcfsPolicy:
-    def next_waiting(self, waiting: Queue["Sequence"]) -> "Sequence":
-        """The waiting sequence to try next (``waiting`` is not empty; arrival order, recompute-
-        preempted ones among them by their own arrival)."""
-        return waiting[0]
+    name = "fcfs"
+
+    @staticmethod
+    def clock() -> float:
+        """Arrival times matter only to aging: none here, so replays stay bit-exact."""
+        return 0.0
+
+    def running_order(self, seqs: list["Sequence"]) -> list["Sequence"]:
+        """The order the running loop gives out tokens and blocks in (``seqs``: arrival order)."""
+        return seqs
+
+    def next_to_start(self, swapped: Queue["Sequence"], waiting: Queue["Sequence"]) -> Optional["Sequence"]:
+        """The swapped or waiting sequence to try next, or None; the first that does not fit
+        stops the rest, so nothing overtakes it."""
+        if swapped:
+            return swapped[0]
+        return waiting[0] if waiting else None
 
     def victim(self, running: "RunningSequences") -> "Sequence":
         """The running sequence to preempt when blocks run out (``running`` is not empty): the
         one asking for blocks, or one the step has not scheduled yet (the running loop goes
         oldest first, so the newest qualifies)."""
         return running.newest()
+
+    def victim_for_waiting(self, sched: "Scheduler") -> Optional["Sequence"]:
+        """A running sequence to preempt before the step, for a waiting one that outranks it."""
+        return None
+
+
+class PriorityPolicy(FcfsPolicy):
+    name = "priority"
+
+    def __init__(self, aging_s: Optional[float] = None, clock: Callable[[], float] = time.monotonic):
+        self.aging_s = aging_s
+        self.clock = clock
+
+    def _level(self, now: float) -> Callable[["Sequence"], int]:
+        aging_s = self.aging_s
+        if aging_s is None:
+            return lambda seq: seq.request.priority
+        return lambda seq: seq.request.priority - int((now - seq.request.arrival_time) // aging_s)
+
+    def _key(self) -> Callable[["Sequence"], tuple[int, int]]:
+        level = self._level(self.clock())
+        return lambda seq: (level(seq), seq.order)
+
+    def running_order(self, seqs: list["Sequence"]) -> list["Sequence"]:
+        # Best level first: whoever the running loop then preempts (the worst level's newest)
+        # is never one it has already scheduled.
+        return sorted(seqs, key=self._key())
+
+    def next_to_start(self, swapped: Queue["Sequence"], waiting: Queue["Sequence"]) -> Optional["Sequence"]:
+        if not swapped and not waiting:
+            return None
+        key = self._key()
+        best = [min(queue, key=key) for queue in (swapped, waiting) if queue]
+        return min(best, key=key)
+
+    def victim(self, running: "RunningSequences") -> "Sequence":
+        return running.max_by(self._key())
+
+    def victim_for_waiting(self, sched: "Scheduler") -> Optional["Sequence"]:
+        if not len(sched.running):
+            return None
+        key = self._key()
+        candidate = self.next_to_start(sched.swapped, sched.waiting)
+        if candidate is None or _fits(sched, candidate):
+            return None
+        victim = sched.running.max_by(key)  # a scan of the running set: only when one waits
+        return victim if key(victim)[0] > key(candidate)[0] else None
+
+
+def _fits(sched: "Scheduler", seq: "Sequence") -> bool:
+    """Whether ``seq`` could start in a step whose running decodes each take one token."""
+    if sched.seats_free() < admission.seats_needed(seq):
+        return False
+    config = sched.config
+    budget = max(1, config.max_num_batched_tokens - len(sched.running))
+    if seq.status == SWAPPED:
+        return admission.tokens_to_resume(seq, sched.bm, budget, config.enable_chunked_prefill) > 0
+    return admission.plan_admission(seq, sched.bm, config, budget, len(sched.running)) is not None
+
+
+def policy_for(scheduling_policy: str, aging_s: Optional[float] = None):
+    return PriorityPolicy(aging_s) if scheduling_policy == "priority" else FcfsPolicy()

@@ -60,12 +60,16 @@ class Request:
         "num_cached_tokens",
         "grammar",
         "prompt_logprobs",
+        "priority",
+        "arrival_time",
     )
 
     def __init__(self, msg: AddRequest, arrival_number: int, seed: int, len_limit: int,
-                 compiled_grammar=None):
+                 compiled_grammar=None, arrival_time: float = 0.0):
         self.request_id = msg.request_id
         self.arrival_number = arrival_number
+        self.priority = msg.priority  # lower first, under the priority policy (policy.py)
+        self.arrival_time = arrival_time  # the policy's clock at arrival (priority aging)
         self.sampling: SamplingParams = msg.sampling
         if msg.sampling.seed != seed:
             self.sampling = SamplingParams(**{**_fields(msg.sampling), "seed": seed})

@@ -77,6 +77,17 @@ class RunningSequences:
         newest = lane.newest()
         return queue[-1] if queue and queue[-1].order > newest.order else newest
 
+    def max_by(self, key) -> Sequence:
+        """The running sequence with the largest ``key`` (the priority policy's victim): a scan,
+        paid only when a sequence must give way."""
+        live = [seq for seq in self._queue if seq.status == RUNNING and seq.lane_pos < 0]
+        return max((*live, *self._lane.seqs), key=key)
+
+    def unsynced(self) -> list[Sequence]:
+        """Every running sequence, in no order, with the lane's counters not synced (for what
+        the request holds, such as its priority)."""
+        return [*self.per_object(), *self._lane.seqs]
+
     def all_synced(self) -> list[Sequence]:
         """Every running sequence, oldest first, with its state synced (tests, debugging)."""
         self._lane.sync_all()

@@ -2,14 +2,16 @@
 
 Each ``schedule()``:
 
-1. Running sequences, oldest first. Decodes always run (the token budget keeps one token
+0. Under a policy that ranks requests (policy.py), running ones that a waiting one outranks
+   are preempted for it first, before anything is scheduled.
+1. Running sequences, in the policy's order (FCFS: oldest first). Decodes always run (the token budget keeps one token
    for every later decode, so prefill chunks can never starve them); running prefills
    continue with a chunk of what is left. While a sequence cannot have its blocks, the
    policy's victim (policy.py; FCFS: the newest, possibly itself) is preempted, by swap when
    allowed and cheaper, else by recompute. Steady decodes (running.py) get their blocks
    first if all fit, else they join this loop; their tokens are reserved up front.
-2. Only in a step that preempted nothing: swapped sequences resume (oldest first), then
-   waiting ones are admitted in the policy's order; the first that does not fit stops
+2. Only in a step that preempted nothing in 1: swapped sequences resume and waiting ones are
+   admitted in the policy's order (FCFS: every swapped one first); the first that does not fit stops
    admission, so nothing overtakes it. Skipping resumption in a preempting step also keeps
    this step's freed blocks out of swap-in destinations, whose data would otherwise be read
    by a copy or overwritten by a zero listed in the same step.
@@ -34,7 +36,7 @@ from pagedserve.scheduler_proc.block_pool import CacheEventLog
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.grammar import step_bitmask
 from pagedserve.scheduler_proc.grammar_cache import compile_for
-from pagedserve.scheduler_proc.policy import FcfsPolicy
+from pagedserve.scheduler_proc.policy import policy_for
 from pagedserve.scheduler_proc.request import FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, token_array
 from pagedserve.scheduler_proc.running import RunningSequences, by_order
 from pagedserve.scheduler_proc.stats import SchedulerCounters, snapshot
@@ -49,7 +51,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, grammars=None, policy=None):
         self.config = config
         self.grammars = grammars  # CompiledGrammarCache (grammar_cache.py); None: structured output refused
-        self.policy = FcfsPolicy() if policy is None else policy
+        self.policy = policy_for(config.scheduling_policy, config.priority_aging_s) if policy is None else policy
         self.block_size = config.block_size
         self.len_limit = length_limit(config)
         self.counters = SchedulerCounters()
@@ -79,15 +81,18 @@ class Scheduler:
             reason = f"request id {msg.request_id!r} is already in use"
         if reason is None:
             compiled, reason = compile_for(self.grammars, msg.sampling.structured_outputs)
+        kind = "invalid_request"
+        if reason is None:
+            reason, kind = admission.shedding_reason(len(self.waiting), self.config), "overloaded"
         if reason is not None:
             self.counters.num_finished += 1
             n = msg.sampling.n
             indices = range(n) if 1 <= n <= self.config.max_num_seqs else range(1)  # never 10**9 deltas
-            return [RequestDelta(msg.request_id, i, [], "error", reason, "invalid_request",
+            return [RequestDelta(msg.request_id, i, [], "error", reason, kind,
                                  len(msg.prompt_token_ids)) for i in indices]
         seed = self._rng.getrandbits(63) if msg.sampling.seed is None else msg.sampling.seed
         self._arrivals += 1
-        request = Request(msg, self._arrivals, seed, self.len_limit, compiled)
+        request = Request(msg, self._arrivals, seed, self.len_limit, compiled, self.policy.clock())
         self.counters.structured_output_requests += compiled is not None
         seq = Sequence(msg.request_id, request, 0, token_array(msg.prompt_token_ids), request.sampling,
                        is_parent=msg.sampling.n > 1)
@@ -226,7 +231,7 @@ class Scheduler:
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the result of the one out (overlap.py)."""
-        return overlap.can_schedule_ahead(self)
+        return overlap.can_schedule_ahead(self) and self.policy.victim_for_waiting(self) is None
 
     def schedule(self) -> SchedulerOutput:
         if self.in_flight and not self.can_schedule_ahead():
@@ -235,16 +240,23 @@ class Scheduler:
                 f"and the next step cannot be scheduled ahead of it (can_schedule_ahead())")
         self._step += 1
         batch = StepPlan(self.config.max_num_batched_tokens)
+        self._make_way_for_waiting(batch)
         batch.budget -= self.running.begin_step(self.bm)  # every steady decode runs: its token comes first
         self._schedule_running(batch)
         if not batch.preempted:
-            self._resume_swapped(batch)
-            if not self.swapped:
-                self._admit_waiting(batch)
+            self._start_swapped_and_waiting(batch)
         return self._finish_step(batch)
 
+    def _make_way_for_waiting(self, batch: StepPlan) -> None:
+        """The policy's victims for a waiting sequence that outranks them (policy.py), before
+        anything is scheduled: the step may still admit, since none of the freed blocks has a
+        copy or a zero listed yet."""
+        while (victim := self.policy.victim_for_waiting(self)) is not None:
+            self._preempt(victim, batch)
+        batch.budget, batch.preempted = self.config.max_num_batched_tokens, False  # no decode reserved yet
+
     def _schedule_running(self, batch: StepPlan) -> None:
-        queue = self.running.per_object()
+        queue = self.policy.running_order(self.running.per_object())
         later_decodes = None  # decodes after the current sequence; counted once a prefill needs it
         for i, seq in enumerate(queue):
             if seq.status != RUNNING:
@@ -295,7 +307,7 @@ class Scheduler:
         if seq.worker_knows:
             self.finished_ids.append(seq.seq_id)
             seq.worker_knows = False
-        if self._should_swap(seq):
+        if admission.should_swap(seq, self.bm, self.config):
             batch.swap_out.extend(self.bm.swap_out(seq))
             seq.status = SWAPPED
             insort(self.swapped, seq, key=by_order)
@@ -314,43 +326,37 @@ class Scheduler:
         waiting.insert(position, seq)
         self.counters.num_preemptions_recompute += 1
 
-    def _should_swap(self, seq: Sequence) -> bool:
-        mode = self.config.preemption_mode  # auto: under one full block, recompute is cheaper than a move
-        if mode == "recompute" or not self.bm.can_swap_out(seq):
-            return False
-        return mode == "swap" or seq.num_kv_tokens >= self.block_size
-
     def seats_free(self) -> int:
         return self.config.max_num_seqs - self.running.num_seats
 
-    def _resume_swapped(self, batch: StepPlan) -> None:
-        """Swapped sequences come back oldest first, until one does not fit."""
-        swapped = self.swapped
-        while swapped:
-            seq = swapped[0]
-            if self.seats_free() < admission.seats_needed(seq):
+    def _start_swapped_and_waiting(self, batch: StepPlan) -> None:
+        """Swapped sequences resume and waiting ones are admitted in the policy's order (FCFS:
+        every swapped one first, oldest first); the first that does not fit stops the rest."""
+        while True:
+            seq = self.policy.next_to_start(self.swapped, self.waiting)
+            if seq is None or self.seats_free() < admission.seats_needed(seq):
                 return
-            num_tokens = admission.tokens_to_resume(seq, self.bm, batch.budget, self.config.enable_chunked_prefill)
-            if not num_tokens:
-                return
-            swapped.pop(0)
-            batch.swap_in.extend(self.bm.swap_in(seq))
-            if self.config.enable_prefix_caching:
-                prefix_cache.republish(self.bm.device, seq)
-            self.bm.append_slots(seq, num_tokens)
-            self.running.add(seq)
-            batch.add(seq, num_tokens)
-
-    def _admit_waiting(self, batch: StepPlan) -> None:
-        """Waiting sequences start in the policy's order; the first that does not fit stops the rest."""
-        while self.waiting and batch.budget > 0:
-            seq = self.policy.next_waiting(self.waiting)
-            if self.seats_free() < admission.seats_needed(seq):
+            if seq.status == SWAPPED:
+                num_tokens = admission.tokens_to_resume(seq, self.bm, batch.budget, self.config.enable_chunked_prefill)
+                if not num_tokens:
+                    return
+                self._resume(seq, num_tokens, batch)
+                continue
+            if batch.budget <= 0:
                 return
             plan = admission.plan_admission(seq, self.bm, self.config, batch.budget, len(self.running))
             if plan is None:
                 return
             self._admit(plan, batch)
+
+    def _resume(self, seq: Sequence, num_tokens: int, batch: StepPlan) -> None:
+        self.swapped.remove(seq)  # the head under FCFS: found at once
+        batch.swap_in.extend(self.bm.swap_in(seq))
+        if self.config.enable_prefix_caching:
+            prefix_cache.republish(self.bm.device, seq)
+        self.bm.append_slots(seq, num_tokens)
+        self.running.add(seq)
+        batch.add(seq, num_tokens)
 
     def _admit(self, plan: Admission, batch: StepPlan) -> None:
         seq = plan.seq
@@ -390,12 +396,7 @@ class Scheduler:
                 self.counters.structured_output_mask_time_s += time.perf_counter() - started
         out = SchedulerOutput(self._step, batch.new, batch.cached, decodes, finished, batch.swap_out,
                               batch.swap_in, copies, zero, total, masks)
-        counters = self.counters
-        counters.recomputed_tokens += batch.num_recomputed
-        counters.num_blocks_zeroed += len(zero)
-        counters.num_blocks_copied += len(copies)
-        counters.num_blocks_swapped_out += len(batch.swap_out)
-        counters.num_blocks_swapped_in += len(batch.swap_in)
+        self.counters.count_step(batch, len(zero), len(copies))
         if total:
             self.in_flight.append((out, sampling, batch.others))
         if self.config.debug_invariants:

@@ -32,6 +32,14 @@ class SchedulerCounters:
         for name in COUNTERS:
             setattr(self, name, 0.0 if name.endswith("_s") else 0)
 
+    def count_step(self, batch, num_zeroed: int, num_copied: int) -> None:
+        """A scheduled step's cache work (``batch``: its StepPlan)."""
+        self.recomputed_tokens += batch.num_recomputed
+        self.num_blocks_zeroed += num_zeroed
+        self.num_blocks_copied += num_copied
+        self.num_blocks_swapped_out += len(batch.swap_out)
+        self.num_blocks_swapped_in += len(batch.swap_in)
+
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNTERS}
 
@@ -39,7 +47,12 @@ class SchedulerCounters:
 def snapshot(sched: "Scheduler") -> dict:
     """Gauges of the live state plus every counter: what SchedulerStats and /metrics carry."""
     device, host = sched.bm.device, sched.bm.host
+    by_priority = sched.policy.name == "priority"  # under fcfs every priority is 0
+    priority = lambda seq: seq.request.priority  # noqa: E731
     return {
+        "scheduling_policy": sched.policy.name,
+        "num_waiting_by_priority": _count(sched.waiting, priority) if by_priority else {},
+        "num_running_by_priority": _count(sched.running.unsynced(), priority) if by_priority else {},
         "num_running": sched.num_running,
         "num_waiting": len(sched.waiting),
         "num_swapped": len(sched.swapped),
@@ -51,3 +64,11 @@ def snapshot(sched: "Scheduler") -> dict:
         "cache_events_sent": sched.cache_events.num_sent,
         **sched.counters.as_dict(),
     }
+
+
+def _count(seqs, key) -> dict:
+    counts: dict = {}
+    for seq in seqs:
+        value = key(seq)
+        counts[value] = counts.get(value, 0) + 1
+    return counts

@@ -234,8 +234,8 @@ class _NamedVictim(FcfsPolicy):
 
 
 class _NewestFirst(FcfsPolicy):
-    def next_waiting(self, waiting):
-        return waiting[-1]
+    def next_to_start(self, swapped, waiting):
+        return swapped[0] if swapped else (waiting[-1] if waiting else None)
 
 
 def test_the_scheduler_preempts_whichever_running_sequence_its_policy_names():
