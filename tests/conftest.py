@@ -60,10 +60,15 @@ def _record_start(what: str) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """tests/unit/ is in process only: a test there marked slow belongs in tests/e2e/."""
+    """Every test lives in tests/unit/ (in process, never marked slow) or tests/e2e/; the unit
+    tests run first, so a broken rule shows in seconds, before any deployment starts."""
     misplaced = [item.nodeid for item in items if _in_unit(item) and item.get_closest_marker("slow")]
     if misplaced:
         raise pytest.UsageError(f"tests marked slow start processes and belong in tests/e2e/: {misplaced}")
+    loose = sorted({item.nodeid.split("::")[0] for item in items if Path(item.path).parent == TESTS})
+    if loose:
+        raise pytest.UsageError(f"move these into tests/unit/ (in process) or tests/e2e/ (starts processes): {loose}")
+    items.sort(key=lambda item: not _in_unit(item))  # stable: each scope keeps its order
 
 
 def pytest_configure(config):

@@ -53,7 +53,7 @@ def test_a_bfloat16_checkpoint_without_onednn_bfloat16_runs_in_float32_and_match
     from pagedserve.protocol.cpu_dtype import fast_bfloat16_matmuls
 
     if fast_bfloat16_matmuls():
-        pytest.skip("oneDNN multiplies bfloat16 on this CPU: auto keeps bfloat16 (tests/test_serve_options.py)")
+        pytest.skip("oneDNN multiplies bfloat16 on this CPU: auto keeps bfloat16 (tests/e2e/test_serve_options.py)")
     model = model_factory("qwen2", dtype="bfloat16")  # as downloaded: bfloat16 weights, a config that says so
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     with LLM(model, num_gpu_blocks=64, max_model_len=512) as llm:  # dtype auto, as a user starts it

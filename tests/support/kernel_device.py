@@ -4,8 +4,8 @@ The interpreter checks the kernels' maths anywhere, but only a GPU runs the comp
 that serves. Import this module before anything imports triton: the interpreter is chosen
 when the kernels are decorated. On a GPU machine:
 
-    PAGEDSERVE_TEST_DEVICE=cuda python -m pytest tests/test_kernels_attention.py \
-        tests/test_kernels_blocks.py tests/test_worker_triton_forward.py
+    PAGEDSERVE_TEST_DEVICE=cuda python -m pytest tests/unit/test_kernels_attention.py \
+        tests/unit/test_kernels_blocks.py tests/unit/test_worker_triton_forward.py
 
 Inputs are still drawn on the CPU from seeded generators, so both devices see the same
 numbers; ``to_device`` moves them just before the kernel runs.

@@ -2,7 +2,7 @@
 
 On CPU the same buffer path runs eagerly (capture=False), through the attention the graphs
 would capture (the whole-batch kernel, not the CPU's batched-decode plan); with
-PAGEDSERVE_TEST_DEVICE=cuda (tests/kernel_device.py) the graphs are captured and replayed.
+PAGEDSERVE_TEST_DEVICE=cuda (tests/support/kernel_device.py) the graphs are captured and replayed.
 Checked: padding rows, stale rows turned back into padding as the batch shrinks, and a
 NaN-poisoned cache that padding rows read.
 """

@@ -16,7 +16,7 @@ doubles (bench/RESULTS.md). oneDNN costs ~45 us a call more than torch.mm, so:
 [in, out] copy above for models up to 512 MiB, F.linear above for larger ones), ``=1`` packs
 cache-resident models' weights too. Every path here sums dot products in its own order, so
 results may differ from F.linear in the last bits; greedy parity with transformers is checked
-by tests/test_model_parity.py and the bench's identical-output count.
+by tests/unit/test_model_parity.py and the bench's identical-output count.
 """
 
 from __future__ import annotations
