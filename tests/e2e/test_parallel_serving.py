@@ -7,7 +7,7 @@ import re
 import httpx
 import pytest
 
-from support.greedy import assert_equal_to_transformers, greedy_completions
+from support.greedy import assert_equal_to_transformers, client, greedy_completions
 from support.oracle import hf_tokenizer
 from support.server import Server, pagedserve_processes, wait_until
 

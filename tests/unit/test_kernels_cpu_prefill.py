@@ -11,7 +11,7 @@ import torch
 from pagedserve.kernels import cpu_native, reference
 from pagedserve.worker_proc import native_prefill
 from pagedserve.worker_proc.attention import attend, plan_cpu_attention
-from support.attention import nan_cache_with_requests
+from support.attention import causal_attention_f64, nan_cache_with_requests, qkv_rows
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="native CPU kernels are not built here")
 

@@ -10,8 +10,8 @@ from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
-from support.scheduler_sim import scripted
-from support.scheduler_sim import EOS, SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done
+from support.scheduler_sim import (EOS, SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done,
+                                   scripted)
 
 
 def make(next_token) -> tuple[Scheduler, SimWorker]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 

@@ -9,7 +9,8 @@ from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.invariants import InvariantError
 from pagedserve.scheduler_proc.scheduler import Scheduler, SchedulerStateError
 
-from support.scheduler_sim import EOS, SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done
+from support.scheduler_sim import (EOS, SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done,
+                                   scripted)
 
 
 def make(next_token=None, **overrides) -> tuple[Scheduler, SimWorker]:

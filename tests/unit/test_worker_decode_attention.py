@@ -13,7 +13,7 @@ from pagedserve.worker_proc.attention import attend, plan_cpu_attention
 from pagedserve.worker_proc.decode_attention import (GROUP_BYTES, GatherWorkspace, build_decode_context,
                                                      decode_attention)
 
-from support.attention import BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS, nan_cache_with_requests
+from support.attention import BLOCK_SIZE, HEAD_DIM, nan_cache_with_requests
 
 
 @pytest.fixture(params=["native", "torch"])
