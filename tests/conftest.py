@@ -17,6 +17,14 @@ TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))  # `import support` under any --import-mode
 
+# First, before any test module imports triton: the test device decides TRITON_INTERPRET, which
+# triton reads when the kernels are decorated, whichever folder's module is collected first.
+from support.kernel_device import DEVICE  # noqa: E402
+
+# On the CPU test device tests/unit/ starts no process; on CUDA the Triton kernel tests there
+# compile with ptxas, a process, and carry the slow mark (support/kernel_device.py).
+UNIT_IN_PROCESS = DEVICE.type == "cpu"
+
 # ---------------------------------------------------------------- the slow mark, enforced
 # A test that starts a process (a deployment, LLM, a subprocess, multiprocessing) must be
 # marked slow and live in tests/e2e/, so `pytest -m "not slow"` and `pytest tests/unit` stay the
@@ -50,7 +58,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def _in_unit(item) -> bool:
-    return (TESTS / "unit") in Path(item.path).parents
+    return UNIT_IN_PROCESS and (TESTS / "unit") in Path(item.path).parents
 
 
 def _record_start(what: str) -> None:
@@ -68,7 +76,7 @@ def pytest_collection_modifyitems(config, items):
     loose = sorted({item.nodeid.split("::")[0] for item in items if Path(item.path).parent == TESTS})
     if loose:
         raise pytest.UsageError(f"move these into tests/unit/ (in process) or tests/e2e/ (starts processes): {loose}")
-    items.sort(key=lambda item: not _in_unit(item))  # stable: each scope keeps its order
+    items.sort(key=lambda item: (TESTS / "unit") not in Path(item.path).parents)  # stable: each scope keeps its order
 
 
 def pytest_configure(config):

@@ -1,8 +1,8 @@
 """Where the Triton kernel tests run: the CPU interpreter (default) or a real CUDA GPU.
 
 The interpreter checks the kernels' maths anywhere, but only a GPU runs the compiled code
-that serves. Import this module before anything imports triton: the interpreter is chosen
-when the kernels are decorated. On a GPU machine:
+that serves. tests/conftest.py imports this module before anything imports triton: the
+interpreter is chosen when the kernels are decorated. On a GPU machine:
 
     PAGEDSERVE_TEST_DEVICE=cuda python -m pytest tests/unit/test_kernels_attention.py \
         tests/unit/test_kernels_blocks.py tests/unit/test_worker_triton_forward.py
@@ -26,13 +26,13 @@ if _name == "cpu":
 else:
     # A leftover TRITON_INTERPRET=1 would quietly run the interpreter on GPU tensors.
     os.environ.pop("TRITON_INTERPRET", None)
-    if not torch.cuda.is_available():
-        pytest.skip(f"{DEVICE_ENV}=cuda but torch sees no CUDA device", allow_module_level=True)
 
 DEVICE = torch.device(_name)
 # On a GPU each kernel's first launch compiles it in a subprocess (ptxas), and conftest fails
 # any test that starts a process unless it is marked slow; test modules use this as pytestmark.
-MARKS = [pytest.mark.slow] if DEVICE.type == "cuda" else []
+MARKS = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(),
+                                               reason=f"{DEVICE_ENV}=cuda but torch sees no CUDA device")
+         ] if DEVICE.type == "cuda" else []
 
 
 def to_device(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
