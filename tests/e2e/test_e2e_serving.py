@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import openai
 import psutil
 import pytest
 
+from support.greedy import client
 from support.oracle import hf_greedy, hf_tokenizer, prompt_whose_greedy_output_ends_at_eos
 from support.server import Server, pagedserve_processes, wait_until
 from support.shared_deployments import SERVER_CACHE_TOKENS, SERVER_MAX_MODEL_LEN
@@ -34,10 +34,6 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def server(shared_server):
     return shared_server
-
-
-def client(srv: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def model_name(srv: Server) -> str:

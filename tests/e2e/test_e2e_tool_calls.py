@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
+
+from support.greedy import client as openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ USER = [{"role": "user", "content": "Weather in Paris for three days?"}]
 @pytest.fixture(scope="module")
 def client(shared_server):
     """On the shared server: its cache holds the ~800-token prompt with both tools and 300 answer tokens."""
-    return openai.OpenAI(base_url=f"{shared_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(shared_server)
 
 
 def _streamed_calls(stream) -> tuple[list[dict], str]:
