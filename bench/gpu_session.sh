@@ -34,8 +34,8 @@ step() {  # step NAME SECONDS COMMAND...
 for s in "$@"; do
   case $s in
     tests) PAGEDSERVE_TEST_DEVICE=cuda step tests 240 python3 -m pytest -q -x -p no:cacheprovider \
-             tests/test_kernels_attention.py tests/test_kernels_blocks.py tests/test_worker_triton_forward.py \
-             tests/test_worker_cuda_graphs.py tests/test_kernels_fused.py \
+             tests/unit/test_kernels_attention.py tests/unit/test_kernels_blocks.py tests/unit/test_worker_triton_forward.py \
+             tests/unit/test_worker_cuda_graphs.py tests/unit/test_kernels_fused.py \
              -o addopts="" --timeout 200 ;;
     check) step check 180 python3 bench/scripts/cuda_check.py ${CASES:+--cases $CASES} ;;
     kernels) step kernels 240 python3 bench/scripts/kernels_bench.py --preset llama8b --device cuda ;;

@@ -1,19 +1,36 @@
-"""Shared fixtures: random tiny models built once per session, and the transformers oracle."""
+"""For both scopes: random tiny models built once per session, the `slow` mark enforced, and
+`tests/` on sys.path so that tests import their helpers as the `support` package.
+
+tests/unit/ runs in process; tests/e2e/ starts processes (its conftest holds the session's shared
+deployments). The transformers oracle is support/oracle.py."""
 
 from __future__ import annotations
 
 import multiprocessing.process
 import subprocess
-from functools import lru_cache
+import sys
 from pathlib import Path
 
 import pytest
 
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))  # `import support` under any --import-mode
+
+# First, before any test module imports triton: the test device decides TRITON_INTERPRET, which
+# triton reads when the kernels are decorated, whichever folder's module is collected first.
+from support.kernel_device import DEVICE  # noqa: E402
+
+# On the CPU test device tests/unit/ starts no process; on CUDA the Triton kernel tests there
+# compile with ptxas, a process, and carry the slow mark (support/kernel_device.py).
+UNIT_IN_PROCESS = DEVICE.type == "cpu"
+
 # ---------------------------------------------------------------- the slow mark, enforced
 # A test that starts a process (a deployment, LLM, a subprocess, multiprocessing) must be
-# marked slow, so `pytest -m "not slow"` stays the fast, single-process suite. Every start is
-# recorded against the test being set up, run or torn down (fixtures of any scope included);
-# the process still starts, so the test cleans up as usual, and then its report fails.
+# marked slow and live in tests/e2e/, so `pytest -m "not slow"` and `pytest tests/unit` stay the
+# fast, single-process suite. Every start is recorded against the test being set up, run or torn
+# down (fixtures of any scope included); the process still starts, so the test cleans up as
+# usual, and then its report fails.
 
 _running_item = None
 _unmarked_starts: dict[str, str] = {}  # node id -> the first process it started
@@ -37,13 +54,29 @@ def pytest_runtest_makereport(item, call):
     if started is not None and not report.failed:
         report.outcome = "failed"
         report.longrepr = (f"UnmarkedSlowTest: {item.nodeid} starts a process ({started}) but is not marked "
-                           "slow; add @pytest.mark.slow (docs/CONTRIBUTING.md)")
+                           "slow in tests/e2e/; mark it @pytest.mark.slow and keep it there (docs/CONTRIBUTING.md)")
+
+
+def _in_unit(item) -> bool:
+    return UNIT_IN_PROCESS and (TESTS / "unit") in Path(item.path).parents
 
 
 def _record_start(what: str) -> None:
     item = _running_item
-    if item is not None and item.get_closest_marker("slow") is None:
+    if item is not None and (item.get_closest_marker("slow") is None or _in_unit(item)):
         _unmarked_starts.setdefault(item.nodeid, what[:100])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test lives in tests/unit/ (in process, never marked slow) or tests/e2e/; the unit
+    tests run first, so a broken rule shows in seconds, before any deployment starts."""
+    misplaced = [item.nodeid for item in items if _in_unit(item) and item.get_closest_marker("slow")]
+    if misplaced:
+        raise pytest.UsageError(f"tests marked slow start processes and belong in tests/e2e/: {misplaced}")
+    loose = sorted({item.nodeid.split("::")[0] for item in items if Path(item.path).parent == TESTS})
+    if loose:
+        raise pytest.UsageError(f"move these into tests/unit/ (in process) or tests/e2e/ (starts processes): {loose}")
+    items.sort(key=lambda item: (TESTS / "unit") not in Path(item.path).parents)  # stable: each scope keeps its order
 
 
 def pytest_configure(config):
@@ -84,60 +117,6 @@ def model_factory(tmp_path_factory):
         return cache[key]
 
     return build
-
-
-@lru_cache(maxsize=8)
-def _hf(model_dir: str):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    return model, tok
-
-
-def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, eos: bool = False) -> list[int]:
-    """transformers' own greedy continuation: the correctness oracle."""
-    import copy
-
-    import torch
-
-    model, _ = _hf(model_dir)
-    gen = copy.deepcopy(model.generation_config)
-    gen.do_sample, gen.max_new_tokens, gen.pad_token_id = False, max_new_tokens, 0
-    if not eos:
-        # like ignore_eos: keep going without suppressing the token (None would mean
-        # "use the model's default", which stops at EOS)
-        gen.eos_token_id = []
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=gen)
-    return out[0, len(prompt_ids):].tolist()
-
-
-def prompt_whose_greedy_output_ends_at_eos(model_dir: str, max_new_tokens: int, min_new_tokens: int = 4,
-                                           prompt_len: int = 6, tries: int = 4096) -> tuple[list[int], list[int]]:
-    """(prompt ids, transformers' greedy output) where generation stops at the model's EOS after at
-    least ``min_new_tokens`` tokens: random weights rarely emit EOS from text prompts, so a test of
-    EOS stopping must pick a prompt that really reaches it (for some seeds one prompt in
-    hundreds does). Deterministic: seeded candidates, tried in batches until one qualifies."""
-    import torch
-
-    model, _ = _hf(model_dir)
-    eos = model.generation_config.eos_token_id
-    candidates = torch.randint(3, model.config.vocab_size, (tries, prompt_len), generator=torch.Generator().manual_seed(0))
-    for batch_ids in candidates.split(256):
-        with torch.no_grad():  # one batched pass to shortlist, then the single-prompt oracle decides
-            batch = model.generate(batch_ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[],
-                                   pad_token_id=0)[:, prompt_len:].tolist()
-        for ids, out in zip(batch_ids.tolist(), batch):
-            if eos in out and out.index(eos) + 1 >= min_new_tokens:
-                expected = hf_greedy(model_dir, ids, max_new_tokens, eos=True)
-                if expected[-1] == eos and len(expected) >= min_new_tokens:
-                    return ids, expected
-    raise AssertionError(f"no seeded prompt of {model_dir} reaches EOS within {max_new_tokens} greedy tokens")
-
-
-def hf_tokenizer(model_dir: str):
-    return _hf(model_dir)[1]
 
 
 @pytest.fixture

@@ -26,11 +26,11 @@ source_paths = ["pagedserve"]
 only_mutate = [${only_mutate%, }]
 pytest_add_cli_args = ["-m", "not slow", "-p", "no:cacheprovider", "-q"]
 pytest_add_cli_args_test_selection = [
-  "tests/test_scheduler_admission.py", "tests/test_scheduler_requests.py", "tests/test_scheduler_policy.py",
-  "tests/test_scheduler_support.py", "tests/test_block_manager.py", "tests/test_prefix_cache.py",
-  "tests/test_scheduler_ahead.py", "tests/test_scheduler_draining.py", "tests/test_decode_lane.py",
-  "tests/test_output_processor.py", "tests/test_sampler_exact_rules.py", "tests/test_worker_sampler.py",
-  "tests/test_worker_sampling_params.py"]
+  "tests/unit/test_scheduler_admission.py", "tests/unit/test_scheduler_requests.py", "tests/unit/test_scheduler_policy.py",
+  "tests/unit/test_scheduler_sim.py", "tests/unit/test_block_manager.py", "tests/unit/test_prefix_cache.py",
+  "tests/unit/test_scheduler_ahead.py", "tests/unit/test_scheduler_draining.py", "tests/unit/test_decode_lane.py",
+  "tests/unit/test_output_processor.py", "tests/unit/test_sampler_exact_rules.py", "tests/unit/test_worker_sampler.py",
+  "tests/unit/test_worker_sampling_params.py"]
 TOML
 OMP_NUM_THREADS=1 env -u PYTHONPATH mutmut run --max-children "${MUTMUT_CHILDREN:-2}"
 env -u PYTHONPATH mutmut results

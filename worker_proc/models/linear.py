@@ -23,7 +23,7 @@ behind the same call, so the rule is the same there, unmeasured. float16 keeps t
 [in, out] copy above for models up to 512 MiB, F.linear above for larger ones), ``=1`` packs
 cache-resident models' weights too. Every path here sums dot products in its own order, so
 results may differ from F.linear in the last bits; greedy parity with transformers is checked
-by tests/test_model_parity.py and the bench's identical-output count.
+by tests/unit/test_model_parity.py and the bench's identical-output count.
 """
 
 from __future__ import annotations

@@ -1,0 +1,192 @@
+"""A worker stand-in for scheduler tests: it applies every SchedulerOutput with the real
+workers' ``apply_output`` (protocol/step_state.py), models the *contents* of every KV slot, and fails loudly when a sequence
+would attend over a slot holding anything but its own KV or zeros.
+
+Each device/host block is a list of slots. A slot is ``STALE`` (whatever an earlier
+owner left: the NaN of vLLM #35219), ``ZERO``, or ``(position, token)`` once written.
+Cache operations run in the protocol's order: swap out, swap in, copy (gather, then
+scatter), zero; then every scheduled request writes its computed slots, and then each
+one reads every slot of its block table: positions it has computed must hold its own
+``(position, token)``, the rest of its last block must be ZERO.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from pagedserve.protocol.messages import AddRequest, SamplingParams, SchedulerOutput, StepResult
+from pagedserve.protocol.step_state import StepContractError, apply_output, note_samples
+
+from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.scheduler_proc.step import StepOutputs
+
+STALE = "stale"
+ZERO = "zero"
+EOS = 2
+
+
+class WorkerModelError(AssertionError):
+    """The scheduler's output would make a real worker compute the wrong thing."""
+
+
+@dataclass
+class SimWorker:
+    config: SchedulerConfig
+    next_token: Callable[[str, list[int]], int]
+    device: list = field(init=False)
+    host: list = field(init=False)
+    held: dict = field(default_factory=dict)
+    zero_events: list = field(default_factory=list)  # (step, block)
+
+    def __post_init__(self) -> None:
+        bs = self.config.block_size
+        self.device = [[STALE] * bs for _ in range(self.config.num_gpu_blocks)]
+        self.host = [[STALE] * bs for _ in range(self.config.num_cpu_blocks)]
+
+    def step(self, out: SchedulerOutput) -> StepResult:
+        bs = self.config.block_size
+        for req_id in out.finished_req_ids:
+            if req_id not in self.held:
+                raise WorkerModelError(f"step {out.step}: told to forget unknown {req_id!r}")
+        for dev, host in out.blocks_to_swap_out:
+            self.host[host] = list(self.device[dev])
+        for host, dev in out.blocks_to_swap_in:
+            self.device[dev] = list(self.host[host])
+        gathered = [list(self.device[src]) for src, _ in out.blocks_to_copy]
+        dsts = [dst for _, dst in out.blocks_to_copy]
+        if len(set(dsts)) != len(dsts):
+            raise WorkerModelError(f"step {out.step}: two copies into one block {dsts}")
+        for (_, dst), content in zip(out.blocks_to_copy, gathered):
+            self.device[dst] = content
+        zero = out.new_block_ids_to_zero
+        if len(set(zero)) != len(zero):
+            raise WorkerModelError(f"step {out.step}: a block listed twice for zeroing: {zero}")
+        for block in zero:
+            self.device[block] = [ZERO] * bs
+            self.zero_events.append((out.step, block))
+
+        try:
+            batch = apply_output(self.held, out)
+        except StepContractError as exc:
+            raise WorkerModelError(str(exc)) from None
+        if len(batch) != len({held.req_id for held in batch}):
+            raise WorkerModelError(f"step {out.step}: a request is scheduled twice")
+
+        total = 0
+        for held in batch:  # write phase
+            req_id, computed, scheduled = held.req_id, held.num_computed_tokens, held.num_scheduled_tokens
+            end = computed + scheduled
+            if scheduled < 1:
+                raise WorkerModelError(f"step {out.step}: {req_id} schedules [{computed}, {end})")
+            if len(held.block_ids) * bs < end:
+                raise WorkerModelError(f"step {out.step}: {req_id} has {len(held.block_ids)} blocks for {end} tokens")
+            for pos in range(computed, end):
+                self.device[held.block_ids[pos // bs]][pos % bs] = (pos, held.token_ids[pos])
+            total += scheduled
+        if total != out.total_num_scheduled_tokens:
+            raise WorkerModelError(f"step {out.step}: total {out.total_num_scheduled_tokens} != {total}")
+
+        req_ids, sampled, sampling = [], [], []
+        for held in batch:  # attention phase
+            req_id = held.req_id
+            end = held.num_computed_tokens + held.num_scheduled_tokens
+            for pos in range(len(held.block_ids) * bs):
+                slot = self.device[held.block_ids[pos // bs]][pos % bs]
+                want = (pos, held.token_ids[pos]) if pos < end else ZERO
+                if slot != want:
+                    raise WorkerModelError(
+                        f"step {out.step}: {req_id} reads {slot!r} at position {pos} "
+                        f"(block {held.block_ids[pos // bs]}), expected {want!r}")
+            if held.samples:
+                req_ids.append(req_id)
+                sampled.append(self.next_token(req_id, held.token_ids))
+                sampling.append(held)
+        note_samples(sampling, sampled)
+        return StepResult(step=out.step, rank=0, req_ids=req_ids, sampled_token_ids=sampled,
+                          logprobs=[-0.5] * len(sampled))
+
+
+def counting_tokens() -> Callable[[str, list[int]], int]:
+    """Never EOS: the token is 1000 + the sequence's length, so each position's token is known."""
+    def next_token(req_id: str, tokens: list[int]) -> int:
+        return 1000 + len(tokens)
+    return next_token
+
+
+def random_tokens(rng: random.Random, eos_probability: float) -> Callable[[str, list[int]], int]:
+    def next_token(req_id: str, tokens: list[int]) -> int:
+        return EOS if rng.random() < eos_probability else rng.randrange(10, 1000)
+    return next_token
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int = 8, **sampling) -> AddRequest:
+    return AddRequest(request_id=request_id, prompt_token_ids=prompt,
+                      sampling=SamplingParams(max_tokens=max_tokens, **sampling), eos_token_ids=[EOS])
+
+
+class StepDriver:
+    """The engine loop's order of calls, without processes: with ``ahead``, the next step is
+    scheduled (and queued for the worker) before the current one's result is applied, as
+    ``--async-scheduling`` does, whenever the scheduler allows it."""
+
+    def __init__(self, sched: Scheduler, worker: SimWorker, ahead: bool = False):
+        self.sched, self.worker, self.ahead = sched, worker, ahead
+        self.pending: deque[SchedulerOutput] = deque()
+        self.steps_ahead = 0  # steps scheduled while another was out
+        self.on_schedule: Optional[Callable[[SchedulerOutput], None]] = None
+
+    def busy(self) -> bool:
+        return self.sched.has_unfinished() or bool(self.pending)
+
+    def step(self) -> tuple[SchedulerOutput, StepResult, StepOutputs]:
+        """One turn: schedule (and maybe schedule ahead), then apply the oldest step's result."""
+        sched, pending = self.sched, self.pending
+        if not pending:
+            self._schedule()
+        if self.ahead and len(pending) == 1 and sched.has_unfinished() and sched.can_schedule_ahead():
+            self._schedule()
+            self.steps_ahead += 1
+        out = pending.popleft()
+        result = self.worker.step(out)
+        return out, result, sched.update_from_output(out, result)
+
+    def _schedule(self) -> None:
+        out = self.sched.schedule()
+        if self.on_schedule is not None:
+            self.on_schedule(out)
+        self.pending.append(out)
+
+
+def run_until_done(sched: Scheduler, worker: SimWorker, max_steps: int = 10_000,
+                   on_step: Optional[Callable] = None, ahead: bool = False) -> list:
+    """Steps until nothing is unfinished; returns every delta. ``on_step(out, result, deltas)``."""
+    deltas = []
+    driver = StepDriver(sched, worker, ahead)
+    for _ in range(max_steps):
+        if not driver.busy():
+            return deltas
+        out, result, step_deltas = driver.step()
+        deltas.extend(step_deltas)
+        if on_step is not None:
+            on_step(out, result, step_deltas)
+    raise AssertionError(f"not finished after {max_steps} steps: {sched.stats()}")
+
+
+def assert_all_blocks_free(sched: Scheduler) -> None:
+    device, host = sched.bm.device, sched.bm.host
+    assert device.num_free == device.num_blocks, sched.stats()
+    assert host.num_free == host.num_blocks, sched.stats()
+    assert not any(device.ref_counts) and not any(host.ref_counts)
+
+
+def scripted(*tokens):
+    """Every sequence samples ``tokens`` in order, then 500, 501, ..."""
+    def next_token(req_id, held_tokens, _counts={}):
+        i = _counts.get(req_id, 0)
+        _counts[req_id] = i + 1
+        return tokens[i] if i < len(tokens) else 500 + i
+    return next_token

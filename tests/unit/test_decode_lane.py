@@ -1,0 +1,133 @@
+"""The decode lane (steady decodes as numpy columns): what leaves it must be exactly what a
+per-object scheduler would have produced — every token in order, every block accounted for."""
+
+from __future__ import annotations
+
+import random
+
+from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.decode_lane import RING
+from pagedserve.scheduler_proc.scheduler import Scheduler
+
+from support.scheduler_sim import (
+    EOS, SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done,
+)
+
+
+def make(**overrides) -> tuple[Scheduler, SimWorker]:
+    config = SchedulerConfig(debug_invariants=True, **overrides)
+    return Scheduler(config), SimWorker(config, counting_tokens())
+
+
+def outputs_by_sample(deltas) -> dict:
+    samples: dict = {}
+    for delta in deltas:
+        samples.setdefault((delta.request_id, delta.index), []).extend(delta.new_token_ids)
+    return samples
+
+
+def test_steady_decodes_travel_as_one_decode_batch_and_their_tokens_as_lists():
+    sched, worker = make(block_size=4, num_gpu_blocks=64)
+    for i in range(3):
+        sched.add_request(request(f"r{i}", list(range(10, 15 + i)), max_tokens=20, ignore_eos=True))
+    first = sched.schedule()  # three prefills
+    assert len(first.new_requests) == 3 and not first.decodes.req_ids
+    sched.update_from_output(first, worker.step(first))
+    second = sched.schedule()
+    assert not second.new_requests and not second.cached_requests
+    assert sorted(second.decodes.req_ids) == ["r0", "r1", "r2"]
+    outputs = sched.update_from_output(second, worker.step(second))
+    assert not outputs.deltas and sorted(outputs.token_request_ids) == ["r0", "r1", "r2"]
+
+
+def test_every_token_arrives_once_and_in_order_through_preemption_swap_forks_and_ring_flushes():
+    # Counting tokens: output i of a p-token prompt is 1000 + p + i. A token lost or repeated
+    # by the lane (a ring flush, a sync before preemption, a recompute from lane state) shows.
+    sched, worker = make(block_size=4, num_gpu_blocks=60, num_cpu_blocks=12, max_num_seqs=8,
+                         max_num_batched_tokens=32)
+    rng = random.Random(5)
+    prompts = {}
+    for i in range(12):
+        prompts[f"r{i}"] = [rng.randrange(10, 500) for _ in range(rng.randint(3, 12))]
+        sched.add_request(request(f"r{i}", prompts[f"r{i}"], max_tokens=RING + 40, ignore_eos=True,
+                                  n=2 if i % 5 == 0 else 1))
+    deltas = run_until_done(sched, worker)
+    stats = sched.stats()
+    assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0
+    samples = outputs_by_sample(deltas)
+    assert len(samples) == 12 + 3  # three requests with n=2
+    for (request_id, _), tokens in samples.items():
+        p = len(prompts[request_id])
+        assert tokens == [1000 + p + i for i in range(RING + 40)], request_id
+    assert_all_blocks_free(sched)
+
+
+def test_an_abort_while_a_step_is_out_drops_only_that_sequence():
+    sched, worker = make(block_size=4, num_gpu_blocks=64)
+    for i in range(4):
+        sched.add_request(request(f"r{i}", [7, 8, 9], max_tokens=10, ignore_eos=True))
+    for _ in range(3):
+        out = sched.schedule()
+        sched.update_from_output(out, worker.step(out))
+    out = sched.schedule()
+    assert len(out.decodes.req_ids) == 4
+    [aborted] = sched.abort_requests(["r1"])
+    assert aborted.finish_reason == "abort"
+    outputs = sched.update_from_output(out, worker.step(out))
+    assert sorted(outputs.token_request_ids) == ["r0", "r2", "r3"]
+    rest = run_until_done(sched, worker)
+    samples = outputs_by_sample([*outputs, *rest])
+    assert "r1" not in {request_id for request_id, _ in samples}
+    assert all(len(tokens) == 10 - 3 for tokens in samples.values())  # 3 steps came before
+    assert_all_blocks_free(sched)
+
+
+def test_stop_tokens_are_per_request_and_wait_for_min_tokens_in_the_lane():
+    sched, worker = make(block_size=4, num_gpu_blocks=64)
+    # The counting worker samples 1000 + length: r-stop's prompt of 3 makes its 6th output 1008.
+    sched.add_request(request("r-stop", [1, 2, 3], max_tokens=30, stop_token_ids=[1008]))
+    sched.add_request(request("r-other", [1, 2, 3], max_tokens=12, ignore_eos=True))  # samples 1008 too
+    sched.add_request(request("r-min", [1, 2, 3], max_tokens=30, stop_token_ids=[1004, 1010], min_tokens=4))
+    deltas = run_until_done(sched, worker)
+    ends = {d.request_id: d for d in deltas if d.finish_reason}
+    samples = outputs_by_sample(deltas)
+    assert ends["r-stop"].finish_reason == "stop" and samples[("r-stop", 0)][-1] == 1008
+    assert ends["r-stop"].stop_token_id == 1008
+    assert ends["r-other"].finish_reason == "length" and len(samples[("r-other", 0)]) == 12
+    # 1004 is the 2nd output, before min_tokens=4: ignored; 1010 (the 8th) stops it.
+    assert ends["r-min"].finish_reason == "stop" and samples[("r-min", 0)][-1] == 1010
+    assert EOS not in samples[("r-min", 0)]
+
+
+def test_a_follow_up_turn_hits_the_blocks_its_first_turn_generated():
+    # A chat's next turn repeats the last answer: the blocks the lane filled while decoding it
+    # must be named in the prefix cache by exactly their tokens (the simulated worker checks
+    # every slot the second request attends over).
+    sched, worker = make(block_size=4, num_gpu_blocks=64, enable_prefix_caching=True)
+    prompt = [11, 12, 13, 14, 15, 16]
+    sched.add_request(request("turn-1", prompt, max_tokens=RING + 10, ignore_eos=True))
+    answer = outputs_by_sample(run_until_done(sched, worker))[("turn-1", 0)]
+    follow_up = prompt + answer + [21, 22, 23]
+    sched.add_request(request("turn-2", follow_up, max_tokens=2, ignore_eos=True))
+    deltas = run_until_done(sched, worker)
+    cached = next(d.num_cached_tokens for d in deltas if d.request_id == "turn-2")
+    # Every full block of prompt + answer except the one holding the answer's last token,
+    # which was sampled but never computed.
+    assert cached == (len(prompt) + len(answer) - 1) // 4 * 4
+    assert outputs_by_sample(deltas)[("turn-2", 0)] == [1000 + len(follow_up), 1001 + len(follow_up)]
+
+
+def test_a_decode_batch_once_sent_is_never_changed_by_later_steps():
+    sched, worker = make(block_size=4, num_gpu_blocks=64, max_num_seqs=8)
+    for i in range(6):
+        sched.add_request(request(f"r{i}", [5, 6, 7], max_tokens=4 + i, ignore_eos=True))
+    sent = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        outputs = sched.update_from_output(out, worker.step(out))
+        sent.append((out.decodes, list(out.decodes.req_ids), outputs, list(outputs.token_request_ids)))
+    for decodes, ids, outputs, token_ids in sent:  # lane members finished and left in between
+        assert decodes.req_ids == ids and outputs.token_request_ids == token_ids
+
+
+# The random-workload property test lives in test_scheduler_workload_properties.py (hypothesis strategies).

@@ -1,0 +1,118 @@
+"""The stop rules and the step-result checks of scheduler_proc/output_processor.py at their edges,
+on the first sampled token (the per-sequence path) and in the decode lane (the array path)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.output_processor import StepResultMismatch
+from pagedserve.scheduler_proc.scheduler import Scheduler
+
+from support.scheduler_sim import (EOS, SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done,
+                                   scripted)
+
+
+def make(next_token) -> tuple[Scheduler, SimWorker]:
+    config = SchedulerConfig(debug_invariants=True)
+    return Scheduler(config), SimWorker(config, next_token)
+
+
+@pytest.mark.parametrize("stop_at", [1, 2, 5])  # 1: the first token; later ones: in the decode lane
+def test_a_stop_token_exactly_at_min_tokens_stops_the_request(stop_at):
+    sched, worker = make(scripted(*([7] * (stop_at - 1)), EOS))
+    sched.add_request(request("r", [4, 5, 6], max_tokens=10, min_tokens=stop_at))
+    deltas = run_until_done(sched, worker)
+    assert [t for d in deltas for t in d.new_token_ids] == [7] * (stop_at - 1) + [EOS]
+    last = deltas[-1]
+    assert (last.finish_reason, last.stop_token_id) == ("stop", EOS)
+    assert all((d.num_prompt_tokens, d.num_cached_tokens) == (3, 0) for d in (deltas[0], last))
+    assert_all_blocks_free(sched)
+
+
+def test_a_request_with_many_stop_ids_stops_on_any_of_them_in_the_decode_lane():
+    stop_ids = list(range(2000, 2012))
+    sched, worker = make(scripted(7, 8, 9, 2011))
+    sched.add_request(request("r", [4, 5, 6], max_tokens=10, stop_token_ids=stop_ids))
+    sched.add_request(request("other", [4, 5, 6, 1], max_tokens=6, ignore_eos=True))
+    deltas = run_until_done(sched, worker)
+    mine = [d for d in deltas if d.request_id == "r"]
+    assert [t for d in mine for t in d.new_token_ids] == [7, 8, 9, 2011]
+    assert (mine[-1].finish_reason, mine[-1].stop_token_id) == ("stop", 2011)
+    assert_all_blocks_free(sched)
+
+
+def steps_until_the_lane_decodes(sched, worker):
+    """Steps until a SchedulerOutput carries decode-lane entries; returns it, not yet answered."""
+    for _ in range(20):
+        out = sched.schedule()
+        if out.decodes.req_ids:
+            return out
+        sched.update_from_output(out, worker.step(out))
+    raise AssertionError("no decode lane step")
+
+
+def lane_scheduler():
+    sched, worker = make(counting_tokens())
+    for rid in ("a", "b"):
+        sched.add_request(request(rid, [4, 5, 6], max_tokens=10))
+    return sched, worker
+
+
+def test_a_result_with_a_token_too_few_is_refused_naming_the_counts():
+    sched, worker = lane_scheduler()
+    out = steps_until_the_lane_decodes(sched, worker)
+    result = worker.step(out)
+    short = msgspec.structs.replace(result, sampled_token_ids=result.sampled_token_ids[:-1])
+    with pytest.raises(StepResultMismatch, match=f"step {out.step} scheduled 2 sampling sequences, the result "
+                                                 f"has 2 ids and 1 tokens"):
+        sched.update_from_output(out, short)
+
+
+@pytest.mark.parametrize("where", ["first samples", "decode lane"])
+def test_samples_in_the_wrong_order_are_refused_naming_the_sample_and_the_one_due(where):
+    sched, worker = lane_scheduler()
+    # the first step holds both prompts, each ending with its first sample (the per-sequence path)
+    out = sched.schedule() if where == "first samples" else steps_until_the_lane_decodes(sched, worker)
+    result = worker.step(out)
+    first, second = result.req_ids
+    swapped = msgspec.structs.replace(result, req_ids=[second, first])
+    with pytest.raises(StepResultMismatch, match=f"step {out.step}: a sample for '{second}' where '{first}' was due"):
+        sched.update_from_output(out, swapped)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "top_logprobs"])
+def test_a_result_with_a_logprob_too_few_is_refused_naming_the_counts(field):
+    sched, worker = lane_scheduler()
+    out = steps_until_the_lane_decodes(sched, worker)
+    result = msgspec.structs.replace(worker.step(out), **{field: [0.0] if field == "logprobs" else [[]]})
+    with pytest.raises(StepResultMismatch, match=f"step {out.step}: 1 {field} for 2 tokens"):
+        sched.update_from_output(out, result)
+
+
+def test_a_request_aborted_while_its_step_ran_gets_no_token_and_the_others_still_do():
+    sched, worker = lane_scheduler()
+    out = sched.schedule()  # both prompts, each ending with its first sample
+    result = worker.step(out)
+    first, second = result.req_ids
+    sched.abort_requests([first])
+    deltas = list(sched.update_from_output(out, result))
+    assert [(d.request_id, len(d.new_token_ids)) for d in deltas] == [(second, 1)]
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
+
+
+def test_parallel_samples_fork_after_their_prompt_even_when_an_earlier_prompt_was_aborted_meanwhile():
+    sched, worker = make(counting_tokens())
+    for rid in ("a", "b"):
+        sched.add_request(request(rid, [4, 5, 6, 7, 8], max_tokens=2, n=2))
+    out = sched.schedule()  # both parents compute prompt[:-1]; nobody samples yet
+    result = worker.step(out)
+    sched.abort_requests(["a"])
+    sched.update_from_output(out, result)
+    out = sched.schedule()
+    assert sorted(r.req_id for r in out.new_requests) == ["b/0", "b/1"]
+    sched.update_from_output(out, worker.step(out))
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)

@@ -1,0 +1,41 @@
+"""The Triton paged-attention kernel inside a real forward pass: interpreted on CPU, or on a GPU.
+
+On CPU the worker normally attends with its torch paths (batched decodes, SDPA prefill chunks),
+so only PAGEDSERVE_KERNELS=triton sends a real model's attention through the kernel there.
+On CUDA (see kernel_device) the worker picks the kernel anyway; the setting changes nothing.
+"""
+
+from support.kernel_device import DEVICE, MARKS  # first: it decides TRITON_INTERPRET before triton loads
+
+from pagedserve.tools.demo_model import build_model_dir
+from pagedserve.kernels import triton_ops
+from pagedserve.worker_proc.model_runner import ModelRunner
+from support.worker_harness import TrivialScheduler, hf_greedy, random_prompts
+
+pytestmark = MARKS
+
+NEW_TOKENS = 4
+
+
+def test_greedy_tokens_through_the_triton_attention_kernel_equal_transformers(tmp_path, monkeypatch):
+    model_dir = str(build_model_dir(tmp_path / "m", "llama", num_layers=1))
+    calls = []
+    kernel = triton_ops.paged_attention
+
+    def counted_paged_attention(*args, **kwargs):  # counts, then runs the real kernel
+        calls.append(args[0].shape[0])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "paged_attention", counted_paged_attention)
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
+    # Eager: a replayed CUDA graph never calls the Python kernel function, and capture calls it
+    # once per batch size; test_worker_cuda_graphs.py covers the graphs.
+    runner = ModelRunner(model_dir, device=str(DEVICE), cuda_graphs=False)
+    assert runner.ops is triton_ops
+    prompts = random_prompts([11, 6], vocab_size=512, seed=2)
+    scheduler = TrivialScheduler(runner)
+    scheduler.add("chunked", prompts[0], NEW_TOKENS, prefill_chunks=[5])  # a chunk over cached K/V
+    scheduler.add("late", prompts[1], NEW_TOKENS, arrival_step=1)  # a prefill beside a decode
+    outputs = scheduler.run()
+    assert [outputs["chunked"], outputs["late"]] == hf_greedy(model_dir, prompts, NEW_TOKENS)
+    assert len(calls) == scheduler.step and max(calls) > 1  # every step, prefills and decodes
