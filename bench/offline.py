@@ -186,38 +186,49 @@ def bench_one(ns: argparse.Namespace, label: str, model: str, num_prompts: int,
           f"tokens each, greedy, {ns.dtype}, {ns.device}, {ns.runs} run(s) per engine; {cpu_label()}", flush=True)
     rows = {engine: RUNNERS[engine](ns, model, prompts, output_len) for engine in ns.engines}
     result = {"shape": label, "model": model, "rows": rows, "num_prompts": num_prompts, "ratio": {},
-              "identical_outputs": {}}
+              "identical_outputs": {}, "mean_common_prefix": {}}
     ours = rows.get("pagedserve")
     for engine, row in rows.items():
         if ours is None or engine == "pagedserve":
             continue
         result["ratio"][engine] = ours["tokens_per_s"] / row["tokens_per_s"]
         if not ns.no_check:
-            result["identical_outputs"][engine] = sum(a == b for a, b in zip(ours["token_ids"], row["token_ids"]))
+            pairs = list(zip(ours["token_ids"], row["token_ids"]))
+            result["identical_outputs"][engine] = sum(a == b for a, b in pairs)
+            # in half precision two engines part at the first near-tie: how far they agree says more
+            result["mean_common_prefix"][engine] = statistics.fmean(_common_prefix(a, b) for a, b in pairs)
     print(format_rows([result]), flush=True)
     return result
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def format_rows(results: list[dict]) -> str:
-    """One row per engine; a peer's row carries pagedserve's ratio to it and the greedy outputs
-    that equal pagedserve's."""
+    """One row per engine; a peer's row carries pagedserve's ratio to it, the greedy outputs that
+    equal pagedserve's and the mean number of leading tokens they share."""
     lines = [f"{'shape':<8} {'engine':<36} {'median tok/s':>12} {'min-max':>15} {'ours/it':>7} {'identical':>9}"
-             f" {'1st answer':>10}"]
+             f" {'prefix':>6} {'1st answer':>10}"]
     for r in results:
         for engine, row in r["rows"].items():
             spread = f"{row['min_tokens_per_s']:.1f}-{row['max_tokens_per_s']:.1f}"
             ratio = f"{r['ratio'][engine]:.2f}x" if engine in r["ratio"] else ""
             same = f"{r['identical_outputs'][engine]}/{r['num_prompts']}" if engine in r["identical_outputs"] else ""
+            prefix = f"{r['mean_common_prefix'][engine]:.1f}" if engine in r.get("mean_common_prefix", {}) else ""
             first = f"{row['first_answer_s']:.1f} s" if "first_answer_s" in row else ""
             lines.append(f"{r['shape']:<8} {row['engine']:<36} {row['tokens_per_s']:12.1f} {spread:>15} "
-                         f"{ratio:>7} {same:>9} {first:>10}")
+                         f"{ratio:>7} {same:>9} {prefix:>6} {first:>10}")
         ours = r["rows"].get("pagedserve")
         if ours:
             lines.append(f"{'':<8} pagedserve: worker idle {ours['worker_idle_pct']:.1f}% of step, "
                          f"{ours['steps']} steps per run, preemptions {ours['preemptions']}, "
                          f"runs identical: {ours['runs_identical']}")
-    lines.append(f"{'':<8} (1st answer: the engine's start, in this process for pagedserve, as a new "
-                 "process for vLLM, to its warm-up's answer)")
+    lines.append(f"{'':<8} (prefix: mean leading tokens equal to pagedserve's; 1st answer: the engine's start, "
+                 "in this process for pagedserve, as a new process for vLLM, to its warm-up's answer)")
     return "\n".join(lines)
 
 

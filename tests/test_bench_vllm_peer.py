@@ -70,3 +70,4 @@ def test_offline_against_real_vllm_generates_the_same_greedy_tokens_in_float32(m
     vllm = result["rows"]["vllm"]
     assert vllm["generated_tokens"] == 32 and vllm["tokens_per_s"] > 0 and vllm["first_answer_s"] > 0
     assert result["identical_outputs"]["vllm"] == 4
+    assert result["mean_common_prefix"]["vllm"] == 8

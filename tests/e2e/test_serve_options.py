@@ -35,25 +35,60 @@ def test_dtype_names_resolve_as_vllm_does(model_dir, requested, config_dtype, de
 
 
 @pytest.mark.parametrize("config_dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("fast_bfloat16, expected", [(True, "bfloat16"), (False, "float32")])
-def test_a_half_precision_checkpoint_on_cpu_computes_in_bfloat16_only_where_onednn_multiplies_it(
-        model_dir, monkeypatch, config_dtype, fast_bfloat16, expected):
-    # vLLM's CPU rule (float16 becomes bfloat16) where torch has oneDNN's bfloat16 matmuls; on an
-    # AVX2 CPU torch's fallback is 2-6x slower than float32, so auto computes in float32 there
-    monkeypatch.setattr(cpu_dtype, "fast_bfloat16_matmuls", lambda: fast_bfloat16)
+@pytest.mark.parametrize("isa, expected", [("AMX-BF16", "bfloat16"), ("AVX512-BF16", "bfloat16"), (None, "float32")])
+def test_a_half_precision_checkpoint_on_cpu_computes_in_bfloat16_only_where_the_cpu_multiplies_it(
+        model_dir, monkeypatch, config_dtype, isa, expected):
+    # vLLM's CPU rule (float16 becomes bfloat16) where the CPU has bfloat16 arithmetic; without it
+    # torch's bfloat16 is 2-6x slower than float32 (AVX2), so auto computes in float32 there
+    monkeypatch.setattr(cpu_dtype, "fast_bfloat16_matmuls", lambda: isa)
     assert ServeConfig(model=model_dir(config_dtype), dtype="auto", device="cpu").dtype == expected
 
 
-def test_this_cpus_answer_is_the_one_its_torch_gives(model_dir):
-    expected = "bfloat16" if cpu_dtype.fast_bfloat16_matmuls() else "float32"
+SAPPHIRE_RAPIDS = {"avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
+ZEN5 = {"avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
+SKYLAKE_SP = {"avx2", "avx512f", "avx512bw", "avx512vl"}  # oneDNN emulates bfloat16: float32's rate
+ZEN1 = {"avx2", "fma"}
+
+
+@pytest.mark.parametrize("flags, isa, dtype", [
+    (SAPPHIRE_RAPIDS, "AMX-BF16", "bfloat16"),
+    (ZEN5, "AVX512-BF16", "bfloat16"),
+    (SKYLAKE_SP, None, "float32"),
+    (ZEN1, None, "float32"),
+    (set(), None, "float32"),  # no /proc/cpuinfo
+    ({"amx_bf16"}, None, "float32"),  # tiles named without the tile state: not usable
+])
+def test_the_auto_dtype_of_a_bfloat16_checkpoint_follows_the_cpus_bfloat16_flags(flags, isa, dtype):
+    assert cpu_dtype.bfloat16_isa(frozenset(flags)) == isa
+    chosen, why = cpu_dtype.choose_cpu_dtype("bfloat16", cpu_dtype.bfloat16_isa(frozenset(flags)), 2**30, 16 * 2**30)
+    assert chosen == dtype and (isa or "no AMX or AVX512-BF16") in why
+
+
+def test_cpu_flags_are_read_from_cpuinfo_and_missing_is_empty(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_bf16\n\n"
+                       "processor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_dtype.cpu_flags(str(cpuinfo)) == {"fpu", "avx2", "avx512_bf16"}
+    assert cpu_dtype.cpu_flags(str(tmp_path / "absent")) == frozenset()
+
+
+def test_a_float32_checkpoint_stays_float32_on_a_cpu_with_bfloat16_arithmetic(model_dir, monkeypatch):
+    monkeypatch.setattr(cpu_dtype, "fast_bfloat16_matmuls", lambda: "AMX-BF16")  # as vLLM: the config's dtype
+    assert ServeConfig(model=model_dir("float32"), dtype="auto", device="cpu").dtype == "float32"
+
+
+def test_this_cpus_answer_is_the_one_its_flags_and_torch_give(model_dir):
+    isa = cpu_dtype.fast_bfloat16_matmuls()
+    assert isa in (None, cpu_dtype.bfloat16_isa(cpu_dtype.cpu_flags()))
+    expected = "bfloat16" if isa else "float32"
     assert ServeConfig(model=model_dir("bfloat16"), dtype="auto", device="cpu").dtype == expected
 
 
 @pytest.mark.parametrize("fast, float32_gib, available_gib, expected", [
-    (False, 2.0, 16.0, "float32"),
-    (False, 8.0, 16.0, "float32"),  # exactly half: still fits
-    (False, 8.1, 16.0, "bfloat16"),  # a 7B on a 32 GB laptop: too big in float32, slow but it fits
-    (True, 0.1, 16.0, "bfloat16"),
+    (None, 2.0, 16.0, "float32"),
+    (None, 8.0, 16.0, "float32"),  # exactly half: still fits
+    (None, 8.1, 16.0, "bfloat16"),  # a 7B on a 32 GB laptop: too big in float32, slow but it fits
+    ("AVX512-BF16", 0.1, 16.0, "bfloat16"),
 ])
 def test_float32_is_chosen_only_where_its_weights_fit_half_the_available_memory(fast, float32_gib, available_gib,
                                                                                 expected):
@@ -67,7 +102,7 @@ def test_replicas_on_one_host_each_count_their_float32_copy(model_dir, monkeypat
 
     path = model_dir("bfloat16")
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)  # 2000 bytes a copy in float32
-    monkeypatch.setattr(cpu_dtype, "fast_bfloat16_matmuls", lambda: False)
+    monkeypatch.setattr(cpu_dtype, "fast_bfloat16_matmuls", lambda: None)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"available": 7000})())
     assert ServeConfig(model=path, dtype="auto", device="cpu").dtype == "float32"  # 2000 <= 3500
     assert ServeConfig(model=path, dtype="auto", device="cpu", data_parallel_size=2).dtype == "bfloat16"  # 4000

@@ -84,8 +84,8 @@ def test_a_block_id_outside_the_cache_is_an_error_not_a_wild_read():
 def test_other_dtypes_take_the_torch_path_with_the_same_answer():
     generator = torch.Generator().manual_seed(2)
     k_cache, v_cache, tables = stale_cache([3, 17], 4, 2, 8, generator)
-    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
-    query = torch.randn(2, 4, 8, generator=generator).bfloat16()
+    k_cache, v_cache = k_cache.double(), v_cache.double()  # bfloat16 and float16 are native (test_kernels_cpu_half.py)
+    query = torch.randn(2, 4, 8, generator=generator).double()
     lens = torch.tensor([3, 17], dtype=torch.int32)
     assert not cpu_native.supports_decode(query, k_cache)
     got = decode_attention(query, k_cache, v_cache, 0.3, build_decode_context(lens, tables, 4, None))
