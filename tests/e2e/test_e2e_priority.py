@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from server import Server
+from support.server import Server
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.policy import PriorityPolicy
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
-from test_scheduler_support import (
+from support.scheduler_sim import (
     SimWorker, StepDriver, assert_all_blocks_free, counting_tokens, request as fcfs_request, run_until_done,
 )
 
