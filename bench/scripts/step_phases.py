@@ -21,6 +21,7 @@ class PhaseTimer:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock  # time.thread_time: CPU time of this thread (one torch thread: all of it)
         self.totals: dict[str, float] = defaultdict(float)
+        self.work: dict[str, float] = defaultdict(float)  # "matmul flops", "weight bytes", ... this step
         self._stack: list[list] = []  # [phase, start, time in nested phases]
         self._patches: list[tuple[object, str, object]] = []
 
@@ -64,6 +65,10 @@ class PhaseTimer:
         out, self.totals = dict(self.totals), defaultdict(float)
         return out
 
+    def take_work(self) -> dict[str, float]:
+        out, self.work = dict(self.work), defaultdict(float)
+        return out
+
 
 def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) -> PhaseTimer:
     """Wrap what ``ModelRunner.execute`` calls; ``runner`` is a ModelRunner."""
@@ -75,11 +80,20 @@ def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) ->
     lm_head = runner.model.lm_head
 
     def matmul_phase(x, w, *a, **k) -> str:  # w: a models/linear.py LinearWeight
-        return "lm_head matmul" if w is lm_head else "matmuls"
+        phase = "lm_head matmul" if w is lm_head else "matmuls"
+        weight = w.packed if w.packed is not None else w.weight  # packed: the same [out, in] shape
+        timer.work[f"{phase} flops"] += 2 * x.shape[0] * weight.shape[0] * weight.shape[1]
+        timer.work[f"{phase} weight bytes"] += weight.shape[0] * weight.shape[1] * weight.element_size()
+        return phase
+
+    def attention_phase(ops, q, k, v, k_cache, v_cache, block_tables, query_start_loc, seq_lens, *a, **kw) -> str:
+        # the K and V rows every sequence reads (its whole context; a sliding window reads less)
+        timer.work["KV bytes"] += 2 * int(seq_lens.sum()) * k[0].numel() * k_cache.element_size()
+        return "attention"
 
     timer.wrap(decoder_layer, "linear", matmul_phase)  # models/linear.py: F.linear or W @ x.T
     timer.wrap(causal_lm, "linear", matmul_phase)
-    timer.wrap(decoder_layer, "attend", "attention")
+    timer.wrap(decoder_layer, "attend", attention_phase)
     timer.wrap(runner.ops, "write_kv", "KV write")
     elementwise = type(runner.model.elementwise)
     timer.wrap(elementwise, "rotary", "rotary")
@@ -99,3 +113,55 @@ def format_phases(per_step: dict[str, float], step_ms: float, title: str) -> str
         lines.append(f"  {name:<26}{ms:10.3f}{100 * ms / step_ms if step_ms else 0:7.1f}%")
     lines.append(f"  {'worker step (execute)':<26}{step_ms:10.3f}")
     return "\n".join(lines)
+
+
+def machine_limits(dtype, size: int = 4096, copy_bytes: int = 1 << 30, repeat: int = 5) -> dict[str, list[float]]:
+    """This machine's own limits, timed now: one size^3 matmul in ``dtype`` through oneDNN's packed
+    path (what models/linear.py runs) and through torch.mm (TFLOP/s), and the memory bandwidth
+    of reading (a sum) and of copying (into a tensor already touched; read + write counted) ``copy_bytes`` (GB/s)."""
+    import torch
+
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(b, None)  # b as an [out, in] weight
+    big, dst = torch.ones(copy_bytes // 4), torch.zeros(copy_bytes // 4)  # both touched: no page faults timed
+    runs = {
+        "packed matmul TFLOP/s": (lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""),
+                                  2 * size ** 3 / 1e12),
+        "torch.mm TFLOP/s": (lambda: torch.mm(a, b), 2 * size ** 3 / 1e12),
+        "read GB/s (sum)": (lambda: big.sum(), copy_bytes / 1e9),
+        "copy GB/s (read + write)": (lambda: dst.copy_(big), 2 * copy_bytes / 1e9),
+    }
+    out: dict[str, list[float]] = {}
+    for name, (fn, work) in runs.items():
+        fn()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        out[name] = sorted(work / t for t in times)
+    return out
+
+
+def format_limits(work: dict[str, float], phases: dict[str, float], step_s: float,
+                  limits: dict[str, list[float]]) -> str:
+    """A step kind's matmul TFLOP/s and bytes per second (totals per step) against the machine's."""
+    def med(values):
+        return values[len(values) // 2]
+
+    matmul_s = phases.get("matmuls", 0.0) + phases.get("lm_head matmul", 0.0)
+    flops = work.get("matmuls flops", 0.0) + work.get("lm_head matmul flops", 0.0)
+    weights = work.get("matmuls weight bytes", 0.0) + work.get("lm_head matmul weight bytes", 0.0)
+    peak, read = med(limits["packed matmul TFLOP/s"]), med(limits["read GB/s (sum)"])
+    lines = [f"  matmuls: {flops / 1e9:.1f} GFLOP in {1e3 * matmul_s:.1f} ms: {flops / matmul_s / 1e12:.3f} TFLOP/s, "
+             f"{100 * flops / matmul_s / 1e12 / peak:.0f}% of the packed {peak:.3f}",
+             f"  weights: {weights / 1e9:.3f} GB read by the matmuls: {weights / matmul_s / 1e9:.1f} GB/s "
+             f"({100 * weights / matmul_s / 1e9 / read:.0f}% of the {read:.1f} GB/s read bandwidth)",
+             f"  step: weights + KV ({work.get('KV bytes', 0.0) / 1e9:.3f} GB) over the whole step: "
+             f"{(weights + work.get('KV bytes', 0.0)) / step_s / 1e9:.1f} GB/s"]
+    return "\n".join(lines)
+
+
+def format_machine_limits(limits: dict[str, list[float]]) -> str:
+    return "\n".join(f"  {name:<34}median {v[len(v) // 2]:8.3f}  (range {v[0]:.3f}-{v[-1]:.3f}, {len(v)} runs)"
+                     for name, v in limits.items())

@@ -8,6 +8,8 @@ per step kind, and adds the msgpack encode + decode both ways that IPC costs (no
 
     python bench/scripts/step_profile.py MODEL_DIR --num-prompts 64 --output-len 64 [--profile] [--phases]
     python bench/scripts/step_profile.py --shape 0.5b --num-prompts 32 --input-len 8 256 --output-len 8 --phases
+    python bench/scripts/step_profile.py --shape 0.5b --num-prompts 32 --input-len 8 256 --output-len 32 \
+        --dtype bfloat16 --phases --limits
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 from pagedserve.worker_proc.host_memory import keep_freed_memory
 from pagedserve.worker_proc.model_runner import ModelRunner
-from step_phases import PHASES, format_phases, instrument_worker
+from step_phases import PHASES, format_limits, format_machine_limits, format_phases, instrument_worker, machine_limits
 
 
 def run(ns: argparse.Namespace) -> None:
@@ -58,6 +60,7 @@ def run(ns: argparse.Namespace) -> None:
     to_worker, to_scheduler = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
     phases_by_kind: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     steps_by_kind: dict[str, list[float]] = defaultdict(list)
+    work_by_kind: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     start = clock()
     while sched.has_unfinished():
         t0 = clock()
@@ -83,6 +86,8 @@ def run(ns: argparse.Namespace) -> None:
             phases["other (in forward)"] = (t2 - t1) - sum(v for k, v in phases.items() if k != "IPC encode/decode")
             for name, seconds in phases.items():
                 phases_by_kind[kind][name] += seconds
+            for name, amount in timer.take_work().items():
+                work_by_kind[kind][name] += amount
             steps_by_kind[kind].append(t2 - t1)
         t_sched += (t1 - t0) + (t3 - t2)
         t_exec += t2 - t1
@@ -100,6 +105,14 @@ def run(ns: argparse.Namespace) -> None:
         per_step = {name: 1e3 * phases_by_kind[kind][name] / len(times) for name in PHASES}
         print(format_phases(per_step, 1e3 * statistics.fmean(times),
                             f"{kind} steps ({len(times)}), mean ms per step by phase:"))
+    if ns.limits:
+        limits = machine_limits(runner.dtype)
+        print(f"this machine, {runner.dtype} (timed now):\n{format_machine_limits(limits)}")
+        for kind, times in sorted(steps_by_kind.items()):
+            n = len(times)
+            print(f"{kind} steps, per step against those limits:\n" + format_limits(
+                {k: v / n for k, v in work_by_kind[kind].items()},
+                {k: v / n for k, v in phases_by_kind[kind].items()}, statistics.fmean(times), limits))
     if ns.by_kind:
         print("worker execute by step kind (median ms over steps of that kind):")
         for (kind, n), times in sorted(by_kind.items()):
@@ -112,6 +125,9 @@ def main() -> None:
     p.add_argument("model", nargs="?", help="model directory (or --shape)")
     p.add_argument("--shape", help="a built-in bench shape instead: tiny, small, 0.5b")
     p.add_argument("--phases", action="store_true", help="worker time per phase, per step kind")
+    p.add_argument("--limits", action="store_true",
+                   help="with --phases: matmul TFLOP/s and bytes/s per step kind against this machine's own "
+                        "peak matmul and memory bandwidth, timed at the end of the run")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[16, 64])
     p.add_argument("--prompt-lens", type=int, nargs="+", help="explicit prompt lengths (replaces the random ones)")
@@ -132,6 +148,7 @@ def main() -> None:
     p.add_argument("--malloc-default", action="store_true",
                    help="leave glibc's malloc thresholds alone (the worker process raises them)")
     ns = p.parse_args()
+    ns.phases = ns.phases or ns.limits
     if not ns.malloc_default:
         keep_freed_memory()  # as the worker process does (worker_proc/host_memory.py)
     if ns.shape:
