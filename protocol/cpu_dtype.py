@@ -2,14 +2,15 @@
 
 The rule is by ISA (/proc/cpuinfo's flags), as measured: bfloat16 where the CPU multiplies it
 in hardware (AMX-BF16 tiles or AVX512-BF16 dot products, through oneDNN), float32 elsewhere.
-With AVX512-BF16 (Zen 5) bfloat16 served the 0.5B shape faster than float32
-(bench/RESULTS.md, "CPU: bf16 on AVX512-BF16"); AMX is faster still at bfloat16 and is taken
-unmeasured. On AVX2 (every AMD CPU before Zen 4, most Intel laptops) torch's fallback ran the
-steps 2.4-6.5x slower than float32; AVX-512 without BF16 (Skylake-SP to Ice Lake) gets oneDNN's
-emulation, which widens to float32 and multiplies at float32's rate, so it keeps float32 too
-(unmeasured). Where float32 is chosen it must fit half the memory available: a model too large
-for that keeps bfloat16 (slow, but it fits), and the log says so. A float32 checkpoint stays
-float32 everywhere, as in vLLM. ``--dtype`` overrides any choice.
+With AVX512-BF16 (Zen 5) bfloat16 served the 0.5B shape 1.8x as fast as float32 offline, both
+prefill- and decode-heavy (bench/RESULTS.md, "CPU: bf16 on AVX512-BF16"); AMX multiplies
+bfloat16 faster still and is taken unmeasured. On AVX2 (every AMD CPU before Zen 4, most Intel
+laptops) torch's fallback ran the steps 2.4-6.5x slower than float32; AVX-512 without BF16
+(Skylake-SP to Ice Lake) gets oneDNN's emulation, which widens to float32 and multiplies at
+float32's rate, so it keeps float32 too (unmeasured). Where float32 is chosen it must fit half
+the memory available: a model too large for that keeps bfloat16 (slow, but it fits), and the
+log says so. A float32 checkpoint stays float32 everywhere, as in vLLM. ``--dtype`` overrides
+any choice.
 """
 
 from __future__ import annotations

@@ -13,17 +13,19 @@ doubles (bench/RESULTS.md). oneDNN costs ~45 us a call more than torch.mm, so:
   original; on one row it is faster with two threads and ~8% slower with one.
 
 In bfloat16 (where oneDNN has it: AVX-512 up) the packed weight wins at nearly every row count
-and size, cache-resident ones too, and alone is kept: 1.6-2.4x torch's unpacked bf16 matmul (oneDNN's too) at 1-8 rows,
-1.1-1.4x at 32, 1.03-1.07x at 256-1024, lm_head 17.5 -> 8.2 ms at one row; W @ x.T beat it only
-on down_proj at 32 rows, by 5-8% (bench/RESULTS.md, "CPU: bf16 on AVX512-BF16"). Measured with
-AVX512-BF16 (oneDNN's ``brg_matmul:avx512_core_bf16``); on AMX oneDNN picks its AMX brgemm
-behind the same call, so the rule is the same there, unmeasured. float16 keeps the unpacked paths.
+and size, cache-resident ones too, and alone is kept. Two threads, against torch's unpacked bf16
+matmul (oneDNN's too): 1.3-2.4x at 1-8 rows (lm_head 10.1 -> 7.7 ms at one row; 18.1 -> 7.7 on
+one thread), 1.25-1.5x at 32, 1.02-1.18x at 256-1024. Only down_proj at 32 rows (W @ x.T, ~10%)
+and lm_head at 256 rows on one thread (5%) went the other way (bench/RESULTS.md, "CPU: bf16 on
+AVX512-BF16"). Measured with AVX512-BF16 (oneDNN's ``brg_matmul:avx512_core_bf16``); on AMX oneDNN
+picks its AMX brgemm behind the same call, so the rule is the same there, unmeasured. float16
+keeps the unpacked paths.
 
-``PAGEDSERVE_CPU_PACKED_LINEAR=0`` keeps the unpacked paths everywhere (oneMKL in float32: ``W @ x.T`` up to 32 rows, an
-[in, out] copy above for models up to 512 MiB, F.linear above for larger ones), ``=1`` packs
-cache-resident models' weights too. Every path here sums dot products in its own order, so
-results may differ from F.linear in the last bits; greedy parity with transformers is checked
-by tests/unit/test_model_parity.py and the bench's identical-output count.
+``PAGEDSERVE_CPU_PACKED_LINEAR=0`` keeps the unpacked paths everywhere (``W @ x.T`` up to 32
+rows, an [in, out] copy above for models up to 512 MiB, F.linear above for larger ones), ``=1``
+packs cache-resident models' float32 weights too. Every path here sums dot products in its own
+order, so results may differ from F.linear in the last bits; greedy parity with transformers is
+checked by tests/unit/test_model_parity.py and the bench's identical-output count.
 """
 
 from __future__ import annotations
