@@ -1,10 +1,14 @@
 """One check of a request against the protocol's own types, shared by every edge.
 
 msgspec enforces the ranges declared in messages.py when it *decodes* a frame, not when a
-struct is built in Python. ``check_request`` applies exactly those ranges to a message built
-in process (the HTTP frontend, the offline LLM, a scheduler's direct callers) plus what needs
-context: token ids below the model's vocabulary size. A bad value raises ``InvalidField``,
-which names the field, before anything is encoded or sent.
+struct is built in Python. Each boundary checks a request once:
+- a message built in process (the HTTP frontend, the offline LLM, a test driving a scheduler
+  directly) goes through ``check_request``: the ranges, by the same round trip decoding does,
+  then ``check_fields``;
+- a frame is range-checked by decoding it, and the scheduler then applies only
+  ``check_fields``: the rules between fields and against the model's vocabulary, which no type
+  states (the vocabulary is known only once the workers said it).
+A bad value raises ``InvalidField``, which names the field, before anything is encoded or sent.
 
 ``RequestFrameDecoder`` is the scheduler's side: a frame it cannot accept is answered with an
 error for its request id when that id can still be read, so no caller waits for a reply that
@@ -98,8 +102,14 @@ def check_structured_outputs(spec) -> None:
 
 
 def check_request(msg: AddRequest, vocab_size: int = 0) -> None:
-    """Raise InvalidField unless ``msg`` is in range; ``vocab_size`` 0 skips the vocabulary check."""
+    """Raise InvalidField unless ``msg``, built in process, is in range; ``vocab_size`` 0 skips
+    the vocabulary check."""
     check_message(msg)
+    check_fields(msg, vocab_size)
+
+
+def check_fields(msg: AddRequest, vocab_size: int = 0) -> None:
+    """What decoding does not check: the rules between fields, and token ids against the vocabulary."""
     sampling = msg.sampling
     if sampling.min_tokens > sampling.max_tokens:
         raise InvalidField("min_tokens", f"min_tokens ({sampling.min_tokens}) exceeds max_tokens "

@@ -14,7 +14,7 @@ from typing import Optional
 
 from pagedserve.protocol.messages import AddRequest
 from pagedserve.protocol.priority import priority_refusal
-from pagedserve.protocol.validate import InvalidField, check_request
+from pagedserve.protocol.validate import InvalidField, check_fields
 
 from pagedserve.scheduler_proc import prefix_cache
 from pagedserve.scheduler_proc.block_manager import BlockManager
@@ -33,8 +33,8 @@ def length_limit(config: SchedulerConfig) -> int:
 
 def rejection_reason(msg: AddRequest, config: SchedulerConfig) -> Optional[str]:
     """Why ``msg`` can never be served by this scheduler, or None if it can."""
-    try:  # decoding checked the ranges already; this covers in-process callers and the vocabulary
-        check_request(msg, config.vocab_size)  # so: a prompt token, max_tokens >= 1, n >= 1, ...
+    try:  # decoding checked a frame's ranges; a caller in process checks its own (validate.check_request)
+        check_fields(msg, config.vocab_size)
     except InvalidField as exc:
         return str(exc)
     refusal = priority_refusal(config.scheduling_policy, msg.priority)  # the edges refuse it first

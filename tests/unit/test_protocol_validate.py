@@ -11,7 +11,7 @@ import pytest
 
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import PROTOCOL_VERSION, ProtocolError, encode
-from pagedserve.protocol.validate import InvalidField, RequestFrameDecoder, check_request
+from pagedserve.protocol.validate import InvalidField, RequestFrameDecoder, check_request, rejection_delta
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
@@ -63,11 +63,23 @@ def test_a_rejected_add_request_frame_keeps_its_request_id_for_the_answer():
     assert isinstance(decoder.decode(encode(add())), m.AddRequest)
 
 
+def _frame_to_scheduler(sched: Scheduler, decoder: RequestFrameDecoder, msg: m.AddRequest) -> list[m.RequestDelta]:
+    """What the scheduler's engine does with one frame: decode (the ranges), then add (the rest)."""
+    try:
+        decoded = decoder.decode(encode(msg))
+    except ProtocolError:
+        return [rejection_delta(rid, reason) for rid, reason in decoder.take_rejected()]
+    return sched.add_request(decoded)
+
+
 def test_a_scheduler_refuses_ids_its_workers_cannot_look_up_with_one_error_and_runs_on():
     sched = Scheduler(SchedulerConfig(num_gpu_blocks=8, max_num_seqs=4, max_num_batched_tokens=16,
                                       max_model_len=64, vocab_size=512))
+    decoder = RequestFrameDecoder()
     for msg, field in [(add(prompt=[3, 512]), "prompt_token_ids"), (add(stop_token_ids=[2**63]), "stop_token_ids"),
-                       (add(seed=2**70), "seed")]:
-        (delta,) = sched.add_request(msg)
+                       (add(stop_token_ids=[512]), "stop_token_ids"), (add(seed=2**64 - 1), "seed"),
+                       (add(min_tokens=5, max_tokens=4), "min_tokens")]:
+        (delta,) = _frame_to_scheduler(sched, decoder, msg)
         assert delta.finish_reason == "error" and delta.error_kind == "invalid_request" and field in delta.error
-    assert sched.add_request(add(stop_token_ids=[511])) == [] and sched.has_unfinished()
+    assert _frame_to_scheduler(sched, decoder, add(stop_token_ids=[511])) == [] and sched.has_unfinished()
+
