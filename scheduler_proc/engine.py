@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import time
 from collections import deque
@@ -137,9 +138,22 @@ class EngineLoop:
                 self._send_stats()
             if now > deadline:
                 missing = sorted(set(range(self.cfg.tensor_parallel_size)) - set(got))
+                self._ask_for_stacks(missing)
                 raise WorkerFailure(
                     f"worker rank(s) {missing} sent no {want.__name__} within {timeout_s:.1f}s (hung?)")
         return got
+
+    def _ask_for_stacks(self, ranks: list[int]) -> None:
+        """A late rank on this host prints its threads' stacks (the worker's SIGUSR1 handler)."""
+        for rank in ranks:
+            pid = self.worker_pids.get(rank)
+            if pid is None or rank in self.remote_ranks:
+                continue
+            try:
+                os.kill(pid, signal.SIGUSR1)
+                log.error("worker rank %d (pid %d) is late: its stacks follow in its log", rank, pid)
+            except OSError:
+                pass
 
     def _check_worker_pids(self) -> None:
         for rank, pid in self.worker_pids.items():

@@ -6,6 +6,7 @@ import argparse
 import gc
 import logging
 import os
+import faulthandler
 import signal
 import sys
 from dataclasses import fields
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)
+    # The scheduler sends SIGUSR1 to a rank that missed its step deadline: every thread's
+    # stack goes to stderr, the only way to see where a hung rank waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     keep_freed_memory()  # before the weights load: their temporaries' pages are reused by steps
     try:
         worker = Worker(cfg)

@@ -100,6 +100,7 @@ def test_a_hung_worker_is_caught_by_the_step_timeout_and_replaced(server):
         last = _assert_all_ended_within(clients, stopped_at, 10)
         errors = [o.error for o in clients.outcomes if o.error]
         assert errors and all("sent no StepResult within 3.0s" in e for e in errors), errors
+        assert f"worker rank 0 (pid {worker}) is late" in server.log()  # asked for its stacks
         assert wait_until(lambda: process_gone(worker), 10)
         assert wait_until(lambda: serves_a_request(server) and _both_replicas_ready(server), 60)
         print(f"\nhung worker: all 16 ended after {last:.2f}s, recovered after "

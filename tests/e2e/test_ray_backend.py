@@ -151,7 +151,11 @@ def test_tensor_parallel_pair_on_one_node_serves_transformers_greedy_tokens(clus
         assert len({p["node_id"] for p in replica["processes"]}) == 1, replica
         tok = hf_tokenizer(srv.model)
         prompts = [tok(p).input_ids for p in ("Hello, world!", "The quick brown fox jumps over the lazy dog")]
-        assert_equal_to_transformers(srv.model, prompts, greedy_completions(srv, prompts, 10), 10)
+        try:
+            completions = greedy_completions(srv, prompts, 10)
+        except Exception as exc:  # the deployment's log (a late rank's stacks included) says why
+            raise AssertionError(srv.log()) from exc
+        assert_equal_to_transformers(srv.model, prompts, completions, 10)
     finally:
         srv.stop()
     assert srv.proc.returncode == 0
