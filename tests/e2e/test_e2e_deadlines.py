@@ -134,16 +134,16 @@ def test_the_tenant_comes_from_the_header_else_user_else_the_api_key(server):
 def test_offline_takes_the_same_fields_and_ends_requests_the_same_way(model_factory):
     from pagedserve import LLM, SamplingParams
 
-    long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    long = SamplingParams(max_tokens=480, temperature=0, ignore_eos=True)
     with LLM(model_factory("qwen2"), num_gpu_blocks=128, max_model_len=512, max_num_seqs=1,
              scheduling_policy="fair") as llm:
         held, hurried = llm.generate(["hold", "hurry"], [long, SamplingParams(max_tokens=3)], use_tqdm=False,
-                                     max_queue_time_s=[None, 0.3], tenant=["a", "b"])
-        assert held.outputs[0].finish_reason == "length" and len(held.outputs[0].token_ids) == 300
+                                     max_queue_time_s=[None, 0.05], tenant="a")
+        assert held.outputs[0].finish_reason == "length" and len(held.outputs[0].token_ids) == 480
         assert hurried.outputs[0].finish_reason == "error" and "max_queue_time_s" in hurried.outputs[0].error
-        (cut,) = llm.generate(["a long story"], SamplingParams(max_tokens=450, temperature=0, ignore_eos=True),
-                              use_tqdm=False, deadline_s=0.6)
-        assert cut.outputs[0].finish_reason == "length" and 0 < len(cut.outputs[0].token_ids) < 450
+        (cut,) = llm.generate(["a long story"], SamplingParams(max_tokens=480, temperature=0, ignore_eos=True),
+                              use_tqdm=False, deadline_s=0.3)
+        assert cut.outputs[0].finish_reason == "length" and 0 < len(cut.outputs[0].token_ids) < 480
         with pytest.raises(ValueError, match="deadline_s"):
             llm.generate(["a"], use_tqdm=False, deadline_s=-1.0)
         with pytest.raises(ValueError, match="max_queue_time_s: 1 values for 2 prompts"):
