@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     o = sub.add_parser("offline", help="offline LLM.generate against vLLM's LLM and transformers' generate_batch")
     bench_offline.add_args(o)
     o.set_defaults(run=bench_offline.main)
-    c = sub.add_parser("scenario", help="named seed workloads: misaligned, tight-kv")
+    c = sub.add_parser("scenario", help="named workloads: misaligned, tight-kv (seeds); priority, fair, "
+                         "deadline, shedding (policies against fcfs)")
     bench_scenarios.add_args(c)
     c.set_defaults(run=bench_scenarios.main)
     v = sub.add_parser("peer", help="pagedserve, vLLM's server and `transformers serve --continuous-batching` "

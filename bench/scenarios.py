@@ -1,4 +1,5 @@
 """``pagedserve bench scenario misaligned|tight-kv``: the seed workloads, each on its own engine.
+(``priority|fair|deadline|shedding``: the scheduling policies against fcfs, policy_scenarios.py.)
 
 - ``misaligned``: 6 concurrent requests with prompts of deliberately different lengths,
   50 output tokens each, a cache with room for all. Reports aggregate and per-request
@@ -23,6 +24,7 @@ import tempfile
 import time
 from collections import Counter
 
+from pagedserve.bench.policy_scenarios import POLICY_SCENARIOS
 from pagedserve.bench.report import RequestRecord, latency_table, plot_run, summarize
 
 MISALIGNED_PROMPT_LENS = (7, 33, 90, 170, 260, 411)
@@ -30,7 +32,9 @@ BLOCK_SIZE = 16
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", choices=["misaligned", "tight-kv"])
+    p.add_argument("name", choices=["misaligned", "tight-kv", *POLICY_SCENARIOS])
+    p.add_argument("--scheduling-policy", default="fcfs", help="misaligned, tight-kv: the engine's policy")
+    p.add_argument("--seconds", type=float, default=20.0, help="policy scenarios: length of each timed run")
     p.add_argument("--model", help="model directory (default: the demo model)")
     p.add_argument("--num-requests", type=int, help="tight-kv: requests (default 40)")
     p.add_argument("--output-len", type=int, default=50)
@@ -89,7 +93,7 @@ def misaligned(ns: argparse.Namespace, model: str, trace: str) -> dict:
     prompts = [_random_prompt(rng, n) for n in MISALIGNED_PROMPT_LENS]
     sampling = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
     with LLM(model, num_threads=ns.num_threads, log_level=ns.log_level, record_trace=trace,
-             max_model_len=1024) as llm:
+             max_model_len=1024, scheduling_policy=ns.scheduling_policy) as llm:
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)  # warm up
         alone = llm.generate([prompts[3]], sampling, use_tqdm=False)[0]
         t0 = time.perf_counter()
@@ -137,7 +141,8 @@ def tight_kv(ns: argparse.Namespace, model: str, trace: str) -> dict:
     num_blocks = max(max(blocks_each) + 1, sum(blocks_each) // 3)
     sampling = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
     with LLM(model, num_threads=ns.num_threads, log_level=ns.log_level, record_trace=trace,
-             num_gpu_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=1024) as llm:
+             num_gpu_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=1024,
+             scheduling_policy=ns.scheduling_policy) as llm:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sampling, use_tqdm=False)
         wall = time.perf_counter() - t0
@@ -171,6 +176,14 @@ def main(ns: argparse.Namespace) -> int:
     from pagedserve.deploy.cli import ensure_demo_model
 
     model = ns.model or str(ensure_demo_model())
+    if ns.name in POLICY_SCENARIOS:
+        from pagedserve.bench.policy_scenarios import run_policy_scenario
+
+        result = run_policy_scenario(ns, model)
+        if ns.output_json:
+            with open(ns.output_json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     if ns.http:
         if ns.name != "misaligned":
             raise SystemExit("--http: only the misaligned scenario runs through HTTP")

@@ -52,7 +52,8 @@ async def serve(config: FrontendConfig) -> None:
     serving = Serving(config.served_model_names, config.max_model_len, engine, tokenizer,
                       metrics, config.max_logprobs, config.tool_calling,
                       defaults=load_generation_defaults(config.generation_config, str(config.model)),
-                      model_aliases=config.model_aliases, scheduling_policy=config.scheduling_policy)
+                      model_aliases=config.model_aliases, scheduling_policy=config.scheduling_policy,
+                      tenant_header=config.tenant_header)
     app = build_app(serving, router, metrics, config.api_key)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level,

@@ -110,10 +110,10 @@ class EngineClient:
         decision = self.router.choose(request.prompt_token_ids)
         if decision is None:
             raise ServiceUnavailable("no scheduler replica is ready; see GET /health")
-        replica = decision.replica
-        self._shed(replica)
-        handle = RequestHandle(request.request_id, replica, request.sampling.n,
-                               decision.predicted_hit_tokens)
+        replica, predicted = self._shed(decision.replica), decision.predicted_hit_tokens
+        if replica != decision.replica:
+            predicted = 0
+        handle = RequestHandle(request.request_id, replica, request.sampling.n, predicted)
         self._requests[request.request_id] = handle
         if not self._inputs[replica].try_send(request):
             del self._requests[request.request_id]
@@ -122,16 +122,20 @@ class EngineClient:
         self.router.assign(replica, request.request_id, handle.num_seqs)
         return handle
 
-    def _shed(self, replica: int) -> None:
-        """A 429 at once when the chosen (least-loaded) replica's queue is full as far as this
-        frontend knows; the scheduler refuses what a stale view lets through (admission.py)."""
+    def _shed(self, replica: int) -> int:
+        """Where the request goes under --max-waiting-requests: the chosen replica, or when its queue
+        is full as far as this frontend knows, the live one with the most room; a 429 at once when
+        every one is full (shedding across the router). The scheduler refuses what a stale view
+        lets through (admission.py)."""
         limit = self.max_waiting_requests
         if limit is None:
-            return
-        waiting = self.router.replicas[replica].num_waiting()
-        if waiting >= limit:
-            raise TooManyRequests(f"the server is overloaded: {waiting} requests are waiting on replica "
-                                  f"{replica}, the limit is {limit} (--max-waiting-requests); retry later")
+            return replica
+        target = self.router.with_room(replica, limit)
+        if target is not None:
+            return target
+        waiting = sum(r.num_waiting() for r in self.router.replicas)
+        raise TooManyRequests(f"the server is overloaded: {waiting} requests are waiting, every replica is at "
+                              f"the limit of {limit} (--max-waiting-requests); retry later")
 
     def abort(self, handle: RequestHandle) -> None:
         """Stop a request the client no longer needs; the scheduler frees its blocks."""

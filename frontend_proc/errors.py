@@ -37,6 +37,21 @@ class ServiceUnavailable(APIError):
     error_type = "service_unavailable"
 
 
+class QueueTimeout(ServiceUnavailable):
+    """The request waited past its first-token limit (--max-queue-time-s, max_queue_time_s,
+    deadline_s): a 503 with Retry-After before streaming (SGLang's status for it), an abort
+    chunk and an error event after."""
+
+    finish_reason = "abort"
+    retry_after_s = 1
+
+    def __init__(self, message: str):
+        super().__init__(message, code="queue_timeout")
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
 class ShuttingDown(ServiceUnavailable):
     """The drain deadline passed while the request was still running."""
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from pagedserve.client.chat_messages import ChatMessage, Lenient as _Lenient
 from pagedserve.frontend_proc.errors import InvalidRequest
-from pagedserve.protocol.priority import PRIORITY_MAX, PRIORITY_MIN
+from pagedserve.protocol.priority import MAX_LIMIT_S, PRIORITY_MAX, PRIORITY_MIN
 from pagedserve.protocol.validate import unencodable_string
 
 MAX_N = 128
@@ -75,6 +75,11 @@ class SamplingFields(_Lenient):
     prompt_logprobs: Optional[int] = Field(default=None, ge=0)
     # vLLM's: lower runs first; non-zero only with --scheduling-policy priority (serving checks)
     priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    # Seconds from arrival: the most it may wait for a first token (with --max-queue-time-s, the
+    # smaller wins), and the most its whole generation may take (protocol/priority.py)
+    max_queue_time_s: Optional[float] = Field(default=None, gt=0, le=MAX_LIMIT_S)
+    deadline_s: Optional[float] = Field(default=None, gt=0, le=MAX_LIMIT_S)
+    user: Optional[str] = None  # OpenAI's end-user id: the tenant, unless --tenant-header names one (tenant.py)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # Structured output (frontend_proc/structured_request.py): OpenAI's, and vLLM's extras

@@ -2,7 +2,7 @@
 
 The request models (openai_schema.py) keep unknown fields (``model_extra``) rather than
 failing in pydantic, so that this one place decides, with a reason a user can act on:
-a field that only describes the caller (``user``, ``metadata``) is accepted; a field at its
+a field that only describes the caller (``metadata``) is accepted; a field at its
 neutral value (``store: false``, ``modalities: ["text"]``) is accepted; ``null`` is taken as
 omitted; anything else is a 400 naming the field. Never a field accepted and then ignored.
 A field a model declares (tools, response_format, ... where supported) never reaches here.
@@ -19,7 +19,8 @@ from pagedserve.frontend_proc.errors import InvalidRequest
 # They describe the caller or the account, not the completion (OpenAI's own words: "used to
 # help detect abuse", "for storing additional information", "to cache responses for similar
 # requests"): accepted with nothing to do.
-ABOUT_THE_CALLER = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
+# (``user`` is declared: it names the tenant, frontend_proc/tenant.py.)
+ABOUT_THE_CALLER = frozenset({"metadata", "safety_identifier", "prompt_cache_key"})
 
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "store": (False,),

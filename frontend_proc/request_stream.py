@@ -15,10 +15,11 @@ from typing import AsyncIterator, Optional
 
 from pagedserve.frontend_proc.engine_client import EngineClient, ReplicaFailed, RequestHandle
 from pagedserve.frontend_proc.errors import (
-    APIError, InvalidRequest, ServiceUnavailable, ShuttingDown, TooManyRequests)
+    APIError, InvalidRequest, QueueTimeout, ServiceUnavailable, ShuttingDown, TooManyRequests)
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import PromptLogprobs, RequestDelta
+from pagedserve.protocol.priority import QUEUE_TIMEOUT
 from pagedserve.client.sample_text import SampleText, ended_by_stop_string
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ def _delta_error(delta: RequestDelta) -> APIError:
         return InvalidRequest(message)
     if delta.error_kind == "overloaded":  # the scheduler shed what the frontend's view let through
         return TooManyRequests(message)
+    if delta.error_kind == QUEUE_TIMEOUT:
+        return QueueTimeout(message)
     return ServiceUnavailable(message)
 
 

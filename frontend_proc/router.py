@@ -104,6 +104,15 @@ class Router:
         live = self._live(now)
         return min(live, key=ReplicaStatus.load).replica if live else None
 
+    def with_room(self, chosen: int, limit: int, now: Optional[float] = None) -> Optional[int]:
+        """--max-waiting-requests across the router: ``chosen`` while fewer than ``limit`` wait there,
+        else the live replica with the fewest waiting if it has room; None when every one is full."""
+        if self.replicas[chosen].num_waiting() < limit:
+            return chosen
+        live = self._live(now)
+        best = min(live, key=lambda r: (r.num_waiting(), r.replica)) if live else None
+        return best.replica if best is not None and best.num_waiting() < limit else None
+
     def assign(self, replica: int, request_id: str, num_seqs: int) -> None:
         status = self.replicas[replica]
         status.request_ids.add(request_id)
@@ -143,6 +152,9 @@ class Router:
                 "scheduling_policy": s.scheduling_policy if s else None,
                 "num_waiting_by_priority": dict(s.num_waiting_by_priority) if s else {},
                 "num_running_by_priority": dict(s.num_running_by_priority) if s else {},
+                "num_waiting_by_tenant": dict(s.num_waiting_by_tenant) if s else {},
+                "num_running_by_tenant": dict(s.num_running_by_tenant) if s else {},
+                "deadline_misses": s.num_queue_time_expired + s.num_deadline_expired if s else 0,
                 "kv_cache_usage": s.kv_cache_usage if s else 0.0,
                 "num_gpu_blocks": s.num_gpu_blocks if s else 0,
                 "num_free_gpu_blocks": s.num_free_gpu_blocks if s else 0,

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.frontend_proc.chat_request import prepare_chat
 from pagedserve.frontend_proc.engine_client import EngineClient
-from pagedserve.frontend_proc.errors import APIError, InvalidRequest
+from pagedserve.frontend_proc.errors import APIError, InvalidRequest, TooManyRequests
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.prompt_logprobs_format import echo_entries, prompt_logprob_dicts
 from pagedserve.frontend_proc.openai_schema import (
@@ -28,6 +28,7 @@ from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
 from pagedserve.frontend_proc.response_format import (
     ChatFormat, CompletionFormat, LogprobEntries, usage)
 from pagedserve.frontend_proc.structured_request import structured_outputs_of
+from pagedserve.frontend_proc.tenant import tenant_of
 from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.frontend_proc.tool_call_output import ToolCallChoices
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
@@ -93,7 +94,7 @@ class Serving:
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                  tool_calling: ToolCallingConfig = ToolCallingConfig(),
                  defaults: GenerationDefaults = GenerationDefaults(), model_aliases: Sequence[str] = (),
-                 scheduling_policy: str = "fcfs"):
+                 scheduling_policy: str = "fcfs", tenant_header: Optional[str] = None):
         self.served_model_names = list(served_model_names)  # what /v1/models lists
         self.served_model_name = self.served_model_names[0]  # what responses name
         # what a request may name the model: the served names, or the path as given (vLLM's name)
@@ -107,6 +108,7 @@ class Serving:
         self.tool_calling = tool_calling
         self.defaults = defaults  # --generation-config: for fields a request leaves out
         self.scheduling_policy = scheduling_policy
+        self.tenant_header = tenant_header  # --tenant-header (tenant.py)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         refuse_unsupported_fields(body)
@@ -213,14 +215,15 @@ class Serving:
 
     def _submit_all(self, body: SamplingFields, prompt_ids: list[list[int]], max_tokens: list[int],
                     logprobs: bool, fmt: CompletionFormat,
-                    structured_outputs: Optional[StructuredOutputs]) -> list[RequestStream]:
+                    structured_outputs: Optional[StructuredOutputs], tenant: str) -> list[RequestStream]:
         """One engine request per prompt, every one checked before any is sent."""
         adds = []
         for i, (ids, limit) in enumerate(zip(prompt_ids, max_tokens)):
             request_id = fmt.id if len(prompt_ids) == 1 else f"{fmt.id}-{i}"
             add = AddRequest(request_id=request_id, prompt_token_ids=ids,
                              sampling=self._sampling(body, limit, logprobs, structured_outputs),
-                             eos_token_ids=self.tokenizer.eos_token_ids, priority=body.priority)
+                             eos_token_ids=self.tokenizer.eos_token_ids, priority=body.priority,
+                             max_queue_time_s=body.max_queue_time_s, deadline_s=body.deadline_s, tenant=tenant)
             self._check(add, body)
             adds.append(add)
         streams: list[RequestStream] = []
@@ -230,9 +233,10 @@ class Serving:
                 handle = self.engine.submit(add)
                 streams.append(RequestStream(self.engine, handle, decoder, body.stop_strings(),
                                              len(add.prompt_token_ids), self.metrics))
-        except APIError:
+        except APIError as exc:
             for stream in streams:
                 stream.abort()
+            self.metrics.num_shed += isinstance(exc, TooManyRequests)
             raise
         return streams
 
@@ -246,7 +250,8 @@ class Serving:
                         structured_outputs: Optional[StructuredOutputs] = None,
                         choices: Optional[ChoiceRenderer] = None) -> Response:
         choices = choices or fmt
-        streams = self._submit_all(body, prompt_ids, max_tokens, logprobs, fmt, structured_outputs)
+        streams = self._submit_all(body, prompt_ids, max_tokens, logprobs, fmt, structured_outputs,
+                                   tenant_of(request.headers, body.user, self.tenant_header))
         stream = CompletionBatch(streams, echo_texts, stop_token_ids=frozenset(body.stop_token_ids or ()),
                                  prompt_ids=prompt_ids, prompt_logprobs=body.prompt_logprobs,
                                  echo_logprobs=body.echo_logprobs())

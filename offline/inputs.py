@@ -189,3 +189,22 @@ def as_priority_list(priority: Any, num_prompts: int) -> list[int]:
         if type(value) is not int or not PRIORITY_MIN <= value <= PRIORITY_MAX:
             raise ValueError(f"priority: each must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {value!r}")
     return values
+
+
+def as_per_prompt(name: str, value: Any, num_prompts: int, kind: type) -> list:
+    """``max_queue_time_s`` / ``deadline_s`` / ``tenant``: one value for every prompt, or a list of one
+    per prompt (None: none). Ranges are the protocol's (checked with the request)."""
+    if value is None or isinstance(value, (kind, int) if kind is float else kind):
+        values = [value] * num_prompts
+    elif isinstance(value, (list, tuple)):
+        values = list(value)
+        if len(values) != num_prompts:
+            raise ValueError(f"{name}: {len(values)} values for {num_prompts} prompts")
+    else:
+        raise ValueError(f"{name}: a {kind.__name__} or a list of one per prompt, got {type(value).__name__}")
+    for item in values:
+        ok = item is None or (isinstance(item, (int, float)) and not isinstance(item, bool) if kind is float
+                              else isinstance(item, kind))
+        if not ok:
+            raise ValueError(f"{name}: each must be a {kind.__name__} or None, got {item!r}")
+    return [float(v) if kind is float and v is not None else v for v in values]

@@ -27,7 +27,8 @@ from pagedserve.deploy.children import Child
 from pagedserve.deploy.launcher import Launcher, StartupError
 from pagedserve.offline.chat import Conversation, chat_prompt_tokenizer, render_conversations
 from pagedserve.offline.inputs import (
-    Prompt, SamplingParams, as_params_list, as_priority_list, as_prompt_list, prompt_text, prompt_token_ids)
+    Prompt, SamplingParams, as_params_list, as_per_prompt, as_priority_list, as_prompt_list, prompt_text,
+    prompt_token_ids)
 from pagedserve.offline.outputs import CompletionOutput, PendingRequest, RequestOutput
 from pagedserve.offline.structured import StructuredOutputsParams
 from pagedserve.deploy.serve_config import ServeConfig
@@ -161,19 +162,28 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  *, use_tqdm: bool = True, timeout: Optional[float] = None,
-                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+                 priority: Optional[Sequence[int]] = None, max_queue_time_s=None, deadline_s=None,
+                 tenant=None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order; returns when all have finished.
 
         Prompts: strings, token-id lists, ``{"prompt": str}`` or ``{"prompt_token_ids": ids}``.
         ``priority``: one integer per prompt, lower first (vLLM's), only with
-        ``scheduling_policy="priority"``.
+        ``scheduling_policy="priority"`` or ``"deadline"``.
+        ``max_queue_time_s``, ``deadline_s`` (seconds from arrival) and ``tenant`` (fair share): one
+        value for every prompt or a list of one per prompt, as the HTTP fields. A request past its
+        first-token limit ends with ``finish_reason="error"`` and its ``error``; one past its
+        deadline with ``finish_reason="length"`` and the tokens so far.
         Raises ValueError (naming the field) before sending anything if any input is out of
         range, TimeoutError after ``timeout`` seconds (what was in flight is aborted), and
         EngineDiedError if a scheduler dies.
         """
         prompts = as_prompt_list(prompts)
+        per_prompt = {"priority": as_priority_list(priority, len(prompts)),
+                      "max_queue_time_s": as_per_prompt("max_queue_time_s", max_queue_time_s, len(prompts), float),
+                      "deadline_s": as_per_prompt("deadline_s", deadline_s, len(prompts), float),
+                      "tenant": as_per_prompt("tenant", tenant, len(prompts), str)}
         return self._generate(prompts, [prompt_text(p) for p in prompts], sampling_params,
-                              use_tqdm, timeout, priority)
+                              use_tqdm, timeout, per_prompt)
 
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -194,12 +204,13 @@ class LLM:
         return self._chat_tokenizers[chat_template]
 
     def _generate(self, prompts: list, prompt_texts: list[Optional[str]], sampling_params,
-                  use_tqdm: bool, timeout: Optional[float], priority=None) -> list[RequestOutput]:
+                  use_tqdm: bool, timeout: Optional[float], per_prompt=None) -> list[RequestOutput]:
         if not self._finalizer.alive:
             raise RuntimeError("this LLM is closed")
         params = as_params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
-        priorities = as_priority_list(priority, len(prompts))
-        requests = [self._request(i, prompt, sp, p) for i, (prompt, sp, p) in enumerate(zip(prompts, params, priorities))]
+        per_prompt = per_prompt or {}
+        requests = [self._request(i, prompt, sp, **{k: v[i] for k, v in per_prompt.items()})
+                    for i, (prompt, sp) in enumerate(zip(prompts, params))]
         self._watch()
         deadline = None if timeout is None else time.monotonic() + timeout
         pending: dict[str, PendingRequest] = {}
@@ -217,13 +228,16 @@ class LLM:
         self._collect(pending, results, use_tqdm, deadline)
         return results  # type: ignore[return-value]
 
-    def _request(self, index: int, prompt: Prompt, sp: SamplingParams, priority: int = 0) -> m.AddRequest:
+    def _request(self, index: int, prompt: Prompt, sp: SamplingParams, priority: int = 0,
+                 max_queue_time_s: Optional[float] = None, deadline_s: Optional[float] = None,
+                 tenant: Optional[str] = None) -> m.AddRequest:
         refusal = priority_refusal(self.config.scheduling_policy, priority)
         if refusal is not None:
             raise InvalidField("priority", f"{refusal} (prompt {index})")
         try:
             add = m.AddRequest(request_id=f"offline-{next(self._ids)}", prompt_token_ids=self.encode(prompt),
-                               sampling=sp.to_protocol(), eos_token_ids=self.eos_token_ids, priority=priority)
+                               sampling=sp.to_protocol(), eos_token_ids=self.eos_token_ids, priority=priority,
+                               max_queue_time_s=max_queue_time_s, deadline_s=deadline_s, tenant=tenant or "")
             check_request(add, self.vocab_size)
         except InvalidField as exc:
             raise InvalidField(exc.field, f"{exc.reason} (prompt {index})") from None

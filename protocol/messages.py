@@ -13,7 +13,9 @@ import msgspec
 from pagedserve.protocol.sampling_params import (  # noqa: F401  (re-exported: one vocabulary)
     INT64_MIN, INT64_MAX, MAX_TOKEN_ID, MAX_COUNT, MAX_N, MAX_TEMPERATURE,
     MAX_REQUEST_ID_CHARS, MAX_TOP_LOGPROBS, MAX_LOGIT_BIAS, TokenId, Seed, StructuredOutputs, SamplingParams)
-from pagedserve.protocol.priority import PRIORITY_MAX, PRIORITY_MIN
+from pagedserve.protocol.priority import MAX_LIMIT_S, MAX_TENANT_CHARS, PRIORITY_MAX, PRIORITY_MIN
+
+LimitS = Annotated[float, msgspec.Meta(gt=0, le=MAX_LIMIT_S)]
 
 
 class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=False):
@@ -31,6 +33,11 @@ class AddRequest(Msg):
     # Lower runs first (vLLM's); only under --scheduling-policy priority may it be non-zero
     # (protocol/priority.py). 32-bit, as vLLM's is in practice.
     priority: Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
+    # Seconds from arrival (protocol/priority.py): the wait for a first token (the smaller of this
+    # and --max-queue-time-s), and the whole generation; None: no limit of its own.
+    max_queue_time_s: Optional[LimitS] = None
+    deadline_s: Optional[LimitS] = None
+    tenant: Annotated[str, msgspec.Meta(max_length=MAX_TENANT_CHARS)] = ""  # whose share it counts against (fair)
 
 
 class AbortRequest(Msg):
@@ -78,7 +85,8 @@ class RequestDelta(Msg, gc=False):  # holds only scalars and int lists: no cycle
     new_token_ids: list[int]
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     error: Optional[str] = None
-    error_kind: Optional[str] = None  # "invalid_request" (-> 400) | "overloaded" (-> 429) | "engine" (-> 5xx)
+    # "invalid_request" (-> 400) | "overloaded" (-> 429) | "queue_timeout" (-> 503) | "engine" (-> 5xx)
+    error_kind: Optional[str] = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: Optional[list[float]] = None
@@ -150,6 +158,17 @@ class SchedulerStats(Msg):
     # Under the priority policy: requests per priority (empty under fcfs, where all are 0)
     num_waiting_by_priority: dict[int, int] = {}
     num_running_by_priority: dict[int, int] = {}
+    generation_tokens_by_priority: dict[int, int] = {}
+    # Per tenant (AddRequest.tenant; "" for none): only tenants with a request seen since start
+    num_waiting_by_tenant: dict[str, int] = {}
+    num_running_by_tenant: dict[str, int] = {}
+    generation_tokens_by_tenant: dict[str, int] = {}
+    tenant_service: dict[str, float] = {}  # under fair: each tenant's virtual token counter
+    num_queue_time_expired: int = 0  # ended waiting for a first token past their limit
+    num_deadline_expired: int = 0  # ended at their deadline_s with the tokens so far
+    deadline_misses_by_priority: dict[int, int] = {}  # both of the above, by priority
+    deadline_misses_by_tenant: dict[str, int] = {}
+    num_requests_shed: int = 0  # refused by --max-waiting-requests here (the frontend sheds most)
     structured_output_requests: int = 0  # admitted requests constrained by a grammar
     structured_output_mask_time_s: float = 0.0  # filling their bitmasks, summed over steps
 
@@ -304,6 +323,9 @@ class SchedulerOutput(Msg):
     new_block_ids_to_zero: list[int]
     total_num_scheduled_tokens: int
     grammar: Optional[GrammarBitmask] = None  # masks of the constrained entries that sample
+    # The scheduler's monotonic clock when it built this step: every time-based decision of the
+    # step (arrival stamps, limits, aging) read this value, so replay hands it back. Workers ignore it.
+    now_s: float = 0.0
 
 
 class StepResult(Msg):

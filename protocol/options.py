@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
-from pagedserve.protocol.priority import SCHEDULING_POLICIES
+from pagedserve.protocol.priority import MAX_LIMIT_S, SCHEDULING_POLICIES, parse_tenant_weights
 
 # The processes a serve option can be handed to (the supervisor keeps every option).
 SCHEDULER, WORKER, FRONTEND = "scheduler", "worker", "frontend"
@@ -100,6 +100,14 @@ class Option:
         return [self.flag, str(value)]
 
 
+def _tenant_weights_ok(v) -> bool:
+    try:
+        parse_tenant_weights(v)
+    except ValueError:
+        return False
+    return True
+
+
 _S, _W, _F = frozenset({SCHEDULER}), frozenset({WORKER}), frozenset({FRONTEND})
 _POSITIVE = (_positive, "must be at least 1")
 _NON_NEGATIVE = (_non_negative, "must be at least 0")
@@ -172,15 +180,34 @@ OPTIONS: tuple[Option, ...] = (
            choices=PREEMPTION_MODES, to=_S),
     Option("scheduling_policy", str, "fcfs", "fcfs: first come, first served (a request's non-zero "
            "priority is refused); priority: lower priority values run first, a waiting request preempts "
-           "running ones of a lower priority, and within one priority first come, first served",
-           choices=SCHEDULING_POLICIES, to=_S | _F),
-    Option("priority_aging_s", float, None, "priority policy: lift a request one priority level for every "
+           "running ones of a lower priority, and within one priority first come, first served; deadline: "
+           "as priority, but within one priority the earliest deadline first (a request without one: "
+           "arrival + --default-deadline-s, so FCFS); fair: each tenant's share of tokens is kept even "
+           "(virtual token counters, Sheng et al. OSDI '24): the waiting request of the tenant served "
+           "least starts next", choices=SCHEDULING_POLICIES, to=_S | _F),
+    Option("priority_aging_s", float, None, "priority and deadline policies: lift a request one priority level for every "
            "this many seconds since it arrived, so that low priority cannot starve forever (default: off, "
            "a request keeps its priority for its whole life and a steady flow of higher-priority requests "
            "can hold it back indefinitely)", _POSITIVE_S, metavar="SECONDS", to=_S),
+    Option("max_queue_time_s", float, None, "most seconds a request may wait for its first token "
+           "(a request's max_queue_time_s may ask for less); past it the request ends with an error (HTTP "
+           "503 with Retry-After before streaming, an abort chunk and an error event after; offline "
+           "finish_reason \"error\") (default: no limit)", (lambda v: 0 < v <= MAX_LIMIT_S, "must be positive"),
+           metavar="SECONDS", to=_S),
+    Option("default_deadline_s", float, 60.0, "deadline policy: the deadline a request without one gets, "
+           "counted from its arrival (it only orders requests; nothing ends at it)", _POSITIVE_S,
+           metavar="SECONDS", to=_S),
+    Option("tenant_header", str, None, "the HTTP header that names a request's tenant (fair policy and "
+           "per-tenant metrics); it wins over the request's user field, which wins over the API key",
+           metavar="NAME", to=_F),
+    Option("tenant_weights", str, None, "fair policy: each tenant's weight, NAME=WEIGHT[,NAME=WEIGHT...] or a "
+           "JSON file of {name: weight}; a tenant with weight 2 gets twice the tokens of one with 1 (default: "
+           "every tenant 1)", (_tenant_weights_ok, "must be NAME=WEIGHT,... with positive weights, or a JSON "
+           "file of them"), metavar="WEIGHTS|FILE", to=_S),
     Option("max_waiting_requests", int, None, "load shedding: most requests waiting for a seat per "
-           "replica; past it a new request is refused at once (HTTP 429 with Retry-After; offline a "
-           "ValueError), and nothing already admitted is affected (default: no limit)", _NON_NEGATIVE,
+           "replica; a request whose replica is full goes to another with room, and when every replica is "
+           "full it is refused at once (HTTP 429 with Retry-After; offline a ValueError); nothing already "
+           "admitted is affected (default: no limit)", _NON_NEGATIVE,
            metavar="N", to=_S | _F),
     Option("async_scheduling", bool, True, "schedule the next step while the workers run this one "
            "(--no-async-scheduling waits for every step's result before the next)", to=_S),

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pagedserve.protocol.options import PREEMPTION_MODES
-from pagedserve.protocol.priority import SCHEDULING_POLICIES
+from pagedserve.protocol.priority import POLICIES_WITH_PRIORITY, SCHEDULING_POLICIES, parse_tenant_weights
 
 # Sequences are ordered by (arrival number, sample index) packed into one int; see request.py.
 MAX_PARALLEL_SAMPLES = 1 << 20
@@ -29,6 +29,9 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"  # protocol/priority.py SCHEDULING_POLICIES; policy.py
     priority_aging_s: Optional[float] = None  # priority policy: one level lifted per interval; None: off
     max_waiting_requests: Optional[int] = None  # past it a new request is refused (load shedding); None: no limit
+    max_queue_time_s: Optional[float] = None  # the wait for a first token (deadlines.py); None: no limit
+    default_deadline_s: float = 60.0  # deadline policy: a request without a deadline is ordered by arrival + this
+    tenant_weights: Optional[str] = None  # fair policy: NAME=WEIGHT,... (protocol/priority.py); None: all 1
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -50,8 +53,12 @@ class SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
-        if self.priority_aging_s is not None and self.scheduling_policy != "priority":
-            raise ValueError("priority_aging_s ages priorities: it needs scheduling_policy=\"priority\"")
+        if self.priority_aging_s is not None and self.scheduling_policy not in POLICIES_WITH_PRIORITY:
+            raise ValueError("priority_aging_s ages priorities: it needs scheduling_policy \"priority\" or \"deadline\"")
+        if self.tenant_weights is not None:
+            if self.scheduling_policy != "fair":
+                raise ValueError("tenant_weights weigh tenants' shares: it needs scheduling_policy=\"fair\"")
+            parse_tenant_weights(self.tenant_weights)
         if self.max_num_seqs >= MAX_PARALLEL_SAMPLES:
             raise ValueError(f"max_num_seqs must be below {MAX_PARALLEL_SAMPLES}, got {self.max_num_seqs}")
         if not self.enable_chunked_prefill:

@@ -92,9 +92,13 @@ class EngineLoop:
         self._record("to_worker", data)
         return data
 
-    def _send_step(self, out: m.SchedulerOutput) -> None:
+    def _send_next_step(self) -> None:
+        """Schedule a step and send it; then the ends the step's clock decided (time limits)."""
+        out = self.scheduler.schedule()
+        self.pending.append(out)
         self._broadcast(out)
         self.sent_at[out.step] = time.perf_counter()
+        self._send_deltas(self.scheduler.take_timed_out())
 
     def _is_expected(self, msg, want: type, step: Optional[int]) -> bool:
         """Whether ``msg`` answers what we wait for; anything else (a stale result of a
@@ -281,12 +285,10 @@ class EngineLoop:
         sched = self.scheduler
         pending = self.pending
         if not pending:
-            pending.append(sched.schedule())
-            self._send_step(pending[-1])
+            self._send_next_step()
         if (self.cfg.async_scheduling and len(pending) == 1 and sched.has_unfinished()
                 and sched.can_schedule_ahead()):
-            pending.append(sched.schedule())  # runs right after the step out: no wait in between
-            self._send_step(pending[-1])
+            self._send_next_step()  # runs right after the step out: no wait in between
         out = pending[0]
         timeout_s = self.step_timeout.for_step(out.total_num_scheduled_tokens)
         results = self._recv_from_workers(m.StepResult, timeout_s, step=out.step)
@@ -307,8 +309,7 @@ class EngineLoop:
             # otherwise wait through. Inputs that came meanwhile join the step after, as they
             # do whenever a step is scheduled ahead. The running set copies the lists these
             # deltas share with it before changing them (running.py).
-            pending.append(sched.schedule())
-            self._send_step(pending[-1])
+            self._send_next_step()
         self._send_deltas(deltas, out.step)
         self.forward_time += result.forward_time_s
         if back_to_back:

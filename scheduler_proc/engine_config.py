@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagedserve.protocol import options as opts
+from pagedserve.protocol.priority import parse_tenant_weights, tenant_weights_text
 from pagedserve.scheduler_proc.config import SchedulerConfig
 
 DEFAULT_MAX_MODEL_LEN = 2048  # without --max-model-len or a model that states its own
@@ -37,6 +38,8 @@ class _EngineConfigRules:
             raise ValueError("timeouts must be positive")
         if self.max_model_len is None:
             self.max_model_len = _model_max_len(self.model)
+        if self.tenant_weights is not None:  # inline, so a trace's replay needs no file
+            self.tenant_weights = tenant_weights_text(parse_tenant_weights(self.tenant_weights))
         if self.max_num_batched_tokens is None:  # started by hand: serve passes the device's default
             self.max_num_batched_tokens = opts.CPU_STEP_TOKENS
         # Fail at startup, not at the first handshake: the cache size is still unknown
@@ -51,7 +54,8 @@ class _EngineConfigRules:
             enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode,
             debug_invariants=self.debug_invariants, seed=self.seed, vocab_size=vocab_size,
             scheduling_policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s,
-            max_waiting_requests=self.max_waiting_requests,
+            max_waiting_requests=self.max_waiting_requests, max_queue_time_s=self.max_queue_time_s,
+            default_deadline_s=self.default_deadline_s, tenant_weights=self.tenant_weights,
         )
 
     def trace_config(self) -> dict:

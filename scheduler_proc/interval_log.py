@@ -32,10 +32,14 @@ class IntervalLog:
         hits = s.prefix_cache_hits - prev.prefix_cache_hits
         preempt = (s.num_preemptions_recompute + s.num_preemptions_swap
                    - prev.num_preemptions_recompute - prev.num_preemptions_swap)
+        missed = (s.num_queue_time_expired + s.num_deadline_expired
+                  - prev.num_queue_time_expired - prev.num_deadline_expired)
         self.log.info(
             "replica %d (%s): prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d, "
-            "swapped %d | KV %.1f%% | prefix hit %.1f%% | preemptions +%d | worker idle %.1f%% of step",
+            "swapped %d | KV %.1f%% | prefix hit %.1f%% | preemptions +%d | time limits +%d | shed +%d | "
+            "worker idle %.1f%% of step",
             s.replica, s.scheduling_policy, (s.prompt_tokens - prev.prompt_tokens) / dt,
             (s.generation_tokens - prev.generation_tokens) / dt, s.num_running, s.num_waiting,
             s.num_swapped, 100 * s.kv_cache_usage, 100 * hits / queries if queries else 0.0,
-            preempt, 100 * idle / (idle + fwd) if idle + fwd > 0 else 0.0)
+            preempt, missed, s.num_requests_shed - prev.num_requests_shed,
+            100 * idle / (idle + fwd) if idle + fwd > 0 else 0.0)

@@ -16,29 +16,49 @@ newest running sequence of the worst level present. A waiting (or swapped) seque
 not fit preempts running ones of a strictly worse level, before the step's batch is built
 (``victim_for_waiting``): nothing is scheduled yet, so no victim has to be taken back out of
 a batch, and the freed blocks carry no copy or zero listed in the same step.
+
+``deadline``: as ``priority``, but within one level the earliest urgency first (deadlines.py:
+the first-token limit, else arrival + ``--default-deadline-s``), so without limits it is FCFS
+within a level. ``fair``: fair_share.py.
+
+Time: ``now`` is the clock of the step being scheduled, set by the scheduler (deadlines.py), so
+aging replays bit for bit. The hooks (``arrived``, ``closed``, ``admitted``, ``sampled``) let a
+policy keep its own accounts (fair share's counters); they change no queue.
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence as Queue
 
 from pagedserve.scheduler_proc import admission
 from pagedserve.scheduler_proc.request import SWAPPED
 
 if TYPE_CHECKING:
-    from pagedserve.scheduler_proc.request import Sequence
+    from pagedserve.scheduler_proc.config import SchedulerConfig
+    from pagedserve.scheduler_proc.request import Request, Sequence
     from pagedserve.scheduler_proc.running import RunningSequences
     from pagedserve.scheduler_proc.scheduler import Scheduler
 
 
 class FcfsPolicy:
     name = "fcfs"
+    now = 0.0  # the clock of the step being scheduled (set by the scheduler)
 
-    @staticmethod
-    def clock() -> float:
-        """Arrival times matter only to aging: none here, so replays stay bit-exact."""
-        return 0.0
+    def arrived(self, request: "Request") -> None:
+        """``request`` was accepted (before its first step)."""
+
+    def closed(self, request: "Request") -> None:
+        """``request`` ended, for any reason."""
+
+    def admitted(self, seq: "Sequence") -> None:
+        """``seq`` was admitted from the waiting queue (a recomputed one too)."""
+
+    def sampled(self, outputs, requests: dict[str, "Request"]) -> None:
+        """A step's tokens came in (``outputs``: its StepOutputs)."""
+
+    def service(self) -> dict[str, float]:
+        """Each tenant's virtual token counter (fair share); {}: the policy keeps none."""
+        return {}
 
     def running_order(self, seqs: list["Sequence"]) -> list["Sequence"]:
         """The order the running loop gives out tokens and blocks in (``seqs``: arrival order)."""
@@ -65,9 +85,8 @@ class FcfsPolicy:
 class PriorityPolicy(FcfsPolicy):
     name = "priority"
 
-    def __init__(self, aging_s: Optional[float] = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, aging_s: Optional[float] = None):
         self.aging_s = aging_s
-        self.clock = clock
 
     def _level(self, now: float) -> Callable[["Sequence"], int]:
         aging_s = self.aging_s
@@ -75,8 +94,8 @@ class PriorityPolicy(FcfsPolicy):
             return lambda seq: seq.request.priority
         return lambda seq: seq.request.priority - int((now - seq.request.arrival_time) // aging_s)
 
-    def _key(self) -> Callable[["Sequence"], tuple[int, int]]:
-        level = self._level(self.clock())
+    def _key(self) -> Callable[["Sequence"], tuple]:
+        level = self._level(self.now)
         return lambda seq: (level(seq), seq.order)
 
     def running_order(self, seqs: list["Sequence"]) -> list["Sequence"]:
@@ -99,13 +118,13 @@ class PriorityPolicy(FcfsPolicy):
             return None
         key = self._key()
         candidate = self.next_to_start(sched.swapped, sched.waiting)
-        if candidate is None or _fits(sched, candidate):
+        if candidate is None or fits_now(sched, candidate):
             return None
         victim = sched.running.max_by(key)  # a scan of the running set: only when one waits
         return victim if key(victim)[0] > key(candidate)[0] else None
 
 
-def _fits(sched: "Scheduler", seq: "Sequence") -> bool:
+def fits_now(sched: "Scheduler", seq: "Sequence") -> bool:
     """Whether ``seq`` could start in a step whose running decodes each take one token."""
     if sched.seats_free() < admission.seats_needed(seq):
         return False
@@ -116,5 +135,19 @@ def _fits(sched: "Scheduler", seq: "Sequence") -> bool:
     return admission.plan_admission(seq, sched.bm, config, budget, len(sched.running)) is not None
 
 
-def policy_for(scheduling_policy: str, aging_s: Optional[float] = None):
-    return PriorityPolicy(aging_s) if scheduling_policy == "priority" else FcfsPolicy()
+class DeadlinePolicy(PriorityPolicy):
+    name = "deadline"
+
+    def _key(self) -> Callable[["Sequence"], tuple]:
+        level = self._level(self.now)
+        return lambda seq: (level(seq), seq.request.urgency, seq.order)
+
+
+def policy_for(config: "SchedulerConfig"):
+    name = config.scheduling_policy
+    if name == "fair":
+        from pagedserve.scheduler_proc.fair_share import FairPolicy
+        return FairPolicy(config.tenant_weights)
+    if name in ("priority", "deadline"):
+        return (PriorityPolicy if name == "priority" else DeadlinePolicy)(config.priority_aging_s)
+    return FcfsPolicy()

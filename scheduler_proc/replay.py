@@ -97,7 +97,7 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
                                       grammar_cache_for(loader, vocab_size))
                 elif isinstance(msg, m.SchedulerOutput):
                     _require(sched, trace_path, where)
-                    out = sched.schedule()
+                    out = sched.schedule(msg.now_s)  # the recorded clock: time limits decide alike
                     outs.append(out)
                     steps += 1
                     if encode(out) != payload:

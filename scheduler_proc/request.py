@@ -62,6 +62,12 @@ class Request:
         "prompt_logprobs",
         "priority",
         "arrival_time",
+        "tenant",
+        "max_queue_time_s",
+        "deadline_s",
+        "first_token_by",
+        "deadline_at",
+        "urgency",
     )
 
     def __init__(self, msg: AddRequest, arrival_number: int, seed: int, len_limit: int,
@@ -69,7 +75,15 @@ class Request:
         self.request_id = msg.request_id
         self.arrival_number = arrival_number
         self.priority = msg.priority  # lower first, under the priority policy (policy.py)
-        self.arrival_time = arrival_time  # the policy's clock at arrival (priority aging)
+        # The scheduler's clock at the first step after arrival (deadlines.py stamps it): aging,
+        # limits and the deadline policy's order count from it.
+        self.arrival_time = arrival_time
+        self.tenant = msg.tenant  # whose share it counts against (fair policy, per-tenant stats)
+        self.max_queue_time_s = msg.max_queue_time_s
+        self.deadline_s = msg.deadline_s
+        self.first_token_by = None  # absolute clock values, or None: no limit (deadlines.py)
+        self.deadline_at = None
+        self.urgency = arrival_time  # the deadline policy's key: the earliest limit it has
         self.sampling: SamplingParams = msg.sampling
         if msg.sampling.seed != seed:
             self.sampling = SamplingParams(**{**_fields(msg.sampling), "seed": seed})

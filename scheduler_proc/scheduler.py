@@ -2,8 +2,9 @@
 
 Each ``schedule()``:
 
-0. Under a policy that ranks requests (policy.py), running ones that a waiting one outranks
-   are preempted for it first, before anything is scheduled.
+0. Requests past a time limit end (deadlines.py; time enters only as the step's clock). Under a
+   policy that ranks requests (policy.py), running ones that a waiting one outranks are preempted
+   for it first, before anything is scheduled (never in a step scheduled ahead of a result).
 1. Running sequences, in the policy's order (FCFS: oldest first). Decodes always run (the token budget keeps one token
    for every later decode, so prefill chunks can never starve them); running prefills
    continue with a chunk of what is left. While a sequence cannot have its blocks, the
@@ -26,14 +27,17 @@ import random
 import time
 from bisect import insort
 from collections import deque
+from typing import Optional
 
 from pagedserve.protocol.messages import AddRequest, RequestDelta, SchedulerOutput, StepResult
+from pagedserve.protocol.priority import QUEUE_TIMEOUT
 
 from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap, prefix_cache
 from pagedserve.scheduler_proc.admission import Admission, length_limit, rejection_reason
 from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.block_pool import CacheEventLog
 from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.deadlines import RequestTimes, queue_timeout_message
 from pagedserve.scheduler_proc.grammar import step_bitmask
 from pagedserve.scheduler_proc.grammar_cache import compile_for
 from pagedserve.scheduler_proc.policy import policy_for
@@ -48,10 +52,13 @@ def _is_decode(seq: Sequence) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, grammars=None, policy=None):
+    def __init__(self, config: SchedulerConfig, grammars=None, policy=None, clock=time.monotonic):
         self.config = config
         self.grammars = grammars  # CompiledGrammarCache (grammar_cache.py); None: structured output refused
-        self.policy = policy_for(config.scheduling_policy, config.priority_aging_s) if policy is None else policy
+        self.policy = policy_for(config) if policy is None else policy
+        self.clock = clock  # read once per schedule() that is not handed a time (replay hands the recorded one)
+        self.times = RequestTimes(config.max_queue_time_s, config.default_deadline_s)
+        self.timed_out: list[RequestDelta] = []  # ends by a time limit, for the engine to send (take_timed_out)
         self.block_size = config.block_size
         self.len_limit = length_limit(config)
         self.counters = SchedulerCounters()
@@ -84,6 +91,7 @@ class Scheduler:
         kind = "invalid_request"
         if reason is None:
             reason, kind = admission.shedding_reason(len(self.waiting), self.config), "overloaded"
+            self.counters.num_requests_shed += reason is not None
         if reason is not None:
             self.counters.num_finished += 1
             n = msg.sampling.n
@@ -92,7 +100,9 @@ class Scheduler:
                                  len(msg.prompt_token_ids)) for i in indices]
         seed = self._rng.getrandbits(63) if msg.sampling.seed is None else msg.sampling.seed
         self._arrivals += 1
-        request = Request(msg, self._arrivals, seed, self.len_limit, compiled, self.policy.clock())
+        request = Request(msg, self._arrivals, seed, self.len_limit, compiled)
+        self.times.arrived(request)
+        self.policy.arrived(request)
         self.counters.structured_output_requests += compiled is not None
         seq = Sequence(msg.request_id, request, 0, token_array(msg.prompt_token_ids), request.sampling,
                        is_parent=msg.sampling.n > 1)
@@ -105,12 +115,18 @@ class Scheduler:
         deltas = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
-            if request is None:
-                continue
-            for seq in request.sequences:
-                if seq.status != FINISHED:
-                    self._drop(seq)
-            deltas.extend(self._end_request(request, "abort", None, None))
+            if request is not None:
+                deltas.extend(self._end(request, "abort"))
+        return deltas
+
+    def _end(self, request: Request, finish: str, error=None, error_kind=None) -> list[RequestDelta]:
+        for seq in request.sequences:  # wherever they are
+            if seq.status != FINISHED:
+                self._drop(seq)
+        return self._end_request(request, finish, error, error_kind)
+
+    def take_timed_out(self) -> list[RequestDelta]:
+        deltas, self.timed_out = self.timed_out, []
         return deltas
 
     def has_unfinished(self) -> bool:
@@ -134,6 +150,8 @@ class Scheduler:
 
     def _close(self, request: Request) -> None:
         del self.requests[request.request_id]
+        self.policy.closed(request)
+        self.counters.count_closed(request)
         request.sequences = []  # break the request <-> sequence cycle: freed without the collector
         self.counters.num_finished += 1
 
@@ -200,6 +218,7 @@ class Scheduler:
         else:
             outputs = StepOutputs(deltas)
         self.counters.generation_tokens += num_accepted
+        self.policy.sampled(outputs, self.requests)
         for seq in sampling:  # with a batch out, behind its positions (running.after_sample)
             self.running.after_sample(seq)
         for parent in output_processor.parents_to_fork(others, pool, self.block_size):
@@ -233,19 +252,30 @@ class Scheduler:
         """Whether the next step may be scheduled before the result of the one out (overlap.py)."""
         return overlap.can_schedule_ahead(self) and self.policy.victim_for_waiting(self) is None
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: Optional[float] = None) -> SchedulerOutput:
+        """One step; ``now``: its clock (default: ``self.clock()``), recorded in the output."""
         if self.in_flight and not self.can_schedule_ahead():
             raise SchedulerStateError(
                 f"schedule() called again before update_from_output() for step {self.in_flight[0][0].step}, "
                 f"and the next step cannot be scheduled ahead of it (can_schedule_ahead())")
         self._step += 1
+        self._end_past_limits(self.clock() if now is None else now)
         batch = StepPlan(self.config.max_num_batched_tokens)
-        self._make_way_for_waiting(batch)
+        if not self.in_flight:  # no victim while a step out may hold its token (overlap.py, rule 2)
+            self._make_way_for_waiting(batch)
         batch.budget -= self.running.begin_step(self.bm)  # every steady decode runs: its token comes first
         self._schedule_running(batch)
         if not batch.preempted:
             self._start_swapped_and_waiting(batch)
         return self._finish_step(batch)
+
+    def _end_past_limits(self, now: float) -> None:
+        """Past a limit (deadlines.py): without a first token an error, else the tokens so far ("length")."""
+        self.policy.now = now
+        for request, missed_first in self.times.advance(now, self.requests):
+            self.counters.count_miss(request, missed_first)
+            error = queue_timeout_message(request, now, self.config.max_queue_time_s) if missed_first else None
+            self.timed_out += self._end(request, "error" if error else "length", error, error and QUEUE_TIMEOUT)
 
     def _make_way_for_waiting(self, batch: StepPlan) -> None:
         """The policy's victims for a waiting sequence that outranks them (policy.py), before
@@ -367,6 +397,7 @@ class Scheduler:
             counters.prefix_cache_queries += len(seq.token_ids)
             counters.prefix_cache_hits += plan.num_computed
         if seq.num_preemptions == 0:  # its first admission
+            self.policy.admitted(seq)
             counters.prompt_tokens += request.num_prompt_tokens
             request.num_cached_tokens = plan.num_computed
         seq.num_cached_tokens = request.num_cached_tokens
@@ -395,7 +426,7 @@ class Scheduler:
             if masks is not None:
                 self.counters.structured_output_mask_time_s += time.perf_counter() - started
         out = SchedulerOutput(self._step, batch.new, batch.cached, decodes, finished, batch.swap_out,
-                              batch.swap_in, copies, zero, total, masks)
+                              batch.swap_in, copies, zero, total, masks, self.times.now)
         self.counters.count_step(batch, len(zero), len(copies))
         if total:
             self.in_flight.append((out, sampling, batch.others))

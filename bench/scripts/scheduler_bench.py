@@ -12,6 +12,11 @@ traced Python memory and RSS growth between an early and the final sample.
 
     python bench/scripts/scheduler_bench.py
     python bench/scripts/scheduler_bench.py --soak --steps 100000
+    python bench/scripts/scheduler_bench.py --policies   # each --scheduling-policy at 1,024 running
+
+``--policies``: the steady-decode cost under each scheduling policy, 1,024 running, block 16,
+prefix cache off; requests alternate between two tenants and two priorities (0 under fcfs and
+fair), and under deadline each carries a deadline_s (none due).
 """
 
 from __future__ import annotations
@@ -61,14 +66,17 @@ class FakeDriver:
 
 
 def add(sched: Scheduler, request_id: str, prompt_len: int, max_tokens: int, rng: random.Random,
-        prefix: tuple = ()) -> None:
+        prefix: tuple = (), index: int = 0) -> None:
     prompt = list(prefix) + rng.choices(_TOKENS, k=prompt_len)
+    policy = sched.config.scheduling_policy
     sched.add_request(AddRequest(request_id=request_id, prompt_token_ids=prompt,
-                                 sampling=SamplingParams(max_tokens=max_tokens, seed=1)))
+                                 sampling=SamplingParams(max_tokens=max_tokens, seed=1),
+                                 priority=index % 2 if policy in ("priority", "deadline") else 0,
+                                 tenant="ab"[index % 2], deadline_s=3600.0 if policy == "deadline" else None))
 
 
 def steady_decode_cost(num_seqs: int, block_size: int, prefix: bool, steps: int,
-                       warmup: int = 50) -> tuple[float, float]:
+                       warmup: int = 50, policy: str = "fcfs") -> tuple[float, float]:
     """Microseconds per running sequence per step once all ``num_seqs`` are decoding:
     ``steps`` steps with the collector as it is by default, then ``steps`` with it paused."""
     rng = random.Random(0)
@@ -76,11 +84,11 @@ def steady_decode_cost(num_seqs: int, block_size: int, prefix: bool, steps: int,
     blocks = num_seqs * (-(-max_len // block_size)) + 16
     config = SchedulerConfig(block_size=block_size, num_gpu_blocks=blocks, max_num_seqs=num_seqs,
                              max_num_batched_tokens=num_seqs * 1100, max_model_len=max_len,
-                             enable_prefix_caching=prefix)
+                             enable_prefix_caching=prefix, scheduling_policy=policy)
     sched = Scheduler(config)
     driver = FakeDriver()
     for i in range(num_seqs):
-        add(sched, f"req-{i}", rng.randint(100, 1024), 2 * steps + warmup + 32, rng)
+        add(sched, f"req-{i}", rng.randint(100, 1024), 2 * steps + warmup + 32, rng, index=i)
     # Prefill, then untimed decodes: the first steps at a new size grow the heap (page
     # faults on fresh memory), which a serving process pays once, not every step.
     for _ in range(3 + warmup):
@@ -137,6 +145,23 @@ def table(steps: int, runs: int) -> None:
                   f"{4 * big / mid:.2f}x with default gc, {4 * big_paused / mid_paused:.2f}x with gc paused")
 
 
+def policies(steps: int, runs: int) -> None:
+    names = ("fcfs", "priority", "deadline", "fair")
+    samples = {name: [] for name in names}
+    for _ in range(runs):
+        for name in names:  # in turn, so drifting load touches each alike
+            samples[name].append(steady_decode_cost(1024, 16, False, steps, policy=name))
+    print(f"us per running sequence per step at 1,024 running (block 16, prefix off), median of {runs} runs of "
+          f"{steps} steps")
+    print("| policy | default gc | gc paused | / fcfs (gc paused) |")
+    print("|:-------|-----------:|----------:|-------------------:|")
+    base = statistics.median(off for _, off in samples["fcfs"])
+    for name in names:
+        cost = statistics.median(on for on, _ in samples[name])
+        paused = statistics.median(off for _, off in samples[name])
+        print(f"| {name} | {cost:.3f} | {paused:.3f} | {paused / base:.2f}x |", flush=True)
+
+
 def soak(steps: int, concurrency: int, trace: bool) -> None:
     """Shared prefixes (cache hits), a cache small enough to preempt (swap and recompute), aborts."""
     rng = random.Random(0)
@@ -182,8 +207,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64, help="soak: requests in flight")
     parser.add_argument("--tracemalloc", action="store_true",
                         help="soak: also trace Python allocations (about 2x slower; its own bookkeeping adds RSS)")
+    parser.add_argument("--policies", action="store_true", help="the cost under each --scheduling-policy")
     args = parser.parse_args()
-    if args.soak:
+    if args.policies:
+        policies(args.steps or 400, args.runs)
+    elif args.soak:
         soak(args.steps or 100_000, args.concurrency, args.tracemalloc)
     else:
         table(args.steps or 400, args.runs)

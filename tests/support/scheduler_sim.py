@@ -138,6 +138,7 @@ class StepDriver:
         self.pending: deque[SchedulerOutput] = deque()
         self.steps_ahead = 0  # steps scheduled while another was out
         self.on_schedule: Optional[Callable[[SchedulerOutput], None]] = None
+        self.timed_out: list = []  # deltas of requests a schedule() ended by a time limit (the engine sends them)
 
     def busy(self) -> bool:
         return self.sched.has_unfinished() or bool(self.pending)
@@ -156,6 +157,7 @@ class StepDriver:
 
     def _schedule(self) -> None:
         out = self.sched.schedule()
+        self.timed_out.extend(self.sched.take_timed_out())
         if self.on_schedule is not None:
             self.on_schedule(out)
         self.pending.append(out)
@@ -170,6 +172,8 @@ def run_until_done(sched: Scheduler, worker: SimWorker, max_steps: int = 10_000,
         if not driver.busy():
             return deltas
         out, result, step_deltas = driver.step()
+        deltas.extend(driver.timed_out)
+        driver.timed_out.clear()
         deltas.extend(step_deltas)
         if on_step is not None:
             on_step(out, result, step_deltas)

@@ -25,7 +25,10 @@ SPECIAL = {"served_model_name": ["alias-a", "alias-b"], "chat_template": "{{ mes
            "internal_curve": False, "remote_workers": False,
            # the two KV-cache budgets exclude each other; a generation config must exist
            "gpu_memory_utilization": 0.5, "generation_config": "vllm",
-           "max_num_batched_tokens": 4096}  # at least the doubled max_num_seqs (512)
+           "max_num_batched_tokens": 4096,  # at least the doubled max_num_seqs (512)
+           # aging needs the priority policy; tenant weights need fair (their own test, below)
+           "scheduling_policy": "priority", "tenant_weights": None}
+NEEDS_ANOTHER_POLICY = ("tenant_weights",)
 KV_BUDGETS = ("gpu_memory_utilization", "kv_cache_memory_gib")  # exclude each other: one at a time
 OFFLINE_DEFAULTS = {"log_level": "WARNING"}  # LLM is quiet unless asked; the only default it changes
 
@@ -93,7 +96,8 @@ def test_each_child_is_started_with_exactly_the_values_serve_was_given(model, bu
     changed = {o.name: non_default(o) for o in opts.OPTIONS} | {unset: None}
     cfg = ServeConfig(model=model, **changed)
     for o in opts.options_for(opts.SCHEDULER) + opts.options_for(opts.WORKER) + opts.options_for(opts.FRONTEND):
-        assert getattr(cfg, o.name) != o.default or o.name in ("dtype", unset), f"{o.flag} kept its default"
+        assert getattr(cfg, o.name) != o.default or o.name in ("dtype", unset, *NEEDS_ANOTHER_POLICY), \
+            f"{o.flag} kept its default"
 
     engine = EngineConfig.from_args(scheduler_cli().parse_args(cfg.scheduler_cmd("run", replica=1)[3:]))
     expected = opts.values_of(cfg, opts.options_for(opts.SCHEDULER))
@@ -124,3 +128,14 @@ def test_one_rule_per_option_whichever_process_checks_it(model, name, bad, compl
         ServeConfig(model=model, **{name: bad})
     with pytest.raises(ValueError, match=complaint):
         EngineConfig(run_dir="r", **{name: bad})
+
+
+def test_tenant_weights_reach_the_scheduler_inline_from_a_flag_or_a_file(model, tmp_path):
+    weights = tmp_path / "weights.json"
+    weights.write_text(json.dumps({"gold": 4, "free": 0.5}))
+    for given, inline in (("gold=4,free=0.5", "free=0.5,gold=4.0"), (str(weights), "free=0.5,gold=4.0")):
+        cfg = ServeConfig(model=model, scheduling_policy="fair", tenant_weights=given)
+        engine = EngineConfig.from_args(scheduler_cli().parse_args(cfg.scheduler_cmd("run", replica=0)[3:]))
+        assert engine.tenant_weights == inline  # what a trace records: no file needed to replay
+    with pytest.raises((ConfigError, ValueError), match="tenant-weights"):
+        ServeConfig(model=model, scheduling_policy="fair", tenant_weights="gold=-1")

@@ -198,3 +198,14 @@ def test_stats_sent_before_a_request_finished_no_longer_count_it():
     router.assign(0, "a", 1)
     router.release(0, "a", 1, now=10.2)
     assert router.choose([1, 2], now=10.3).replica == 0  # both idle: the stats' running 1 is stale
+
+
+def test_shedding_sends_a_request_to_a_replica_with_room_and_refuses_only_when_all_are_full():
+    router = _router(num_replicas=3)
+    for r, waiting in enumerate((4, 1, 4)):
+        router.update(_stats(replica=r, pid=100 + r, num_running=2, num_waiting=waiting), now=10.0)
+    assert router.with_room(0, limit=4, now=10.5) == 1  # replica 0 is full; 1 has room
+    assert router.with_room(1, limit=4, now=10.5) == 1
+    router.update(_stats(replica=1, pid=101, num_running=2, num_waiting=4), now=10.0)
+    assert router.with_room(0, limit=4, now=10.5) is None  # every replica is at the limit: a 429
+    assert router.with_room(0, limit=5, now=10.5) == 0

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from pagedserve.protocol.priority import priority_refusal
 from pagedserve.scheduler_proc.config import SchedulerConfig
-from pagedserve.scheduler_proc.policy import PriorityPolicy
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
 from support.scheduler_sim import (
@@ -155,11 +154,12 @@ def test_aging_lifts_a_waiting_request_one_level_per_interval():
     now = [0.0]
     config = SchedulerConfig(debug_invariants=True, scheduling_policy="priority", priority_aging_s=10.0,
                              block_size=4, num_gpu_blocks=64, max_num_seqs=1, max_num_batched_tokens=64)
-    sched = Scheduler(config, policy=PriorityPolicy(config.priority_aging_s, clock=lambda: now[0]))
+    sched = Scheduler(config, clock=lambda: now[0])
     worker = SimWorker(config, counting_tokens())
     sched.add_request(request("running", list(range(20, 28)), 0, max_tokens=4, ignore_eos=True))
     step(sched, worker)
     sched.add_request(request("old-low", list(range(20, 28)), 2, max_tokens=2, ignore_eos=True))
+    step(sched, worker)  # its arrival is stamped with this step's clock, 0
     now[0] = 25.0  # old-low has waited two intervals: level 0
     sched.add_request(request("new-high", list(range(20, 28)), 1, max_tokens=2, ignore_eos=True))
     started = []
@@ -173,7 +173,7 @@ def test_a_non_zero_priority_is_refused_under_fcfs_and_a_full_queue_sheds():
     sched = Scheduler(config)
     (delta,) = sched.add_request(request("r", [20, 21], 1))
     assert delta.error_kind == "invalid_request" and delta.error == priority_refusal("fcfs", 1)
-    assert "--scheduling-policy priority" in delta.error
+    assert "--scheduling-policy priority or deadline" in delta.error
     assert sched.add_request(request("a", [20, 21])) == []
     (delta,) = sched.add_request(request("b", [20, 21]))  # "a" waits: the limit of one is reached
     assert delta.finish_reason == "error" and delta.error_kind == "overloaded"

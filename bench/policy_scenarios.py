@@ -1,0 +1,244 @@
+"""``pagedserve bench scenario priority|fair|deadline|shedding``: issue 32's goals, each policy
+against ``fcfs`` on the same workload, through a server started here (HTTP, warm).
+
+- ``priority``: 64 low-priority streams in a closed loop over ``--max-num-seqs 16``, and one
+  high-priority request a second: its TTFT p50 against its TTFT on an idle server (goal <= 3x).
+- ``fair``: tenant A keeps 8x the streams of B, both more than the machine serves: B's share of
+  generated tokens (goal >= 45%; fcfs about 11%), B's TTFT p50 against B alone (goal <= 2x), and
+  A alone under ``fair`` against A alone under ``fcfs`` (goal >= 95%).
+- ``deadline``: a quarter of the requests carry a tight ``deadline_s``: the share of those that
+  miss it (ended by it, or refused for waiting past it) (goal <= half of fcfs's) and total
+  throughput (goal within 5%).
+- ``shedding``: ``--max-waiting-requests``; the admitted streams' TPOT with and without a flood of
+  extra requests, and how fast the flood's 429s come back (goal p99 <= 20 ms, TPOT within 10%).
+
+Every request streams a completion of random token ids with ``ignore_eos``; the table prints each
+measure under both policies and the goal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from typing import Optional
+
+from pagedserve.bench.report import stats
+from pagedserve.bench.serve import _CHUNK, _JSON, first_model, http_session
+from pagedserve.bench.servers import BenchServer, pagedserve_command
+
+POLICY_SCENARIOS = ("priority", "fair", "deadline", "shedding")
+
+
+class Run:
+    """Per-request outcomes of one workload: (class, ttft, tokens, finish status) and timing."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.started = time.perf_counter()
+
+    def of(self, cls: str) -> list[dict]:
+        return [r for r in self.rows if r["cls"] == cls]
+
+
+async def stream(client, model: str, run: Run, cls: str, prompt: list[int], max_tokens: int,
+                 extra: Optional[dict] = None, headers: Optional[dict] = None) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, **(extra or {})}
+    row = {"cls": cls, "ttft": None, "tokens": 0, "status": None, "finish": None, "times": []}
+    sent = time.perf_counter()
+    async with client.post("/v1/completions", data=_JSON.encode(body),
+                           headers={"content-type": "application/json", **(headers or {})}) as resp:
+        row["status"] = resp.status
+        if resp.status == 200:
+            pending = b""
+            async for data in resp.content.iter_any():
+                now = time.perf_counter()
+                *events, pending = (pending + data).split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data: {"):
+                        continue
+                    if b'"error"' in event[:12]:
+                        row["finish"] = "error"
+                        continue
+                    chunk = _CHUNK.decode(event[6:])
+                    if chunk.choices:
+                        row["tokens"] += 1
+                        row["times"].append(now)
+                        if row["ttft"] is None:
+                            row["ttft"] = now - sent
+                    if b'"finish_reason":"' in event:
+                        row["finish"] = event.split(b'"finish_reason":"')[1].split(b'"')[0].decode()
+        else:
+            await resp.read()
+    row["e2e"] = time.perf_counter() - sent
+    row["end"] = time.perf_counter() - run.started
+    run.rows.append(row)
+    return row
+
+
+def _prompt(rng: random.Random, n: int = 32) -> list[int]:
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+async def closed_loop(client, model, run: Run, cls: str, until: float, rng, max_tokens: int, **kw) -> None:
+    while time.perf_counter() < until:
+        await stream(client, model, run, cls, _prompt(rng), max_tokens, **kw)
+
+
+def _p50(values) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def _tokens_in(rows, t0: float, t1: float) -> int:
+    return sum(1 for r in rows for t in r["times"] if t0 <= t < t1)
+
+
+# ---------------------------------------------------------------------------------- workloads
+
+async def priority_workload(url: str, policy: str, seconds: float) -> dict:
+    rng = random.Random(1)
+    high = {"priority": 0} if policy == "fcfs" else {"priority": 0}
+    low = {} if policy == "fcfs" else {"priority": 10}
+    async with http_session(url, 80) as client:
+        model = await first_model(client)
+        run = Run()
+        idle = [await stream(client, model, run, "idle", _prompt(rng), 16, high) for _ in range(5)]
+        until = time.perf_counter() + seconds
+        loops = [asyncio.create_task(closed_loop(client, model, run, "low", until, rng, 64, extra=low))
+                 for _ in range(64)]
+        await asyncio.sleep(2.0)  # the 64 streams fill the seats and the queue
+        highs = []
+        while time.perf_counter() < until - 2:
+            highs.append(asyncio.create_task(stream(client, model, run, "high", _prompt(rng), 16, high)))
+            await asyncio.sleep(1.0)
+        await asyncio.gather(*highs, *loops)
+    return {"idle_ttft_ms": 1e3 * _p50(r["ttft"] for r in idle[1:]),
+            "high_ttft_p50_ms": 1e3 * _p50(r["ttft"] for r in run.of("high")),
+            "high_requests": len(run.of("high"))}
+
+
+async def fair_workload(url: str, policy: str, seconds: float, a_streams: int = 32, b_streams: int = 4) -> dict:
+    rng = random.Random(2)
+    async with http_session(url, a_streams + b_streams + 4) as client:
+        model = await first_model(client)
+        run = Run()
+        start = time.perf_counter()
+        until = start + seconds
+        loops = [asyncio.create_task(closed_loop(client, model, run, "a", until, rng, 48, extra={"user": "a"}))
+                 for _ in range(a_streams)]
+        loops += [asyncio.create_task(closed_loop(client, model, run, "b", until, rng, 48, extra={"user": "b"}))
+                  for _ in range(b_streams)]
+        await asyncio.gather(*loops)
+    window = (start + 3.0, until)  # past the first admissions
+    a, b = _tokens_in(run.of("a"), *window), _tokens_in(run.of("b"), *window)
+    return {"a_tokens": a, "b_tokens": b, "b_share": b / max(1, a + b), "tok_s": (a + b) / (window[1] - window[0]),
+            "b_ttft_p50_ms": 1e3 * _p50(r["ttft"] for r in run.of("b"))}
+
+
+async def deadline_workload(url: str, policy: str, seconds: float) -> dict:
+    rng = random.Random(3)
+    async with http_session(url, 72) as client:
+        model = await first_model(client)
+        run = Run()
+        start = time.perf_counter()
+        until = start + seconds
+
+        async def mixed(i: int) -> None:
+            while time.perf_counter() < until:
+                tight = rng.random() < 0.25
+                await stream(client, model, run, "tight" if tight else "loose", _prompt(rng), 32,
+                             {"deadline_s": 4.0} if tight else {})
+        await asyncio.gather(*(mixed(i) for i in range(64)))
+        wall = time.perf_counter() - start
+    tight = run.of("tight")
+    missed = [r for r in tight if r["status"] != 200 or r["finish"] in ("error", "abort") or r["tokens"] < 32]
+    return {"tight": len(tight), "miss_rate": len(missed) / max(1, len(tight)),
+            "tok_s": sum(r["tokens"] for r in run.rows) / wall}
+
+
+async def shedding_workload(url: str, policy: str, seconds: float, limit: int) -> dict:
+    rng = random.Random(4)
+    async with http_session(url, 200) as client:
+        model = await first_model(client)
+        run = Run()
+        until = time.perf_counter() + seconds
+        # the admitted streams: the seats and a queue up to the limit
+        loops = [asyncio.create_task(closed_loop(client, model, run, "admitted", until, rng, 48))
+                 for _ in range(16 + limit)]
+        flood = []
+        if policy != "fcfs":
+            await asyncio.sleep(2.0)
+            while time.perf_counter() < until - 1:
+                flood.append(asyncio.create_task(stream(client, model, run, "flood", _prompt(rng), 48)))
+                await asyncio.sleep(0.02)
+        await asyncio.gather(*loops, *flood)
+    tpots = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in run.of("admitted")
+             if len(r["times"]) > 1]
+    refused = [r for r in run.of("flood") if r["status"] == 429]
+    return {"admitted_tpot_ms": 1e3 * statistics.fmean(tpots) if tpots else float("nan"),
+            "refused": len(refused), "flood": len(run.of("flood")),
+            "refusal_p99_ms": 1e3 * stats([r["e2e"] for r in refused])["p99"] if refused else float("nan")}
+
+
+# ---------------------------------------------------------------------------------- runner
+
+def _serve(model: str, args: list[str], fn, *fn_args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="pagedserve-policy-") as logs:
+        with BenchServer("pagedserve", lambda port: pagedserve_command(model, port, tuple(args)), logs) as server:
+            return asyncio.run(fn(server.url, *fn_args))
+
+
+def run_policy_scenario(ns: argparse.Namespace, model: str) -> dict:
+    name, seconds = ns.name, ns.seconds
+    base = ["--max-num-seqs", "16", *ns.serve_args.split()]
+    out: dict = {"scenario": name, "seconds": seconds}
+    if name == "priority":
+        for policy in ("fcfs", "priority"):
+            out[policy] = _serve(model, [*base, "--scheduling-policy", policy], priority_workload, policy, seconds)
+        rows = [("idle TTFT ms", "idle_ttft_ms", "-"), ("high-priority TTFT p50 ms", "high_ttft_p50_ms", "-"),
+                ("  / idle", None, "<= 3x")]
+        out["goal_ratio"] = out["priority"]["high_ttft_p50_ms"] / out["priority"]["idle_ttft_ms"]
+        ratio = {p: out[p]["high_ttft_p50_ms"] / out[p]["idle_ttft_ms"] for p in ("fcfs", "priority")}
+    elif name == "fair":
+        for policy in ("fcfs", "fair"):
+            out[policy] = _serve(model, [*base, "--max-num-seqs", "8", "--scheduling-policy", policy],
+                                 fair_workload, policy, seconds)
+            out[policy + "_b_alone"] = _serve(model, [*base, "--max-num-seqs", "8", "--scheduling-policy", policy],
+                                              fair_workload, policy, seconds / 2, 0, 4)
+            out[policy + "_a_alone"] = _serve(model, [*base, "--max-num-seqs", "8", "--scheduling-policy", policy],
+                                              fair_workload, policy, seconds / 2, 32, 0)
+        for policy in ("fcfs", "fair"):
+            out[policy]["b_ttft_vs_alone"] = out[policy]["b_ttft_p50_ms"] / out[policy + "_b_alone"]["b_ttft_p50_ms"]
+            out[policy]["a_alone_tok_s"] = out[policy + "_a_alone"]["tok_s"]
+        out["fair"]["a_alone_vs_fcfs"] = out["fair"]["a_alone_tok_s"] / out["fcfs"]["a_alone_tok_s"]
+        rows = [("B share of tokens", "b_share", ">= 0.45 (fcfs ~0.11)"), ("B TTFT p50 ms", "b_ttft_p50_ms", "-"),
+                ("  / B alone", "b_ttft_vs_alone", "<= 2x"), ("A alone tok/s", "a_alone_tok_s", "fair >= 0.95 fcfs")]
+        ratio = None
+    elif name == "deadline":
+        for policy in ("fcfs", "deadline"):
+            out[policy] = _serve(model, [*base, "--scheduling-policy", policy], deadline_workload, policy, seconds)
+        rows = [("tight requests", "tight", "-"), ("miss rate", "miss_rate", "<= half of fcfs"),
+                ("tok/s", "tok_s", "within 5%")]
+        ratio = None
+    else:
+        limit = 16
+        for label, policy in (("fcfs", "fcfs"), ("shedding", "shedding")):
+            out[label] = _serve(model, [*base, "--max-waiting-requests", str(limit)], shedding_workload, policy,
+                                seconds, limit)
+        rows = [("admitted TPOT ms", "admitted_tpot_ms", "within 10%"), ("flood requests", "flood", "-"),
+                ("429s", "refused", "-"), ("429 p99 ms", "refusal_p99_ms", "<= 20")]
+        ratio = None
+    other = [k for k in out if k not in ("scenario", "seconds", "fcfs", "goal_ratio") and "_alone" not in k][0]
+    print(f"scenario {name}: {seconds:.0f} s per run, demo model, {' '.join(base)}")
+    print(f"{'':<28}{'fcfs':>14}{other:>14}   goal")
+    for label, key, goal in rows:
+        if key is None:
+            print(f"{label:<28}{ratio['fcfs']:13.2f}x{ratio[other]:13.2f}x   {goal}")
+        else:
+            print(f"{label:<28}{out['fcfs'][key]:14.3f}{out[other][key]:14.3f}   {goal}")
+    return out
