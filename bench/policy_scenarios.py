@@ -31,6 +31,9 @@ from pagedserve.bench.serve import _CHUNK, _JSON, first_model, http_session
 from pagedserve.bench.servers import BenchServer, pagedserve_command
 
 POLICY_SCENARIOS = ("priority", "fair", "deadline", "shedding")
+# about 4x one request's run time on the demo model with 16 running (~40 ms), shorter than the
+# queue in front of it under fcfs (48 waiting for 16 seats: ~3 request times)
+TIGHT_DEADLINE_S = 0.15
 
 
 class Run:
@@ -152,7 +155,7 @@ async def deadline_workload(url: str, policy: str, seconds: float) -> dict:
             while time.perf_counter() < until:
                 tight = rng.random() < 0.25
                 await stream(client, model, run, "tight" if tight else "loose", _prompt(rng), 32,
-                             {"deadline_s": 4.0} if tight else {})
+                             {"deadline_s": TIGHT_DEADLINE_S} if tight else {})
         await asyncio.gather(*(mixed(i) for i in range(64)))
         wall = time.perf_counter() - start
     tight = run.of("tight")
@@ -234,7 +237,8 @@ def run_policy_scenario(ns: argparse.Namespace, model: str) -> dict:
         ratio = None
     other = [k for k in out if k not in ("scenario", "seconds", "fcfs", "goal_ratio") and "_alone" not in k][0]
     print(f"scenario {name}: {seconds:.0f} s per run, demo model, {' '.join(base)}")
-    print(f"{'':<28}{'fcfs':>14}{other:>14}   goal")
+    names = ("no flood", "flood") if name == "shedding" else ("fcfs", other)  # shedding: both --max-waiting-requests
+    print(f"{'':<28}{names[0]:>14}{names[1]:>14}   goal")
     for label, key, goal in rows:
         if key is None:
             print(f"{label:<28}{ratio['fcfs']:13.2f}x{ratio[other]:13.2f}x   {goal}")
