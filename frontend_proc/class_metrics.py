@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedserve.frontend_proc.router import Router
+from pagedserve.protocol.priority import MAX_TENANT_KEYS, OTHER_TENANTS
 
 # family name -> (help, SchedulerStats field, label); gauges of live replicas
 _GAUGES = {
@@ -45,11 +46,26 @@ _TOTALS = {
 }
 
 
+class ShedCounts:
+    """The frontend's own 429s, in total, per tenant and per priority."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.by_tenant: dict[str, int] = {}
+        self.by_priority: dict[int, int] = {}
+
+    def count(self, tenant: str, priority: int) -> None:
+        self.total += 1
+        key = tenant if tenant in self.by_tenant or len(self.by_tenant) < MAX_TENANT_KEYS else OTHER_TENANTS
+        self.by_tenant[key] = self.by_tenant.get(key, 0) + 1
+        self.by_priority[priority] = self.by_priority.get(priority, 0) + 1
+
+
 class ClassStatsCollector(Collector):
-    def __init__(self, router: Router, model_name: str, shed_by_frontend):
+    def __init__(self, router: Router, model_name: str, shed: ShedCounts):
         self.router = router
         self.model_name = model_name
-        self.shed_by_frontend = shed_by_frontend  # () -> the frontend's own 429s so far
+        self.shed = shed
 
     def collect(self):
         now = time.monotonic()
@@ -66,8 +82,14 @@ class ClassStatsCollector(Collector):
             yield family
         shed = CounterMetricFamily("pagedserve_requests_shed", "Requests the frontend answered 429 "
                                    "(--max-waiting-requests)", labels=["model_name"])
-        shed.add_metric([self.model_name], self.shed_by_frontend())
+        shed.add_metric([self.model_name], self.shed.total)
         yield shed
+        for label, counts in (("tenant", self.shed.by_tenant), ("priority", self.shed.by_priority)):
+            family = CounterMetricFamily(f"pagedserve_requests_shed_by_{label}", f"429s answered here per {label}",
+                                         labels=["model_name", label])
+            for key, value in sorted(counts.items(), key=lambda kv: str(kv[0])):
+                family.add_metric([self.model_name, str(key)], value)
+            yield family
 
     def _family(self, kind, name: str, help_text: str, label: str, stats: list, field: str):
         summed: dict = {}

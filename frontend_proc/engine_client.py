@@ -107,7 +107,7 @@ class EngineClient:
         self._send_ctx.term()
 
     def submit(self, request: AddRequest) -> RequestHandle:
-        decision = self.router.choose(request.prompt_token_ids)
+        decision = self.router.choose(request.prompt_token_ids, priority=request.priority)
         if decision is None:
             raise ServiceUnavailable("no scheduler replica is ready; see GET /health")
         replica, predicted = self._shed(decision.replica), decision.predicted_hit_tokens

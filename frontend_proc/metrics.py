@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pagedserve.frontend_proc.class_metrics import ClassStatsCollector
+from pagedserve.frontend_proc.class_metrics import ClassStatsCollector, ShedCounts
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.router_metrics import RouterCollector
 
@@ -158,8 +158,8 @@ class FrontendMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(SchedulerStatsCollector(router, model_name))
         self.registry.register(RouterCollector(router))
-        self.num_shed = 0  # 429s answered here (engine_client.py)
-        self.registry.register(ClassStatsCollector(router, model_name, lambda: self.num_shed))
+        self.shed = ShedCounts()  # 429s answered here (--max-waiting-requests)
+        self.registry.register(ClassStatsCollector(router, model_name, self.shed))
         self.time_to_first_token = _Observed(
             self.registry, model_name, "time_to_first_token_seconds", "Arrival to first output token",
             _TTFT_BUCKETS)

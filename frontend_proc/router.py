@@ -56,13 +56,18 @@ class ReplicaStatus:
         unseen = self.in_flight - (s.num_running + s.num_waiting + s.num_swapped)
         return s.num_waiting + max(0, unseen) if s.num_waiting else 0
 
-    def load(self) -> tuple[float, float, int]:
+    def load(self, priority: Optional[int] = None) -> tuple[float, float, int]:
+        """``priority``: of the request to place; under a policy that orders by priority, waiting
+        requests of a worse priority are not ahead of it and do not count."""
         s = self.stats
         # Stats older than a finish still count it: on a uniform workload trusting them
         # regardless sent 36 of 64 one-at-a-time requests to one replica.
         running = s.num_running if self.last_seen >= self.released_at else 0
-        queued = running + s.num_waiting + s.num_swapped
-        return (max(queued, self.in_flight) + s.num_waiting + s.num_swapped,
+        waiting = s.num_waiting
+        if priority is not None and s.num_waiting_by_priority:
+            waiting = sum(n for level, n in s.num_waiting_by_priority.items() if level <= priority)
+        queued = running + waiting + s.num_swapped
+        return (max(queued, self.in_flight - (s.num_waiting - waiting)) + waiting + s.num_swapped,
                 s.kv_cache_usage, self.replica)
 
 
@@ -94,10 +99,11 @@ class Router:
         now = time.monotonic() if now is None else now
         return [r for r in self.replicas if r.is_live(now, self.timeout_s)]
 
-    def choose(self, prompt_token_ids=(), now: Optional[float] = None) -> Optional[Decision]:
-        """Where a request with this prompt goes (and why), or None when no replica is live."""
+    def choose(self, prompt_token_ids=(), now: Optional[float] = None,
+               priority: Optional[int] = None) -> Optional[Decision]:
+        """Where a request with this prompt (and priority) goes (and why), or None when no replica is live."""
         live = self._live(now)
-        return self.chooser.choose(live, prompt_token_ids) if live else None
+        return self.chooser.choose(live, prompt_token_ids, priority) if live else None
 
     def pick(self, now: Optional[float] = None) -> Optional[int]:
         """The least-loaded live replica, or None when none is live (no decision is recorded)."""

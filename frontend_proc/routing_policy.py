@@ -68,14 +68,18 @@ class ReplicaChooser:
         # Over requests that finished normally, so the two are comparable.
         self.predicted_hit_tokens = [0] * num_replicas
         self.actual_hit_tokens = [0] * num_replicas
+        self._priority: Optional[int] = None  # of the request being placed
 
     def _load_key(self, status: "ReplicaStatus") -> tuple:
         # Recency before KV usage: usage comes with stats up to a heartbeat old.
-        load, kv_usage, _ = status.load()
+        load, kv_usage, _ = status.load(self._priority)
         return load, self._last_pick[status.replica], kv_usage
 
-    def choose(self, live: Sequence["ReplicaStatus"], prompt_token_ids: Sequence[int] = ()) -> Decision:
-        """``live`` must not be empty."""
+    def choose(self, live: Sequence["ReplicaStatus"], prompt_token_ids: Sequence[int] = (),
+               priority: Optional[int] = None) -> Decision:
+        """``live`` must not be empty; ``priority``: the request's, so that only the waiting requests
+        that run before it count as load (replicas report per-priority queues under priority policies)."""
+        self._priority = priority
         decision = self._decide(live, prompt_token_ids)
         self._picks += 1
         self._last_pick[decision.replica] = self._picks
@@ -99,7 +103,7 @@ class ReplicaChooser:
             return Decision(least.replica, "no_hit")
         tied = [r for r in live if matched[r.replica] == best_blocks]
         winner = min(tied, key=self._load_key)
-        if not self._within_bound(winner.load()[0], least.load()[0]):
+        if not self._within_bound(winner.load(self._priority)[0], least.load(self._priority)[0]):
             return Decision(least.replica, "load_bound", matched[least.replica] * block_size)
         return Decision(winner.replica, "cache_hit", best_blocks * block_size)
 

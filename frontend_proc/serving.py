@@ -236,7 +236,8 @@ class Serving:
         except APIError as exc:
             for stream in streams:
                 stream.abort()
-            self.metrics.num_shed += isinstance(exc, TooManyRequests)
+            if isinstance(exc, TooManyRequests):
+                self.metrics.shed.count(tenant, body.priority)
             raise
         return streams
 

@@ -21,6 +21,8 @@ POLICIES_WITH_PRIORITY = ("priority", "deadline")
 PRIORITY_MIN, PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
 MAX_LIMIT_S = 1e9  # about 32 years: finite, so every limit is a number the heap can order
 MAX_TENANT_CHARS = 256
+MAX_TENANT_KEYS = 256  # per-tenant stats keep this many tenants, then one OTHER_TENANTS key
+OTHER_TENANTS = "(other)"
 QUEUE_TIMEOUT = "queue_timeout"  # RequestDelta.error_kind of a request past its first-token limit
 
 

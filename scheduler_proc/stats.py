@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedserve.protocol.priority import POLICIES_WITH_PRIORITY
+from pagedserve.protocol.priority import MAX_TENANT_KEYS, OTHER_TENANTS, POLICIES_WITH_PRIORITY
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_proc.scheduler import Scheduler
@@ -32,8 +32,6 @@ COUNTERS = (
 # batch size). Tenants past this many share one key, so a flood of names cannot grow the stats.
 BY_CLASS = ("generation_tokens_by_priority", "generation_tokens_by_tenant",
             "deadline_misses_by_priority", "deadline_misses_by_tenant")
-MAX_TENANT_KEYS = 256
-OTHER_TENANTS = "(other)"
 
 
 class SchedulerCounters:

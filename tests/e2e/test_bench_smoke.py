@@ -82,3 +82,15 @@ def test_misaligned_over_http_reports_rounds_and_stops_its_server(model_factory,
     left = [p.pid for p in psutil.process_iter(["cmdline"])  # others: the session's shared server, say
             if model in " ".join(p.info["cmdline"] or []) and p.pid not in others]
     assert left == []  # the server it started (supervisor, frontend, scheduler, worker) is gone
+
+
+def test_a_policy_scenario_prints_both_policies_and_writes_them(model_factory, tmp_path, capsys):
+    out_json = tmp_path / "deadline.json"
+    rc = run_bench("scenario", "deadline", "--model", model_factory("qwen2"), "--seconds", "2",
+                   "--serve-args", "--num-gpu-blocks 256 --max-model-len 512", "--output-json", str(out_json))
+    assert rc == 0
+    result = json.loads(out_json.read_text())
+    assert result["fcfs"]["tok_s"] > 0 and result["deadline"]["tok_s"] > 0
+    assert 0.0 <= result["deadline"]["miss_rate"] <= 1.0
+    table = capsys.readouterr().out
+    assert "miss rate" in table and "fcfs" in table and "deadline" in table

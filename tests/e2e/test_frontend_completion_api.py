@@ -128,8 +128,8 @@ def test_every_openai_request_field_is_declared_about_the_caller_or_refused_by_n
         pytest.skip(f"OpenAI's schema is not at {OPENAI_SCHEMA}")
     frontend, _, _ = env
     base = ({"prompt": "Hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "Hi"}]})
-    undeclared = sorted(_request_fields(schema_name) - set(model.model_fields))
-    assert undeclared  # the schema was read
+    assert _request_fields(schema_name)  # the schema was read
+    undeclared = sorted(_request_fields(schema_name) - set(model.model_fields))  # none left for completions
     # vLLM's extras this server does not declare (a declared one is tested where it is honoured)
     for field in [*undeclared, *(f for f in VLLM_EXTRAS if f not in model.model_fields)]:
         value = {"metadata": {"k": "v"}}.get(field, "some value")

@@ -19,7 +19,8 @@ def test_per_tenant_and_per_priority_series_sum_the_replicas():
     router.update(_stats(1, num_waiting_by_tenant={"gold": 1, "free": 4}, generation_tokens_by_tenant={"gold": 5},
                          num_deadline_expired=2, num_requests_shed=3))
     metrics = FrontendMetrics(router, "m")
-    metrics.num_shed = 4
+    for tenant, priority in (("gold", 0), ("free", 3), ("free", 3), ("free", 0)):
+        metrics.shed.count(tenant, priority)
     text = metrics.render().decode()
     lines = set(text.splitlines())
     assert 'pagedserve_num_requests_waiting_by_tenant{model_name="m",tenant="gold"} 3.0' in lines
@@ -31,3 +32,5 @@ def test_per_tenant_and_per_priority_series_sum_the_replicas():
     assert 'pagedserve_deadline_expired_total{model_name="m"} 2.0' in lines
     assert 'pagedserve_scheduler_requests_shed_total{model_name="m"} 3.0' in lines
     assert 'pagedserve_requests_shed_total{model_name="m"} 4.0' in lines
+    assert 'pagedserve_requests_shed_by_tenant_total{model_name="m",tenant="free"} 3.0' in lines
+    assert 'pagedserve_requests_shed_by_priority_total{model_name="m",priority="3"} 2.0' in lines

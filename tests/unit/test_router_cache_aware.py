@@ -209,3 +209,12 @@ def test_shedding_sends_a_request_to_a_replica_with_room_and_refuses_only_when_a
     router.update(_stats(replica=1, pid=101, num_running=2, num_waiting=4), now=10.0)
     assert router.with_room(0, limit=4, now=10.5) is None  # every replica is at the limit: a 429
     assert router.with_room(0, limit=5, now=10.5) == 0
+
+
+def test_the_load_view_counts_only_the_waiting_requests_that_run_before_the_one_placed():
+    router = _router(policy="least-loaded")
+    router.update(_stats(replica=0, pid=100, num_running=4, num_waiting=10, num_waiting_by_priority={5: 10}), now=10.0)
+    router.update(_stats(replica=1, pid=101, num_running=4, num_waiting=3, num_waiting_by_priority={0: 3}), now=10.0)
+    assert router.choose(now=10.5, priority=0).replica == 0  # nothing there runs before it
+    assert router.choose(now=10.5, priority=5).replica == 1
+    assert router.choose(now=10.5).replica == 1  # no priority: every waiting request counts

@@ -62,19 +62,35 @@ def test_weights_divide_the_machine_in_their_proportion():
     assert 0.70 <= tokens["a"] / (tokens["a"] + tokens["b"]) <= 0.80, tokens
 
 
-def test_a_tenant_that_was_idle_banks_no_credit():
-    sched, worker = make("fair", max_num_seqs=2)
+def test_a_tenant_that_was_idle_banks_no_credit_but_one_between_requests_keeps_its_due():
+    now = [0.0]
+    config = SchedulerConfig(debug_invariants=True, block_size=4, num_gpu_blocks=256, max_num_seqs=2,
+                             max_num_batched_tokens=64, scheduling_policy="fair")
+    sched, worker = Scheduler(config, clock=lambda: now[0]), SimWorker(config, counting_tokens())
+    driver = StepDriver(sched, worker)
+
+    def drain():
+        while sched.has_unfinished():
+            driver.step()
+            now[0] += 0.01
+
     for i in range(6):
         add(sched, f"a{i}", "a", max_tokens=8)
-    driver = StepDriver(sched, worker)
-    while sched.has_unfinished():
-        driver.step()
-    # A left; B arrives to an empty scheduler and starts from where A left, not from 0; then A comes
-    # back level with B: neither is owed the time the other was away
+    drain()
+    now[0] += 5.0  # A was away long: B, arriving to an empty scheduler, starts from where A left, not 0
     add(sched, "b0", "b")
-    assert sched.policy.counters["b"] >= 6 * 8  # at least A's prompt tokens
-    add(sched, "a6", "a")
-    assert sched.policy.counters["a"] == sched.policy.counters["b"]
+    counters = sched.policy.counters
+    assert counters["b"] >= 6 * 8  # at least A's prompt tokens
+    add(sched, "a6", "a")  # and A, back after its idle time, is owed nothing for it
+    assert counters["a"] >= counters["b"]
+    drain()
+    # B served less than A; back between two requests (a client's round trip), it keeps what it is owed
+    add(sched, "a7", "a", max_tokens=64)
+    driver.step()
+    behind = counters["a"] - counters["b"]
+    now[0] += 0.5
+    add(sched, "b1", "b")
+    assert counters["a"] - counters["b"] == behind
 
 
 def test_counters_follow_the_tenants_present():
