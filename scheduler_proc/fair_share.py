@@ -6,9 +6,9 @@ service it received: prompt tokens weigh 1, charged when its request is first ad
 generated tokens weigh 2, charged as they come in (the paper's weights: a generated token
 costs a step of its own), each divided by the tenant's ``--tenant-weights`` weight (default 1).
 
-- The next to start is the oldest waiting request of the tenant whose counter is least;
-  swapped sequences resume first, oldest first (they were admitted already). Within one
-  tenant this is FCFS, and with one tenant exactly FCFS: a lone tenant gets the whole machine.
+- The next to start is the oldest swapped or waiting sequence of the tenant whose counter is
+  least. Within one tenant this is FCFS (a swapped one before newer waiting ones), and with one
+  tenant exactly FCFS: a lone tenant gets the whole machine.
 - A tenant that arrives with nothing in the scheduler, and had nothing for over a second, is
   lifted to the least counter of the tenants that have something (with none, to the counter of
   the last tenant that left), so idle time banks no credit and a tenant that floods is held back
@@ -136,16 +136,24 @@ class FairPolicy(FcfsPolicy):
         return seqs if len(self._live) <= 1 else sorted(seqs, key=self._key())
 
     def next_to_start(self, swapped: Queue["Sequence"], waiting: Queue["Sequence"]) -> Optional["Sequence"]:
-        if swapped:
-            return swapped[0]
-        if not waiting or len(self._live) <= 1:
-            return waiting[0] if waiting else None
+        """The oldest swapped-or-waiting sequence of the least-served tenant: a swapped one resumes
+        before its tenant's newer waiting ones, not before another tenant that is owed more (else a
+        victim swapped out for a waiting tenant would take its seat straight back)."""
+        if len(self._live) <= 1:
+            return swapped[0] if swapped else (waiting[0] if waiting else None)
         counters, num_tenants = self.counters, len(self._live)
         heads: dict[str, "Sequence"] = {}
-        for seq in waiting:  # arrival order: each tenant's first is its oldest
-            heads.setdefault(seq.request.tenant, seq)
-            if len(heads) == num_tenants:
-                break
+        for queue in (swapped, waiting):
+            first: dict[str, "Sequence"] = {}
+            for seq in queue:  # arrival order: each tenant's first is its oldest
+                first.setdefault(seq.request.tenant, seq)
+                if len(first) == num_tenants:
+                    break
+            for tenant, seq in first.items():
+                if tenant not in heads or seq.order < heads[tenant].order:
+                    heads[tenant] = seq
+        if not heads:
+            return None
         return min(heads.values(), key=lambda seq: (counters.get(seq.request.tenant, 0.0), seq.order))
 
     def victim(self, running: "RunningSequences") -> "Sequence":

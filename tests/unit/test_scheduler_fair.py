@@ -124,3 +124,41 @@ def test_per_tenant_stats_count_waiting_running_and_generated_tokens():
     while sched.has_unfinished():
         driver.step()
     assert sched.stats()["generation_tokens_by_tenant"] == {"a": 12, "b": 4}
+
+
+def closed_loop(policy: str, a_streams: int, b_streams: int, gap: int, steps: int = 1500):
+    """Each tenant's streams send their next request ``gap`` steps after the last one ends (a client's
+    round trip); preemption by swap. Returns B's share of tokens and its median steps to a first token."""
+    config = SchedulerConfig(block_size=16, num_gpu_blocks=4096, num_cpu_blocks=256, max_num_seqs=8,
+                             max_num_batched_tokens=512, scheduling_policy=policy, preemption_mode="swap",
+                             debug_invariants=True)
+    sched, worker = Scheduler(config), SimWorker(config, counting_tokens())
+    driver = StepDriver(sched, worker, ahead=True)
+    tokens, born, ttft, due, made = {"a": 0, "b": 0}, {}, [], [], 0
+    for i in range(a_streams + b_streams):
+        due.append((0, "a" if i < a_streams else "b"))
+    for step in range(steps):
+        for at, tenant in [d for d in due if d[0] <= step]:
+            due.remove((at, tenant))
+            made += 1
+            rid = f"{tenant}{made}"
+            msg = request(rid, [20 + made % 7] * 32, max_tokens=96, ignore_eos=True)
+            msg.tenant = tenant
+            sched.add_request(msg)
+            born[rid] = step
+        for d in driver.step()[2]:
+            tokens[d.request_id[0]] += len(d.new_token_ids)
+            arrived = born.pop(d.request_id, None) if d.new_token_ids else None
+            if d.request_id[0] == "b" and arrived is not None:
+                ttft.append(step - arrived)
+            if d.finish_reason:
+                due.append((step + gap, d.request_id[0]))
+    ttft.sort()
+    return tokens["b"] / sum(tokens.values()), ttft[len(ttft) // 2]
+
+
+def test_a_tenant_owed_service_starts_at_once_and_the_victim_swapped_out_for_it_does_not_take_the_seat_back():
+    share, steps_to_first_token = closed_loop("fair", a_streams=32, b_streams=4, gap=30)
+    fcfs_share, fcfs_steps = closed_loop("fcfs", a_streams=32, b_streams=4, gap=30)
+    assert steps_to_first_token <= 2 < fcfs_steps, (steps_to_first_token, fcfs_steps)
+    assert share >= 0.35 > fcfs_share  # B asks for less than half: its streams wait 30 steps between requests
