@@ -7,6 +7,7 @@ from typing import Optional
 
 from pagedserve.protocol.options import PREEMPTION_MODES
 from pagedserve.protocol.priority import SCHEDULING_POLICIES
+from pagedserve.protocol.speculative import SpeculativeConfig
 
 # Sequences are ordered by (arrival number, sample index) packed into one int; see request.py.
 MAX_PARALLEL_SAMPLES = 1 << 20
@@ -29,6 +30,7 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"  # protocol/priority.py SCHEDULING_POLICIES; policy.py
     priority_aging_s: Optional[float] = None  # priority policy: one level lifted per interval; None: off
     max_waiting_requests: Optional[int] = None  # past it a new request is refused (load shedding); None: no limit
+    speculative: Optional[SpeculativeConfig] = None  # --speculative-config (speculation.py); None: off
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagedserve.protocol import options as opts
+from pagedserve.protocol.speculative import parse_speculative_config
 from pagedserve.scheduler_proc.config import SchedulerConfig
 
 DEFAULT_MAX_MODEL_LEN = 2048  # without --max-model-len or a model that states its own
@@ -52,6 +53,7 @@ class _EngineConfigRules:
             debug_invariants=self.debug_invariants, seed=self.seed, vocab_size=vocab_size,
             scheduling_policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s,
             max_waiting_requests=self.max_waiting_requests,
+            speculative=parse_speculative_config(self.speculative_config),
         )
 
     def trace_config(self) -> dict:
