@@ -58,6 +58,9 @@ for s in "$@"; do
                --max-concurrency 256 --input-len 32 512 --output-len 128 --no-progress \
                --output-json "$OUT/serve.json" --output-png /tmp/serve.png; kill -INT $pid; wait $pid' ;;
     peer) step peer 420 pagedserve bench peer --device cuda --runs 2 ;;
+    spec) for n in 1 64; do step "spec$n" 150 pagedserve bench offline --shapes 0.5b --device cuda --dtype bfloat16 \
+               --engines pagedserve --num-prompts $n --output-len 256 --runs 2 --speculative-config \
+               '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'; done ;;
     peer05) step peer05 420 pagedserve bench peer --device cuda --runs 2 --model /tmp/bench-models/0.5b ;;
     serve06) step serve06 420 bash bench/gpu_serve_qwen3.sh ;;
     *) echo "unknown step $s" ;;

@@ -11,6 +11,10 @@ times; throughput is generated tokens over wall time from submit to last result,
 as the median and the spread (min-max) of the runs, with pagedserve's ratio to each peer and
 how many of its greedy outputs equal the peer's. ``--shapes tiny,small,0.5b`` runs the
 shapes of ``shapes.py`` one after the other and prints them side by side.
+``--speculative-config JSON`` runs pagedserve a second time with speculative decoding in the
+same invocation and prints both rows with their ratio and acceptance; ``--temperature T``
+samples (seeded per prompt) instead of greedy: random weights under greedy fall into cycles
+that prompt lookup predicts, sampled at temperature 1 they repeat nothing.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="weights, activations and KV cache of both engines")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="pagedserve's overlapped scheduling (default on)")
+    p.add_argument("--speculative-config", metavar="JSON", help="also run pagedserve with this speculative "
+                   "config (vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}') and "
+                   "print it beside the run without")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature, seeded per "
+                   "prompt (pagedserve only; default greedy)")
     p.add_argument("--no-check", action="store_true", help="skip comparing the engines' tokens")
     p.add_argument("--output-json", help="write the result here")
 
@@ -77,15 +86,18 @@ def _summary(engine: str, seconds: list[float], token_ids: list[list[int]], **ex
             "generated_tokens": tokens, "token_ids": token_ids, **extra}
 
 
-def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]], output_len: int) -> dict:
+def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]], output_len: int,
+                   speculative_config: str | None = None) -> dict:
     from pagedserve.offline.llm import LLM, SamplingParams
 
     opts = dict(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,  # None: default
                 device=ns.device, dtype=ns.dtype, num_threads=ns.num_threads,
-                async_scheduling=ns.async_scheduling)
+                async_scheduling=ns.async_scheduling, speculative_config=speculative_config)
     if ns.num_gpu_blocks:
         opts["num_gpu_blocks"] = ns.num_gpu_blocks
-    sampling = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    temperature = getattr(ns, "temperature", 0.0)
+    sampling = [SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True,
+                               seed=ns.seed + i if temperature else None) for i in range(len(prompts))]
     seconds, outputs = [], []
     started = time.perf_counter()
     with LLM(model, **opts) as llm:
@@ -100,7 +112,12 @@ def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]],
         stats = llm.refresh_stats()[0]
     idle = stats.worker_idle_time_s - before.worker_idle_time_s
     fwd = stats.worker_forward_time_s - before.worker_forward_time_s
-    row = _summary("pagedserve", seconds, outputs[0])
+    row = _summary("pagedserve" + (" + speculative" if speculative_config else ""), seconds, outputs[0])
+    drafts = stats.spec_decode_num_drafts - before.spec_decode_num_drafts
+    if drafts:
+        accepted = stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+        proposed = stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+        row.update(mean_acceptance_length=1 + accepted / drafts, acceptance_rate=accepted / max(proposed, 1))
     row.update(runs_identical=all(o == outputs[0] for o in outputs),
                preemptions=stats.num_preemptions_recompute + stats.num_preemptions_swap,
                worker_idle_pct=100 * idle / (idle + fwd) if idle + fwd else 0.0,
@@ -183,13 +200,22 @@ def bench_one(ns: argparse.Namespace, label: str, model: str, num_prompts: int,
         vocab = int(json.load(f).get("vocab_size") or 1000)
     prompts = make_prompts(num_prompts, input_len, min(vocab, 1000), ns.seed)
     print(f"{label}: {num_prompts} prompts of {input_len[0]}-{input_len[1]} tokens, {output_len} output "
-          f"tokens each, greedy, {ns.dtype}, {ns.device}, {ns.runs} run(s) per engine; {cpu_label()}", flush=True)
+          f"tokens each, {f'temperature {ns.temperature}' if ns.temperature else 'greedy'}, {ns.dtype}, "
+          f"{ns.device}, {ns.runs} run(s) per engine; {cpu_label()}", flush=True)
     rows = {engine: RUNNERS[engine](ns, model, prompts, output_len) for engine in ns.engines}
+    if ns.speculative_config and "pagedserve" in rows:  # the same workload again, speculating
+        rows["pagedserve-spec"] = run_pagedserve(ns, model, prompts, output_len, ns.speculative_config)
     result = {"shape": label, "model": model, "rows": rows, "num_prompts": num_prompts, "ratio": {},
               "identical_outputs": {}, "mean_common_prefix": {}}
     ours = rows.get("pagedserve")
+    spec = rows.get("pagedserve-spec")
+    if ours is not None and spec is not None:
+        result["speculative"] = {"speedup": spec["tokens_per_s"] / ours["tokens_per_s"],
+                                 "identical_outputs": sum(a == b for a, b in zip(spec["token_ids"], ours["token_ids"])),
+                                 "mean_acceptance_length": spec.get("mean_acceptance_length", 1.0),
+                                 "acceptance_rate": spec.get("acceptance_rate", 0.0)}
     for engine, row in rows.items():
-        if ours is None or engine == "pagedserve":
+        if ours is None or engine.startswith("pagedserve"):
             continue
         result["ratio"][engine] = ours["tokens_per_s"] / row["tokens_per_s"]
         if not ns.no_check:
@@ -222,6 +248,12 @@ def format_rows(results: list[dict]) -> str:
             first = f"{row['first_answer_s']:.1f} s" if "first_answer_s" in row else ""
             lines.append(f"{r['shape']:<8} {row['engine']:<36} {row['tokens_per_s']:12.1f} {spread:>15} "
                          f"{ratio:>7} {same:>9} {prefix:>6} {first:>10}")
+        spec = r.get("speculative")
+        if spec:
+            lines.append(f"{'':<8} speculative / plain: {spec['speedup']:.2f}x tokens per second, mean acceptance "
+                         f"length {spec['mean_acceptance_length']:.2f}, acceptance rate "
+                         f"{100 * spec['acceptance_rate']:.1f}%, outputs identical {spec['identical_outputs']}"
+                         f"/{r['num_prompts']}")
         ours = r["rows"].get("pagedserve")
         if ours:
             lines.append(f"{'':<8} pagedserve: worker idle {ours['worker_idle_pct']:.1f}% of step, "

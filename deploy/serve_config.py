@@ -33,6 +33,8 @@ class _ServeConfigRules:
         limit = int(model_cfg.get("max_position_embeddings") or 2048)
         if isinstance(self.served_model_name, str):
             self.served_model_name = [self.served_model_name]
+        if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...}), as vLLM's
+            self.speculative_config = json.dumps(self.speculative_config)
         if self.uvicorn_log_level is not None:
             self.uvicorn_log_level = self.uvicorn_log_level.lower()
         try:

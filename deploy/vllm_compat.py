@@ -17,8 +17,8 @@ UNSUPPORTED_FLAGS = {
                                 "and --data-parallel-size",
     "-pp": "pipeline parallelism is not supported; use --tensor-parallel-size and --data-parallel-size",
     "--kv-cache-dtype": "the KV cache always has the model's --dtype",
-    "--speculative-config": "speculative decoding is not supported",
-    "--speculative-model": "speculative decoding is not supported",
+    "--speculative-model": "vLLM's old flag: use --speculative-config '{\"method\": \"ngram\", "
+                           "\"num_speculative_tokens\": 4}'",
     "--enable-lora": "LoRA adapters are not supported",
     "--lora-modules": "LoRA adapters are not supported",
     "--max-loras": "LoRA adapters are not supported",

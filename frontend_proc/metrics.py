@@ -64,6 +64,13 @@ _COUNTERS = {
     "pagedserve_structured_output_mask_seconds_total": (
         "Seconds the schedulers spent filling grammar bitmasks for their steps",
         lambda s: s.structured_output_mask_time_s),
+    # speculative decoding (scheduler_proc/speculation.py), vLLM's names
+    **{f"{prefix}spec_decode_{name}_total": (help_text, read) for prefix in ("vllm:", "pagedserve_")
+       for name, help_text, read in (
+           ("num_drafts", "Verifications of speculative proposals (one sequence, one step)",
+            lambda s: s.spec_decode_num_drafts),
+           ("num_draft_tokens", "Speculative proposals verified", lambda s: s.spec_decode_num_draft_tokens),
+           ("num_accepted_tokens", "Speculative proposals accepted", lambda s: s.spec_decode_num_accepted_tokens))},
     # forward / (forward + idle) is the share of time the device computes while there is work
     "pagedserve_worker_forward_seconds_total": (
         "Seconds the driver workers spent in forward + sample", lambda s: s.worker_forward_time_s),
@@ -99,7 +106,22 @@ class SchedulerStatsCollector(Collector):
                            "KV-cache usage, mean over live replicas; 1 means 100 percent", mean_usage)
         for name, (help_text, read) in _COUNTERS.items():
             yield self._family(CounterMetricFamily, name, help_text, sum(read(r.stats) for r in known))
+        yield from self._accepted_per_position(known)
         yield from self._per_replica(now)
+
+    def _accepted_per_position(self, known):
+        """vLLM's ``spec_decode_num_accepted_tokens_per_pos``: a counter labelled by proposal position."""
+        totals: list[int] = []
+        for r in known:
+            for pos, count in enumerate(r.stats.spec_decode_num_accepted_tokens_per_pos):
+                totals += [0] * (pos + 1 - len(totals))
+                totals[pos] += count
+        for name in ("vllm:spec_decode_num_accepted_tokens_per_pos", "pagedserve_spec_decode_num_accepted_tokens_per_pos"):
+            family = CounterMetricFamily(name, "Speculative proposals accepted, by position in the proposal",
+                                         labels=["model_name", "position"])
+            for pos, count in enumerate(totals):
+                family.add_metric([self.model_name, str(pos)], count)
+            yield family
 
     def _per_replica(self, now: float):
         labels = ["model_name", "replica"]

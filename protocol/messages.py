@@ -171,6 +171,10 @@ class SchedulerStats(Msg):
     num_requests_shed: int = 0  # refused by --max-waiting-requests here (the frontend sheds most)
     structured_output_requests: int = 0  # admitted requests constrained by a grammar
     structured_output_mask_time_s: float = 0.0  # filling their bitmasks, summed over steps
+    spec_decode_num_drafts: int = 0  # verifications: one sequence's proposals of one step
+    spec_decode_num_draft_tokens: int = 0  # proposals verified
+    spec_decode_num_accepted_tokens: int = 0  # proposals accepted
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []  # accepted at proposal position 0, 1, ...
 
 
 class PrefixCacheEvents(Msg, gc=False):  # holds only scalars and int lists: no cycles possible
@@ -326,6 +330,11 @@ class SchedulerOutput(Msg):
     # The scheduler's monotonic clock when it built this step: every time-based decision of the
     # step (arrival stamps, limits, aging) read this value, so replay hands it back. Workers ignore it.
     now_s: float = 0.0
+    # Speculative decoding (protocol/speculative.py), by request id: proposals for an entry (a
+    # cached request that samples) to compute after its scheduled tokens. Its step then scores
+    # all of them and samples after each, and StepResult.num_accepted_tokens says how many
+    # were accepted; ``total_num_scheduled_tokens`` counts them.
+    spec_token_ids: dict[str, list[int]] = {}
 
 
 class StepResult(Msg):
@@ -343,6 +352,10 @@ class StepResult(Msg):
     # By request id: the prompt logprobs this step's chunk computed (requests with prompt_logprobs
     # only). None: none this step.
     prompt_logprobs: Optional[dict[str, PromptLogprobs]] = None
+    # By request id, for every entry of SchedulerOutput.spec_token_ids: how many of its proposals
+    # were accepted (a prefix). Its ``sampled_token_ids`` entry is the token sampled after them,
+    # so the request's new tokens are its accepted proposals followed by that token.
+    num_accepted_tokens: dict[str, int] = {}
 
 
 # ------------------------------------------------------------ any process -> supervisor

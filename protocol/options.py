@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from pagedserve.protocol.priority import MAX_LIMIT_S, SCHEDULING_POLICIES, parse_tenant_weights
+from pagedserve.protocol.speculative import SpeculativeConfigError, parse_speculative_config
 
 # The processes a serve option can be handed to (the supervisor keeps every option).
 SCHEDULER, WORKER, FRONTEND = "scheduler", "worker", "frontend"
@@ -48,6 +49,14 @@ def _non_negative(v) -> bool:
 
 def _power_of_two(v) -> bool:
     return v >= 1 and v & (v - 1) == 0
+
+
+def _speculative_config(v) -> bool:
+    try:
+        parse_speculative_config(v)
+    except SpeculativeConfigError as exc:
+        raise OptionError(str(exc)) from None  # its own one line, not the generic "must be"
+    return True
 
 
 def _log_level(v) -> bool:
@@ -211,6 +220,11 @@ OPTIONS: tuple[Option, ...] = (
            metavar="N", to=_S | _F),
     Option("async_scheduling", bool, True, "schedule the next step while the workers run this one "
            "(--no-async-scheduling waits for every step's result before the next)", to=_S),
+    Option("speculative_config", str, None, "vLLM's JSON: speculative decoding by prompt lookup, e.g. "
+           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+           "\"prompt_lookup_min\": 2}'; greedy outputs stay the same and sampled ones keep their "
+           "distribution (docs/DECISIONS.md); eagle, mtp and draft_model are refused",
+           (_speculative_config, "is not a speculative config"), metavar="JSON", to=_S),
     Option("seed", int, 0, "sampling seed (replica r uses seed + r)", to=_S),
     Option("debug_invariants", bool, False, "check block-manager invariants every step", to=_S),
     Option("record_trace", str, None, "record the protocol to a trace file (replica r of several: "

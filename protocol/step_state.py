@@ -144,3 +144,16 @@ def note_samples(sampled: list[HeldRequest], token_ids: list[int]) -> None:
     """Remember each request's newest sample: a later decode may send a placeholder for it."""
     for state, token in zip(sampled, token_ids):
         state.last_sampled = token
+
+
+def note_accepted(held: dict[str, HeldRequest], num_accepted: dict[str, int], block_size: Optional[int]) -> None:
+    """Speculative decoding: each request's computed tokens grow by its accepted proposals
+    (``StepResult.num_accepted_tokens``), which the next step sends as new tokens, and its block
+    table drops the blocks past them, which the scheduler gave back (None: a reader that keeps
+    no block tables)."""
+    for req_id, count in num_accepted.items():
+        state = held.get(req_id)
+        if state is not None:
+            state.num_scheduled_tokens += count
+            if block_size is not None:
+                del state.block_ids[-(-(state.num_computed_tokens + state.num_scheduled_tokens) // block_size):]

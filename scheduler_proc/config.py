@@ -7,6 +7,7 @@ from typing import Optional
 
 from pagedserve.protocol.options import PREEMPTION_MODES
 from pagedserve.protocol.priority import POLICIES_WITH_PRIORITY, SCHEDULING_POLICIES, parse_tenant_weights
+from pagedserve.protocol.speculative import SpeculativeConfig
 
 # Sequences are ordered by (arrival number, sample index) packed into one int; see request.py.
 MAX_PARALLEL_SAMPLES = 1 << 20
@@ -32,6 +33,7 @@ class SchedulerConfig:
     max_queue_time_s: Optional[float] = None  # the wait for a first token (deadlines.py); None: no limit
     default_deadline_s: float = 60.0  # deadline policy: a request without a deadline is ordered by arrival + this
     tenant_weights: Optional[str] = None  # fair policy: NAME=WEIGHT,... (protocol/priority.py); None: all 1
+    speculative: Optional[SpeculativeConfig] = None  # --speculative-config (speculation.py); None: off
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):

@@ -54,8 +54,10 @@ _NO_GRANTS = (np.zeros(0, np.int64), [])  # never mutated
 
 def lane_kind(seq: "Sequence") -> bool:
     """Whether ``seq`` is of the kind the lane holds: no fork to come, no shared tail to copy,
-    no logprobs, no grammar (its mask needs its previous token: never overlapped, grammar.py)."""
-    return not seq.is_parent and not seq.shared_tail and not seq.want_logprobs and seq.grammar is None
+    no logprobs, no grammar (its mask needs its previous token: never overlapped, grammar.py),
+    no speculation going on."""
+    return (not seq.is_parent and not seq.shared_tail and not seq.want_logprobs and seq.grammar is None
+            and (seq.spec is None or seq.spec.off))  # a speculating one proposes per object (speculation.py)
 
 
 def lane_ready(seq: "Sequence") -> bool:

@@ -15,6 +15,7 @@ from typing import Optional
 
 from pagedserve.protocol import options as opts
 from pagedserve.protocol.priority import parse_tenant_weights, tenant_weights_text
+from pagedserve.protocol.speculative import parse_speculative_config
 from pagedserve.scheduler_proc.config import SchedulerConfig
 
 DEFAULT_MAX_MODEL_LEN = 2048  # without --max-model-len or a model that states its own
@@ -56,6 +57,7 @@ class _EngineConfigRules:
             scheduling_policy=self.scheduling_policy, priority_aging_s=self.priority_aging_s,
             max_waiting_requests=self.max_waiting_requests, max_queue_time_s=self.max_queue_time_s,
             default_deadline_s=self.default_deadline_s, tenant_weights=self.tenant_weights,
+            speculative=parse_speculative_config(self.speculative_config),
         )
 
     def trace_config(self) -> dict:

@@ -43,3 +43,10 @@ class IntervalLog:
             s.num_swapped, 100 * s.kv_cache_usage, 100 * hits / queries if queries else 0.0,
             preempt, missed, s.num_requests_shed - prev.num_requests_shed,
             100 * idle / (idle + fwd) if idle + fwd > 0 else 0.0)
+        drafts = s.spec_decode_num_drafts - prev.spec_decode_num_drafts
+        if drafts:  # vLLM's figure: tokens per verifying step, the sampled one included
+            accepted = s.spec_decode_num_accepted_tokens - prev.spec_decode_num_accepted_tokens
+            proposed = s.spec_decode_num_draft_tokens - prev.spec_decode_num_draft_tokens
+            self.log.info("replica %d: speculative decoding: mean acceptance length %.2f, acceptance rate "
+                          "%.1f%% (%d proposals in %d verifications)", s.replica, 1 + accepted / drafts,
+                          100 * accepted / proposed if proposed else 0.0, proposed, drafts)

@@ -42,13 +42,14 @@ class StepResultMismatch(ValueError):
 class Sampled:
     """What the per-object samples of one step decided, for the scheduler to apply."""
 
-    __slots__ = ("deltas", "orders", "ended", "num_accepted")
+    __slots__ = ("deltas", "orders", "ended", "num_accepted", "drafted")
 
     def __init__(self) -> None:
         self.deltas: list[RequestDelta] = []
         self.orders: list[int] = []  # of the sequences behind ``deltas``: a step's deltas go out in arrival order
         self.ended: list[Sequence] = []  # to retire, in this order
         self.num_accepted = 0
+        self.drafted: list[Sequence] = []  # sequences whose proposals this result verified
 
 
 def check_result(out: SchedulerOutput, result: StepResult, num_per_object: int) -> None:
@@ -73,8 +74,11 @@ def check_result(out: SchedulerOutput, result: StepResult, num_per_object: int) 
 
 
 def apply_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[Sequence], others: list[Sequence],
-                  prefix_pool: Optional[BlockPool], block_size: int) -> Sampled:
-    """Append each per-object sequence's sample (checked by ``check_result``) and apply its stop rules."""
+                  prefix_pool: Optional[BlockPool], block_size: int, speculator=None) -> Sampled:
+    """Append each per-object sequence's sample (checked by ``check_result``) and apply its stop rules.
+
+    A sequence that verified proposals (speculation.py) gets its accepted ones, then the sample,
+    each checked in turn: nothing past a stop or ``max_tokens`` is kept or sent."""
     if result.prompt_logprobs:
         try:
             prompt_lp.merge(out.step, result.prompt_logprobs, {s.seq_id: s for s in (*sampling_seqs, *others)})
@@ -91,17 +95,27 @@ def apply_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[
             raise StepResultMismatch(f"step {out.step}: a sample for {req_id!r} where {seq.seq_id!r} was due")
         if seq.status != RUNNING:
             continue  # aborted while the step ran
-        if prefix_pool is not None and seq.num_kv_tokens // block_size > len(seq.block_keys):
-            prefix_cache.register_computed(prefix_pool, seq, block_size)
+        new_tokens = [token]
+        if seq.spec is not None and seq.spec.drafts:
+            new_tokens = accepted_tokens(out, result, seq, token, speculator)
+            sampled.drafted.append(seq)
         seq_tokens = seq.token_ids
-        seq_tokens.append(token)
-        sampled.num_accepted += 1
         finish = stop_token = None
-        if token in seq.stop_token_ids and len(seq_tokens) >= seq.min_len:
-            finish = "stop"
-            stop_token = token
-        elif len(seq_tokens) >= seq.max_len:
-            finish = "length"
+        for i, token in enumerate(new_tokens):
+            seq_tokens.append(token)
+            if token in seq.stop_token_ids and len(seq_tokens) >= seq.min_len:
+                finish = "stop"
+                stop_token = token
+            elif len(seq_tokens) >= seq.max_len:
+                finish = "length"
+            if finish is not None:
+                del new_tokens[i + 1:]
+                break
+        sampled.num_accepted += len(new_tokens)
+        if prefix_pool is not None and seq.num_kv_tokens // block_size > len(seq.block_keys):
+            # after the append: an accepted proposal's block holds tokens sampled only now
+            seq.num_kv_tokens = min(seq.num_kv_tokens, len(seq_tokens))
+            prefix_cache.register_computed(prefix_pool, seq, block_size)
         error = None
         if finish is None and seq.grammar is not None:
             finish, stop_token, error = grammar_finish(seq, token)
@@ -112,12 +126,25 @@ def apply_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[
                 prompt = prompt_lp.complete(seq.request)
             except prompt_lp.PromptLogprobsMismatch as exc:
                 raise StepResultMismatch(f"step {out.step}: {exc}") from None
-        append(RequestDelta(seq.request_id, seq.index, [token], finish, error, error and "engine", seq.num_prompt_tokens,
+        append(RequestDelta(seq.request_id, seq.index, new_tokens, finish, error, error and "engine", seq.num_prompt_tokens,
                             seq.num_cached_tokens, [logprob] if seq.want_logprobs and logprob is not None else None,
                             stop_token, [top] if seq.want_logprobs and top else None, prompt))
         if finish is not None:
             ended.append(seq)
     return sampled
+
+
+def accepted_tokens(out: SchedulerOutput, result: StepResult, seq: Sequence, token: int, speculator) -> list[int]:
+    """``seq``'s accepted proposals then ``token``; its computed tokens shrink to the accepted ones."""
+    drafts = seq.spec.drafts
+    num_accepted = result.num_accepted_tokens.get(seq.seq_id)
+    if num_accepted is None or not 0 <= num_accepted <= len(drafts):
+        raise StepResultMismatch(f"step {out.step}: {seq.seq_id!r} verified {len(drafts)} proposals but the "
+                                 f"result accepts {num_accepted}")
+    seq.num_kv_tokens -= len(drafts) - num_accepted
+    accepted = drafts[:num_accepted]
+    speculator.settle(seq, num_accepted)
+    return [*accepted, token]
 
 
 def in_arrival_order(deltas: list[RequestDelta], orders: list[int]) -> list[RequestDelta]:

@@ -17,6 +17,7 @@ from pagedserve.protocol.messages import AddRequest, SamplingParams
 
 from pagedserve.scheduler_proc.config import MAX_PARALLEL_SAMPLES
 from pagedserve.scheduler_proc.grammar import RequestGrammar
+from pagedserve.scheduler_proc.speculation import SpecState
 
 WAITING = 0
 RUNNING = 1
@@ -68,10 +69,11 @@ class Request:
         "first_token_by",
         "deadline_at",
         "urgency",
+        "spec_k",
     )
 
     def __init__(self, msg: AddRequest, arrival_number: int, seed: int, len_limit: int,
-                 compiled_grammar=None, arrival_time: float = 0.0):
+                 compiled_grammar=None, arrival_time: float = 0.0, spec_k: int = 0):
         self.request_id = msg.request_id
         self.arrival_number = arrival_number
         self.priority = msg.priority  # lower first, under the priority policy (policy.py)
@@ -102,6 +104,7 @@ class Request:
         # When the output is constrained: the grammar each sampling sequence gets a matcher of.
         self.grammar = None if compiled_grammar is None else RequestGrammar(compiled_grammar, self.stop_token_ids)
         self.prompt_logprobs = None  # with sampling.prompt_logprobs: those received (prompt_logprobs.py)
+        self.spec_k = spec_k  # proposals per step its samples may verify (speculation.py); 0: none
 
 
 def _fields(params: SamplingParams) -> dict:
@@ -140,6 +143,7 @@ class Sequence:
         "num_cached_tokens",
         "lane_pos",
         "grammar",
+        "spec",
     )
 
     def __init__(self, seq_id: str, request: Request, index: int, token_ids: array,
@@ -175,6 +179,7 @@ class Sequence:
         self.lane_pos = -1  # position in the decode lane, which then owns num_kv_tokens and new tokens
         # Its own matcher (grammar.py) when constrained and sampling; a parent only computes the prompt.
         self.grammar = request.grammar.new_matcher() if request.grammar is not None and not is_parent else None
+        self.spec = SpecState(request.spec_k) if request.spec_k and not is_parent else None  # speculation.py
 
     @property
     def target_len(self) -> int:

@@ -43,6 +43,7 @@ from pagedserve.scheduler_proc.grammar_cache import compile_for
 from pagedserve.scheduler_proc.policy import policy_for
 from pagedserve.scheduler_proc.request import FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, token_array
 from pagedserve.scheduler_proc.running import RunningSequences, by_order
+from pagedserve.scheduler_proc.speculation import release_rejected, schedule_decode, spec_k_for, speculator_for
 from pagedserve.scheduler_proc.stats import SchedulerCounters, snapshot
 from pagedserve.scheduler_proc.step import SchedulerStateError, StepOutputs, StepPlan
 
@@ -52,7 +53,7 @@ def _is_decode(seq: Sequence) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, grammars=None, policy=None, clock=time.monotonic):
+    def __init__(self, config: SchedulerConfig, grammars=None, policy=None, clock=time.monotonic, proposer=None):
         self.config = config
         self.grammars = grammars  # CompiledGrammarCache (grammar_cache.py); None: structured output refused
         self.policy = policy_for(config) if policy is None else policy
@@ -66,6 +67,7 @@ class Scheduler:
         self._step = 0
         self._arrivals = 0
         self.cache_events = CacheEventLog()  # for the frontend's cache-aware router
+        self.speculator = speculator_for(config.speculative, proposer)  # None: no speculative decoding
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -100,7 +102,8 @@ class Scheduler:
                                  len(msg.prompt_token_ids)) for i in indices]
         seed = self._rng.getrandbits(63) if msg.sampling.seed is None else msg.sampling.seed
         self._arrivals += 1
-        request = Request(msg, self._arrivals, seed, self.len_limit, compiled)
+        spec_k = spec_k_for(self.speculator, msg, compiled)  # proposals per step (speculation.py)
+        request = Request(msg, self._arrivals, seed, self.len_limit, compiled, spec_k=spec_k)
         self.times.arrived(request)
         self.policy.arrived(request)
         self.counters.structured_output_requests += compiled is not None
@@ -200,7 +203,8 @@ class Scheduler:
         output_processor.check_result(out, result, len(sampling))
         self.in_flight.pop(0)
         pool = self.bm.device if self.config.enable_prefix_caching else None
-        sampled = output_processor.apply_samples(out, result, sampling, others, pool, self.block_size)
+        sampled = output_processor.apply_samples(out, result, sampling, others, pool, self.block_size, self.speculator)
+        release_rejected(self.bm, sampled.drafted)
         for seq in sampled.ended:
             self.running.discard(seq)
             self._retire(seq)
@@ -292,9 +296,8 @@ class Scheduler:
             if seq.status != RUNNING:
                 continue  # preempted for an older sequence earlier in this step
             if _is_decode(seq):
-                if self._make_room(seq, 1, batch):
-                    self.bm.append_slots(seq, 1)
-                    batch.add_decode(seq)
+                if self._make_room(seq, 1, batch):  # later: a bound on the decodes still to come
+                    schedule_decode(self.speculator, seq, self.bm, batch, later=len(queue) - i - 1)
                 if later_decodes is not None:
                     later_decodes -= 1
                 continue
@@ -426,7 +429,8 @@ class Scheduler:
             if masks is not None:
                 self.counters.structured_output_mask_time_s += time.perf_counter() - started
         out = SchedulerOutput(self._step, batch.new, batch.cached, decodes, finished, batch.swap_out,
-                              batch.swap_in, copies, zero, total, masks, self.times.now)
+                              batch.swap_in, copies, zero, total, masks, now_s=self.times.now,
+                              spec_token_ids=batch.drafts)
         self.counters.count_step(batch, len(zero), len(copies))
         if total:
             self.in_flight.append((out, sampling, batch.others))

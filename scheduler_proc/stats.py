@@ -95,6 +95,7 @@ def snapshot(sched: "Scheduler") -> dict:
         "kv_cache_usage": device.num_used / device.num_blocks,
         "cache_events_sent": sched.cache_events.num_sent,
         **sched.counters.as_dict(),
+        **(sched.speculator.stats() if sched.speculator is not None else {}),
     }
 
 

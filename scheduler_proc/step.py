@@ -20,7 +20,7 @@ class StepPlan:
     """The batch one ``schedule()`` builds: what each sequence computes, and the cache moves."""
 
     __slots__ = ("budget", "new", "cached", "sampling_new", "sampling_cached", "others",
-                 "swap_out", "swap_in", "preempted", "num_recomputed")
+                 "swap_out", "swap_in", "preempted", "num_recomputed", "drafts")
 
     def __init__(self, token_budget: int):
         self.budget = token_budget  # tokens still free in this step
@@ -36,6 +36,7 @@ class StepPlan:
         self.swap_in: list[tuple[int, int]] = []
         self.preempted = False
         self.num_recomputed = 0  # tokens computed again after a recompute-preemption
+        self.drafts: dict[str, list[int]] = {}  # speculative proposals by sequence id (speculation.py)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         """``seq`` computes ``num_tokens`` tokens from its ``num_kv_tokens`` this step (its blocks granted)."""
@@ -81,6 +82,15 @@ class StepPlan:
         seq.num_kv_tokens = computed + 1
         seq.num_tokens_sent = computed + 1
         seq.num_blocks_sent = len(blocks)
+
+    def add_drafted(self, seq: Sequence, drafts: list[int]) -> None:
+        """``add_decode`` followed by ``drafts`` (its slots granted): the step computes them too
+        and samples after each; ``num_kv_tokens`` counts them until the result says which stay."""
+        self.add_decode(seq)
+        seq.num_kv_tokens += len(drafts)
+        self.budget -= len(drafts)
+        self.drafts[seq.seq_id] = drafts
+        seq.spec.drafts = drafts
 
 
 class StepOutputs:

@@ -47,6 +47,9 @@ def compare_results(step: int, recorded: m.StepResult, replayed: m.StepResult) -
     for i, (a, b) in enumerate(zip(recorded.sampled_token_ids, replayed.sampled_token_ids)):
         if a != b:
             return f"step {step}, request {recorded.req_ids[i]}: recorded token {a}, replayed token {b}"
+    if recorded.num_accepted_tokens != replayed.num_accepted_tokens:
+        return (f"step {step}: recorded accepted proposals {recorded.num_accepted_tokens}, "
+                f"replayed {replayed.num_accepted_tokens}")
     rec_lp, rep_lp = recorded.logprobs or [], replayed.logprobs or []
     for i, (a, b) in enumerate(zip(rec_lp, rep_lp)):
         if a != b:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import Decoder, ProtocolError
-from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output
+from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output, note_accepted
 from pagedserve.protocol.trace import Trace, TraceError, read_trace
 
 
@@ -161,7 +161,8 @@ class _Summarizer:
     def result(self, msg) -> None:
         if isinstance(msg, m.StepResult) and msg.rank == 0:
             self.steps_out = max(0, self.steps_out - 1)
-            self.s.sampled_tokens += len(msg.sampled_token_ids)
+            self.s.sampled_tokens += len(msg.sampled_token_ids) + sum(msg.num_accepted_tokens.values())
+            note_accepted(self.held, msg.num_accepted_tokens, None)  # a step that verified proposals is never ahead
             self.s.worker_errors += bool(msg.error)
 
 

@@ -17,6 +17,7 @@ import torch
 from pagedserve.protocol.step_state import HeldRequest, StepContractError
 from pagedserve.worker_proc.attention import CpuAttentionPlan, plan_cpu_attention
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
+from pagedserve.worker_proc.spec_verify import DraftRow, draft_rows
 
 
 class BatchError(StepContractError):
@@ -32,7 +33,7 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32: context + this step's tokens
     sample_indices: torch.Tensor  # [S] long: rows whose hidden state is sampled
-    sampled_requests: list[HeldRequest]  # the entries flagged ``samples``, in batch order
+    sampled_requests: list  # the entries flagged ``samples``, in batch order (k + 1 DraftRows with proposals)
     position_range: tuple[int, int]  # (lowest, highest) position, known on the host: no device read
     attention_plan: Optional[CpuAttentionPlan]  # CPU only: batched decodes, SDPA prefill chunks
 
@@ -53,9 +54,10 @@ def upload(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
 
 def build_forward_batch(
     requests: list[HeldRequest], block_size: int, device: torch.device, batched_decodes: bool,
-    workspace: Optional[GatherWorkspace] = None,
+    workspace: Optional[GatherWorkspace] = None, drafts: Optional[dict[str, list[int]]] = None,
 ) -> ForwardBatch:
-    """``batched_decodes``: plan the CPU attention paths (batched decodes, SDPA prefill chunks)."""
+    """``batched_decodes``: plan the CPU attention paths (batched decodes, SDPA prefill chunks).
+    ``drafts``: speculative proposals by request id, computed after its tokens (spec_verify.py)."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_start_loc = [0]
@@ -64,13 +66,21 @@ def build_forward_batch(
     sample_rows: list[int] = []
     sampled: list[HeldRequest] = []
     low, high = 0, 0
+    num_scheduled: list[int] = []
     for req in requests:
         start = req.num_computed_tokens
         end = start + req.num_scheduled_tokens
+        proposed = drafts.get(req.req_id) if drafts else None
         if end > len(req.token_ids):
             raise BatchError(
                 f"request {req.req_id!r}: {end} tokens scheduled but the worker knows only {len(req.token_ids)}"
             )
+        tokens = req.token_ids[start:end]
+        if proposed:
+            if not req.samples:
+                raise BatchError(f"request {req.req_id!r}: proposals for an entry that does not sample")
+            tokens += proposed
+            end += len(proposed)
         num_blocks = -(-end // block_size)
         if num_blocks > len(req.block_ids):
             raise BatchError(
@@ -78,19 +88,24 @@ def build_forward_batch(
                 f"but its block table has {len(req.block_ids)}"
             )
         low, high = min(low, start), max(high, end - 1)
-        input_ids += req.token_ids[start:end]
+        input_ids += tokens
         positions += range(start, end)
-        query_start_loc.append(query_start_loc[-1] + req.num_scheduled_tokens)
+        num_scheduled.append(end - start)
+        query_start_loc.append(query_start_loc[-1] + end - start)
         seq_lens.append(end)
         tables.append(req.block_ids[:num_blocks])
-        if req.samples:
+        if proposed:
+            sample_rows += range(query_start_loc[-2] + req.num_scheduled_tokens - 1, query_start_loc[-1])
+            sampled += draft_rows(req, proposed)
+        elif req.samples:
             sample_rows.append(query_start_loc[-1] - 1)
             sampled.append(req)
+    if drafts and len(drafts) != sum(isinstance(r, DraftRow) and r.j == 0 for r in sampled):
+        raise BatchError(f"proposals for {sorted(drafts)}, not all of them entries of this step that sample")
     max_blocks = max((len(t) for t in tables), default=0)
     padded = [t + [0] * (max_blocks - len(t)) for t in tables]
 
     positions_t = torch.tensor(positions, dtype=torch.long)
-    num_scheduled = [r.num_scheduled_tokens for r in requests]
     counts = torch.tensor(num_scheduled, dtype=torch.long)
     block_tables = torch.tensor(padded, dtype=torch.int32).view(len(requests), max_blocks)
     request_of_token = torch.repeat_interleave(torch.arange(len(requests)), counts)

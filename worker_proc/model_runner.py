@@ -18,7 +18,7 @@ import torch
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.ops import select_ops
 from pagedserve.protocol.messages import SchedulerOutput, StepResult, WorkerInit
-from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output, note_samples
+from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output, note_accepted, note_samples
 from pagedserve.worker_proc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
 from pagedserve.worker_proc.elementwise import select_elementwise
@@ -29,6 +29,7 @@ from pagedserve.worker_proc.model_config import load_model_spec
 from pagedserve.worker_proc.models import MODEL_CLASSES
 from pagedserve.worker_proc.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.worker_proc.sampler import sample
+from pagedserve.worker_proc.spec_verify import accept
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -125,6 +126,7 @@ class ModelRunner:
         req_ids: list[str] = []
         token_ids: list[int] = []
         logprobs = alternatives = prompt_logprobs = None
+        num_accepted: dict[str, int] = {}
         with torch.inference_mode():
             cache.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in,
                                   out.blocks_to_copy, out.new_block_ids_to_zero)
@@ -138,7 +140,7 @@ class ModelRunner:
             if scheduled:
                 batch = build_forward_batch(scheduled, cache.block_size, self.device,
                                             batched_decodes=self.device.type == "cpu",
-                                            workspace=self._gather_workspace)
+                                            workspace=self._gather_workspace, drafts=out.spec_token_ids)
                 # Before either path: a graph replays rotary's table lookups without Python
                 self.model.rotary.check_positions(*batch.position_range)
                 graph_size = self.decode_graphs.size_for(batch) if self.decode_graphs else None
@@ -149,20 +151,29 @@ class ModelRunner:
                 # Only rank 0 reports them and lm_head is replicated (models/causal_lm.py): the
                 # other ranks skip the work. A vocab-parallel lm_head would need every rank here.
                 if self.rank == 0 and any(r.sampling.prompt_logprobs is not None for r in prefills):
-                    prompt_logprobs = compute_prompt_logprobs(hidden, prefills, self.model.compute_logits) or None
+                    prompt_logprobs = compute_prompt_logprobs(hidden, prefills, self.model.compute_logits,
+                                                              out.spec_token_ids) or None
                 if batch.sampled_requests:
                     # Every rank samples (the same logits, the same seeded noise), so every rank
                     # holds the token a placeholder in the next step stands for; rank 0 reports.
                     logits = self.model.compute_logits(hidden[batch.sample_indices])
                     logits = apply_grammar_bitmask(logits, batch.sampled_requests, out.grammar, out.step)
                     sampled = sample(logits, batch.sampled_requests)
-                    note_samples(batch.sampled_requests, sampled.token_ids)
+                    entries, token_ids, logprobs, alternatives = (batch.sampled_requests, sampled.token_ids,
+                                                                  sampled.logprobs, sampled.top_logprobs)
+                    if out.spec_token_ids:  # one token per entry, after its accepted proposals (spec_verify.py)
+                        entries, token_ids, rows, num_accepted = accept(entries, token_ids, out.spec_token_ids)
+                        logprobs = None if logprobs is None else [logprobs[i] for i in rows]
+                        alternatives = None if alternatives is None else [alternatives[i] for i in rows]
+                        note_accepted(self._requests, num_accepted, cache.block_size)
+                    note_samples(entries, token_ids)
                     if self.rank == 0:
-                        req_ids = [r.req_id for r in batch.sampled_requests]
-                        token_ids, logprobs, alternatives = sampled.token_ids, sampled.logprobs, sampled.top_logprobs
+                        req_ids = [r.req_id for r in entries]
+                    else:
+                        token_ids, logprobs, alternatives, num_accepted = [], None, None, {}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(step=out.step, rank=self.rank, req_ids=req_ids, sampled_token_ids=token_ids,
                           logprobs=logprobs, forward_time_s=time.perf_counter() - started,
                           top_logprobs=alternatives,
-                          prompt_logprobs=prompt_logprobs)
+                          prompt_logprobs=prompt_logprobs, num_accepted_tokens=num_accepted)

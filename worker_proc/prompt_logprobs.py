@@ -20,10 +20,11 @@ from pagedserve.protocol.step_state import HeldRequest
 ROWS_PER_SLICE = 256  # logits rows materialized at once (x vocab x 4 bytes)
 
 
-def prompt_positions(requests: list[HeldRequest]) -> list[tuple[HeldRequest, int, int, int]]:
+def prompt_positions(requests: list[HeldRequest], drafts=None) -> list[tuple[HeldRequest, int, int, int]]:
     """(request, first hidden row, first position, number of positions) for each request of the
     step (in batch order) that wants prompt logprobs and computes positions before its last
-    prompt token here. Position ``p``'s logits score prompt token ``p + 1``."""
+    prompt token here. Position ``p``'s logits score prompt token ``p + 1``. ``drafts``: the step's
+    speculative proposals by request id, rows of their own after their request's."""
     wanted = []
     row = 0
     for req in requests:
@@ -32,15 +33,15 @@ def prompt_positions(requests: list[HeldRequest]) -> list[tuple[HeldRequest, int
             stop = min(start + req.num_scheduled_tokens, req.num_prompt_tokens - 1)
             if stop > start:
                 wanted.append((req, row, start, stop - start))
-        row += req.num_scheduled_tokens
+        row += req.num_scheduled_tokens + (len(drafts.get(req.req_id, ())) if drafts else 0)
     return wanted
 
 
 def compute_prompt_logprobs(hidden: torch.Tensor, requests: list[HeldRequest],
-                            compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, PromptLogprobs]:
+                            compute_logits: Callable[[torch.Tensor], torch.Tensor], drafts=None) -> dict[str, PromptLogprobs]:
     """By request id, the prompt logprobs of this step's chunk (empty: nobody asked)."""
     results: dict[str, PromptLogprobs] = {}
-    for req, first_row, start, count in prompt_positions(requests):
+    for req, first_row, start, count in prompt_positions(requests, drafts):
         k = req.sampling.prompt_logprobs
         targets = torch.tensor(req.token_ids[start + 1:start + 1 + count], device=hidden.device)
         logprobs: list[float] = []

@@ -3,7 +3,9 @@ workers' ``apply_output`` (protocol/step_state.py), models the *contents* of eve
 would attend over a slot holding anything but its own KV or zeros.
 
 Each device/host block is a list of slots. A slot is ``STALE`` (whatever an earlier
-owner left: the NaN of vLLM #35219), ``ZERO``, or ``(position, token)`` once written.
+owner left: the NaN of vLLM #35219), ``ZERO``, or ``(position, token)`` once written (a
+speculative proposal's slot: ``Draft(seq, position, token)``, which may stay behind its
+sequence's end once rejected: finite KV the attention masks, never stale).
 Cache operations run in the protocol's order: swap out, swap in, copy (gather, then
 scatter), zero; then every scheduled request writes its computed slots, and then each
 one reads every slot of its block table: positions it has computed must hold its own
@@ -15,10 +17,10 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from pagedserve.protocol.messages import AddRequest, SamplingParams, SchedulerOutput, StepResult
-from pagedserve.protocol.step_state import StepContractError, apply_output, note_samples
+from pagedserve.protocol.step_state import StepContractError, apply_output, note_accepted, note_samples
 
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
@@ -27,6 +29,17 @@ from pagedserve.scheduler_proc.step import StepOutputs
 STALE = "stale"
 ZERO = "zero"
 EOS = 2
+
+
+class Draft(NamedTuple):
+    """A slot written for a speculative proposal of ``seq``."""
+    seq: str
+    position: int
+    token: int
+
+
+def _holds(slot, position: int, token: int) -> bool:
+    return slot == (position, token) or (isinstance(slot, Draft) and slot[1:] == (position, token))
 
 
 class WorkerModelError(AssertionError):
@@ -77,37 +90,58 @@ class SimWorker:
             raise WorkerModelError(f"step {out.step}: a request is scheduled twice")
 
         total = 0
+        drafts = out.spec_token_ids
         for held in batch:  # write phase
             req_id, computed, scheduled = held.req_id, held.num_computed_tokens, held.num_scheduled_tokens
             end = computed + scheduled
+            proposed = drafts.get(req_id, [])
             if scheduled < 1:
                 raise WorkerModelError(f"step {out.step}: {req_id} schedules [{computed}, {end})")
-            if len(held.block_ids) * bs < end:
-                raise WorkerModelError(f"step {out.step}: {req_id} has {len(held.block_ids)} blocks for {end} tokens")
+            if len(held.block_ids) * bs < end + len(proposed):
+                raise WorkerModelError(f"step {out.step}: {req_id} has {len(held.block_ids)} blocks for "
+                                       f"{end + len(proposed)} tokens")
+            if proposed and not held.samples:
+                raise WorkerModelError(f"step {out.step}: proposals for {req_id}, which does not sample")
             for pos in range(computed, end):
                 self.device[held.block_ids[pos // bs]][pos % bs] = (pos, held.token_ids[pos])
-            total += scheduled
+            for j, token in enumerate(proposed):
+                self.device[held.block_ids[(end + j) // bs]][(end + j) % bs] = Draft(req_id, end + j, token)
+            total += scheduled + len(proposed)
         if total != out.total_num_scheduled_tokens:
             raise WorkerModelError(f"step {out.step}: total {out.total_num_scheduled_tokens} != {total}")
 
-        req_ids, sampled, sampling = [], [], []
+        req_ids, sampled, sampling, accepted = [], [], [], {}
         for held in batch:  # attention phase
             req_id = held.req_id
-            end = held.num_computed_tokens + held.num_scheduled_tokens
+            proposed = drafts.get(req_id, [])
+            tokens = held.token_ids + proposed
+            end = held.num_computed_tokens + held.num_scheduled_tokens + len(proposed)
             for pos in range(len(held.block_ids) * bs):
                 slot = self.device[held.block_ids[pos // bs]][pos % bs]
-                want = (pos, held.token_ids[pos]) if pos < end else ZERO
-                if slot != want:
+                ok = _holds(slot, pos, tokens[pos]) if pos < end else (
+                    slot == ZERO or (isinstance(slot, Draft) and slot.seq == req_id))
+                if not ok:
+                    want = (pos, tokens[pos]) if pos < end else ZERO
                     raise WorkerModelError(
                         f"step {out.step}: {req_id} reads {slot!r} at position {pos} "
                         f"(block {held.block_ids[pos // bs]}), expected {want!r}")
             if held.samples:
                 req_ids.append(req_id)
-                sampled.append(self.next_token(req_id, held.token_ids))
+                context = list(held.token_ids)
+                token = self.next_token(req_id, context)
+                num_accepted = 0
+                while num_accepted < len(proposed) and token == proposed[num_accepted]:
+                    context.append(token)
+                    num_accepted += 1
+                    token = self.next_token(req_id, context)
+                if req_id in drafts:
+                    accepted[req_id] = num_accepted
+                sampled.append(token)
                 sampling.append(held)
+        note_accepted(self.held, accepted, bs)
         note_samples(sampling, sampled)
         return StepResult(step=out.step, rank=0, req_ids=req_ids, sampled_token_ids=sampled,
-                          logprobs=[-0.5] * len(sampled))
+                          logprobs=[-0.5] * len(sampled), num_accepted_tokens=accepted)
 
 
 def counting_tokens() -> Callable[[str, list[int]], int]:

@@ -41,10 +41,12 @@ aborts = st.lists(st.builds(Abort, st.integers(0, 200), st.integers(0, 9),
                             st.sampled_from(["before", "while out", "while out, per-object"])), max_size=3)
 
 
-def run_workload(config: SchedulerConfig, workload, abort_plan: list[Abort], ahead: bool = False) -> None:
+def run_workload(config: SchedulerConfig, workload, abort_plan: list[Abort], ahead: bool = False,
+                 proposer=None) -> None:
     """``ahead``: the engine loop of async scheduling, the next step scheduled before the
-    result of the one out whenever the scheduler allows it (``while out`` then has two out)."""
-    sched, worker = Scheduler(config), SimWorker(config, counting_tokens())
+    result of the one out whenever the scheduler allows it (``while out`` then has two out).
+    ``proposer``: speculative proposals (with ``config.speculative``; test_scheduler_speculation.py)."""
+    sched, worker = Scheduler(config, proposer=proposer), SimWorker(config, counting_tokens())
     pending: deque = deque()
     prompts, ended_by_abort = {}, set()
     tokens: dict = {}  # (request id, sample index) -> tokens received

@@ -1,0 +1,34 @@
+"""A real Scheduler driving a real ModelRunner in one process (no sockets): every token the
+engine would stream, for tests of what the two halves of a step contract do together."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pagedserve.protocol.messages import AddRequest, SamplingParams, WorkerInit
+from pagedserve.protocol.speculative import SpeculativeConfig
+from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.worker_proc.model_runner import ModelRunner
+
+
+def generate(model_dir: str, prompts: list[list[int]], sampling: list[SamplingParams],
+             speculative: Optional[SpeculativeConfig] = None, **config) -> tuple[dict, Scheduler]:
+    """Streams by (request id ``r{i}``, sample index), and the scheduler (for its stats)."""
+    settings = dict(block_size=4, num_gpu_blocks=256, max_num_seqs=8, max_num_batched_tokens=128,
+                    max_model_len=512, debug_invariants=True, speculative=speculative)
+    settings.update(config)
+    cfg = SchedulerConfig(**settings)
+    runner = ModelRunner(model_dir)
+    runner.init_cache(WorkerInit(block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks,
+                                 num_cpu_blocks=cfg.num_cpu_blocks, max_model_len=cfg.max_model_len, seed=0))
+    sched = Scheduler(cfg)
+    for i, (prompt, params) in enumerate(zip(prompts, sampling)):
+        assert sched.add_request(AddRequest(f"r{i}", prompt, params)) == []
+    streams: dict = {}
+    while sched.has_unfinished():
+        out = sched.schedule()
+        for delta in sched.update_from_output(out, runner.execute(out)):
+            assert delta.error is None, delta.error
+            streams.setdefault((delta.request_id, delta.index), []).extend(delta.new_token_ids)
+    return streams, sched
