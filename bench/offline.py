@@ -68,6 +68,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "print it beside the run without")
     p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature, seeded per "
                    "prompt (pagedserve only; default greedy)")
+    p.add_argument("--repeating-prompts", type=int, default=0, metavar="N", help="each prompt its first N "
+                   "tokens over and over (a workload whose outputs may repeat what came before; 0: random)")
     p.add_argument("--no-check", action="store_true", help="skip comparing the engines' tokens")
     p.add_argument("--output-json", help="write the result here")
 
@@ -199,6 +201,8 @@ def bench_one(ns: argparse.Namespace, label: str, model: str, num_prompts: int,
     with open(f"{model}/config.json") as f:
         vocab = int(json.load(f).get("vocab_size") or 1000)
     prompts = make_prompts(num_prompts, input_len, min(vocab, 1000), ns.seed)
+    if getattr(ns, "repeating_prompts", 0):
+        prompts = [(p[:ns.repeating_prompts] * len(p))[:len(p)] for p in prompts]
     print(f"{label}: {num_prompts} prompts of {input_len[0]}-{input_len[1]} tokens, {output_len} output "
           f"tokens each, {f'temperature {ns.temperature}' if ns.temperature else 'greedy'}, {ns.dtype}, "
           f"{ns.device}, {ns.runs} run(s) per engine; {cpu_label()}", flush=True)

@@ -24,8 +24,9 @@ the decode lane while it speculates, so a step holding one is never scheduled ah
 Backoff, per sequence, by measured acceptance: after two verifications in a row that accept
 nothing the sequence pauses proposing for 1, 2, 4, ... 16 steps (reset by any acceptance),
 and the number of proposals follows the last acceptance (one more than accepted, up to k).
-Once 16 proposals of a sequence have been verified with under 10% accepted it stops for
-good and joins the decode lane, where a decode costs what it costs without speculation.
+Once 16 proposals of a sequence have been verified with under 10% accepted, or 32 decodes in
+a row found nothing to propose, it stops for good and joins the decode lane, where a decode
+costs what it costs without speculation (and async scheduling overlaps its steps again).
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ MISSES_BEFORE_PAUSE = 2  # verifications in a row that accept nothing
 MAX_PAUSE = 16  # steps
 GIVE_UP_AFTER = 16  # proposals verified before a sequence may stop for good
 GIVE_UP_BELOW = 0.1  # ... when under this share of them was accepted
+GIVE_UP_UNMATCHED = 32  # decodes in a row whose lookup found nothing: it stops for good
 
 
 class SpecState:
     """One sequence's speculation: proposals in flight and its backoff."""
 
-    __slots__ = ("drafts", "k_now", "misses", "skip", "pause", "proposed", "accepted", "off")
+    __slots__ = ("drafts", "k_now", "misses", "skip", "pause", "proposed", "accepted", "unmatched", "off")
 
     def __init__(self, k: int):
         self.drafts: list[int] = []  # proposals of the step out (verified by its result)
@@ -60,6 +62,7 @@ class SpecState:
         self.pause = 1  # the next pause's length
         self.proposed = 0
         self.accepted = 0
+        self.unmatched = 0  # decodes in a row with nothing to propose
         self.off = False  # stopped for good: it may join the decode lane
 
 
@@ -125,7 +128,10 @@ class Speculator:
             return []
         drafts = self.proposer.propose(tokens, most)
         if not drafts:
+            spec.unmatched += 1
+            spec.off = spec.unmatched >= GIVE_UP_UNMATCHED
             return []
+        spec.unmatched = 0
         base = bm.num_new_blocks(seq, 1)
         spare = bm.device.num_free - base - blocks_to_leave
         while drafts and bm.num_new_blocks(seq, 1 + len(drafts)) - base > spare:

@@ -265,3 +265,16 @@ def test_the_flag_takes_vllms_json_and_refuses_what_cannot_run_in_one_line():
         with pytest.raises(opts.OptionError, match=words) as refused:
             opts.validate({"speculative_config": value})
         assert "\n" not in str(refused.value) and str(refused.value).startswith("--speculative-config")
+
+
+def test_a_sequence_with_nothing_to_propose_joins_the_decode_lane_after_32_decodes():
+    from pagedserve.scheduler_proc.speculation import GIVE_UP_UNMATCHED
+
+    sched = Scheduler(spec_config())  # prompt lookup: counting tokens never repeat
+    sched.add_request(request("r", [5, 6, 7], max_tokens=120, ignore_eos=True))
+    driver = StepDriver(sched, SimWorker(sched.config, counting_tokens()), ahead=True)
+    while driver.busy():
+        out, _, _ = driver.step()
+        assert not out.spec_token_ids
+    assert driver.steps_ahead > 120 - GIVE_UP_UNMATCHED - 10  # overlapped once it stopped looking
+    assert_all_blocks_free(sched)
