@@ -59,7 +59,7 @@ def env(deployment):
 
 @pytest.fixture(scope="session")
 def thinking_deployment(tmp_path_factory, model_factory):
-    with fake_deployment(tmp_path_factory, model_factory("qwen2", thinking_template=True), 1, 512, extra_args=[
+    with fake_deployment(tmp_path_factory, model_factory("qwen2", thinking_template=True), 1, 1024, extra_args=[
             "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as deployed:
         yield deployed
 

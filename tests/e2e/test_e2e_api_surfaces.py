@@ -18,6 +18,7 @@ PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "enum"
                                                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
               "required": ["city", "days"], "additionalProperties": False}
 QUESTION = "Weather in Paris for three days?"
+GREEDY = {"temperature": 0}  # anthropic 2.x's client takes sampling fields only as extras
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +69,11 @@ def test_responses_json_schema_format_and_forced_function_call_follow_their_sche
 def test_anthropic_messages_answer_what_chat_answers_streamed_or_not_and_a_forced_tool_is_valid(clients):
     openai, claude, model = clients
     expected = _chat_text(openai, model, 12)
-    message = claude.messages.create(model=model, system="Be brief.", max_tokens=12, temperature=0,
+    message = claude.messages.create(model=model, system="Be brief.", max_tokens=12, extra_body=GREEDY,
                                      messages=[{"role": "user", "content": QUESTION}])
     assert "".join(b.text for b in message.content) == expected
     assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens <= 12
-    with claude.messages.stream(model=model, system="Be brief.", max_tokens=12, temperature=0,
+    with claude.messages.stream(model=model, system="Be brief.", max_tokens=12, extra_body=GREEDY,
                                 messages=[{"role": "user", "content": QUESTION}]) as stream:
         assert "".join(stream.text_stream) == expected
     tool = {"name": "get_weather", "input_schema": PARAMETERS}

@@ -80,7 +80,8 @@ def test_stop_sequences_end_the_text_and_are_named(thinking_env):
     frontend, fake, _ = thinking_env
     client = _client(frontend)
     message = client.messages.create(model="tiny", max_tokens=64, messages=USER, stop_sequences=["How"],
-                                     thinking=NO_THINKING, temperature=0.5, top_p=0.9, top_k=5)
+                                     thinking=NO_THINKING,  # this client sends sampling fields as extras
+                                     extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 5})
     assert _blocks(message) == [("text", "Hello, world! ")]
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "How")
     sampling = fake.added[-1].sampling
