@@ -20,6 +20,7 @@ class _Streamed:
     text: str = ""
     reasoning_sent: int = 0
     content_sent: int = 0
+    content_start: Optional[int] = None  # where the content begins in text, once it has begun
 
 
 class ReasoningChoices:
@@ -43,10 +44,18 @@ class ReasoningChoices:
                      finish_reason: Optional[str], *more: Any) -> Optional[dict[str, Any]]:
         state = self._streamed[index]
         state.text += text
-        split: ReasoningSplit = self.parser.split(state.text, finish_reason is not None)
-        reasoning = split.reasoning[state.reasoning_sent:]
-        content = split.content[state.content_sent:]
-        state.reasoning_sent, state.content_sent = len(split.reasoning), len(split.content)
+        if state.content_start is not None:
+            # The reasoning ended where it will always have ended (the first end tag): splitting
+            # again would only rescan the whole output, per token.
+            reasoning, content = "", state.text[state.content_start + state.content_sent:]
+            state.content_sent += len(content)
+        else:
+            split: ReasoningSplit = self.parser.split(state.text, finish_reason is not None)
+            reasoning = split.reasoning[state.reasoning_sent:]
+            content = split.content[state.content_sent:]
+            state.reasoning_sent, state.content_sent = len(split.reasoning), len(split.content)
+            if split.content:  # always a suffix of the text
+                state.content_start = len(state.text) - len(split.content)
         if not reasoning and not content and finish_reason is None and logprobs is None:
             return None
         choice = self.inner.chunk_choice(index, content, logprobs, finish_reason, *more)
