@@ -21,6 +21,7 @@ from pagedserve.frontend_proc.args import FrontendConfig, parse_args
 from pagedserve.frontend_proc.drain import DRAIN_GRACE_S, end_requests_at_drain_deadline
 from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.metrics import FrontendMetrics
+from pagedserve.frontend_proc.reasoning import get_reasoning_parser
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.serving import Serving
 from pagedserve.client.generation_defaults import load_generation_defaults
@@ -53,7 +54,9 @@ async def serve(config: FrontendConfig) -> None:
                       metrics, config.max_logprobs, config.tool_calling,
                       defaults=load_generation_defaults(config.generation_config, str(config.model)),
                       model_aliases=config.model_aliases, scheduling_policy=config.scheduling_policy,
-                      tenant_header=config.tenant_header)
+                      tenant_header=config.tenant_header,
+                      reasoning_parser=(get_reasoning_parser(config.reasoning_parser)
+                                        if config.reasoning_parser else None))
     app = build_app(serving, router, metrics, config.api_key)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level,

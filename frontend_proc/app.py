@@ -1,4 +1,4 @@
-"""HTTP routes of the OpenAI-compatible API, and errors rendered as OpenAI error bodies."""
+"""HTTP routes of the OpenAI-compatible API (and Anthropic's messages), errors rendered in each one's shape."""
 
 from __future__ import annotations
 
@@ -11,10 +11,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedserve.frontend_proc.anthropic_messages import PATH_PREFIX as ANTHROPIC_PATH
+from pagedserve.frontend_proc.anthropic_messages import add_anthropic_routes, anthropic_error
 from pagedserve.frontend_proc.auth import make_api_key_check
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest
+from pagedserve.frontend_proc.generation import ClientDisconnected
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest, CompletionRequest
+from pagedserve.frontend_proc.responses_api import add_responses_routes
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.serving import Serving, error_response
 from pagedserve.frontend_proc.utility_routes import add_utility_routes
@@ -46,14 +50,24 @@ def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
     authorized = [Depends(make_api_key_check(api_key))] if api_key else []
     started = int(time.time())
 
+    def render(request: Request, exc: APIError) -> JSONResponse:
+        """Each surface's errors in its own shape: Anthropic's on /v1/messages, else OpenAI's."""
+        if request.url.path.startswith(ANTHROPIC_PATH):
+            return anthropic_error(exc)
+        return error_response(exc)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return render(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(InvalidRequest(message, param=param))
+        return render(request, InvalidRequest(message, param=param))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _disconnected(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; the request was aborted
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -69,6 +83,8 @@ def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
+    add_responses_routes(app, serving, authorized)
+    add_anthropic_routes(app, serving, authorized)
     add_utility_routes(app, serving, authorized, started)
 
     @app.get("/health")

@@ -1,4 +1,4 @@
-"""Bearer-token check (a FastAPI dependency) for the generation, model, tokenize and metrics
+"""Bearer-token (or Anthropic's x-api-key) check (a FastAPI dependency) for the generation, model, tokenize and metrics
 routes; /health, /version, /ping and the API docs stay open, as vLLM leaves them."""
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ def make_api_key_check(api_key: str) -> Callable[[Request], Awaitable[None]]:
     """The dependency that admits only requests bearing the key (no key: no dependency, app.py)."""
 
     expected = f"Bearer {api_key}".encode()
+    key = api_key.encode()
 
     # async: FastAPI runs a plain def dependency in its thread pool, a thread hop per request
     async def require_api_key(request: Request) -> None:
         given = request.headers.get("authorization", "").encode()
+        # Anthropic's clients send the key as x-api-key (/v1/messages).
+        other = request.headers.get("x-api-key", "").encode()
         # compare_digest: the time taken must not reveal how much of the key matched.
-        if not secrets.compare_digest(given, expected):
-            raise Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
+        if not (secrets.compare_digest(given, expected) | secrets.compare_digest(other, key)):
+            raise Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>' "
+                               "(or 'x-api-key: <key>')", code="invalid_api_key")
 
     return require_api_key

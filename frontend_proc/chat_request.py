@@ -1,5 +1,13 @@
 """A chat request made ready to generate: its prompt (template options and tools applied), the
-grammar a forced tool choice needs, and how its choices are rendered."""
+grammar a forced tool choice needs, and how its choices are rendered (tool calls parsed from the
+content, the reasoning split off first when --reasoning-parser is set).
+
+Structured output with a reasoning parser: vLLM starts the grammar where the thinking ends.
+The scheduler here applies a grammar from the first output token, so a request that would
+think and also asks for structured output (response_format, guided_*, or a forced tool choice)
+is a 400 naming the field; with the thinking switched off (Qwen3's ``enable_thinking: false``,
+or a template that closes it in the prompt) the whole output is content and the grammar applies.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +17,11 @@ from typing import Optional, Union
 from pagedserve.client.chat_template_options import ChatTemplateOptions
 from pagedserve.frontend_proc.errors import InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest
+from pagedserve.frontend_proc.reasoning import ReasoningParser
+from pagedserve.frontend_proc.reasoning.output import ReasoningChoices
 from pagedserve.frontend_proc.response_format import ChatFormat
-from pagedserve.frontend_proc.structured_request import check_grammar, structured_outputs_of
+from pagedserve.frontend_proc.structured_request import (
+    check_grammar, structured_output_field, structured_outputs_of)
 from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.frontend_proc.tool_call_output import ToolCallChoices
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig, plan_tool_calls
@@ -22,11 +33,12 @@ from pagedserve.protocol.validate import InvalidField
 class ChatPrompt:
     prompt_ids: list[int]
     structured_outputs: Optional[StructuredOutputs]  # set by a forced tool choice
-    choices: Union[ChatFormat, ToolCallChoices]  # full_choice / chunk_choice for the response
+    choices: Union[ChatFormat, ToolCallChoices, ReasoningChoices]  # full_choice / chunk_choice
 
 
 def prepare_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer,
-                 tool_calling: ToolCallingConfig, fmt: ChatFormat) -> ChatPrompt:
+                 tool_calling: ToolCallingConfig, fmt: ChatFormat,
+                 reasoning: Optional[ReasoningParser] = None) -> ChatPrompt:
     plan = plan_tool_calls(body, tool_calling)
     options = ChatTemplateOptions.from_request(
         body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
@@ -36,7 +48,24 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer,
     prompt_ids = tokenizer.encode_chat(body.messages, options)
     choices = fmt if plan.parser is None else ToolCallChoices(
         fmt, plan.parser, body.n, plan.parallel_tool_calls)
+    if reasoning is not None:
+        tail = tokenizer.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+        if reasoning.starts_in_reasoning(tail, options.template_kwargs):
+            _refuse_grammar_while_thinking(body, reasoning, plan.structured_outputs is not None)
+            choices = ReasoningChoices(fmt, choices, reasoning, body.n)
     return ChatPrompt(prompt_ids, plan.structured_outputs, choices)
+
+
+def _refuse_grammar_while_thinking(body: ChatCompletionRequest, reasoning: ReasoningParser,
+                                   forced_tool_call: bool) -> None:
+    field = "tool_choice" if forced_tool_call else structured_output_field(body)
+    if field is None:
+        return
+    switch = ("switch the thinking off (chat_template_kwargs.enable_thinking false; Responses: reasoning.effort "
+              "\"none\"; Anthropic: thinking.type \"disabled\"), or " if reasoning.reads_enable_thinking else "")
+    raise InvalidRequest(f"{field}: structured output cannot start where the thinking ends "
+                         f"(--reasoning-parser {reasoning.name}): this server applies a grammar from "
+                         f"the first output token; {switch}drop {field}", param=field)
 
 
 def _check_forced_call_grammar(body: ChatCompletionRequest, grammar: StructuredOutputs) -> None:

@@ -59,3 +59,16 @@ class ShuttingDown(ServiceUnavailable):
 
     def __init__(self, message: str):
         super().__init__(message, code="server_shutting_down")
+
+
+def in_surface_terms(exc: APIError, names: dict[str, str]) -> APIError:
+    """A refusal of a translated chat request in the field names its client sent (Responses'
+    ``text.format`` for chat's ``response_format``, ...); other errors as they are."""
+    if not isinstance(exc, InvalidRequest) or exc.param is None:
+        return exc
+    chat_field = exc.param.split(".")[0].split("[")[0]
+    if chat_field not in names:
+        return exc
+    ours = names[chat_field]
+    return InvalidRequest(exc.message.replace(chat_field, ours), param=exc.param.replace(chat_field, ours, 1),
+                          code=exc.code)

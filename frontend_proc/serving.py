@@ -7,41 +7,37 @@ disconnects, before or during the stream, gets its request aborted at the schedu
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable, Optional, Sequence, TypeVar, Union
+from typing import Any, AsyncIterator, Optional, Sequence, TypeVar, Union
 
 import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.frontend_proc.chat_request import prepare_chat
+from pagedserve.frontend_proc.completion_batch import CompletionBatch
 from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest, TooManyRequests
+from pagedserve.frontend_proc.generation import ChoiceRenderer, Generation
 from pagedserve.frontend_proc.metrics import FrontendMetrics
-from pagedserve.frontend_proc.prompt_logprobs_format import echo_entries, prompt_logprob_dicts
 from pagedserve.frontend_proc.openai_schema import (
     DEFAULT_MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields)
-from pagedserve.frontend_proc.completion_batch import CompletionBatch
+from pagedserve.frontend_proc.reasoning import ReasoningParser
 from pagedserve.frontend_proc.request_fields import refuse_unsupported_fields
-from pagedserve.frontend_proc.request_stream import ChoiceUpdate, RequestStream
-from pagedserve.frontend_proc.response_format import (
-    ChatFormat, CompletionFormat, LogprobEntries, usage)
+from pagedserve.frontend_proc.request_stream import RequestStream
+from pagedserve.frontend_proc.response_format import CompletionFormat, ChatFormat
 from pagedserve.frontend_proc.structured_request import structured_outputs_of
 from pagedserve.frontend_proc.tenant import tenant_of
-from pagedserve.client.tokenization import PromptTokenizer
-from pagedserve.frontend_proc.tool_call_output import ToolCallChoices
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
-from pagedserve.protocol.messages import AddRequest, SamplingParams, StructuredOutputs
 from pagedserve.client.detokenizer import Decodes, TextDecoder
 from pagedserve.client.generation_defaults import GenerationDefaults
+from pagedserve.client.tokenization import PromptTokenizer
+from pagedserve.protocol.messages import AddRequest, SamplingParams, StructuredOutputs
 from pagedserve.protocol.priority import priority_refusal
 from pagedserve.protocol.validate import InvalidField, check_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# What renders a request's choices: its format, or a wrapper of it (tool_call_output.py).
-ChoiceRenderer = Union[CompletionFormat, ToolCallChoices]
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Protocol field -> the request field a client sent it as.
 _CLIENT_FIELD = {"prompt_token_ids": "prompt", "request_id": None, "eos_token_ids": None}
@@ -52,31 +48,8 @@ def _first(*values: Optional[T]) -> T:
     return next(v for v in values if v is not None)
 
 
-class ClientDisconnected(Exception):
-    pass
-
-
 def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers())
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; raise ClientDisconnected (cancelling it) if the client goes away."""
-    work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch_task.cancel()
-    if not work_task.done():
-        work_task.cancel()
-        raise ClientDisconnected()
-    return work_task.result()
 
 
 _JSON = msgspec.json.Encoder()  # UTF-8 as is, like json.dumps(ensure_ascii=False), several times faster
@@ -94,7 +67,8 @@ class Serving:
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                  tool_calling: ToolCallingConfig = ToolCallingConfig(),
                  defaults: GenerationDefaults = GenerationDefaults(), model_aliases: Sequence[str] = (),
-                 scheduling_policy: str = "fcfs", tenant_header: Optional[str] = None):
+                 scheduling_policy: str = "fcfs", tenant_header: Optional[str] = None,
+                 reasoning_parser: Optional[ReasoningParser] = None):
         self.served_model_names = list(served_model_names)  # what /v1/models lists
         self.served_model_name = self.served_model_names[0]  # what responses name
         # what a request may name the model: the served names, or the path as given (vLLM's name)
@@ -109,6 +83,7 @@ class Serving:
         self.defaults = defaults  # --generation-config: for fields a request leaves out
         self.scheduling_policy = scheduling_policy
         self.tenant_header = tenant_header  # --tenant-header (tenant.py)
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser: None leaves chat output whole
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         refuse_unsupported_fields(body)
@@ -119,17 +94,33 @@ class Serving:
                       for ids in prompt_ids]
         echo_texts = ([p if isinstance(p, str) else self._decoder(body).decode(p) for p in prompts]
                       if body.echo else None)
-        return await self._generate(body, prompt_ids, max_tokens, body.wants_logprobs(),
-                                    CompletionFormat(self.served_model_name), request, echo_texts)
+        generation = self._start(body, prompt_ids, max_tokens, body.wants_logprobs(),
+                                 CompletionFormat(self.served_model_name), request, echo_texts,
+                                 include_usage=body.include_usage_in_stream())
+        return await self._respond(generation, body.stream)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return await self._respond(self.start_chat(body, request), body.stream)
+
+    def start_chat(self, body: ChatCompletionRequest, request: Request,
+                   include_usage: Optional[bool] = None) -> Generation:
+        """A chat request checked and submitted; the other chat surfaces (Responses, Anthropic)
+        come through here with the request they translated."""
         refuse_unsupported_fields(body)
         self._check_model(body)
         fmt = ChatFormat(self.served_model_name)
-        chat = prepare_chat(body, self.tokenizer, self.tool_calling, fmt)
+        chat = prepare_chat(body, self.tokenizer, self.tool_calling, fmt, self.reasoning_parser)
         max_tokens = self._max_tokens(len(chat.prompt_ids), body.requested_max_tokens(), default=None)
-        return await self._generate(body, [chat.prompt_ids], [max_tokens], body.wants_logprobs(), fmt,
-                                    request, structured_outputs=chat.structured_outputs, choices=chat.choices)
+        return self._start(body, [chat.prompt_ids], [max_tokens], body.wants_logprobs(), fmt, request,
+                           structured_outputs=chat.structured_outputs, choices=chat.choices,
+                           include_usage=body.include_usage_in_stream() if include_usage is None else include_usage)
+
+    def count_chat_prompt(self, body: ChatCompletionRequest) -> int:
+        """The prompt tokens a chat request would send (Anthropic's count_tokens)."""
+        refuse_unsupported_fields(body)
+        self._check_model(body)
+        fmt = ChatFormat(self.served_model_name)
+        return len(prepare_chat(body, self.tokenizer, self.tool_calling, fmt, self.reasoning_parser).prompt_ids)
 
     def _check_model(self, body: SamplingFields) -> None:
         if body.model is not None and body.model not in self.accepted_model_names:
@@ -245,105 +236,34 @@ class Serving:
         """How the choices' text is decoded: with special tokens only when asked (vLLM)."""
         return self.tokenizer if body.skip_special_tokens else TextDecoder(self.tokenizer.tokenizer, False)
 
-    async def _generate(self, body: SamplingFields, prompt_ids: list[list[int]], max_tokens: list[int],
-                        logprobs: bool, fmt: CompletionFormat, request: Request,
-                        echo_texts: Optional[list[str]] = None,
-                        structured_outputs: Optional[StructuredOutputs] = None,
-                        choices: Optional[ChoiceRenderer] = None) -> Response:
-        choices = choices or fmt
+    def _start(self, body: SamplingFields, prompt_ids: list[list[int]], max_tokens: list[int],
+               logprobs: bool, fmt: CompletionFormat, request: Request,
+               echo_texts: Optional[list[str]] = None,
+               structured_outputs: Optional[StructuredOutputs] = None,
+               choices: Optional[ChoiceRenderer] = None, include_usage: bool = False) -> Generation:
         streams = self._submit_all(body, prompt_ids, max_tokens, logprobs, fmt, structured_outputs,
                                    tenant_of(request.headers, body.user, self.tenant_header))
         stream = CompletionBatch(streams, echo_texts, stop_token_ids=frozenset(body.stop_token_ids or ()),
                                  prompt_ids=prompt_ids, prompt_logprobs=body.prompt_logprobs,
                                  echo_logprobs=body.echo_logprobs())
-        updates = stream.updates()
-        try:
-            if not body.stream:
-                return await _unless_disconnected(request, self._collect(stream, updates, fmt, choices))
-            first = await _unless_disconnected(request, updates.__anext__())
-        except ClientDisconnected:
-            stream.abort()
-            return Response(status_code=499)
-        except APIError as exc:
-            stream.abort()
-            return error_response(exc)
-        except StopAsyncIteration:
-            first = []
-        return StreamingResponse(
-            self._sse_events(stream, updates, first, fmt, choices, body.include_usage_in_stream()),
-            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return Generation(stream, fmt, choices or fmt, request, self.tokenizer.token_text, include_usage)
 
-    def _logprob_entries(self, update: ChoiceUpdate, stream: CompletionBatch) -> Optional[LogprobEntries]:
-        text = self.tokenizer.token_text
-        echoed: LogprobEntries = []
-        if stream.echo_logprobs is not None and update.prompt_logprobs is not None:
-            prompt = stream.choices[update.index].prompt_token_ids
-            echoed = echo_entries(prompt, update.prompt_logprobs, stream.echo_logprobs, text)
-        if update.logprobs is None:
-            return echoed or None
-        alternatives = update.top_logprobs or [[] for _ in update.token_ids]
-        return echoed + [(text(t), lp, [(text(a), alp) for a, alp in top])
-                         for t, lp, top in zip(update.token_ids, update.logprobs, alternatives)]
+    async def _respond(self, generation: Generation, stream: bool) -> Response:
+        """The generation as a JSON body or an SSE stream (APIError / ClientDisconnected raised
+        before anything is sent: app.py renders them)."""
+        if not stream:
+            return JSONResponse(await generation.full())
+        await generation.start_stream()
+        return StreamingResponse(_sse_events(generation.chunks()), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
-    async def _collect(self, stream: CompletionBatch,
-                       updates: AsyncIterator[list[ChoiceUpdate]],
-                       fmt: CompletionFormat, render: ChoiceRenderer) -> JSONResponse:
-        texts = [[] for _ in stream.choices]
-        logprobs: list[Optional[LogprobEntries]] = [None for _ in stream.choices]
-        prompt_logprobs = [None for _ in stream.choices]
-        async for batch in updates:
-            for update in batch:
-                texts[update.index].append(update.text)
-                if update.prompt_logprobs is not None and stream.prompt_logprobs is not None:
-                    prompt_logprobs[update.index] = prompt_logprob_dicts(
-                        stream.choices[update.index].prompt_token_ids, update.prompt_logprobs,
-                        stream.prompt_logprobs, self.tokenizer.token_text)
-                entries = self._logprob_entries(update, stream)
-                if entries is not None:
-                    logprobs[update.index] = (logprobs[update.index] or []) + entries
-        choices = [render.full_choice(c.index, "".join(texts[c.index]), logprobs[c.index],
-                                      c.finish_reason, c.stop_reason) for c in stream.choices]
-        payload = fmt.envelope(fmt.object_full, choices)
-        if stream.prompt_logprobs is not None:  # vLLM's places: on each completion choice, atop a chat
-            if isinstance(fmt, ChatFormat):
-                payload["prompt_logprobs"] = prompt_logprobs[0]
-            else:
-                for choice, scored in zip(choices, prompt_logprobs):
-                    choice["prompt_logprobs"] = scored
-        payload["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
-        return JSONResponse(payload)
 
-    async def _sse_events(self, stream: CompletionBatch,
-                          updates: AsyncIterator[list[ChoiceUpdate]], first: list[ChoiceUpdate],
-                          fmt: CompletionFormat, render: ChoiceRenderer,
-                          include_usage: bool) -> AsyncIterator[bytes]:
-        try:
-            opening = fmt.opening_chunk_choices(len(stream.choices))
-            if opening:
-                yield _sse(fmt.envelope(fmt.object_chunk, opening))
-            batch: Optional[list[ChoiceUpdate]] = first
-            while batch is not None:
-                # One event per step's token (as vLLM), even while its text waits for the rest
-                # of a character or a possible stop string; the events that piled up while
-                # this task waited go out in one write. A tool-call renderer may hold a chunk.
-                chunks = (render.chunk_choice(u.index, u.text, self._logprob_entries(u, stream), u.finish_reason,
-                                              stream.choices[u.index].stop_reason)
-                          for u in batch if u.text or u.finish_reason or u.logprobs or u.token_ids)
-                events = b"".join(_sse(fmt.envelope(fmt.object_chunk, [c])) for c in chunks if c is not None)
-                if events:
-                    yield events
-                batch = await anext(updates, None)
-            if include_usage:
-                final = fmt.envelope(fmt.object_chunk, [])
-                final["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
-                yield _sse(final)
-        except APIError as exc:
-            # Cut short: every choice still open ends with a finish_reason, then the reason.
-            ended = [fmt.chunk_choice(c.index, "", None, exc.finish_reason)
-                     for c in stream.choices if c.finish_reason is None]
-            if ended:
-                yield _sse(fmt.envelope(fmt.object_chunk, ended))
-            yield _sse(exc.body())
-        finally:
-            stream.abort()  # no-op when finished; frees the request after a disconnect
-        yield _sse("[DONE]")
+async def _sse_events(chunks: AsyncIterator[list[dict[str, Any]]]) -> AsyncIterator[bytes]:
+    try:
+        async for payloads in chunks:
+            yield b"".join(_sse(p) for p in payloads)
+    except APIError as exc:
+        yield _sse(exc.body())
+    finally:
+        await chunks.aclose()
+    yield _sse("[DONE]")

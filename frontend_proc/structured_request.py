@@ -49,6 +49,12 @@ def _requested(body: SamplingFields) -> list[tuple[str, dict]]:
     return asked
 
 
+def structured_output_field(body: SamplingFields) -> Optional[str]:
+    """The field the body asks for structured output with (the first if several); None if none."""
+    asked = _requested(body)
+    return asked[0][0] if asked else None
+
+
 def structured_outputs_of(body: SamplingFields) -> Optional[StructuredOutputs]:
     """The body's structured output request in wire form, its grammar checked; None if none.
     Raises InvalidRequest naming the field."""

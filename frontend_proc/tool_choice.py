@@ -87,7 +87,8 @@ def plan_tool_calls(body: ChatCompletionRequest, config: ToolCallingConfig) -> T
             raise InvalidRequest('"auto" tool choice requires --enable-auto-tool-choice and '
                                  '--tool-call-parser to be set; or set tool_choice to "none", '
                                  '"required" or a named function', param="tool_choice")
-        return ToolPlan(template_tools, None, get_tool_parser(config.tool_call_parser), parallel)
+        schemas = {t.function.name: arguments_schema(t).get("properties") or {} for t in tools}
+        return ToolPlan(template_tools, None, get_tool_parser(config.tool_call_parser, schemas), parallel)
     if choice == "required":
         schema = required_calls_schema(tools, parallel)
         return ToolPlan(template_tools, StructuredOutputs(json=json.dumps(schema)),

@@ -30,7 +30,8 @@ DTYPE_ALIASES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16
 DTYPE_CHOICES = ("auto", *DTYPE_ALIASES)
 ROUTER_KINDS = ("cache-aware", "least-loaded", "round-robin")  # frontend_proc/routing_policy.py
 PREEMPTION_MODES = ("auto", "swap", "recompute")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # frontend_proc/tool_parsers/__init__.py (a test checks)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "qwen3_coder")  # frontend_proc/tool_parsers/ (a test checks)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # frontend_proc/reasoning/__init__.py (a test checks)
 BACKENDS = ("mp", "ray")  # vLLM's names for --distributed-executor-backend
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -146,8 +147,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("enable_auto_tool_choice", bool, False, 'let requests use tool_choice "auto": tool calls are '
            "parsed from the output by --tool-call-parser", to=_F),
     Option("tool_call_parser", str, None, "how tool calls are written in the model's output (hermes: "
-           "Qwen2.5 and Hermes models; llama3_json: Llama 3.1+)", choices=TOOL_CALL_PARSERS, metavar="NAME",
-           to=_F),
+           "Qwen2.5, Qwen3 and Hermes models; llama3_json: Llama 3.1+; pythonic: Llama 3.2 / 4 and others "
+           "writing [f(x=1)]; qwen3_coder: Qwen3-Coder's <function=...> blocks)", choices=TOOL_CALL_PARSERS,
+           metavar="NAME", to=_F),
+    Option("reasoning_parser", str, None, "split the thinking between <think> and </think> from the "
+           "answer into reasoning_content (qwen3: Qwen3 and Qwen3.5, honours enable_thinking; "
+           "deepseek_r1: DeepSeek-R1 and its distills)", choices=REASONING_PARSERS, metavar="NAME", to=_F),
     Option("disable_log_requests", bool, True, "accepted for vLLM command lines: pagedserve never logs "
            "prompts or outputs"),
     # -- model and devices

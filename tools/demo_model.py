@@ -57,6 +57,15 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen3's generation prompt: with enable_thinking false the template writes an empty, closed
+# thinking block itself, so the model answers at once (the reasoning parser then reads none).
+THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+assert THINKING_CHAT_TEMPLATE != CHAT_TEMPLATE
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # Shapes by family; every one is a few MB in fp32.
@@ -68,7 +77,7 @@ ARCHS: dict[str, dict[str, Any]] = {
 }
 
 
-def build_tokenizer(vocab_size: int):
+def build_tokenizer(vocab_size: int, chat_template: str = CHAT_TEMPLATE):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -88,7 +97,7 @@ def build_tokenizer(vocab_size: int):
         pad_token="<|endoftext|>",
         bos_token=None,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
@@ -106,9 +115,11 @@ def build_model_dir(
     tie_word_embeddings: bool = False,
     seed: int = 0,
     dtype: str = "float32",
+    thinking_template: bool = False,
     **extra_config: Any,
 ) -> Path:
-    """Write a random ``arch`` model with a local tokenizer into ``path``; returns it."""
+    """Write a random ``arch`` model with a local tokenizer into ``path``; returns it.
+    ``thinking_template``: the chat template reads Qwen3's ``enable_thinking``."""
     import torch
     import transformers
 
@@ -116,7 +127,7 @@ def build_model_dir(
         raise ValueError(f"unknown demo architecture {arch!r}; choose one of {sorted(ARCHS)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = build_tokenizer(vocab_size, THINKING_CHAT_TEMPLATE if thinking_template else CHAT_TEMPLATE)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config_cls = getattr(transformers, ARCHS[arch]["cls"])
     config = config_cls(

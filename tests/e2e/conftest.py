@@ -3,7 +3,10 @@
 - `shared_server`: `pagedserve serve` on the qwen2 demo model, near-default settings;
 - `shared_llm`: the offline `LLM` on the same model, as vLLM's quickstart builds one;
 - `deployment` (and `env`, which resets it): a real frontend in front of two scripted fake
-  replicas (support/frontend_harness.py).
+  replicas (support/frontend_harness.py);
+- `thinking_deployment` (and `thinking_env`): a frontend with --reasoning-parser qwen3 and hermes
+  tool calls before one fake replica, on a demo model whose template reads enable_thinking; for
+  the chat, Responses and Anthropic surfaces.
 
 A test that only sends requests uses these. A test that needs its own settings (a tight cache,
 recording, faults, kills, its own model) starts its own deployment: one that changes a shared
@@ -52,3 +55,18 @@ def env(deployment):
     frontend.wait_until(lambda r: r.status_code == 200 and all(
         x["live"] and x["num_running"] == 0 for x in r.json()["replicas"]))
     return frontend, fakes, tokenizer
+
+
+@pytest.fixture(scope="session")
+def thinking_deployment(tmp_path_factory, model_factory):
+    with fake_deployment(tmp_path_factory, model_factory("qwen2", thinking_template=True), 1, 1024, extra_args=[
+            "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as deployed:
+        yield deployed
+
+
+@pytest.fixture
+def thinking_env(thinking_deployment):
+    """The thinking deployment, its fake replica answering plain text again."""
+    frontend, (fake,), tokenizer = thinking_deployment
+    fake.mode, fake.reply_text = "finish", "Hello, world! How are you today?"
+    return frontend, fake, tokenizer

@@ -20,6 +20,8 @@ import jsonschema
 
 STREAM_SCHEMA = {"/chat/completions": "CreateChatCompletionStreamResponse",
                  "/completions": "CreateCompletionResponse"}
+# openai_responses_embeddings.json's: each event of a /responses stream is one of its events
+RESPONSES_STREAM_SCHEMA = {"/responses": "ResponseStreamEvent"}
 
 
 def _nullable_as_or_null(node: Any) -> Any:
@@ -36,12 +38,13 @@ def _nullable_as_or_null(node: Any) -> Any:
 def stream_validator(openapi: dict, path: str) -> jsonschema.Draft202012Validator:
     root = _nullable_as_or_null(copy.deepcopy(openapi))
     schemas = root["components"]["schemas"]
-    chunk = schemas[STREAM_SCHEMA[path]]
+    name = {**STREAM_SCHEMA, **RESPONSES_STREAM_SCHEMA}[path]
+    chunk = schemas[name]
     if path == "/completions":
         finish = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
         chunk["properties"]["choices"]["items"]["properties"]["finish_reason"] = {
             "anyOf": [finish, {"type": "null"}]}
-    return jsonschema.Draft202012Validator({**root, "$ref": f"#/components/schemas/{STREAM_SCHEMA[path]}"})
+    return jsonschema.Draft202012Validator({**root, "$ref": f"#/components/schemas/{name}"})
 
 
 def stream_violations(validator: jsonschema.Draft202012Validator, body: str) -> list[str]:
@@ -54,3 +57,16 @@ def stream_violations(validator: jsonschema.Draft202012Validator, body: str) -> 
         problems += [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
                      for e in validator.iter_errors(event)]
     return problems
+
+
+def pin_model(node: Any, name: str) -> None:
+    """The spec accepts any model name; pin it to ours, or most requests test only the 404 path."""
+    if isinstance(node, dict):
+        props = node.get("properties")
+        if isinstance(props, dict) and "model" in props:
+            props["model"] = {"type": "string", "enum": [name]}
+        for value in node.values():
+            pin_model(value, name)
+    elif isinstance(node, list):
+        for value in node:
+            pin_model(value, name)

@@ -11,11 +11,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from pagedserve.tools.demo_model import build_tokenizer
 from pagedserve.frontend_proc.response_format import ChatFormat
 from pagedserve.frontend_proc.tool_call_output import ToolCallChoices
 from pagedserve.frontend_proc.tool_parsers import TOOL_PARSERS, UnknownToolParser, get_tool_parser
 from pagedserve.frontend_proc.tool_parsers.forced import named_call_parser, parse_call_array
+
+from support.stream_pieces import random_pieces, streamed, token_pieces
 
 HERMES_OUTPUT = (
     'Let me check both cities.\n<tool_call>\n{"name": "get_weather", "arguments": '
@@ -24,6 +25,10 @@ HERMES_OUTPUT = (
     '</tool_call>')
 LLAMA3_OUTPUT = ('<|python_tag|>{"name": "search", "parameters": {"q": "paged attention"}}; '
                  '{"name": "get_time", "parameters": {}}')
+PYTHONIC_OUTPUT = '[get_weather(city="Z\u00fcrich", days=3, units=["c", "f"]), get_time(tz=None, exact=True)]'
+QWEN3_CODER_OUTPUT = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich \"old\"\n"
+                      "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+                      "<function=get_time>\n</function>\n</tool_call>")
 PLAIN_TEXTS = ["The answer is 42.", "a < b and <tool is not a call", "x <tool_call", "",
                "{not json at all", "<tool_call>\nnot json\n</tool_call>"]
 
@@ -52,6 +57,28 @@ def test_llama3_json_finds_semicolon_separated_calls_and_leaves_prose_alone():
     assert parser('{"name": "search", "parameters": {"q": ', True).calls == []  # cut short
 
 
+def test_pythonic_reads_keyword_literals_as_json_arguments_and_leaves_prose_alone():
+    parser = get_tool_parser("pythonic")
+    parsed = parser(PYTHONIC_OUTPUT, True)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        ("get_weather", {"city": "Zürich", "days": 3, "units": ["c", "f"]}), ("get_time", {"tz": None, "exact": True})]
+    assert parsed.content == ""
+    for text in ["[1, 2, 3] is a list", "[f(x=y)]", "[f(1)]", "Call [f(x=1)] later", "[f(x=1)] and more"]:
+        assert parser(text, True).content == text and parser(text, True).calls == []
+
+
+def test_qwen3_coder_types_values_by_the_tools_schema_and_keeps_the_text_before_the_calls():
+    untyped = get_tool_parser("qwen3_coder")(QWEN3_CODER_OUTPUT, True)
+    assert untyped.content == "I will check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in untyped.calls] == [
+        ("get_weather", {"city": 'Zürich "old"', "days": 3}), ("get_time", {})]
+    schemas = {"get_weather": {"city": {"type": "string"}, "days": {"type": "string"}}}
+    typed = get_tool_parser("qwen3_coder", schemas)(QWEN3_CODER_OUTPUT, True)
+    assert json.loads(typed.calls[0].arguments) == {"city": 'Zürich "old"', "days": "3"}
+    cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo"
+    assert get_tool_parser("qwen3_coder")(cut, True).content == cut  # cut short: content, no call
+
+
 def test_forced_choice_outputs_parse_as_calls():
     array = '[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]'
     assert [(c.name, c.arguments) for c in parse_call_array(array, True).calls] == [
@@ -72,43 +99,17 @@ def _full(parser, text: str, finish: str = "stop") -> dict:
 def _streamed(parser, pieces: list[str], finish: str = "stop") -> tuple[str, list[dict], str]:
     """Feed the pieces as a stream does; rebuild content and calls from the deltas as the
     openai client does."""
-    choices = ToolCallChoices(ChatFormat("m"), parser, 1)
-    content, calls, finish_reason = "", [], None
-    for i, piece in enumerate(pieces):
-        chunk = choices.chunk_choice(0, piece, None, finish if i == len(pieces) - 1 else None)
-        if chunk is None:
-            continue
-        content += chunk["delta"].get("content") or ""
-        for delta in chunk["delta"].get("tool_calls", []):
-            if delta["index"] == len(calls):
-                assert delta["id"].startswith("call_") and delta["type"] == "function"
-                calls.append({"name": delta["function"]["name"], "arguments": ""})
-            calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
-        finish_reason = chunk["finish_reason"]
-    return content, calls, finish_reason
+    added = streamed(ToolCallChoices(ChatFormat("m"), parser, 1), pieces, finish)
+    return added["content"], added["calls"], added["finish_reason"]
 
 
-def _token_pieces(text: str) -> list[str]:
-    tokenizer = build_tokenizer(512)
-    ids = tokenizer.encode(text)
-    pieces, done = [], ""
-    for i in range(1, len(ids) + 1):
-        decoded = tokenizer.decode(ids[:i])
-        if not decoded.endswith("\ufffd"):
-            pieces.append(decoded[len(done):])
-            done = decoded
-    assert "".join(pieces) == text
-    return pieces
-
-
-def _random_pieces(text: str, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12))))
-    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+_token_pieces, _random_pieces = token_pieces, random_pieces
 
 
 @pytest.mark.parametrize("parser_name, text", [("hermes", HERMES_OUTPUT), ("llama3_json", LLAMA3_OUTPUT),
-                                               *[("hermes", t) for t in PLAIN_TEXTS if t]])
+                                               ("pythonic", PYTHONIC_OUTPUT), ("qwen3_coder", QWEN3_CODER_OUTPUT),
+                                               *[(name, t) for t in PLAIN_TEXTS if t
+                                                 for name in ("hermes", "pythonic", "qwen3_coder")]])
 def test_streamed_deltas_add_up_to_the_full_response_wherever_the_stream_is_cut(parser_name, text):
     parser = TOOL_PARSERS[parser_name]
     full = _full(parser, text)["message"]
