@@ -14,6 +14,7 @@ from pagedserve.protocol.sampling_params import (  # noqa: F401  (re-exported: o
     INT64_MIN, INT64_MAX, MAX_TOKEN_ID, MAX_COUNT, MAX_N, MAX_TEMPERATURE,
     MAX_REQUEST_ID_CHARS, MAX_TOP_LOGPROBS, MAX_LOGIT_BIAS, TokenId, Seed, StructuredOutputs, SamplingParams)
 from pagedserve.protocol.priority import PRIORITY_MAX, PRIORITY_MIN
+from pagedserve.protocol.pooling import PooledChunk, PoolingType  # noqa: F401  (re-exported)
 
 
 class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=False):
@@ -31,6 +32,9 @@ class AddRequest(Msg):
     # Lower runs first (vLLM's); only under --scheduling-policy priority may it be non-zero
     # (protocol/priority.py). 32-bit, as vLLM's is in practice.
     priority: Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
+    # An embedding request (protocol/pooling.py): its prompt is computed, pooled and returned in
+    # RequestDelta.embedding; nothing is sampled. None: a generation request.
+    pooling: Optional[PoolingType] = None
 
 
 class AbortRequest(Msg):
@@ -87,6 +91,8 @@ class RequestDelta(Msg, gc=False):  # holds only scalars and int lists: no cycle
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
     # With prompt_logprobs, on each sample's first delta: prompt tokens 1.. (start 1), all of them.
     prompt_logprobs: Optional[PromptLogprobs] = None
+    # An embedding request's one delta: the pooled hidden state, float32 little-endian, not normalised.
+    embedding: Optional[bytes] = None
 
 
 class RequestOutputs(Msg, gc=False):
@@ -236,6 +242,7 @@ class NewRequestData(Msg):
     num_scheduled_tokens: int
     sampling: SamplingParams
     samples: bool  # sample a token after this step (False: a prompt chunk, or a parent's prompt[:-1])
+    pooling: Optional[PoolingType] = None  # an embedding request: pool its hidden states, never sample
 
 
 class CachedRequestData(Msg, gc=False):  # holds only scalars and int lists: no cycles possible
@@ -321,6 +328,8 @@ class StepResult(Msg):
     # By request id: the prompt logprobs this step's chunk computed (requests with prompt_logprobs
     # only). None: none this step.
     prompt_logprobs: Optional[dict[str, PromptLogprobs]] = None
+    # By request id: what this step's chunk adds to each pooling request's embedding. None: none.
+    pooled: Optional[dict[str, PooledChunk]] = None
 
 
 # ------------------------------------------------------------ any process -> supervisor

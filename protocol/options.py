@@ -30,6 +30,11 @@ DTYPE_CHOICES = ("auto", *DTYPE_ALIASES)
 ROUTER_KINDS = ("cache-aware", "least-loaded", "round-robin")  # frontend_proc/routing_policy.py
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # frontend_proc/tool_parsers/__init__.py (a test checks)
+TASKS = ("generate", "embed")
+POOLING_TYPES = ("last", "mean")  # protocol/pooling.py
+# vLLM's spellings of a task: --runner generate|pooling|auto (auto: a decoder generates)
+_TASK_NAMES = {"generate": "generate", "auto": "generate", "embed": "embed", "embedding": "embed",
+               "pooling": "embed"}
 BACKENDS = ("mp", "ray")  # vLLM's names for --distributed-executor-backend
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -48,6 +53,11 @@ def _non_negative(v) -> bool:
 
 def _power_of_two(v) -> bool:
     return v >= 1 and v & (v - 1) == 0
+
+
+def task_name(value: str) -> str:
+    """``--task`` / ``--runner``'s value in pagedserve's words (vLLM's ``pooling`` is ``embed``)."""
+    return _TASK_NAMES.get(str(value).strip().lower(), value)
 
 
 def _log_level(v) -> bool:
@@ -131,6 +141,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("tool_call_parser", str, None, "how tool calls are written in the model's output (hermes: "
            "Qwen2.5 and Hermes models; llama3_json: Llama 3.1+)", choices=TOOL_CALL_PARSERS, metavar="NAME",
            to=_F),
+    Option("task", task_name, "generate", "generate: /v1/completions and chat; embed (vLLM's --runner "
+           "pooling): /v1/embeddings, the model's final hidden states pooled", choices=TASKS,
+           aliases=("--runner",), to=_F),
+    Option("pooling_type", str.lower, None, "--task embed: pool the last token's hidden state or the mean "
+           "of all (default: --pooler-config's, else last)", choices=POOLING_TYPES, to=_F),
+    Option("pooler_config", str, None, "--task embed, vLLM's JSON: {\"pooling_type\": \"LAST\"|\"MEAN\", "
+           "\"normalize\": true|false}", aliases=("--override-pooler-config",), metavar="JSON", to=_F),
     Option("disable_log_requests", bool, True, "accepted for vLLM command lines: pagedserve never logs "
            "prompts or outputs"),
     # -- model and devices

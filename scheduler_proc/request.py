@@ -62,6 +62,8 @@ class Request:
         "prompt_logprobs",
         "priority",
         "arrival_time",
+        "pooling",
+        "pooled",
     )
 
     def __init__(self, msg: AddRequest, arrival_number: int, seed: int, len_limit: int,
@@ -88,6 +90,8 @@ class Request:
         # When the output is constrained: the grammar each sampling sequence gets a matcher of.
         self.grammar = None if compiled_grammar is None else RequestGrammar(compiled_grammar, self.stop_token_ids)
         self.prompt_logprobs = None  # with sampling.prompt_logprobs: those received (prompt_logprobs.py)
+        self.pooling = msg.pooling  # an embedding request: computed, pooled, never sampled (pooling.py)
+        self.pooled = None  # its pooled chunks so far (pooling.py)
 
 
 def _fields(params: SamplingParams) -> dict:

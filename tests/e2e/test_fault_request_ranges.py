@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from support.fault_helpers import health, pid_of
-from support.openai_stream_schema import STREAM_SCHEMA, stream_validator, stream_violations
+from support.openai_stream_schema import STREAM_SCHEMA, pin_model, stream_validator, stream_violations
 from support.server import Server
 
 pytestmark = pytest.mark.slow
@@ -116,19 +116,6 @@ def test_the_openapi_document_and_docs_are_served(server):
     assert httpx.get(server.url + "/docs", timeout=30).status_code == 200
 
 
-def _pin_model(node, name: str) -> None:
-    """The spec accepts any model name; pin it to ours, or most requests test only the 404 path."""
-    if isinstance(node, dict):
-        props = node.get("properties")
-        if isinstance(props, dict) and "model" in props:
-            props["model"] = {"type": "string", "enum": [name]}
-        for value in node.values():
-            _pin_model(value, name)
-    elif isinstance(node, list):
-        for value in node:
-            _pin_model(value, name)
-
-
 def test_openai_published_schema_fuzzed_by_schemathesis_gets_no_server_error_and_conforming_bodies(server):
     if not OPENAI_SCHEMA.is_file():
         pytest.skip(f"OpenAI's schema is not at {OPENAI_SCHEMA} (../shared/openai-openapi from the repo root)")
@@ -141,7 +128,7 @@ def test_openai_published_schema_fuzzed_by_schemathesis_gets_no_server_error_and
     raw = json.loads(OPENAI_SCHEMA.read_text())
     schemas = raw["components"]["schemas"]
     for request_schema in ("CreateCompletionRequest", "CreateChatCompletionRequest"):
-        _pin_model(schemas[request_schema], _name(server))
+        pin_model(schemas[request_schema], _name(server))
     schema = schemathesis.openapi.from_dict(raw)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {(op.method.upper(), op.path) for op in operations} >= {

@@ -25,7 +25,8 @@ SPECIAL = {"served_model_name": ["alias-a", "alias-b"], "chat_template": "{{ mes
            "internal_curve": False, "remote_workers": False,
            # the two KV-cache budgets exclude each other; a generation config must exist
            "gpu_memory_utilization": 0.5, "generation_config": "vllm",
-           "max_num_batched_tokens": 4096}  # at least the doubled max_num_seqs (512)
+           "max_num_batched_tokens": 4096,  # at least the doubled max_num_seqs (512)
+           "pooler_config": '{"pooling_type": "MEAN"}'}  # vLLM's JSON, agreeing with --pooling-type mean
 KV_BUDGETS = ("gpu_memory_utilization", "kv_cache_memory_gib")  # exclude each other: one at a time
 OFFLINE_DEFAULTS = {"log_level": "WARNING"}  # LLM is quiet unless asked; the only default it changes
 
