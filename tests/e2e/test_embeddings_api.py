@@ -36,7 +36,7 @@ def model_dir(model_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     srv = Server(model_dir, ["--runner", "pooling", "--override-pooler-config", '{"pooling_type": "MEAN"}',
-                             "--num-gpu-blocks", "64", "--max-model-len", "256",
+                             "--num-gpu-blocks", "64", "--max-model-len", "256", "--max-num-seqs", "16",
                              "--max-num-batched-tokens", str(STEP_TOKENS), "--debug-invariants"]
                  ).start(tmp_path_factory.mktemp("embed"))
     srv.first_scheduler_pid = pid_of(srv, "scheduler")
@@ -58,7 +58,7 @@ def _ids(model_dir: str, text: str) -> list[int]:
 
 
 TEXTS = ["The food was delicious and the waiter was kind.", "hi",
-         " ".join(f"word{i}" for i in range(60))]  # longer than a step's 64 tokens
+         " ".join(f"word{i}" for i in range(20))]  # longer than a step's 64 tokens
 
 
 @pytest.mark.parametrize("encoding_format", ["float", "base64", None])  # None: the client asks base64 and decodes
