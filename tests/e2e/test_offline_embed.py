@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def embed_llm(model_factory):
     from pagedserve import LLM
 
-    with LLM(model_factory("qwen2"), runner="pooling", max_model_len=256, max_num_batched_tokens=32,
+    with LLM(model_factory("qwen2"), runner="pooling", max_model_len=256, max_num_batched_tokens=32, max_num_seqs=8,
              num_gpu_blocks=64, seed=0) as engine:
         yield engine
 
