@@ -12,6 +12,7 @@ from typing import Optional
 
 from pagedserve.protocol import options as opts
 from pagedserve.client.generation_defaults import check_generation_config_option
+from pagedserve.client.pooling import pooler_settings
 from pagedserve.protocol.options import FRONTEND, ROUTER_KINDS, SCHEDULER, WORKER, resolve_device, resolve_dtype
 from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
@@ -37,6 +38,9 @@ class _ServeConfigRules:
             self.speculative_config = json.dumps(self.speculative_config)
         if self.uvicorn_log_level is not None:
             self.uvicorn_log_level = self.uvicorn_log_level.lower()
+        self.task = opts.task_name(self.task)  # vLLM's --runner pooling, LLM(runner="pooling")
+        if isinstance(self.pooling_type, str):
+            self.pooling_type = self.pooling_type.lower()
         try:
             opts.validate(opts.values_of(self, opts.OPTIONS))
         except opts.OptionError as exc:
@@ -67,6 +71,12 @@ class _ServeConfigRules:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                               f"{', '.join(opts.TOOL_CALL_PARSERS)})")
+        try:
+            pooler_settings(self.pooling_type, self.pooler_config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.task != "embed" and (self.pooling_type or self.pooler_config):
+            raise ConfigError("--pooling-type and --pooler-config are for --task embed (vLLM's --runner pooling)")
         self._check_memory_options()
         if self.generation_config not in ("auto", "vllm"):
             self.generation_config = str(Path(self.generation_config).resolve())

@@ -19,6 +19,7 @@ import zmq
 from pagedserve.frontend_proc.app import build_app
 from pagedserve.frontend_proc.args import FrontendConfig, parse_args
 from pagedserve.frontend_proc.drain import DRAIN_GRACE_S, end_requests_at_drain_deadline
+from pagedserve.frontend_proc.embeddings_api import EmbeddingServing
 from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.reasoning import get_reasoning_parser
@@ -57,7 +58,9 @@ async def serve(config: FrontendConfig) -> None:
                       tenant_header=config.tenant_header,
                       reasoning_parser=(get_reasoning_parser(config.reasoning_parser)
                                         if config.reasoning_parser else None))
-    app = build_app(serving, router, metrics, config.api_key)
+    embeddings = EmbeddingServing(config.task, config.model, config.served_model_names, serving.accepted_model_names,
+                                  config.max_model_len, engine, tokenizer, config.pooler)
+    app = build_app(serving, router, metrics, config.api_key, embeddings)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level,
         access_log=(config.uvicorn_log_level or config.log_level) in ("debug", "trace"),

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedserve.frontend_proc.anthropic_messages import PATH_PREFIX as ANTHROPIC_PATH
 from pagedserve.frontend_proc.anthropic_messages import add_anthropic_routes, anthropic_error
 from pagedserve.frontend_proc.auth import make_api_key_check
+from pagedserve.frontend_proc.embeddings_api import EmbeddingServing, add_embedding_routes, task_refusal
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest
 from pagedserve.frontend_proc.generation import ClientDisconnected
 from pagedserve.frontend_proc.metrics import FrontendMetrics
@@ -43,7 +44,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
-              api_key: str | None) -> FastAPI:
+              api_key: str | None, embeddings: EmbeddingServing | None = None) -> FastAPI:
+    """``embeddings``: /v1/embeddings and this deployment's task (None: a generating one without it)."""
+    task = "generate" if embeddings is None else embeddings.task
     # FastAPI's own schema of these routes (as vLLM serves it); like /health, no key needed.
     app = FastAPI(title="pagedserve", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     # Without a key there is nothing to check: no dependency for FastAPI to solve per request.
@@ -77,14 +80,19 @@ def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        task_refusal(task, "generate", "/v1/completions")
         return await serving.completion(body, request)
 
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        task_refusal(task, "generate", "/v1/chat/completions")
         return await serving.chat(body, request)
 
     add_responses_routes(app, serving, authorized)
     add_anthropic_routes(app, serving, authorized)
+    if embeddings is not None:
+        add_embedding_routes(app, embeddings, authorized)
+
     add_utility_routes(app, serving, authorized, started)
 
     @app.get("/health")

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from pagedserve.frontend_proc.routing_policy import RoutingPolicy, default_router
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
+from pagedserve.client.pooling import PoolerSettings, pooler_settings
 from pagedserve.protocol import options as opts
 
 DEFAULT_MAX_MODEL_LEN = 2048  # a model directory that states no max_position_embeddings
@@ -26,6 +27,11 @@ class _FrontendConfigRules:
         RoutingPolicy(self.router, self.router_balance_abs, self.router_balance_rel)  # its checks
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        pooler_settings(self.pooling_type, self.pooler_config)  # its checks
+
+    @property
+    def pooler(self) -> PoolerSettings:
+        return pooler_settings(self.pooling_type, self.pooler_config)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ replaced as ``serve`` replaces them (the requests they held end with finish_reas
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 import time
 import weakref
@@ -26,6 +27,8 @@ import zmq
 from pagedserve.deploy.children import Child
 from pagedserve.deploy.launcher import Launcher, StartupError
 from pagedserve.offline.chat import Conversation, chat_prompt_tokenizer, render_conversations
+from pagedserve.offline.embed import (
+    EmbeddingFailed, EmbeddingRequestOutput, PendingEmbedding, PoolingParams, as_pooling_params_list)
 from pagedserve.offline.inputs import (
     Prompt, SamplingParams, as_params_list, as_per_prompt, as_priority_list, as_prompt_list, prompt_text,
     prompt_token_ids)
@@ -36,11 +39,13 @@ from pagedserve.protocol import messages as m
 from pagedserve.client.detokenizer import TextDecoder
 from pagedserve.client.generation_defaults import load_generation_defaults
 from pagedserve.client.model_files import eos_token_ids, vocab_size
+from pagedserve.client.pooling import Matryoshka, pooler_settings
 from pagedserve.protocol.priority import priority_refusal
 from pagedserve.protocol.validate import InvalidField, check_request
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineDiedError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineDiedError",
+           "PoolingParams", "EmbeddingRequestOutput"]
 
 WATCH_INTERVAL_S = 0.5  # how often generate looks at the processes, whatever arrives meanwhile
 
@@ -61,13 +66,17 @@ class LLM:
 
     Keyword options are ``pagedserve serve``'s (ServeConfig fields): num_gpu_blocks,
     max_num_seqs, max_num_batched_tokens, block_size, preemption_mode, data_parallel_size, ...
+    ``task="embed"`` (or vLLM's ``runner="pooling"``) makes an embedding engine for ``embed()``.
     """
 
     def __init__(self, model: str, *, log_level: str = "WARNING", startup_timeout_s: float = 600.0,
                  **engine_options):
         from transformers import AutoTokenizer  # heavy: only the LLM object needs it
 
+        if "runner" in engine_options:  # vLLM's spelling of the task
+            engine_options["task"] = engine_options.pop("runner")
         self.config = ServeConfig(model=str(model), log_level=log_level, **engine_options)
+        self.pooler = pooler_settings(self.config.pooling_type, self.config.pooler_config)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.eos_token_ids = eos_token_ids(Path(model), self.tokenizer)
         self.vocab_size = vocab_size(Path(model), self.tokenizer)
@@ -203,10 +212,55 @@ class LLM:
             self._chat_tokenizers[chat_template] = chat_prompt_tokenizer(self.config.model, chat_template)
         return self._chat_tokenizers[chat_template]
 
+    def embed(self, prompts: Union[Prompt, Sequence[Prompt]],
+              pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+              *, use_tqdm: bool = True, timeout: Optional[float] = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: one EmbeddingRequestOutput per prompt, in input order, each
+        ``.outputs.embedding`` the pooled, L2-normalised final hidden state (``task="embed"``)."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM is closed")
+        if self.config.task != "embed":
+            raise ValueError('LLM.embed needs an embedding engine: LLM(model, task="embed") (vLLM: runner="pooling")')
+        prompts = as_prompt_list(prompts)
+        model_config = json.loads((Path(self.config.model) / "config.json").read_text())
+        params = as_pooling_params_list(pooling_params, len(prompts), Matryoshka.of(model_config),
+                                        int(model_config.get("hidden_size") or 0))
+        adds = [self._pooling_request(i, prompt) for i, prompt in enumerate(prompts)]
+        self._watch()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending: dict[str, PendingEmbedding] = {}
+        for i, (add, p) in enumerate(zip(adds, params)):
+            replica = min(range(len(self._inputs)), key=self._in_flight.__getitem__)
+            self._in_flight[replica] += 1
+            pending[add.request_id] = PendingEmbedding(i, add, replica, p, self.pooler.normalize)
+            self._inputs[replica].send(add)
+        requests = list(pending.values())
+        results: list[Optional[EmbeddingRequestOutput]] = [None] * len(prompts)
+        self._collect(pending, results, use_tqdm, deadline)  # type: ignore[arg-type]
+        for request in requests:
+            if request.error is not None:
+                raise EmbeddingFailed(f"prompt {request.index}: {request.error}")
+        return results  # type: ignore[return-value]
+
+    def _pooling_request(self, index: int, prompt: Prompt) -> m.AddRequest:
+        ids = self.encode(prompt)
+        if len(ids) > self.config.max_model_len:
+            raise InvalidField("prompt_token_ids", f"{len(ids)} tokens exceed max_model_len="
+                                                   f"{self.config.max_model_len} (prompt {index})")
+        try:
+            add = m.AddRequest(request_id=f"offline-{next(self._ids)}", prompt_token_ids=ids,
+                               sampling=m.SamplingParams(max_tokens=1), pooling=self.pooler.pooling_type)
+            check_request(add, self.vocab_size)
+        except InvalidField as exc:
+            raise InvalidField(exc.field, f"{exc.reason} (prompt {index})") from None
+        return add
+
     def _generate(self, prompts: list, prompt_texts: list[Optional[str]], sampling_params,
                   use_tqdm: bool, timeout: Optional[float], per_prompt=None) -> list[RequestOutput]:
         if not self._finalizer.alive:
             raise RuntimeError("this LLM is closed")
+        if self.config.task == "embed":
+            raise ValueError("this LLM computes embeddings (task=\"embed\"): use LLM.embed")
         params = as_params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
         per_prompt = per_prompt or {}
         requests = [self._request(i, prompt, sp, **{k: v[i] for k, v in per_prompt.items()})

@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 9  # 2: SchedulerOutput.decodes and RequestOutputs' token lists; 3: samples flags, placeholder tokens; 4: sampling controls, top logprobs, PrefixCacheEvents, WorkerHello.vocab_size; 5: structured outputs, SchedulerOutput.grammar; 6: prompt logprobs (SamplingParams, StepResult, RequestDelta); 7: dead fields and messages removed (Shutdown, ProcessFailed, AddRequest.arrival_time, some SchedulerStats and WorkerInit fields); 8: AddRequest.priority, SchedulerStats.scheduling_policy; 9: AddRequest.max_queue_time_s, deadline_s and tenant, SchedulerOutput.now_s, error_kind queue_timeout, SchedulerStats per tenant and deadline counts; speculative decoding (SchedulerOutput.spec_token_ids, StepResult.num_accepted_tokens, SchedulerStats.spec_decode_*)
+PROTOCOL_VERSION = 9  # 2: SchedulerOutput.decodes and RequestOutputs' token lists; 3: samples flags, placeholder tokens; 4: sampling controls, top logprobs, PrefixCacheEvents, WorkerHello.vocab_size; 5: structured outputs, SchedulerOutput.grammar; 6: prompt logprobs (SamplingParams, StepResult, RequestDelta); 7: dead fields and messages removed (Shutdown, ProcessFailed, AddRequest.arrival_time, some SchedulerStats and WorkerInit fields); 8: AddRequest.priority, SchedulerStats.scheduling_policy; 9: AddRequest.max_queue_time_s, deadline_s and tenant, SchedulerOutput.now_s, error_kind queue_timeout, SchedulerStats per tenant and deadline counts; speculative decoding (SchedulerOutput.spec_token_ids, StepResult.num_accepted_tokens, SchedulerStats.spec_decode_*); AddRequest.pooling, StepResult.pooled, RequestDelta.embedding (embeddings)
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 T = TypeVar("T")

@@ -14,6 +14,8 @@ from pagedserve.protocol.sampling_params import (  # noqa: F401  (re-exported: o
     INT64_MIN, INT64_MAX, MAX_TOKEN_ID, MAX_COUNT, MAX_N, MAX_TEMPERATURE,
     MAX_REQUEST_ID_CHARS, MAX_TOP_LOGPROBS, MAX_LOGIT_BIAS, TokenId, Seed, StructuredOutputs, SamplingParams)
 from pagedserve.protocol.priority import MAX_LIMIT_S, MAX_TENANT_CHARS, PRIORITY_MAX, PRIORITY_MIN
+from pagedserve.protocol.pooling import PooledChunk, PoolingType  # noqa: F401  (re-exported)
+
 
 LimitS = Annotated[float, msgspec.Meta(gt=0, le=MAX_LIMIT_S)]
 
@@ -38,6 +40,9 @@ class AddRequest(Msg):
     max_queue_time_s: Optional[LimitS] = None
     deadline_s: Optional[LimitS] = None
     tenant: Annotated[str, msgspec.Meta(max_length=MAX_TENANT_CHARS)] = ""  # whose share it counts against (fair)
+    # An embedding request (protocol/pooling.py): its prompt is computed, pooled and returned in
+    # RequestDelta.embedding; nothing is sampled. None: a generation request.
+    pooling: Optional[PoolingType] = None
 
 
 class AbortRequest(Msg):
@@ -95,6 +100,8 @@ class RequestDelta(Msg, gc=False):  # holds only scalars and int lists: no cycle
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
     # With prompt_logprobs, on each sample's first delta: prompt tokens 1.. (start 1), all of them.
     prompt_logprobs: Optional[PromptLogprobs] = None
+    # An embedding request's one delta: the pooled hidden state, float32 little-endian, not normalised.
+    embedding: Optional[bytes] = None
 
 
 class RequestOutputs(Msg, gc=False):
@@ -259,6 +266,7 @@ class NewRequestData(Msg):
     num_scheduled_tokens: int
     sampling: SamplingParams
     samples: bool  # sample a token after this step (False: a prompt chunk, or a parent's prompt[:-1])
+    pooling: Optional[PoolingType] = None  # an embedding request: pool its hidden states, never sample
 
 
 class CachedRequestData(Msg, gc=False):  # holds only scalars and int lists: no cycles possible
@@ -356,6 +364,8 @@ class StepResult(Msg):
     # were accepted (a prefix). Its ``sampled_token_ids`` entry is the token sampled after them,
     # so the request's new tokens are its accepted proposals followed by that token.
     num_accepted_tokens: dict[str, int] = {}
+    # By request id: what this step's chunk adds to each pooling request's embedding. None: none.
+    pooled: Optional[dict[str, PooledChunk]] = None
 
 
 # ------------------------------------------------------------ any process -> supervisor

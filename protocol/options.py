@@ -32,6 +32,11 @@ ROUTER_KINDS = ("cache-aware", "least-loaded", "round-robin")  # frontend_proc/r
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "qwen3_coder")  # frontend_proc/tool_parsers/ (a test checks)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # frontend_proc/reasoning/__init__.py (a test checks)
+TASKS = ("generate", "embed")
+POOLING_TYPES = ("last", "mean")  # protocol/pooling.py
+# vLLM's spellings of a task: --runner generate|pooling|auto (auto: a decoder generates)
+_TASK_NAMES = {"generate": "generate", "auto": "generate", "embed": "embed", "embedding": "embed",
+               "pooling": "embed"}
 BACKENDS = ("mp", "ray")  # vLLM's names for --distributed-executor-backend
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -58,6 +63,11 @@ def _speculative_config(v) -> bool:
     except SpeculativeConfigError as exc:
         raise OptionError(str(exc)) from None  # its own one line, not the generic "must be"
     return True
+
+
+def task_name(value: str) -> str:
+    """``--task`` / ``--runner``'s value in pagedserve's words (vLLM's ``pooling`` is ``embed``)."""
+    return _TASK_NAMES.get(str(value).strip().lower(), value)
 
 
 def _log_level(v) -> bool:
@@ -153,6 +163,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("reasoning_parser", str, None, "split the thinking between <think> and </think> from the "
            "answer into reasoning_content (qwen3: Qwen3 and Qwen3.5, honours enable_thinking; "
            "deepseek_r1: DeepSeek-R1 and its distills)", choices=REASONING_PARSERS, metavar="NAME", to=_F),
+    Option("task", task_name, "generate", "generate: /v1/completions and chat; embed (vLLM's --runner "
+           "pooling): /v1/embeddings, the model's final hidden states pooled", choices=TASKS,
+           aliases=("--runner",), to=_F),
+    Option("pooling_type", str.lower, None, "--task embed: pool the last token's hidden state or the mean "
+           "of all (default: --pooler-config's, else last)", choices=POOLING_TYPES, to=_F),
+    Option("pooler_config", str, None, "--task embed, vLLM's JSON: {\"pooling_type\": \"LAST\"|\"MEAN\", "
+           "\"normalize\": true|false}", aliases=("--override-pooler-config",), metavar="JSON", to=_F),
     Option("disable_log_requests", bool, True, "accepted for vLLM command lines: pagedserve never logs "
            "prompts or outputs"),
     # -- model and devices

@@ -29,11 +29,11 @@ class HeldRequest:
     """One request as a receiver of SchedulerOutputs holds it between steps."""
 
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens",
-                 "num_scheduled_tokens", "samples", "sampling", "seed", "last_sampled")
+                 "num_scheduled_tokens", "samples", "sampling", "seed", "last_sampled", "pooling")
 
     def __init__(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, block_ids: list[int],
                  num_computed_tokens: int, num_scheduled_tokens: int, sampling: SamplingParams,
-                 seed: Optional[int] = None, samples: bool = True):
+                 seed: Optional[int] = None, samples: bool = True, pooling: Optional[str] = None):
         self.req_id = req_id
         self.token_ids = token_ids  # prompt, then every output token (placeholders resolved)
         self.num_prompt_tokens = num_prompt_tokens
@@ -44,6 +44,7 @@ class HeldRequest:
         self.sampling = sampling
         self.seed = sampling.seed if seed is None else seed
         self.last_sampled: Optional[int] = None  # the token sampled in this request's latest step
+        self.pooling = pooling  # an embedding request: "last" | "mean" (protocol/pooling.py); never samples
 
     @property
     def num_output_tokens(self) -> int:
@@ -72,7 +73,8 @@ def apply_output(held: dict[str, HeldRequest], out: SchedulerOutput,
         if new.req_id in held:
             raise StepContractError(f"step {step}: new request {new.req_id!r} is already held")
         state = HeldRequest(new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                            new.num_computed_tokens, new.num_scheduled_tokens, new.sampling, samples=new.samples)
+                            new.num_computed_tokens, new.num_scheduled_tokens, new.sampling, samples=new.samples,
+                            pooling=new.pooling)
         held[new.req_id] = state
         append(state)
     for diff in out.cached_requests:
@@ -94,7 +96,8 @@ def apply_output(held: dict[str, HeldRequest], out: SchedulerOutput,
     for state in scheduled:
         end = state.num_computed_tokens + state.num_scheduled_tokens
         if end > len(state.token_ids) or (state.samples and (end != len(state.token_ids)
-                                                              or state.num_scheduled_tokens < 1)):
+                                                              or state.num_scheduled_tokens < 1
+                                                              or state.pooling is not None)):
             raise StepContractError(
                 f"step {step}: request {state.req_id!r} computes [{state.num_computed_tokens}, {end}) "
                 f"{'and samples ' if state.samples else ''}but {len(state.token_ids)} tokens are known")

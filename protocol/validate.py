@@ -118,6 +118,10 @@ def check_fields(msg: AddRequest, vocab_size: int = 0) -> None:
         raise InvalidField("top_logprobs", "top_logprobs needs logprobs: set logprobs to true as well")
     if sampling.structured_outputs is not None:
         check_structured_outputs(sampling.structured_outputs)
+    if msg.pooling is not None and (sampling.n != 1 or sampling.logprobs or sampling.prompt_logprobs is not None
+                                    or sampling.structured_outputs is not None):
+        raise InvalidField("pooling", "an embedding request samples nothing: n must be 1, without logprobs, "
+                                      "prompt_logprobs or structured outputs")
     if vocab_size > 0:
         _check_vocabulary("logit_bias", list(sampling.logit_bias), vocab_size)
         _check_vocabulary("prompt_token_ids", msg.prompt_token_ids, vocab_size)

@@ -45,7 +45,9 @@ def rejection_reason(msg: AddRequest, config: SchedulerConfig) -> Optional[str]:
     if sampling.n > config.max_num_seqs:
         return (f"n={sampling.n} parallel samples exceed max_num_seqs={config.max_num_seqs}, "
                 f"the most sequences one step can run")
-    if num_prompt + 1 > config.max_model_len:
+    if num_prompt + (msg.pooling is None) > config.max_model_len:  # an embedding request generates nothing
+        if msg.pooling is not None:
+            return f"the prompt has {num_prompt} tokens, more than max_model_len={config.max_model_len}"
         return (f"the prompt has {num_prompt} tokens; with at least one generated token that exceeds "
                 f"max_model_len={config.max_model_len}")
     block_size = config.block_size
@@ -132,8 +134,10 @@ def plan_admission(seq: Sequence, bm: BlockManager, config: SchedulerConfig, bud
     """How ``seq`` (waiting, with a seat free) starts this step, or None if it does not fit."""
     request = seq.request
     block_size = config.block_size
-    # A cached block computes nothing, so prompt logprobs need the whole prompt computed (as vLLM).
-    lookup = config.enable_prefix_caching and request.sampling.prompt_logprobs is None
+    # A cached block computes nothing, so prompt logprobs need the whole prompt computed (as vLLM),
+    # and so does mean pooling; last-token pooling reads only the last token, never a hit (pooling.py).
+    lookup = (config.enable_prefix_caching and request.sampling.prompt_logprobs is None
+              and request.pooling != "mean")
     hits, keys = prefix_cache.lookup(bm.device, seq, block_size) if lookup else ([], [])
     computed = len(hits) * block_size
     remaining = seq.target_len - computed

@@ -17,7 +17,7 @@ from typing import Optional
 
 from pagedserve.protocol.messages import RequestDelta, SchedulerOutput, StepResult
 
-from pagedserve.scheduler_proc import prefix_cache
+from pagedserve.scheduler_proc import pooling, prefix_cache
 from pagedserve.scheduler_proc import prompt_logprobs as prompt_lp
 from pagedserve.scheduler_proc.block_pool import BlockPool
 from pagedserve.scheduler_proc.grammar import grammar_finish
@@ -87,6 +87,14 @@ def apply_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[
     sampled = Sampled()
     append, ended = sampled.deltas.append, sampled.ended
     orders = sampled.orders
+    if others or result.pooled:  # embedding requests end with their prompt's last chunk (pooling.py)
+        try:
+            pooling.apply_pooled(out, result.pooled, others, sampled.deltas, orders, ended)
+        except pooling.PooledMismatch as exc:
+            raise StepResultMismatch(str(exc)) from None
+        if prefix_pool is not None:  # their blocks outlive them in the cache (last-token pooling hits them)
+            for seq in ended:
+                prefix_cache.register_computed(prefix_pool, seq, block_size)
     logprobs = _NO_LOGPROBS if result.logprobs is None else result.logprobs
     alternatives = _NO_LOGPROBS if result.top_logprobs is None else result.top_logprobs
     tokens = result.sampled_token_ids[:len(sampling_seqs)]

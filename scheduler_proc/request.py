@@ -70,6 +70,8 @@ class Request:
         "deadline_at",
         "urgency",
         "spec_k",
+        "pooling",
+        "pooled",
     )
 
     def __init__(self, msg: AddRequest, arrival_number: int, seed: int, len_limit: int,
@@ -105,6 +107,8 @@ class Request:
         self.grammar = None if compiled_grammar is None else RequestGrammar(compiled_grammar, self.stop_token_ids)
         self.prompt_logprobs = None  # with sampling.prompt_logprobs: those received (prompt_logprobs.py)
         self.spec_k = spec_k  # proposals per step its samples may verify (speculation.py); 0: none
+        self.pooling = msg.pooling  # an embedding request: computed, pooled, never sampled (pooling.py)
+        self.pooled = None  # its pooled chunks so far (pooling.py)
 
 
 def _fields(params: SamplingParams) -> dict:

@@ -45,7 +45,7 @@ class StepPlan:
             self.num_recomputed += min(seq.recompute_until, computed + num_tokens) - computed
         seq.num_kv_tokens = computed + num_tokens
         self.budget -= num_tokens
-        samples = computed + num_tokens == len(seq.token_ids)
+        samples = computed + num_tokens == len(seq.token_ids) and seq.request.pooling is None
         if seq.worker_knows:
             self.cached.append(CachedRequestData(
                 seq.seq_id, seq.token_ids[seq.num_tokens_sent:].tolist(), seq.block_ids[seq.num_blocks_sent:],
@@ -54,7 +54,8 @@ class StepPlan:
         else:
             self.new.append(NewRequestData(
                 seq.seq_id, seq.token_ids.tolist(), seq.num_prompt_tokens, list(seq.block_ids),
-                computed, num_tokens, prompt_lp.sampling_to_send(seq.request, seq.sampling), samples))
+                computed, num_tokens, prompt_lp.sampling_to_send(seq.request, seq.sampling), samples,
+                seq.request.pooling))
             seq.worker_knows = True
             (self.sampling_new if samples else self.others).append(seq)
         seq.num_tokens_sent = len(seq.token_ids)
@@ -67,8 +68,8 @@ class StepPlan:
     def add_decode(self, seq: Sequence) -> None:
         """``add(seq, 1)`` for a decode the workers hold: its one new token, without slicing."""
         computed = seq.num_kv_tokens
-        if seq.recompute_until > computed or not seq.worker_knows:
-            self.add(seq, 1)
+        if seq.recompute_until > computed or not seq.worker_knows or seq.request.pooling is not None:
+            self.add(seq, 1)  # a pooling request's last prompt token: computed, not sampled
             return
         blocks = seq.block_ids
         sent = seq.num_blocks_sent

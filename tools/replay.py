@@ -56,6 +56,10 @@ def compare_results(step: int, recorded: m.StepResult, replayed: m.StepResult) -
             return f"step {step}, request {recorded.req_ids[i]}: recorded logprob {a!r}, replayed {b!r}"
     if len(rec_lp) != len(rep_lp):
         return f"step {step}: recorded {len(rec_lp)} logprobs, replayed {len(rep_lp)}"
+    rec_pooled, rep_pooled = recorded.pooled or {}, replayed.pooled or {}
+    for req_id in sorted(set(rec_pooled) | set(rep_pooled)):
+        if rec_pooled.get(req_id) != rep_pooled.get(req_id):
+            return f"step {step}, request {req_id}: the pooled hidden states differ from the recorded ones"
     return None
 
 

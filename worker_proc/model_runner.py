@@ -4,7 +4,8 @@ A step, in order on the device's current stream: drop finished requests; swap ou
 in, copy, zero cache blocks; apply the step to the held requests (protocol/step_state.py:
 new ones, cached ones' diffs, decodes, placeholders resolved); run the model once over the
 flattened ragged batch (prefill chunks and decodes mixed); sample for the entries flagged
-``samples``; prompt logprobs of the chunks that ask (prompt_logprobs.py). Every rank samples and remembers its samples; rank 0 reports them.
+``samples``; prompt logprobs of the chunks that ask (prompt_logprobs.py); pooled hidden states of
+embedding requests (pooling.py). Every rank samples and remembers its samples; rank 0 reports them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pagedserve.worker_proc.input_batch import BatchError, build_forward_batch
 from pagedserve.worker_proc.kv_cache import KVCache, block_bytes, max_num_blocks
 from pagedserve.worker_proc.model_config import load_model_spec
 from pagedserve.worker_proc.models import MODEL_CLASSES
+from pagedserve.worker_proc.pooling import pool_chunks
 from pagedserve.worker_proc.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.worker_proc.sampler import sample
 from pagedserve.worker_proc.spec_verify import accept
@@ -125,7 +127,7 @@ class ModelRunner:
         started = time.perf_counter()
         req_ids: list[str] = []
         token_ids: list[int] = []
-        logprobs = alternatives = prompt_logprobs = None
+        logprobs = alternatives = prompt_logprobs = pooled = None
         num_accepted: dict[str, int] = {}
         with torch.inference_mode():
             cache.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in,
@@ -153,6 +155,8 @@ class ModelRunner:
                 if self.rank == 0 and any(r.sampling.prompt_logprobs is not None for r in prefills):
                     prompt_logprobs = compute_prompt_logprobs(hidden, prefills, self.model.compute_logits,
                                                               out.spec_token_ids) or None
+                if self.rank == 0 and any(r.pooling is not None for r in prefills):
+                    pooled = pool_chunks(hidden, prefills, self.model.final_norm) or None
                 if batch.sampled_requests:
                     # Every rank samples (the same logits, the same seeded noise), so every rank
                     # holds the token a placeholder in the next step stands for; rank 0 reports.
@@ -176,4 +180,4 @@ class ModelRunner:
         return StepResult(step=out.step, rank=self.rank, req_ids=req_ids, sampled_token_ids=token_ids,
                           logprobs=logprobs, forward_time_s=time.perf_counter() - started,
                           top_logprobs=alternatives,
-                          prompt_logprobs=prompt_logprobs, num_accepted_tokens=num_accepted)
+                          prompt_logprobs=prompt_logprobs, num_accepted_tokens=num_accepted, pooled=pooled)

@@ -62,3 +62,17 @@ def hf_tokenizer(model_dir: str):
 
 def hf_model(model_dir: str):
     return hf_model_and_tokenizer(model_dir)[0]
+
+
+def hf_embedding(model_dir: str, prompt_ids: list[int], pooling: str, dimensions: int | None = None):
+    """transformers' last_hidden_state of ``prompt_ids`` pooled (last token or mean), truncated to
+    ``dimensions`` and L2-normalised: what an embedding from the engine must equal (float32)."""
+    import torch
+
+    model, _ = hf_model_and_tokenizer(model_dir)
+    with torch.no_grad():
+        states = model.model(torch.tensor([prompt_ids])).last_hidden_state[0]
+    pooled = states[-1] if pooling == "last" else states.mean(0)
+    if dimensions is not None:
+        pooled = pooled[:dimensions]
+    return torch.nn.functional.normalize(pooled, dim=0).tolist()

@@ -28,7 +28,8 @@ SPECIAL = {"served_model_name": ["alias-a", "alias-b"], "chat_template": "{{ mes
            "max_num_batched_tokens": 4096,  # at least the doubled max_num_seqs (512)
            # aging needs the priority policy; tenant weights need fair (their own test, below)
            "scheduling_policy": "priority", "tenant_weights": None,
-           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}
+           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
+           "pooler_config": '{"pooling_type": "MEAN"}'}  # vLLM's JSON, agreeing with --pooling-type mean
 NEEDS_ANOTHER_POLICY = ("tenant_weights",)
 KV_BUDGETS = ("gpu_memory_utilization", "kv_cache_memory_gib")  # exclude each other: one at a time
 OFFLINE_DEFAULTS = {"log_level": "WARNING"}  # LLM is quiet unless asked; the only default it changes

@@ -51,6 +51,10 @@ class CausalLM:
                                              ops, self.elementwise)
         return hidden.add_(residual)
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The given rows of forward()'s output after the final norm (transformers' last_hidden_state)."""
+        return self.elementwise.rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] of the given rows of forward()'s output."""
-        return linear(self.elementwise.rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+        return linear(self.final_norm(hidden), self.lm_head).float()

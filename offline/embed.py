@@ -1,0 +1,93 @@
+"""What ``LLM.embed`` takes and returns, in vLLM's shapes: ``PoolingParams`` and
+``EmbeddingRequestOutput`` (``.outputs.embedding``, a list of floats).
+
+The pooled vector comes from the scheduler as it is; truncation (``dimensions``, Matryoshka
+models only) and L2 normalisation follow the HTTP frontend's rules (client/pooling.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from pagedserve.client.pooling import Matryoshka, finish_embedding
+from pagedserve.protocol import messages as m
+from pagedserve.protocol.validate import InvalidField
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """vLLM's: ``dimensions`` truncates a Matryoshka model's embedding; ``normalize`` None takes
+    the deployment's (``pooler_config``; true by default)."""
+
+    dimensions: Optional[int] = None
+    normalize: Optional[bool] = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+class EmbeddingFailed(RuntimeError):
+    """The engine ended an embedding request with an error."""
+
+
+def as_pooling_params_list(params: Union[PoolingParams, Sequence[PoolingParams], None], n: int,
+                           matryoshka: Matryoshka, hidden_size: int) -> list[PoolingParams]:
+    """One PoolingParams per prompt, each checked (ValueError naming the field)."""
+    if params is None:
+        params = PoolingParams()
+    items = [params] * n if isinstance(params, PoolingParams) else list(params)
+    if len(items) != n:
+        raise InvalidField("pooling_params", f"{len(items)} pooling params for {n} prompts")
+    for i, p in enumerate(items):
+        if not isinstance(p, PoolingParams):
+            raise InvalidField("pooling_params", f"expected PoolingParams, got {type(p).__name__} (prompt {i})")
+        if p.dimensions is not None:
+            refusal = matryoshka.refusal(p.dimensions, hidden_size) if isinstance(p.dimensions, int) \
+                else f"dimensions must be an integer, got {p.dimensions!r}"
+            if refusal is not None:
+                raise InvalidField("dimensions", f"{refusal} (prompt {i})")
+    return items
+
+
+class PendingEmbedding:
+    """An embedding request sent and not finished (the collector's interface of PendingRequest)."""
+
+    ended_by_stop_string = False
+
+    def __init__(self, index: int, add: m.AddRequest, replica: int, params: PoolingParams, normalize: bool):
+        self.index = index
+        self.replica = replica
+        self.request_id = add.request_id
+        self.prompt_token_ids = list(add.prompt_token_ids)
+        self.dimensions = params.dimensions
+        self.normalize = normalize if params.normalize is None else params.normalize
+        self.output: Optional[EmbeddingRequestOutput] = None
+        self.error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None or self.error is not None
+
+    def apply(self, delta: m.RequestDelta, now: float) -> int:
+        if delta.embedding is not None:
+            vector = finish_embedding(delta.embedding, self.dimensions, self.normalize)
+            self.output = EmbeddingRequestOutput(self.request_id, EmbeddingOutput(vector.tolist()),
+                                                 self.prompt_token_ids)
+        elif delta.finish_reason is not None:
+            self.error = delta.error or f"ended without an embedding ({delta.finish_reason})"
+        return len(self.prompt_token_ids) if self.output is not None else 0
