@@ -43,10 +43,13 @@ def test_a_replica_that_keeps_crashing_is_marked_failed_and_health_says_so(model
 
 
 def test_sigterm_finishes_the_request_in_flight_refuses_new_ones_then_exits(model_factory, tmp_path):
-    srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "256", "--drain-timeout-s", "60"]).start(tmp_path)
+    # The longest request the demo model takes (its 4096 positions): on a fast, quiet machine 1500
+    # tokens could finish before the refusal was seen, and the check below raced it.
+    srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "256", "--max-model-len", "4096",
+                                          "--drain-timeout-s", "60"]).start(tmp_path)
     try:
         url = srv.url + "/v1/completions"
-        body = {"prompt": "drain me", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": "drain me", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
         with httpx.Client(timeout=120) as client:
             in_flight = client.build_request("POST", url, json=body)
             result: dict = {}
@@ -66,7 +69,7 @@ def test_sigterm_finishes_the_request_in_flight_refuses_new_ones_then_exits(mode
             thread.join(90)
         resp = result["resp"]
         assert resp.status_code == 200, resp.text
-        assert resp.json()["usage"]["completion_tokens"] == 1500
+        assert resp.json()["usage"]["completion_tokens"] == 4000
         assert srv.proc.wait(30) == 0
         assert wait_until(lambda: not pagedserve_processes(srv.run_dir_parent), 5)
     finally:
