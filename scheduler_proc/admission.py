@@ -10,15 +10,17 @@ The functions here answer questions and return plain decisions; the scheduler ap
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
-from pagedserve.protocol.messages import AddRequest
+from pagedserve.protocol.messages import AddRequest, RequestDelta
 from pagedserve.protocol.priority import priority_refusal
 from pagedserve.protocol.validate import InvalidField, check_fields
 
 from pagedserve.scheduler_proc import prefix_cache
 from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.grammar_cache import compile_for
 from pagedserve.scheduler_proc.request import Sequence
 
 
@@ -62,6 +64,38 @@ def rejection_reason(msg: AddRequest, config: SchedulerConfig) -> Optional[str]:
             return (f"n={sampling.n} samples of a {num_prompt}-token prompt need {needed} KV blocks of "
                     f"{block_size} tokens at once, but the cache has only {config.num_gpu_blocks} blocks")
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestVerdict:
+    """Whether a new request joins the waiting queue: ``reason`` None, with its compiled grammar
+    (if any); else why not, as the error ``kind`` the frontend maps to a status."""
+    reason: Optional[str] = None
+    kind: str = "invalid_request"
+    compiled: Any = None
+
+    def error_deltas(self, msg: AddRequest, max_num_seqs: int) -> list[RequestDelta]:
+        n = msg.sampling.n
+        indices = range(n) if 1 <= n <= max_num_seqs else range(1)  # never 10**9 deltas
+        return [RequestDelta(msg.request_id, i, [], "error", self.reason, self.kind,
+                             len(msg.prompt_token_ids)) for i in indices]
+
+
+def judge_new(msg: AddRequest, config: SchedulerConfig, in_use, grammars, num_waiting: int) -> NewRequestVerdict:
+    """Checked in order: what can never be served, an id in use, a grammar that does not compile
+    (all 400s), then load shedding (429)."""
+    reason = rejection_reason(msg, config)
+    if reason is None and msg.request_id in in_use:
+        reason = f"request id {msg.request_id!r} is already in use"
+    if reason is not None:
+        return NewRequestVerdict(reason)
+    compiled, reason = compile_for(grammars, msg.sampling.structured_outputs)
+    if reason is not None:
+        return NewRequestVerdict(reason)
+    reason = shedding_reason(num_waiting, config)
+    if reason is not None:
+        return NewRequestVerdict(reason, "overloaded")
+    return NewRequestVerdict(compiled=compiled)
 
 
 def shedding_reason(num_waiting: int, config: SchedulerConfig) -> Optional[str]:

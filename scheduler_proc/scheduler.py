@@ -33,13 +33,12 @@ from pagedserve.protocol.messages import AddRequest, RequestDelta, SchedulerOutp
 from pagedserve.protocol.priority import QUEUE_TIMEOUT
 
 from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap, prefix_cache
-from pagedserve.scheduler_proc.admission import Admission, length_limit, rejection_reason
+from pagedserve.scheduler_proc.admission import Admission, length_limit
 from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.block_pool import CacheEventLog
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.deadlines import RequestTimes, queue_timeout_message
 from pagedserve.scheduler_proc.grammar import step_bitmask
-from pagedserve.scheduler_proc.grammar_cache import compile_for
 from pagedserve.scheduler_proc.policy import policy_for
 from pagedserve.scheduler_proc.request import FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, token_array
 from pagedserve.scheduler_proc.running import RunningSequences, by_order
@@ -85,21 +84,12 @@ class Scheduler:
     # ------------------------------------------------------------------ frontend side
 
     def add_request(self, msg: AddRequest) -> list[RequestDelta]:
-        reason = rejection_reason(msg, self.config)
-        if reason is None and msg.request_id in self.requests:
-            reason = f"request id {msg.request_id!r} is already in use"
-        if reason is None:
-            compiled, reason = compile_for(self.grammars, msg.sampling.structured_outputs)
-        kind = "invalid_request"
-        if reason is None:
-            reason, kind = admission.shedding_reason(len(self.waiting), self.config), "overloaded"
-            self.counters.num_requests_shed += reason is not None
-        if reason is not None:
+        verdict = admission.judge_new(msg, self.config, self.requests, self.grammars, len(self.waiting))
+        if verdict.reason is not None:
+            self.counters.num_requests_shed += verdict.kind == "overloaded"
             self.counters.num_finished += 1
-            n = msg.sampling.n
-            indices = range(n) if 1 <= n <= self.config.max_num_seqs else range(1)  # never 10**9 deltas
-            return [RequestDelta(msg.request_id, i, [], "error", reason, kind,
-                                 len(msg.prompt_token_ids)) for i in indices]
+            return verdict.error_deltas(msg, self.config.max_num_seqs)
+        compiled = verdict.compiled
         seed = self._rng.getrandbits(63) if msg.sampling.seed is None else msg.sampling.seed
         self._arrivals += 1
         spec_k = spec_k_for(self.speculator, msg, compiled)  # proposals per step (speculation.py)
