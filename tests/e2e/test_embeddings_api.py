@@ -18,7 +18,7 @@ import pytest
 from support.fault_helpers import pid_of
 from support.openai_stream_schema import pin_model
 from support.oracle import hf_embedding, hf_tokenizer
-from support.server import Server
+from support.server import Server, served_model
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +44,6 @@ def server(model_dir, tmp_path_factory):
     srv.stop()
 
 
-def _name(srv: Server) -> str:
-    return httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-
-
 def _client(srv: Server):
     openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
@@ -65,8 +61,8 @@ TEXTS = ["The food was delicious and the waiter was kind.", "hi",
 def test_the_openai_client_embeds_texts_as_transformers_pooled_hidden_states(server, model_dir, encoding_format):
     assert len(_ids(model_dir, TEXTS[2])) > STEP_TOKENS
     kwargs = {} if encoding_format is None else {"encoding_format": encoding_format}
-    response = _client(server).embeddings.create(model=_name(server), input=TEXTS, **kwargs)
-    assert response.object == "list" and response.model == _name(server)
+    response = _client(server).embeddings.create(model=served_model(server), input=TEXTS, **kwargs)
+    assert response.object == "list" and response.model == served_model(server)
     assert [d.index for d in response.data] == [0, 1, 2]
     for item, text in zip(response.data, TEXTS):
         vector = item.embedding
@@ -80,16 +76,16 @@ def test_the_openai_client_embeds_texts_as_transformers_pooled_hidden_states(ser
 def test_token_ids_and_lists_of_them_embed_like_the_text_they_spell(server, model_dir):
     client = _client(server)
     ids = [_ids(model_dir, t) for t in TEXTS]
-    one = client.embeddings.create(model=_name(server), input=ids[0], encoding_format="float")
-    many = client.embeddings.create(model=_name(server), input=ids, encoding_format="float")
-    single = client.embeddings.create(model=_name(server), input=TEXTS[0], encoding_format="float")
+    one = client.embeddings.create(model=served_model(server), input=ids[0], encoding_format="float")
+    many = client.embeddings.create(model=served_model(server), input=ids, encoding_format="float")
+    single = client.embeddings.create(model=served_model(server), input=TEXTS[0], encoding_format="float")
     np.testing.assert_allclose(one.data[0].embedding, single.data[0].embedding, atol=1e-6)
     for item, prompt in zip(many.data, ids):
         np.testing.assert_allclose(item.embedding, hf_embedding(model_dir, prompt, "mean"), atol=1e-4)
 
 
 def test_dimensions_truncates_then_normalises_on_a_model_that_declares_them(server, model_dir):
-    response = _client(server).embeddings.create(model=_name(server), input=TEXTS[0], dimensions=32,
+    response = _client(server).embeddings.create(model=served_model(server), input=TEXTS[0], dimensions=32,
                                                  encoding_format="float")
     vector = response.data[0].embedding
     assert len(vector) == 32 and abs(float(np.linalg.norm(vector)) - 1.0) < 1e-5
@@ -148,7 +144,7 @@ def test_openai_published_embeddings_schema_fuzzed_by_schemathesis_gets_no_serve
     from schemathesis.generation import GenerationMode
 
     raw = json.loads(OPENAI_SCHEMA.read_text())
-    pin_model(raw["components"]["schemas"]["CreateEmbeddingRequest"], _name(server))
+    pin_model(raw["components"]["schemas"]["CreateEmbeddingRequest"], served_model(server))
     validator = jsonschema.Draft202012Validator({**raw, "$ref": "#/components/schemas/CreateEmbeddingResponse"})
     schema = schemathesis.openapi.from_dict(raw)
     operations = [r.ok() for r in schema.get_all_operations()]

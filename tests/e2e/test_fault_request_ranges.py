@@ -13,7 +13,7 @@ import pytest
 
 from support.fault_helpers import health, pid_of
 from support.openai_stream_schema import STREAM_SCHEMA, pin_model, stream_validator, stream_violations
-from support.server import Server
+from support.server import Server, served_model
 
 pytestmark = pytest.mark.slow
 
@@ -33,10 +33,6 @@ def server(model_factory, tmp_path_factory):
     srv.first_scheduler_pid = pid_of(srv, "scheduler")
     yield srv
     srv.stop()
-
-
-def _name(srv: Server) -> str:
-    return httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
 # field -> values that must each be refused (valid neighbours such as seed=-1 or top_k=-1 are not here)
@@ -84,7 +80,7 @@ CASES = [("/v1/completions", f, v) for f, vs in COMPLETION.items() for v in vs] 
 @pytest.mark.parametrize("path,field,value", CASES,
                          ids=[f"{p.rsplit('/', 1)[-1]}-{f}-{str(v)[:20]}" for p, f, v in CASES])
 def test_an_out_of_range_field_is_a_4xx_that_names_it(server, path, field, value):
-    base = {"model": _name(server), "max_tokens": 3}
+    base = {"model": served_model(server), "max_tokens": 3}
     base.update({"prompt": "hi"} if path.endswith("/completions") and "chat" not in path
                 else {"messages": [{"role": "user", "content": "hi"}]})
     body = json.dumps({**base, field: value})  # NaN travels as the JSON extension NaN
@@ -100,7 +96,7 @@ def test_after_every_bad_field_the_same_scheduler_serves_and_is_ready(server):
     # the reported crash, six times: it once took the replica down for good
     for _ in range(6):
         r = httpx.post(server.url + "/v1/completions", timeout=60, json={
-            "model": _name(server), "prompt": "hi", "max_tokens": 3, "stop_token_ids": [2**63]})
+            "model": served_model(server), "prompt": "hi", "max_tokens": 3, "stop_token_ids": [2**63]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
     status, body = health(server)
     assert status == 200 and body["replicas"][0]["state"] == "ready"
@@ -128,7 +124,7 @@ def test_openai_published_schema_fuzzed_by_schemathesis_gets_no_server_error_and
     raw = json.loads(OPENAI_SCHEMA.read_text())
     schemas = raw["components"]["schemas"]
     for request_schema in ("CreateCompletionRequest", "CreateChatCompletionRequest"):
-        pin_model(schemas[request_schema], _name(server))
+        pin_model(schemas[request_schema], served_model(server))
     schema = schemathesis.openapi.from_dict(raw)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {(op.method.upper(), op.path) for op in operations} >= {
@@ -201,7 +197,7 @@ STRING_CASES = [(path, field, s) for path, fields in STRING_FIELDS.items() for f
 @pytest.mark.parametrize("path,field,hostile", STRING_CASES,
                          ids=[f"{p.rsplit('/', 1)[-1]}-{f}-{ascii(s)[:12]}" for p, f, s in STRING_CASES])
 def test_a_hostile_string_in_any_field_is_never_a_server_error(server, path, field, hostile):
-    base = {"model": _name(server), "max_tokens": 3}
+    base = {"model": served_model(server), "max_tokens": 3}
     base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
     body = json.dumps({**base, **STRING_FIELDS[path][field](hostile)})  # ensure_ascii: "\ud800" escapes
     r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)

@@ -124,6 +124,11 @@ class Server:
                 pass
 
 
+def served_model(srv: Server) -> str:
+    """The model name a deployment answers to first (``/v1/models``)."""
+    return httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
