@@ -31,6 +31,10 @@ SHAPES = {s.name: s for s in (
     BenchShape("small", dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
                              intermediate_size=1536, vocab_size=32000, max_position_embeddings=4096,
                              seed=1234), num_prompts=64, input_len=(16, 64), output_len=64),
+    # issue 31's served fp32 workload: "random Llama, 8 layers, hidden 512, head_dim 64, vocab 32k"
+    BenchShape("small-llama", dict(arch="llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
+                                   intermediate_size=1536, vocab_size=32000, max_position_embeddings=4096,
+                                   seed=1234), num_prompts=64, input_len=(16, 64), output_len=64),
     BenchShape("0.5b", dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
                             intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
                             tie_word_embeddings=True, rope_theta=1000000.0, seed=1234),
@@ -53,7 +57,8 @@ def ensure_shape_model(shape: BenchShape) -> Path:
         print(f"writing the random {shape.name} model to {path} (once)", flush=True)
         partial = path.with_name(f"{shape.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
-        build_model_dir(partial, "qwen2", **shape.model)
+        model = dict(shape.model)
+        build_model_dir(partial, model.pop("arch", "qwen2"), **model)
         shutil.rmtree(path, ignore_errors=True)
         partial.rename(path)  # a run killed while writing leaves no half model behind
     return path

@@ -57,6 +57,79 @@ static inline void scores8(const float *q, const float *k0, int64_t row, int64_t
 #define SCORE_KEYS 0
 #endif
 
+/* Blocks sit anywhere in the cache, so the hardware's stream prefetcher loses the thread at
+ * every block boundary and a step's keys and values (larger than the caches) come from DRAM
+ * at a fraction of its bandwidth: the block AHEAD blocks on is requested while this one
+ * computes (keys in the scores' pass, values in the values' pass). */
+#define AHEAD 3
+static inline void prefetch_block(const float *k, const float *v, const int32_t *table, int64_t pos, int64_t hi,
+                                  int64_t bs, int64_t row) {
+    const int64_t next = (pos / bs + AHEAD) * bs;
+    if (next >= hi) return;
+    const int64_t bytes = (hi - next < bs ? hi - next : bs) * row * (int64_t)sizeof(float);
+    const char *kb = (const char *)(k + (int64_t)table[next / bs] * bs * row);
+    const char *vb = (const char *)(v + (int64_t)table[next / bs] * bs * row);
+    for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(kb + off, 0, 3);
+        __builtin_prefetch(vb + off, 0, 3);
+    }
+}
+
+#if defined(__AVX512F__)
+/* The values' pass with each output row held in registers over all of a request's slots: up
+ * to 4 query heads of one KV head (16 zmm for d = 64) per pass, instead of a load and a store
+ * of every output row for every slot. Per output element the operations and their order are
+ * the plain loop's (o = fma(p, v, o) from 0, slot by slot): the same bits as that loop built
+ * for this CPU (checked when it landed, bench/RESULTS.md). */
+#define VALUES_IN_REGISTERS 1
+#define VHEADS 4
+static inline __attribute__((always_inline)) void values_in_registers(
+    const float *scores, const float *v, const int32_t *table, int64_t lo, int64_t hi, float *ob, int64_t hkv,
+    int64_t group, const int64_t d, int64_t row, int64_t bs) {
+    const int64_t n = hi - lo, vecs = d / 16, heads = d <= 64 ? VHEADS : 2;
+    for (int64_t kh = 0; kh < hkv; kh++)
+        for (int64_t g0 = 0; g0 < group; g0 += heads) {
+            const int64_t gn = group - g0 < heads ? group - g0 : heads, h0 = kh * group + g0;
+            __m512 acc[VHEADS][4];
+            for (int g = 0; g < VHEADS; g++)
+                for (int j = 0; j < 4; j++) acc[g][j] = _mm512_setzero_ps();
+            /* d = 128 takes 2 heads of 8 vectors: its accumulators are the same 16 registers */
+            __m512 *wide = &acc[0][0];
+            for (int64_t pos = lo; pos < hi;) {
+                const int64_t end = (pos / bs + 1) * bs < hi ? (pos / bs + 1) * bs : hi;
+                const float *vh = v + ((int64_t)table[pos / bs] * bs + pos % bs) * row + kh * d;
+                for (; pos < end; pos++, vh += row) {
+                    const float *p = scores + h0 * n + pos - lo;
+                    if (d <= 64) {
+                        __m512 vv[4];
+                        for (int j = 0; j < 4; j++)
+                            if (j < vecs) vv[j] = _mm512_loadu_ps(vh + 16 * j);
+                        for (int g = 0; g < VHEADS; g++)
+                            if (g < gn) {
+                                const __m512 pg = _mm512_set1_ps(p[g * n]);
+                                for (int j = 0; j < 4; j++)
+                                    if (j < vecs) acc[g][j] = _mm512_fmadd_ps(pg, vv[j], acc[g][j]);
+                            }
+                    } else {
+                        for (int g = 0; g < 2; g++)
+                            if (g < gn) {
+                                const __m512 pg = _mm512_set1_ps(p[g * n]);
+                                for (int j = 0; j < 8; j++)
+                                    if (j < vecs) wide[g * 8 + j] = _mm512_fmadd_ps(pg, _mm512_loadu_ps(vh + 16 * j),
+                                                                                     wide[g * 8 + j]);
+                            }
+                    }
+                }
+            }
+            for (int64_t g = 0; g < gn; g++)
+                for (int64_t j = 0; j < vecs; j++)
+                    _mm512_storeu_ps(ob + (h0 + g) * d + 16 * j, d <= 64 ? acc[g][j] : wide[g * 8 + j]);
+        }
+}
+#else
+#define VALUES_IN_REGISTERS 0
+#endif
+
 /* One request: its slots are read row by row (all KV heads of a slot are adjacent), once
  * for the scores and once for the values. Inlined into each case of the switch below, so
  * the common head sizes get loops of a known length (unrolled, kept in registers). */
@@ -67,6 +140,7 @@ static inline __attribute__((always_inline)) void attend_request(
     for (int64_t pos = lo; pos < hi;) {
         const int64_t end = (pos / bs + 1) * bs < hi ? (pos / bs + 1) * bs : hi;
         const float *kr = k + ((int64_t)table[pos / bs] * bs + pos % bs) * row;
+        prefetch_block(k, v, table, pos, hi, bs, row);
 #if SCORE_KEYS
         if (d % 8 == 0)
             for (; pos + SCORE_KEYS <= end; pos += SCORE_KEYS, kr += SCORE_KEYS * row)
@@ -81,17 +155,24 @@ static inline __attribute__((always_inline)) void attend_request(
     }
     float inv_sum[hq];
     for (int64_t h = 0; h < hq; h++) inv_sum[h] = decode_softmax(scores + h * n, n);
-    memset(ob, 0, sizeof(float) * hq * d);
-    for (int64_t pos = lo; pos < hi;) {
-        const int64_t end = (pos / bs + 1) * bs < hi ? (pos / bs + 1) * bs : hi;
-        const float *vr = v + ((int64_t)table[pos / bs] * bs + pos % bs) * row;
-        for (; pos < end; pos++, vr += row)
-            for (int64_t kh = 0, h = 0; kh < hkv; kh++)
-                for (int64_t g = 0; g < group; g++, h++) {
-                    const float p = scores[h * n + pos - lo], *vh = vr + kh * d;
-                    float *o = ob + h * d;
-                    for (int64_t i = 0; i < d; i++) o[i] += p * vh[i];
-                }
+#if VALUES_IN_REGISTERS
+    if (d % 16 == 0 && d <= 128)
+        values_in_registers(scores, v, table, lo, hi, ob, hkv, group, d, row, bs);
+    else
+#endif
+    {
+        memset(ob, 0, sizeof(float) * hq * d);
+        for (int64_t pos = lo; pos < hi;) {
+            const int64_t end = (pos / bs + 1) * bs < hi ? (pos / bs + 1) * bs : hi;
+            const float *vr = v + ((int64_t)table[pos / bs] * bs + pos % bs) * row;
+            for (; pos < end; pos++, vr += row)
+                for (int64_t kh = 0, h = 0; kh < hkv; kh++)
+                    for (int64_t g = 0; g < group; g++, h++) {
+                        const float p = scores[h * n + pos - lo], *vh = vr + kh * d;
+                        float *o = ob + h * d;
+                        for (int64_t i = 0; i < d; i++) o[i] += p * vh[i];
+                    }
+        }
     }
     for (int64_t h = 0; h < hq; h++)
         for (int64_t i = 0; i < d; i++) ob[h * d + i] *= inv_sum[h];

@@ -24,6 +24,7 @@ from pagedserve.worker_proc import decode_attention as da
 CASES = [
     ("llama-3layer, 64 decodes", 64, 4, 2, 32, (64, 384)),
     ("small, 64 decodes", 64, 8, 2, 64, (16, 128)),
+    ("small, 64 decodes of a served mix", 64, 8, 2, 64, (110, 590)),
     ("0.5b, 32 decodes", 32, 14, 2, 64, (8, 288)),
     ("0.5b, 8 decodes of 2k", 8, 14, 2, 64, (1800, 2200)),
     ("demo, 6 decodes (misaligned)", 6, 4, 2, 32, (7, 180)),

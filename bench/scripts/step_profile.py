@@ -37,7 +37,7 @@ from step_phases import PHASES, format_limits, format_machine_limits, format_pha
 
 def run(ns: argparse.Namespace) -> None:
     runner = ModelRunner(ns.model, device=ns.device, dtype=ns.dtype)
-    cfg = SchedulerConfig(block_size=16, num_gpu_blocks=ns.num_gpu_blocks, max_num_seqs=256,
+    cfg = SchedulerConfig(block_size=16, num_gpu_blocks=ns.num_gpu_blocks, max_num_seqs=ns.max_num_seqs,
                           max_num_batched_tokens=ns.max_num_batched_tokens or default_step_tokens(ns.device),
                           max_model_len=4096)
     runner.init_cache(WorkerInit(block_size=16, num_gpu_blocks=cfg.num_gpu_blocks,
@@ -132,6 +132,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, nargs=2, default=[16, 64])
     p.add_argument("--prompt-lens", type=int, nargs="+", help="explicit prompt lengths (replaces the random ones)")
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="running requests at most: with more prompts, a served closed loop's mixed steps")
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step; default: the engine's for the device")
     p.add_argument("--profile", action="store_true")
