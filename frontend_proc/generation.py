@@ -121,8 +121,19 @@ class Generation:
             else:
                 for choice, scored in zip(choices, prompt_logprobs):
                     choice["prompt_logprobs"] = scored
-        payload["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
+        payload["usage"] = self._usage()
         return payload
+
+    def _usage(self) -> dict[str, Any]:
+        """Token counts, once every choice has been rendered; with a reasoning parser, the
+        thinking's share of the completion tokens too (reasoning/token_count.py)."""
+        stream = self.stream
+        body: dict[str, Any] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
+        count = getattr(self.render, "reasoning_tokens", None)
+        if count is not None:
+            body["completion_tokens_details"] = {"reasoning_tokens": sum(
+                count(c.index, c.state.rendered_ids, c.state.decoder) for c in stream.choices)}
+        return body
 
     async def chunks(self) -> AsyncIterator[list[dict[str, Any]]]:
         """The chunks after start_stream(), those of one wake-up together (one write). An error
@@ -146,7 +157,7 @@ class Generation:
                 batch = await anext(self._updates, None)
             if self.include_usage:
                 final = fmt.envelope(fmt.object_chunk, [])
-                final["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
+                final["usage"] = self._usage()
                 yield [final]
         except APIError as exc:
             ended = [fmt.chunk_choice(c.index, "", None, exc.finish_reason)

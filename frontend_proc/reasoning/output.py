@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pagedserve.client.detokenizer import Decodes
 from pagedserve.frontend_proc.reasoning.think_tags import ReasoningSplit, ThinkTagParser
+from pagedserve.frontend_proc.reasoning.token_count import reasoning_token_count
 from pagedserve.frontend_proc.response_format import ChatFormat, LogprobEntries
 
 
@@ -32,6 +34,7 @@ class ReasoningChoices:
 
     def full_choice(self, index: int, text: str, logprobs: Optional[LogprobEntries],
                     finish_reason: Optional[str], *more: Any) -> dict[str, Any]:
+        self._streamed[index].text = text
         split = self.parser.split(text, True)
         choice = self.inner.full_choice(index, split.content, logprobs, finish_reason, *more)
         message = choice["message"]
@@ -66,3 +69,7 @@ class ReasoningChoices:
                 del choice["delta"]["content"]
             choice["delta"]["reasoning_content"] = reasoning
         return choice
+
+    def reasoning_tokens(self, index: int, token_ids: list[int], decoder: Decodes) -> int:
+        """Choice ``index``'s thinking tokens, once its whole text has been rendered."""
+        return reasoning_token_count(self.parser, self._streamed[index].text, token_ids, decoder)

@@ -9,7 +9,6 @@ grammar accepts, and every unconstrained request must stream as it does alone.
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -17,39 +16,13 @@ from pagedserve.protocol.messages import AddRequest, SamplingParams, StructuredO
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.grammar_cache import CompiledGrammarCache, GrammarBackendLoader
 from pagedserve.scheduler_proc.scheduler import Scheduler
-from pagedserve.worker_proc.grammar_mask import unpack_bitmask
 
 from support.oracle import hf_tokenizer
 from support.structured_schemas import CHOICES, REGEX, SCHEMAS, check_choice, check_json, check_regex
-from support.scheduler_sim import SimWorker, StepDriver, assert_all_blocks_free, run_until_done
+from support.grammar_sim import MaskedSamplingWorker
+from support.scheduler_sim import StepDriver, assert_all_blocks_free, run_until_done
 
 VOCAB = 512
-
-
-class MaskedSamplingWorker(SimWorker):
-    """Samples a random allowed token for constrained requests (the stop token half the time it
-    is allowed, as a model that has finished would), a random token for the others."""
-
-    def __init__(self, config, eos: int, seed: int = 0):
-        self.rng = random.Random(seed)
-        self.eos = eos
-        self.allowed: dict[str, list[int]] = {}
-        super().__init__(config, self.pick)
-
-    def step(self, out):
-        self.allowed = {}
-        if out.grammar is not None:
-            rows = unpack_bitmask(out.grammar, VOCAB)
-            self.allowed = {req_id: row.nonzero().flatten().tolist() for req_id, row in zip(out.grammar.req_ids, rows)}
-        return super().step(out)
-
-    def pick(self, req_id: str, tokens: list[int]) -> int:
-        allowed = self.allowed.get(req_id)
-        if allowed is None:
-            return self.rng.randrange(10, VOCAB)
-        if self.eos in allowed and self.rng.random() < 0.5:
-            return self.eos
-        return self.rng.choice(allowed)
 
 
 @pytest.fixture(scope="module")
