@@ -59,18 +59,17 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer,
     if reasoning is not None:
         tail = tokenizer.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
         if reasoning.starts_in_reasoning(tail, options.template_kwargs):
-            structured = _after_thinking(body, structured, plan.structured_outputs is not None, tokenizer,
-                                         reasoning)
-            choices = ReasoningChoices(fmt, choices, reasoning, body.n)
+            end_ids = tokenizer.tokenizer.encode(END, add_special_tokens=False)
+            structured = _after_thinking(body, structured, plan.structured_outputs is not None, end_ids, reasoning)
+            choices = ReasoningChoices(fmt, choices, reasoning, body.n, end_ids)
     return ChatPrompt(prompt_ids, structured, choices)
 
 
 def _after_thinking(body: ChatCompletionRequest, spec: Optional[StructuredOutputs], forced: bool,
-                    tokenizer: PromptTokenizer, reasoning: ReasoningParser) -> Optional[StructuredOutputs]:
-    """The request's grammar, if any, set to start after the end of the thinking."""
+                    end_ids: list[int], reasoning: ReasoningParser) -> Optional[StructuredOutputs]:
+    """The request's grammar, if any, set to start after the end of the thinking (``end_ids``)."""
     if spec is None:
         return None
-    end_ids = tokenizer.tokenizer.encode(END, add_special_tokens=False)
     if len(end_ids) != 1:
         field = "tool_choice" if forced else structured_output_field(body)
         switch = ("switch the thinking off (chat_template_kwargs.enable_thinking false; Responses: reasoning.effort "

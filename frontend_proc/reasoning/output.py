@@ -9,7 +9,7 @@ and the content grew by since the last one (think_tags.py holds back what may be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from pagedserve.client.detokenizer import Decodes
 from pagedserve.frontend_proc.reasoning.think_tags import ReasoningSplit, ThinkTagParser
@@ -26,8 +26,10 @@ class _Streamed:
 
 
 class ReasoningChoices:
-    def __init__(self, fmt: ChatFormat, inner: Any, parser: ThinkTagParser, num_choices: int):
+    def __init__(self, fmt: ChatFormat, inner: Any, parser: ThinkTagParser, num_choices: int,
+                 end_ids: Sequence[int] = ()):
         self.fmt = fmt
+        self.end_ids = end_ids  # the end tag's token ids: reasoning_tokens' fast path
         self.inner = inner  # ChatFormat or ToolCallChoices: renders the content
         self.parser = parser
         self._streamed = [_Streamed() for _ in range(num_choices)]
@@ -72,4 +74,4 @@ class ReasoningChoices:
 
     def reasoning_tokens(self, index: int, token_ids: list[int], decoder: Decodes) -> int:
         """Choice ``index``'s thinking tokens, once its whole text has been rendered."""
-        return reasoning_token_count(self.parser, self._streamed[index].text, token_ids, decoder)
+        return reasoning_token_count(self.parser, self._streamed[index].text, token_ids, decoder, self.end_ids)

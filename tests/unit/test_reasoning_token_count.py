@@ -24,11 +24,16 @@ def tokenizer(request, tmp_path_factory):
 
 
 def _count(parser, tokenizer, thinking: str, answer: str) -> tuple[int, int, int]:
-    """(counted, tokens of the thinking part alone, tokens in all)."""
+    """(counted, tokens of the thinking part alone, tokens in all); the count is the same by
+    bisection alone and with the end tag's ids (their fast path, or bisection when it misses)."""
     ids = tokenizer.tokenizer.encode(thinking + answer, add_special_tokens=False)
     alone = tokenizer.tokenizer.encode(thinking, add_special_tokens=False)
     assert ids[:len(alone)] == alone  # the cases below tokenize apart at the boundary
-    return reasoning_token_count(parser, tokenizer.decode(ids), ids, tokenizer), len(alone), len(ids)
+    text = tokenizer.decode(ids)
+    counted = reasoning_token_count(parser, text, ids, tokenizer)
+    end_ids = tokenizer.tokenizer.encode("</think>", add_special_tokens=False)
+    assert reasoning_token_count(parser, text, ids, tokenizer, end_ids) == counted
+    return counted, len(alone), len(ids)
 
 
 @pytest.mark.parametrize("thinking, answer", [
@@ -54,6 +59,9 @@ def test_a_qwen3_tool_call_ends_the_thinking_where_it_starts(tokenizer):
     counted, thinking_tokens, total = _count(QWEN3, tokenizer, thinking, answer)
     assert counted == thinking_tokens < total
     assert _count(R1, tokenizer, thinking, answer)[0] == total  # deepseek_r1: only </think> ends it
+    # a </think> after the call: the tag's ids are there, but the thinking ended before them
+    counted, thinking_tokens, _ = _count(QWEN3, tokenizer, thinking, answer + "</think>")
+    assert counted == thinking_tokens
 
 
 def test_a_token_past_the_end_tag_in_the_same_piece_counts_as_thinking(tokenizer):
