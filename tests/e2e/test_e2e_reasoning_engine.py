@@ -1,7 +1,8 @@
 """--reasoning-parser qwen3 on a real engine (the thinking demo model, whose </think> is one token),
 through the official clients: the grammar of response_format / text.format / a forced tool starts
 after the thinking, which stays the free text the model writes without one, and reasoning_tokens
-counts the output tokens through </think>, in chat (streamed or not) and Responses.
+counts the output tokens through </think>, in chat (streamed or not) and Responses. A recorded
+trace of such a request replays exactly.
 
 The random model closes its thinking by chance: the test takes the first of a fixed list of
 prompts whose greedy output does so after a few tokens, with room left for an answer."""
@@ -14,7 +15,15 @@ import anthropic
 import jsonschema
 import pytest
 
+from pagedserve.protocol.codec import Decoder
+from pagedserve.protocol.messages import SchedulerOutput, SchedulerToWorker
+from pagedserve.protocol.trace import read_trace
+from pagedserve.scheduler_proc.replay import replay_scheduler
+from pagedserve.tools.replay import replay_workers
+
 from support.greedy import client as openai_client
+from support.server import Server
+from support.shared_deployments import SERVER_ARGS
 from support.structured_schemas import SCHEMAS
 
 pytestmark = pytest.mark.slow
@@ -111,3 +120,28 @@ def test_an_anthropic_forced_tool_is_valid_after_the_thinking(thinking, thinking
     (use,) = [b for b in message.content if b.type == "tool_use"]
     assert use.name == "record" and message.stop_reason == "tool_use"
     jsonschema.validate(use.input, PERSON)
+
+
+def test_a_trace_of_a_grammar_after_the_thinking_replays_exactly_both_ways(model_factory, tmp_path):
+    model = model_factory("qwen2", thinking_template=True)
+    path = tmp_path / "thinking.trace"
+    srv = Server(model, [*SERVER_ARGS, "--reasoning-parser", "qwen3", "--record-trace", str(path)]).start(tmp_path)
+    try:
+        openai = openai_client(srv)
+        name = openai.models.list().data[0].id
+        question, _, thinking_tokens = _question_whose_thinking_ends(openai, name)
+        reply = openai.chat.completions.create(model=name, messages=_user(question), max_tokens=MAX_TOKENS,
+                                               temperature=0, response_format=FORMAT)
+        jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    finally:
+        srv.stop()
+    to_worker = Decoder(SchedulerToWorker)
+    masked = sum(isinstance(msg, SchedulerOutput) and msg.grammar is not None
+                 for direction, payload in read_trace(str(path)).records if direction == "to_worker"
+                 for msg in [to_worker.decode(payload)])
+    # one masked step per token sampled after </think>, none while thinking
+    assert masked == reply.usage.completion_tokens - thinking_tokens > 0
+    report = replay_scheduler(str(path))
+    assert report.ok, report.mismatch
+    steps, tokens = replay_workers(str(path), model, "cpu", num_threads=1)
+    assert steps == report.steps and tokens > thinking_tokens

@@ -101,6 +101,8 @@ def test_reasoning_tokens_are_the_tokens_through_the_end_tag_streamed_or_not(thi
     usage = client.chat.completions.create(model="tiny", messages=USER).usage
     assert usage.completion_tokens_details.reasoning_tokens == thinking
     assert usage.completion_tokens == thinking + answer + 1  # and the end-of-sequence token
+    two = client.chat.completions.create(model="tiny", messages=USER, n=2).usage
+    assert two.completion_tokens_details.reasoning_tokens == 2 * thinking  # summed over the choices
     chunks = list(client.chat.completions.create(model="tiny", messages=USER, stream=True,
                                                  stream_options={"include_usage": True}))
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thinking
