@@ -40,9 +40,8 @@ class ChoiceState:
     def __init__(self, index: int, tokenizer: PromptTokenizer, stop_strings: list[str]):
         self.index = index
         self.text = SampleText(tokenizer, stop_strings, tokenizer.stream_backend)
-        self.decoder = tokenizer
+        self.decoder = tokenizer  # how its tokens became its text
         self.num_tokens = 0
-        self.rendered_ids: list[int] = []  # the tokens behind the text: reasoning_tokens counts them
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -51,7 +50,6 @@ class ChoiceState:
     def apply(self, delta: RequestDelta) -> ChoiceUpdate:
         self.num_tokens += len(delta.new_token_ids)
         update = self.text.apply(delta)
-        self.rendered_ids += update.token_ids
         return ChoiceUpdate(self.index, update.text, update.token_ids, update.logprobs,
                             update.top_logprobs, update.finish_reason, delta.prompt_logprobs)
 
