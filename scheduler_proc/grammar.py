@@ -55,8 +55,9 @@ class SequenceGrammar:
 
         if grammar.stop_token_ids:  # the request's own stop tokens end the grammar
             self.matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=grammar.stop_token_ids)
-        else:  # ignore_eos and no stop ids: the grammar ends when it is complete
-            self.matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=[],
+        else:  # ignore_eos and no stop ids: the grammar ends when it is complete, no stop token allowed
+            # (None, not []: xgrammar 0.2.8 refuses an empty override, which crashed the scheduler)
+            self.matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=None,
                                                    terminate_without_stop_token=True)
 
     @property

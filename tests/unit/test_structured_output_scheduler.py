@@ -139,6 +139,25 @@ def test_constrained_requests_sit_out_steps_scheduled_ahead_while_others_stay_ov
     assert masked_ahead > 3  # and the constrained one ran in steps scheduled ahead too
 
 
+def test_with_ignore_eos_and_no_stop_ids_the_grammar_ends_the_sample_when_complete(model_dir, grammars):
+    """xgrammar refuses an empty stop-token list: this request once crashed the scheduler process."""
+    tokenizer = hf_tokenizer(model_dir)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = SchedulerConfig(block_size=4, num_gpu_blocks=100, max_num_seqs=4, max_num_batched_tokens=32,
+                             vocab_size=VOCAB)
+    sched = Scheduler(config, grammars)
+    worker = MaskedSamplingWorker(config, eos)
+    for i, kind in enumerate(["person", "regex"]):
+        sched.add_request(AddRequest(request_id=f"{kind}-{i}", prompt_token_ids=[5, 6, 7], eos_token_ids=[eos],
+                                     sampling=SamplingParams(max_tokens=400, temperature=1.0, ignore_eos=True,
+                                                             structured_outputs=SPECS[kind])))
+    deltas = run_until_done(sched, worker)
+    for (request_id, _), (text, finish) in texts_by_sample(deltas, tokenizer, eos).items():
+        assert finish == "stop", (request_id, text)
+        check(text, request_id.split("-")[0])
+    assert all(d.new_token_ids.count(eos) == 0 for d in deltas)  # no stop token was ever allowed
+
+
 def test_a_grammar_that_cannot_compile_is_refused_at_admission_naming_the_problem(grammars):
     config = SchedulerConfig(block_size=4, num_gpu_blocks=20, max_num_seqs=4, max_num_batched_tokens=32,
                              vocab_size=VOCAB)
