@@ -143,15 +143,13 @@ def test_with_ignore_eos_and_no_stop_ids_the_grammar_ends_the_sample_when_comple
     """xgrammar refuses an empty stop-token list: this request once crashed the scheduler process."""
     tokenizer = hf_tokenizer(model_dir)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = SchedulerConfig(block_size=4, num_gpu_blocks=100, max_num_seqs=4, max_num_batched_tokens=32,
-                             vocab_size=VOCAB)
-    sched = Scheduler(config, grammars)
-    worker = MaskedSamplingWorker(config, eos)
-    for i, kind in enumerate(["person", "regex"]):
-        sched.add_request(AddRequest(request_id=f"{kind}-{i}", prompt_token_ids=[5, 6, 7], eos_token_ids=[eos],
+    sched = Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=100, max_num_seqs=4, max_num_batched_tokens=32,
+                                      vocab_size=VOCAB), grammars)
+    for kind in ("person", "regex"):
+        sched.add_request(AddRequest(request_id=f"{kind}-0", prompt_token_ids=[5, 6, 7], eos_token_ids=[eos],
                                      sampling=SamplingParams(max_tokens=400, temperature=1.0, ignore_eos=True,
                                                              structured_outputs=SPECS[kind])))
-    deltas = run_until_done(sched, worker)
+    deltas = run_until_done(sched, MaskedSamplingWorker(sched.config, eos))
     for (request_id, _), (text, finish) in texts_by_sample(deltas, tokenizer, eos).items():
         assert finish == "stop", (request_id, text)
         check(text, request_id.split("-")[0])
