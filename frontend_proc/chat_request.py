@@ -2,11 +2,15 @@
 grammar a forced tool choice needs, and how its choices are rendered (tool calls parsed from the
 content, the reasoning split off first when --reasoning-parser is set).
 
-Structured output with a reasoning parser: vLLM starts the grammar where the thinking ends.
-The scheduler here applies a grammar from the first output token, so a request that would
-think and also asks for structured output (response_format, guided_*, or a forced tool choice)
-is a 400 naming the field; with the thinking switched off (Qwen3's ``enable_thinking: false``,
-or a template that closes it in the prompt) the whole output is content and the grammar applies.
+Structured output with a reasoning parser, as vLLM: the thinking is free text and the grammar
+(response_format, guided_*, or a forced tool choice) starts after the token that ends it. The
+request carries the end tag's token ids (``StructuredOutputs.start_after``) and the scheduler
+starts the matcher once the output has generated them. That needs ``</think>`` to be one token,
+as in every reasoning model's tokenizer (vLLM's parsers require it too): a tag in several pieces
+could be written in other pieces than its encoding, and the content would then go unconstrained
+while the request asked for it; such a tokenizer keeps the 400 naming the field. With the thinking
+switched off (Qwen3's ``enable_thinking: false``, or a template that closes it in the prompt) the
+whole output is content and the grammar applies from the first token.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import msgspec
+
 from pagedserve.client.chat_template_options import ChatTemplateOptions
 from pagedserve.frontend_proc.errors import InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest
 from pagedserve.frontend_proc.reasoning import ReasoningParser
+from pagedserve.frontend_proc.reasoning.think_tags import END
 from pagedserve.frontend_proc.reasoning.output import ReasoningChoices
 from pagedserve.frontend_proc.response_format import ChatFormat
 from pagedserve.frontend_proc.structured_request import (
@@ -32,7 +39,7 @@ from pagedserve.protocol.validate import InvalidField
 @dataclass(slots=True)
 class ChatPrompt:
     prompt_ids: list[int]
-    structured_outputs: Optional[StructuredOutputs]  # set by a forced tool choice
+    structured_outputs: Optional[StructuredOutputs]  # response_format's, guided_*'s, or a forced tool call's
     choices: Union[ChatFormat, ToolCallChoices, ReasoningChoices]  # full_choice / chunk_choice
 
 
@@ -48,24 +55,29 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer,
     prompt_ids = tokenizer.encode_chat(body.messages, options)
     choices = fmt if plan.parser is None else ToolCallChoices(
         fmt, plan.parser, body.n, plan.parallel_tool_calls)
+    structured = plan.structured_outputs or structured_outputs_of(body)
     if reasoning is not None:
         tail = tokenizer.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
         if reasoning.starts_in_reasoning(tail, options.template_kwargs):
-            _refuse_grammar_while_thinking(body, reasoning, plan.structured_outputs is not None)
-            choices = ReasoningChoices(fmt, choices, reasoning, body.n)
-    return ChatPrompt(prompt_ids, plan.structured_outputs, choices)
+            end_ids = tokenizer.tokenizer.encode(END, add_special_tokens=False)
+            structured = _after_thinking(body, structured, plan.structured_outputs is not None, end_ids, reasoning)
+            choices = ReasoningChoices(fmt, choices, reasoning, body.n, end_ids)
+    return ChatPrompt(prompt_ids, structured, choices)
 
 
-def _refuse_grammar_while_thinking(body: ChatCompletionRequest, reasoning: ReasoningParser,
-                                   forced_tool_call: bool) -> None:
-    field = "tool_choice" if forced_tool_call else structured_output_field(body)
-    if field is None:
-        return
-    switch = ("switch the thinking off (chat_template_kwargs.enable_thinking false; Responses: reasoning.effort "
-              "\"none\"; Anthropic: thinking.type \"disabled\"), or " if reasoning.reads_enable_thinking else "")
-    raise InvalidRequest(f"{field}: structured output cannot start where the thinking ends "
-                         f"(--reasoning-parser {reasoning.name}): this server applies a grammar from "
-                         f"the first output token; {switch}drop {field}", param=field)
+def _after_thinking(body: ChatCompletionRequest, spec: Optional[StructuredOutputs], forced: bool,
+                    end_ids: list[int], reasoning: ReasoningParser) -> Optional[StructuredOutputs]:
+    """The request's grammar, if any, set to start after the end of the thinking (``end_ids``)."""
+    if spec is None:
+        return None
+    if len(end_ids) != 1:
+        field = "tool_choice" if forced else structured_output_field(body)
+        switch = ("switch the thinking off (chat_template_kwargs.enable_thinking false; Responses: reasoning.effort "
+                  "\"none\"; Anthropic: thinking.type \"disabled\"), or " if reasoning.reads_enable_thinking else "")
+        raise InvalidRequest(f"{field}: structured output cannot start where the thinking ends "
+                             f"(--reasoning-parser {reasoning.name}): this model's tokenizer writes {END} in "
+                             f"{len(end_ids)} tokens, not one; {switch}drop {field}", param=field)
+    return msgspec.structs.replace(spec, start_after=end_ids)
 
 
 def _check_forced_call_grammar(body: ChatCompletionRequest, grammar: StructuredOutputs) -> None:

@@ -59,6 +59,9 @@ class Generation:
         self.include_usage = include_usage
         self._updates = stream.updates()
         self._first: Optional[list[ChoiceUpdate]] = None
+        # Each choice's rendered tokens, kept only where reasoning_tokens will count them.
+        self._rendered: Optional[list[list[int]]] = (
+            [[] for _ in stream.choices] if hasattr(render, "reasoning_tokens") else None)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,6 +106,7 @@ class Generation:
         logprobs: list[Optional[LogprobEntries]] = [None for _ in stream.choices]
         prompt_logprobs = [None for _ in stream.choices]
         async for batch in self._updates:
+            self._keep_tokens(batch)
             for update in batch:
                 texts[update.index].append(update.text)
                 if update.prompt_logprobs is not None and stream.prompt_logprobs is not None:
@@ -121,8 +125,24 @@ class Generation:
             else:
                 for choice, scored in zip(choices, prompt_logprobs):
                     choice["prompt_logprobs"] = scored
-        payload["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
+        payload["usage"] = self._usage()
         return payload
+
+    def _usage(self) -> dict[str, Any]:
+        """Token counts, once every choice has been rendered; with a reasoning parser, the
+        thinking's share of the completion tokens too (reasoning/token_count.py)."""
+        stream = self.stream
+        body: dict[str, Any] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
+        if self._rendered is not None:
+            body["completion_tokens_details"] = {"reasoning_tokens": sum(
+                self.render.reasoning_tokens(c.index, self._rendered[c.index], c.state.decoder)
+                for c in stream.choices)}
+        return body
+
+    def _keep_tokens(self, batch: list[ChoiceUpdate]) -> None:
+        if self._rendered is not None:
+            for update in batch:
+                self._rendered[update.index] += update.token_ids
 
     async def chunks(self) -> AsyncIterator[list[dict[str, Any]]]:
         """The chunks after start_stream(), those of one wake-up together (one write). An error
@@ -135,6 +155,7 @@ class Generation:
                 yield [fmt.envelope(fmt.object_chunk, opening)]
             batch: Optional[list[ChoiceUpdate]] = self._first
             while batch is not None:
+                self._keep_tokens(batch)
                 # One event per step's token (as vLLM), even while its text waits for the rest
                 # of a character or a possible stop string. A renderer may hold a chunk back.
                 chunks = (render.chunk_choice(u.index, u.text, self._logprob_entries(u), u.finish_reason,
@@ -146,7 +167,7 @@ class Generation:
                 batch = await anext(self._updates, None)
             if self.include_usage:
                 final = fmt.envelope(fmt.object_chunk, [])
-                final["usage"] = usage(stream.num_prompt_tokens, stream.num_completion_tokens)
+                final["usage"] = self._usage()
                 yield [final]
         except APIError as exc:
             ended = [fmt.chunk_choice(c.index, "", None, exc.finish_reason)

@@ -40,6 +40,7 @@ class ChoiceState:
     def __init__(self, index: int, tokenizer: PromptTokenizer, stop_strings: list[str]):
         self.index = index
         self.text = SampleText(tokenizer, stop_strings, tokenizer.stream_backend)
+        self.decoder = tokenizer  # how its tokens became its text
         self.num_tokens = 0
 
     @property

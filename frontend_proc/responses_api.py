@@ -75,11 +75,12 @@ class ResponseBuilder:
         return response
 
 
-def _usage(usage: dict[str, int]) -> dict[str, Any]:
+def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},  # not counted apart from the answer
+            "output_tokens_details": {"reasoning_tokens": usage.get(
+                "completion_tokens_details", {}).get("reasoning_tokens", 0)},
             "total_tokens": usage["total_tokens"]}
 
 

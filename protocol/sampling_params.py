@@ -43,6 +43,9 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, omit_default
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None  # EBNF (GBNF dialect, as xgrammar reads it)
+    # The grammar starts only once the output has generated these tokens, in a row (a reasoning
+    # parser's end tag: the thinking before it is free text, as in vLLM); empty: from the first token.
+    start_after: list[TokenId] = []
 
     def kinds_set(self) -> list[str]:
         """The names of the fields that are set; a valid one has exactly one."""

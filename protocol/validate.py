@@ -127,6 +127,8 @@ def check_fields(msg: AddRequest, vocab_size: int = 0) -> None:
         _check_vocabulary("prompt_token_ids", msg.prompt_token_ids, vocab_size)
         _check_vocabulary("stop_token_ids", sampling.stop_token_ids, vocab_size)
         _check_vocabulary("eos_token_ids", msg.eos_token_ids, vocab_size)
+        if sampling.structured_outputs is not None:
+            _check_vocabulary("structured_outputs.start_after", sampling.structured_outputs.start_after, vocab_size)
 
 
 class _RequestIdOnly(msgspec.Struct):  # unknown fields ignored: reads an id out of a bad request

@@ -6,13 +6,19 @@ Sequence, so preemption keeps it: a swapped sequence resumes where it was, and a
 one recomputes KV for tokens the matcher has already accepted. Each of an n > 1 request's
 samples gets its own matcher when the parent forks (the parent only computes the prompt).
 
+A grammar may start partway through the output: after its ``start_after`` tokens (a reasoning
+parser's end tag; vLLM applies the grammar only after the thinking). Until the output has
+generated them in a row, the sequence gets no mask row and its tokens are not fed to the matcher;
+the token that completes them is the last free one. It is still handled as a constrained
+sequence meanwhile (no steady decode, no step ahead, no proposals): the simplest correct choice.
+
 A constrained sequence is never a steady decode (running.py) and never samples twice without the
 scheduler knowing its previous token: its mask depends on that token (overlap.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import numpy as np
 
@@ -25,11 +31,12 @@ if TYPE_CHECKING:
 class RequestGrammar:
     """A request's compiled grammar and stop tokens: makes one matcher per sampling sequence."""
 
-    __slots__ = ("compiled", "stop_token_ids")
+    __slots__ = ("compiled", "stop_token_ids", "start_after")
 
-    def __init__(self, compiled, stop_token_ids: frozenset[int]):
+    def __init__(self, compiled, stop_token_ids: frozenset[int], start_after: Iterable[int] = ()):
         self.compiled = compiled
         self.stop_token_ids = sorted(stop_token_ids)
+        self.start_after = tuple(start_after)
 
     def new_matcher(self) -> "SequenceGrammar":
         return SequenceGrammar(self)
@@ -38,16 +45,33 @@ class RequestGrammar:
 class SequenceGrammar:
     """One sequence's position in its grammar, advanced by each token it samples."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "waiting_for", "_recent")
 
     def __init__(self, grammar: RequestGrammar):
         import xgrammar
 
+        self.waiting_for = grammar.start_after  # () once the grammar has started
+        self._recent: list[int] = []  # the last len(waiting_for) tokens while waiting
+
         if grammar.stop_token_ids:  # the request's own stop tokens end the grammar
             self.matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=grammar.stop_token_ids)
-        else:  # ignore_eos and no stop ids: the grammar ends when it is complete
-            self.matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=[],
+        else:  # ignore_eos and no stop ids: the grammar ends when it is complete, no stop token allowed
+            # (None, not []: xgrammar 0.2.8 refuses an empty override, which crashed the scheduler)
+            self.matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=None,
                                                    terminate_without_stop_token=True)
+
+    @property
+    def started(self) -> bool:
+        return not self.waiting_for
+
+    def observe(self, token: int) -> None:
+        """A token sampled before the grammar started: it starts after the one that completes
+        ``waiting_for``."""
+        self._recent.append(token)
+        if len(self._recent) > len(self.waiting_for):
+            del self._recent[0]
+        if tuple(self._recent) == self.waiting_for:
+            self.waiting_for, self._recent = (), []
 
     def accept(self, token: int) -> bool:
         return self.matcher.accept_token(token)
@@ -63,7 +87,7 @@ class SequenceGrammar:
 def step_bitmask(seqs: list["Sequence"], words_per_row: int) -> Optional[GrammarBitmask]:
     """The rows of the constrained sequences among ``seqs`` (those that sample this step), or
     None when there are none."""
-    constrained = [seq for seq in seqs if seq.grammar is not None]
+    constrained = [seq for seq in seqs if seq.grammar is not None and seq.grammar.started]
     if not constrained:
         return None
     rows = np.empty((len(constrained), words_per_row), dtype=np.int32)
@@ -79,6 +103,9 @@ def grammar_finish(seq: "Sequence", token: int) -> tuple[Optional[str], Optional
     follow it. A token the grammar refuses means the mask was not applied: an engine error.
     """
     grammar = seq.grammar
+    if not grammar.started:
+        grammar.observe(token)
+        return None, None, None
     if not grammar.accept(token):
         return "error", None, (f"the sampled token {token} does not fit the request's grammar "
                                f"(its mask was not applied)")

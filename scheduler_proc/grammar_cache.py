@@ -113,6 +113,8 @@ class CompiledGrammarCache:
 
     def compile(self, spec: StructuredOutputs):
         """The compiled grammar of ``spec``, cached; raises InvalidField naming the problem."""
+        if spec.start_after:  # when the grammar starts is the matcher's business, not the grammar's
+            spec = msgspec.structs.replace(spec, start_after=[])
         key = msgspec.msgpack.encode(spec)
         compiled = self._compiled.get(key)
         if compiled is not None:

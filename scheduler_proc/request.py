@@ -104,7 +104,8 @@ class Request:
         self.sequences: list[Sequence] = []
         self.num_cached_tokens = 0
         # When the output is constrained: the grammar each sampling sequence gets a matcher of.
-        self.grammar = None if compiled_grammar is None else RequestGrammar(compiled_grammar, self.stop_token_ids)
+        self.grammar = None if compiled_grammar is None else RequestGrammar(
+            compiled_grammar, self.stop_token_ids, msg.sampling.structured_outputs.start_after)
         self.prompt_logprobs = None  # with sampling.prompt_logprobs: those received (prompt_logprobs.py)
         self.spec_k = spec_k  # proposals per step its samples may verify (speculation.py); 0: none
         self.pooling = msg.pooling  # an embedding request: computed, pooled, never sampled (pooling.py)

@@ -67,6 +67,10 @@ THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
 assert THINKING_CHAT_TEMPLATE != CHAT_TEMPLATE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# A thinking model's tags, one token each and not special (decoded into the text), as in Qwen3's
+# tokenizer: the grammar of a structured request starts after the ``</think>`` token, and a test
+# can make a random model close its thinking with one logit_bias entry.
+THINK_TOKENS = ["<think>", "</think>"]
 
 # Shapes by family; every one is a few MB in fp32.
 ARCHS: dict[str, dict[str, Any]] = {
@@ -77,7 +81,7 @@ ARCHS: dict[str, dict[str, Any]] = {
 }
 
 
-def build_tokenizer(vocab_size: int, chat_template: str = CHAT_TEMPLATE):
+def build_tokenizer(vocab_size: int, chat_template: str = CHAT_TEMPLATE, think_tokens: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -85,7 +89,7 @@ def build_tokenizer(vocab_size: int, chat_template: str = CHAT_TEMPLATE):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(THINK_TOKENS) if think_tokens else vocab_size,  # room for them
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -98,6 +102,8 @@ def build_tokenizer(vocab_size: int, chat_template: str = CHAT_TEMPLATE):
         bos_token=None,
     )
     fast.chat_template = chat_template
+    if think_tokens:
+        fast.add_tokens(THINK_TOKENS)
     return fast
 
 
@@ -119,7 +125,8 @@ def build_model_dir(
     **extra_config: Any,
 ) -> Path:
     """Write a random ``arch`` model with a local tokenizer into ``path``; returns it.
-    ``thinking_template``: the chat template reads Qwen3's ``enable_thinking``."""
+    ``thinking_template``: the chat template reads Qwen3's ``enable_thinking``, and ``<think>`` /
+    ``</think>`` are tokens of their own."""
     import torch
     import transformers
 
@@ -127,7 +134,8 @@ def build_model_dir(
         raise ValueError(f"unknown demo architecture {arch!r}; choose one of {sorted(ARCHS)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size, THINKING_CHAT_TEMPLATE if thinking_template else CHAT_TEMPLATE)
+    tokenizer = (build_tokenizer(vocab_size, THINKING_CHAT_TEMPLATE, think_tokens=True) if thinking_template
+                 else build_tokenizer(vocab_size))
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config_cls = getattr(transformers, ARCHS[arch]["cls"])
     config = config_cls(

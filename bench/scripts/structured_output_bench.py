@@ -12,6 +12,12 @@ closes. Throughput is generated tokens per second of wall time per round; the ta
 each round and the median ratio mixed / unconstrained, and tokens per scheduler step (steps
 from ``/metrics``), which a loaded machine's noise does not move. The schedulers'
 mask-filling time comes from ``/metrics`` too.
+
+``--thinking`` serves the demo model with a thinking template (``</think>`` one token) under
+``--reasoning-parser qwen3`` and sends chat requests instead, the constrained ones with
+``response_format``: their grammar waits for the end of a thinking the random model seldom
+closes, so this measures what a constrained request costs while it thinks (it is handled as a
+constrained one throughout: no decode lane, no step ahead), both loads running ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -71,12 +77,18 @@ def start_server(model: str, port: int, extra: list[str], log: Path) -> subproce
 
 
 async def one(client: httpx.AsyncClient, body: dict) -> int:
-    r = await client.post("/v1/completions", json=body, timeout=600)
-    r.raise_for_status()
+    r = await client.post("/v1/chat/completions" if "messages" in body else "/v1/completions", json=body, timeout=600)
+    if r.status_code != 200:
+        raise RuntimeError(f"{r.status_code}: {r.text}")
     return r.json()["usage"]["completion_tokens"]
 
 
-def bodies(num: int, constrained_every: int, rng: random.Random, max_tokens: int) -> list[dict]:
+def bodies(num: int, constrained_every: int, rng: random.Random, max_tokens: int, thinking: bool = False) -> list[dict]:
+    if thinking:
+        return [{"messages": [{"role": "user", "content": f"Question {rng.randrange(10**6)}: what is {i} + {i}?"}],
+                 "temperature": 1.0, "seed": rng.randrange(1 << 30), "max_tokens": max_tokens, "ignore_eos": True,
+                 **({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}
+                    if constrained_every and i % constrained_every == 0 else {})} for i in range(num)]
     out = []
     for i in range(num):
         body = {"prompt": [rng.randrange(10, 500) for _ in range(rng.randrange(16, 64))], "temperature": 1.0,
@@ -116,24 +128,32 @@ def main() -> int:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--serve-args", default="--max-num-seqs 64", help="extra `pagedserve serve` flags")
+    p.add_argument("--thinking", action="store_true", help="chat with --reasoning-parser qwen3 (see above)")
     ns = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="pagedserve-so-bench-") as tmp:
         model = ns.model
-        if model is None:
+        if model is None and ns.thinking:
+            from pagedserve.tools.demo_model import build_model_dir
+
+            model = str(build_model_dir(Path(tmp) / "demo", "qwen2", hidden_size=128, num_heads=4, num_kv_heads=2,
+                                        intermediate_size=256, vocab_size=1024, max_position_embeddings=4096,
+                                        seed=1234, thinking_template=True))  # the demo model's shape
+        elif model is None:
             from pagedserve.tools.demo_model import build_demo_model
 
             model = str(build_demo_model(Path(tmp) / "demo"))
         port = free_port()
-        proc = start_server(model, port, ns.serve_args.split(), Path(tmp) / "server.log")
+        extra = ns.serve_args.split() + (["--reasoning-parser", "qwen3"] if ns.thinking else [])
+        proc = start_server(model, port, extra, Path(tmp) / "server.log")
         url = f"http://127.0.0.1:{port}"
         try:
             rng = random.Random(0)
-            asyncio.run(run_round(url, bodies(8, 4, rng, 8)))  # warm-up: compiles the schema once
+            asyncio.run(run_round(url, bodies(8, 4, rng, 8, ns.thinking)))  # warm-up: compiles the schema once
             rows = []
             for r in range(ns.rounds):
                 for name, every in (("unconstrained", 0), ("1/4 json_schema", 4)):
                     steps0, mask0 = counters(url)
-                    load = bodies(ns.num_requests, every, random.Random(100 + r), ns.max_tokens)
+                    load = bodies(ns.num_requests, every, random.Random(100 + r), ns.max_tokens, ns.thinking)
                     seconds, tokens = asyncio.run(run_round(url, load))
                     steps1, mask1 = counters(url)
                     rows.append((r, name, tokens, seconds, tokens / seconds, steps1 - steps0, mask1 - mask0))
@@ -141,7 +161,7 @@ def main() -> int:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
     print(f"{ns.num_requests} concurrent completions per round, model {ns.model or 'demo'}, "
-          f"serve args {ns.serve_args!r}, {os.cpu_count()} CPUs")
+          f"serve args {ns.serve_args!r}{', thinking' if ns.thinking else ''}, {os.cpu_count()} CPUs")
     print(f"{'round':>5} {'load':<16} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'steps':>6} {'tok/step':>8} "
           f"{'mask s':>7}")
     for r, name, tokens, seconds, rate, steps, mask in rows:

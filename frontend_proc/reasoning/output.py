@@ -9,9 +9,11 @@ and the content grew by since the last one (think_tags.py holds back what may be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+from pagedserve.client.detokenizer import Decodes
 from pagedserve.frontend_proc.reasoning.think_tags import ReasoningSplit, ThinkTagParser
+from pagedserve.frontend_proc.reasoning.token_count import reasoning_token_count
 from pagedserve.frontend_proc.response_format import ChatFormat, LogprobEntries
 
 
@@ -24,14 +26,17 @@ class _Streamed:
 
 
 class ReasoningChoices:
-    def __init__(self, fmt: ChatFormat, inner: Any, parser: ThinkTagParser, num_choices: int):
+    def __init__(self, fmt: ChatFormat, inner: Any, parser: ThinkTagParser, num_choices: int,
+                 end_ids: Sequence[int] = ()):
         self.fmt = fmt
+        self.end_ids = end_ids  # the end tag's token ids: reasoning_tokens' fast path
         self.inner = inner  # ChatFormat or ToolCallChoices: renders the content
         self.parser = parser
         self._streamed = [_Streamed() for _ in range(num_choices)]
 
     def full_choice(self, index: int, text: str, logprobs: Optional[LogprobEntries],
                     finish_reason: Optional[str], *more: Any) -> dict[str, Any]:
+        self._streamed[index].text = text
         split = self.parser.split(text, True)
         choice = self.inner.full_choice(index, split.content, logprobs, finish_reason, *more)
         message = choice["message"]
@@ -66,3 +71,7 @@ class ReasoningChoices:
                 del choice["delta"]["content"]
             choice["delta"]["reasoning_content"] = reasoning
         return choice
+
+    def reasoning_tokens(self, index: int, token_ids: list[int], decoder: Decodes) -> int:
+        """Choice ``index``'s thinking tokens, once its whole text has been rendered."""
+        return reasoning_token_count(self.parser, self._streamed[index].text, token_ids, decoder, self.end_ids)

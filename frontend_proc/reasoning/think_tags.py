@@ -50,6 +50,15 @@ class ThinkTagParser:
             return False
         return not prompt_tail.rstrip(_WHITESPACE).endswith(END)
 
+    def content_start(self, text: str) -> Optional[int]:
+        """Where the content begins in a whole output that starts in reasoning (None: the
+        thinking never ended)."""
+        end = text.find(END)
+        implicit = self._implicit_end(text, True, end)
+        if implicit is not None:
+            return implicit
+        return end + len(END) if end >= 0 else None
+
     def split(self, text: str, final: bool) -> ReasoningSplit:
         """The reasoning and content of an output that starts in reasoning."""
         end = text.find(END)

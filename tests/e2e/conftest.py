@@ -6,7 +6,9 @@
   replicas (support/frontend_harness.py);
 - `thinking_deployment` (and `thinking_env`): a frontend with --reasoning-parser qwen3 and hermes
   tool calls before one fake replica, on a demo model whose template reads enable_thinking; for
-  the chat, Responses and Anthropic surfaces.
+  the chat, Responses and Anthropic surfaces;
+- `thinking_server`: `pagedserve serve --reasoning-parser qwen3` on that thinking demo model (a real
+  engine: a grammar that starts after the thinking, reasoning token counts).
 
 A test that only sends requests uses these. A test that needs its own settings (a tight cache,
 recording, faults, kills, its own model) starts its own deployment: one that changes a shared
@@ -26,6 +28,14 @@ from support.shared_deployments import LLM_OPTIONS, SERVER_ARGS
 @pytest.fixture(scope="session")
 def shared_server(model_factory, tmp_path_factory):
     srv = Server(model_factory("qwen2"), SERVER_ARGS).start(tmp_path_factory.mktemp("shared-server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def thinking_server(model_factory, tmp_path_factory):
+    srv = Server(model_factory("qwen2", thinking_template=True), [*SERVER_ARGS, "--reasoning-parser", "qwen3"])
+    srv.start(tmp_path_factory.mktemp("thinking-server"))
     yield srv
     srv.stop()
 

@@ -72,17 +72,43 @@ def test_enable_thinking_false_reaches_the_template_and_the_output_is_all_conten
     assert tokenizer.decode(fake.added[-1].prompt_token_ids).endswith("assistant\n<think>\n\n</think>\n\n")
 
 
-def test_structured_output_while_thinking_is_a_400_naming_the_field_and_fine_without_thinking(thinking_env):
-    frontend, fake, _ = thinking_env
+def test_structured_output_while_thinking_starts_after_the_end_token_and_from_the_start_without(thinking_env):
+    frontend, fake, tokenizer = thinking_env
     client = _client(frontend)
-    with pytest.raises(openai.BadRequestError, match="response_format.*enable_thinking") as refused:
-        client.chat.completions.create(model="tiny", messages=USER, response_format=SCHEMA_FORMAT)
-    assert refused.value.body["param"] == "response_format"
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice="required")
+    end_id = tokenizer.convert_tokens_to_ids("</think>")
+    fake.reply_text = "<think>free {text</think>{}"
+    reply = client.chat.completions.create(model="tiny", messages=USER, response_format=SCHEMA_FORMAT)
+    assert (reply.choices[0].message.reasoning_content, reply.choices[0].message.content) == ("free {text", "{}")
+    spec = fake.added[-1].sampling.structured_outputs
+    assert json.loads(spec.json) == {"type": "object"} and spec.start_after == [end_id]
+    client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice="required")
+    assert fake.added[-1].sampling.structured_outputs.start_after == [end_id]
     fake.reply_text = "{}"
-    sent = len(fake.added)
     reply = client.chat.completions.create(model="tiny", messages=USER, response_format=SCHEMA_FORMAT,
                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert reply.choices[0].message.content == "{}" and len(fake.added) == sent + 1
-    assert json.loads(fake.added[-1].sampling.structured_outputs.json) == {"type": "object"}
+    assert reply.choices[0].message.content == "{}"
+    spec = fake.added[-1].sampling.structured_outputs
+    assert json.loads(spec.json) == {"type": "object"} and spec.start_after == []
+
+
+def test_reasoning_tokens_are_the_tokens_through_the_end_tag_streamed_or_not(thinking_env):
+    frontend, fake, tokenizer = thinking_env
+    client = _client(frontend)
+    fake.reply_text = THOUGHT
+    thinking = len(tokenizer.encode(THOUGHT[:THOUGHT.index("</think>") + len("</think>")]))
+    answer = len(tokenizer.encode(THOUGHT)) - thinking
+    assert thinking > 5 and answer > 2
+    usage = client.chat.completions.create(model="tiny", messages=USER).usage
+    assert usage.completion_tokens_details.reasoning_tokens == thinking
+    assert usage.completion_tokens == thinking + answer + 1  # and the end-of-sequence token
+    two = client.chat.completions.create(model="tiny", messages=USER, n=2).usage
+    assert two.completion_tokens_details.reasoning_tokens == 2 * thinking  # summed over the choices
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thinking
+    response = client.responses.create(model="tiny", input="What is 2 + 2?")
+    assert response.usage.output_tokens_details.reasoning_tokens == thinking
+    fake.reply_text = "Just 4."  # the thinking switched off: nothing to count, no details
+    usage = client.chat.completions.create(model="tiny", messages=USER, extra_body={
+        "chat_template_kwargs": {"enable_thinking": False}}).usage
+    assert usage.completion_tokens_details is None

@@ -93,8 +93,8 @@ def test_a_function_call_streamed_or_not_and_its_output_sent_back(thinking_env):
     assert "<tool_response>\n18 C\n</tool_response>" in tokenizer.decode(fake.added[-1].prompt_token_ids)
 
 
-def test_a_json_schema_format_is_sent_to_the_engine_as_its_grammar(thinking_env):
-    frontend, fake, _ = thinking_env
+def test_a_json_schema_format_is_sent_to_the_engine_as_its_grammar_after_any_thinking(thinking_env):
+    frontend, fake, tokenizer = thinking_env
     fake.reply_text = '{"city": "Oslo"}'
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}
@@ -104,13 +104,20 @@ def test_a_json_schema_format_is_sent_to_the_engine_as_its_grammar(thinking_env)
     assert json.loads(response.output_text) == {"city": "Oslo"}
     assert json.loads(fake.added[-1].sampling.structured_outputs.json) == schema
     assert response.text.format.type == "json_schema"
+    assert fake.added[-1].sampling.structured_outputs.start_after == []  # no thinking: from the first token
+    fake.reply_text = '<think>Oslo, surely.</think>{"city": "Oslo"}'
+    response = _client(frontend).responses.create(
+        model="tiny", input="JSON please",
+        text={"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}})
+    assert json.loads(response.output_text) == {"city": "Oslo"}
+    assert fake.added[-1].sampling.structured_outputs.start_after == [tokenizer.convert_tokens_to_ids("</think>")]
+    assert [item.type for item in response.output] == ["reasoning", "message"]
 
 
 @pytest.mark.parametrize("body,param", [
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"), ({"truncation": "auto"}, "truncation"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
     ({"max_output_tokens": 10**6}, "max_output_tokens")])
 def test_unserved_fields_are_a_400_naming_them(thinking_env, body, param):
     frontend, _, _ = thinking_env

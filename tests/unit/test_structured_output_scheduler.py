@@ -9,7 +9,6 @@ grammar accepts, and every unconstrained request must stream as it does alone.
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -17,39 +16,13 @@ from pagedserve.protocol.messages import AddRequest, SamplingParams, StructuredO
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.grammar_cache import CompiledGrammarCache, GrammarBackendLoader
 from pagedserve.scheduler_proc.scheduler import Scheduler
-from pagedserve.worker_proc.grammar_mask import unpack_bitmask
 
 from support.oracle import hf_tokenizer
 from support.structured_schemas import CHOICES, REGEX, SCHEMAS, check_choice, check_json, check_regex
-from support.scheduler_sim import SimWorker, StepDriver, assert_all_blocks_free, run_until_done
+from support.grammar_sim import MaskedSamplingWorker
+from support.scheduler_sim import StepDriver, assert_all_blocks_free, run_until_done
 
 VOCAB = 512
-
-
-class MaskedSamplingWorker(SimWorker):
-    """Samples a random allowed token for constrained requests (the stop token half the time it
-    is allowed, as a model that has finished would), a random token for the others."""
-
-    def __init__(self, config, eos: int, seed: int = 0):
-        self.rng = random.Random(seed)
-        self.eos = eos
-        self.allowed: dict[str, list[int]] = {}
-        super().__init__(config, self.pick)
-
-    def step(self, out):
-        self.allowed = {}
-        if out.grammar is not None:
-            rows = unpack_bitmask(out.grammar, VOCAB)
-            self.allowed = {req_id: row.nonzero().flatten().tolist() for req_id, row in zip(out.grammar.req_ids, rows)}
-        return super().step(out)
-
-    def pick(self, req_id: str, tokens: list[int]) -> int:
-        allowed = self.allowed.get(req_id)
-        if allowed is None:
-            return self.rng.randrange(10, VOCAB)
-        if self.eos in allowed and self.rng.random() < 0.5:
-            return self.eos
-        return self.rng.choice(allowed)
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +137,23 @@ def test_constrained_requests_sit_out_steps_scheduled_ahead_while_others_stay_ov
         driver.step()
     assert driver.steps_ahead > 10  # the plain requests kept overlapping
     assert masked_ahead > 3  # and the constrained one ran in steps scheduled ahead too
+
+
+def test_with_ignore_eos_and_no_stop_ids_the_grammar_ends_the_sample_when_complete(model_dir, grammars):
+    """xgrammar refuses an empty stop-token list: this request once crashed the scheduler process."""
+    tokenizer = hf_tokenizer(model_dir)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sched = Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=100, max_num_seqs=4, max_num_batched_tokens=32,
+                                      vocab_size=VOCAB), grammars)
+    for kind in ("person", "regex"):
+        sched.add_request(AddRequest(request_id=f"{kind}-0", prompt_token_ids=[5, 6, 7], eos_token_ids=[eos],
+                                     sampling=SamplingParams(max_tokens=400, temperature=1.0, ignore_eos=True,
+                                                             structured_outputs=SPECS[kind])))
+    deltas = run_until_done(sched, MaskedSamplingWorker(sched.config, eos))
+    for (request_id, _), (text, finish) in texts_by_sample(deltas, tokenizer, eos).items():
+        assert finish == "stop", (request_id, text)
+        check(text, request_id.split("-")[0])
+    assert all(d.new_token_ids.count(eos) == 0 for d in deltas)  # no stop token was ever allowed
 
 
 def test_a_grammar_that_cannot_compile_is_refused_at_admission_naming_the_problem(grammars):
