@@ -94,3 +94,14 @@ def test_a_policy_scenario_prints_both_policies_and_writes_them(model_factory, t
     assert 0.0 <= result["deadline"]["miss_rate"] <= 1.0
     table = capsys.readouterr().out
     assert "miss rate" in table and "fcfs" in table and "deadline" in table
+
+
+def test_the_shedding_scenario_floods_from_its_own_process_and_gets_429s(model_factory, tmp_path, capsys):
+    out_json = tmp_path / "shedding.json"
+    rc = run_bench("scenario", "shedding", "--model", model_factory("qwen2"), "--seconds", "5",
+                   "--serve-args", "--num-gpu-blocks 256 --max-model-len 512", "--output-json", str(out_json))
+    assert rc == 0
+    result = json.loads(out_json.read_text())
+    assert result["fcfs"]["flood"] == 0 and result["shedding"]["flood"] > 0  # its rows came back over the pipe
+    assert result["shedding"]["refused"] > 0 and result["shedding"]["admitted_tpot_ms"] > 0
+    assert "from a client process of its own" in capsys.readouterr().out
