@@ -23,9 +23,12 @@ import argparse
 import asyncio
 import random
 import statistics
+import sys
 import tempfile
 import time
 from typing import Optional
+
+import msgspec
 
 from pagedserve.bench.report import stats
 from pagedserve.bench.serve import _CHUNK, _JSON, first_model, http_session
@@ -165,7 +168,10 @@ async def deadline_workload(url: str, policy: str, seconds: float) -> dict:
             "tok_s": sum(r["tokens"] for r in run.rows) / wall}
 
 
-async def shedding_workload(url: str, policy: str, seconds: float, limit: int) -> dict:
+async def shedding_workload(url: str, policy: str, seconds: float, limit: int, flood_process: bool = True) -> dict:
+    """``flood_process``: the flood comes from a client process of its own, as refused clients are
+    other clients than the admitted ones; False sends it from the admitted streams' event loop, where
+    each 429's round trip also waits for that loop to parse the streams' ~14k events a second."""
     rng = random.Random(4)
     async with http_session(url, 200) as client:
         model = await first_model(client)
@@ -175,11 +181,16 @@ async def shedding_workload(url: str, policy: str, seconds: float, limit: int) -
         loops = [asyncio.create_task(closed_loop(client, model, run, "admitted", until, rng, 48))
                  for _ in range(16 + limit)]
         flood = []
-        if policy != "fcfs":
+        if policy != "fcfs" and flood_process:
+            # JSON over a pipe, not multiprocessing: no pickle anywhere (the house rule)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "pagedserve.bench.policy_scenarios", "flood", url, model,
+                repr(time.perf_counter() + 2.0), repr(until - 1), stdout=asyncio.subprocess.PIPE)
+            await asyncio.gather(*loops)
+            run.rows += _JSON_ROWS.decode((await proc.communicate())[0])
+        elif policy != "fcfs":
             await asyncio.sleep(2.0)
-            while time.perf_counter() < until - 1:
-                flood.append(asyncio.create_task(stream(client, model, run, "flood", _prompt(rng), 48)))
-                await asyncio.sleep(0.02)
+            flood = await _flood(client, model, run, until - 1)
         await asyncio.gather(*loops, *flood)
     tpots = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in run.of("admitted")
              if len(r["times"]) > 1]
@@ -187,6 +198,30 @@ async def shedding_workload(url: str, policy: str, seconds: float, limit: int) -
     return {"admitted_tpot_ms": 1e3 * statistics.fmean(tpots) if tpots else float("nan"),
             "refused": len(refused), "flood": len(run.of("flood")),
             "refusal_p99_ms": 1e3 * stats([r["e2e"] for r in refused])["p99"] if refused else float("nan")}
+
+
+async def _flood(client, model: str, run: Run, until: float) -> list:
+    """One request every 20 ms (50 a second) until ``until``; the tasks, still running."""
+    rng = random.Random(5)
+    flood = []
+    while time.perf_counter() < until:
+        flood.append(asyncio.create_task(stream(client, model, run, "flood", _prompt(rng), 48)))
+        await asyncio.sleep(0.02)
+    return flood
+
+
+def _flood_in_process(url: str, model: str, start: float, until: float) -> list[dict]:
+    """The flood from its own process (perf_counter is the system's monotonic clock on Linux)."""
+    async def main() -> list[dict]:
+        async with http_session(url, 200) as client:
+            run = Run()
+            await asyncio.sleep(max(0.0, start - time.perf_counter()))
+            await asyncio.gather(*await _flood(client, model, run, until))
+            return run.rows
+    return asyncio.run(main())
+
+
+_JSON_ROWS = msgspec.json.Decoder(list[dict])
 
 
 # ---------------------------------------------------------------------------------- runner
@@ -244,12 +279,14 @@ def run_policy_scenario(ns: argparse.Namespace, model: str) -> dict:
         out["goal_ratio"] = out["priority"]["high_ttft_p50_ms"] / out["priority"]["idle_ttft_ms"]
         ratio = {p: out[p]["high_ttft_p50_ms"] / out[p]["idle_ttft_ms"] for p in ("fcfs", "priority")}
     elif name == "fair":
+        a_streams, b_streams = getattr(ns, "fair_streams", (32, 4))
         for policy in ("fcfs", "fair"):
-            out[policy] = _serve(model, [*base, "--scheduling-policy", policy], fair_workload, policy, seconds)
+            out[policy] = _serve(model, [*base, "--scheduling-policy", policy], fair_workload, policy, seconds,
+                                 a_streams, b_streams)
             out[policy + "_b_alone"] = _serve(model, [*base, "--scheduling-policy", policy],
-                                              fair_workload, policy, seconds / 2, 0, 4)
+                                              fair_workload, policy, seconds / 2, 0, b_streams)
             out[policy + "_a_alone"] = _serve(model, [*base, "--scheduling-policy", policy],
-                                              fair_workload, policy, seconds / 2, 32, 0)
+                                              fair_workload, policy, seconds / 2, a_streams, 0)
         for policy in ("fcfs", "fair"):
             out[policy]["b_ttft_vs_alone"] = out[policy]["b_ttft_p50_ms"] / out[policy + "_b_alone"]["b_ttft_p50_ms"]
             out[policy]["a_alone_tok_s"] = out[policy + "_a_alone"]["tok_s"]
@@ -267,12 +304,15 @@ def run_policy_scenario(ns: argparse.Namespace, model: str) -> dict:
         limit = 16
         for label, policy in (("fcfs", "fcfs"), ("shedding", "shedding")):
             out[label] = _serve(model, [*base, "--max-waiting-requests", str(limit)], shedding_workload, policy,
-                                seconds, limit)
+                                seconds, limit, not getattr(ns, "flood_same_loop", False))
         rows = [("admitted TPOT ms", "admitted_tpot_ms", "within 10%"), ("flood requests", "flood", "-"),
                 ("429s", "refused", "-"), ("429 p99 ms", "refusal_p99_ms", "<= 20")]
         ratio = None
     other = [k for k in out if k not in ("scenario", "seconds", "fcfs", "goal_ratio") and "_alone" not in k][0]
-    print(f"scenario {name}: {seconds:.0f} s per run, demo model, {' '.join(base)}")
+    detail = {"fair": f", A {getattr(ns, 'fair_streams', (32, 4))[0]} streams, B {getattr(ns, 'fair_streams', (32, 4))[1]}",
+              "shedding": ", flood " + ("from the streams' event loop" if getattr(ns, "flood_same_loop", False)
+                                        else "from a client process of its own")}.get(name, "")
+    print(f"scenario {name}: {seconds:.0f} s per run, demo model, {' '.join(base)}{detail}")
     names = ("no flood", "flood") if name == "shedding" else ("fcfs", other)  # shedding: both --max-waiting-requests
     print(f"{'':<28}{names[0]:>14}{names[1]:>14}   goal")
     for label, key, goal in rows:
@@ -281,3 +321,8 @@ def run_policy_scenario(ns: argparse.Namespace, model: str) -> dict:
         else:
             print(f"{label:<28}{out['fcfs'][key]:14.3f}{out[other][key]:14.3f}   {goal}")
     return out
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["flood"]:  # shedding_workload's flood process
+    url, model, start, until = sys.argv[2:6]
+    sys.stdout.buffer.write(_JSON.encode(_flood_in_process(url, model, float(start), float(until))))

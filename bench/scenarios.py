@@ -45,6 +45,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http", action="store_true", help="misaligned: through a pagedserve server started here "
                    "(HTTP frontend, warm; misaligned_http.py) instead of the offline engine")
     p.add_argument("--rounds", type=int, default=5, help="misaligned --http: timed rounds (alone, then six)")
+    p.add_argument("--flood-same-loop", action="store_true", help="shedding: send the flood from the admitted "
+                   "streams' event loop instead of a client process of its own")
+    p.add_argument("--fair-streams", type=int, nargs=2, default=[32, 4], metavar=("A", "B"),
+                   help="fair: closed-loop streams of tenants A and B (64 8: B over its 4 fair seats)")
     p.add_argument("--serve-args", default="", help="misaligned --http: extra `pagedserve serve` options")
 
 

@@ -15,6 +15,7 @@ from pagedserve.frontend_proc.anthropic_messages import PATH_PREFIX as ANTHROPIC
 from pagedserve.frontend_proc.anthropic_messages import add_anthropic_routes, anthropic_error
 from pagedserve.frontend_proc.auth import make_api_key_check
 from pagedserve.frontend_proc.embeddings_api import EmbeddingServing, add_embedding_routes, task_refusal
+from pagedserve.frontend_proc.early_shed import EarlyShed
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest
 from pagedserve.frontend_proc.generation import ClientDisconnected
 from pagedserve.frontend_proc.metrics import FrontendMetrics
@@ -94,6 +95,10 @@ def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
         add_embedding_routes(app, embeddings, authorized)
 
     add_utility_routes(app, serving, authorized, started)
+    # Outermost but for Starlette's error handler: a 429 under a flood skips routing and the body's
+    # validation (early_shed.py).
+    app.add_middleware(EarlyShed, router=router, limit=serving.engine.max_waiting_requests, shed=metrics.shed,
+                       api_key=api_key, tenant_header=serving.tenant_header)
 
     @app.get("/health")
     async def health() -> Response:

@@ -133,9 +133,7 @@ class EngineClient:
         target = self.router.with_room(replica, limit)
         if target is not None:
             return target
-        waiting = sum(r.num_waiting() for r in self.router.replicas)
-        raise TooManyRequests(f"the server is overloaded: {waiting} requests are waiting, every replica is at "
-                              f"the limit of {limit} (--max-waiting-requests); retry later")
+        raise overloaded(self.router, limit)
 
     def abort(self, handle: RequestHandle) -> None:
         """Stop a request the client no longer needs; the scheduler frees its blocks."""
@@ -241,3 +239,10 @@ class EngineClient:
 
     def num_in_flight(self) -> int:
         return len(self._requests)
+
+
+def overloaded(router: Router, limit: int) -> TooManyRequests:
+    """The 429 of --max-waiting-requests, here and at the door (early_shed.py): one wording."""
+    waiting = sum(r.num_waiting() for r in router.replicas)
+    return TooManyRequests(f"the server is overloaded: {waiting} requests are waiting, every replica is at "
+                           f"the limit of {limit} (--max-waiting-requests); retry later")

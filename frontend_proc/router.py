@@ -119,6 +119,18 @@ class Router:
         best = min(live, key=lambda r: (r.num_waiting(), r.replica)) if live else None
         return best.replica if best is not None and best.num_waiting() < limit else None
 
+    def every_live_full(self, limit: int, now: Optional[float] = None) -> bool:
+        """True when some replica is live and every live one has ``limit`` or more waiting: what
+        ``with_room`` answers None to, whichever replica a request would be routed to."""
+        now = time.monotonic() if now is None else now
+        live = False
+        for r in self.replicas:
+            if r.is_live(now, self.timeout_s):
+                if r.num_waiting() < limit:
+                    return False
+                live = True
+        return live
+
     def assign(self, replica: int, request_id: str, num_seqs: int) -> None:
         status = self.replicas[replica]
         status.request_ids.add(request_id)

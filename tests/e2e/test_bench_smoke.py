@@ -84,13 +84,26 @@ def test_misaligned_over_http_reports_rounds_and_stops_its_server(model_factory,
     assert left == []  # the server it started (supervisor, frontend, scheduler, worker) is gone
 
 
-def test_a_policy_scenario_prints_both_policies_and_writes_them(model_factory, tmp_path, capsys):
-    out_json = tmp_path / "deadline.json"
-    rc = run_bench("scenario", "deadline", "--model", model_factory("qwen2"), "--seconds", "2",
+def _policy_scenario(name: str, model: str, tmp_path, seconds: int) -> dict:
+    out_json = tmp_path / f"{name}.json"
+    rc = run_bench("scenario", name, "--model", model, "--seconds", str(seconds),
                    "--serve-args", "--num-gpu-blocks 256 --max-model-len 512", "--output-json", str(out_json))
     assert rc == 0
-    result = json.loads(out_json.read_text())
+    return json.loads(out_json.read_text())
+
+
+def test_a_policy_scenario_prints_both_policies_and_writes_them(model_factory, tmp_path, capsys):
+    result = _policy_scenario("deadline", model_factory("qwen2"), tmp_path, 2)
     assert result["fcfs"]["tok_s"] > 0 and result["deadline"]["tok_s"] > 0
     assert 0.0 <= result["deadline"]["miss_rate"] <= 1.0
     table = capsys.readouterr().out
     assert "miss rate" in table and "fcfs" in table and "deadline" in table
+
+
+def test_the_shedding_scenario_floods_from_its_own_process(model_factory, tmp_path, capsys):
+    result = _policy_scenario("shedding", model_factory("qwen2"), tmp_path, 5)
+    assert result["fcfs"]["flood"] == 0 and result["shedding"]["flood"] > 0  # its rows came back over the pipe
+    # how many are refused depends on the machine's speed (a fast one may keep the queue short)
+    assert 0 <= result["shedding"]["refused"] <= result["shedding"]["flood"]
+    assert result["shedding"]["admitted_tpot_ms"] > 0
+    assert "from a client process of its own" in capsys.readouterr().out

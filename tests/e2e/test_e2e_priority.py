@@ -90,6 +90,13 @@ def test_fcfs_refuses_a_priority_and_sheds_past_max_waiting_requests(model_facto
         assert shed.value.response.status_code == 429
         assert int(shed.value.response.headers["retry-after"]) >= 1
         assert "--max-waiting-requests" in shed.value.body["message"]
+        assert shed.value.body["code"] == "overloaded"
+        # refused at the door (early_shed.py), still counted per class; what it cannot judge goes on to a 400
+        with pytest.raises(openai.BadRequestError) as malformed:
+            c.completions.create(model="m", prompt="hi", max_tokens=2, extra_body={"priority": "high"})
+        assert malformed.value.body["param"] == "priority"
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'pagedserve_requests_shed_by_priority_total{model_name="m",priority="0"} 1.0' in metrics
         for t in threads:  # nothing admitted was affected
             t.join(timeout=120)
         assert all(t is not None for t in first)

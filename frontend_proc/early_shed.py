@@ -1,0 +1,138 @@
+"""Load shedding at the door (``--max-waiting-requests``): when every live replica is full, a
+completion or chat request gets its 429 from this ASGI layer, before FastAPI routes it, validates
+the body, tokenizes the prompt or allocates anything per request.
+
+The refusals share one event loop with the admitted streams, so each one must cost little of it:
+a flood of them through the whole request path (pydantic, the tokenizer, the router) was what
+made the 429s slow and the admitted streams' TPOT grow (bench/RESULTS.md, "Scheduling policies").
+
+What a 429 looked like before stays: the same body (engine_client.overloaded), ``Retry-After``,
+and the count per tenant and per priority. The only fields read are the two those counts need
+(``priority``, ``user``), with msgspec, ignoring the rest. A request this layer cannot judge
+cheaply (no valid API key, a body that is not a JSON object, a priority of the wrong type or out
+of range) goes on to the app, which answers it as before: so a 401 stays a 401, and malformed
+input gets the 400 that names its field. A request that does go on is still refused in
+``EngineClient.submit`` if the replicas are still full by then.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Optional
+
+import msgspec
+
+from pagedserve.frontend_proc.class_metrics import ShedCounts
+from pagedserve.frontend_proc.engine_client import overloaded
+from pagedserve.frontend_proc.router import Router
+from pagedserve.frontend_proc.tenant import tenant_of
+from pagedserve.protocol.priority import PRIORITY_MAX, PRIORITY_MIN
+
+# The OpenAI surfaces whose errors have OpenAI's shape; /v1/responses and /v1/messages take the
+# app's path (their own error shapes, and far fewer requests in the floods this is for).
+SHED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class _ClassFields(msgspec.Struct):
+    """What the per-class 429 counts need from a body; every other field is skipped unread."""
+
+    priority: int = 0
+    user: Optional[str] = None
+
+
+_FIELDS = msgspec.json.Decoder(_ClassFields)
+_JSON = msgspec.json.Encoder()
+
+
+class _Headers:
+    """The lookups tenant_of makes, on the raw ASGI header list (lower-case names, latin-1),
+    without building a Starlette Headers per request."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw) -> None:
+        self.raw = raw
+
+    def get(self, name: str, default: str = "") -> str:
+        key = name.lower().encode("latin-1")
+        for k, v in self.raw:
+            if k == key:
+                return v.decode("latin-1")
+        return default
+
+
+class EarlyShed:
+    """ASGI middleware in front of the FastAPI app."""
+
+    def __init__(self, app, router: Router, limit: Optional[int], shed: ShedCounts, api_key: Optional[str] = None,
+                 tenant_header: Optional[str] = None):
+        """``limit``: --max-waiting-requests (None: nothing is shed, every request goes on)."""
+        self.app = app
+        self.router = router
+        self.limit = limit
+        self.shed = shed
+        self.tenant_header = tenant_header
+        self._bearer = f"Bearer {api_key}".encode() if api_key else None
+        self._key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        limit = self.limit
+        if (limit is None or scope["type"] != "http" or scope["path"] not in SHED_PATHS
+                or scope["method"] != "POST" or not self.router.every_live_full(limit)
+                or not self._authorized(scope["headers"])):
+            await self.app(scope, receive, send)
+            return
+        messages, body = await _read_body(receive)
+        if messages is None:  # the client went away before its body arrived
+            return
+        try:
+            fields = _FIELDS.decode(body)
+        except msgspec.DecodeError:
+            fields = None
+        if fields is None or not PRIORITY_MIN <= fields.priority <= PRIORITY_MAX:
+            await self.app(scope, _replay(messages, receive), send)
+            return
+        self.shed.count(tenant_of(_Headers(scope["headers"]), fields.user, self.tenant_header), fields.priority)
+        exc = overloaded(self.router, limit)
+        payload = _JSON.encode(exc.body())
+        await send({"type": "http.response.start", "status": exc.status_code, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+            *((k.lower().encode(), v.encode()) for k, v in exc.headers().items())]})
+        await send({"type": "http.response.body", "body": payload})
+
+    def _authorized(self, raw_headers) -> bool:
+        """The API key check of auth.py (both spellings, constant time); without a key, all pass."""
+        if self._bearer is None:
+            return True
+        given = other = b""
+        for k, v in raw_headers:  # the first of each, as Starlette's Headers.get
+            if k == b"authorization" and not given:
+                given = v
+            elif k == b"x-api-key" and not other:
+                other = v
+        return bool(secrets.compare_digest(given, self._bearer) | secrets.compare_digest(other, self._key))
+
+
+async def _read_body(receive) -> tuple[Optional[list], bytes]:
+    messages = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None, b""
+        messages.append(message)
+        if not message.get("more_body", False):
+            break
+    body = messages[0].get("body", b"") if len(messages) == 1 else b"".join(m.get("body", b"") for m in messages)
+    return messages, body
+
+
+def _replay(messages: list, receive):
+    """``receive`` for the app: the body messages already read, then the client's own."""
+    pending = list(messages)
+
+    async def replayed():
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed
