@@ -19,14 +19,21 @@ from hypothesis import strategies as st
 
 from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.scheduler_proc.config import SchedulerConfig
-from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.scheduler_proc.scheduler import Scheduler as _Scheduler
 from pagedserve.scheduler_proc.speculation import GIVE_UP_AFTER, NgramProposer
 
-from support.scheduler_sim import EOS, SimWorker, StepDriver, assert_all_blocks_free, counting_tokens, request
+from support.scheduler_sim import (EOS, SimWorker, StepDriver, assert_all_blocks_free, counting_tokens, request,
+                                   step_clock)
 
 from test_scheduler_workload_properties import aborts, arrivals, run_workload
 
 K = 4
+
+
+def Scheduler(config: SchedulerConfig, **kwargs) -> _Scheduler:
+    """Every step's cycle alike (step_clock), so the measured cost of a proposal, and with it
+    every decision below, is the same on any machine."""
+    return _Scheduler(config, clock=kwargs.pop("clock", None) or step_clock(), **kwargs)
 
 
 def spec_config(**overrides) -> SchedulerConfig:
@@ -184,12 +191,13 @@ def test_a_sequence_whose_proposals_fail_stops_proposing_and_joins_the_decode_la
     while driver.busy():
         out, _, _ = driver.step()
         steps_with_proposals += bool(out.spec_token_ids)
-    # K, then one a step (one more than accepted); two misses in a row pause it for 1, 2, 4, ...
-    # steps; off for good once GIVE_UP_AFTER proposals were verified with none accepted
+    # K, then fewer as the measured acceptance falls (spec_cost.worth_proposing); two misses in a
+    # row pause it for 1, 2, 4, ... steps; off for good once GIVE_UP_AFTER proposals were
+    # verified with none accepted
     stats = sched.stats()
     assert stats["spec_decode_num_accepted_tokens"] == 0
-    assert stats["spec_decode_num_draft_tokens"] == GIVE_UP_AFTER
-    assert steps_with_proposals == GIVE_UP_AFTER - K + 1
+    assert GIVE_UP_AFTER <= stats["spec_decode_num_draft_tokens"] < GIVE_UP_AFTER + K
+    assert steps_with_proposals < GIVE_UP_AFTER - K
     assert driver.steps_ahead > 100  # in the decode lane, async scheduling overlaps its steps again
 
 
