@@ -118,3 +118,34 @@ def test_where_rows_are_cheap_the_same_acceptance_keeps_proposing():
 def test_the_same_recorded_clock_gives_the_same_proposals():
     first = run(per_row=0.004, proposer=EveryOtherRight(), num_requests=3)[2]
     assert first == run(per_row=0.004, proposer=EveryOtherRight(), num_requests=3)[2]
+
+
+def test_the_backoff_is_named_in_the_flag_and_anything_else_is_refused_in_one_line():
+    from pagedserve.protocol.speculative import SpeculativeConfigError, parse_speculative_config
+
+    base = {"method": "ngram", "num_speculative_tokens": 4}
+    assert parse_speculative_config(base).backoff == "expected_gain"
+    acceptance = parse_speculative_config({**base, "backoff": "acceptance"})
+    assert acceptance.backoff == "acceptance" and '"backoff": "acceptance"' in acceptance.to_json()
+    with pytest.raises(SpeculativeConfigError, match="backoff must be one of expected_gain, acceptance"):
+        parse_speculative_config({**base, "backoff": "never"})
+
+
+def test_under_the_acceptance_backoff_a_dear_row_does_not_stop_a_sequence_that_is_right():
+    clock = PricedClock(0.010, 0.050)  # a row costs five plain decodes
+    config = SchedulerConfig(block_size=4, num_gpu_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
+                             max_model_len=256, speculative=SpeculativeConfig("ngram", K, 4, 1, "acceptance"))
+
+    class Right:
+        def propose(self, tokens, max_tokens):
+            return [1000 + len(tokens) + j for j in range(max_tokens)]
+
+    sched = Scheduler(config, clock=clock, proposer=Right())
+    sched.add_request(request("r", [5, 6, 7], max_tokens=100, ignore_eos=True))
+    driver = StepDriver(sched, SimWorker(config, counting_tokens()))
+    driver.on_schedule = clock.charge
+    steps = 0
+    while driver.busy():
+        driver.step()
+        steps += 1
+    assert steps < 100 // 3 and sched.stats()["spec_decode_num_accepted_tokens"] > 70
