@@ -39,7 +39,8 @@ IDLE_FACTOR = 8.0  # a gap this many times the expected one held idle time (no r
 class StepCost:
     """Running averages of the step cycle, split into the plain decode and the proposed rows."""
 
-    __slots__ = ("per_seq", "per_row", "plain_samples", "row_samples", "rows_since_plain", "_last", "_forward")
+    __slots__ = ("per_seq", "per_row", "plain_samples", "row_samples", "rows_since_plain", "batch", "_last",
+                 "_forward")
 
     def __init__(self):
         self.per_seq = 0.0  # seconds per sequence of a pure-decode step without proposals
@@ -47,6 +48,7 @@ class StepCost:
         self.plain_samples = 0
         self.row_samples = 0
         self.rows_since_plain = 0  # steps with proposals measured since the last plain one
+        self.batch = 0  # the sequences a step held when the averages started
         self._last = None  # (step, now_s, sequences, rows, overlapped) of the step before, if pure decode
         self._forward = (0, 0.0)  # (step, the worker's forward seconds) of the latest result
 
@@ -66,17 +68,26 @@ class StepCost:
         gap = now_s - then
         if gap <= 0.0:
             return
+        if not self.batch or seqs > 2 * self.batch or 2 * seqs < self.batch:
+            # A sequence's share of a step depends on how many share it (the weights are read
+            # once for all): at a batch of another size, measure afresh.
+            self.batch, self.plain_samples, self.row_samples, self.rows_since_plain = seqs, 0, 0, 0
         if rows == 0 and not was_overlapped and self._forward[0] == then_step:
             # A plain step held back by a speculating sequence: in the lane its host work would
             # overlap the forward, so what it would have cost there is the larger of the two.
             # The rest is speculation's, and is charged to the rows below (it is per_seq's gap).
             forward = self._forward[1]
             gap = max(forward, gap - forward)
-        expected = self.per_seq * seqs + self.per_row * rows
-        if self.plain_samples >= MIN_SAMPLES and gap > IDLE_FACTOR * expected:
+        # A gap far beyond what the step should cost held idle time (no requests, or the
+        # engine between two generate() calls): not a cost. Until the averages settle, the
+        # plain cost is the least seen, so one idle gap among the first cannot inflate it.
+        expected = self.per_seq * seqs + max(self.per_row, self.per_seq) * rows
+        if self.plain_samples and gap > IDLE_FACTOR * expected:
             return
         if rows == 0:
-            self.per_seq = _average(self.per_seq, gap / seqs, self.plain_samples)
+            value = gap / seqs
+            self.per_seq = (min(self.per_seq, value) if 0 < self.plain_samples < MIN_SAMPLES
+                            else _average(self.per_seq, value, self.plain_samples))
             self.plain_samples += 1
             self.rows_since_plain = 0
         else:
