@@ -39,6 +39,15 @@ SHAPES = {s.name: s for s in (
                             intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
                             tie_word_embeddings=True, rope_theta=1000000.0, seed=1234),
                num_prompts=32, input_len=(8, 256), output_len=32),
+    # The same shape with Qwen2.5-0.5B's own initializer_range (0.02, its config.json) instead
+    # of the demo models' 0.2: the residual stream then carries the tied input embedding
+    # through, and greedy output falls into short loops (a token, or a phrase of 2-6, repeated
+    # for a while, then another), the workload prompt lookup is for (speculative decoding).
+    BenchShape("0.5b-loops", dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                                  intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+                                  tie_word_embeddings=True, rope_theta=1000000.0, seed=1234,
+                                  initializer_range=0.02),
+               num_prompts=1, input_len=(16, 64), output_len=256),
 )}
 
 

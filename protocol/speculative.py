@@ -24,7 +24,11 @@ _REFUSED = {
     "mlp_speculator": "MLP speculators are not supported; use {\"method\": \"ngram\"}",
     "suffix": "suffix decoding is not supported; use {\"method\": \"ngram\"}",
 }
-_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "backoff"}
+# "expected_gain": a sequence proposes only what its acceptance makes worth the measured cost of a
+# row (scheduler_proc/spec_cost.py); "acceptance": by its acceptance alone, whatever a row costs
+# (tests that need proposals on a model where they never pay: golden_speculative).
+BACKOFFS = ("expected_gain", "acceptance")
 
 
 class SpeculativeConfigError(ValueError):
@@ -37,11 +41,14 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: proposals per sequence per step, at most
     prompt_lookup_max: int  # the longest suffix matched
     prompt_lookup_min: int  # the shortest suffix matched
+    backoff: str = "expected_gain"  # pagedserve's own field (BACKOFFS)
 
     def to_json(self) -> str:
-        return json.dumps({"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                           "prompt_lookup_max": self.prompt_lookup_max,
-                           "prompt_lookup_min": self.prompt_lookup_min}, sort_keys=True)
+        fields = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                  "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
+        if self.backoff != "expected_gain":
+            fields["backoff"] = self.backoff
+        return json.dumps(fields, sort_keys=True)
 
 
 def _int_field(raw: dict, name: str, default, low: int, high: int) -> int:
@@ -85,4 +92,8 @@ def parse_speculative_config(value: Union[str, dict, None]) -> "SpeculativeConfi
     if low > high:
         raise SpeculativeConfigError(f"--speculative-config: prompt_lookup_min ({low}) exceeds "
                                      f"prompt_lookup_max ({high})")
-    return SpeculativeConfig("ngram", k, high, low)
+    backoff = raw.get("backoff", "expected_gain")
+    if backoff not in BACKOFFS:
+        raise SpeculativeConfigError(f"--speculative-config: backoff must be one of {', '.join(BACKOFFS)}, "
+                                     f"got {backoff!r}")
+    return SpeculativeConfig("ngram", k, high, low, backoff)

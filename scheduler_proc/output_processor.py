@@ -84,6 +84,8 @@ def apply_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[
             prompt_lp.merge(out.step, result.prompt_logprobs, {s.seq_id: s for s in (*sampling_seqs, *others)})
         except prompt_lp.PromptLogprobsMismatch as exc:
             raise StepResultMismatch(str(exc)) from None
+    if speculator is not None:  # what the step's forward took prices a proposal (spec_cost.py)
+        speculator.cost.note_forward(out.step, result.forward_time_s)
     sampled = Sampled()
     append, ended = sampled.deltas.append, sampled.ended
     orders = sampled.orders

@@ -45,7 +45,10 @@ def lookup(pool: BlockPool, seq: Sequence, block_size: int) -> tuple[list[int], 
 def register_computed(pool: BlockPool, seq: Sequence, block_size: int) -> None:
     """Publish every full block of ``seq`` whose tokens are all computed and not yet named."""
     keys = seq.block_keys
-    num_full = seq.num_kv_tokens // block_size
+    computed = seq.num_kv_tokens
+    if seq.spec is not None:  # proposals of a step out count until verified: only tokens before them are known
+        computed -= len(seq.spec.drafts)
+    num_full = computed // block_size
     if len(keys) >= num_full:
         return
     tokens = seq.token_ids

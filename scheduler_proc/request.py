@@ -184,7 +184,7 @@ class Sequence:
         self.lane_pos = -1  # position in the decode lane, which then owns num_kv_tokens and new tokens
         # Its own matcher (grammar.py) when constrained and sampling; a parent only computes the prompt.
         self.grammar = request.grammar.new_matcher() if request.grammar is not None and not is_parent else None
-        self.spec = SpecState(request.spec_k) if request.spec_k and not is_parent else None  # speculation.py
+        self.spec = SpecState() if request.spec_k and not is_parent else None  # speculation.py
 
     @property
     def target_len(self) -> int:

@@ -21,12 +21,17 @@ back on rejection; switched off, the simplest correct choice). Such a sequence s
 the decode lane while it speculates, so a step holding one is never scheduled ahead
 (overlap.py): async scheduling is off for those steps, on again once no sequence speculates.
 
-Backoff, per sequence, by measured acceptance: after two verifications in a row that accept
-nothing the sequence pauses proposing for 1, 2, 4, ... 16 steps (reset by any acceptance),
-and the number of proposals follows the last acceptance (one more than accepted, up to k).
-Once 16 proposals of a sequence have been verified with under 10% accepted, or 32 decodes in
-a row found nothing to propose, it stops for good and joins the decode lane, where a decode
-costs what it costs without speculation (and async scheduling overlaps its steps again).
+Backoff, per sequence, by expected gain (spec_cost.py): the steps' recorded clock gives what
+a verification position costs against a plain decode (``rho``), the sequence's verifications
+give how often a proposal is accepted (``alpha``), and it proposes only the tokens whose
+expected worth exceeds their cost; once none do, it stops for good and joins the decode lane,
+where a decode costs what it costs without speculation (and async scheduling overlaps its
+steps again). The number of proposals is that count too (up to k): one more position pays
+while alpha^j > rho, so a sequence that is mostly right on a cheap row proposes all k, and one
+often wrong, or on a dear row, fewer. Within that: two verifications in a row that accept
+nothing pause it for 1, 2, 4, ... 16 steps (reset by any acceptance); and it stops for good
+once 16 proposals were verified with under 10% accepted, or 32 decodes in a row found nothing
+to propose.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from pagedserve.protocol.speculative import SpeculativeConfig
+from pagedserve.scheduler_proc.spec_cost import StepCost, worth_proposing
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_proc.block_manager import BlockManager
@@ -52,16 +58,17 @@ GIVE_UP_UNMATCHED = 32  # decodes in a row whose lookup found nothing: it stops 
 class SpecState:
     """One sequence's speculation: proposals in flight and its backoff."""
 
-    __slots__ = ("drafts", "k_now", "misses", "skip", "pause", "proposed", "accepted", "unmatched", "off")
+    __slots__ = ("drafts", "misses", "skip", "pause", "proposed", "accepted", "rejections", "unmatched",
+                 "off")
 
-    def __init__(self, k: int):
+    def __init__(self):
         self.drafts: list[int] = []  # proposals of the step out (verified by its result)
-        self.k_now = k
         self.misses = 0
         self.skip = 0  # steps left before it proposes again
         self.pause = 1  # the next pause's length
         self.proposed = 0
         self.accepted = 0
+        self.rejections = 0  # verifications that stopped at a wrong proposal (spec_cost.worth_proposing)
         self.unmatched = 0  # decodes in a row with nothing to propose
         self.off = False  # stopped for good: it may join the decode lane
 
@@ -106,16 +113,21 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
+        self.cost = StepCost()  # fed each step's recorded clock (observe_step)
+        self.priced = config.backoff == "expected_gain"  # else acceptance alone decides
+        self.plain_step = False  # the next step proposes nothing: it prices the plain decode
 
-    def new_state(self) -> SpecState:
-        return SpecState(self.k)
+    def worth_starting(self) -> bool:
+        """Whether a new sequence, at even odds, would propose at the measured cost; if not it
+        never speculates and takes the decode lane from its first token."""
+        return not self.priced or worth_proposing(0, 0, self.cost.rho, self.k) > 0
 
     def propose(self, seq: "Sequence", bm: "BlockManager", token_room: int, blocks_to_leave: int) -> list[int]:
         """Proposals for ``seq``, a decode whose one token already has its slot: at most
         ``token_room`` of the step's tokens, never past ``max_tokens``, and only in blocks
         that leave ``blocks_to_leave`` free for the step's later sequences."""
         spec = seq.spec
-        if spec.off:
+        if spec.off or (self.plain_step and self.priced):
             return []
         if spec.skip:
             spec.skip -= 1
@@ -123,8 +135,12 @@ class Speculator:
         if not seq.worker_knows or seq.recompute_until > seq.num_kv_tokens:
             return []  # the step resends it whole (NewRequestData): plain this once
         tokens = seq.token_ids
-        most = min(spec.k_now, token_room, seq.max_len - len(tokens) - 1)
+        most = min(self.k, token_room, seq.max_len - len(tokens) - 1)
         if most <= 0:
+            return []
+        most = worth_proposing(spec.accepted, spec.rejections, self.cost.rho if self.priced else 0.0, most)
+        if most <= 0:  # no proposal is worth its row: only a lookup would have changed that
+            spec.off = True
             return []
         drafts = self.proposer.propose(tokens, most)
         if not drafts:
@@ -151,7 +167,7 @@ class Speculator:
             per_pos[pos] += 1
         spec.proposed += proposed
         spec.accepted += num_accepted
-        spec.k_now = min(self.k, num_accepted + 1)
+        spec.rejections += num_accepted < proposed
         if num_accepted:
             spec.misses, spec.pause = 0, 1
         else:
@@ -160,6 +176,14 @@ class Speculator:
                 spec.skip, spec.pause, spec.misses = spec.pause, min(2 * spec.pause, MAX_PAUSE), 0
         if spec.proposed >= GIVE_UP_AFTER and spec.accepted < GIVE_UP_BELOW * spec.proposed:
             spec.off = True
+
+    def observe_step(self, out) -> None:
+        """A step was built (``SchedulerOutput``): its recorded clock ends the previous step's cycle."""
+        num_seqs = len(out.new_requests) + len(out.cached_requests) + len(out.decodes.req_ids)
+        num_rows = sum(len(d) for d in out.spec_token_ids.values())
+        pure = not out.new_requests and out.total_num_scheduled_tokens == num_seqs + num_rows
+        self.cost.observe(out.step, out.now_s, num_seqs, num_rows, pure, overlapped=not out.cached_requests)
+        self.plain_step = self.cost.wants_plain_step
 
     def stats(self) -> dict:
         return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
@@ -172,8 +196,9 @@ def speculator_for(config: Optional[SpeculativeConfig], proposer=None) -> Option
 
 
 def spec_k_for(speculator: Optional[Speculator], msg, compiled_grammar) -> int:
-    """Proposals per step a new request's samples may verify: none with logprobs or a grammar."""
-    if speculator is None or msg.sampling.logprobs or compiled_grammar is not None:
+    """Proposals per step a new request's samples may verify: none with logprobs or a grammar,
+    nor while a verification position costs more than a fresh sequence's proposals are worth."""
+    if speculator is None or msg.sampling.logprobs or compiled_grammar is not None or not speculator.worth_starting():
         return 0
     return speculator.k
 

@@ -122,11 +122,14 @@ def build_model_dir(
     seed: int = 0,
     dtype: str = "float32",
     thinking_template: bool = False,
+    initializer_range: float = 0.2,
     **extra_config: Any,
 ) -> Path:
     """Write a random ``arch`` model with a local tokenizer into ``path``; returns it.
     ``thinking_template``: the chat template reads Qwen3's ``enable_thinking``, and ``<think>`` /
-    ``</think>`` are tokens of their own."""
+    ``</think>`` are tokens of their own.
+    ``initializer_range``: the weights' std; 0.2 (wide logits: greedy ties between engines are
+    unlikely) unless a bench shape asks for a checkpoint's own (bench/shapes.py)."""
     import torch
     import transformers
 
@@ -150,7 +153,7 @@ def build_model_dir(
         eos_token_id=eos_id,
         bos_token_id=None,
         pad_token_id=tokenizer.pad_token_id,
-        initializer_range=0.2,  # wide logits: greedy ties between engines are unlikely
+        initializer_range=initializer_range,
         **extra_config,
     )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

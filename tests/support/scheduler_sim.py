@@ -157,6 +157,14 @@ def random_tokens(rng: random.Random, eos_probability: float) -> Callable[[str, 
     return next_token
 
 
+def step_clock(seconds_per_call: float = 0.001) -> Callable[[], float]:
+    """A scheduler clock that advances the same amount at every read: with it every step's
+    cycle looks alike, so speculation's measured cost (scheduler_proc/spec_cost.py) is the same
+    on every run of a test, whatever the machine's speed."""
+    calls = iter(range(1 << 62))
+    return lambda: seconds_per_call * next(calls)
+
+
 def request(request_id: str, prompt: list[int], max_tokens: int = 8, **sampling) -> AddRequest:
     return AddRequest(request_id=request_id, prompt_token_ids=prompt,
                       sampling=SamplingParams(max_tokens=max_tokens, **sampling), eos_token_ids=[EOS])

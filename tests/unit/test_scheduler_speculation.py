@@ -14,19 +14,26 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.scheduler_proc.config import SchedulerConfig
-from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.scheduler_proc.scheduler import Scheduler as _Scheduler
 from pagedserve.scheduler_proc.speculation import GIVE_UP_AFTER, NgramProposer
 
-from support.scheduler_sim import EOS, SimWorker, StepDriver, assert_all_blocks_free, counting_tokens, request
+from support.scheduler_sim import (EOS, SimWorker, StepDriver, assert_all_blocks_free, counting_tokens, request,
+                                   step_clock)
 
 from test_scheduler_workload_properties import aborts, arrivals, run_workload
 
 K = 4
+
+
+def Scheduler(config: SchedulerConfig, **kwargs) -> _Scheduler:
+    """Every step's cycle alike (step_clock), so the measured cost of a proposal, and with it
+    every decision below, is the same on any machine."""
+    return _Scheduler(config, clock=kwargs.pop("clock", None) or step_clock(), **kwargs)
 
 
 def spec_config(**overrides) -> SchedulerConfig:
@@ -184,12 +191,13 @@ def test_a_sequence_whose_proposals_fail_stops_proposing_and_joins_the_decode_la
     while driver.busy():
         out, _, _ = driver.step()
         steps_with_proposals += bool(out.spec_token_ids)
-    # K, then one a step (one more than accepted); two misses in a row pause it for 1, 2, 4, ...
-    # steps; off for good once GIVE_UP_AFTER proposals were verified with none accepted
+    # K, then fewer as the measured acceptance falls (spec_cost.worth_proposing); two misses in a
+    # row pause it for 1, 2, 4, ... steps; off for good once GIVE_UP_AFTER proposals were
+    # verified with none accepted
     stats = sched.stats()
     assert stats["spec_decode_num_accepted_tokens"] == 0
-    assert stats["spec_decode_num_draft_tokens"] == GIVE_UP_AFTER
-    assert steps_with_proposals == GIVE_UP_AFTER - K + 1
+    assert GIVE_UP_AFTER <= stats["spec_decode_num_draft_tokens"] < GIVE_UP_AFTER + K
+    assert steps_with_proposals < GIVE_UP_AFTER - K
     assert driver.steps_ahead > 100  # in the decode lane, async scheduling overlaps its steps again
 
 
@@ -230,6 +238,13 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match_of_the_longest_su
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# A step scheduled ahead held r5/0's proposals when the step before's result named its blocks:
+# the prefix cache once named positions not yet verified ("names more blocks than it has computed").
+@example(block_size=2, num_gpu_blocks=29, num_cpu_blocks=0, max_num_seqs=3, prefix_caching=True,
+         workload=[(17, False, [21, 42, 40, 84, 60, 74, 37, 80, 53, 38], 124, 1), (12, False, [75, 34], 65, 2),
+                   (20, False, [86, 73, 20, 67, 51, 80], 129, 2), (15, True, [18, 47, 44, 19, 44], 129, 2),
+                   (11, False, [25, 76, 60, 37, 75], 6, 2), (29, False, [42, 52, 78, 70], 155, 2)],
+         abort_plan=[], ahead=True, seed=163, k=3)
 @given(block_size=st.sampled_from([1, 2, 4, 16]), num_gpu_blocks=st.integers(12, 60),
        num_cpu_blocks=st.sampled_from([0, 8, 40]), max_num_seqs=st.integers(1, 8),
        prefix_caching=st.booleans(), workload=arrivals, abort_plan=aborts, ahead=st.booleans(),

@@ -7,6 +7,7 @@ for its result or with the next scheduled ahead of it (async scheduling), drawn 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from pagedserve.scheduler_proc.decode_lane import RING
 from pagedserve.scheduler_proc.prefix_cache import block_key
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
-from support.scheduler_sim import SimWorker, assert_all_blocks_free, counting_tokens, request
+from support.scheduler_sim import SimWorker, assert_all_blocks_free, counting_tokens, request, step_clock
 
 SHARED_PREFIX = [5] * 8  # some prompts start alike, so prefix caching has something to hit
 
@@ -46,7 +47,8 @@ def run_workload(config: SchedulerConfig, workload, abort_plan: list[Abort], ahe
     """``ahead``: the engine loop of async scheduling, the next step scheduled before the
     result of the one out whenever the scheduler allows it (``while out`` then has two out).
     ``proposer``: speculative proposals (with ``config.speculative``; test_scheduler_speculation.py)."""
-    sched, worker = Scheduler(config, proposer=proposer), SimWorker(config, counting_tokens())
+    clock = step_clock() if config.speculative else time.monotonic  # speculation prices a row by the clock
+    sched, worker = Scheduler(config, proposer=proposer, clock=clock), SimWorker(config, counting_tokens())
     pending: deque = deque()
     prompts, ended_by_abort = {}, set()
     tokens: dict = {}  # (request id, sample index) -> tokens received
