@@ -3,7 +3,7 @@ turn, so every layer's keys and values come from DRAM (a step's caches outgrow t
 unlike cpu_attention_bench.py's one warm layer. Prints ms per step and the KV bytes read per
 second against the machine's own streaming read, timed in the same run.
 
-    python bench/scripts/cpu_attention_cold_bench.py [--threads 2] [--layers 8] [--repeat 7]
+    python bench/scripts/cpu_attention_cold_bench.py [--threads 2] [--layers 8] [--repeat 7] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ns = p.parse_args()
+    dtype = getattr(torch, ns.dtype)
     torch.set_num_threads(ns.threads)
     if cpu_native.library() is None:
         raise SystemExit("the native kernels did not build here (see the log)")
     generator = torch.Generator().manual_seed(0)
-    layers = [make_case(DECODES, Q_HEADS, KV_HEADS, HEAD_DIM, LENGTHS, generator) for _ in range(ns.layers)]
+    layers = [make_case(DECODES, Q_HEADS, KV_HEADS, HEAD_DIM, LENGTHS, generator, dtype) for _ in range(ns.layers)]
     first = torch.zeros(DECODES, dtype=torch.int64)
 
     def step() -> None:
@@ -50,12 +52,12 @@ def main() -> None:
             runs.append((time.perf_counter() - start) / loops)
         return runs
 
-    kv_bytes = sum(2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 4 for *_, lens in layers)
+    kv_bytes = sum(2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * dtype.itemsize for *_, lens in layers)
     big = torch.empty(1 << 28, dtype=torch.uint8).view(torch.float32).normal_()
     stream = statistics.median(timed(lambda: big.sum(), loops=5))
     runs = timed(step)
     ms = 1e3 * statistics.median(runs)
-    print(f"{cpu_model()}; kernel variant {cpu_native.kernel_variant()}; {ns.threads} thread(s)")
+    print(f"{cpu_model()}; kernel variant {cpu_native.kernel_variant()}; {ns.threads} thread(s); {ns.dtype}")
     print(f"{ns.layers} layers x {DECODES} decodes of {LENGTHS[0]}-{LENGTHS[1]} tokens, {Q_HEADS}/{KV_HEADS} heads "
           f"of {HEAD_DIM}: {ms:.2f} ms per step ({1e3 * min(runs):.2f}-{1e3 * max(runs):.2f}), "
           f"{kv_bytes / 1e6:.0f} MB of KV at {kv_bytes / 1e9 / (ms / 1e3):.1f} GB/s; "
