@@ -57,24 +57,6 @@ static inline void scores8(const float *q, const float *k0, int64_t row, int64_t
 #define SCORE_KEYS 0
 #endif
 
-/* Blocks sit anywhere in the cache, so the hardware's stream prefetcher loses the thread at
- * every block boundary and a step's keys and values (larger than the caches) come from DRAM
- * at a fraction of its bandwidth: the block AHEAD blocks on is requested while this one
- * computes (keys in the scores' pass, values in the values' pass). */
-#define AHEAD 3
-static inline void prefetch_block(const float *k, const float *v, const int32_t *table, int64_t pos, int64_t hi,
-                                  int64_t bs, int64_t row) {
-    const int64_t next = (pos / bs + AHEAD) * bs;
-    if (next >= hi) return;
-    const int64_t bytes = (hi - next < bs ? hi - next : bs) * row * (int64_t)sizeof(float);
-    const char *kb = (const char *)(k + (int64_t)table[next / bs] * bs * row);
-    const char *vb = (const char *)(v + (int64_t)table[next / bs] * bs * row);
-    for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(kb + off, 0, 3);
-        __builtin_prefetch(vb + off, 0, 3);
-    }
-}
-
 #if defined(__AVX512F__)
 /* The values' pass with each output row held in registers over all of a request's slots: up
  * to 4 query heads of one KV head (16 zmm for d = 64) per pass, instead of a load and a store
@@ -140,7 +122,7 @@ static inline __attribute__((always_inline)) void attend_request(
     for (int64_t pos = lo; pos < hi;) {
         const int64_t end = (pos / bs + 1) * bs < hi ? (pos / bs + 1) * bs : hi;
         const float *kr = k + ((int64_t)table[pos / bs] * bs + pos % bs) * row;
-        prefetch_block(k, v, table, pos, hi, bs, row);
+        prefetch_next_block(k, v, table, pos, hi, bs, row, sizeof(float));
 #if SCORE_KEYS
         if (d % 8 == 0)
             for (; pos + SCORE_KEYS <= end; pos += SCORE_KEYS, kr += SCORE_KEYS * row)

@@ -146,23 +146,6 @@ static void weigh_value_tail(const uint16_t *v, const int32_t *table, int64_t lo
     default: WEIGH(HEAD_TILE, nv);             \
     }
 
-/* Blocks sit anywhere in the cache, so the hardware's stream prefetcher loses the thread at
- * every block boundary: the next block's keys and values are requested while this one is
- * scored (the values are weighed after all keys, from the caches then). As in the float32
- * kernel (cpu_decode_attention.c); bench/RESULTS.md has the numbers. */
-static inline void prefetch_next_block(const uint16_t *k, const uint16_t *v, const int32_t *table, int64_t pos,
-                                       int64_t hi, int64_t bs, int64_t row) {
-    const int64_t next = (pos / bs + 1) * bs;
-    if (next >= hi) return;
-    const int64_t bytes = (hi - next < bs ? hi - next : bs) * row * (int64_t)sizeof(uint16_t);
-    const char *kb = (const char *)(k + (int64_t)table[next / bs] * bs * row);
-    const char *vb = (const char *)(v + (int64_t)table[next / bs] * bs * row);
-    for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(kb + off, 0, 3);
-        __builtin_prefetch(vb + off, 0, 3);
-    }
-}
-
 /* One request, as attend_request in cpu_decode_attention.c: every visible slot's keys scored
  * (all heads of a slot are adjacent), one softmax per head, then the values weighed. */
 static inline __attribute__((always_inline)) void attend_request_half(
@@ -174,7 +157,7 @@ static inline __attribute__((always_inline)) void attend_request_half(
     for (int64_t pos = lo; pos < hi;) {
         const int64_t end = (pos / bs + 1) * bs < hi ? (pos / bs + 1) * bs : hi;
         const uint16_t *kr = k + ((int64_t)table[pos / bs] * bs + pos % bs) * row;
-        prefetch_next_block(k, v, table, pos, hi, bs, row);
+        prefetch_next_block(k, v, table, pos, hi, bs, row, sizeof(uint16_t));
         for (; pos + SCORE_KEYS <= end; pos += SCORE_KEYS, kr += SCORE_KEYS * row)
             for (int64_t kh = 0, h = 0; kh < hkv; kh++)
                 for (int64_t g = 0; g < group; g++, h++)
