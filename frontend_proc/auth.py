@@ -11,6 +11,13 @@ from fastapi import Request
 from pagedserve.frontend_proc.errors import Unauthorized
 
 
+def key_matches(authorization: bytes, x_api_key: bytes, bearer: bytes, key: bytes) -> bool:
+    """Either header carries the key: ``Authorization: Bearer <key>``, or Anthropic's
+    ``x-api-key`` (/v1/messages). compare_digest on both, always: the time taken must not reveal
+    how much of the key matched, nor which header was sent."""
+    return bool(secrets.compare_digest(authorization, bearer) | secrets.compare_digest(x_api_key, key))
+
+
 def make_api_key_check(api_key: str) -> Callable[[Request], Awaitable[None]]:
     """The dependency that admits only requests bearing the key (no key: no dependency, app.py)."""
 
@@ -19,11 +26,8 @@ def make_api_key_check(api_key: str) -> Callable[[Request], Awaitable[None]]:
 
     # async: FastAPI runs a plain def dependency in its thread pool, a thread hop per request
     async def require_api_key(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        # Anthropic's clients send the key as x-api-key (/v1/messages).
-        other = request.headers.get("x-api-key", "").encode()
-        # compare_digest: the time taken must not reveal how much of the key matched.
-        if not (secrets.compare_digest(given, expected) | secrets.compare_digest(other, key)):
+        if not key_matches(request.headers.get("authorization", "").encode(),
+                           request.headers.get("x-api-key", "").encode(), expected, key):
             raise Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>' "
                                "(or 'x-api-key: <key>')", code="invalid_api_key")
 

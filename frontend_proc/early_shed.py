@@ -17,11 +17,11 @@ input gets the 400 that names its field. A request that does go on is still refu
 
 from __future__ import annotations
 
-import secrets
 from typing import Optional
 
 import msgspec
 
+from pagedserve.frontend_proc.auth import key_matches
 from pagedserve.frontend_proc.class_metrics import ShedCounts
 from pagedserve.frontend_proc.engine_client import overloaded
 from pagedserve.frontend_proc.router import Router
@@ -101,7 +101,7 @@ class EarlyShed:
         await send({"type": "http.response.body", "body": payload})
 
     def _authorized(self, raw_headers) -> bool:
-        """The API key check of auth.py (both spellings, constant time); without a key, all pass."""
+        """auth.py's check on the raw headers; without a key, all pass."""
         if self._bearer is None:
             return True
         given = other = b""
@@ -110,7 +110,7 @@ class EarlyShed:
                 given = v
             elif k == b"x-api-key" and not other:
                 other = v
-        return bool(secrets.compare_digest(given, self._bearer) | secrets.compare_digest(other, self._key))
+        return key_matches(given, other, self._bearer, self._key)
 
 
 async def _read_body(receive) -> tuple[Optional[list], bytes]:
