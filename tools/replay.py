@@ -3,7 +3,8 @@
 This process plays the scheduler: it checks the model directory holds the recorded
 weights, starts the recorded number of workers, sends them the recorded frames byte for
 byte, and compares each step result with the recorded one. Sampling is seeded per request
-and position, so the same device kind must reproduce every token bit for bit.
+and position, so the same device kind must reproduce every token bit for bit (pooled hidden
+states, float sums, within float32 rounding: `pooled_difference`).
 ``--scheduler-only`` instead replays the frontend messages into a scheduler alone
 (``pagedserve.scheduler_proc.replay``, in its own process: deploy never imports it).
 """
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import zmq
 
 from pagedserve.deploy.children import Child
@@ -58,8 +60,33 @@ def compare_results(step: int, recorded: m.StepResult, replayed: m.StepResult) -
         return f"step {step}: recorded {len(rec_lp)} logprobs, replayed {len(rep_lp)}"
     rec_pooled, rep_pooled = recorded.pooled or {}, replayed.pooled or {}
     for req_id in sorted(set(rec_pooled) | set(rep_pooled)):
-        if rec_pooled.get(req_id) != rep_pooled.get(req_id):
-            return f"step {step}, request {req_id}: the pooled hidden states differ from the recorded ones"
+        differs = pooled_difference(rec_pooled.get(req_id), rep_pooled.get(req_id))
+        if differs:
+            return f"step {step}, request {req_id}: the pooled hidden states differ from the recorded ones: {differs}"
+    return None
+
+
+# A pooled chunk is a float32 sum of hidden states, not a sampled choice: its last bits follow the
+# CPU's vector width (AVX2 and AVX-512 kernels add in another order), as transformers' own would.
+# A golden recorded on one ISA replays on another within float32 rounding; anything past that is a
+# real difference (another position, weight or norm moves it by far more).
+POOLED_RTOL, POOLED_ATOL = 1e-4, 1e-5
+
+
+def pooled_difference(recorded: Optional[m.PooledChunk], replayed: Optional[m.PooledChunk]) -> Optional[str]:
+    """Why a replayed pooled chunk is not the recorded one, or None (same span, values within rounding)."""
+    if recorded == replayed:
+        return None
+    if recorded is None or replayed is None:
+        return "recorded " + ("none" if recorded is None else "a chunk") + ", replayed " + (
+            "none" if replayed is None else "a chunk")
+    if (recorded.start, recorded.count) != (replayed.start, replayed.count):
+        return f"recorded positions {recorded.start}+{recorded.count}, replayed {replayed.start}+{replayed.count}"
+    a, b = np.frombuffer(recorded.values, "<f4"), np.frombuffer(replayed.values, "<f4")
+    if a.shape != b.shape:
+        return f"recorded {a.size} values, replayed {b.size}"
+    if not np.allclose(a, b, rtol=POOLED_RTOL, atol=POOLED_ATOL):
+        return f"largest difference {float(np.max(np.abs(a - b))):.3g} (rounding allows {POOLED_RTOL:g} relative)"
     return None
 
 

@@ -169,3 +169,22 @@ def test_trace_show_refuses_a_decode_of_an_unknown_sequence_or_block_index(tmp_p
         write_steps(tmp_path / "t.trace", [m.SchedulerOutput(1, [new], [], decodes, [], [], [], [], [], 3)])
         with pytest.raises(TraceError, match=refusal):
             summarize_trace(read_trace(str(tmp_path / "t.trace")))
+
+
+def test_a_replayed_pooled_chunk_passes_within_float_rounding_and_fails_past_it():
+    """A golden recorded on AVX-512 replays on AVX2: the pooled sums' last bits may move, nothing else."""
+    import numpy as np
+
+    from pagedserve.protocol.pooling import PooledChunk
+    from pagedserve.tools.replay import pooled_difference
+
+    values = np.random.default_rng(0).standard_normal(64).astype("<f4")
+    recorded = PooledChunk(0, 5, values.tobytes())
+    rounded = PooledChunk(0, 5, np.nextafter(values, np.float32(np.inf)).astype("<f4").tobytes())
+    assert pooled_difference(recorded, recorded) is None
+    assert pooled_difference(recorded, rounded) is None
+    moved = values.copy()
+    moved[3] += 1e-2
+    assert "largest difference 0.01" in pooled_difference(recorded, PooledChunk(0, 5, moved.tobytes()))
+    assert "positions 0+5, replayed 1+4" in pooled_difference(recorded, PooledChunk(1, 4, values.tobytes()))
+    assert "replayed none" in pooled_difference(recorded, None)
