@@ -43,6 +43,8 @@ GROUP = 64  # entries proposing in one batch of single-token steps; the scratch 
 
 
 class DraftModel:
+    """The draft model, its KV cache (the shared blocks plus its scratch blocks) and its two phases."""
+
     def __init__(self, config: SpeculativeConfig, target_dir: str, target: ModelSpec, device: torch.device,
                  dtype: torch.dtype, ops, tp_size: int = 1):
         check_draft_model(config, target_dir, tp_size)
@@ -50,8 +52,8 @@ class DraftModel:
         if self.spec.vocab_size != target.vocab_size:
             raise UnsupportedModelError(f"--speculative-config: model {config.model!r} has {self.spec.vocab_size} "
                                         f"tokens, the target {target.vocab_size}: a draft shares the tokenizer")
-        self.path, self.k, self.device, self.dtype, self.ops = config.model, config.num_speculative_tokens, device, \
-            dtype, ops
+        self.path, self.k = config.model, config.num_speculative_tokens
+        self.device, self.dtype, self.ops = device, dtype, ops
         shard = TensorParallelShard.for_rank(self.spec, 0, 1)
         self.model = MODEL_CLASSES[self.spec.architecture](config.model, self.spec, shard, device, dtype,
                                                            select_elementwise(ops, dtype))
