@@ -50,6 +50,15 @@ SHAPES = {s.name: s for s in (
                num_prompts=1, input_len=(16, 64), output_len=256),
 )}
 
+# Draft models for speculative decoding's draft_model (issue 33): ``ensure_draft_model`` builds
+# them on first use. ``first-layers``: the target's own embeddings, first layers and final norm,
+# an early exit that shares the target's representation; ``random``: a small model of its own.
+DRAFTS = {
+    "0.5b-loops-first2": ("0.5b-loops", dict(first_layers=2)),
+    "0.5b-loops-random": ("0.5b-loops", dict(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                                             intermediate_size=1024, seed=99)),
+}
+
 
 def shape_cache_dir() -> Path:
     base = os.environ.get("PAGEDSERVE_BENCH_MODELS") or os.path.join(
@@ -70,4 +79,41 @@ def ensure_shape_model(shape: BenchShape) -> Path:
         build_model_dir(partial, model.pop("arch", "qwen2"), **model)
         shutil.rmtree(path, ignore_errors=True)
         partial.rename(path)  # a run killed while writing leaves no half model behind
+    return path
+
+
+def ensure_draft_model(name: str) -> Path:
+    """The draft ``name`` of ``DRAFTS`` for its target shape (same vocabulary and tokenizer)."""
+    import json
+
+    import safetensors.torch
+    from pagedserve.tools.demo_model import build_model_dir
+
+    target_name, spec = DRAFTS[name]
+    target = ensure_shape_model(SHAPES[target_name])
+    path = shape_cache_dir() / name
+    if (path / "config.json").exists():
+        return path
+    partial = path.with_name(f"{name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    if "first_layers" in spec:
+        keep = spec["first_layers"]
+        shutil.copytree(target, partial, ignore=shutil.ignore_patterns("*.safetensors*"))
+        config = json.loads((target / "config.json").read_text())
+        config["num_hidden_layers"] = keep
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:keep]
+        (partial / "config.json").write_text(json.dumps(config, indent=2))
+        tensors = {}
+        for file in sorted(target.glob("*.safetensors")):
+            for key, value in safetensors.torch.load_file(file).items():
+                layer = key.split(".")[2] if key.startswith("model.layers.") else None
+                if layer is None or int(layer) < keep:
+                    tensors[key] = value
+        safetensors.torch.save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+    else:
+        model = {**SHAPES[target_name].model, **spec}
+        build_model_dir(partial, model.pop("arch", "qwen2"), **model)
+    shutil.rmtree(path, ignore_errors=True)
+    partial.rename(path)
     return path

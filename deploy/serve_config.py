@@ -13,6 +13,7 @@ from typing import Optional
 from pagedserve.protocol import options as opts
 from pagedserve.client.generation_defaults import check_generation_config_option
 from pagedserve.client.pooling import pooler_settings
+from pagedserve.protocol.speculative import SpeculativeConfigError, check_draft_model, parse_speculative_config
 from pagedserve.protocol.options import FRONTEND, ROUTER_KINDS, SCHEDULER, WORKER, resolve_device, resolve_dtype
 from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
@@ -78,6 +79,7 @@ class _ServeConfigRules:
         if self.task != "embed" and (self.pooling_type or self.pooler_config):
             raise ConfigError("--pooling-type and --pooler-config are for --task embed (vLLM's --runner pooling)")
         self._check_memory_options()
+        self._check_speculative_config()
         if self.generation_config not in ("auto", "vllm"):
             self.generation_config = str(Path(self.generation_config).resolve())
         try:
@@ -90,6 +92,15 @@ class _ServeConfigRules:
         if self.distributed_executor_backend == "ray" and (self.remote_workers or self.internal_host):
             raise ConfigError("--distributed-executor-backend ray places every process itself: drop "
                               "--remote-workers / --internal-host")
+
+    def _check_speculative_config(self) -> None:
+        try:
+            spec = parse_speculative_config(self.speculative_config)
+            check_draft_model(spec, self.model, self.tensor_parallel_size)
+        except SpeculativeConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        if spec is not None and spec.model is not None:  # every child reads the same directory
+            self.speculative_config = dataclasses.replace(spec, model=str(Path(spec.model).resolve())).to_json()
 
     def _check_memory_options(self) -> None:
         if self.gpu_memory_utilization is None:

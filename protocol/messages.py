@@ -343,6 +343,8 @@ class SchedulerOutput(Msg):
     # all of them and samples after each, and StepResult.num_accepted_tokens says how many
     # were accepted; ``total_num_scheduled_tokens`` counts them.
     spec_token_ids: dict[str, list[int]] = {}
+    # draft_model: the entries the draft model computes too, by id, with how many tokens it proposes after the sample.
+    draft_tokens: dict[str, int] = {}
 
 
 class StepResult(Msg):
@@ -364,6 +366,7 @@ class StepResult(Msg):
     # were accepted (a prefix). Its ``sampled_token_ids`` entry is the token sampled after them,
     # so the request's new tokens are its accepted proposals followed by that token.
     num_accepted_tokens: dict[str, int] = {}
+    draft_token_ids: dict[str, list[int]] = {}  # draft_model: proposals after the sample (SchedulerOutput.draft_tokens)
     # By request id: what this step's chunk adds to each pooling request's embedding. None: none.
     pooled: Optional[dict[str, PooledChunk]] = None
 

@@ -244,9 +244,10 @@ OPTIONS: tuple[Option, ...] = (
            "(--no-async-scheduling waits for every step's result before the next)", to=_S),
     Option("speculative_config", str, None, "vLLM's JSON: speculative decoding by prompt lookup, e.g. "
            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
-           "\"prompt_lookup_min\": 2}'; greedy outputs stay the same and sampled ones keep their "
-           "distribution (docs/DECISIONS.md); eagle, mtp and draft_model are refused",
-           (_speculative_config, "is not a speculative config"), metavar="JSON", to=_S),
+           "\"prompt_lookup_min\": 2}', or by a smaller model of the same vocabulary, '{\"method\": "
+           "\"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}'; greedy outputs stay the same "
+           "and sampled ones keep their distribution (docs/DECISIONS.md); eagle and mtp are refused",
+           (_speculative_config, "is not a speculative config"), metavar="JSON", to=_S | _W),
     Option("seed", int, 0, "sampling seed (replica r uses seed + r)", to=_S),
     Option("debug_invariants", bool, False, "check block-manager invariants every step", to=_S),
     Option("record_trace", str, None, "record the protocol to a trace file (replica r of several: "

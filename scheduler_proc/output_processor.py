@@ -122,6 +122,8 @@ def apply_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[
                 del new_tokens[i + 1:]
                 break
         sampled.num_accepted += len(new_tokens)
+        if speculator is not None and seq.spec is not None and speculator.from_worker:
+            speculator.receive(seq, result.draft_token_ids.get(seq.seq_id))
         if prefix_pool is not None and seq.num_kv_tokens // block_size > len(seq.block_keys):
             # after the append: an accepted proposal's block holds tokens sampled only now
             seq.num_kv_tokens = min(seq.num_kv_tokens, len(seq_tokens))

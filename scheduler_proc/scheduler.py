@@ -423,7 +423,7 @@ class Scheduler:
                               spec_token_ids=batch.drafts)
         self.counters.count_step(batch, len(zero), len(copies))
         if self.speculator is not None:
-            self.speculator.observe_step(out)  # its clock prices a proposal (spec_cost.py)
+            self.speculator.observe_step(out, batch)  # its clock prices a proposal (spec_cost.py)
         if total:
             self.in_flight.append((out, sampling, batch.others))
         if self.config.debug_invariants:

@@ -1,10 +1,15 @@
 """Speculative decoding's scheduler half: proposals, slots for them, and what came back.
 
-The proposer runs here, in the scheduler process, not in the worker: prompt lookup (``ngram``)
-needs only the sequence's token ids, which the scheduler holds whole (the workers hold them
-too, but only the scheduler knows, before it builds the step, how many slots it can give),
-and the proposals then travel in the step (``SchedulerOutput.spec_token_ids``), so every
-worker of a tensor-parallel group and a replayed trace verify exactly the same ones.
+Prompt lookup (``ngram``) runs here, in the scheduler process: it needs only the sequence's
+token ids, which the scheduler holds whole (the workers hold them too, but only the scheduler
+knows, before it builds the step, how many slots it can give). A draft model (``draft_model``)
+runs in the worker, beside the target (worker_proc/draft_model.py): each step names the
+speculating entries and how many tokens each may propose (``SchedulerOutput.draft_tokens``),
+and the result brings the draft's proposals after each one's sample
+(``StepResult.draft_token_ids``), kept on the sequence for its next step. Either way the
+proposals then travel in the step (``SchedulerOutput.spec_token_ids``), trimmed here by the
+same room, ``max_tokens``, cache and backoff rules, so every worker of a tensor-parallel group
+and a replayed trace verify exactly the same ones.
 
 One step of a speculating sequence: a plain decode (its newest token) followed by up to k
 proposals, with slots for all k + 1 reserved from the block manager (check, then commit).
@@ -59,7 +64,7 @@ class SpecState:
     """One sequence's speculation: proposals in flight and its backoff."""
 
     __slots__ = ("drafts", "misses", "skip", "pause", "proposed", "accepted", "rejections", "unmatched",
-                 "off")
+                 "off", "worker_drafts", "worker_drafts_at")
 
     def __init__(self):
         self.drafts: list[int] = []  # proposals of the step out (verified by its result)
@@ -71,6 +76,8 @@ class SpecState:
         self.rejections = 0  # verifications that stopped at a wrong proposal (spec_cost.worth_proposing)
         self.unmatched = 0  # decodes in a row with nothing to propose
         self.off = False  # stopped for good: it may join the decode lane
+        self.worker_drafts: list[int] = []  # draft_model: the draft's proposals after the latest sample ...
+        self.worker_drafts_at = -1  # ... when the sequence held this many tokens (stale after any other)
 
 
 class NgramProposer:
@@ -108,6 +115,8 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, proposer=None):
         self.k = config.num_speculative_tokens
+        # draft_model: the worker's draft proposes (received), unless a test hands a proposer
+        self.from_worker = proposer is None and config.method == "draft_model"
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.num_drafts = 0  # verifications (a sequence's proposals of one step)
         self.num_draft_tokens = 0
@@ -142,7 +151,10 @@ class Speculator:
         if most <= 0:  # no proposal is worth its row: only a lookup would have changed that
             spec.off = True
             return []
-        drafts = self.proposer.propose(tokens, most)
+        if self.from_worker:
+            drafts = spec.worker_drafts[:most] if spec.worker_drafts_at == len(tokens) else []
+        else:
+            drafts = self.proposer.propose(tokens, most)
         if not drafts:
             spec.unmatched += 1
             spec.off = spec.unmatched >= GIVE_UP_UNMATCHED
@@ -177,13 +189,43 @@ class Speculator:
         if spec.proposed >= GIVE_UP_AFTER and spec.accepted < GIVE_UP_BELOW * spec.proposed:
             spec.off = True
 
-    def observe_step(self, out) -> None:
-        """A step was built (``SchedulerOutput``): its recorded clock ends the previous step's cycle."""
+    def receive(self, seq: "Sequence", drafts: Optional[list[int]]) -> None:
+        """draft_model: the draft's proposals after ``seq``'s sample, just appended."""
+        spec = seq.spec
+        spec.worker_drafts = drafts[:self.k] if drafts else []
+        spec.worker_drafts_at = len(seq.token_ids)
+
+    def _wanted_drafts(self, batch, none: bool) -> dict[str, int]:
+        """draft_model: every entry of a sequence still speculating goes through the worker's draft
+        too (its cache must hold what the target's holds), with the proposals it may use next step
+        (``none``: no proposals at all); one that backed off for good costs no draft work."""
+        rho = self.cost.rho if self.priced else 0.0
+        wanted = {}
+        for seq in (*batch.sampling_new, *batch.sampling_cached, *batch.others):
+            spec = seq.spec
+            if spec is not None and not spec.off:
+                most = min(self.k, seq.max_len - len(seq.token_ids) - 1)
+                wanted[seq.seq_id] = 0 if none or spec.skip else max(0, worth_proposing(
+                    spec.accepted, spec.rejections, rho, most))
+        return wanted
+
+    def observe_step(self, out, batch=None) -> None:
+        """A step was built (``SchedulerOutput``): its recorded clock ends the previous step's cycle.
+        With ``batch`` and a draft model, the step also names what the worker's draft computes."""
+        plain = self.plain_step and self.priced
+        if self.from_worker and batch is not None:
+            # A plain step proposes nothing after it either, so its cycle prices a plain decode
+            # (the draft's own rows aside); a step that asks for proposals without verifying any
+            # prices neither a plain decode nor a row, and is left out.
+            out.draft_tokens = self._wanted_drafts(batch, none=plain)
         num_seqs = len(out.new_requests) + len(out.cached_requests) + len(out.decodes.req_ids)
         num_rows = sum(len(d) for d in out.spec_token_ids.values())
-        pure = not out.new_requests and out.total_num_scheduled_tokens == num_seqs + num_rows
+        pure = (not out.new_requests and out.total_num_scheduled_tokens == num_seqs + num_rows
+                and (num_rows > 0 or not any(out.draft_tokens.values())))
         self.cost.observe(out.step, out.now_s, num_seqs, num_rows, pure, overlapped=not out.cached_requests)
         self.plain_step = self.cost.wants_plain_step
+        if self.plain_step and self.priced and out.draft_tokens:  # the next step would not use them
+            out.draft_tokens = dict.fromkeys(out.draft_tokens, 0)
 
     def stats(self) -> dict:
         return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,

@@ -6,6 +6,8 @@ new ones, cached ones' diffs, decodes, placeholders resolved); run the model onc
 flattened ragged batch (prefill chunks and decodes mixed); sample for the entries flagged
 ``samples``; prompt logprobs of the chunks that ask (prompt_logprobs.py); pooled hidden states of
 embedding requests (pooling.py). Every rank samples and remembers its samples; rank 0 reports them.
+With a draft model (draft_model.py) it runs over the speculating entries after the target's
+forward, and proposes after their samples; its cache takes every block operation too.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import torch
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.ops import select_ops
 from pagedserve.protocol.messages import SchedulerOutput, StepResult, WorkerInit
+from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output, note_accepted, note_samples
 from pagedserve.worker_proc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
+from pagedserve.worker_proc.draft_model import DraftModel
 from pagedserve.worker_proc.elementwise import select_elementwise
 from pagedserve.worker_proc.grammar_mask import apply_grammar_bitmask
 from pagedserve.worker_proc.input_batch import BatchError, build_forward_batch
@@ -42,9 +46,11 @@ HEADROOM_LOGIT_ROWS = 256
 
 class ModelRunner:
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
-                 tp_rank: int = 0, tp_size: int = 1, tp_group=None, cuda_graphs: bool = True):
+                 tp_rank: int = 0, tp_size: int = 1, tp_group=None, cuda_graphs: bool = True,
+                 speculative: Optional[SpeculativeConfig] = None):
         """``cuda_graphs``: on CUDA, replay decode steps from captured graphs (cuda_graphs.py);
-        one GPU per replica only, for now (an all-reduce inside a graph is not yet checked)."""
+        one GPU per replica only, for now (an all-reduce inside a graph is not yet checked).
+        ``speculative``: with method draft_model, the draft is loaded beside the model."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
         self.spec = load_model_spec(model_dir)
@@ -59,6 +65,8 @@ class ModelRunner:
             cpu_native.library()  # compiled (once per machine) now, not during the first decode step
         self.model = MODEL_CLASSES[self.spec.architecture](model_dir, self.spec, self.shard, self.device, self.dtype,
                                                            select_elementwise(self.ops, self.dtype))
+        self.draft = (DraftModel(speculative, model_dir, self.spec, self.device, self.dtype, self.ops, tp_size)
+                      if speculative is not None and speculative.method == "draft_model" else None)
         self._requests: dict[str, HeldRequest] = {}
         self._cache: Optional[KVCache] = None
         self._seed = 0
@@ -77,7 +85,10 @@ class ModelRunner:
         return self.spec.num_layers
 
     def block_bytes(self, block_size: int) -> int:
-        return block_bytes(self.spec.num_layers, block_size, self.shard.num_kv_heads, self.spec.head_dim, self.dtype)
+        """A block's bytes in every cache it indexes (the draft's too)."""
+        draft = self.draft.block_bytes(block_size) if self.draft is not None else 0
+        return draft + block_bytes(self.spec.num_layers, block_size, self.shard.num_kv_heads, self.spec.head_dim,
+                                   self.dtype)
 
     def max_gpu_blocks(self, block_size: int, memory_bytes: Optional[int] = None,
                        memory_utilization: Optional[float] = None) -> int:
@@ -85,8 +96,10 @@ class ModelRunner:
         spec, shard = self.spec, self.shard
         per_token = 4 * spec.hidden_size + 3 * shard.num_heads * spec.head_dim + 3 * shard.intermediate_size
         headroom = HEADROOM_TOKENS * per_token * element + HEADROOM_LOGIT_ROWS * spec.vocab_size * 4 * 4
-        return max_num_blocks(self.block_bytes(block_size), self.device, memory_bytes, headroom,
-                              memory_utilization)
+        blocks = self.block_bytes(block_size)
+        scratch = 0 if self.draft is None else -(-self.draft.scratch_blocks(block_size)
+                                                 * self.draft.block_bytes(block_size) // blocks)
+        return max(0, max_num_blocks(blocks, self.device, memory_bytes, headroom, memory_utilization) - scratch)
 
     # ------------------------------------------------------------------ cache
 
@@ -94,6 +107,8 @@ class ModelRunner:
         self._cache = KVCache(self.spec.num_layers, init.num_gpu_blocks, init.num_cpu_blocks, init.block_size,
                               self.shard.num_kv_heads, self.spec.head_dim, self.dtype, self.device, self.ops)
         self.model.rotary.ensure_positions(init.max_model_len)
+        if self.draft is not None:
+            self.draft.init_cache(init)
         self.decode_graphs = None
         if self._use_graphs:
             self.decode_graphs = DecodeGraphs(self.model, self._cache.device_cache, self.ops, init.block_size,
@@ -114,6 +129,8 @@ class ModelRunner:
     def poison_cache(self, value: float = float("nan")) -> None:
         """Fill the whole device cache with ``value``: stands in for stale contents in tests."""
         self._initialized_cache().device_cache.fill_(value)
+        if self.draft is not None:
+            self.draft.cache.device_cache.fill_(value)
 
     def _initialized_cache(self) -> KVCache:
         if self._cache is None:
@@ -129,9 +146,13 @@ class ModelRunner:
         token_ids: list[int] = []
         logprobs = alternatives = prompt_logprobs = pooled = None
         num_accepted: dict[str, int] = {}
+        proposals: dict[str, list[int]] = {}
+        draft = self.draft if out.draft_tokens else None
         with torch.inference_mode():
-            cache.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in,
-                                  out.blocks_to_copy, out.new_block_ids_to_zero)
+            for kv in (cache, self.draft and self.draft.cache):
+                if kv is not None:
+                    kv.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in,
+                                       out.blocks_to_copy, out.new_block_ids_to_zero)
             try:
                 scheduled = apply_output(self._requests, out)
             except StepContractError as exc:
@@ -148,6 +169,8 @@ class ModelRunner:
                 graph_size = self.decode_graphs.size_for(batch) if self.decode_graphs else None
                 hidden = (self.decode_graphs.forward(batch, graph_size) if graph_size
                           else self.model.forward(batch, cache.device_cache, self.ops))
+                if draft is not None:  # before verification changes the entries' state
+                    draft.compute(scheduled, batch, out, self._gather_workspace)
                 # Decodes (batched last) score no prompt token: only the prefill entries are looked at.
                 prefills = scheduled[:len(out.new_requests) + len(out.cached_requests)]
                 # Only rank 0 reports them and lm_head is replicated (models/causal_lm.py): the
@@ -171,13 +194,16 @@ class ModelRunner:
                         alternatives = None if alternatives is None else [alternatives[i] for i in rows]
                         note_accepted(self._requests, num_accepted, cache.block_size)
                     note_samples(entries, token_ids)
+                    if draft is not None:
+                        proposals = draft.propose(entries, token_ids, out.draft_tokens, self._gather_workspace)
                     if self.rank == 0:
                         req_ids = [r.req_id for r in entries]
                     else:
-                        token_ids, logprobs, alternatives, num_accepted = [], None, None, {}
+                        token_ids, logprobs, alternatives, num_accepted, proposals = [], None, None, {}, {}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(step=out.step, rank=self.rank, req_ids=req_ids, sampled_token_ids=token_ids,
                           logprobs=logprobs, forward_time_s=time.perf_counter() - started,
                           top_logprobs=alternatives,
-                          prompt_logprobs=prompt_logprobs, num_accepted_tokens=num_accepted, pooled=pooled)
+                          prompt_logprobs=prompt_logprobs, num_accepted_tokens=num_accepted, pooled=pooled,
+                          draft_token_ids=proposals)

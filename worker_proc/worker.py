@@ -21,6 +21,7 @@ import zmq
 from pagedserve.kernels import cpu_native
 from pagedserve.protocol import messages as m
 from pagedserve.protocol import options as opts
+from pagedserve.protocol.speculative import parse_speculative_config
 from pagedserve.protocol.worker_link import SchedulerLink
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 
@@ -120,7 +121,8 @@ class Worker:
         group = _init_distributed(cfg)
         self.runner = ModelRunner(cfg.model, device=_device_for_rank(cfg), dtype=cfg.dtype,
                                   tp_rank=cfg.rank, tp_size=cfg.tensor_parallel_size, tp_group=group,
-                                  cuda_graphs=not cfg.enforce_eager)
+                                  cuda_graphs=not cfg.enforce_eager,
+                                  speculative=parse_speculative_config(cfg.speculative_config))
         kernels = self.runner.ops.__name__.rsplit(".", 1)[-1]
         if self.runner.device.type == "cpu" and cpu_native.library() is not None:
             kernels += f" + native CPU decode and prompt attention, rotary ({cpu_native.kernel_variant()})"
@@ -129,6 +131,10 @@ class Worker:
         if self.runner.model.elementwise.name == "fused":
             kernels += " + fused norms, rotary and SiLU gate"
         log.info("%s on %s (%s), kernels: %s", self.runner.model_id, self.runner.device, cfg.dtype, kernels)
+        draft = self.runner.draft
+        if draft is not None:
+            log.info("draft model %s (%s, %d layers, %.1fM parameters): up to %d proposals per step", draft.path,
+                     draft.spec.architecture, draft.spec.num_layers, draft.num_params / 1e6, draft.k)
 
     def hello(self) -> m.WorkerHello:
         block_size = self.cfg.block_size

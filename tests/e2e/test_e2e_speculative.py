@@ -1,6 +1,6 @@
 """Speculative decoding end to end: ``--speculative-config`` (vLLM's JSON) on a served model
 and ``LLM(speculative_config={...})`` give transformers' greedy tokens; the spec-decode metrics
-move under vLLM's names and pagedserve's; a stop string that falls inside a run of accepted
+move under vLLM's names and pagedserve's, with prompt lookup and with a draft model; a stop string that falls inside a run of accepted
 proposals ends the stream there, with nothing after it; and what cannot run is refused in one line.
 """
 
@@ -32,6 +32,14 @@ def _counter(metrics: str, name: str) -> float:
     return float(match.group(1))
 
 
+def _spec_counters(srv: Server) -> list[tuple[float, float, float, float]]:
+    """(drafts, proposed, accepted, accepted at the first position), under vLLM's names and ours."""
+    metrics = httpx.get(srv.url + "/metrics").text
+    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+    return [tuple(_counter(metrics, f"{prefix}spec_decode_{name}_total") for name in names)
+            for prefix in ("vllm:", "pagedserve_")]
+
+
 def test_served_greedy_equals_transformers_metrics_move_and_a_stop_string_ends_an_accepted_run(
         model_factory, tmp_path):
     model = model_factory("qwen2")
@@ -39,12 +47,7 @@ def test_served_greedy_equals_transformers_metrics_move_and_a_stop_string_ends_a
                          "--max-model-len", "512", "--served-model-name", "m"]).start(tmp_path)
     try:
         assert_equal_to_transformers(model, PROMPTS, greedy_completions(srv, PROMPTS, MAX_TOKENS), MAX_TOKENS)
-        metrics = httpx.get(srv.url + "/metrics").text
-        for prefix in ("vllm:", "pagedserve_"):
-            drafts = _counter(metrics, f"{prefix}spec_decode_num_drafts_total")
-            proposed = _counter(metrics, f"{prefix}spec_decode_num_draft_tokens_total")
-            accepted = _counter(metrics, f"{prefix}spec_decode_num_accepted_tokens_total")
-            first = _counter(metrics, f"{prefix}spec_decode_num_accepted_tokens_per_pos_total")
+        for drafts, proposed, accepted, first in _spec_counters(srv):
             assert 0 < accepted <= proposed and drafts > 0 and 0 < first <= drafts
 
         # A stop string inside the greedy text: the stream ends right before it, whatever run
@@ -72,7 +75,27 @@ def test_offline_llm_takes_vllms_speculative_config_and_refuses_what_it_cannot_r
         stats = llm.refresh_stats()[0]
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
     assert stats.spec_decode_num_accepted_tokens > 0
-    for method, word in (("eagle", "EAGLE"), ("mtp", "MTP"), ("draft_model", "draft model")):
+    for method, word in (("eagle", "EAGLE"), ("mtp", "MTP"), ("draft_model", "model")):
         with pytest.raises(ValueError, match=word) as refused:
             LLM(model, speculative_config={"method": method, "num_speculative_tokens": 2})
         assert "\n" not in str(refused.value)
+    other_vocab = model_factory("qwen2", vocab_size=640, num_layers=1)
+    for draft, extra, words in ((model, {"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+                                (other_vocab, {}, "vocabulary of 640")):
+        with pytest.raises(ValueError, match=words) as refused:
+            LLM(model, speculative_config={"model": draft, "num_speculative_tokens": 2}, **extra)
+        assert "\n" not in str(refused.value)
+
+
+def test_served_greedy_with_a_draft_model_equals_transformers_and_the_metrics_move(model_factory, tmp_path):
+    model = model_factory("qwen2")
+    draft = model_factory("qwen2", num_layers=1, hidden_size=32, intermediate_size=64, seed=7)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    srv = Server(model, ["--speculative-config", json.dumps(spec), "--debug-invariants", "--num-gpu-blocks", "128",
+                         "--max-model-len", "512", "--served-model-name", "m"]).start(tmp_path)
+    try:
+        assert_equal_to_transformers(model, PROMPTS, greedy_completions(srv, PROMPTS, MAX_TOKENS), MAX_TOKENS)
+        for drafts, proposed, accepted, _ in _spec_counters(srv):
+            assert proposed >= drafts > 0 and accepted <= proposed
+    finally:
+        srv.stop()

@@ -19,7 +19,7 @@ def generate(model_dir: str, prompts: list[list[int]], sampling: list[SamplingPa
                     max_model_len=512, debug_invariants=True, speculative=speculative)
     settings.update(config)
     cfg = SchedulerConfig(**settings)
-    runner = ModelRunner(model_dir)
+    runner = ModelRunner(model_dir, speculative=speculative)
     runner.init_cache(WorkerInit(block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks,
                                  num_cpu_blocks=cfg.num_cpu_blocks, max_model_len=cfg.max_model_len, seed=0))
     sched = Scheduler(cfg)

@@ -10,6 +10,9 @@ Cache operations run in the protocol's order: swap out, swap in, copy (gather, t
 scatter), zero; then every scheduled request writes its computed slots, and then each
 one reads every slot of its block table: positions it has computed must hold its own
 ``(position, token)``, the rest of its last block must be ZERO.
+
+``drafter`` stands in for a draft model (``draft_model``): asked by ``SchedulerOutput.draft_tokens``,
+it proposes after an entry's sample from the entry's tokens so far, as the real worker's does.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class SimWorker:
     host: list = field(init=False)
     held: dict = field(default_factory=dict)
     zero_events: list = field(default_factory=list)  # (step, block)
+    # (req_id, tokens including the new sample, k) -> up to k proposals; None: no draft model
+    drafter: Optional[Callable[[str, list[int], int], list[int]]] = None
 
     def __post_init__(self) -> None:
         bs = self.config.block_size
@@ -110,7 +115,10 @@ class SimWorker:
         if total != out.total_num_scheduled_tokens:
             raise WorkerModelError(f"step {out.step}: total {out.total_num_scheduled_tokens} != {total}")
 
-        req_ids, sampled, sampling, accepted = [], [], [], {}
+        unknown = set(out.draft_tokens) - {held.req_id for held in batch}
+        if unknown:
+            raise WorkerModelError(f"step {out.step}: draft tokens for {sorted(unknown)}, not entries of the step")
+        req_ids, sampled, sampling, accepted, proposals = [], [], [], {}, {}
         for held in batch:  # attention phase
             req_id = held.req_id
             proposed = drafts.get(req_id, [])
@@ -138,10 +146,13 @@ class SimWorker:
                     accepted[req_id] = num_accepted
                 sampled.append(token)
                 sampling.append(held)
+                if self.drafter is not None and out.draft_tokens.get(req_id):
+                    proposals[req_id] = self.drafter(req_id, context + [token], out.draft_tokens[req_id])
         note_accepted(self.held, accepted, bs)
         note_samples(sampling, sampled)
         return StepResult(step=out.step, rank=0, req_ids=req_ids, sampled_token_ids=sampled,
-                          logprobs=[-0.5] * len(sampled), num_accepted_tokens=accepted)
+                          logprobs=[-0.5] * len(sampled), num_accepted_tokens=accepted,
+                          draft_token_ids=proposals)
 
 
 def counting_tokens() -> Callable[[str, list[int]], int]:

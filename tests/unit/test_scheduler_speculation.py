@@ -211,13 +211,17 @@ def test_a_sequence_whose_proposals_fail_stops_proposing_and_joins_the_decode_la
 def test_mixed_workloads_with_partly_right_proposals_stream_every_token_once(name, overrides, ahead):
     rng = random.Random(hash(name) % 1000)
     sched = Scheduler(spec_config(**overrides), proposer=CountingGuess(rng=rng))
-    shared = [9] * 8
+    run_mixed_workload(sched, SimWorker(sched.config, counting_tokens()), ahead)
+
+
+def run_mixed_workload(sched: Scheduler, worker: SimWorker, ahead: bool) -> None:
+    """Twelve requests, some sharing a prefix, n = 2 among them: each streams its counting tokens once."""
     prompts = {}
     for i in range(12):
-        prompts[f"r{i}"] = (shared if i % 3 == 0 else []) + [20 + (i * 7 + j) % 50 for j in range(2 + i % 9)]
+        prompts[f"r{i}"] = ([9] * 8 if i % 3 == 0 else []) + [20 + (i * 7 + j) % 50 for j in range(2 + i % 9)]
         sched.add_request(request(f"r{i}", prompts[f"r{i}"], max_tokens=3 + (i * 5) % 23, n=1 + (i % 5 == 4),
                                   ignore_eos=True))
-    streams, finishes = run(sched, SimWorker(sched.config, counting_tokens()), ahead=ahead)
+    streams, finishes = run(sched, worker, ahead=ahead)
     for (request_id, index), got in streams.items():
         p = len(prompts[request_id])
         assert got == [1000 + p + j for j in range(len(got))], (request_id, index)
@@ -271,7 +275,8 @@ def test_the_flag_takes_vllms_json_and_refuses_what_cannot_run_in_one_line():
     assert unsupported_flag(["--speculative-config", "{}"]) is None
     for value, words in (('{"method": "eagle", "num_speculative_tokens": 2}', "EAGLE"),
                          ('{"method": "mtp", "num_speculative_tokens": 1}', "MTP"),
-                         ('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 4}', "draft model"),
+                         ('{"method": "draft_model", "num_speculative_tokens": 4}', "model"),
+                         ('{"model": "/m", "num_speculative_tokens": 4, "prompt_lookup_max": 2}', "prompt_lookup_max"),
                          ('{"method": "ngram"}', "num_speculative_tokens is required"),
                          ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
                          ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, '
