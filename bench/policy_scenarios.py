@@ -328,7 +328,7 @@ def run_policy_scenario(ns: argparse.Namespace, model: str) -> dict:
         out["fair"]["a_alone_vs_fcfs"] = out["fair"]["a_alone_tok_s"] / out["fcfs"]["a_alone_tok_s"]
         rows = [("B share of tokens", "b_share", ">= 0.45 (fcfs ~0.11)"), ("B TTFT p50 ms", "b_ttft_p50_ms", "-"),
                 ("  / B alone", "b_ttft_vs_alone", "<= 2x"), ("A alone tok/s", "a_alone_tok_s", "fair >= 0.95 fcfs"),
-                ("B requests in the scheduler", "b_in_scheduler", "> 4 (else B asks < half)")]
+                ("B requests in the scheduler", "b_in_scheduler", ">= 4 (else B asks < half)")]
         ratio = None
     elif name == "deadline":
         for policy in ("fcfs", "deadline"):
