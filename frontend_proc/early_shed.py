@@ -1,14 +1,18 @@
 """Load shedding at the door (``--max-waiting-requests``): when every live replica is full, a
-completion or chat request gets its 429 from this ASGI layer, before FastAPI routes it, validates
-the body, tokenizes the prompt or allocates anything per request.
+generation request (completions, chat, ``/v1/responses``, ``/v1/messages``) gets its 429 from this
+ASGI layer, before FastAPI routes it, validates the body, tokenizes the prompt or allocates
+anything per request.
 
 The refusals share one event loop with the admitted streams, so each one must cost little of it:
 a flood of them through the whole request path (pydantic, the tokenizer, the router) was what
 made the 429s slow and the admitted streams' TPOT grow (bench/RESULTS.md, "Scheduling policies").
 
-What a 429 looked like before stays: the same body (engine_client.overloaded), ``Retry-After``,
-and the count per tenant and per priority. The only fields read are the two those counts need
-(``priority``, ``user``), with msgspec, ignoring the rest. A request this layer cannot judge
+What a 429 looked like before stays: the same body (engine_client.overloaded) in each surface's
+error shape (OpenAI's; Anthropic's on ``/v1/messages``, by the function the app's handler uses),
+``Retry-After``, and the count per tenant and per priority. The only fields read are the two those
+counts need (``priority``, ``user``), with msgspec, ignoring the rest; ``/v1/responses`` and
+``/v1/messages`` become chat requests that carry neither, so theirs count as the app counts them:
+priority 0, the tenant from the headers. A request this layer cannot judge
 cheaply (no valid API key, a body that is not a JSON object, a priority of the wrong type or out
 of range) goes on to the app, which answers it as before: so a 401 stays a 401, and malformed
 input gets the 400 that names its field. A request that does go on is still refused in
@@ -17,20 +21,18 @@ input gets the 400 that names its field. A request that does go on is still refu
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, ClassVar, Optional
 
 import msgspec
 
+from pagedserve.frontend_proc.anthropic_messages import anthropic_error_body
 from pagedserve.frontend_proc.auth import key_matches
 from pagedserve.frontend_proc.class_metrics import ShedCounts
 from pagedserve.frontend_proc.engine_client import overloaded
+from pagedserve.frontend_proc.errors import APIError
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.tenant import tenant_of
 from pagedserve.protocol.priority import PRIORITY_MAX, PRIORITY_MIN
-
-# The OpenAI surfaces whose errors have OpenAI's shape; /v1/responses and /v1/messages take the
-# app's path (their own error shapes, and far fewer requests in the floods this is for).
-SHED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 class _ClassFields(msgspec.Struct):
@@ -40,7 +42,22 @@ class _ClassFields(msgspec.Struct):
     user: Optional[str] = None
 
 
-_FIELDS = msgspec.json.Decoder(_ClassFields)
+class _TranslatedFields(msgspec.Struct):
+    """A body translated into a chat request without its priority or user (responses_schema.py,
+    anthropic_schema.py): it only has to be a JSON object."""
+
+    priority: ClassVar[int] = 0
+    user: ClassVar[Optional[str]] = None
+
+
+_OWN, _TRANSLATED = msgspec.json.Decoder(_ClassFields), msgspec.json.Decoder(_TranslatedFields)
+# path -> the fields that name its class, and its error body (what app.py's handler renders)
+SURFACES: dict[str, tuple[msgspec.json.Decoder, Callable[[APIError], dict]]] = {
+    "/v1/completions": (_OWN, APIError.body),
+    "/v1/chat/completions": (_OWN, APIError.body),
+    "/v1/responses": (_TRANSLATED, APIError.body),
+    "/v1/messages": (_TRANSLATED, anthropic_error_body),
+}
 _JSON = msgspec.json.Encoder()
 
 
@@ -77,7 +94,8 @@ class EarlyShed:
 
     async def __call__(self, scope, receive, send) -> None:
         limit = self.limit
-        if (limit is None or scope["type"] != "http" or scope["path"] not in SHED_PATHS
+        surface = SURFACES.get(scope["path"]) if scope["type"] == "http" else None
+        if (limit is None or surface is None
                 or scope["method"] != "POST" or not self.router.every_live_full(limit)
                 or not self._authorized(scope["headers"])):
             await self.app(scope, receive, send)
@@ -85,8 +103,9 @@ class EarlyShed:
         messages, body = await _read_body(receive)
         if messages is None:  # the client went away before its body arrived
             return
+        fields_of, error_body = surface
         try:
-            fields = _FIELDS.decode(body)
+            fields = fields_of.decode(body)
         except msgspec.DecodeError:
             fields = None
         if fields is None or not PRIORITY_MIN <= fields.priority <= PRIORITY_MAX:
@@ -94,7 +113,7 @@ class EarlyShed:
             return
         self.shed.count(tenant_of(_Headers(scope["headers"]), fields.user, self.tenant_header), fields.priority)
         exc = overloaded(self.router, limit)
-        payload = _JSON.encode(exc.body())
+        payload = _JSON.encode(error_body(exc))
         await send({"type": "http.response.start", "status": exc.status_code, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
             *((k.lower().encode(), v.encode()) for k, v in exc.headers().items())]})

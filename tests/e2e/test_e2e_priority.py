@@ -1,12 +1,14 @@
-"""Scheduling policies through real processes and the official openai client: a high-priority
-request overtakes a saturated low-priority queue; load shedding answers 429 with Retry-After;
-the offline LLM takes the same field and refuses the same way (ValueError)."""
+"""Scheduling policies through real processes and the official openai and anthropic clients: a
+high-priority request overtakes a saturated low-priority queue; load shedding answers 429 with
+Retry-After on every generation surface, each in its own error shape; the offline LLM takes the
+same field and refuses the same way (ValueError)."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -86,17 +88,28 @@ def test_fcfs_refuses_a_priority_and_sheds_past_max_waiting_requests(model_facto
         started = time.monotonic()
         with pytest.raises(openai.RateLimitError) as shed:
             c.completions.create(model="m", prompt="one too many", max_tokens=2, stream=True)
-        assert time.monotonic() - started < 2.0
         assert shed.value.response.status_code == 429
         assert int(shed.value.response.headers["retry-after"]) >= 1
         assert "--max-waiting-requests" in shed.value.body["message"]
         assert shed.value.body["code"] == "overloaded"
+        # the Responses and Messages APIs at the door too, each in the error shape its client parses
+        with pytest.raises(openai.RateLimitError) as responses_shed:
+            c.responses.create(model="m", input="one too many", max_output_tokens=2)
+        assert responses_shed.value.body["code"] == "overloaded"
+        claude = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+        with pytest.raises(anthropic.RateLimitError) as messages_shed:
+            claude.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "one too many"}])
+        assert messages_shed.value.body["type"] == "error"
+        assert messages_shed.value.type == "rate_limit_error"
+        assert "--max-waiting-requests" in messages_shed.value.api_message
+        assert int(messages_shed.value.response.headers["retry-after"]) >= 1
+        assert time.monotonic() - started < 3.0  # three refusals, none queued
         # refused at the door (early_shed.py), still counted per class; what it cannot judge goes on to a 400
         with pytest.raises(openai.BadRequestError) as malformed:
             c.completions.create(model="m", prompt="hi", max_tokens=2, extra_body={"priority": "high"})
         assert malformed.value.body["param"] == "priority"
         metrics = httpx.get(srv.url + "/metrics").text
-        assert 'pagedserve_requests_shed_by_priority_total{model_name="m",priority="0"} 1.0' in metrics
+        assert 'pagedserve_requests_shed_by_priority_total{model_name="m",priority="0"} 3.0' in metrics
         for t in threads:  # nothing admitted was affected
             t.join(timeout=120)
         assert all(t is not None for t in first)

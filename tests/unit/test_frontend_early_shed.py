@@ -1,18 +1,25 @@
 """The 429 of --max-waiting-requests answered at the door (frontend_proc/early_shed.py): what a client
 sees (status, Retry-After, the body the late path gives), that a shed request never reaches the app (no
 routing, validation or tokenizing), the per-class counts, and every case that must still reach the app
-(room somewhere, no live replica, a wrong key, a body it cannot judge). Pure ASGI calls: no process."""
+(room somewhere, no live replica, a wrong key, a body it cannot judge). /v1/responses and /v1/messages
+against the real app without the door: the same status, headers, body and counts. Pure ASGI calls: no process."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
+from pagedserve.client.tokenization import PromptTokenizer
+from pagedserve.frontend_proc.app import build_app
 from pagedserve.frontend_proc.class_metrics import ShedCounts
 from pagedserve.frontend_proc.early_shed import EarlyShed
-from pagedserve.frontend_proc.engine_client import overloaded
+from pagedserve.frontend_proc.engine_client import EngineClient, overloaded
+from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.router import Router
+from pagedserve.frontend_proc.serving import Serving
 from pagedserve.protocol.messages import SchedulerStats
+from pagedserve.protocol.zmq_io import Endpoints, make_run_dir
 
 LIMIT = 4
 
@@ -110,7 +117,8 @@ def test_what_the_door_cannot_judge_reaches_the_app_with_its_body_intact():
         (_body(priority="high"), "/v1/completions", [("x-api-key", "secret")]),
         (_body(priority=10 ** 12), "/v1/chat/completions", [("x-api-key", "secret")]),
         (b"[1, 2]", "/v1/completions", [("x-api-key", "secret")]),
-        (_body(), "/v1/responses", [("x-api-key", "secret")]),  # its own error shape: the late path
+        (b"[1, 2]", "/v1/messages", [("x-api-key", "secret")]),
+        (_body(), "/v1/messages/count_tokens", [("x-api-key", "secret")]),  # generates nothing
     ]
     for body, path, headers in cases:
         assert _call(layer, body, path=path, headers=headers, chunks=2)[0] == 200
@@ -119,3 +127,75 @@ def test_what_the_door_cannot_judge_reaches_the_app_with_its_body_intact():
     assert _call(layer, _body(), headers=[("Authorization", "Bearer secret")])[0] == 429
     assert _call(layer, _body(), headers=[("x-api-key", "secret")])[0] == 429
     assert shed.total == 2 and app.bodies == [body for body, _, _ in cases]
+
+
+RESPONSES = {"model": "m", "input": "hello", "max_output_tokens": 4, "user": "carol"}
+MESSAGES = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]}
+
+
+def test_responses_and_messages_are_refused_at_the_door_in_their_own_error_shapes():
+    router, app, shed = _router(LIMIT + 1), App(), ShedCounts()
+    layer = EarlyShed(app, router, LIMIT, shed, tenant_header="X-Team")
+    status, headers, payload = _call(layer, json.dumps(MESSAGES).encode(), path="/v1/messages",
+                                     headers=[("x-api-key", "sk-a"), ("anthropic-version", "2023-06-01")])
+    assert (status, headers["retry-after"]) == (429, "1")
+    message = overloaded(router, LIMIT).body()["error"]["message"]
+    assert json.loads(payload) == {"type": "error", "error": {"type": "rate_limit_error", "message": message}}
+    status, headers, payload = _call(layer, json.dumps(RESPONSES).encode(), path="/v1/responses",
+                                     headers=[("X-Team", "red")], chunks=2)
+    assert (status, headers["retry-after"]) == (429, "1")
+    assert json.loads(payload) == overloaded(router, LIMIT).body()
+    assert app.bodies == []
+    # neither surface passes a priority or a user on to the chat request: priority 0, tenant by headers
+    assert shed.by_priority == {0: 2} and shed.by_tenant == {"": 1, "red": 1}
+
+
+async def _refusals(model_dir: str, tmp: str, door: bool, requests) -> tuple[list, ShedCounts]:
+    """``requests`` through the real app (FastAPI, pydantic, the tokenizer, the router, submit()) with
+    every replica full: each answer as (status, headers, body), and the app's shed counts."""
+    router = _router(LIMIT)
+    engine = EngineClient(Endpoints(make_run_dir(tmp)), router, LIMIT)
+    metrics = FrontendMetrics(router, "m")
+    app = build_app(Serving(["m"], 512, engine, PromptTokenizer(Path(model_dir)), metrics), router, metrics, None)
+    if not door:
+        app.user_middleware.clear()  # the refusal in submit(), as before the door
+    asgi = app.build_middleware_stack()
+    answers = []
+    for path, body, headers in requests:
+        payload = json.dumps(body).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                             (b"content-length", str(len(payload)).encode()),
+                             *((k.lower().encode(), v.encode()) for k, v in headers)],
+                 "client": ("127.0.0.1", 1), "server": None}
+        messages = [{"type": "http.request", "body": payload, "more_body": False}]
+        sent = []
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # the client stays
+
+        async def send(message):
+            sent.append(message)
+
+        await asgi(scope, receive, send)
+        start = sent[0]
+        answers.append((start["status"], sorted((k, v) for k, v in start["headers"] if k != b"content-length"),
+                        b"".join(m.get("body", b"") for m in sent[1:])))
+    await engine.close()
+    return answers, metrics.shed
+
+
+def test_the_door_answers_responses_and_messages_word_for_word_as_the_app_did(model_factory, tmp_path):
+    requests = [("/v1/responses", RESPONSES, [("Authorization", "Bearer sk-b")]),
+                ("/v1/messages", MESSAGES, [("x-api-key", "sk-a")]),
+                ("/v1/messages", {**MESSAGES, "stream": True, "metadata": {"user_id": "u1"}}, [])]
+    model = model_factory("qwen2")
+    late, late_shed = asyncio.run(_refusals(model, str(tmp_path), False, requests))
+    door, door_shed = asyncio.run(_refusals(model, str(tmp_path), True, requests))
+    assert [status for status, _, _ in late] == [429] * 3
+    assert door == late
+    assert (door_shed.total, door_shed.by_tenant, door_shed.by_priority) == \
+        (late_shed.total, late_shed.by_tenant, late_shed.by_priority)

@@ -128,7 +128,8 @@ def test_per_tenant_stats_count_waiting_running_and_generated_tokens():
 
 def closed_loop(policy: str, a_streams: int, b_streams: int, gap: int, steps: int = 1500):
     """Each tenant's streams send their next request ``gap`` steps after the last one ends (a client's
-    round trip); preemption by swap. Returns B's share of tokens and its median steps to a first token."""
+    round trip); preemption by swap. Returns the tokens each tenant got and B's median steps to a first
+    token (None without B)."""
     config = SchedulerConfig(block_size=16, num_gpu_blocks=4096, num_cpu_blocks=256, max_num_seqs=8,
                              max_num_batched_tokens=512, scheduling_policy=policy, preemption_mode="swap",
                              debug_invariants=True)
@@ -154,11 +155,33 @@ def closed_loop(policy: str, a_streams: int, b_streams: int, gap: int, steps: in
             if d.finish_reason:
                 due.append((step + gap, d.request_id[0]))
     ttft.sort()
-    return tokens["b"] / sum(tokens.values()), ttft[len(ttft) // 2]
+    return tokens, ttft[len(ttft) // 2] if ttft else None
+
+
+def b_share(tokens: dict[str, int]) -> float:
+    return tokens["b"] / sum(tokens.values())
 
 
 def test_a_tenant_owed_service_starts_at_once_and_the_victim_swapped_out_for_it_does_not_take_the_seat_back():
-    share, steps_to_first_token = closed_loop("fair", a_streams=32, b_streams=4, gap=30)
-    fcfs_share, fcfs_steps = closed_loop("fcfs", a_streams=32, b_streams=4, gap=30)
+    tokens, steps_to_first_token = closed_loop("fair", a_streams=32, b_streams=4, gap=30)
+    fcfs_tokens, fcfs_steps = closed_loop("fcfs", a_streams=32, b_streams=4, gap=30)
     assert steps_to_first_token <= 2 < fcfs_steps, (steps_to_first_token, fcfs_steps)
-    assert share >= 0.35 > fcfs_share  # B asks for less than half: its streams wait 30 steps between requests
+    assert b_share(tokens) >= 0.35 > b_share(fcfs_tokens)  # B asks for less than half: 30 steps between requests
+
+
+def test_both_tenants_over_capacity_share_evenly_against_eight_times_the_streams():
+    # bench scenario fair --fair-streams 64 8: B's 8 streams are twice the 4 seats it is owed
+    fair, _ = closed_loop("fair", a_streams=64, b_streams=8, gap=5)
+    fcfs, _ = closed_loop("fcfs", a_streams=64, b_streams=8, gap=5)
+    assert b_share(fair) >= 0.45 and b_share(fcfs) <= 0.15, (fair, fcfs)
+    assert sum(fair.values()) >= 0.98 * sum(fcfs.values())  # the machine stays full
+    # B silent: A alone under fair gets exactly its tokens under fcfs (a lone tenant runs the FCFS code)
+    assert closed_loop("fair", 64, 0, gap=5)[0] == closed_loop("fcfs", 64, 0, gap=5)[0]
+
+
+def test_a_tenant_whose_streams_come_back_slower_than_they_run_gets_all_it_asks_for():
+    # 8 streams that each wait 200 steps between 96-token requests keep at most 8 * 96 / 296 = 2.6 of the
+    # 8 seats busy: a third of the tokens is all B asks for. It gets that, each request starting at once.
+    tokens, steps_to_first_token = closed_loop("fair", a_streams=64, b_streams=8, gap=200)
+    assert steps_to_first_token <= 2
+    assert b_share(tokens) >= 0.95 * 96 / (96 + 200), tokens
