@@ -335,13 +335,9 @@ class SchedulerOutput(Msg):
     new_block_ids_to_zero: list[int]
     total_num_scheduled_tokens: int
     grammar: Optional[GrammarBitmask] = None  # masks of the constrained entries that sample
-    # The scheduler's monotonic clock when it built this step: every time-based decision of the
-    # step (arrival stamps, limits, aging) read this value, so replay hands it back. Workers ignore it.
-    now_s: float = 0.0
-    # Speculative decoding (protocol/speculative.py), by request id: proposals for an entry (a
-    # cached request that samples) to compute after its scheduled tokens. Its step then scores
-    # all of them and samples after each, and StepResult.num_accepted_tokens says how many
-    # were accepted; ``total_num_scheduled_tokens`` counts them.
+    now_s: float = 0.0  # the scheduler's clock for the step's time-based decisions, replayed as recorded
+    # Speculative decoding (protocol/speculative.py), by request id: proposals a sampling entry computes
+    # after its tokens, each scored and sampled after (StepResult.num_accepted_tokens; counted in the total).
     spec_token_ids: dict[str, list[int]] = {}
     # draft_model: the entries the draft model computes too, by id, with how many tokens it proposes after the sample.
     draft_tokens: dict[str, int] = {}
@@ -359,8 +355,7 @@ class StepResult(Msg):
     # Per sampled request: its top_logprobs alternatives (token id, logprob of the unmodified
     # distribution), best first; [] for a request that asked for none. None: nobody asked.
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
-    # By request id: the prompt logprobs this step's chunk computed (requests with prompt_logprobs
-    # only). None: none this step.
+    # By request id: the prompt logprobs this step's chunk computed. None: none this step.
     prompt_logprobs: Optional[dict[str, PromptLogprobs]] = None
     # By request id, for every entry of SchedulerOutput.spec_token_ids: how many of its proposals
     # were accepted (a prefix). Its ``sampled_token_ids`` entry is the token sampled after them,
