@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from pagedserve.scheduler_proc.block_pool import BlockPool
 from pagedserve.scheduler_proc.request import RUNNING, SWAPPED, WAITING
 
@@ -24,30 +26,49 @@ def _fail(message: str) -> None:
 
 
 def check_pool(pool: BlockPool, owners: Counter, name: str) -> None:
-    """Every block is free (count 0) or owned with a count equal to the tables holding it."""
-    plain, evictable = pool.plain_free, pool.evictable
-    if len(set(plain)) != len(plain):
+    """Every block is free (count 0) or owned with a count equal to the tables holding it.
+
+    Vectorised over the pool: a host pool of a small model has hundreds of thousands of blocks,
+    and a loop over them in Python made every debug step ~40x slower than the step itself."""
+    n = pool.num_blocks
+    refs = np.frombuffer(pool.ref_counts, dtype=np.int64) if n else np.zeros(0, np.int64)
+    plain = np.frombuffer(pool.plain_free, dtype=np.int64) if len(pool.plain_free) else np.zeros(0, np.int64)
+    evictable = np.fromiter(pool.evictable, dtype=np.int64, count=len(pool.evictable))
+    for what, ids in (("free-list entry", plain), ("evictable block", evictable)):
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            _fail(f"{name}: a {what} is out of range")
+    free = np.zeros(n, dtype=bool)
+    free[plain] = True
+    if np.count_nonzero(free) != plain.size:
         _fail(f"{name}: a block is twice in the free list")
-    free = set(plain)
-    both = free & evictable.keys()
-    if both:
-        _fail(f"{name}: blocks {sorted(both)} are both plain-free and evictable")
-    free |= evictable.keys()
-    for block in range(pool.num_blocks):
-        count = pool.ref_counts[block]
-        if count != owners.get(block, 0):
-            _fail(f"{name}: block {block} has ref count {count} but {owners.get(block, 0)} tables hold it")
-        if (count == 0) != (block in free):
-            _fail(f"{name}: block {block} with ref count {count} is {'' if block in free else 'not '}free")
-    if len(free) + sum(1 for c in pool.ref_counts if c) != pool.num_blocks:
-        _fail(f"{name}: free {len(free)} + used != total {pool.num_blocks}")
-    for block in evictable:
+    both = evictable[free[evictable]]
+    if both.size:
+        _fail(f"{name}: blocks {sorted(both.tolist())} are both plain-free and evictable")
+    free[evictable] = True
+    held = np.fromiter(owners.keys(), dtype=np.int64, count=len(owners))
+    if held.size and (held.min() < 0 or held.max() >= n):
+        _fail(f"{name}: a table holds a block out of range")
+    counts = np.fromiter(owners.values(), dtype=np.int64, count=len(owners))
+    bad = held[refs[held] != counts]
+    used = np.flatnonzero(refs)
+    if not bad.size and used.size != held.size:  # counts on blocks that no table holds
+        bad = np.setdiff1d(used, held)
+    if bad.size:
+        block = int(bad[0])
+        _fail(f"{name}: block {block} has ref count {refs[block]} but {owners.get(block, 0)} tables hold it")
+    wrong = np.flatnonzero((refs == 0) != free)
+    if wrong.size:
+        block = int(wrong[0])
+        _fail(f"{name}: block {block} with ref count {refs[block]} is {'' if free[block] else 'not '}free")
+    if plain.size + evictable.size + used.size != n:
+        _fail(f"{name}: free {plain.size + evictable.size} + used != total {n}")
+    for block in pool.evictable:
         if pool.block_key[block] is None:
             _fail(f"{name}: evictable block {block} has no prefix-cache key")
     for key, block in pool.cache.items():
         if pool.block_key[block] != key:
             _fail(f"{name}: cache entry for block {block} does not match the block's key")
-    if sum(key is not None for key in pool.block_key) != len(pool.cache):
+    if len(pool.block_key) - pool.block_key.count(None) != len(pool.cache):
         _fail(f"{name}: {len(pool.cache)} cache entries but a different number of named blocks")
 
 
