@@ -191,6 +191,11 @@ class Sequence:
         """Tokens this sequence must compute before it can sample (or fork)."""
         return len(self.token_ids) - 1 if self.is_parent else len(self.token_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """One token left to compute, and not a parent (which forks instead)."""
+        return len(self.token_ids) - self.num_kv_tokens == 1 and not self.is_parent
+
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, tokens={len(self.token_ids)}, computed={self.num_kv_tokens}, "
                 f"blocks={self.block_ids}, status={self.status})")

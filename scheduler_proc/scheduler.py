@@ -2,20 +2,18 @@
 
 Each ``schedule()``:
 
-0. Requests past a time limit end (deadlines.py; time enters only as the step's clock). Under a
-   policy that ranks requests (policy.py), running ones that a waiting one outranks are preempted
-   for it first, before anything is scheduled (never in a step scheduled ahead of a result).
-1. Running sequences, in the policy's order (FCFS: oldest first). Decodes always run (the token budget keeps one token
-   for every later decode, so prefill chunks can never starve them); running prefills
-   continue with a chunk of what is left. While a sequence cannot have its blocks, the
-   policy's victim (policy.py; FCFS: the newest, possibly itself) is preempted, by swap when
-   allowed and cheaper, else by recompute. Steady decodes (running.py) get their blocks
-   first if all fit, else they join this loop; their tokens are reserved up front.
-2. Only in a step that preempted nothing in 1: swapped sequences resume and waiting ones are
-   admitted in the policy's order (FCFS: every swapped one first); the first that does not fit stops
-   admission, so nothing overtakes it. Skipping resumption in a preempting step also keeps
-   this step's freed blocks out of swap-in destinations, whose data would otherwise be read
-   by a copy or overwritten by a zero listed in the same step.
+0. Requests past a time limit end (deadlines.py; time enters only as the step's clock). Running
+   requests that a waiting one outranks (policy.py) are preempted for it, never in a step
+   scheduled ahead of a result.
+1. Running sequences, in the policy's order (FCFS: oldest first). Decodes always run: the token
+   budget keeps one token for every later decode, so prefill chunks never starve them. While a
+   sequence cannot have its blocks, the policy's victim (FCFS: the newest, possibly itself) is
+   preempted, by swap when allowed and cheaper, else by recompute. Steady decodes (running.py)
+   get their blocks first if all fit; their tokens are reserved up front.
+2. Only in a step that preempted nothing: swapped sequences resume and waiting ones are admitted
+   in the policy's order; the first that does not fit stops admission, so nothing overtakes it.
+   (A preempting step's freed blocks must not become swap-in destinations that a copy or zero
+   listed in the same step would touch.)
 
 Helpers answer questions and return decisions (admission.py, output_processor.py, policy.py);
 only this class applies them to the queues and counters.
@@ -47,10 +45,6 @@ from pagedserve.scheduler_proc.stats import SchedulerCounters, snapshot
 from pagedserve.scheduler_proc.step import SchedulerStateError, StepOutputs, StepPlan
 
 
-def _is_decode(seq: Sequence) -> bool:
-    return len(seq.token_ids) - seq.num_kv_tokens == 1 and not seq.is_parent
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, grammars=None, policy=None, clock=time.monotonic, proposer=None):
         self.config = config
@@ -77,11 +71,7 @@ class Scheduler:
         self.running = RunningSequences(self.config.max_num_seqs, self.block_size)
         self.swapped: list[Sequence] = []  # arrival order, oldest first
         self.finished_ids: list[str] = []  # for the next SchedulerOutput
-        # Steps out at the workers, oldest first (at most two: one scheduled ahead), each as
-        # (SchedulerOutput, per-object sequences sampling in it, other scheduled sequences).
-        self.in_flight: list[tuple] = []
-
-    # ------------------------------------------------------------------ frontend side
+        self.in_flight: list[tuple] = []  # steps out, oldest first (<= 2): (output, sampling seqs, others)
 
     def add_request(self, msg: AddRequest) -> list[RequestDelta]:
         verdict = admission.judge_new(msg, self.config, self.requests, self.grammars, len(self.waiting))
@@ -92,8 +82,8 @@ class Scheduler:
         compiled = verdict.compiled
         seed = self._rng.getrandbits(63) if msg.sampling.seed is None else msg.sampling.seed
         self._arrivals += 1
-        spec_k = spec_k_for(self.speculator, msg, compiled)  # proposals per step (speculation.py)
-        request = Request(msg, self._arrivals, seed, self.len_limit, compiled, spec_k=spec_k)
+        request = Request(msg, self._arrivals, seed, self.len_limit, compiled,
+                          spec_k=spec_k_for(self.speculator, msg, compiled))  # proposals per step
         self.times.arrived(request)
         self.policy.arrived(request)
         self.counters.structured_output_requests += compiled is not None
@@ -113,9 +103,8 @@ class Scheduler:
         return deltas
 
     def _end(self, request: Request, finish: str, error=None, error_kind=None) -> list[RequestDelta]:
-        for seq in request.sequences:  # wherever they are
-            if seq.status != FINISHED:
-                self._drop(seq)
+        for seq in [s for s in request.sequences if s.status != FINISHED]:  # wherever they are
+            self._drop(seq)
         return self._end_request(request, finish, error, error_kind)
 
     def take_timed_out(self) -> list[RequestDelta]:
@@ -127,9 +116,8 @@ class Scheduler:
 
     def fail_all(self, reason: str) -> list[RequestDelta]:
         """The workers died: every unfinished request ends with an engine error; state starts over."""
-        deltas = []
-        for request in list(self.requests.values()):
-            deltas.extend(self._end_request(request, "error", reason, "engine"))
+        deltas = [d for request in list(self.requests.values())
+                  for d in self._end_request(request, "error", reason, "engine")]
         self._reset_state()  # a fresh cache: the new workers hold nothing
         return deltas
 
@@ -183,8 +171,6 @@ class Scheduler:
         parent.request.sequences = children
         return children
 
-    # ------------------------------------------------------------------ worker side
-
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> StepOutputs:
         if not self.in_flight or self.in_flight[0][0] is not out:
             # An empty step (nothing computed), or a step that fail_all() already wrote off.
@@ -221,7 +207,7 @@ class Scheduler:
             self.check_invariants()
         return outputs
 
-    def check_invariants(self) -> None:
+    def check_invariants(self) -> None:  # O(blocks + tokens): every step only with debug_invariants
         invariants.check(self)
 
     @property
@@ -234,8 +220,6 @@ class Scheduler:
 
     def stats(self) -> dict:
         return snapshot(self)
-
-    # ------------------------------------------------------------------ one step
 
     @property
     def step(self) -> int:
@@ -272,9 +256,8 @@ class Scheduler:
             self.timed_out += self._end(request, "error" if error else "length", error, error and QUEUE_TIMEOUT)
 
     def _make_way_for_waiting(self, batch: StepPlan) -> None:
-        """The policy's victims for a waiting sequence that outranks them (policy.py), before
-        anything is scheduled: the step may still admit, since none of the freed blocks has a
-        copy or a zero listed yet."""
+        """Victims for a waiting sequence that outranks them, before anything is scheduled: the step
+        may still admit, as no copy or zero is listed for the freed blocks yet."""
         while (victim := self.policy.victim_for_waiting(self)) is not None:
             self._preempt(victim, batch)
         batch.budget, batch.preempted = self.config.max_num_batched_tokens, False  # no decode reserved yet
@@ -285,14 +268,14 @@ class Scheduler:
         for i, seq in enumerate(queue):
             if seq.status != RUNNING:
                 continue  # preempted for an older sequence earlier in this step
-            if _is_decode(seq):
+            if seq.is_decode:
                 if self._make_room(seq, 1, batch):  # later: a bound on the decodes still to come
                     schedule_decode(self.speculator, seq, self.bm, batch, later=len(queue) - i - 1)
                 if later_decodes is not None:
                     later_decodes -= 1
                 continue
             if later_decodes is None:  # a prefill continuing (or a parent's prompt[:-1])
-                later_decodes = sum(1 for s in queue[i + 1:] if s.status == RUNNING and _is_decode(s))
+                later_decodes = sum(1 for s in queue[i + 1:] if s.status == RUNNING and s.is_decode)
             num_tokens = admission.chunk_size(seq.target_len - seq.num_kv_tokens, batch.budget - later_decodes,
                                               self.config.enable_chunked_prefill)
             if num_tokens > 0:
@@ -302,11 +285,8 @@ class Scheduler:
                     batch.add(seq, num_tokens)
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: StepPlan) -> int:
-        """Preempt the policy's victims until ``seq`` fits; how many tokens it may compute.
-
-        When ``seq`` is itself the victim, its chunk shrinks to what fits; when not even one
-        token fits it is preempted and 0 is returned.
-        """
+        """Preempt the policy's victims until ``seq`` fits; how many tokens it may compute (when it
+        is the victim itself: what fits, or 0 after preempting it)."""
         bm = self.bm
         while not bm.can_append_slots(seq, num_tokens):
             victim = self.policy.victim(self.running)
@@ -342,19 +322,14 @@ class Scheduler:
         seq.block_keys = []
         seq.shared_tail = False
         seq.status = WAITING
-        position = 0  # behind older preempted sequences, ahead of every newer one
-        waiting = self.waiting
-        while position < len(waiting) and waiting[position].order < seq.order:
-            position += 1
-        waiting.insert(position, seq)
+        insort(self.waiting, seq, key=by_order)  # behind older preempted sequences, ahead of newer ones
         self.counters.num_preemptions_recompute += 1
 
     def seats_free(self) -> int:
         return self.config.max_num_seqs - self.running.num_seats
 
     def _start_swapped_and_waiting(self, batch: StepPlan) -> None:
-        """Swapped sequences resume and waiting ones are admitted in the policy's order (FCFS:
-        every swapped one first, oldest first); the first that does not fit stops the rest."""
+        """In the policy's order (FCFS: swapped ones first); the first that does not fit stops the rest."""
         while True:
             seq = self.policy.next_to_start(self.swapped, self.waiting)
             if seq is None or self.seats_free() < admission.seats_needed(seq):
@@ -385,13 +360,9 @@ class Scheduler:
         seq = plan.seq
         self.waiting.remove(seq)  # the head under FCFS: found at once
         request = seq.request
-        counters = self.counters
-        if plan.looked_up:
-            counters.prefix_cache_queries += len(seq.token_ids)
-            counters.prefix_cache_hits += plan.num_computed
+        self.counters.count_admission(plan, first=seq.num_preemptions == 0)
         if seq.num_preemptions == 0:  # its first admission
             self.policy.admitted(seq)
-            counters.prompt_tokens += request.num_prompt_tokens
             request.num_cached_tokens = plan.num_computed
         seq.num_cached_tokens = request.num_cached_tokens
         self.bm.allocate(seq, plan.hits, plan.num_blocks)
@@ -415,8 +386,7 @@ class Scheduler:
         masks = None
         if self.grammars:
             started = time.perf_counter()
-            masks = step_bitmask(sampling, self.grammars.words_per_row)
-            if masks is not None:
+            if (masks := step_bitmask(sampling, self.grammars.words_per_row)) is not None:
                 self.counters.structured_output_mask_time_s += time.perf_counter() - started
         out = SchedulerOutput(self._step, batch.new, batch.cached, decodes, finished, batch.swap_out,
                               batch.swap_in, copies, zero, total, masks, now_s=self.times.now,

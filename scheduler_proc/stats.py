@@ -58,6 +58,14 @@ class SchedulerCounters:
         _add(self.deadline_misses_by_priority, request.priority, 1)
         _add(self.deadline_misses_by_tenant, _tenant_key(self.deadline_misses_by_tenant, request), 1)
 
+    def count_admission(self, plan, first: bool) -> None:
+        """``plan`` (admission.Admission) was applied; ``first``: the sequence's first admission."""
+        if plan.looked_up:
+            self.prefix_cache_queries += len(plan.seq.token_ids)
+            self.prefix_cache_hits += plan.num_computed
+        if first:
+            self.prompt_tokens += plan.seq.request.num_prompt_tokens
+
     def count_step(self, batch, num_zeroed: int, num_copied: int) -> None:
         """A scheduled step's cache work (``batch``: its StepPlan)."""
         self.recomputed_tokens += batch.num_recomputed

@@ -25,13 +25,15 @@ def client(srv: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def _start_streams(srv: Server, count: int, max_tokens: int, priority: int = 0) -> tuple[list, list]:
-    """``count`` streamed completions in threads; each one's time of its first chunk (None before)."""
+def _start_streams(srv: Server, count: int, max_tokens, priority: int = 0) -> tuple[list, list]:
+    """``count`` streamed completions in threads; each one's time of its first chunk (None before).
+    ``max_tokens``: one for all, or a list of one per stream."""
     first = [None] * count
     c = client(srv)
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * count
 
     def run(i: int) -> None:
-        stream = c.completions.create(model="m", prompt=f"stream {i} says", max_tokens=max_tokens, stream=True,
+        stream = c.completions.create(model="m", prompt=f"stream {i} says", max_tokens=lengths[i], stream=True,
                                       extra_body={"ignore_eos": True, **({"priority": priority} if priority else {})})
         for _ in stream:
             if first[i] is None:
@@ -48,7 +50,7 @@ def test_a_high_priority_request_overtakes_a_saturated_low_priority_queue(model_
     srv = Server(model_factory("qwen2"), [*COMMON, "--max-num-seqs", "2", "--scheduling-policy", "priority",
                                           "--served-model-name", "m"]).start(tmp_path)
     try:
-        threads, first = _start_streams(srv, 6, max_tokens=150, priority=10)
+        threads, first = _start_streams(srv, 6, max_tokens=400, priority=10)
         deadline = time.monotonic() + 60
         while sum(t is not None for t in first) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -72,7 +74,7 @@ def test_a_high_priority_request_overtakes_a_saturated_low_priority_queue(model_
 
 def test_fcfs_refuses_a_priority_and_sheds_past_max_waiting_requests(model_factory, tmp_path):
     srv = Server(model_factory("qwen2"), [*COMMON, "--max-num-seqs", "1", "--max-waiting-requests", "2",
-                                          "--served-model-name", "m"]).start(tmp_path)
+                                          "--max-model-len", "2048", "--served-model-name", "m"]).start(tmp_path)
     try:
         c = client(srv)
         with pytest.raises(openai.BadRequestError) as refused:
@@ -83,8 +85,12 @@ def test_fcfs_refuses_a_priority_and_sheds_past_max_waiting_requests(model_facto
             c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                       extra_body={"priority": -1})
         c.completions.create(model="m", prompt="hi", max_tokens=2, extra_body={"priority": 0})  # the default is fine
-        threads, first = _start_streams(srv, 3, max_tokens=120)  # one runs, two wait: the limit
-        time.sleep(1.5)  # a stats heartbeat or two: the frontend sees the queue
+        # One runs (long enough to hold the seat through the refusals below), two wait: the limit.
+        threads, first = _start_streams(srv, 3, max_tokens=[1800, 8, 8])
+        deadline = time.monotonic() + 60
+        while "vllm:num_requests_waiting{model_name=\"m\"} 2.0" not in httpx.get(srv.url + "/metrics").text:
+            assert time.monotonic() < deadline, "the frontend never saw two requests waiting"
+            time.sleep(0.02)  # the next stats heartbeat
         started = time.monotonic()
         with pytest.raises(openai.RateLimitError) as shed:
             c.completions.create(model="m", prompt="one too many", max_tokens=2, stream=True)

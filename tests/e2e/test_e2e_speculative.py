@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import openai
@@ -21,7 +22,11 @@ from support.server import Server
 
 pytestmark = pytest.mark.slow
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Backoff by acceptance alone: on the demo model a row costs about what a step does, so the default
+# (by expected gain, priced from the steps' clock) would rightly stop proposing, and these tests are
+# about what proposals do. The priced backoff has its own tests (tests/unit/test_scheduler_speculation_cost.py).
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+        "backoff": "acceptance"}
 PROMPTS = [[11, 12, 13, 14, 15] * 3, [5] * 6, [7, 8, 9, 10, 11, 12, 13, 7, 8]]  # [5] * 6: its output repeats
 MAX_TOKENS = 48
 
@@ -33,11 +38,17 @@ def _counter(metrics: str, name: str) -> float:
 
 
 def _spec_counters(srv: Server) -> list[tuple[float, float, float, float]]:
-    """(drafts, proposed, accepted, accepted at the first position), under vLLM's names and ours."""
-    metrics = httpx.get(srv.url + "/metrics").text
+    """(drafts, proposed, accepted, accepted at the first position), under vLLM's names and ours,
+    once a stats heartbeat (every 0.5 s) has brought any verification to the frontend."""
     names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
-    return [tuple(_counter(metrics, f"{prefix}spec_decode_{name}_total") for name in names)
-            for prefix in ("vllm:", "pagedserve_")]
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = httpx.get(srv.url + "/metrics").text
+        counters = [tuple(_counter(metrics, f"{prefix}spec_decode_{name}_total") for name in names)
+                    for prefix in ("vllm:", "pagedserve_")]
+        if all(c[0] > 0 for c in counters) or time.monotonic() > deadline:
+            return counters
+        time.sleep(0.05)
 
 
 def test_served_greedy_equals_transformers_metrics_move_and_a_stop_string_ends_an_accepted_run(
@@ -90,7 +101,7 @@ def test_offline_llm_takes_vllms_speculative_config_and_refuses_what_it_cannot_r
 def test_served_greedy_with_a_draft_model_equals_transformers_and_the_metrics_move(model_factory, tmp_path):
     model = model_factory("qwen2")
     draft = model_factory("qwen2", num_layers=1, hidden_size=32, intermediate_size=64, seed=7)
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "backoff": "acceptance"}
     srv = Server(model, ["--speculative-config", json.dumps(spec), "--debug-invariants", "--num-gpu-blocks", "128",
                          "--max-model-len", "512", "--served-model-name", "m"]).start(tmp_path)
     try:
