@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import statistics
 import tempfile
 import time
@@ -63,7 +64,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3, help="timed runs per engine, alternating engines")
     p.add_argument("--warmup-prompts", type=int, default=16)
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda, for both servers")
-    p.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` options, one string")
+    p.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` options, one shell-quoted string")
     p.add_argument("--output-json", help="write every run's summary here")
 
 
@@ -196,7 +197,7 @@ def _servers(ns: argparse.Namespace, model: str, device: str) -> dict:
     """Per engine, what BenchServer needs: the command for a port, and how it is started."""
     dtype = ("--dtype", ns.dtype) if ns.dtype != "auto" else ()
     return {"pagedserve": dict(command=lambda port: pagedserve_command(
-                model, port, ("--device", device, *dtype, *ns.pagedserve_args.split()))),
+                model, port, ("--device", device, *dtype, *shlex.split(ns.pagedserve_args)))),
             "transformers": dict(command=lambda port: transformers_command(model, port, device, ns.dtype)),
             "vllm": dict(command=lambda port: vllm_command(ns.vllm_python, model, port, ns.dtype,
                                                            ns.vllm_memory_utilization),
