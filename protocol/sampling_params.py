@@ -64,7 +64,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     ignore_eos: bool = False
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
     logprobs: bool = False  # return the sampled token's logprob
-    # Sampling controls with vLLM's semantics (docs/DECISIONS.md, "Sampling parameters").
+    # Sampling controls with vLLM's semantics (docs/DECISIONS.md, "Sampling order").
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0  # output tokens
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0  # output tokens
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] = 1.0  # prompt and output
