@@ -210,10 +210,6 @@ class Scheduler:
     def check_invariants(self) -> None:  # O(blocks + tokens): every step only with debug_invariants
         invariants.check(self)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
     def running_sequences(self) -> list[Sequence]:
         """Every running sequence, oldest first, with its state synced (for tests and debugging)."""
         return self.running.all_synced()

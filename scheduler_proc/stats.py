@@ -93,7 +93,7 @@ def snapshot(sched: "Scheduler") -> dict:
         "num_waiting_by_tenant": _count(sched.waiting, tenant),
         "num_running_by_tenant": _count(running, tenant),
         "tenant_service": sched.policy.service(),
-        "num_running": sched.num_running,
+        "num_running": len(sched.running),
         "num_waiting": len(sched.waiting),
         "num_swapped": len(sched.swapped),
         "num_gpu_blocks": device.num_blocks,

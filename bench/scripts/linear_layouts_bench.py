@@ -12,24 +12,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from step_phases import timed_runs
+
 # name: (in, out) of Qwen2.5-0.5B's projections (q, k and v fused; gate and up fused)
 SHAPES = {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896)}
-
-
-def median_s(fn, repeat: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -52,7 +42,7 @@ def main() -> None:
             calls = {"packed": lambda: torch.ops.mkldnn._linear_pointwise(x, layouts["packed"], None, "none", [], ""),
                      "F.linear": lambda: F.linear(x, weight), "x @ W_t": lambda: torch.mm(x, layouts["x @ W_t"])}
             repeat = ns.repeat or (20 if m <= 64 else 7)
-            times = {kind: median_s(call, repeat) for kind, call in calls.items()}
+            times = {kind: statistics.median(timed_runs(call, repeat, warmup=2)) for kind, call in calls.items()}
             gflop = 2 * m * k * n / 1e9
             cells = " | ".join(f"{1e3 * t:.3f} ({gflop / t:.0f})" for t in times.values())
             print(f"| {name} {k}x{n} | {m} | {cells} | {min(times, key=times.get)} |")

@@ -131,16 +131,19 @@ def machine_limits(dtype, size: int = 4096, copy_bytes: int = 1 << 30, repeat: i
         "read GB/s (sum)": (lambda: big.sum(), copy_bytes / 1e9),
         "copy GB/s (read + write)": (lambda: dst.copy_(big), 2 * copy_bytes / 1e9),
     }
-    out: dict[str, list[float]] = {}
-    for name, (fn, work) in runs.items():
+    return {name: sorted(work / t for t in timed_runs(fn, repeat)) for name, (fn, work) in runs.items()}
+
+
+def timed_runs(fn, repeat: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``repeat`` calls of ``fn``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
         fn()
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        out[name] = sorted(work / t for t in times)
-    return out
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def format_limits(work: dict[str, float], phases: dict[str, float], step_s: float,
