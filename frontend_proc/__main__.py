@@ -28,6 +28,7 @@ from pagedserve.frontend_proc.serving import Serving
 from pagedserve.client.generation_defaults import load_generation_defaults
 from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import ProcessReady
+from pagedserve.protocol.process_exit import exit_now
 from pagedserve.protocol.structured_outputs import preload_in_background
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 
@@ -130,4 +131,4 @@ def _run(main_coroutine) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 
+from pagedserve.protocol.process_exit import exit_now
 from pagedserve.scheduler_proc.engine import EngineLoop
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 
@@ -43,4 +44,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -23,6 +23,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from pagedserve.protocol import options as opts
+from pagedserve.protocol.process_exit import exit_now
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.host_memory import keep_freed_memory
 from pagedserve.worker_proc.worker import Worker, WorkerConfig
@@ -70,16 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         worker.close()
-    if cfg.tensor_parallel_size > 1:
-        # torch + gloo can abort in C++ static destructors at interpreter exit even after
-        # destroy_process_group ("terminate called without an active exception"), turning
-        # a clean stop into a crash report; everything is closed, so skip them.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    # The caller ends the process without the interpreter's teardown (protocol/process_exit.py):
+    # besides its cost, torch + gloo can abort in C++ static destructors at exit even after
+    # destroy_process_group ("terminate called without an active exception").
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
