@@ -103,8 +103,9 @@ class Scheduler:
         return deltas
 
     def _end(self, request: Request, finish: str, error=None, error_kind=None) -> list[RequestDelta]:
-        for seq in [s for s in request.sequences if s.status != FINISHED]:  # wherever they are
-            self._drop(seq)
+        for seq in request.sequences:  # wherever they are
+            if seq.status != FINISHED:
+                self._drop(seq)
         return self._end_request(request, finish, error, error_kind)
 
     def take_timed_out(self) -> list[RequestDelta]:
@@ -356,8 +357,9 @@ class Scheduler:
         seq = plan.seq
         self.waiting.remove(seq)  # the head under FCFS: found at once
         request = seq.request
-        self.counters.count_admission(plan, first=seq.num_preemptions == 0)
-        if seq.num_preemptions == 0:  # its first admission
+        first = seq.num_preemptions == 0
+        self.counters.count_admission(plan, first)
+        if first:
             self.policy.admitted(seq)
             request.num_cached_tokens = plan.num_computed
         seq.num_cached_tokens = request.num_cached_tokens
