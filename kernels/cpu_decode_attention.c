@@ -112,6 +112,41 @@ static inline __attribute__((always_inline)) void values_in_registers(
 #define VALUES_IN_REGISTERS 0
 #endif
 
+#if SCORE_KEYS && !VALUES_IN_REGISTERS
+/* The values' pass on AVX2: each slot's value row of a KV head is loaded once per 64 floats and
+ * added into every query head of its group, with the operations and order of the plain loop
+ * (o = fma(p, v, o), slot by slot), so the same bits. The plain loop's compiled form reloaded
+ * the row for each head and ran 1.2x longer on a warm layer (bench/RESULTS.md). Keeping a
+ * head's output in registers instead re-reads the values once per head (tried, slower). */
+#define VALUES_BY_KV_HEAD 1
+static inline __attribute__((always_inline)) void values_by_kv_head(
+    const float *scores, const float *v, const int32_t *table, int64_t lo, int64_t hi, float *ob, int64_t hq,
+    int64_t hkv, int64_t group, const int64_t d, int64_t row, int64_t bs) {
+    const int64_t n = hi - lo;
+    memset(ob, 0, sizeof(float) * hq * d);
+    for (int64_t pos = lo; pos < hi;) {
+        const int64_t end = (pos / bs + 1) * bs < hi ? (pos / bs + 1) * bs : hi;
+        const float *vr = v + ((int64_t)table[pos / bs] * bs + pos % bs) * row;
+        for (; pos < end; pos++, vr += row)
+            for (int64_t kh = 0; kh < hkv; kh++)
+                for (int64_t c = 0; c < d; c += 64) {
+                    const int64_t vecs = d - c < 64 ? (d - c) / 8 : 8;
+                    __m256 vv[8];
+                    for (int j = 0; j < 8; j++)
+                        if (j < vecs) vv[j] = _mm256_loadu_ps(vr + kh * d + c + 8 * j);
+                    for (int64_t g = 0, h = kh * group; g < group; g++, h++) {
+                        const __m256 p = _mm256_broadcast_ss(scores + h * n + pos - lo);
+                        float *o = ob + h * d + c;
+                        for (int j = 0; j < 8; j++)
+                            if (j < vecs) _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(p, vv[j], _mm256_loadu_ps(o + 8 * j)));
+                    }
+                }
+    }
+}
+#else
+#define VALUES_BY_KV_HEAD 0
+#endif
+
 /* One request: its slots are read row by row (all KV heads of a slot are adjacent), once
  * for the scores and once for the values. Inlined into each case of the switch below, so
  * the common head sizes get loops of a known length (unrolled, kept in registers). */
@@ -140,6 +175,11 @@ static inline __attribute__((always_inline)) void attend_request(
 #if VALUES_IN_REGISTERS
     if (d % 16 == 0 && d <= 128)
         values_in_registers(scores, v, table, lo, hi, ob, hkv, group, d, row, bs);
+    else
+#endif
+#if VALUES_BY_KV_HEAD
+    if (d % 8 == 0)
+        values_by_kv_head(scores, v, table, lo, hi, ob, hq, hkv, group, d, row, bs);
     else
 #endif
     {

@@ -35,12 +35,16 @@ from pagedserve.worker_proc.model_runner import ModelRunner
 from step_phases import PHASES, format_limits, format_machine_limits, format_phases, instrument_worker, machine_limits
 
 
+CACHE_TOKENS = 65536
+
+
 def run(ns: argparse.Namespace) -> None:
     runner = ModelRunner(ns.model, device=ns.device, dtype=ns.dtype)
-    cfg = SchedulerConfig(block_size=16, num_gpu_blocks=ns.num_gpu_blocks, max_num_seqs=ns.max_num_seqs,
+    num_gpu_blocks = ns.num_gpu_blocks or CACHE_TOKENS // ns.block_size
+    cfg = SchedulerConfig(block_size=ns.block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=ns.max_num_seqs,
                           max_num_batched_tokens=ns.max_num_batched_tokens or default_step_tokens(ns.device),
                           max_model_len=4096)
-    runner.init_cache(WorkerInit(block_size=16, num_gpu_blocks=cfg.num_gpu_blocks,
+    runner.init_cache(WorkerInit(block_size=ns.block_size, num_gpu_blocks=cfg.num_gpu_blocks,
                                  num_cpu_blocks=0, max_model_len=4096, seed=0))
     sched = Scheduler(cfg)
     rng = random.Random(0)
@@ -134,7 +138,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="running requests at most: with more prompts, a served closed loop's mixed steps")
-    p.add_argument("--num-gpu-blocks", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help=f"default: {CACHE_TOKENS} tokens' worth")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step; default: the engine's for the device")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--device", default="cpu")

@@ -1,5 +1,5 @@
-"""The native CPU kernels in bfloat16 and float16 (kernels/cpu_*_half.c, cpu_half.h) against
-their torch references: decode and prefill attention within a rounding step of the dtype of a
+"""The native CPU kernels in bfloat16 and float16 (kernels/cpu_*_half.c, cpu_half.h), and the
+float32 decode attention, against their torch references: decode and prefill attention within a rounding step of the dtype of a
 float32 (or float64) reference, rotary bit for bit the torch ops. Each runs in every ISA variant
 this CPU can execute: the library built for lower x86-64 levels gives the AVX2 and scalar code
 that other machines run. A bfloat16 model's forward through the native kernels equals the torch
@@ -90,6 +90,28 @@ def test_decode_attention_is_the_reference_rounded_and_never_reads_a_stale_slot(
             assert cpu_native.supports_decode(query, k_cache)
             got = decode_attention(query, k_cache, v_cache, head_dim ** -0.5, context)
             assert_within_a_rounding_step(got, expected, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 64, 128])
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (14, 2)])
+def test_float32_decode_attention_is_the_reference_in_every_variant(variant, head_dim, q_heads, kv_heads):
+    """cpu_decode_attention.c's values pass differs by ISA (registers per head on AVX-512, a value
+    row per KV head on AVX2, the plain loop otherwise): each against the reference, blocks
+    scattered and NaN in every slot a request does not own."""
+    generator = torch.Generator().manual_seed(head_dim * 10 + q_heads)
+    seq_lens = [1, 2, 16, 17, 61, 300]
+    num_blocks = sum(-(-n // 16) for n in seq_lens) + 3
+    k_cache, v_cache, tables = nan_cache_with_requests(seq_lens, kv_heads, generator, 16, head_dim, num_blocks)
+    query = torch.randn(len(seq_lens), q_heads, head_dim, generator=generator)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    assert cpu_native.supports_decode(query, k_cache)
+    for window in (None, 50):
+        expected = reference.paged_attention(query, k_cache, v_cache, tables,
+                                             torch.arange(len(seq_lens) + 1, dtype=torch.int32), lens,
+                                             head_dim ** -0.5, window)
+        got = decode_attention(query, k_cache, v_cache, head_dim ** -0.5, build_decode_context(lens, tables, 16, window))
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("dtype", HALF)
