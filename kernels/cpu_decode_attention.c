@@ -115,9 +115,9 @@ static inline __attribute__((always_inline)) void values_in_registers(
 #if SCORE_KEYS && !VALUES_IN_REGISTERS
 /* The values' pass on AVX2: each slot's value row of a KV head is loaded once per 64 floats and
  * added into every query head of its group, with the operations and order of the plain loop
- * (o = fma(p, v, o), slot by slot), so the same bits. The plain loop's compiled form reloaded
- * the row for each head and ran 1.2x longer on a warm layer (bench/RESULTS.md). Keeping a
- * head's output in registers instead re-reads the values once per head (tried, slower). */
+ * (o = fma(p, v, o), slot by slot), so the same bits; the plain loop ran 1.2x longer on a warm
+ * layer (bench/RESULTS.md). Keeping a head's output in registers instead re-reads the values
+ * once per head (tried, slower). */
 #define VALUES_BY_KV_HEAD 1
 static inline __attribute__((always_inline)) void values_by_kv_head(
     const float *scores, const float *v, const int32_t *table, int64_t lo, int64_t hi, float *ob, int64_t hq,

@@ -1,9 +1,9 @@
-"""The native CPU kernels in bfloat16 and float16 (kernels/cpu_*_half.c, cpu_half.h), and the
-float32 decode attention, against their torch references: decode and prefill attention within a rounding step of the dtype of a
-float32 (or float64) reference, rotary bit for bit the torch ops. Each runs in every ISA variant
-this CPU can execute: the library built for lower x86-64 levels gives the AVX2 and scalar code
-that other machines run. A bfloat16 model's forward through the native kernels equals the torch
-path's within bfloat16's tolerance."""
+"""The native CPU kernels in bfloat16 and float16 (kernels/cpu_*_half.c, cpu_half.h), and the float32
+decode attention, against their torch references: decode and prefill attention within a rounding
+step of the dtype of a float32 (or float64) reference, rotary bit for bit the torch ops. Each runs
+in every ISA variant this CPU can execute: the library built for lower x86-64 levels gives the AVX2
+and scalar code that other machines run. A bfloat16 model's forward through the native kernels
+equals the torch path's within bfloat16's tolerance."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def test_float32_decode_attention_is_the_reference_in_every_variant(variant, hea
         expected = reference.paged_attention(query, k_cache, v_cache, tables,
                                              torch.arange(len(seq_lens) + 1, dtype=torch.int32), lens,
                                              head_dim ** -0.5, window)
-        got = decode_attention(query, k_cache, v_cache, head_dim ** -0.5, build_decode_context(lens, tables, 16, window))
+        context = build_decode_context(lens, tables, 16, window)
+        got = decode_attention(query, k_cache, v_cache, head_dim ** -0.5, context)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
 
