@@ -8,6 +8,9 @@ import signal
 import socket
 import subprocess
 from dataclasses import dataclass
+from typing import Optional, Union
+
+from pagedserve.deploy.fork_client import ForkedProcess, ForkServerConnection, ForkServerError
 
 _PR_SET_PDEATHSIG = 1
 
@@ -31,7 +34,7 @@ class Child:
     role: str
     replica: int
     rank: int
-    popen: subprocess.Popen
+    popen: Union[subprocess.Popen, ForkedProcess]
 
     @property
     def name(self) -> str:
@@ -53,7 +56,14 @@ class Child:
             self.kill()
 
 
-def spawn(role: str, replica: int, rank: int, cmd: list[str]) -> Child:
+def spawn(role: str, replica: int, rank: int, cmd: list[str],
+          fork_server: Optional[ForkServerConnection] = None) -> Child:
+    """Forked from ``fork_server`` where one is given and can, else exec'd."""
+    if fork_server is not None:
+        try:
+            return Child(role, replica, rank, fork_server.spawn(cmd))
+        except ForkServerError:  # said once in the log by the server's connection
+            pass
     # Own process group: a terminal's Ctrl-C reaches only the supervisor, which then
     # drains and stops the children in order.
     popen = subprocess.Popen(cmd, preexec_fn=_die_with_parent(os.getpid()), process_group=0)

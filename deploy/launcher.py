@@ -11,6 +11,7 @@ import time
 from typing import Callable, Iterable, Optional
 
 from pagedserve.deploy.children import Child, free_tcp_port, spawn
+from pagedserve.deploy.fork_client import ForkServerConnection, acquire_fork_server, release_fork_server
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.zmq_io import Receiver
@@ -32,11 +33,12 @@ def dist_init_address(tensor_parallel_size: int) -> Optional[str]:
     return f"tcp://127.0.0.1:{free_tcp_port()}" if tensor_parallel_size > 1 else None
 
 
-def spawn_workers(replica: int, tensor_parallel_size: int,
-                  worker_cmd: Callable[[int, Optional[str]], list[str]]) -> list[Child]:
+def spawn_workers(replica: int, tensor_parallel_size: int, worker_cmd: Callable[[int, Optional[str]], list[str]],
+                  fork_server: Optional[ForkServerConnection] = None) -> list[Child]:
     """One replica's workers; ``worker_cmd(rank, dist_init)`` is each one's command line."""
     dist_init = dist_init_address(tensor_parallel_size)
-    return [spawn("worker", replica, rank, worker_cmd(rank, dist_init)) for rank in range(tensor_parallel_size)]
+    return [spawn("worker", replica, rank, worker_cmd(rank, dist_init), fork_server)
+            for rank in range(tensor_parallel_size)]
 
 
 def wait_for(pending: set, recv: Callable[[int], object], children: Callable[[], Iterable[Child]],
@@ -74,10 +76,12 @@ def stop_children(children: Iterable[Child], grace_s: float = 5.0) -> None:
 
 class Launcher:
     """One deployment's schedulers and workers, started from ``cfg``'s command lines into
-    ``run_dir``; ``control`` is the socket their ProcessReady and RestartWorkers arrive on."""
+    ``run_dir``; ``control`` is the socket their ProcessReady and RestartWorkers arrive on.
+    On CPU they are forked from the fork server (fork_client.py), which starts loading here."""
 
     def __init__(self, cfg: ServeConfig, run_dir: str, control: Receiver):
         self.cfg, self.run_dir, self.control = cfg, run_dir, control
+        self.fork_server: Optional[ForkServerConnection] = acquire_fork_server(cfg.device)
         self.schedulers: dict[int, Child] = {}
         self.workers: dict[int, list[Child]] = {}
         self._worker_dead_since: dict[int, float] = {}  # replica -> when a dead worker was first seen
@@ -98,10 +102,15 @@ class Launcher:
         self._worker_dead_since.pop(replica, None)
         self.workers[replica] = spawn_workers(
             replica, self.cfg.tensor_parallel_size,
-            lambda rank, dist_init: self.cfg.worker_cmd(self.run_dir, replica, rank, dist_init))
+            lambda rank, dist_init: self.cfg.worker_cmd(self.run_dir, replica, rank, dist_init), self.fork_server)
 
     def spawn_scheduler(self, replica: int) -> None:
-        self.schedulers[replica] = spawn("scheduler", replica, 0, self.cfg.scheduler_cmd(self.run_dir, replica))
+        self.schedulers[replica] = spawn("scheduler", replica, 0, self.cfg.scheduler_cmd(self.run_dir, replica),
+                                         self.fork_server)
+
+    def spawn_other(self, role: str, unit: int, cmd: list[str]) -> Child:
+        """A process of the deployment other than a replica's (the supervisor's frontend)."""
+        return spawn(role, unit, 0, cmd, self.fork_server)
 
     def wait_ready(self, expected: set[Process], timeout_s: float, *,
                    children: Optional[Callable[[], Iterable[Child]]] = None,
@@ -138,3 +147,9 @@ class Launcher:
 
     def stop(self) -> None:
         stop_children(self.children())
+        self.release_fork_server()
+
+    def release_fork_server(self) -> None:
+        """Once every child is stopped: the last deployment using the server stops it."""
+        release_fork_server(self.fork_server)
+        self.fork_server = None

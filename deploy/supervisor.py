@@ -18,7 +18,7 @@ from typing import Optional
 
 import zmq
 
-from pagedserve.deploy.children import Child, spawn
+from pagedserve.deploy.children import Child
 from pagedserve.deploy.launcher import Launcher, StartupError, dist_init_address, stop_children
 from pagedserve.deploy.restart_policy import RestartBudget
 from pagedserve.deploy.serve_config import ServeConfig
@@ -93,7 +93,7 @@ class Supervisor:
         self._spawn_workers(replica)
 
     def start(self, timeout_s: float = 600.0) -> None:
-        self.frontend = spawn("frontend", FRONTEND, 0, self.cfg.frontend_cmd(self.run_dir))
+        self.frontend = self.launcher.spawn_other("frontend", FRONTEND, self.cfg.frontend_cmd(self.run_dir))
         for replica in range(self.cfg.data_parallel_size):
             self._spawn_replica(replica)
         self.launcher.wait_ready(self.launcher.expected() | {("frontend", FRONTEND, 0)}, timeout_s,
@@ -154,7 +154,7 @@ class Supervisor:
                                f"{self.cfg.max_restarts} times within {self.cfg.restart_window_s:.0f}s")
         log.error("frontend exited with code %s; restarting it in %.1fs", code, delay)
         time.sleep(delay)  # nothing else can be served without a frontend meanwhile
-        self.frontend = spawn("frontend", FRONTEND, 0, self.cfg.frontend_cmd(self.run_dir))
+        self.frontend = self.launcher.spawn_other("frontend", FRONTEND, self.cfg.frontend_cmd(self.run_dir))
 
     def _watch_children(self) -> None:
         if self.frontend and self.frontend.popen.poll() is not None:
@@ -243,6 +243,7 @@ class Supervisor:
 
     def _stop_children(self) -> None:
         stop_children(self.children())
+        self.launcher.release_fork_server()
 
 
 def serve(cfg: ServeConfig, supervisor_class: type = Supervisor) -> int:

@@ -71,12 +71,26 @@ class LLM:
 
     def __init__(self, model: str, *, log_level: str = "WARNING", startup_timeout_s: float = 600.0,
                  **engine_options):
-        from transformers import AutoTokenizer  # heavy: only the LLM object needs it
-
         if "runner" in engine_options:  # vLLM's spelling of the task
             engine_options["task"] = engine_options.pop("runner")
         self.config = ServeConfig(model=str(model), log_level=log_level, **engine_options)
         self.pooler = pooler_settings(self.config.pooling_type, self.config.pooler_config)
+        # First: on CPU the launcher's fork server loads torch meanwhile (deploy/fork_client.py)
+        self._ctx = zmq.Context()
+        self.run_dir = str(make_run_dir(self.config.run_dir_parent))
+        ep = Endpoints(self.run_dir)
+        self._ready = Receiver(self._ctx, ep.supervisor(), m.ToSupervisor)
+        self._launcher = Launcher(self.config, self.run_dir, self._ready)
+        self._finalizer = weakref.finalize(self, _stop_processes, self._launcher, self._ctx, self.run_dir)
+        try:
+            self._start_engine(model, startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_engine(self, model: str, startup_timeout_s: float) -> None:
+        from transformers import AutoTokenizer  # heavy: only the LLM object needs it
+
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.eos_token_ids = eos_token_ids(Path(model), self.tokenizer)
         self.vocab_size = vocab_size(Path(model), self.tokenizer)
@@ -86,22 +100,13 @@ class LLM:
         self._chat_tokenizers: dict[Optional[str], object] = {}  # per chat_template, made on first chat()
         self.worker_restarts = 0
         self._ids = itertools.count()
-        self._ctx = zmq.Context()
-        self.run_dir = str(make_run_dir(self.config.run_dir_parent))
         ep = Endpoints(self.run_dir)
-        self._ready = Receiver(self._ctx, ep.supervisor(), m.ToSupervisor)
-        self._launcher = Launcher(self.config, self.run_dir, self._ready)
-        self._finalizer = weakref.finalize(self, _stop_processes, self._launcher, self._ctx, self.run_dir)
         self._outputs = Receiver(self._ctx, ep.frontend_outputs(), m.SchedulerToFrontend)
         replicas = range(self.config.data_parallel_size)
         self._inputs = [Sender(self._ctx, ep.scheduler_inputs(r)) for r in replicas]
         self.stats: dict[int, m.SchedulerStats] = {}  # latest per replica
         self._in_flight = [0 for _ in replicas]
-        try:
-            self._start(startup_timeout_s)
-        except BaseException:
-            self.close()
-            raise
+        self._start(startup_timeout_s)
 
     # ------------------------------------------------------------------ processes
 

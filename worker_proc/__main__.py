@@ -5,22 +5,14 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
 import faulthandler
 import signal
 import sys
 from dataclasses import fields
 
-# libgomp's threads spin a while after each parallel op before they sleep; read once when
-# torch loads OpenMP, so set before the imports below. A step's ops follow each other within
-# ~0.1 ms, so a short spin (10k iterations, ~0.2 ms here) keeps the pool hot through a step,
-# while a thread waiting between steps sleeps almost at once. Quiet 2 cores, small bench shape
-# (bench/RESULTS.md): offline 1438 tok/s against 1078 sleeping at once (PASSIVE) and ~1290 at
-# 3k; serving 64 streams TPOT 43-46 ms against 56 ms. libgomp's own default (300k, ~6 ms)
-# holds a core the scheduler and frontend need. OMP_WAIT_POLICY or GOMP_SPINCOUNT set by the
-# environment win (PASSIVE for cores shared with other tenants: README, "CPU cores").
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+from pagedserve.protocol.openmp_env import apply_openmp_defaults
+
+apply_openmp_defaults()  # before torch loads, below
 
 from pagedserve.protocol import options as opts
 from pagedserve.protocol.process_exit import exit_now

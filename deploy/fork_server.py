@@ -1,0 +1,249 @@
+"""The fork server: loads torch, transformers and xgrammar once, then forks a deployment's
+schedulers, workers and frontend from that state: ``python -m pagedserve.deploy.fork_server FD``.
+
+Each runtime process loads torch and transformers (the worker for the model, the frontend for
+the tokenizer, the scheduler for xgrammar's), 3-4 CPU-s apiece: most of a start's CPU on 2
+cores (bench/RESULTS.md "Starting a deployment from a fork server"). A child forked from here
+starts with them loaded, shared copy-on-write, and runs the ``python -m`` entry point its
+command names (runpy), with the parent's argv, environment, working directory and standard
+streams, under the command line as its process title.
+
+The wire (a SOCK_SEQPACKET socketpair, msgpack, never pickle): the parent sends
+``{"argv", "env", "cwd"}`` with four descriptors (stdin, stdout, stderr, the write end of a
+status pipe) and gets ``{"pid"}`` or ``{"error"}``. When a child ends, its exit code as
+``subprocess`` gives it (negative: the signal) goes to its status pipe as 4 bytes. The first
+message is ``{"ready", "threads", "openmp"}`` once loaded (the OpenMP settings torch loaded with): forking is safe only while this process runs
+one thread, and the parent checks. When the parent's end closes (it stopped, or died however it
+died) the server SIGKILLs the children still running and exits; each child dies with the server
+(PDEATHSIG), so none outlives its parent.
+
+No logging is configured here, so each child's ``basicConfig`` still sets its own format.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+
+import msgspec
+
+MAX_REQUEST_BYTES = 1 << 20
+STATUS = struct.Struct("<i")
+PRELOAD = ("numpy", "zmq", "torch", "transformers", "xgrammar", "setproctitle", "pagedserve.protocol")
+_PR_SET_PDEATHSIG = 1
+
+
+def preload() -> None:
+    """What every child would otherwise load for itself."""
+    from pagedserve.protocol.openmp_env import apply_openmp_defaults
+
+    apply_openmp_defaults()  # libgomp reads it when torch loads it, here
+    # numpy's OpenBLAS starts a thread pool as it loads, and a fork is safe only from one
+    # thread: load it with one. No process of a deployment multiplies with numpy (torch does).
+    blas_threads = os.environ.get("OPENBLAS_NUM_THREADS")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        import numpy  # noqa: F401
+    finally:
+        if blas_threads is None:
+            del os.environ["OPENBLAS_NUM_THREADS"]
+        else:
+            os.environ["OPENBLAS_NUM_THREADS"] = blas_threads
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except ImportError:  # optional ones (xgrammar on an exotic platform): the child reports it
+            pass
+    if "setproctitle" in sys.modules:  # claims argv's memory now: once a child replaces environ it cannot
+        title = sys.modules["setproctitle"]
+        title.setproctitle(title.getproctitle())
+    transformers = sys.modules.get("transformers")
+    if transformers is not None:  # its lazy module loads these on first touch
+        transformers.AutoTokenizer, transformers.AutoConfig  # noqa: B018
+    gc.collect()
+    gc.freeze()  # out of every child's collections: their pages stay shared
+
+
+def thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+class ForkServer:
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.children: dict[int, int] = {}  # pid -> its status pipe
+        self.encoder = msgspec.msgpack.Encoder()
+        self.wake_r, wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake the selector
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.sock, selectors.EVENT_READ)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+
+    def reply(self, **fields) -> None:
+        self.sock.send(self.encoder.encode(fields))
+
+    def run(self) -> None:
+        while True:
+            for key, _ in self.selector.select():
+                if key.fileobj is self.sock:
+                    if not self.serve_one():
+                        self.kill_children()
+                        return
+                else:
+                    try:
+                        os.read(self.wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+            self.reap()
+
+    def serve_one(self) -> bool:
+        """One fork request; False once the parent's end has closed."""
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_REQUEST_BYTES, 4)
+        except (ConnectionResetError, OSError):
+            return False
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            return False
+        try:
+            request = msgspec.msgpack.decode(data)
+            argv, env, cwd = list(request["argv"]), dict(request["env"]), str(request["cwd"])
+            if len(fds) != 4 or len(argv) < 3 or argv[1] != "-m":
+                raise ValueError(f"a request needs argv [python, -m, module, ...] and 4 descriptors, "
+                                 f"got {argv[:3]} and {len(fds)}")
+        except Exception as exc:  # a malformed request fails that spawn, never the server
+            for fd in fds:
+                os.close(fd)
+            self.reply(error=f"{type(exc).__name__}: {exc}")
+            return True
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            self.become(argv, env, cwd, fds)  # never returns
+        for fd in fds[:3]:
+            os.close(fd)
+        self.children[pid] = fds[3]
+        self.reply(pid=pid)
+        return True
+
+    def reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            fd = self.children.pop(pid, None)
+            if fd is not None:
+                try:
+                    os.write(fd, STATUS.pack(os.waitstatus_to_exitcode(status)))
+                except OSError:  # the parent closed its end: nobody is waiting for it
+                    pass
+                os.close(fd)
+
+    def kill_children(self) -> None:
+        for pid in self.children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def become(self, argv: list[str], env: dict, cwd: str, fds: list[int]) -> None:
+        """In the child: drop the server's state, take the request's, run its module."""
+        code = 1
+        try:
+            server_pid = os.getppid()
+            os.setpgid(0, 0)  # a terminal's Ctrl-C reaches only the supervisor, as for exec'd children
+            try:
+                ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            except OSError:
+                pass
+            if os.getppid() != server_pid:
+                os._exit(1)
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.selector.close()
+            self.sock.close()
+            os.close(self.wake_r)
+            for fd in self.children.values():
+                os.close(fd)
+            os.close(fds[3])
+            for target, fd in enumerate(fds[:3]):
+                os.dup2(fd, target)
+                os.close(fd)
+            os.environ.clear()
+            os.environ.update(env)
+            os.chdir(cwd)
+            try:
+                import setproctitle
+
+                setproctitle.setproctitle(" ".join(argv))  # ps and psutil show the command, as if exec'd
+            except ImportError:
+                pass
+            sys.path[0] = cwd  # what ``python -m`` puts first
+            sys.argv = [argv[2], *argv[3:]]
+            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = exit_code(exc.code)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            os._exit(code)
+
+
+def exit_code(value) -> int:
+    """What the interpreter would exit with for ``SystemExit(value)``."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    server = ForkServer(sock)
+    try:
+        preload()
+    except BaseException as exc:  # the parent falls back to starting its children itself
+        try:
+            server.reply(error=f"preloading failed: {type(exc).__name__}: {exc}")
+        except OSError:
+            pass
+        return
+    openmp = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))}
+    try:
+        server.reply(ready=True, threads=thread_count(), openmp=openmp)
+    except OSError:  # the parent closed its end while this loaded: nothing to serve
+        return
+    server.run()
+
+
+if __name__ == "__main__":
+    main()
