@@ -7,8 +7,11 @@ deployments). The transformers oracle is support/oracle.py."""
 from __future__ import annotations
 
 import multiprocessing.process
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -76,10 +79,26 @@ def pytest_collection_modifyitems(config, items):
     loose = sorted({item.nodeid.split("::")[0] for item in items if Path(item.path).parent == TESTS})
     if loose:
         raise pytest.UsageError(f"move these into tests/unit/ (in process) or tests/e2e/ (starts processes): {loose}")
-    items.sort(key=lambda item: (TESTS / "unit") not in Path(item.path).parents)  # stable: each scope keeps its order
+    # Stable: each scope keeps its order. Under xdist the Ray module, the longest (a cluster of
+    # three nodes), starts first among e2e, so the other worker's files overlap it instead of
+    # one worker running it alone at the end.
+    items.sort(key=lambda item: ((TESTS / "unit") not in Path(item.path).parents, item.get_closest_marker("ray") is None))
 
 
 def pytest_configure(config):
+    # A deployment's ipc sockets live in its run dir, and an ipc path holds at most 107 bytes.
+    # pytest's default base (/tmp/pytest-of-USER/pytest-N/), plus xdist's popen-gwN/ and a test's
+    # own folder, left a run dir too little room ("ipc path ... is longer than 107 characters").
+    # The xdist workers take theirs under the controller's (``workerinput``: a worker).
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="pst-", dir="/tmp")
+        config.stash[_SHORT_BASETEMP] = config.option.basetemp
+    if hasattr(config, "workerinput"):
+        # Each xdist worker computes in process on its share of the cores: with torch's default
+        # (every core) two workers' OpenMP threads spun against each other.
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(config.workerinput.get("workercount", 1))))
     popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
 
     def recorded_popen_init(self, args, *rest, **kwargs):
@@ -92,6 +111,16 @@ def pytest_configure(config):
 
     subprocess.Popen.__init__ = recorded_popen_init
     multiprocessing.process.BaseProcess.start = recorded_process_start
+
+
+_SHORT_BASETEMP = pytest.StashKey[str]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The base made above goes once every test passed; a failure's files stay to look at."""
+    base = session.config.stash.get(_SHORT_BASETEMP, None)
+    if base is not None and exitstatus == 0:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def pytest_sessionstart(session):
