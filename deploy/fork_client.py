@@ -6,7 +6,9 @@ deployment is created, so it loads while the parent goes on; the first spawn wai
 A server that fails to start, or runs more than one thread once loaded, is not used: the
 children are exec'd as before (``children.spawn``), and the log says why.
 
-``PAGEDSERVE_START_METHOD=exec`` turns it off. It is off on CUDA: a module that touches the
+``PAGEDSERVE_FORK_SERVER=PATH`` uses one that listens there instead (``fork_server.py
+--listen``), loaded once for every deployment on the host: the test suite's servers share one
+per pytest worker. ``PAGEDSERVE_START_METHOD=exec`` turns it off. It is off on CUDA: a module that touches the
 driver while loading would leave every forked child without CUDA, and that was not checked on
 a GPU.
 """
@@ -31,6 +33,7 @@ log = logging.getLogger("pagedserve.deploy")
 
 READY_TIMEOUT_S = 120.0  # loading torch on a slow disk
 START_METHOD_ENV = "PAGEDSERVE_START_METHOD"
+ADDRESS_ENV = "PAGEDSERVE_FORK_SERVER"  # a listening fork server to use instead of one of our own
 
 
 class ForkServerError(RuntimeError):
@@ -84,19 +87,40 @@ class ForkedProcess:
 
 
 class ForkServerConnection:
-    def __init__(self):
+    """A fork server of this process's own (``listen``: one others may connect to as well), or,
+    with ``address``, a connection to one that listens there."""
+
+    def __init__(self, listen: Optional[str] = None, address: Optional[str] = None):
+        self.proc: Optional[subprocess.Popen] = None
+        self.address = address or listen
+        self.lock = threading.Lock()
+        self.users = 0
+        self.server_pid = 0
+        self._ready: Optional[bool] = None
+        self.openmp: dict[str, str] = {}  # what torch's OpenMP was loaded with there
+        self._why_not = ""
+        if address is not None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                self.sock.connect(address)
+            except OSError as exc:  # spawns fall back to exec, and the log says why
+                self._fail(f"cannot connect to the fork server at {address}: {exc}")
+            return
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "pagedserve.deploy.fork_server", str(theirs.fileno())],
+            self.proc = subprocess.Popen([sys.executable, "-m", "pagedserve.deploy.fork_server", str(theirs.fileno()),
+                                          *(["--listen", listen] if listen else [])],
                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, process_group=0)
         finally:
             theirs.close()
         self.sock = mine
-        self.lock = threading.Lock()
-        self.users = 0
-        self._ready: Optional[bool] = None
-        self.openmp: dict[str, str] = {}  # what torch's OpenMP was loaded with there
-        self._why_not = ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None if self.proc is not None else self._ready is not False
+
+    def _fail(self, why: str) -> None:
+        self._ready, self._why_not = False, why
+        log.warning("not forking processes from the fork server: %s; starting each one with exec", why)
 
     def _recv(self, timeout_s: float) -> dict:
         self.sock.settimeout(timeout_s)
@@ -105,7 +129,7 @@ class ForkServerConnection:
         except (socket.timeout, OSError) as exc:
             raise ForkServerError(f"the fork server did not answer: {exc}") from None
         if not data:
-            raise ForkServerError(f"the fork server exited (code {self.proc.poll()})")
+            raise ForkServerError("the fork server exited")
         return msgspec.msgpack.decode(data)
 
     def _check_ready(self) -> None:
@@ -118,12 +142,11 @@ class ForkServerConnection:
                     raise ForkServerError(f"it runs {hello['threads']} threads once loaded, and forking is "
                                           f"safe with one")
                 self._ready = True
-                self.openmp = dict(hello.get("openmp", {}))
+                self.openmp, self.server_pid = dict(hello.get("openmp", {})), int(hello.get("pid", 0))
                 log.info("forking this deployment's processes from the fork server (pid %d; torch loaded with %s)",
-                         self.proc.pid, " ".join(f"{k}={v}" for k, v in sorted(self.openmp.items())) or "no OMP_*")
+                         self.server_pid, " ".join(f"{k}={v}" for k, v in sorted(self.openmp.items())) or "no OMP_*")
             except ForkServerError as exc:
-                self._ready, self._why_not = False, str(exc)
-                log.warning("not forking processes from the fork server: %s; starting each one with exec", exc)
+                self._fail(str(exc))
         if not self._ready:
             raise ForkServerError(self._why_not)
 
@@ -149,13 +172,20 @@ class ForkServerConnection:
             return ForkedProcess(int(reply["pid"]), status_r, cmd)
 
     def close(self) -> None:
-        """The server kills what it still runs and exits."""
+        """The server kills what it still runs for this connection; one of our own exits."""
         self.sock.close()
+        if self.proc is None:
+            return
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.address is not None:  # ours listened there
+            try:
+                os.unlink(self.address)
+            except FileNotFoundError:
+                pass
 
 
 _shared: Optional[ForkServerConnection] = None
@@ -169,8 +199,8 @@ def acquire_fork_server(device: str) -> Optional[ForkServerConnection]:
     if device != "cpu" or os.environ.get(START_METHOD_ENV, "forkserver") == "exec":
         return None
     with _shared_lock:
-        if _shared is None or _shared.proc.poll() is not None:
-            _shared = ForkServerConnection()
+        if _shared is None or not _shared.alive():
+            _shared = ForkServerConnection(address=os.environ.get(ADDRESS_ENV) or None)
         _shared.users += 1
         return _shared
 

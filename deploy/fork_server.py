@@ -1,5 +1,6 @@
 """The fork server: loads torch, transformers and xgrammar once, then forks a deployment's
-schedulers, workers and frontend from that state: ``python -m pagedserve.deploy.fork_server FD``.
+schedulers, workers and frontend from that state:
+``python -m pagedserve.deploy.fork_server FD [--listen PATH]``.
 
 Each runtime process loads torch and transformers (the worker for the model, the frontend for
 the tokenizer, the scheduler for xgrammar's), 3-4 CPU-s apiece: most of a start's CPU on 2
@@ -8,20 +9,24 @@ starts with them loaded, shared copy-on-write, and runs the ``python -m`` entry 
 command names (runpy), with the parent's argv, environment, working directory and standard
 streams, under the command line as its process title.
 
-The wire (a SOCK_SEQPACKET socketpair, msgpack, never pickle): the parent sends
-``{"argv", "env", "cwd"}`` with four descriptors (stdin, stdout, stderr, the write end of a
-status pipe) and gets ``{"pid"}`` or ``{"error"}``. When a child ends, its exit code as
-``subprocess`` gives it (negative: the signal) goes to its status pipe as 4 bytes. The first
-message is ``{"ready", "threads", "openmp"}`` once loaded (the OpenMP settings torch loaded with): forking is safe only while this process runs
-one thread, and the parent checks. When the parent's end closes (it stopped, or died however it
-died) the server SIGKILLs the children still running and exits; each child dies with the server
-(PDEATHSIG), so none outlives its parent.
+The wire (SOCK_SEQPACKET, msgpack, never pickle): a client sends ``{"argv", "env", "cwd"}``
+with four descriptors (stdin, stdout, stderr, the write end of a status pipe) and gets
+``{"pid"}`` or ``{"error"}``. When a child ends, its exit code as ``subprocess`` gives it
+(negative: the signal) goes to its status pipe as 4 bytes. A client's first message is
+``{"ready", "pid", "threads", "openmp"}`` once loaded (the OpenMP settings torch loaded with):
+forking is safe only while this process runs one thread, and the client checks.
 
-No logging is configured here, so each child's ``basicConfig`` still sets its own format.
+The parent's end is FD, one end of a socketpair; ``--listen`` also accepts clients on a unix
+socket in a private directory (other processes' deployments). When a client's end closes (it
+stopped, or died however it died) the children it asked for are SIGKILLed; when the parent's
+closes, all are and the server exits. Each child dies with the server (PDEATHSIG), so none
+outlives the process that asked for it. No logging is configured here, so each child's
+``basicConfig`` still sets its own format.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import os
@@ -33,6 +38,7 @@ import struct
 import sys
 import threading
 import traceback
+from typing import Optional
 
 import msgspec
 
@@ -81,9 +87,13 @@ def thread_count() -> int:
 
 
 class ForkServer:
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.children: dict[int, int] = {}  # pid -> its status pipe
+    """Serves fork requests on ``control`` (the parent's end) and on every connection accepted
+    by ``listener`` (``--listen``: other processes' deployments)."""
+
+    def __init__(self, control: socket.socket, listener: Optional[socket.socket] = None):
+        self.control, self.listener = control, listener
+        self.hello: dict = {}
+        self.children: dict[int, tuple[int, socket.socket]] = {}  # pid -> (its status pipe, who asked)
         self.encoder = msgspec.msgpack.Encoder()
         self.wake_r, wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
@@ -91,30 +101,52 @@ class ForkServer:
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake the selector
         self.selector = selectors.DefaultSelector()
-        self.selector.register(self.sock, selectors.EVENT_READ)
+        self.selector.register(self.control, selectors.EVENT_READ)
         self.selector.register(self.wake_r, selectors.EVENT_READ)
+        if listener is not None:
+            self.selector.register(listener, selectors.EVENT_READ)
 
-    def reply(self, **fields) -> None:
-        self.sock.send(self.encoder.encode(fields))
+    def send(self, conn: socket.socket, **fields) -> None:
+        conn.send(self.encoder.encode(fields))
 
     def run(self) -> None:
         while True:
             for key, _ in self.selector.select():
-                if key.fileobj is self.sock:
-                    if not self.serve_one():
-                        self.kill_children()
-                        return
-                else:
+                if key.fileobj is self.wake_r:
                     try:
                         os.read(self.wake_r, 4096)
                     except BlockingIOError:
                         pass
+                elif key.fileobj is self.listener:
+                    self.accept()
+                elif not self.serve_one(key.fileobj):
+                    if key.fileobj is self.control:
+                        self.kill_children(None)
+                        return
+                    self.drop(key.fileobj)
             self.reap()
 
-    def serve_one(self) -> bool:
-        """One fork request; False once the parent's end has closed."""
+    def accept(self) -> None:
         try:
-            data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_REQUEST_BYTES, 4)
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        self.selector.register(conn, selectors.EVENT_READ)
+        try:
+            self.send(conn, **self.hello)
+        except OSError:
+            self.drop(conn)
+
+    def drop(self, conn: socket.socket) -> None:
+        """A client that went away (stopped, or died): its children go with it."""
+        self.selector.unregister(conn)
+        conn.close()
+        self.kill_children(conn)
+
+    def serve_one(self, conn: socket.socket) -> bool:
+        """One fork request; False once that end has closed."""
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(conn, MAX_REQUEST_BYTES, 4)
         except (ConnectionResetError, OSError):
             return False
         if not data:
@@ -130,7 +162,7 @@ class ForkServer:
         except Exception as exc:  # a malformed request fails that spawn, never the server
             for fd in fds:
                 os.close(fd)
-            self.reply(error=f"{type(exc).__name__}: {exc}")
+            self.send(conn, error=f"{type(exc).__name__}: {exc}")
             return True
         sys.stdout.flush()
         sys.stderr.flush()
@@ -139,8 +171,11 @@ class ForkServer:
             self.become(argv, env, cwd, fds)  # never returns
         for fd in fds[:3]:
             os.close(fd)
-        self.children[pid] = fds[3]
-        self.reply(pid=pid)
+        self.children[pid] = (fds[3], conn)
+        try:
+            self.send(conn, pid=pid)
+        except OSError:  # gone already: the child goes when its end is seen closed
+            pass
         return True
 
     def reap(self) -> None:
@@ -151,7 +186,7 @@ class ForkServer:
                 return
             if pid == 0:
                 return
-            fd = self.children.pop(pid, None)
+            fd, _conn = self.children.pop(pid, (None, None))
             if fd is not None:
                 try:
                     os.write(fd, STATUS.pack(os.waitstatus_to_exitcode(status)))
@@ -159,12 +194,14 @@ class ForkServer:
                     pass
                 os.close(fd)
 
-    def kill_children(self) -> None:
-        for pid in self.children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    def kill_children(self, of: Optional[socket.socket]) -> None:
+        """Those ``of`` one client asked for, or every one."""
+        for pid, (_fd, conn) in self.children.items():
+            if of is None or conn is of:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def become(self, argv: list[str], env: dict, cwd: str, fds: list[int]) -> None:
         """In the child: drop the server's state, take the request's, run its module."""
@@ -181,10 +218,12 @@ class ForkServer:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            for key in list(self.selector.get_map().values()):
+                if key.fileobj is not self.wake_r:
+                    key.fileobj.close()  # the parent's end, the listener and every client's
             self.selector.close()
-            self.sock.close()
             os.close(self.wake_r)
-            for fd in self.children.values():
+            for fd, _conn in self.children.values():
                 os.close(fd)
             os.close(fds[3])
             for target, fd in enumerate(fds[:3]):
@@ -227,19 +266,28 @@ def exit_code(value) -> int:
 
 
 def main() -> None:
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    server = ForkServer(sock)
+    parser = argparse.ArgumentParser(prog="pagedserve.deploy.fork_server")
+    parser.add_argument("fd", type=int, help="the parent's end of their socketpair")
+    parser.add_argument("--listen", help="also serve other processes on this unix socket (in a private dir)")
+    ns = parser.parse_args()
+    listener = None
+    if ns.listen:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(ns.listen)
+        listener.listen(64)
+    server = ForkServer(socket.socket(fileno=ns.fd), listener)
     try:
         preload()
     except BaseException as exc:  # the parent falls back to starting its children itself
         try:
-            server.reply(error=f"preloading failed: {type(exc).__name__}: {exc}")
+            server.send(server.control, error=f"preloading failed: {type(exc).__name__}: {exc}")
         except OSError:
             pass
         return
     openmp = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))}
+    server.hello = dict(ready=True, pid=os.getpid(), threads=thread_count(), openmp=openmp)
     try:
-        server.reply(ready=True, threads=thread_count(), openmp=openmp)
+        server.send(server.control, **server.hello)
     except OSError:  # the parent closed its end while this loaded: nothing to serve
         return
     server.run()

@@ -82,7 +82,8 @@ def pytest_collection_modifyitems(config, items):
     # Stable: each scope keeps its order. Under xdist the Ray module, the longest (a cluster of
     # three nodes), starts first among e2e, so the other worker's files overlap it instead of
     # one worker running it alone at the end.
-    items.sort(key=lambda item: ((TESTS / "unit") not in Path(item.path).parents, item.get_closest_marker("ray") is None))
+    items.sort(key=lambda item: ((TESTS / "unit") not in Path(item.path).parents,
+                                 item.get_closest_marker("ray") is None))
 
 
 def pytest_configure(config):

@@ -30,7 +30,9 @@ LONG = 1500  # tokens: requests that are cut short on purpose
 
 @pytest.fixture(scope="module")
 def server(model_factory, tmp_path_factory):
-    srv = Server(model_factory("qwen2"), SERVER_ARGS).start(tmp_path_factory.mktemp("fault-replica"))
+    # its own fork server: the last test counts the supervisor's whole family, as `serve` alone has it
+    srv = Server(model_factory("qwen2"), SERVER_ARGS, own_fork_server=True)
+    srv.start(tmp_path_factory.mktemp("fault-replica"))
     yield srv
     srv.stop()
 

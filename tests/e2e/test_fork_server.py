@@ -154,3 +154,29 @@ def test_one_server_is_shared_by_a_processs_cpu_deployments_and_stops_with_the_l
         assert first.proc.poll() is None and first.users == others
     monkeypatch.setenv(START_METHOD_ENV, "exec")
     assert acquire_fork_server("cpu") is None
+
+
+def test_a_listening_server_forks_for_every_client_and_a_client_that_goes_takes_only_its_children(
+        module_dir, tmp_path):
+    import tempfile
+
+    address = os.path.join(tempfile.mkdtemp(prefix="pfs-"), "fork.sock")  # mkdtemp: a private dir
+    owner = ForkServerConnection(listen=address)
+    try:
+        owner._check_ready()
+        first, second = ForkServerConnection(address=address), ForkServerConnection(address=address)
+        cmd = module_dir("sleeps_shared", "import time\ntime.sleep(600)\n")
+        a, b = first.spawn(cmd), second.spawn(cmd)
+        assert first.server_pid == second.server_pid == owner.proc.pid
+        assert psutil.Process(a.pid).ppid() == psutil.Process(b.pid).ppid() == owner.proc.pid
+        first.close()  # as a supervisor's end closes when it stops or dies
+        assert wait_until(lambda: gone(a.pid), 5, interval_s=0.02)
+        assert b.poll() is None
+        assert second.spawn(module_dir("exits_3", "raise SystemExit(3)\n")).wait(60) == 3
+        b.kill()
+        assert b.wait(10) == -signal.SIGKILL
+        second.close()
+    finally:
+        owner.close()
+    assert not ForkServerConnection(address=address).alive()  # nobody listens: spawns are exec'd
+    os.rmdir(os.path.dirname(address))  # empty: the owner removed its socket

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import psutil
+
+from pagedserve.deploy.fork_client import ADDRESS_ENV, ForkServerConnection
 
 
 def _ephemeral_low() -> int:
@@ -65,6 +70,25 @@ def pagedserve_processes(run_dir_parent: str) -> list[psutil.Process]:
     return out
 
 
+_session_fork_server: ForkServerConnection | None = None
+
+
+def session_fork_server() -> str:
+    """The address of this pytest process's listening fork server, started on first use; it
+    exits with this process (its parent's end closes)."""
+    global _session_fork_server
+    if _session_fork_server is None or not _session_fork_server.alive():
+        # a short private dir: a unix socket's path holds at most 107 bytes
+        _session_fork_server = ForkServerConnection(listen=os.path.join(tempfile.mkdtemp(prefix="pfs-"), "fork.sock"))
+        atexit.register(_stop_session_fork_server, _session_fork_server)
+    return _session_fork_server.address
+
+
+def _stop_session_fork_server(server: ForkServerConnection) -> None:
+    server.close()
+    shutil.rmtree(os.path.dirname(server.address), ignore_errors=True)
+
+
 @dataclass
 class Server:
     model: str
@@ -74,6 +98,9 @@ class Server:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     env: dict = field(default_factory=dict)  # extra environment for the whole deployment
+    # False: its processes are forked from this pytest process's listening fork server, loaded
+    # once for all of them (deploy/fork_client.py); True: from one of its own, as `serve` alone does.
+    own_fork_server: bool = False
 
     @property
     def url(self) -> str:
@@ -86,8 +113,9 @@ class Server:
         self.log_path = tmp / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "pagedserve.deploy.cli", "serve", self.model, "--port", str(self.port),
                "--run-dir-parent", self.run_dir_parent, *self.args]
+        shared = {} if self.own_fork_server else {ADDRESS_ENV: session_fork_server()}
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.env})
+                                     env={**os.environ, **shared, **self.env})
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
