@@ -8,9 +8,9 @@ children are exec'd as before (``children.spawn``), and the log says why.
 
 ``PAGEDSERVE_FORK_SERVER=PATH`` uses one that listens there instead (``fork_server.py
 --listen``), loaded once for every deployment on the host: the test suite's servers share one
-per pytest worker. ``PAGEDSERVE_START_METHOD=exec`` turns it off. It is off on CUDA: a module that touches the
-driver while loading would leave every forked child without CUDA, and that was not checked on
-a GPU.
+per pytest worker. ``PAGEDSERVE_START_METHOD=exec`` turns it off. It is off on CUDA: a module
+that touches the driver while loading would leave every forked child without CUDA, and that
+was not checked on a GPU.
 """
 
 from __future__ import annotations

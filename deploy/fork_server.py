@@ -44,7 +44,7 @@ import msgspec
 
 MAX_REQUEST_BYTES = 1 << 20
 STATUS = struct.Struct("<i")
-PRELOAD = ("numpy", "zmq", "torch", "transformers", "xgrammar", "setproctitle", "pagedserve.protocol")
+PRELOAD = ("zmq", "torch", "transformers", "xgrammar", "setproctitle", "pagedserve.protocol")
 _PR_SET_PDEATHSIG = 1
 
 
