@@ -86,6 +86,9 @@ def pytest_collection_modifyitems(config, items):
                                  item.get_closest_marker("ray") is None))
 
 
+_SHORT_BASETEMP = pytest.StashKey[str]()  # the base temp dir this controller made
+
+
 def pytest_configure(config):
     # A deployment's ipc sockets live in its run dir, and an ipc path holds at most 107 bytes.
     # pytest's default base (/tmp/pytest-of-USER/pytest-N/), plus xdist's popen-gwN/ and a test's
@@ -112,9 +115,6 @@ def pytest_configure(config):
 
     subprocess.Popen.__init__ = recorded_popen_init
     multiprocessing.process.BaseProcess.start = recorded_process_start
-
-
-_SHORT_BASETEMP = pytest.StashKey[str]()
 
 
 def pytest_sessionfinish(session, exitstatus):
