@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import os
-import signal
 import socket
 import subprocess
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from pagedserve.deploy.fork_client import ForkedProcess, ForkServerConnection, ForkServerError
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent_pid: int):
-    def hook() -> None:
-        # Runs in the child between fork and exec: the kernel sends SIGKILL when the
-        # supervisor dies, however it dies (SIGKILL included).
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return hook
+from pagedserve.deploy.parent_death import die_with_parent
 
 
 @dataclass
@@ -66,7 +50,7 @@ def spawn(role: str, replica: int, rank: int, cmd: list[str],
             pass
     # Own process group: a terminal's Ctrl-C reaches only the supervisor, which then
     # drains and stops the children in order.
-    popen = subprocess.Popen(cmd, preexec_fn=_die_with_parent(os.getpid()), process_group=0)
+    popen = subprocess.Popen(cmd, preexec_fn=functools.partial(die_with_parent, os.getpid()), process_group=0)
     return Child(role, replica, rank, popen)
 
 

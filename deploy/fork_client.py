@@ -172,20 +172,24 @@ class ForkServerConnection:
             return ForkedProcess(int(reply["pid"]), status_r, cmd)
 
     def close(self) -> None:
-        """The server kills what it still runs for this connection; one of our own exits."""
+        """The server kills what it still runs for this connection; one of our own exits. One
+        never used may still be loading: it exits once loaded, without us waiting for it (a
+        deployment that failed early, say)."""
         self.sock.close()
         if self.proc is None:
+            return
+        if self.address is not None:  # ours listened there
+            try:
+                os.unlink(self.address)
+            except FileNotFoundError:
+                pass
+        if self._ready is None:
             return
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        if self.address is not None:  # ours listened there
-            try:
-                os.unlink(self.address)
-            except FileNotFoundError:
-                pass
 
 
 _shared: Optional[ForkServerConnection] = None

@@ -19,15 +19,14 @@ forking is safe only while this process runs one thread, and the client checks.
 The parent's end is FD, one end of a socketpair; ``--listen`` also accepts clients on a unix
 socket in a private directory (other processes' deployments). When a client's end closes (it
 stopped, or died however it died) the children it asked for are SIGKILLed; when the parent's
-closes, all are and the server exits. Each child dies with the server (PDEATHSIG), so none
-outlives the process that asked for it. No logging is configured here, so each child's
-``basicConfig`` still sets its own format.
+closes, all are and the server exits (once loaded, if it was still loading). Each child dies
+with the server (PDEATHSIG), so none outlives the process that asked for it. No logging is
+configured here, so each child's ``basicConfig`` still sets its own format.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import runpy
@@ -42,10 +41,12 @@ from typing import Optional
 
 import msgspec
 
+from pagedserve.deploy.parent_death import die_with_parent
+from pagedserve.protocol.process_exit import exit_now
+
 MAX_REQUEST_BYTES = 1 << 20
 STATUS = struct.Struct("<i")
 PRELOAD = ("zmq", "torch", "transformers", "xgrammar", "setproctitle", "pagedserve.protocol")
-_PR_SET_PDEATHSIG = 1
 
 
 def preload() -> None:
@@ -92,6 +93,7 @@ class ForkServer:
 
     def __init__(self, control: socket.socket, listener: Optional[socket.socket] = None):
         self.control, self.listener = control, listener
+        self.pid = os.getpid()
         self.hello: dict = {}
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pid -> (its status pipe, who asked)
         self.encoder = msgspec.msgpack.Encoder()
@@ -207,14 +209,8 @@ class ForkServer:
         """In the child: drop the server's state, take the request's, run its module."""
         code = 1
         try:
-            server_pid = os.getppid()
             os.setpgid(0, 0)  # a terminal's Ctrl-C reaches only the supervisor, as for exec'd children
-            try:
-                ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            except OSError:
-                pass
-            if os.getppid() != server_pid:
-                os._exit(1)
+            die_with_parent(self.pid)
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -247,12 +243,7 @@ class ForkServer:
         except BaseException:
             traceback.print_exc()
         finally:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
-            os._exit(code)
+            exit_now(code)  # never back into the server's loop
 
 
 def exit_code(value) -> int:

@@ -145,11 +145,9 @@ class Launcher:
             child.kill()
         self.spawn_workers(replica)
 
-    def stop(self) -> None:
-        stop_children(self.children())
-        self.release_fork_server()
-
-    def release_fork_server(self) -> None:
-        """Once every child is stopped: the last deployment using the server stops it."""
+    def stop(self, others: Iterable[Child] = ()) -> None:
+        """Stops these children and ``others`` (the supervisor's frontend), then gives the fork
+        server back: the last deployment using it stops it."""
+        stop_children([*others, *self.children()])
         release_fork_server(self.fork_server)
         self.fork_server = None

@@ -19,7 +19,7 @@ from typing import Optional
 import zmq
 
 from pagedserve.deploy.children import Child
-from pagedserve.deploy.launcher import Launcher, StartupError, dist_init_address, stop_children
+from pagedserve.deploy.launcher import Launcher, StartupError, dist_init_address
 from pagedserve.deploy.restart_policy import RestartBudget
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
@@ -242,8 +242,7 @@ class Supervisor:
         return 0
 
     def _stop_children(self) -> None:
-        stop_children(self.children())
-        self.launcher.release_fork_server()
+        self.launcher.stop([self.frontend] if self.frontend else [])
 
 
 def serve(cfg: ServeConfig, supervisor_class: type = Supervisor) -> int:
