@@ -41,6 +41,7 @@ CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 # torch's rounding), while attention's sums gain 7-10% from the fusion.
 SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_decode_attention_half.c"): (),
+           Path(__file__).with_name("cpu_linear.c"): (),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary_half.c"): ("-ffp-contract=off",),
            # its loops over keys (softmax) take 512-bit vectors where the CPU has them
@@ -57,11 +58,15 @@ _SIGNATURES = {
     **{f"rotary_{suffix}": _ROTARY_ARGS for suffix in ("f32", "bf16", "f16")},
     "prefill_attention_f32": [_P, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float],
     "cpu_kernel_variant": [],
+    **{f"linear_{suffix}": [_P, _I, _I, _I, _P, _I, _P, _P, _I] for suffix in ("f32", "bf16", "f16")},
+    "linear_f32_available": [],
 }
-_RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p}
+_RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
+             "linear_f32_available": ctypes.c_int}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D
+PREFILL_HEAD_DIMS = range(32, 257, 32)
+LINEAR_PANEL = 16  # cpu_linear.c's NR: a packed weight's columns per panel  # cpu_prefill_attention.c: multiples of DB up to MAX_D
 
 _library: Optional[ctypes.CDLL] = None
 _tried = False
@@ -271,3 +276,41 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         raise MemoryError("prefill_attention: no memory for its scratch buffers")
     if target is not out:
         target.copy_(out)
+
+
+def supports_linear() -> bool:
+    """Whether linear() runs here: the library built with AVX2 and FMA (cpu_linear.c)."""
+    lib = library()
+    return lib is not None and bool(lib.linear_f32_available())
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> linear()'s panels [ceil(N / 16), K, 16] in the weight's dtype (float32,
+    bfloat16 or float16; others become float32), zero past N: a panel's 16 columns of one k are
+    one contiguous read."""
+    n, k = weight.shape
+    dtype = weight.dtype if weight.dtype in DTYPE_SUFFIXES else torch.float32
+    panels = -(-n // LINEAR_PANEL)
+    padded = torch.zeros(panels * LINEAR_PANEL, k, dtype=dtype)
+    padded[:n] = weight
+    return padded.view(panels, LINEAR_PANEL, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: Optional[torch.Tensor] = None,
+           lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """x [M, K] float32 (rows may be strided) @ the weight packed into ``panels`` (+ bias [N]):
+    [M, N] contiguous float32, float32 arithmetic whatever the panels' dtype. ``lib``: a variant's
+    library (tests), else this CPU's."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    if (panels.shape[1] != k or panels.shape[0] * LINEAR_PANEL < out_features or x.dtype != torch.float32
+            or panels.dtype not in DTYPE_SUFFIXES or not panels.is_contiguous()):
+        raise ValueError("linear: x does not match the packed weight")
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    kernel = getattr(lib or library(), f"linear_{DTYPE_SUFFIXES[panels.dtype]}")
+    kernel(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), out_features,
+           None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
+    return out

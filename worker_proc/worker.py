@@ -126,7 +126,10 @@ class Worker:
         kernels = self.runner.ops.__name__.rsplit(".", 1)[-1]
         if self.runner.device.type == "cpu" and cpu_native.library() is not None:
             kernels += f" + native CPU decode and prompt attention, rotary ({cpu_native.kernel_variant()})"
-        if self.runner.model.lm_head.packed is not None:
+        panels = self.runner.model.lm_head.panels
+        if panels is not None:
+            kernels += f" + native matmuls ({str(panels.dtype).removeprefix('torch.')} weights, float32 sums; AVX2, FMA)"
+        elif self.runner.model.lm_head.packed is not None:
             kernels += " + oneDNN packed matmuls"
         if self.runner.model.elementwise.name == "fused":
             kernels += " + fused norms, rotary and SiLU gate"

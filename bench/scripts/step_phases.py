@@ -81,9 +81,10 @@ def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) ->
 
     def matmul_phase(x, w, *a, **k) -> str:  # w: a models/linear.py LinearWeight
         phase = "lm_head matmul" if w is lm_head else "matmuls"
-        weight = w.packed if w.packed is not None else w.weight  # packed: the same [out, in] shape
-        timer.work[f"{phase} flops"] += 2 * x.shape[0] * weight.shape[0] * weight.shape[1]
-        timer.work[f"{phase} weight bytes"] += weight.shape[0] * weight.shape[1] * weight.element_size()
+        out_features, in_features = w.out_features, x.shape[1]
+        element = next(t for t in (w.panels, w.packed, w.weight) if t is not None).element_size()
+        timer.work[f"{phase} flops"] += 2 * x.shape[0] * out_features * in_features
+        timer.work[f"{phase} weight bytes"] += out_features * in_features * element
         return phase
 
     def attention_phase(ops, q, k, v, k_cache, v_cache, block_tables, query_start_loc, seq_lens, *a, **kw) -> str:

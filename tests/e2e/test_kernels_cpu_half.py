@@ -7,7 +7,6 @@ equals the torch path's within bfloat16's tolerance."""
 
 from __future__ import annotations
 
-import platform
 from types import SimpleNamespace
 
 import pytest
@@ -19,44 +18,14 @@ from pagedserve.worker_proc.decode_attention import build_decode_context, decode
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from support.attention import causal_attention_f64, qkv_rows
 from support.attention import nan_cache_with_requests
+from support.cpu_variants import variant  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="native CPU kernels are not built here")
 
 HALF = [torch.bfloat16, torch.float16]
-# -march, the variant it builds, and the /proc/cpuinfo flags a CPU needs to run it
-MARCHES = {
-    "native": (None, ()),
-    "x86-64-v4": ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")),
-    "x86-64-v3": ("avx2", ("avx2", "fma", "f16c", "bmi2", "movbe")),
-    "x86-64": ("scalar", ()),
-}
-_built: dict = {}
 # A forward's logits, native kernels against the torch path (measured 0: the attention outputs
 # round to the same bfloat16 but for a few); a third of test_model_parity's bound against transformers.
 BF16_STEP_LOGIT_TOLERANCE = 0.05
-
-
-@pytest.fixture(params=[m if m == "native" else pytest.param(m, marks=pytest.mark.slow) for m in MARCHES])
-def variant(request, monkeypatch):
-    """The kernels as built for one -march, in place of this CPU's own for the test (another
-    -march runs the compiler: slow)."""
-    march = request.param
-    expected, needed = MARCHES[march]
-    if march != "native":
-        if platform.machine() not in ("x86_64", "AMD64"):
-            pytest.skip(f"-march={march} is an x86-64 level; this is {platform.machine()}")
-        missing = [flag for flag in needed if flag not in cpu_native._cpu_flags().split()]
-        if missing:
-            pytest.skip(f"this CPU cannot run the {expected} variant: no {', '.join(missing)}")
-    if march not in _built:
-        _built[march] = cpu_native.library() if march == "native" else cpu_native._build(march)
-    lib = _built[march]
-    if lib is None:
-        pytest.skip(f"the kernels did not build with -march={march}")
-    name = lib.cpu_kernel_variant().decode()
-    assert name == expected or (expected is None and name in ("avx512bf16", "avx512", "avx2", "scalar"))
-    monkeypatch.setattr(cpu_native, "library", lambda: lib)
-    return name
 
 
 def assert_within_a_rounding_step(got, expected, dtype):

@@ -7,10 +7,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels import cpu_native
 from pagedserve.worker_proc.models import linear as lin
 
 CPU = torch.device("cpu")
 MIB = 1 << 20
+NATIVE = pytest.mark.skipif(not cpu_native.supports_linear(), reason="no native linear kernel here (it needs AVX2 "
+                            "and FMA, and a C compiler)")
+
+
+@pytest.fixture(autouse=True)
+def onednn_unless_native_asked(monkeypatch):
+    """The oneDNN and oneMKL rules below are the ones a CPU with AVX-512 gets; the native kernel's
+    tests ask for it."""
+    monkeypatch.setenv(lin.NATIVE_ENV, "0")
 
 
 @pytest.mark.skipif(not lin.packed_linear_available(torch.float32), reason="torch built without oneDNN")
@@ -25,6 +35,47 @@ MIB = 1 << 20
 def test_each_model_size_gets_its_layout(monkeypatch, env, weight_bytes, expected):
     monkeypatch.setenv(lin.PACKED_ENV, env)
     assert lin.weight_layout(CPU, weight_bytes) == expected
+
+
+@NATIVE
+@pytest.mark.parametrize("env,flags,dtype,chosen", [
+    ("", {"avx2", "fma"}, torch.float32, True),
+    ("", {"avx2", "fma", "avx512f"}, torch.float32, False),  # oneDNN's 512-bit vectors, unmeasured against it
+    ("1", {"avx2", "fma", "avx512f"}, torch.float32, True),
+    ("0", {"avx2", "fma"}, torch.float32, False),
+    ("", {"avx2", "fma"}, torch.bfloat16, True),  # torch's bfloat16 matmuls are 2-6x slower there
+    ("1", {"avx2", "fma"}, torch.float16, True),
+    ("", {"avx2", "fma"}, torch.float64, False),
+])
+def test_the_native_kernel_serves_cpus_without_avx512(monkeypatch, env, flags, dtype, chosen):
+    monkeypatch.setenv(lin.NATIVE_ENV, env)
+    monkeypatch.setattr(lin, "cpu_flags", lambda: frozenset(flags))
+    for weight_bytes in (8 * MIB, 100 * MIB, 2048 * MIB):
+        layout = lin.weight_layout(CPU, weight_bytes, dtype)
+        assert layout.native == chosen
+        if chosen:  # the panels alone, and a cache-resident model's [in, out] copy for one row
+            assert not layout.plain and not layout.packed and layout.transposed == (weight_bytes <= 16 * MIB)
+    assert not lin.weight_layout(torch.device("meta"), 100 * MIB).native
+
+
+@NATIVE
+@pytest.mark.parametrize("values,kept", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                         (torch.float32, torch.float32)])
+def test_a_half_precision_checkpoint_computed_in_float32_keeps_half_the_bytes(values, kept):
+    """Its weights widen exactly, so the products are float32's from half the bytes."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(48, 64, generator=gen).to(values).float()
+    w = lin.LinearWeight.of(weight, None, lin.WeightLayout(plain=False, native=True))
+    assert w.panels.dtype == kept and w.weight is None
+    x = torch.randn(5, 64, generator=gen)
+    torch.testing.assert_close(lin.linear(x, w).double(), x.double() @ weight.double().t(), rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_kernel_float32_keeps_onednn(monkeypatch):
+    monkeypatch.setenv(lin.NATIVE_ENV, "1")
+    monkeypatch.setattr(cpu_native, "supports_linear", lambda: False)  # no compiler, or no AVX2
+    packed = lin.packed_linear_available(torch.float32)
+    assert lin.weight_layout(CPU, 100 * MIB) == lin.WeightLayout(packed=packed, transposed=not packed)
 
 
 def test_packing_needs_float32_or_onednns_bfloat16_on_cpu(monkeypatch):
@@ -71,6 +122,8 @@ LAYOUTS = {
     "packed_and_plain": lin.WeightLayout(packed=True),
     "packed_only": lin.WeightLayout(packed=True, plain=False),
     "plain_only": lin.WeightLayout(),
+    "native": lin.WeightLayout(plain=False, native=True),
+    "native_and_resident_copy": lin.WeightLayout(transposed=True, resident=True, plain=False, native=True),
 }
 
 
@@ -80,6 +133,8 @@ LAYOUTS = {
 def test_every_layout_computes_x_times_w_transposed_plus_bias(layout, rows, with_bias):
     if LAYOUTS[layout].packed and not lin.packed_linear_available(torch.float32):
         pytest.skip("torch built without oneDNN")
+    if LAYOUTS[layout].native and not cpu_native.supports_linear():
+        pytest.skip("no native linear kernel here")
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen)
     bias = torch.randn(96, generator=gen) if with_bias else None
@@ -98,6 +153,8 @@ def test_every_layout_computes_x_times_w_transposed_plus_bias(layout, rows, with
 def test_every_layout_in_bfloat16_computes_what_f_linear_does_within_its_rounding(layout, rows, with_bias):
     if LAYOUTS[layout].packed and not lin.packed_linear_available(torch.bfloat16):
         pytest.skip("no oneDNN bfloat16 on this CPU (it needs AVX-512)")
+    if LAYOUTS[layout].native and not cpu_native.supports_linear():
+        pytest.skip("no native linear kernel here")
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen).bfloat16()
     bias = torch.randn(96, generator=gen).bfloat16() if with_bias else None

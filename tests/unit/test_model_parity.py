@@ -130,34 +130,42 @@ def test_bfloat16_logits_match_transformers_in_bfloat16_and_so_do_greedy_tokens_
     assert torch.equal(torch.tensor(tokens)[clear], theirs.argmax(-1)[clear])
 
 
-# (PAGEDSERVE_CPU_PACKED_LINEAR, cache-resident, transposed copy kept) -> the layout expected:
-# (packed copy, [out, in] weight, [in, out] copy, resident)
+# (PAGEDSERVE_CPU_PACKED_LINEAR, PAGEDSERVE_CPU_NATIVE_LINEAR, cache-resident, transposed copy kept)
+# -> the layout expected: (packed copy, [out, in] weight, [in, out] copy, resident, native panels)
 WEIGHT_LAYOUTS = {
-    "cached_copy": ("", True, True, (False, True, True, True)),
-    "cached_copy_and_packed": ("1", True, True, (True, True, True, True)),
-    "streamed_packed_and_plain": ("", False, True, (True, True, False, False)),
-    "streamed_packed_only": ("", False, False, (True, False, False, False)),
-    "streamed_copy_onemkl": ("0", False, True, (False, True, True, False)),
-    "weight_only_onemkl": ("0", False, False, (False, True, False, False)),
+    "cached_copy": ("", "0", True, True, (False, True, True, True, False)),
+    "cached_copy_and_packed": ("1", "0", True, True, (True, True, True, True, False)),
+    "streamed_packed_and_plain": ("", "0", False, True, (True, True, False, False, False)),
+    "streamed_packed_only": ("", "0", False, False, (True, False, False, False, False)),
+    "streamed_copy_onemkl": ("0", "0", False, True, (False, True, True, False, False)),
+    "weight_only_onemkl": ("0", "0", False, False, (False, True, False, False, False)),
+    "native_panels": ("", "1", False, True, (False, False, False, False, True)),
+    "native_panels_and_cached_copy": ("", "1", True, True, (False, False, True, True, True)),
 }
 
 
 @pytest.mark.parametrize("layout", list(WEIGHT_LAYOUTS))
 def test_decode_steps_of_many_rows_equal_transformers_in_every_weight_layout(tmp_path, monkeypatch, layout):
     """40 requests decode together, so steps have more rows than the few-row matmul paths
-    take: they run oneDNN's packed weight, x @ W_t or F.linear; the last steps, with few rows
-    left, run x @ W_t (a cache-resident model), W @ x.T or the packed weight (kept alone)."""
+    take: they run the native kernel, oneDNN's packed weight, x @ W_t or F.linear; the last steps,
+    with few rows left, run x @ W_t (a cache-resident model), W @ x.T, the native kernel or the
+    packed weight (kept alone)."""
+    from pagedserve.kernels import cpu_native
     from pagedserve.worker_proc.models import linear
 
-    env, resident, transposed, expected_layout = WEIGHT_LAYOUTS[layout]
-    monkeypatch.setenv(linear.PACKED_ENV, env)
+    packed_env, native_env, resident, transposed, expected_layout = WEIGHT_LAYOUTS[layout]
+    if native_env == "1" and not cpu_native.supports_linear():
+        pytest.skip("no native linear kernel here (it needs AVX2 and FMA, and a C compiler)")
+    monkeypatch.setenv(linear.PACKED_ENV, packed_env)
+    monkeypatch.setenv(linear.NATIVE_ENV, native_env)
     monkeypatch.setattr(linear, "TRANSPOSED_COPY_MAX_BYTES", linear.TRANSPOSED_COPY_MAX_BYTES if transposed else 0)
     monkeypatch.setattr(linear, "CACHE_RESIDENT_MAX_BYTES", linear.CACHE_RESIDENT_MAX_BYTES if resident else 0)
     model_dir = build_model_dir(tmp_path / "m", "qwen2", seed=6)
     prompts = random_prompts([3 + i % 11 for i in range(40)], vocab_size=512, seed=13)
     runner = ModelRunner(str(model_dir))
     for w in (runner.model.layers[0].gate_up, runner.model.lm_head):
-        assert (w.packed is not None, w.weight is not None, w.weight_t is not None, w.resident) == expected_layout
+        assert (w.packed is not None, w.weight is not None, w.weight_t is not None, w.resident,
+                w.panels is not None) == expected_layout
     scheduler = TrivialScheduler(runner, block_size=4, num_gpu_blocks=512)
     for i, prompt in enumerate(prompts):
         scheduler.add(f"r{i}", prompt, NEW_TOKENS)

@@ -1,5 +1,14 @@
 """The model's matmuls: F.linear, except on CPU, where the layout that runs fastest is used.
 
+On a CPU with AVX2 and FMA but no AVX-512, float32 weights are kept only as the panels of the
+native kernel (kernels/cpu_linear.c), which every row count takes: on a 2-core Zen 4 it ran the
+0.5B and small shapes' projections 1.4-2.6x as fast as oneDNN's packed weight at one row,
+1.05-1.4x at 4-64 rows, and within noise of it at prefill's 256-1024 (bench/RESULTS.md, "CPU: a
+native float32 linear layer on AVX2"). Cache-resident models also keep x @ W_t for one row, which
+costs less than a call into the kernel there. Elsewhere (AVX-512, where oneDNN's vectors are twice
+as wide; bfloat16; no C compiler) the rules below hold. ``PAGEDSERVE_CPU_NATIVE_LINEAR=0`` turns
+the native kernel off, ``=1`` takes it wherever it is built.
+
 oneDNN's prepacked weights (``torch.ops.mkldnn``) beat oneMKL's sgemm from two rows up on
 every weight that streams from memory: 1.1-1.4x per projection and 1.2-1.9x for lm_head on the
 0.5B and small shapes, and oneMKL barely gains from a second thread at few rows where oneDNN
@@ -37,6 +46,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels import cpu_native
+from pagedserve.protocol.cpu_dtype import cpu_flags
 from pagedserve.worker_proc.env_switch import env_switch
 
 # W @ x.T won over F.linear at 16 and 32 rows on the small and 0.5B shapes, and lost at 64.
@@ -49,6 +60,7 @@ CACHE_RESIDENT_MAX_BYTES = 16 << 20
 # From two rows oneDNN's packed weight wins (896x1152: 210 against 231 us).
 PACKED_MIN_ROWS = 2
 PACKED_ENV = "PAGEDSERVE_CPU_PACKED_LINEAR"
+NATIVE_ENV = "PAGEDSERVE_CPU_NATIVE_LINEAR"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +70,7 @@ class WeightLayout:
     resident: bool = False  # small enough to stay cached: the copy serves every row count
     packed: bool = False  # a oneDNN prepacked copy serves PACKED_MIN_ROWS rows and up
     plain: bool = True  # the [out, in] weight itself is kept (False: only the packed copy)
+    native: bool = False  # cpu_linear.c's panels serve every row count (resident: all but one row)
 
 
 @dataclass(slots=True)
@@ -67,12 +80,28 @@ class LinearWeight:
     weight_t: Optional[torch.Tensor] = None  # [in, out] contiguous copy (CPU, small models)
     resident: bool = False  # use weight_t for few rows too
     packed: Optional[torch.Tensor] = None  # oneDNN's blocked layout of weight (CPU)
+    panels: Optional[torch.Tensor] = None  # cpu_linear.c's layout of weight: [ceil(out / 16), in, 16]
+    out_features: int = 0
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], layout: WeightLayout) -> "LinearWeight":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if layout.packed else None
+        panels = cpu_native.pack_linear_weight(_narrowest_exact(weight)) if layout.native else None
         return cls(weight if layout.plain else None, bias,
-                   weight.t().contiguous() if layout.transposed else None, layout.resident, packed)
+                   weight.t().contiguous() if layout.transposed else None, layout.resident, packed, panels,
+                   weight.shape[0])
+
+
+def _narrowest_exact(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight whose every value is a bfloat16 or a float16 (a half-precision checkpoint
+    computed in float32) is kept in that dtype: the kernel widens it exactly, so the products are
+    the same from half the bytes a step streams."""
+    if weight.dtype == torch.float32:
+        for half in (torch.bfloat16, torch.float16):
+            narrow = weight.to(half)
+            if torch.equal(narrow.to(torch.float32), weight):
+                return narrow
+    return weight
 
 
 def packed_linear_available(dtype: torch.dtype) -> bool:
@@ -105,11 +134,23 @@ def _packed_linear_works(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
+def native_linear_chosen(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether weights take cpu_linear.c's panels: where the kernel is built, by default on CPUs
+    without AVX-512 (the ones it was measured on); float32, bfloat16 and float16 models alike
+    (half-precision rows are multiplied in float32 and the result rounded once)."""
+    choice = env_switch(NATIVE_ENV)
+    if dtype not in cpu_native.DTYPE_SUFFIXES or choice is False or not cpu_native.supports_linear():
+        return False
+    return choice or "avx512f" not in cpu_flags()
+
+
 def weight_layout(device: torch.device, weight_bytes: int, dtype: torch.dtype = torch.float32) -> WeightLayout:
     """How a model of ``weight_bytes`` of weights keeps its matrices."""
     if device.type != "cpu":
         return WeightLayout()
     resident = weight_bytes <= CACHE_RESIDENT_MAX_BYTES
+    if native_linear_chosen(dtype):
+        return WeightLayout(transposed=resident, resident=resident, plain=False, native=True)
     choice = env_switch(PACKED_ENV)
     if dtype == torch.bfloat16 and choice is not False and packed_linear_available(dtype):
         return WeightLayout(packed=True, plain=False)  # fastest at every size and row count
@@ -124,6 +165,10 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     if x.device.type != "cpu":
         return F.linear(x, w.weight, w.bias)
     rows = x.shape[0]
+    if w.panels is not None and (rows > 1 or w.weight_t is None):
+        if x.dtype == torch.float32:
+            return cpu_native.linear(x, w.panels, w.out_features, w.bias)
+        return cpu_native.linear(x.float(), w.panels, w.out_features, w.bias).to(x.dtype)
     if w.packed is not None and (rows >= PACKED_MIN_ROWS or w.weight is None):
         return torch.ops.mkldnn._linear_pointwise(x, w.packed, w.bias, "none", [], "")
     if rows <= SMALL_BATCH_ROWS and not w.resident:
