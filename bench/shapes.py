@@ -39,6 +39,12 @@ SHAPES = {s.name: s for s in (
                             intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
                             tie_word_embeddings=True, rope_theta=1000000.0, seed=1234),
                num_prompts=32, input_len=(8, 256), output_len=32),
+    # The same weights as real checkpoints ship them, in bfloat16 (0.5b's rounded): --dtype float32
+    # computes them in float32 (pagedserve keeps them in bfloat16 on AVX2, widened exactly).
+    BenchShape("0.5b-bf16", dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                                 intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+                                 tie_word_embeddings=True, rope_theta=1000000.0, seed=1234, dtype="bfloat16"),
+               num_prompts=32, input_len=(8, 256), output_len=32),
     # The same shape with Qwen2.5-0.5B's own initializer_range (0.02, its config.json) instead
     # of the demo models' 0.2: the residual stream then carries the tied input embedding
     # through, and greedy output falls into short loops (a token, or a phrase of 2-6, repeated

@@ -2,7 +2,7 @@
  *
  * oneDNN's packed float32 matmul reaches 60-85% of an AVX2 core's FMA peak on a model's
  * projections, and gate_up (the widest, most of a layer's FLOPs) sits at the low end at every row
- * count (bench/RESULTS.md, "CPU: a native float32 linear layer on AVX2"); each call also costs tens
+ * count (bench/RESULTS.md, "CPU: a native linear layer on AVX2"); each call also costs tens
  * of microseconds of framework time, a hundred times a decode step. This kernel runs one
  * register tile of 6 rows x 16 columns (12 accumulators, BLIS's Haswell shape) over a weight
  * packed once at load into panels of 16 columns, [N/16][K][16]:

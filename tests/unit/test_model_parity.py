@@ -192,3 +192,27 @@ def test_a_random_model_is_a_function_of_its_seed_alone(tmp_path, arch):
     state = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(first / "model.safetensors"))
     assert all(t.abs().max() == 0 for name, t in state.items() if name.endswith("bias"))
     assert all(torch.equal(t, torch.ones_like(t)) for name, t in state.items() if name.endswith("norm.weight"))
+
+
+def test_a_bfloat16_checkpoint_computed_in_float32_keeps_bfloat16_panels_and_transformers_tokens(tmp_path,
+                                                                                               monkeypatch):
+    """The native kernel widens the checkpoint's bfloat16 weights exactly: the float32 model holds
+    half the weight bytes and still gives transformers' float32 greedy tokens."""
+    from pagedserve.kernels import cpu_native
+    from pagedserve.worker_proc.models import linear
+
+    if not cpu_native.supports_linear():
+        pytest.skip("no native linear kernel here (it needs AVX2 and FMA, and a C compiler)")
+    monkeypatch.setenv(linear.NATIVE_ENV, "1")
+    monkeypatch.setattr(linear, "CACHE_RESIDENT_MAX_BYTES", 0)  # every row count through the panels
+    model_dir = build_model_dir(tmp_path / "m", "qwen2", seed=8, dtype="bfloat16")
+    prompts = random_prompts([3 + i % 11 for i in range(12)], vocab_size=512, seed=17)
+    runner = ModelRunner(str(model_dir), dtype="float32")
+    for w in (runner.model.layers[0].qkv, runner.model.layers[1].down, runner.model.lm_head):
+        assert w.panels.dtype == torch.bfloat16 and w.weight is None
+    scheduler = TrivialScheduler(runner, block_size=4, num_gpu_blocks=512)
+    for i, prompt in enumerate(prompts):
+        scheduler.add(f"r{i}", prompt, NEW_TOKENS)
+    outputs = scheduler.run()
+    for i, theirs in enumerate(hf_greedy(model_dir, prompts, NEW_TOKENS)):
+        assert outputs[f"r{i}"][: len(theirs)] == theirs, f"prompt {i} diverged"

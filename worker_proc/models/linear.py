@@ -1,13 +1,15 @@
 """The model's matmuls: F.linear, except on CPU, where the layout that runs fastest is used.
 
-On a CPU with AVX2 and FMA but no AVX-512, float32 weights are kept only as the panels of the
-native kernel (kernels/cpu_linear.c), which every row count takes: on a 2-core Zen 4 it ran the
-0.5B and small shapes' projections 1.4-2.6x as fast as oneDNN's packed weight at one row,
-1.05-1.4x at 4-64 rows, and within noise of it at prefill's 256-1024 (bench/RESULTS.md, "CPU: a
-native float32 linear layer on AVX2"). Cache-resident models also keep x @ W_t for one row, which
-costs less than a call into the kernel there. Elsewhere (AVX-512, where oneDNN's vectors are twice
-as wide; bfloat16; no C compiler) the rules below hold. ``PAGEDSERVE_CPU_NATIVE_LINEAR=0`` turns
-the native kernel off, ``=1`` takes it wherever it is built.
+On a CPU with AVX2 and FMA but no AVX-512, the weights are kept only as the panels of the native
+kernel (kernels/cpu_linear.c), which every row count takes: on a 2-core Zen 4 it ran the 0.5B and
+small shapes' projections 1.4-2.6x as fast as oneDNN's packed weight at one row, 1.05-1.4x at 4-64
+rows, and within noise of it at prefill's 256-1024 (bench/RESULTS.md, "CPU: a native linear layer
+on AVX2"). Its sums are float32 whatever the weights' dtype: a half-precision checkpoint computed in
+float32 keeps half-precision panels (``_narrowest_exact``), and a bfloat16 or float16 model's rows
+are widened, multiplied and the result rounded once. Cache-resident models also keep x @ W_t for
+one row, which costs less than a call into the kernel there. Elsewhere (AVX-512, where oneDNN's
+vectors are twice as wide; no C compiler) the rules below hold. ``PAGEDSERVE_CPU_NATIVE_LINEAR=0``
+turns the native kernel off, ``=1`` takes it wherever it is built.
 
 oneDNN's prepacked weights (``torch.ops.mkldnn``) beat oneMKL's sgemm from two rows up on
 every weight that streams from memory: 1.1-1.4x per projection and 1.2-1.9x for lm_head on the
