@@ -5,7 +5,9 @@ in hardware (AMX-BF16 tiles or AVX512-BF16 dot products, through oneDNN), float3
 With AVX512-BF16 (Zen 5) bfloat16 served the 0.5B shape 1.8x as fast as float32 offline, both
 prefill- and decode-heavy (bench/RESULTS.md, "CPU: bf16 on AVX512-BF16"); AMX multiplies
 bfloat16 faster still and is taken unmeasured. On AVX2 (every AMD CPU before Zen 4, most Intel
-laptops) torch's fallback ran the steps 2.4-6.5x slower than float32; AVX-512 without BF16
+laptops) torch's fallback ran the steps 2.4-6.5x slower than float32, and with the worker's native
+linear kernel float32 arithmetic still beats bfloat16's (it keeps the checkpoint's half-precision
+weights and widens them exactly: RESULTS "CPU: a native linear layer on AVX2"); AVX-512 without BF16
 (Skylake-SP to Ice Lake) gets oneDNN's emulation, which widens to float32 and multiplies at
 float32's rate, so it keeps float32 too (unmeasured). Where float32 is chosen it must fit half
 the memory available: a model too large for that keeps bfloat16 (slow, but it fits), and the
@@ -76,7 +78,7 @@ def choose_cpu_dtype(half: str, bfloat16_isa: Optional[str], float32_bytes: int,
                             f"AVX512-BF16): its float32 weights ({float32_bytes / 2**30:.1f} GiB) "
                             f"would take more than half the {available_bytes / 2**30:.1f} GiB available")
     return "float32", (f"{half} checkpoint computed in float32: this CPU has no AMX or AVX512-BF16, where "
-                       f"bfloat16 ran 2-6x slower; --dtype bfloat16 keeps half the memory")
+                       f"bfloat16 arithmetic is slower; --dtype bfloat16 keeps half the memory")
 
 
 def cpu_dtype_for_half_checkpoint(half: str, model_dir: str, copies: int = 1) -> str:

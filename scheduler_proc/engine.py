@@ -60,6 +60,10 @@ class EngineLoop:
         self.scheduler: Optional[Scheduler] = None
         self.pending: deque[m.SchedulerOutput] = deque()  # steps sent whose results are not in
         self.sent_at: dict[int, float] = {}  # step -> when it was sent (the step timeout learns from it)
+        # (step, rank) -> (result, frame) of a later in-flight step that came in first: each rank's
+        # results come in step order, but two ranks' need not (one rank's frame can wait in its
+        # socket while another finishes the next step), and dropping it would hang that step.
+        self.early: dict[tuple[int, int], tuple[m.StepResult, bytes]] = {}
         self.last_result_at = 0.0
         self.worker_pids: dict[int, int] = {}
         self.remote_ranks: set[int] = set()
@@ -115,6 +119,15 @@ class EngineLoop:
             return False
         return True
 
+    def _is_early(self, msg, step: Optional[int]) -> bool:
+        """A result of a step sent after the awaited one (kept until that step is awaited)."""
+        return (step is not None and isinstance(msg, m.StepResult) and msg.step > step
+                and 0 <= msg.rank < self.cfg.tensor_parallel_size and any(o.step == msg.step for o in self.pending))
+
+    def _take_early(self, step: Optional[int]) -> Optional[tuple[m.StepResult, bytes]]:
+        ranks = range(self.cfg.tensor_parallel_size) if step is not None else ()
+        return next((self.early.pop((step, rank)) for rank in ranks if (step, rank) in self.early), None)
+
     def _recv_from_workers(self, want: type, timeout_s: float,
                            step: Optional[int] = None) -> dict[int, object]:
         """One message of type ``want`` from every rank, watching worker liveness meanwhile."""
@@ -122,10 +135,13 @@ class EngineLoop:
         deadline = time.monotonic() + timeout_s
         next_check = 0.0
         while len(got) < self.cfg.tensor_parallel_size:
-            msg = self.results.recv(timeout_ms=100)
+            msg, frame = self._take_early(step) or (self.results.recv(timeout_ms=100), None)
+            if msg is not None and self._is_early(msg, step):
+                self.early[(msg.step, msg.rank)] = (msg, self.results.last_frame)
+                continue
             if msg is not None and self._is_expected(msg, want, step):
                 if not isinstance(msg, m.WorkerHello):  # the trace header carries the hello
-                    self._record("from_worker", self.results.last_frame)
+                    self._record("from_worker", frame if frame is not None else self.results.last_frame)
                 if isinstance(msg, m.StepResult) and msg.error:
                     raise WorkerFailure(f"worker rank {msg.rank} failed: {msg.error}")
                 got[msg.rank] = msg
@@ -211,6 +227,7 @@ class EngineLoop:
         self.worker_pids.clear()
         self.remote_ranks.clear()
         self.pending.clear()  # written off: fail_all ended their requests
+        self.early.clear()
         self.sent_at.clear()
         self.results.forget_peers()  # the old workers' answers are dropped from now on
         self.results.recv_nowait()

@@ -43,7 +43,7 @@ def test_each_model_size_gets_its_layout(monkeypatch, env, weight_bytes, expecte
     ("", {"avx2", "fma", "avx512f"}, torch.float32, False),  # oneDNN's 512-bit vectors, unmeasured against it
     ("1", {"avx2", "fma", "avx512f"}, torch.float32, True),
     ("0", {"avx2", "fma"}, torch.float32, False),
-    ("", {"avx2", "fma"}, torch.bfloat16, True),  # torch's bfloat16 matmuls are 2-6x slower there
+    ("", {"avx2", "fma"}, torch.bfloat16, True),  # torch's bfloat16 matmuls are 2-6x slower there than these
     ("1", {"avx2", "fma"}, torch.float16, True),
     ("", {"avx2", "fma"}, torch.float64, False),
 ])
