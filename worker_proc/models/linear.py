@@ -71,13 +71,13 @@ class WeightLayout:
     transposed: bool = False  # an [in, out] copy beside each [out, in] weight
     resident: bool = False  # small enough to stay cached: the copy serves every row count
     packed: bool = False  # a oneDNN prepacked copy serves PACKED_MIN_ROWS rows and up
-    plain: bool = True  # the [out, in] weight itself is kept (False: only the packed copy)
+    plain: bool = True  # the [out, in] weight itself is kept (False: only the packed copy or panels)
     native: bool = False  # cpu_linear.c's panels serve every row count (resident: all but one row)
 
 
 @dataclass(slots=True)
 class LinearWeight:
-    weight: Optional[torch.Tensor]  # [out, in], contiguous; None when only `packed` is kept
+    weight: Optional[torch.Tensor]  # [out, in], contiguous; None when only `packed` or `panels` is kept
     bias: Optional[torch.Tensor] = None  # [out]
     weight_t: Optional[torch.Tensor] = None  # [in, out] contiguous copy (CPU, small models)
     resident: bool = False  # use weight_t for few rows too
@@ -100,8 +100,11 @@ def _narrowest_exact(weight: torch.Tensor) -> torch.Tensor:
     the same from half the bytes a step streams."""
     if weight.dtype == torch.float32:
         for half in (torch.bfloat16, torch.float16):
+            head = weight.reshape(-1)[:4096]  # a float32 checkpoint fails here, without a full pass
+            if not torch.equal(head.to(half).float(), head):
+                continue
             narrow = weight.to(half)
-            if torch.equal(narrow.to(torch.float32), weight):
+            if torch.equal(narrow.float(), weight):
                 return narrow
     return weight
 
