@@ -1,6 +1,6 @@
 """The 0.5B shape's projections through each CPU matmul layout that worker_proc/models/linear.py
-can choose: oneDNN's packed weight, ``F.linear`` (oneMKL, x @ W.T) and ``x @ W_t`` (an [in, out]
-copy), per row count. Prints ms per call (median of --repeat) and GFLOP/s, and which was fastest.
+can choose: the native kernel's panels (kernels/cpu_linear.c, where it is built), oneDNN's packed
+weight, ``F.linear`` (oneMKL, x @ W.T) and ``x @ W_t`` (an [in, out] copy), per row count. Prints ms per call (median of --repeat) and GFLOP/s, and which was fastest.
 
 This, not one square matmul, decides whether a layout pays for a second copy of the weights:
 the square 4096^3 product of ``step_profile.py --limits`` favours oneMKL more than these shapes do.
@@ -15,6 +15,8 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+
+from pagedserve.kernels import cpu_native
 
 from step_phases import timed_runs
 
@@ -32,15 +34,21 @@ def main() -> None:
         torch.set_num_threads(ns.threads)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
-    print("| weight | rows | packed ms (GFLOP/s) | F.linear | x @ W_t | fastest |\n|---|---|---|---|---|---|")
+    native = cpu_native.supports_linear()
+    print(f"| weight | rows |{' native ms (GFLOP/s) |' if native else ''} packed | F.linear | x @ W_t | fastest |")
+    print("|---|---|---|---|---|---|" + ("---|" if native else ""))
     for name, (k, n) in SHAPES.items():
         weight = torch.randn(n, k) * 0.02
         layouts = {"packed": torch.ops.mkldnn._reorder_linear_weight(weight, None), "F.linear": weight,
                    "x @ W_t": weight.t().contiguous()}
+        if native:
+            layouts["native"] = cpu_native.pack_linear_weight(weight)
         for m in (int(r) for r in ns.rows.split(",")):
             x = torch.randn(m, k)
             calls = {"packed": lambda: torch.ops.mkldnn._linear_pointwise(x, layouts["packed"], None, "none", [], ""),
                      "F.linear": lambda: F.linear(x, weight), "x @ W_t": lambda: torch.mm(x, layouts["x @ W_t"])}
+            if native:
+                calls = {"native": lambda: cpu_native.linear(x, layouts["native"], n), **calls}
             repeat = ns.repeat or (20 if m <= 64 else 7)
             times = {kind: statistics.median(timed_runs(call, repeat, warmup=2)) for kind, call in calls.items()}
             gflop = 2 * m * k * n / 1e9
