@@ -176,17 +176,16 @@ async def shedding_workload(url: str, policy: str, seconds: float, limit: int, f
     rng = random.Random(4)
     async with http_session(url, 200) as client:
         model = await first_model(client)
+        proc = await _start_flood_process(url, model) if policy != "fcfs" and flood_process else None
         run = Run()
         until = time.perf_counter() + seconds
         # the admitted streams: the seats and a queue up to the limit
         loops = [asyncio.create_task(closed_loop(client, model, run, "admitted", until, rng, 48))
                  for _ in range(16 + limit)]
         flood = []
-        if policy != "fcfs" and flood_process:
-            # JSON over a pipe, not multiprocessing: no pickle anywhere (the house rule)
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pagedserve.bench.policy_scenarios", "flood", url, model,
-                repr(time.perf_counter() + 2.0), repr(until - 1), stdout=asyncio.subprocess.PIPE)
+        if proc is not None:
+            proc.stdin.write(f"{time.perf_counter() + 2.0!r} {until - 1!r}\n".encode())
+            await proc.stdin.drain()
             await asyncio.gather(*loops)
             run.rows += _JSON_ROWS.decode((await proc.communicate())[0])
         elif policy != "fcfs":
@@ -211,10 +210,26 @@ async def _flood(client, model: str, run: Run, until: float) -> list:
     return flood
 
 
-def _flood_in_process(url: str, model: str, start: float, until: float) -> list[dict]:
-    """The flood from its own process (perf_counter is the system's monotonic clock on Linux)."""
+async def _start_flood_process(url: str, model: str) -> asyncio.subprocess.Process:
+    """The flood's own client process, once its interpreter and HTTP client are up: a fresh
+    interpreter on a loaded machine (a new venv's cold files) once took past a window fixed before
+    it started, and flooded nothing. JSON over pipes, not multiprocessing: no pickle anywhere."""
+    pipe = asyncio.subprocess.PIPE
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "pagedserve.bench.policy_scenarios", "flood",
+                                                url, model, stdin=pipe, stdout=pipe)
+    if await proc.stdout.readline() != b"ready\n":
+        raise RuntimeError(f"the flood process did not start (exit {await proc.wait()})")
+    return proc
+
+
+def _flood_in_process(url: str, model: str) -> list[dict]:
+    """The flood from its own process, in the window its parent writes on stdin once this process
+    said it is ready (perf_counter is the system's monotonic clock on Linux)."""
     async def main() -> list[dict]:
         async with http_session(url, 200) as client:
+            sys.stdout.buffer.write(b"ready\n")
+            sys.stdout.buffer.flush()
+            start, until = map(float, (await asyncio.to_thread(sys.stdin.readline)).split())
             run = Run()
             await asyncio.sleep(max(0.0, start - time.perf_counter()))
             await asyncio.gather(*await _flood(client, model, run, until))
@@ -360,5 +375,5 @@ def run_policy_scenario(ns: argparse.Namespace, model: str) -> dict:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["flood"]:  # shedding_workload's flood process
-    url, model, start, until = sys.argv[2:6]
-    sys.stdout.buffer.write(_JSON.encode(_flood_in_process(url, model, float(start), float(until))))
+    url, model = sys.argv[2:4]
+    sys.stdout.buffer.write(_JSON.encode(_flood_in_process(url, model)))
