@@ -22,7 +22,6 @@
  * Without AVX2, FMA and F16C, linear_f32_available() = 0 and the worker keeps oneDNN.
  */
 #include <stdint.h>
-#include <string.h>
 
 #define NR 16
 #define MR 6

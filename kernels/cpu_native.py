@@ -22,6 +22,7 @@ the compiler's version and the CPU's flags, so a change of any of them builds an
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -65,8 +66,8 @@ _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes
              "linear_f32_available": ctypes.c_int}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-PREFILL_HEAD_DIMS = range(32, 257, 32)
-LINEAR_PANEL = 16  # cpu_linear.c's NR: a packed weight's columns per panel  # cpu_prefill_attention.c: multiples of DB up to MAX_D
+PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D
+LINEAR_PANEL = 16  # cpu_linear.c's NR: a packed weight's columns per panel
 
 _library: Optional[ctypes.CDLL] = None
 _tried = False
@@ -298,19 +299,25 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: Optional[torch.Tensor] = None,
            lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """x [M, K] float32 (rows may be strided) @ the weight packed into ``panels`` (+ bias [N]):
-    [M, N] contiguous float32, float32 arithmetic whatever the panels' dtype. ``lib``: a variant's
-    library (tests), else this CPU's."""
+    """x [M, K] float32 (rows may be strided) @ the weight packed into ``panels`` by
+    pack_linear_weight (+ bias [N]): [M, N] contiguous float32, float32 arithmetic whatever the
+    panels' dtype. ``lib``: a variant's library (tests), else this CPU's. A decode step makes a
+    hundred of these calls, so the checks are the few that keep the kernel's reads in bounds."""
+    rows, k = x.shape
+    if x.dtype != torch.float32 or panels.shape[1] != k or panels.shape[0] * LINEAR_PANEL < out_features:
+        raise ValueError("linear: x does not match the packed weight")
     if x.stride(1) != 1:
         x = x.contiguous()
-    rows, k = x.shape
-    if (panels.shape[1] != k or panels.shape[0] * LINEAR_PANEL < out_features or x.dtype != torch.float32
-            or panels.dtype not in DTYPE_SUFFIXES or not panels.is_contiguous()):
-        raise ValueError("linear: x does not match the packed weight")
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
     out = torch.empty(rows, out_features, dtype=torch.float32)
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-    kernel = getattr(lib or library(), f"linear_{DTYPE_SUFFIXES[panels.dtype]}")
+    kernel = _linear_kernels(lib or library())[panels.dtype]
     kernel(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), out_features,
            None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
     return out
+
+
+@functools.cache
+def _linear_kernels(lib: ctypes.CDLL) -> dict:
+    """The library's linear function for each panel dtype, looked up once."""
+    return {dtype: getattr(lib, f"linear_{suffix}") for dtype, suffix in DTYPE_SUFFIXES.items()}

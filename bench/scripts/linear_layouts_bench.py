@@ -1,6 +1,7 @@
 """The 0.5B shape's projections through each CPU matmul layout that worker_proc/models/linear.py
 can choose: the native kernel's panels (kernels/cpu_linear.c, where it is built), oneDNN's packed
-weight, ``F.linear`` (oneMKL, x @ W.T) and ``x @ W_t`` (an [in, out] copy), per row count. Prints ms per call (median of --repeat) and GFLOP/s, and which was fastest.
+weight, ``F.linear`` (oneMKL, x @ W.T) and ``x @ W_t`` (an [in, out] copy), per row count. Prints
+ms per call (median of --repeat) and GFLOP/s, and which was fastest.
 
 This, not one square matmul, decides whether a layout pays for a second copy of the weights:
 the square 4096^3 product of ``step_profile.py --limits`` favours oneMKL more than these shapes do.

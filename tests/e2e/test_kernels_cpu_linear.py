@@ -1,7 +1,7 @@
 """The native linear layer (kernels/cpu_linear.c: float32 arithmetic on float32, bfloat16 or float16
-weights) against its torch reference, F.linear in float64: every row count the register tiles split into (6-row tiles and each tail of 1-5 rows),
-widths that end inside a 16-column panel, K past one k-block, bias and strided rows; in every
-ISA variant this CPU can run (the x86-64-v3 build is what an AVX2 machine runs; without AVX2 the
+weights) against its torch reference, F.linear in float64: every row count the register tiles
+split into (6-row tiles and each tail of 1-5 rows), widths that end inside a 16-column panel, K
+past one k-block, bias and strided rows; in every ISA variant this CPU can run (the x86-64-v3 build is what an AVX2 machine runs; without AVX2 the
 kernel is absent and the worker keeps oneDNN)."""
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ MARCHES = {
     "x86-64": ("scalar", ()),
 }
 _built: dict = {}
+
+
 @pytest.fixture(params=[m if m == "native" else pytest.param(m, marks=pytest.mark.slow) for m in MARCHES])
 def variant(request, monkeypatch):
     """The kernels as built for one -march, in place of this CPU's own for the test (another
