@@ -51,9 +51,9 @@ PRELOAD = ("zmq", "torch", "transformers", "xgrammar", "setproctitle", "pagedser
 
 def preload() -> None:
     """What every child would otherwise load for itself."""
-    from pagedserve.protocol.openmp_env import apply_openmp_defaults
+    from pagedserve.protocol.torch_env import apply_torch_env_defaults
 
-    apply_openmp_defaults()  # libgomp reads it when torch loads it, here
+    apply_torch_env_defaults()  # libgomp and torch read them when torch loads, here
     # numpy's OpenBLAS starts a thread pool as it loads, and a fork is safe only from one
     # thread: load it with one. No process of a deployment multiplies with numpy (torch does).
     blas_threads = os.environ.get("OPENBLAS_NUM_THREADS")

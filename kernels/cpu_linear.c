@@ -22,6 +22,7 @@
  * Without AVX2, FMA and F16C, linear_f32_available() = 0 and the worker keeps oneDNN.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #define NR 16
 #define MR 6
@@ -131,6 +132,25 @@ static inline __attribute__((always_inline)) void store_row(float *restrict o, _
         ROWS_##R(STORE_ROW)                                                             \
     }
 
+/* One panel's columns of out for all m rows: the k-blocks in turn, each passing every 6-row tile
+ * of x over the panel's block while it sits in L2, accumulating in out after the first. */
+#define DEFINE_PANEL(S)                                                                                        \
+    static void panel_product_##S(const float *x, int64_t ldx, int64_t m, int64_t k, const WEIGHT_##S *panel0, \
+                                  int64_t cols, const float *bias, float *out, int64_t ldo) {                  \
+        static void (*const tiles[MR + 1])(TILE_ARGS(WEIGHT_##S)) = {                                          \
+            NULL, tile_1_##S, tile_2_##S, tile_3_##S, tile_4_##S, tile_5_##S, tile_6_##S};                   \
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {                                                               \
+            const int64_t kc = k - k0 < KC ? k - k0 : KC;                                                      \
+            const float *b = k0 + kc == k ? bias : NULL;                                                       \
+            const WEIGHT_##S *panel = panel0 + k0 * NR;                                                        \
+            int64_t i = 0;                                                                                     \
+            for (; i + MR <= m; i += MR)                                                                       \
+                tile_6_##S(x + i * ldx + k0, ldx, panel, kc, out + i * ldo, ldo, k0 > 0, b, cols);             \
+            if (i < m)                                                                                         \
+                tiles[m - i](x + i * ldx + k0, ldx, panel, kc, out + i * ldo, ldo, k0 > 0, b, cols);           \
+        }                                                                                                      \
+    }
+
 /* x [m, k] float32 (row stride ldx), packed [ceil(n/16)][k][16] of S weights (zero past n), bias
  * [n] float32 or NULL, out [m, n] float32 (row stride ldo). The threads split the panels; a
  * cache-resident model's one-row product is a few microseconds of work, where waking the second
@@ -142,25 +162,100 @@ static inline __attribute__((always_inline)) void store_row(float *restrict o, _
     DEFINE_TILE(4, S)                                                                                          \
     DEFINE_TILE(5, S)                                                                                          \
     DEFINE_TILE(6, S)                                                                                          \
+    DEFINE_PANEL(S)                                                                                            \
     void linear_##S(const float *x, int64_t ldx, int64_t m, int64_t k, const WEIGHT_##S *packed, int64_t n,   \
                     const float *bias, float *out, int64_t ldo) {                                             \
-        static void (*const tiles[MR + 1])(TILE_ARGS(WEIGHT_##S)) = {                                          \
-            NULL, tile_1_##S, tile_2_##S, tile_3_##S, tile_4_##S, tile_5_##S, tile_6_##S};                   \
         const int64_t panels = (n + NR - 1) / NR;                                                              \
         _Pragma("omp parallel for schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)")                       \
-        for (int64_t p = 0; p < panels; p++) {                                                                 \
-            const int64_t cols = n - p * NR < NR ? n - p * NR : NR;                                            \
-            for (int64_t k0 = 0; k0 < k; k0 += KC) {                                                           \
-                const int64_t kc = k - k0 < KC ? k - k0 : KC;                                                  \
-                const float *b = k0 + kc == k && bias ? bias + p * NR : NULL;                                  \
-                const WEIGHT_##S *panel = packed + p * k * NR + k0 * NR;                                       \
-                int64_t i = 0;                                                                                 \
-                for (; i + MR <= m; i += MR)                                                                   \
-                    tile_6_##S(x + i * ldx + k0, ldx, panel, kc, out + i * ldo + p * NR, ldo, k0 > 0, b, cols); \
-                if (i < m)                                                                                     \
-                    tiles[m - i](x + i * ldx + k0, ldx, panel, kc, out + i * ldo + p * NR, ldo, k0 > 0, b, cols); \
+        for (int64_t p = 0; p < panels; p++)                                                                   \
+            panel_product_##S(x, ldx, m, k, packed + p * k * NR, n - p * NR < NR ? n - p * NR : NR,            \
+                              bias ? bias + p * NR : NULL, out + p * NR, ldo);                                 \
+    }                                                                                                          \
+    DEFINE_SILU_GATE(S)
+
+/* exp(x) for 8 lanes, x clamped to [-87, 88] (a normal result): 2^n * p(r), x = n ln2 + r, the
+ * degree-6 polynomial of cpu_softmax_exp.h (error < 2 ulp). */
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f),
+                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x));
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* silu(g) * u = g / (1 + exp(-g)) * u, in transformers' order. */
+static inline __m256 silu_mul_ps(__m256 g, __m256 u) {
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+/* Each thread's gate and up columns of one panel pair, [m][16] each, kept for the next call:
+ * L2-sized for a prefill step's rows. */
+static __thread float *gate_scratch;
+static __thread int64_t gate_scratch_rows;
+
+static float *scratch_for(int64_t m) {
+    if (m > gate_scratch_rows) {
+        free(gate_scratch);
+        gate_scratch = aligned_alloc(64, (size_t)m * 2 * NR * sizeof(float));
+        gate_scratch_rows = gate_scratch ? m : 0;
+    }
+    return gate_scratch;
+}
+
+/* out[m, size] = silu(x @ Wg^T + bg) * (x @ Wu^T + bu), the gated MLP's input to down_proj, from
+ * one packed gate_up weight whose panels alternate gate and up ([2 * ceil(size/16)][k][16]) and
+ * bias [2 * size] or NULL. The gate_up product (twice out's size) never reaches memory: a 0.5B
+ * prefill step's is 33 MB a layer, written, faulted in and read back by a separate SiLU pass.
+ * The gate and up values are linear()'s, bit for bit. Returns -1 without memory for a thread's
+ * scratch. */
+#define DEFINE_SILU_GATE(S)                                                                                    \
+    int silu_gate_##S(const float *x, int64_t ldx, int64_t m, int64_t k, const WEIGHT_##S *packed,             \
+                      int64_t size, const float *bias, float *out, int64_t ldo) {                              \
+        const int64_t pairs = (size + NR - 1) / NR;                                                            \
+        int failed = 0;                                                                                        \
+        _Pragma("omp parallel if (2 * m * size * k >= PARALLEL_MIN_MACS)")                                     \
+        {                                                                                                      \
+            float *const gate = scratch_for(m), *const up = gate + m * NR;                                     \
+            if (!gate) {                                                                                       \
+                _Pragma("omp atomic write")                                                                    \
+                failed = 1;                                                                                    \
+            }                                                                                                  \
+            _Pragma("omp for schedule(static)")                                                                \
+            for (int64_t p = 0; p < pairs; p++) {                                                              \
+                if (!gate) continue;                                                                           \
+                const int64_t cols = size - p * NR < NR ? size - p * NR : NR;                                  \
+                panel_product_##S(x, ldx, m, k, packed + 2 * p * k * NR, cols, bias ? bias + p * NR : NULL,   \
+                                  gate, NR);                                                                   \
+                panel_product_##S(x, ldx, m, k, packed + (2 * p + 1) * k * NR, cols,                          \
+                                  bias ? bias + size + p * NR : NULL, up, NR);                                \
+                for (int64_t i = 0; i < m; i++) {                                                              \
+                    const __m256 v0 = silu_mul_ps(_mm256_load_ps(gate + i * NR), _mm256_load_ps(up + i * NR)); \
+                    const __m256 v1 = silu_mul_ps(_mm256_load_ps(gate + i * NR + 8),                          \
+                                                  _mm256_load_ps(up + i * NR + 8));                           \
+                    float *o = out + i * ldo + p * NR;                                                         \
+                    if (cols == NR) {                                                                          \
+                        _mm256_storeu_ps(o, v0);                                                               \
+                        _mm256_storeu_ps(o + 8, v1);                                                           \
+                    } else {                                                                                   \
+                        float lanes[NR];                                                                       \
+                        _mm256_storeu_ps(lanes, v0);                                                           \
+                        _mm256_storeu_ps(lanes + 8, v1);                                                       \
+                        for (int64_t c = 0; c < cols; c++) o[c] = lanes[c];                                    \
+                    }                                                                                          \
+                }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
+        return failed ? -1 : 0;                                                                                \
     }
 
 DEFINE_LINEAR(f32)
@@ -180,5 +275,14 @@ int linear_f32_available(void) { return 0; }
 DEFINE_ABSENT(f32, float)
 DEFINE_ABSENT(bf16, uint16_t)
 DEFINE_ABSENT(f16, uint16_t)
+#define DEFINE_ABSENT_GATE(S, T)                                                                           \
+    int silu_gate_##S(const float *x, int64_t ldx, int64_t m, int64_t k, const T *packed, int64_t size,    \
+                      const float *bias, float *out, int64_t ldo) {                                       \
+        (void)x; (void)ldx; (void)m; (void)k; (void)packed; (void)size; (void)bias; (void)out; (void)ldo; \
+        return -1;                                                                                         \
+    }
+DEFINE_ABSENT_GATE(f32, float)
+DEFINE_ABSENT_GATE(bf16, uint16_t)
+DEFINE_ABSENT_GATE(f16, uint16_t)
 
 #endif

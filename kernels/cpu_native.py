@@ -59,11 +59,12 @@ _SIGNATURES = {
     **{f"rotary_{suffix}": _ROTARY_ARGS for suffix in ("f32", "bf16", "f16")},
     "prefill_attention_f32": [_P, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float],
     "cpu_kernel_variant": [],
-    **{f"linear_{suffix}": [_P, _I, _I, _I, _P, _I, _P, _P, _I] for suffix in ("f32", "bf16", "f16")},
+    **{f"{name}_{suffix}": [_P, _I, _I, _I, _P, _I, _P, _P, _I]
+       for name in ("linear", "silu_gate") for suffix in ("f32", "bf16", "f16")},
     "linear_f32_available": [],
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
-             "linear_f32_available": ctypes.c_int}
+             "linear_f32_available": ctypes.c_int, **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D
@@ -297,27 +298,52 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, LINEAR_PANEL, k).transpose(1, 2).contiguous()
 
 
+def pack_silu_gate_weight(weight: torch.Tensor, size: int) -> torch.Tensor:
+    """A gate_up weight [2 * size, K] (gate rows first) -> silu_gate()'s panels: gate's and up's
+    panels (pack_linear_weight's) alternating, [2 * ceil(size / 16), K, 16]."""
+    gate, up = pack_linear_weight(weight[:size]), pack_linear_weight(weight[size:])
+    return torch.stack([gate, up], dim=1).flatten(0, 1)
+
+
+def silu_gate(x: torch.Tensor, panels: torch.Tensor, size: int, bias: Optional[torch.Tensor] = None,
+              lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) (+ their biases, bias [2 * size]) from pack_silu_gate_weight's
+    panels: [M, size] float32, the gate and up products linear()'s bit for bit."""
+    out, failed = _panel_product("silu_gate", x, panels, 2 * size, size, bias, lib)
+    if failed:
+        raise MemoryError("silu_gate: no memory for a thread's scratch")
+    return out
+
+
 def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: Optional[torch.Tensor] = None,
            lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """x [M, K] float32 (rows may be strided) @ the weight packed into ``panels`` by
     pack_linear_weight (+ bias [N]): [M, N] contiguous float32, float32 arithmetic whatever the
     panels' dtype. ``lib``: a variant's library (tests), else this CPU's. A decode step makes a
     hundred of these calls, so the checks are the few that keep the kernel's reads in bounds."""
+    return _panel_product("linear", x, panels, out_features, out_features, bias, lib)[0]
+
+
+def _panel_product(kind: str, x: torch.Tensor, panels: torch.Tensor, columns: int, out_columns: int,
+                   bias: Optional[torch.Tensor], lib: Optional[ctypes.CDLL]) -> tuple[torch.Tensor, Optional[int]]:
+    """One call of a panel kernel (``kind``): the panels must hold ``columns``, the result has
+    ``out_columns``; (the result, what the kernel returned)."""
     rows, k = x.shape
-    if x.dtype != torch.float32 or panels.shape[1] != k or panels.shape[0] * LINEAR_PANEL < out_features:
-        raise ValueError("linear: x does not match the packed weight")
+    if x.dtype != torch.float32 or panels.shape[1] != k or panels.shape[0] * LINEAR_PANEL < columns:
+        raise ValueError(f"{kind}: x does not match the packed weight")
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    out = torch.empty(rows, out_features, dtype=torch.float32)
-    kernel = _linear_kernels(lib or library())[panels.dtype]
-    kernel(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), out_features,
-           None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
-    return out
+    out = torch.empty(rows, out_columns, dtype=torch.float32)
+    kernel = _linear_kernels(lib or library())[kind, panels.dtype]
+    returned = kernel(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), out_columns,
+                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_columns)
+    return out, returned
 
 
 @functools.cache
 def _linear_kernels(lib: ctypes.CDLL) -> dict:
-    """The library's linear function for each panel dtype, looked up once."""
-    return {dtype: getattr(lib, f"linear_{suffix}") for dtype, suffix in DTYPE_SUFFIXES.items()}
+    """The library's panel kernels by (kind, panel dtype), looked up once."""
+    return {(kind, dtype): getattr(lib, f"{kind}_{suffix}")
+            for kind in ("linear", "silu_gate") for dtype, suffix in DTYPE_SUFFIXES.items()}

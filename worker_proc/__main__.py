@@ -10,9 +10,9 @@ import signal
 import sys
 from dataclasses import fields
 
-from pagedserve.protocol.openmp_env import apply_openmp_defaults
+from pagedserve.protocol.torch_env import apply_torch_env_defaults
 
-apply_openmp_defaults()  # before torch loads, below
+apply_torch_env_defaults()  # before torch loads, below
 
 from pagedserve.protocol import options as opts
 from pagedserve.protocol.process_exit import exit_now

@@ -94,6 +94,7 @@ def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) ->
 
     timer.wrap(decoder_layer, "linear", matmul_phase)  # models/linear.py: F.linear or W @ x.T
     timer.wrap(causal_lm, "linear", matmul_phase)
+    timer.wrap(decoder_layer, "silu_gate", matmul_phase)  # gate_up with its SiLU gate (a nested silu_mul apart)
     timer.wrap(decoder_layer, "attend", attention_phase)
     timer.wrap(runner.ops, "write_kv", "KV write")
     elementwise = type(runner.model.elementwise)

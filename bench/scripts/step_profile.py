@@ -22,7 +22,10 @@ import statistics
 import time
 from collections import defaultdict
 
-import torch
+from pagedserve.protocol.torch_env import apply_torch_env_defaults
+
+apply_torch_env_defaults()  # as a worker does, before torch loads
+import torch  # noqa: E402
 
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.options import default_step_tokens

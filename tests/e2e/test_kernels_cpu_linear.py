@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_native
-from support.cpu_variants import variant  # noqa: F401 (a fixture)
+from support.cpu_variants import skip_where_linear_is_absent, variant  # noqa: F401 (a fixture)
+from support.thread_counts import results_at_thread_counts
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="native CPU kernels are not built here")
 
@@ -36,9 +37,7 @@ def assert_float32_sum(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 @pytest.mark.parametrize("k,n", [(1, 16), (17, 15), (64, 17), (896, 40), (1100, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_is_f_linear_within_float32_sums(variant, rows, k, n, with_bias):
-    if variant == "scalar":
-        assert not cpu_native.supports_linear()
-        pytest.skip("no AVX2 and FMA: the kernel is absent in this variant, the worker keeps oneDNN")
+    skip_where_linear_is_absent(variant)
     gen = torch.Generator().manual_seed(rows * 7919 + k * 31 + n)
     weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen) if with_bias else None
     x = torch.randn(2 * rows, k, generator=gen)[::2]  # strided rows, as a view of a wider tensor can be
@@ -84,13 +83,7 @@ def test_the_bits_do_not_depend_on_the_thread_count():
     gen = torch.Generator().manual_seed(3)
     weight, x = torch.randn(1000, 896, generator=gen), torch.randn(37, 896, generator=gen)
     panels = cpu_native.pack_linear_weight(weight)
-    threads, outs = torch.get_num_threads(), []
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            outs.append(cpu_native.linear(x, panels, 1000))
-    finally:
-        torch.set_num_threads(threads)
+    outs = results_at_thread_counts(lambda: cpu_native.linear(x, panels, 1000))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 

@@ -41,3 +41,11 @@ def variant(request, monkeypatch):
     assert name == expected or (expected is None and name in ("avx512bf16", "avx512", "avx2", "scalar"))
     monkeypatch.setattr(cpu_native, "library", lambda: lib)
     return name
+
+
+def skip_where_linear_is_absent(variant: str) -> None:
+    """The panel kernels (cpu_linear.c) need AVX2 and FMA: the scalar variant reports them absent,
+    and the worker keeps oneDNN there."""
+    if variant == "scalar":
+        assert not cpu_native.supports_linear()
+        pytest.skip("no AVX2 and FMA: the kernel is absent in this variant, the worker keeps oneDNN")

@@ -17,7 +17,7 @@ from pagedserve.worker_proc.attention import attend
 from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec
-from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear
+from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -76,7 +76,7 @@ class DecoderLayer:
             source.get(mlp + "gate_proj.bias", dim=0, part=inter),
             source.get(mlp + "up_proj.bias", dim=0, part=inter),
         ])) if spec.mlp_bias else None
-        self.gate_up = LinearWeight.of(gate_up_weight, gate_up_bias, layout)
+        self.gate_up = LinearWeight.of(gate_up_weight, gate_up_bias, layout, gate_size=shard.intermediate_size)
         self.down = LinearWeight.of(load(source.get(mlp + "down_proj.weight", dim=1, part=inter)), None, layout)
         self.down_bias = load(_maybe(source, mlp + "down_proj.bias", spec.mlp_bias))
         self.intermediate_size = shard.intermediate_size
@@ -107,8 +107,7 @@ class DecoderLayer:
         if self.o_bias is not None:
             out = out + self.o_bias
         normed, residual = ew.add_rms_norm(out, residual, self.post_norm, self.eps)
-        gate_up = linear(normed, self.gate_up)
-        out = self.shard.all_reduce(linear(ew.silu_mul(gate_up, self.intermediate_size), self.down))
+        out = self.shard.all_reduce(linear(silu_gate(normed, self.gate_up, self.intermediate_size, ew), self.down))
         if self.down_bias is not None:
             out = out + self.down_bias
         return out, residual
