@@ -27,3 +27,15 @@ def apply_torch_env_defaults() -> None:
     # 0.5B shape's 24 layers of projections at 8 rows took 60-67 ms against 72-77 (AVX2 Zen 4,
     # bench/RESULTS.md "CPU: huge pages and a fused SiLU gate"). THP_MEM_ALLOC_ENABLE=0 turns it off.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+def huge_pages_state() -> str:
+    """What the worker's log says of huge pages: whether torch asks for them and the kernel grants them."""
+    if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") in ("0", ""):
+        return "off (THP_MEM_ALLOC_ENABLE=0)"
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        return "asked for; this kernel has no transparent huge pages"
+    return "off (the kernel's THP mode is never)" if "[never]" in mode else "on"

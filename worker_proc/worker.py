@@ -22,6 +22,7 @@ from pagedserve.kernels import cpu_native
 from pagedserve.protocol import messages as m
 from pagedserve.protocol import options as opts
 from pagedserve.protocol.speculative import parse_speculative_config
+from pagedserve.protocol.torch_env import huge_pages_state
 from pagedserve.protocol.worker_link import SchedulerLink
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 
@@ -128,11 +129,14 @@ class Worker:
             kernels += f" + native CPU decode and prompt attention, rotary ({cpu_native.kernel_variant()})"
         panels = self.runner.model.lm_head.panels
         if panels is not None:
-            kernels += f" + native matmuls ({str(panels.dtype).removeprefix('torch.')} weights, float32 sums; AVX2, FMA)"
+            kernels += (f" + native matmuls ({str(panels.dtype).removeprefix('torch.')} weights, float32 sums; AVX2, FMA;"
+                        " gate_up with its SiLU gate in one call)")
         elif self.runner.model.lm_head.packed is not None:
             kernels += " + oneDNN packed matmuls"
         if self.runner.model.elementwise.name == "fused":
             kernels += " + fused norms, rotary and SiLU gate"
+        if self.runner.device.type == "cpu":
+            kernels += f"; huge pages {huge_pages_state()}"
         log.info("%s on %s (%s), kernels: %s", self.runner.model_id, self.runner.device, cfg.dtype, kernels)
         draft = self.runner.draft
         if draft is not None:
