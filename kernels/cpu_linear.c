@@ -225,7 +225,7 @@ static float *scratch_for(int64_t m) {
         int failed = 0;                                                                                        \
         _Pragma("omp parallel if (2 * m * size * k >= PARALLEL_MIN_MACS)")                                     \
         {                                                                                                      \
-            float *const gate = scratch_for(m), *const up = gate + m * NR;                                     \
+            float *const gate = scratch_for(m), *const up = gate ? gate + m * NR : NULL;                       \
             if (!gate) {                                                                                       \
                 _Pragma("omp atomic write")                                                                    \
                 failed = 1;                                                                                    \

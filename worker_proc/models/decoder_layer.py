@@ -2,7 +2,8 @@
 
 Weights are plain tensors, fused at load: q/k/v into one matmul and gate/up into one.
 Norms, residual adds, rotary and the SiLU gate go through an Elementwise (elementwise.py):
-transformers' op sequence, so float32 greedy tokens equal transformers', or fused kernels.
+transformers' op sequence, so float32 greedy tokens equal transformers', or fused kernels; where
+the matmuls are native (CPU), the SiLU gate is part of gate_up's call (models/linear.py silu_gate).
 Each layer's residual add is deferred to the next norm, so the fused path does both in one.
 """
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,9 @@ import torch.nn.functional as F
 from pagedserve.kernels import cpu_native
 from pagedserve.protocol.cpu_dtype import cpu_flags
 from pagedserve.worker_proc.env_switch import env_switch
+
+if TYPE_CHECKING:
+    from pagedserve.worker_proc.elementwise import Elementwise
 
 # W @ x.T won over F.linear at 16 and 32 rows on the small and 0.5B shapes, and lost at 64.
 SMALL_BATCH_ROWS = 32
@@ -173,7 +176,7 @@ def weight_layout(device: torch.device, weight_bytes: int, dtype: torch.dtype = 
     return WeightLayout(transposed=not packed or resident, resident=resident, packed=packed)
 
 
-def silu_gate(x: torch.Tensor, w: LinearWeight, size: int, ew) -> torch.Tensor:
+def silu_gate(x: torch.Tensor, w: LinearWeight, size: int, ew: "Elementwise") -> torch.Tensor:
     """A gated MLP's input to down_proj, silu(gate) * up, from its gate_up weight: in one native
     call where the panels alternate gate and up (the [rows, 2 * size] product never reaches
     memory: a 0.5B prefill layer's MLP 101 -> 96 ms at 845 rows, bench/RESULTS.md "CPU: huge
