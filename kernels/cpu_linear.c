@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_softmax_exp.h"
+
 #define NR 16
 #define MR 6
 #define KC 1024
@@ -173,29 +175,16 @@ static inline __attribute__((always_inline)) void store_row(float *restrict o, _
     }                                                                                                          \
     DEFINE_SILU_GATE(S)
 
-/* exp(x) for 8 lanes, x clamped to [-87, 88] (a normal result): 2^n * p(r), x = n ln2 + r, the
- * degree-6 polynomial of cpu_softmax_exp.h (error < 2 ulp). */
-static inline __m256 exp_ps(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f),
-                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x));
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
-/* silu(g) * u = g / (1 + exp(-g)) * u, in transformers' order. */
-static inline __m256 silu_mul_ps(__m256 g, __m256 u) {
-    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+/* A row's 16 columns of silu(g) * u = g / (1 + exp(-g)) * u, in transformers' order, into its
+ * first cols of o. -g is clamped to exp_normal's range: beyond it, float32 gives g (or ~0) anyway. */
+static inline void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o,
+                                const int64_t cols) {
+    float v[NR];
+    for (int c = 0; c < NR; c++) {
+        const float e = -g[c] < -87.0f ? -87.0f : -g[c] > 88.0f ? 88.0f : -g[c];
+        v[c] = g[c] / (1.0f + exp_normal(e)) * u[c];
+    }
+    for (int64_t c = 0; c < cols; c++) o[c] = v[c];
 }
 
 /* Each thread's gate and up columns of one panel pair, [m][16] each, kept for the next call:
@@ -238,21 +227,8 @@ static float *scratch_for(int64_t m) {
                                   gate, NR);                                                                   \
                 panel_product_##S(x, ldx, m, k, packed + (2 * p + 1) * k * NR, cols,                          \
                                   bias ? bias + size + p * NR : NULL, up, NR);                                \
-                for (int64_t i = 0; i < m; i++) {                                                              \
-                    const __m256 v0 = silu_mul_ps(_mm256_load_ps(gate + i * NR), _mm256_load_ps(up + i * NR)); \
-                    const __m256 v1 = silu_mul_ps(_mm256_load_ps(gate + i * NR + 8),                          \
-                                                  _mm256_load_ps(up + i * NR + 8));                           \
-                    float *o = out + i * ldo + p * NR;                                                         \
-                    if (cols == NR) {                                                                          \
-                        _mm256_storeu_ps(o, v0);                                                               \
-                        _mm256_storeu_ps(o + 8, v1);                                                           \
-                    } else {                                                                                   \
-                        float lanes[NR];                                                                       \
-                        _mm256_storeu_ps(lanes, v0);                                                           \
-                        _mm256_storeu_ps(lanes + 8, v1);                                                       \
-                        for (int64_t c = 0; c < cols; c++) o[c] = lanes[c];                                    \
-                    }                                                                                          \
-                }                                                                                              \
+                for (int64_t i = 0; i < m; i++)                                                                \
+                    silu_mul_row(gate + i * NR, up + i * NR, out + i * ldo + p * NR, cols);                    \
             }                                                                                                  \
         }                                                                                                      \
         return failed ? -1 : 0;                                                                                \

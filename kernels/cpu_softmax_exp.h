@@ -1,9 +1,8 @@
 /* What the native attention kernels share: their softmax, the decode kernels' sum of eight
- * keys' scores, and their prefetch of the next block.
+ * keys' scores, and their prefetch of the next block; and the exp of cpu_linear.c's SiLU gate.
  *
- * exp(x) for the x <= 0 of a softmax: 2^n * p(r) with
- * x = n ln2 + r, |r| <= ln2/2, and a degree-6 polynomial (error < 2 ulp). Written so the
- * compiler vectorizes the loops over keys that call it. */
+ * exp(x) for -87 <= x <= 88 (a normal result): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, and a
+ * degree-6 polynomial (error < 2 ulp). Written so the compiler vectorizes the loops that call it. */
 #ifndef PAGEDSERVE_CPU_SOFTMAX_EXP_H
 #define PAGEDSERVE_CPU_SOFTMAX_EXP_H
 #include <stdint.h>
@@ -11,8 +10,7 @@
 #include <immintrin.h>
 #endif
 
-static inline float softmax_exp(float x) {
-    if (x < -87.0f) return 0.0f;
+static inline float exp_normal(float x) {
     const float n = __builtin_rintf(x * 1.44269504088896341f);
     const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
     float p = 1.0f / 720.0f;
@@ -26,6 +24,9 @@ static inline float softmax_exp(float x) {
     scale.i = ((int32_t)n + 127) << 23;
     return p * scale.f;
 }
+
+/* exp(x) for the x <= 0 of a softmax: 0 below -87. */
+static inline float softmax_exp(float x) { return x < -87.0f ? 0.0f : exp_normal(x); }
 
 /* One decode query's n scores (n >= 1) become exp(s - max); returns 1 / their sum. Max and sum
  * run in SOFTMAX_LANES independent lanes (vectorized, a fixed order), then combine: the same
