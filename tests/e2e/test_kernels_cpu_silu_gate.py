@@ -87,7 +87,7 @@ def test_the_models_gate_up_takes_the_fused_call(dtype, rows):
     weight, x = (torch.randn(2 * 48, 64, generator=gen) / 4).to(dtype), torch.randn(rows, 64, generator=gen).to(dtype)
     fused, plain = LinearWeight.of(weight, None, NATIVE, gate_size=48), LinearWeight.of(weight, None, NATIVE)
     assert fused.gate_size == 48
-    got = silu_gate(x, fused, 48, TorchElementwise())
+    got = silu_gate(x, fused, TorchElementwise())
     expected = TorchElementwise().silu_mul(linear(x, plain), 48)
     assert got.dtype == dtype and got.shape == (rows, 48)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2 * torch.finfo(dtype).eps, atol=1e-6)

@@ -80,7 +80,6 @@ class DecoderLayer:
         self.gate_up = LinearWeight.of(gate_up_weight, gate_up_bias, layout, gate_size=shard.intermediate_size)
         self.down = LinearWeight.of(load(source.get(mlp + "down_proj.weight", dim=1, part=inter)), None, layout)
         self.down_bias = load(_maybe(source, mlp + "down_proj.bias", spec.mlp_bias))
-        self.intermediate_size = shard.intermediate_size
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, rotary: RotaryEmbedding, ops: ModuleType,
@@ -108,7 +107,7 @@ class DecoderLayer:
         if self.o_bias is not None:
             out = out + self.o_bias
         normed, residual = ew.add_rms_norm(out, residual, self.post_norm, self.eps)
-        out = self.shard.all_reduce(linear(silu_gate(normed, self.gate_up, self.intermediate_size, ew), self.down))
+        out = self.shard.all_reduce(linear(silu_gate(normed, self.gate_up, ew), self.down))
         if self.down_bias is not None:
             out = out + self.down_bias
         return out, residual

@@ -87,7 +87,7 @@ class LinearWeight:
     packed: Optional[torch.Tensor] = None  # oneDNN's blocked layout of weight (CPU)
     panels: Optional[torch.Tensor] = None  # cpu_linear.c's layout of weight: [ceil(out / 16), in, 16]
     out_features: int = 0
-    gate_size: int = 0  # a gate_up weight's gate rows: its panels alternate gate and up (silu_gate only)
+    gate_size: int = 0  # a gate_up weight's gate rows (its panels, if any, alternate gate and up: silu_gate only)
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], layout: WeightLayout,
@@ -102,7 +102,7 @@ class LinearWeight:
                       else cpu_native.pack_linear_weight(narrow))
         return cls(weight if layout.plain else None, bias,
                    weight.t().contiguous() if layout.transposed else None, layout.resident, packed, panels,
-                   weight.shape[0], gate_size if panels is not None else 0)
+                   weight.shape[0], gate_size)
 
 
 def _narrowest_exact(weight: torch.Tensor) -> torch.Tensor:
@@ -176,16 +176,16 @@ def weight_layout(device: torch.device, weight_bytes: int, dtype: torch.dtype = 
     return WeightLayout(transposed=not packed or resident, resident=resident, packed=packed)
 
 
-def silu_gate(x: torch.Tensor, w: LinearWeight, size: int, ew: "Elementwise") -> torch.Tensor:
+def silu_gate(x: torch.Tensor, w: LinearWeight, ew: "Elementwise") -> torch.Tensor:
     """A gated MLP's input to down_proj, silu(gate) * up, from its gate_up weight: in one native
     call where the panels alternate gate and up (the [rows, 2 * size] product never reaches
     memory: a 0.5B prefill layer's MLP 101 -> 96 ms at 845 rows, bench/RESULTS.md "CPU: huge
-    pages and a fused SiLU gate"), else linear() then ``ew.silu_mul``."""
-    if w.gate_size and (x.shape[0] > 1 or w.weight_t is None):
+    pages and a fused SiLU gate"), else linear() then ``ew.silu_mul``. ``w``: made with gate_size."""
+    if w.panels is not None and (x.shape[0] > 1 or w.weight_t is None):
         if x.dtype == torch.float32:
-            return cpu_native.silu_gate(x, w.panels, size, w.bias)
-        return cpu_native.silu_gate(x.float(), w.panels, size, w.bias).to(x.dtype)
-    return ew.silu_mul(linear(x, w), size)
+            return cpu_native.silu_gate(x, w.panels, w.gate_size, w.bias)
+        return cpu_native.silu_gate(x.float(), w.panels, w.gate_size, w.bias).to(x.dtype)
+    return ew.silu_mul(linear(x, w), w.gate_size)
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
@@ -193,7 +193,7 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     if x.device.type != "cpu":
         return F.linear(x, w.weight, w.bias)
     rows = x.shape[0]
-    if w.gate_size:  # panels that alternate gate and up: silu_gate() takes those
+    if w.gate_size and w.panels is not None:  # panels that alternate gate and up: silu_gate() takes those
         if rows > 1 or w.weight_t is None:
             raise ValueError("a gate_up weight packed for silu_gate multiplies only through it")
     elif w.panels is not None and (rows > 1 or w.weight_t is None):
