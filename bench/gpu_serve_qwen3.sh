@@ -16,6 +16,7 @@ if not (Path(sys.argv[1]) / "config.json").exists():
                     head_dim=128, intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,
                     tie_word_embeddings=True, rope_theta=1000000.0, seed=1234, dtype="bfloat16")
 PY
+[ -n "${BUILD_ONLY:-}" ] && exit 0
 bench() { pagedserve bench serve --url http://127.0.0.1:8012 --input-len 512 512 --output-len 128 --no-progress "$@"; }
 IFS='|' read -r -a configs <<<"${CONFIGS:-}"
 [ ${#configs[@]} -eq 0 ] && configs=("")
@@ -27,7 +28,7 @@ for extra in "${configs[@]}"; do
   pagedserve serve "$MODEL" --dtype bfloat16 --gpu-memory-utilization 0.5 --max-model-len 2048 --port 8012 $extra \
     >"$OUT/server06-$c.log" 2>&1 &
   pid=$!
-  for i in $(seq 600); do curl -sf localhost:8012/health >/dev/null && break; sleep 0.5; done
+  for i in $(seq 600); do curl -sf localhost:8012/health >/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 0.5; done
   bench --num-prompts 500 --output-json /tmp/warm.json | tail -n 1
   for r in $(seq "${RUNS:-3}"); do
     bench --num-prompts 500 --output-json "$OUT/serve06-$c-$r.json" | grep -E "req/s|TPOT|TTFT " | head -n 3

@@ -11,6 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || exit 3
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export PAGEDSERVE_BENCH_MODELS=/tmp/bench-models
+lscpu | grep "^Model name"; lscpu | grep -o -wE "avx2|avx512f|avx512_bf16|amx_bf16|amx_tile" | sort -u | tr '\n' ' '; echo
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
@@ -61,6 +62,15 @@ for s in "$@"; do
     spec) for n in 1 64; do step "spec$n" 150 pagedserve bench offline --shapes 0.5b --device cuda --dtype bfloat16 \
                --engines pagedserve --num-prompts $n --output-len 256 --runs 2 --speculative-config \
                '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'; done ;;
+    atests) PAGEDSERVE_TEST_DEVICE=cuda step atests 90 python3 -m pytest -q -p no:cacheprovider \
+               tests/unit/test_kernels_attention.py tests/unit/test_worker_triton_forward.py -o addopts="" --timeout 80 ;;
+    qtprofile) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qtprofile 120 python3 bench/scripts/step_profile.py \
+               "$PAGEDSERVE_BENCH_MODELS/qwen3-0.6b" --device cuda --dtype bfloat16 --num-prompts 128 \
+               --input-len 512 512 --output-len 64 --torch-profile ;;
+    sweep) step sweep 240 python3 bench/scripts/attention_sweep.py ${SWEEP:+--configs $SWEEP} ;;
+    qprofile) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qprofile 200 python3 bench/scripts/step_profile.py \
+               "$PAGEDSERVE_BENCH_MODELS/qwen3-0.6b" --device cuda --dtype bfloat16 --num-prompts 500 \
+               --input-len 512 512 --output-len 128 --by-kind --repeat 2 ${QARGS:-} ;;
     peer05) step peer05 420 pagedserve bench peer --device cuda --runs 2 --model /tmp/bench-models/0.5b ;;
     serve06) step serve06 420 bash bench/gpu_serve_qwen3.sh ;;
     *) echo "unknown step $s" ;;

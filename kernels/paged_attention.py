@@ -6,6 +6,14 @@ search in the kernel), so the grid size ``num_tokens // BLOCK_Q + num_requests``
 on the host without reading any per-request length back from the device. One program
 handles every query head of its kv head (GQA), so each K/V tile is loaded once per group.
 
+Short and long requests are launched apart. A decode's tile holds one token's GROUP_PAD heads,
+padded to the 16 rows tl.dot needs; a prompt's tile of that size re-reads its keys every 16
+rows. So requests of up to BLOCK_Q tokens (decodes, speculative verifies) run in a launch of
+16-row tiles and 64-key steps, and longer ones in a second launch of 128-row tiles (64 in
+float32); each launch's programs return at once for the other kind. A step of decodes only
+(num_tokens == num_requests, as every CUDA-graph replay) makes only the first launch. Tile
+shapes: bench/scripts/attention_sweep.py, RESULTS "GPU: paged attention's tiles".
+
 NaN safety: keys past ``seq_len`` are loaded as 0 (K and V), and every masked score is
 replaced with -inf by ``tl.where`` before the softmax, so a stale NaN in an unused slot of
 the last block never reaches the output.
@@ -24,8 +32,13 @@ import triton.language as tl
 # The Triton 3.9 interpreter multiplies bf16 operands of tl.dot as their raw uint16 bits;
 # under it, bf16 dots run in fp32 instead (on a GPU they stay bf16 on the tensor cores).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-KEYS_PER_TILE = 32
 MIN_ROWS_PER_TILE = 16  # tl.dot wants at least 16 rows
+# (rows of queries, keys per tile, num_warps, num_stages) of each launch, by the sweep on an
+# H200 (RESULTS "GPU: paged attention's tiles"). Long: by the cache's element size; float32's
+# is smaller so its fp32 tiles fit, and was not timed.
+SHORT_TILE = (MIN_ROWS_PER_TILE, 64, 4, 2)
+LONG_TILE = {2: (128, 32, 4, 2), 4: (64, 64, 4, 2)}
+SHORT, LONG = 1, 2  # which requests a launch serves: up to short_len tokens, or more
 
 
 @triton.jit
@@ -52,7 +65,8 @@ def _paged_attention_kernel(
     query_token_stride, query_head_stride, out_token_stride, out_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     block_size, head_dim, group_size,
-    SLIDING_WINDOW: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
+    short_len,
+    SLIDING_WINDOW: tl.constexpr, SERVES: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -61,6 +75,12 @@ def _paged_attention_kernel(
     request = _request_of_tile(query_start_loc_ptr, tile, num_requests, BLOCK_Q)
     q_begin = tl.load(query_start_loc_ptr + request)
     q_len = tl.load(query_start_loc_ptr + request + 1) - q_begin
+    if SERVES == 1:
+        if q_len > short_len:
+            return
+    else:
+        if q_len <= short_len:
+            return
     tile_start = (tile - (q_begin // BLOCK_Q + request)) * BLOCK_Q
     if tile_start >= q_len:  # spare program: the grid is an upper bound on the tile count
         return
@@ -130,10 +150,15 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: Optional[int] = None,
+    *,
+    tiles: Optional[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = None,
 ) -> torch.Tensor:
-    """Causal attention of a ragged batch over its paged context (same contract as the reference)."""
-    num_tokens, num_q_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    """Causal attention of a ragged batch over its paged context (same contract as the reference).
+
+    ``tiles`` (the short and the long launch's rows, keys, num_warps, num_stages) is the
+    sweep's knob (bench/scripts/attention_sweep.py); None is what the engine runs."""
+    num_tokens, num_q_heads, _ = query.shape
+    num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"{num_q_heads} query heads cannot be grouped over {num_kv_heads} kv heads")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
@@ -144,22 +169,33 @@ def paged_attention(
     num_requests = seq_lens.shape[0]
     if num_tokens == 0 or num_requests == 0:
         return out
-    group_size = num_q_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group_size)
-    block_q = max(MIN_ROWS_PER_TILE // group_pad, 1)
+    short_tile, long_tile = tiles or (SHORT_TILE, LONG_TILE[min(k_cache.element_size(), 4)])
+    group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     device = query.device
-    query_start_loc = query_start_loc.to(device=device, dtype=torch.int32).contiguous()
-    seq_lens = seq_lens.to(device=device, dtype=torch.int32).contiguous()
-    block_tables = block_tables.to(device=device, dtype=torch.int32).contiguous()
+    meta = (block_tables.to(device=device, dtype=torch.int32).contiguous(),
+            query_start_loc.to(device=device, dtype=torch.int32).contiguous(),
+            seq_lens.to(device=device, dtype=torch.int32).contiguous())
+    short_len = max(short_tile[0] // group_pad, 1)
+    _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, group_pad, SHORT, short_len, short_tile)
+    if num_tokens > num_requests:  # some request has more than one token
+        _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, group_pad, LONG, short_len, long_tile)
+    return out
+
+
+def _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, group_pad, serves, short_len, tile):
+    rows, keys, num_warps, num_stages = tile
+    block_tables, query_start_loc, seq_lens = meta
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads, num_requests = k_cache.shape[2], seq_lens.shape[0]
+    block_q = max(rows // group_pad, 1)
     grid = (num_tokens // block_q + num_requests, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         scale * math.log2(math.e), num_requests,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        block_size, head_dim, group_size,
-        SLIDING_WINDOW=sliding_window or 0, BLOCK_Q=block_q, GROUP_PAD=group_pad,
-        BLOCK_N=KEYS_PER_TILE, DIM_PAD=max(triton.next_power_of_2(head_dim), 16),
-        DOT_IN_FP32=_INTERPRETED and k_cache.dtype == torch.bfloat16,
+        k_cache.shape[1], head_dim, num_q_heads // num_kv_heads, short_len,
+        SLIDING_WINDOW=sliding_window or 0, SERVES=serves, BLOCK_Q=block_q, GROUP_PAD=group_pad,
+        BLOCK_N=keys, DIM_PAD=max(triton.next_power_of_2(head_dim), 16),
+        DOT_IN_FP32=_INTERPRETED and k_cache.dtype == torch.bfloat16, num_warps=num_warps, num_stages=num_stages,
     )
-    return out

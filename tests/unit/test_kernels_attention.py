@@ -16,8 +16,11 @@ from pagedserve.kernels import reference, triton_ops
 pytestmark = MARKS
 
 # (seq_len, query tokens this step): fresh decode, decode, whole prefill, chunked prefill
-# spanning more than one key tile, an idle request, decode; all in one batch.
-RAGGED_BATCH = [(1, 1), (17, 1), (19, 19), (40, 6), (7, 0), (9, 1)]
+# spanning more than one key tile, an idle request, decode, and a chunk of 150 queries after
+# 50 keys, which spans two of the long launch's 128-row tiles; all in one batch. Which
+# requests are short (one launch) or long (the other) depends on the group: 6 queries are
+# short for a group of 1 or 2 (8 or 16 tokens a short tile), long for a group of 3 or 4.
+RAGGED_BATCH = [(1, 1), (17, 1), (19, 19), (40, 6), (7, 0), (9, 1), (200, 150)]
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 
 
@@ -52,6 +55,7 @@ def build_batch(requests, block_size, kv_heads, group, head_dim, dtype, seed):
         (torch.bfloat16, 16, 2, 1, 32, None),
         (torch.float16, 16, 3, 2, 40, 7),
         (torch.bfloat16, 3, 1, 3, 16, 4),  # a group of 3 query heads pads to 4 rows per token
+        (torch.float32, 16, 2, 2, 128, None),  # the float32 long tile at a real model's head size
     ],
 )
 def test_ragged_batch_of_decodes_and_prefills_matches_reference_despite_stale_nan_slots(
@@ -67,6 +71,16 @@ def test_ragged_batch_of_decodes_and_prefills_matches_reference_despite_stale_na
     assert torch.isfinite(out).all()
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_a_step_of_decodes_only_matches_reference():
+    # num_tokens == num_requests: only the short launch runs (as in every CUDA-graph replay).
+    batch = to_device(*build_batch([(1, 1), (70, 1), (33, 1), (16, 1)], 16, 2, 2, 32, torch.bfloat16, seed=14))
+
+    out = triton_ops.paged_attention(*batch, 0.2)
+
+    expected = reference.paged_attention(*batch, 0.2)
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_query_given_as_a_strided_slice_of_a_fused_projection_gives_the_same_result():
