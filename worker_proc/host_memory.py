@@ -1,4 +1,5 @@
-"""Keeps freed host memory in the process for the next step instead of returning it to the OS.
+"""Keeps freed host memory in the process for the next step instead of returning it to the OS,
+and the KV cache off huge pages (without_huge_pages).
 
 glibc's malloc serves every allocation above its mmap threshold (dynamic, at most 32 MiB)
 with a fresh mmap and unmaps it on free. A CPU prefill step of 2048 tokens on the 0.5B
@@ -40,3 +41,26 @@ def keep_freed_memory() -> bool:
     if not applied:
         log.debug("mallopt refused the thresholds; large allocations stay mmapped")
     return applied
+
+
+_MADV_NOHUGEPAGE = 15  # Linux
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def without_huge_pages(address: int, nbytes: int) -> bool:
+    """Ask the kernel for 4 KiB pages over [address, address + nbytes); True if it agreed.
+
+    torch's allocator advises huge pages for every large CPU tensor (protocol/torch_env.py),
+    which the KV cache does not want: its fresh blocks are written a few at a time, scattered
+    over one plane per layer, K and V, so each step's first writes faulted in whole 2 MiB pages
+    (the kernel zeroes each) for the few 8 KiB blocks they needed."""
+    if nbytes <= 0 or not hasattr(os, "sysconf"):
+        return False
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    start = address - address % _PAGE
+    end = address + nbytes
+    return madvise(start, end - start, _MADV_NOHUGEPAGE) == 0

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from pagedserve.worker_proc.host_memory import without_huge_pages
+
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_BUDGET_BYTES = 1 << 30
@@ -81,7 +83,8 @@ class KVCache:
         self.device_cache = alloc(*shape, num_gpu_blocks, *tail, dtype=dtype, device=device)
         self.host_cache = torch.empty(*shape, num_cpu_blocks, *tail, dtype=dtype,
                                       pin_memory=device.type == "cuda")
-        if device.type == "cpu":  # pinned memory is resident from the start
+        if device.type == "cpu":  # (pinned memory, CUDA's host cache, is resident from the start)
+            without_huge_pages(self.device_cache.data_ptr(), self.device_cache.nbytes)
             warn_if_beyond_available_memory(self.device_cache.nbytes + self.host_cache.nbytes)
 
     def apply_block_ops(self, swap_out: list, swap_in: list, copy: list, zero: list[int]) -> None:

@@ -184,7 +184,7 @@ def torch_profile(ns: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ns.device.startswith("cuda") else [])
-    with profile(activities=activities, with_stack=True) as prof:
+    with profile(activities=activities, with_stack=ns.device.startswith("cuda")) as prof:
         run(ns)
     key = "self_device_time_total" if ns.device.startswith("cuda") else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
