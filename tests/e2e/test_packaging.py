@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def test_an_installed_wheel_imports_every_package_from_site_packages(wheel, tmp_
     code = (f"import sys; sys.path[:0] = [{str(target)!r}, {deps!r}]\n"
             + "".join(f"import pagedserve.{p}\n" for p in PACKAGES)
             + "from pagedserve import LLM, SamplingParams\n"
+            + "import pagedserve.frontend_proc.app\n"  # imports every subpackage of the frontend
             + "import pagedserve.deploy.cli as c; print(c.__file__)")
     out = subprocess.run([sys.executable, "-S", "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip().startswith(str(target))
@@ -63,3 +65,29 @@ def test_the_editable_install_maps_each_folder_into_the_namespace():
 
     assert Path(pagedserve.protocol.__file__).parent == ROOT / "protocol"
     assert Path(pagedserve.kernels.reference.__file__).parent == ROOT / "kernels"
+
+
+# setuptools installs only the packages pyproject lists: a subpackage added without its entry
+# works editable and in the suite, and fails at import once installed from a wheel
+# (frontend_proc/reasoning did: a wheel install's frontend could not start).
+def _setuptools() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_every_folder_with_an_init_under_a_package_is_listed_for_the_wheel():
+    package_dir = _setuptools()["package-dir"]
+    listed = set(package_dir.values())
+    missing = []
+    for top in ("api", *{folder.split("/")[0] for folder in listed}):
+        for init in (ROOT / top).rglob("__init__.py"):
+            folder = init.parent.relative_to(ROOT).as_posix()
+            if "__pycache__" not in folder and folder not in listed:
+                missing.append(folder)
+    assert not missing, f"pyproject's [tool.setuptools] lacks these package folders: {missing}"
+
+
+def test_every_listed_package_has_its_folder():
+    setuptools = _setuptools()
+    assert sorted(setuptools["packages"]) == sorted(setuptools["package-dir"])
+    for name, folder in setuptools["package-dir"].items():
+        assert (ROOT / folder / "__init__.py").is_file(), f"{name}: {folder} has no __init__.py"
