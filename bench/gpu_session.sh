@@ -4,6 +4,7 @@
 #   bench/gpu_session.sh tests check kernels offline serve
 # Before the call, here: `bash bench/gpu_wheels.sh` (the missing packages and pagedserve's own
 # wheel into .whl/, which the call carries). Steps and their results: bench/RESULTS.md, "GPU".
+# cpuamx checks the CPU's bf16 path on the host's AMX cores (2 of them, as the developers' machine).
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -67,6 +68,12 @@ for s in "$@"; do
     qtprofile) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qtprofile 120 python3 bench/scripts/step_profile.py \
                "$PAGEDSERVE_BENCH_MODELS/qwen3-0.6b" --device cuda --dtype bfloat16 --num-prompts 128 \
                --input-len 512 512 --output-len 64 --torch-profile ;;
+    cpuamx) step cpuamx 300 bash -c 'ONEDNN_VERBOSE=1 taskset -c 0,1 python3 bench/scripts/step_profile.py --shape 0.5b \
+               --num-prompts 4 --input-len 8 64 --output-len 3 --dtype bfloat16 --threads 2 2>&1 \
+               | grep -oE "(brg_matmul|brgemm|gemm):[a-z0-9_]+" | sort | uniq -c; taskset -c 0,1 python3 -m pytest -q \
+               -p no:cacheprovider -o addopts="" tests/e2e/test_kernels_cpu_half.py tests/e2e/test_kernels_cpu_linear.py; \
+               for dt in bfloat16 float32; do taskset -c 0,1 python3 bench/scripts/step_profile.py --shape 0.5b \
+               --num-prompts 32 --input-len 8 256 --output-len 32 --dtype $dt --phases --threads 2 | head -3; done' ;;
     sweep) step sweep 240 python3 bench/scripts/attention_sweep.py ${SWEEP:+--configs $SWEEP} ;;
     qprofile) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qprofile 200 python3 bench/scripts/step_profile.py \
                "$PAGEDSERVE_BENCH_MODELS/qwen3-0.6b" --device cuda --dtype bfloat16 --num-prompts 500 \
