@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -54,7 +55,7 @@ def without_huge_pages(address: int, nbytes: int) -> bool:
     which the KV cache does not want: its fresh blocks are written a few at a time, scattered
     over one plane per layer, K and V, so each step's first writes faulted in whole 2 MiB pages
     (the kernel zeroes each) for the few 8 KiB blocks they needed."""
-    if nbytes <= 0 or not hasattr(os, "sysconf"):
+    if nbytes <= 0 or not sys.platform.startswith("linux"):  # the advice's number is Linux's
         return False
     try:
         madvise = ctypes.CDLL(None).madvise
