@@ -14,6 +14,10 @@ float32); each launch's programs return at once for the other kind. A step of de
 (num_tokens == num_requests, as every CUDA-graph replay) makes only the first launch. Tile
 shapes: bench/scripts/attention_sweep.py, RESULTS "GPU: paged attention's tiles".
 
+In a step of decodes only, each request's keys can be cut into ``decode_splits`` parts, one
+program each, whose outputs a second kernel weighs by their softmax sums (flash-decoding): off
+until a GPU session times it (DECODE_SPLITS).
+
 NaN safety: keys past ``seq_len`` are loaded as 0 (K and V), and every masked score is
 replaced with -inf by ``tl.where`` before the softmax, so a stale NaN in an unused slot of
 the last block never reaches the output.
@@ -39,6 +43,7 @@ MIN_ROWS_PER_TILE = 16  # tl.dot wants at least 16 rows
 SHORT_TILE = (MIN_ROWS_PER_TILE, 64, 4, 2)
 LONG_TILE = {2: (128, 32, 4, 2), 4: (64, 64, 4, 2)}
 SHORT, LONG = 1, 2  # which requests a launch serves: up to short_len tokens, or more
+DECODE_SPLITS = 1  # parts of a decode's keys; off until timed on a GPU (RESULTS "Open on a GPU")
 
 
 @triton.jit
@@ -65,9 +70,9 @@ def _paged_attention_kernel(
     query_token_stride, query_head_stride, out_token_stride, out_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     block_size, head_dim, group_size,
-    short_len,
+    short_len, part_ptr, part_ml_ptr, num_tokens, num_q_heads,
     SLIDING_WINDOW: tl.constexpr, SERVES: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, DOT_IN_FP32: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -107,6 +112,11 @@ def _paged_attention_kernel(
     if SLIDING_WINDOW > 0:
         kv_start = tl.maximum(context_len + tile_start - SLIDING_WINDOW + 1, 0)
 
+    if NUM_SPLITS > 1:  # this program's share of the keys, whole tiles of them
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = kv_start + tl.program_id(2) * per_split
+        kv_end = tl.minimum(kv_start + per_split, kv_end)
+
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, DIM_PAD), dtype=tl.float32)
@@ -137,8 +147,37 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_offsets = token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if NUM_SPLITS > 1:  # a part: its normalized output, max and sum, for _combine_splits_kernel
+        row = (tl.program_id(2) * num_tokens + token) * num_q_heads + head
+        tl.store(part_ptr + row[:, None] * DIM_PAD + dims[None, :], out, mask=q_mask)
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_valid)
+    else:
+        out_offsets = token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(out_ptr, part_ptr, part_ml_ptr, num_tokens, num_q_heads, out_token_stride,
+                           out_head_stride, head_dim, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                           DIM_PAD: tl.constexpr):
+    """One (token, head): the parts' outputs weighted by their share of the softmax's sum."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.arange(0, SPLITS_PAD)
+    exists = split < NUM_SPLITS
+    row = (split.to(tl.int64) * num_tokens + token) * num_q_heads + head
+    m = tl.load(part_ml_ptr + row * 2, mask=exists, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=exists, other=0.0)
+    m_max = tl.max(m, 0)
+    weight = tl.where(l > 0.0, tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)) * l, 0.0)
+    total = tl.sum(weight, 0)
+    dims = tl.arange(0, DIM_PAD)
+    parts = tl.load(part_ptr + row[:, None] * DIM_PAD + dims[None, :],
+                    mask=exists[:, None] & (dims[None, :] < head_dim), other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token * out_token_stride + head * out_head_stride + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
 def paged_attention(
@@ -152,11 +191,15 @@ def paged_attention(
     sliding_window: Optional[int] = None,
     *,
     tiles: Optional[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = None,
+    decode_splits: int = DECODE_SPLITS,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch over its paged context (same contract as the reference).
 
     ``tiles`` (the short and the long launch's rows, keys, num_warps, num_stages) is the
-    sweep's knob (bench/scripts/attention_sweep.py); None is what the engine runs."""
+    sweep's knob (bench/scripts/attention_sweep.py); None is what the engine runs.
+    ``decode_splits`` > 1 cuts each request's keys into that many parts in a step of decodes
+    only, combined by a second kernel (flash-decoding): a few decodes then use more than a
+    few of the GPU's multiprocessors."""
     num_tokens, num_q_heads, _ = query.shape
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
@@ -176,26 +219,38 @@ def paged_attention(
             query_start_loc.to(device=device, dtype=torch.int32).contiguous(),
             seq_lens.to(device=device, dtype=torch.int32).contiguous())
     short_len = max(short_tile[0] // group_pad, 1)
-    _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, group_pad, SHORT, short_len, short_tile)
+    launch = (out, query, k_cache, v_cache, meta, scale, sliding_window, group_pad)
     if num_tokens > num_requests:  # some request has more than one token
-        _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, group_pad, LONG, short_len, long_tile)
+        _launch(*launch, SHORT, short_len, short_tile, 1)
+        _launch(*launch, LONG, short_len, long_tile, 1)
+    else:
+        _launch(*launch, SHORT, short_len, short_tile, max(decode_splits, 1))
     return out
 
 
-def _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, group_pad, serves, short_len, tile):
+def _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, group_pad, serves, short_len, tile, splits):
     rows, keys, num_warps, num_stages = tile
     block_tables, query_start_loc, seq_lens = meta
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, num_requests = k_cache.shape[2], seq_lens.shape[0]
     block_q = max(rows // group_pad, 1)
-    grid = (num_tokens // block_q + num_requests, num_kv_heads)
+    dim_pad = max(triton.next_power_of_2(head_dim), 16)
+    part = part_ml = out  # unused without splits
+    if splits > 1:
+        part = torch.empty(splits, num_tokens, num_q_heads, dim_pad, dtype=torch.float32, device=out.device)
+        part_ml = torch.empty(splits, num_tokens, num_q_heads, 2, dtype=torch.float32, device=out.device)
+    grid = (num_tokens // block_q + num_requests, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         scale * math.log2(math.e), num_requests,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        k_cache.shape[1], head_dim, num_q_heads // num_kv_heads, short_len,
+        k_cache.shape[1], head_dim, num_q_heads // num_kv_heads, short_len, part, part_ml, num_tokens, num_q_heads,
         SLIDING_WINDOW=sliding_window or 0, SERVES=serves, BLOCK_Q=block_q, GROUP_PAD=group_pad,
-        BLOCK_N=keys, DIM_PAD=max(triton.next_power_of_2(head_dim), 16),
-        DOT_IN_FP32=_INTERPRETED and k_cache.dtype == torch.bfloat16, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=keys, DIM_PAD=dim_pad, DOT_IN_FP32=_INTERPRETED and k_cache.dtype == torch.bfloat16,
+        NUM_SPLITS=splits, num_warps=num_warps, num_stages=num_stages,
     )
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_q_heads)](
+            out, part, part_ml, num_tokens, num_q_heads, out.stride(0), out.stride(1), head_dim,
+            NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM_PAD=dim_pad)

@@ -6,7 +6,8 @@
 A config is SHORT/LONG, each ROWS:KEYS:WARPS:STAGES: the tile of the launch for requests of a
 few tokens (decodes) and of the one for longer ones (prompts): query rows, keys per step,
 Triton's num_warps and num_stages. "default" is what the engine launches; 16:32:4:3/16:32:4:3
-is the kernel before the two launches (one shape for every request). The workloads are one layer of Qwen3-0.6B's attention (16 query and
+is the kernel before the two launches (one shape for every request). A suffix @N cuts each
+decode's keys into N parts in steps of decodes only (flash-decoding; the other steps ignore it). The workloads are one layer of Qwen3-0.6B's attention (16 query and
 8 kv heads of 128, bfloat16, 16-token blocks, block tables shuffled as a long-running cache
 leaves them): a step of 256 or 16 decodes at ``--context`` keys, and a step mixing 16 prompts
 of 512 tokens with 240 such decodes. Each config's output is checked against the default's
@@ -67,17 +68,20 @@ def time_ms(fn, iters: int, rounds: int) -> list[float]:
 
 
 def parse_config(text: str) -> dict:
-    if text == "default":
-        return {}
-    short, long = (tuple(int(x) for x in part.split(":")) for part in text.split("/"))
-    return dict(tiles=(short, long))
+    text, _, splits = text.partition("@")
+    launch = dict(decode_splits=int(splits)) if splits else {}
+    if text != "default":
+        short, long = (tuple(int(x) for x in part.split(":")) for part in text.split("/"))
+        launch["tiles"] = (short, long)
+    return launch
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=[
         "default", "16:32:4:3/16:32:4:3", "16:128:4:2/128:64:8:2", "16:64:4:2/128:64:8:3", "16:64:4:2/128:64:4:2",
-        "16:64:4:2/128:32:4:2", "16:64:4:2/64:64:4:2", "16:64:4:2/128:128:8:2", "16:64:4:2/64:32:4:3"])
+        "16:64:4:2/128:32:4:2", "16:64:4:2/64:64:4:2", "16:64:4:2/128:128:8:2", "16:64:4:2/64:32:4:3",
+        "default@2", "default@4", "default@8", "default@16"])
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
@@ -92,6 +96,7 @@ def main() -> None:
     workloads = {
         "256 decodes": make_step(256, 0, 0, ns.context, device, generator),
         "16 decodes": make_step(16, 0, 0, ns.context, device, generator),
+        "1 decode": make_step(1, 0, 0, ns.context, device, generator),
         "16x512 prompt + 240 decodes": make_step(240, 16, 512, ns.context, device, generator),
         "16x512 prompt": make_step(0, 16, 512, ns.context, device, generator),
     }

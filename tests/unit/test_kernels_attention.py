@@ -73,14 +73,17 @@ def test_ragged_batch_of_decodes_and_prefills_matches_reference_despite_stale_na
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
-def test_a_step_of_decodes_only_matches_reference():
-    # num_tokens == num_requests: only the short launch runs (as in every CUDA-graph replay).
-    batch = to_device(*build_batch([(1, 1), (70, 1), (33, 1), (16, 1)], 16, 2, 2, 32, torch.bfloat16, seed=14))
+@pytest.mark.parametrize("splits, sliding_window", [(1, None), (3, None), (4, 20)])
+def test_a_step_of_decodes_only_matches_reference(splits, sliding_window):
+    # num_tokens == num_requests: only the short launch runs (as in every CUDA-graph replay),
+    # with each request's keys in ``splits`` parts; a 1-key request leaves most parts empty.
+    batch = to_device(*build_batch([(1, 1), (170, 1), (33, 1), (16, 1)], 16, 2, 2, 32, torch.float32, seed=14))
 
-    out = triton_ops.paged_attention(*batch, 0.2)
+    out = triton_ops.paged_attention(*batch, 0.2, sliding_window, decode_splits=splits)
 
-    expected = reference.paged_attention(*batch, 0.2)
-    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+    expected = reference.paged_attention(*batch, 0.2, sliding_window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
 def test_query_given_as_a_strided_slice_of_a_fused_projection_gives_the_same_result():
