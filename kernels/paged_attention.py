@@ -212,7 +212,7 @@ def paged_attention(
     num_requests = seq_lens.shape[0]
     if num_tokens == 0 or num_requests == 0:
         return out
-    short_tile, long_tile = tiles or (SHORT_TILE, LONG_TILE[min(k_cache.element_size(), 4)])
+    short_tile, long_tile = tiles or (SHORT_TILE, LONG_TILE[4 if k_cache.element_size() >= 4 else 2])
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     device = query.device
     meta = (block_tables.to(device=device, dtype=torch.int32).contiguous(),
