@@ -34,11 +34,19 @@ def compile_for_h100(kernel, pointer_types, constexprs):
 for dtype in ("bf16", "fp16", "fp32"):
     data = "*" + dtype
     pointers = dict(out_ptr=data, query_ptr=data, k_cache_ptr=data, v_cache_ptr=data, block_tables_ptr="*i32",
-                    query_start_loc_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32")
+                    query_start_loc_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32", part_ptr="*fp32",
+                    part_ml_ptr="*fp32")
+    long_rows, long_keys = paged_attention.LONG_TILE[4 if dtype == "fp32" else 2][:2]
     for window, group_pad in ((0, 1), (4096, 4)):
-        compile_for_h100(paged_attention._paged_attention_kernel, pointers, dict(
-            SLIDING_WINDOW=window, BLOCK_Q=16 // group_pad, GROUP_PAD=group_pad, BLOCK_N=32, DIM_PAD=128,
-            DOT_IN_FP32=False))
+        # the short launch, alone or in 4 parts (flash-decoding), and the long launch
+        for serves, rows, keys, splits in ((1, 16, 64, 1), (1, 16, 64, 4), (2, long_rows, long_keys, 1)):
+            if splits > 1 and dtype != "bf16":  # the parts are float32 whatever the cache
+                continue
+            compile_for_h100(paged_attention._paged_attention_kernel, pointers, dict(
+                SLIDING_WINDOW=window, SERVES=serves, BLOCK_Q=max(rows // group_pad, 1), GROUP_PAD=group_pad,
+                BLOCK_N=keys, DIM_PAD=128, DOT_IN_FP32=False, NUM_SPLITS=splits))
+    compile_for_h100(paged_attention._combine_splits_kernel, dict(out_ptr=data, part_ptr="*fp32",
+                     part_ml_ptr="*fp32"), dict(NUM_SPLITS=4, SPLITS_PAD=4, DIM_PAD=128))
     compile_for_h100(zero_blocks._zero_blocks_kernel, dict(cache_ptr=data, block_ids_ptr="*i32"), dict(CHUNK=4096))
     compile_for_h100(copy_blocks._copy_blocks_kernel, dict(cache_ptr=data, mapping_ptr="*i32"), dict(CHUNK=4096))
     compile_for_h100(write_kv._write_kv_kernel, dict(key_ptr=data, value_ptr=data, k_cache_ptr=data,
