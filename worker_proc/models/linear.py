@@ -176,15 +176,26 @@ def weight_layout(device: torch.device, weight_bytes: int, dtype: torch.dtype = 
     return WeightLayout(transposed=not packed or resident, resident=resident, packed=packed)
 
 
+def _on_panels(x: torch.Tensor, w: LinearWeight) -> bool:
+    """Whether the native kernel takes this product: its panels exist, and the row is not one
+    that W @ x.T serves from weight_t (one row of a weight kept in both layouts)."""
+    return w.panels is not None and (x.shape[0] > 1 or w.weight_t is None)
+
+
+def _in_float32(kernel, x: torch.Tensor, *args) -> torch.Tensor:
+    """The native kernels take and give float32 rows; half-precision rows widen and round once."""
+    if x.dtype == torch.float32:
+        return kernel(x, *args)
+    return kernel(x.float(), *args).to(x.dtype)
+
+
 def silu_gate(x: torch.Tensor, w: LinearWeight, ew: "Elementwise") -> torch.Tensor:
     """A gated MLP's input to down_proj, silu(gate) * up, from its gate_up weight: in one native
     call where the panels alternate gate and up (the [rows, 2 * size] product never reaches
     memory: a 0.5B prefill layer's MLP 101 -> 96 ms at 845 rows, bench/RESULTS.md "CPU: huge
     pages and a fused SiLU gate"), else linear() then ``ew.silu_mul``. ``w``: made with gate_size."""
-    if w.panels is not None and (x.shape[0] > 1 or w.weight_t is None):
-        if x.dtype == torch.float32:
-            return cpu_native.silu_gate(x, w.panels, w.gate_size, w.bias)
-        return cpu_native.silu_gate(x.float(), w.panels, w.gate_size, w.bias).to(x.dtype)
+    if _on_panels(x, w):
+        return _in_float32(cpu_native.silu_gate, x, w.panels, w.gate_size, w.bias)
     return ew.silu_mul(linear(x, w), w.gate_size)
 
 
@@ -193,13 +204,10 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     if x.device.type != "cpu":
         return F.linear(x, w.weight, w.bias)
     rows = x.shape[0]
-    if w.gate_size and w.panels is not None:  # panels that alternate gate and up: silu_gate() takes those
-        if rows > 1 or w.weight_t is None:
+    if _on_panels(x, w):
+        if w.gate_size:  # its panels alternate gate and up
             raise ValueError("a gate_up weight packed for silu_gate multiplies only through it")
-    elif w.panels is not None and (rows > 1 or w.weight_t is None):
-        if x.dtype == torch.float32:
-            return cpu_native.linear(x, w.panels, w.out_features, w.bias)
-        return cpu_native.linear(x.float(), w.panels, w.out_features, w.bias).to(x.dtype)
+        return _in_float32(cpu_native.linear, x, w.panels, w.out_features, w.bias)
     if w.packed is not None and (rows >= PACKED_MIN_ROWS or w.weight is None):
         return torch.ops.mkldnn._linear_pointwise(x, w.packed, w.bias, "none", [], "")
     if rows <= SMALL_BATCH_ROWS and not w.resident:
