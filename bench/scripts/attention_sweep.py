@@ -22,6 +22,7 @@ import statistics
 
 import torch
 
+from kernels_bench import copy_bandwidth  # this folder's; a script's own folder is on sys.path
 from pagedserve.kernels.paged_attention import paged_attention
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
@@ -88,10 +89,7 @@ def main() -> None:
     ns = p.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
-    src = torch.empty(1 << 31, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() / min(time_ms(lambda: dst.copy_(src), 5, 3)) / 1e6
-    del src, dst
+    copy_gbs = copy_bandwidth(device, 2048, 5) / 1e9
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
     workloads = {
         "256 decodes": make_step(256, 0, 0, ns.context, device, generator),
