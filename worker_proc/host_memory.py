@@ -32,11 +32,9 @@ def keep_freed_memory() -> bool:
     MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ (read by glibc at start) win."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # the C library the interpreter already links
-    except (OSError, AttributeError):  # no mallopt (macOS, Windows): nothing to tune
+    mallopt = _libc_function("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:  # no mallopt (macOS, Windows): nothing to tune
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     applied = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
     applied = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1 and applied
     if not applied:
@@ -44,8 +42,7 @@ def keep_freed_memory() -> bool:
     return applied
 
 
-_MADV_NOHUGEPAGE = 15  # Linux
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MADV_NOHUGEPAGE = 15  # Linux's number
 
 
 def without_huge_pages(address: int, nbytes: int) -> bool:
@@ -55,13 +52,18 @@ def without_huge_pages(address: int, nbytes: int) -> bool:
     which the KV cache does not want: its fresh blocks are written a few at a time, scattered
     over one plane per layer, K and V, so each step's first writes faulted in whole 2 MiB pages
     (the kernel zeroes each) for the few 8 KiB blocks they needed."""
-    if nbytes <= 0 or not sys.platform.startswith("linux"):  # the advice's number is Linux's
+    madvise = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+    if nbytes <= 0 or madvise is None or not sys.platform.startswith("linux"):
         return False
+    start = address - address % os.sysconf("SC_PAGE_SIZE")
+    return madvise(start, address + nbytes - start, _MADV_NOHUGEPAGE) == 0
+
+
+def _libc_function(name: str, argtypes: list):
+    """``name`` from the C library the interpreter already links, returning int; None if absent."""
     try:
-        madvise = ctypes.CDLL(None).madvise
+        function = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
-        return False
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    start = address - address % _PAGE
-    end = address + nbytes
-    return madvise(start, end - start, _MADV_NOHUGEPAGE) == 0
+        return None
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function

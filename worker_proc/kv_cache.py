@@ -83,8 +83,9 @@ class KVCache:
         self.device_cache = alloc(*shape, num_gpu_blocks, *tail, dtype=dtype, device=device)
         self.host_cache = torch.empty(*shape, num_cpu_blocks, *tail, dtype=dtype,
                                       pin_memory=device.type == "cuda")
-        if device.type == "cpu":  # (pinned memory, CUDA's host cache, is resident from the start)
+        if device.type == "cpu":
             without_huge_pages(self.device_cache.data_ptr(), self.device_cache.nbytes)
+            # Only here: CUDA's host cache is pinned, so resident (and counted) from the start.
             warn_if_beyond_available_memory(self.device_cache.nbytes + self.host_cache.nbytes)
 
     def apply_block_ops(self, swap_out: list, swap_in: list, copy: list, zero: list[int]) -> None:
