@@ -4,14 +4,21 @@
 #   bench/gpu_session.sh tests check kernels offline serve
 # Before the call, here: `bash bench/gpu_wheels.sh` (the missing packages and pagedserve's own
 # wheel into .whl/, which the call carries). Steps and their results: bench/RESULTS.md, "GPU".
-# cpuamx checks the CPU's bf16 path on the host's AMX cores (2 of them, as the developers' machine).
+# cpuamx and cpuspec time the CPU's bf16 path on the host's AMX cores (2 of them, as the developers'
+# machine). The CPU steps can run beside the GPU's, in a second invocation on other cores:
+#   bash bench/gpu_session.sh   # installs once; then, in parallel:
+#   PAGEDSERVE_BENCH_MODELS=/tmp/bench-models-cpu taskset -c 0,1 bash bench/gpu_session.sh cpuamx cpuspec &
+#   taskset -c 2-15 bash bench/gpu_session.sh atests spec serve06
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 3
+if [ ! -e /tmp/site/.installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 3
+  touch /tmp/site/.installed
+fi
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-export PAGEDSERVE_BENCH_MODELS=/tmp/bench-models
+export PAGEDSERVE_BENCH_MODELS=${PAGEDSERVE_BENCH_MODELS:-/tmp/bench-models}
 lscpu | grep "^Model name"; lscpu | grep -o -wE "avx2|avx512f|avx512_bf16|amx_bf16|amx_tile" | sort -u | tr '\n' ' '; echo
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -33,6 +40,7 @@ step() {  # step NAME SECONDS COMMAND...
   echo "=== $name rc=$rc in $((SECONDS - t0)) s"
 }
 
+SPEC='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
 for s in "$@"; do
   case $s in
     tests) PAGEDSERVE_TEST_DEVICE=cuda step tests 240 python3 -m pytest -q -x -p no:cacheprovider \
@@ -60,9 +68,19 @@ for s in "$@"; do
                --max-concurrency 256 --input-len 32 512 --output-len 128 --no-progress \
                --output-json "$OUT/serve.json" --output-png /tmp/serve.png; kill -INT $pid; wait $pid' ;;
     peer) step peer 420 pagedserve bench peer --device cuda --runs 2 ;;
-    spec) for n in 1 64; do step "spec$n" 150 pagedserve bench offline --shapes 0.5b --device cuda --dtype bfloat16 \
-               --engines pagedserve --num-prompts $n --output-len 256 --runs 2 --speculative-config \
-               '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'; done ;;
+    # Issue 33: the workload that repeats (0.5b-loops: greedy falls into loops) at 1 and 64 streams,
+    # and the one that never does (0.5b) for what speculation costs; plain and speculative in one run.
+    spec) for n in 1 64; do step "spec$n" 150 pagedserve bench offline --shapes 0.5b-loops --device cuda \
+               --dtype bfloat16 --engines pagedserve --num-prompts $n --output-len 256 --runs 2 \
+               --speculative-config "$SPEC"; done ;;
+    specnorep) step specnorep 120 pagedserve bench offline --shapes 0.5b --device cuda --dtype bfloat16 \
+               --engines pagedserve --num-prompts 64 --output-len 128 --runs 2 --speculative-config "$SPEC" ;;
+    cpuspec) for n in 16 1; do step "cpuspec$n" 240 taskset -c 0,1 pagedserve bench offline --shapes 0.5b-loops \
+               --device cpu --dtype bfloat16 --engines pagedserve --num-prompts $n --output-len 256 --runs 1 \
+               --speculative-config "$SPEC"; done ;;
+    qgaps) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qgaps 120 python3 bench/scripts/step_profile.py \
+               "$PAGEDSERVE_BENCH_MODELS/qwen3-0.6b" --device cuda --dtype bfloat16 --num-prompts 128 \
+               --input-len 512 512 --output-len 64 --max-num-seqs 128 --repeat 2 --gpu-gaps ;;
     atests) PAGEDSERVE_TEST_DEVICE=cuda step atests 90 python3 -m pytest -q -p no:cacheprovider \
                tests/unit/test_kernels_attention.py tests/unit/test_worker_triton_forward.py -o addopts="" --timeout 80 ;;
     qtprofile) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qtprofile 120 python3 bench/scripts/step_profile.py \
@@ -73,7 +91,7 @@ for s in "$@"; do
                | grep -oE "(brg_matmul|brgemm|gemm):[a-z0-9_]+" | sort | uniq -c; taskset -c 0,1 python3 -m pytest -q \
                -p no:cacheprovider -o addopts="" tests/e2e/test_kernels_cpu_half.py tests/e2e/test_kernels_cpu_linear.py; \
                for dt in bfloat16 float32; do taskset -c 0,1 python3 bench/scripts/step_profile.py --shape 0.5b \
-               --num-prompts 32 --input-len 8 256 --output-len 32 --dtype $dt --phases --threads 2 | head -3; done' ;;
+               --num-prompts 32 --input-len 8 256 --output-len 32 --dtype $dt --phases --threads 2; done' ;;
     sweep) step sweep 240 python3 bench/scripts/attention_sweep.py ${SWEEP:+--configs $SWEEP} ;;
     qprofile) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qprofile 200 python3 bench/scripts/step_profile.py \
                "$PAGEDSERVE_BENCH_MODELS/qwen3-0.6b" --device cuda --dtype bfloat16 --num-prompts 500 \

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -52,7 +53,7 @@ class CpuAttentionPlan:
         return self.natives[sliding_window]
 
 
-def plan_cpu_attention(num_scheduled: list[int], query_start_loc: list[int], seq_lens: list[int],
+def plan_cpu_attention(num_scheduled: Sequence[int], query_start_loc: Sequence[int], seq_lens: Sequence[int],
                        block_tables: torch.Tensor, block_size: int,
                        workspace: Optional[GatherWorkspace] = None) -> CpuAttentionPlan:
     """Separate one-token requests from prefill chunks (CPU tensors)."""

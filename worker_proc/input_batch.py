@@ -9,6 +9,7 @@ from a handful of Python lists; only the slot mapping is computed in torch.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,13 +58,15 @@ def build_forward_batch(
     workspace: Optional[GatherWorkspace] = None, drafts: Optional[dict[str, list[int]]] = None,
 ) -> ForwardBatch:
     """``batched_decodes``: plan the CPU attention paths (batched decodes, SDPA prefill chunks).
-    ``drafts``: speculative proposals by request id, computed after its tokens (spec_verify.py)."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    tables: list[list[int]] = []
-    sample_rows: list[int] = []
+    ``drafts``: speculative proposals by request id, computed after its tokens (spec_verify.py).
+
+    The metadata is gathered into typed arrays and handed to torch without a copy: on a GPU the
+    device waits for this host work every step (a quarter of a 128-decode step, bench/RESULTS.md
+    "GPU: speculative decoding on an H200"), and torch.tensor() over Python lists was most of it."""
+    input_ids, positions, slots = array("q"), array("q"), array("q")
+    query_start_loc, seq_lens, sample_rows = array("i", [0]), array("i"), array("q")
+    tables: list[int] = []  # every request's table, padded to the widest below
+    widths: list[int] = []
     sampled: list[HeldRequest] = []
     low, high = 0, 0
     num_scheduled: list[int] = []
@@ -82,41 +85,43 @@ def build_forward_batch(
             tokens += proposed
             end += len(proposed)
         num_blocks = -(-end // block_size)
-        if num_blocks > len(req.block_ids):
+        block_ids = req.block_ids
+        if num_blocks > len(block_ids):
             raise BatchError(
                 f"request {req.req_id!r}: {end} tokens need {num_blocks} blocks of {block_size}, "
-                f"but its block table has {len(req.block_ids)}"
+                f"but its block table has {len(block_ids)}"
             )
         low, high = min(low, start), max(high, end - 1)
-        input_ids += tokens
-        positions += range(start, end)
+        input_ids.extend(tokens)
+        positions.extend(range(start, end))
+        _extend_slots(slots, block_ids, start, end, block_size)
         num_scheduled.append(end - start)
         query_start_loc.append(query_start_loc[-1] + end - start)
         seq_lens.append(end)
-        tables.append(req.block_ids[:num_blocks])
+        tables += block_ids[:num_blocks]
+        widths.append(num_blocks)
         if proposed:
-            sample_rows += range(query_start_loc[-2] + req.num_scheduled_tokens - 1, query_start_loc[-1])
+            sample_rows.extend(range(query_start_loc[-2] + req.num_scheduled_tokens - 1, query_start_loc[-1]))
             sampled += draft_rows(req, proposed)
         elif req.samples:
             sample_rows.append(query_start_loc[-1] - 1)
             sampled.append(req)
     if drafts and len(drafts) != sum(isinstance(r, DraftRow) and r.j == 0 for r in sampled):
         raise BatchError(f"proposals for {sorted(drafts)}, not all of them entries of this step that sample")
-    max_blocks = max((len(t) for t in tables), default=0)
-    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-
-    positions_t = torch.tensor(positions, dtype=torch.long)
-    counts = torch.tensor(num_scheduled, dtype=torch.long)
-    block_tables = torch.tensor(padded, dtype=torch.int32).view(len(requests), max_blocks)
-    request_of_token = torch.repeat_interleave(torch.arange(len(requests)), counts)
-    block_of_token = block_tables[request_of_token, positions_t // block_size].long()
-    slot_mapping = block_of_token * block_size + positions_t % block_size
+    max_blocks = max(widths, default=0)
+    if any(w != max_blocks for w in widths):
+        tables, flat = [], tables
+        offset = 0
+        for w in widths:
+            tables += flat[offset:offset + w]
+            tables += _ZEROS[:max_blocks - w] if max_blocks - w <= len(_ZEROS) else [0] * (max_blocks - w)
+            offset += w
+    block_tables = _as_tensor(array("i", tables), torch.int32).view(len(requests), max_blocks)
     input_ids_t, positions_d, slot_mapping, sample_indices = upload(
-        device, torch.tensor(input_ids, dtype=torch.long), positions_t, slot_mapping,
-        torch.tensor(sample_rows, dtype=torch.long))
+        device, _as_tensor(input_ids, torch.long), _as_tensor(positions, torch.long), _as_tensor(slots, torch.long),
+        _as_tensor(sample_rows, torch.long))
     block_tables_d, query_start_loc_t, seq_lens_t = upload(
-        device, block_tables, torch.tensor(query_start_loc, dtype=torch.int32),
-        torch.tensor(seq_lens, dtype=torch.int32))
+        device, block_tables, _as_tensor(query_start_loc, torch.int32), _as_tensor(seq_lens, torch.int32))
     return ForwardBatch(
         input_ids=input_ids_t,
         positions=positions_d,
@@ -127,6 +132,28 @@ def build_forward_batch(
         sample_indices=sample_indices,
         sampled_requests=sampled,
         position_range=(low, high),
-        attention_plan=plan_cpu_attention(num_scheduled, query_start_loc, seq_lens, block_tables, block_size, workspace)
-        if batched_decodes else None,
+        attention_plan=plan_cpu_attention(num_scheduled, query_start_loc, seq_lens, block_tables,
+                                          block_size, workspace) if batched_decodes else None,
     )
+
+
+_ZEROS = [0] * 4096  # block-table padding, sliced
+
+
+def _as_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
+    """The array's memory as a tensor (it keeps the array alive); empty arrays have no buffer to share."""
+    return torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
+
+
+def _extend_slots(slots: array, block_ids: list[int], start: int, end: int, block_size: int) -> None:
+    """The flat cache slot of each position in [start, end): one range per block it touches."""
+    if end - start == 1:  # a decode
+        slots.append(block_ids[start // block_size] * block_size + start % block_size)
+        return
+    position = start
+    while position < end:
+        block, offset = divmod(position, block_size)
+        count = min(block_size - offset, end - position)
+        base = block_ids[block] * block_size + offset
+        slots.extend(range(base, base + count))
+        position += count

@@ -64,6 +64,7 @@ def run(ns: argparse.Namespace) -> None:
     by_kind: dict[tuple[str, int], list[float]] = defaultdict(list)
     clock = time.thread_time if ns.cpu_time else time.perf_counter
     timer = instrument_worker(runner, clock) if ns.phases else None
+    gaps = DeviceGaps(runner) if ns.gpu_gaps else None
     to_worker, to_scheduler = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
     phases_by_kind: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     steps_by_kind: dict[str, list[float]] = defaultdict(list)
@@ -82,8 +83,13 @@ def run(ns: argparse.Namespace) -> None:
             with timer.phase("IPC encode/decode"):
                 result = to_scheduler.decode(encode(result))
         else:
+            if gaps is not None:
+                gaps.begin()
             result = runner.execute(out)
             t2 = clock()
+            if gaps is not None:
+                n_reqs = len(out.new_requests) + len(out.cached_requests) + len(out.decodes.req_ids)
+                gaps.end(t2 - t1, out.total_num_scheduled_tokens == n_reqs)
         sched.update_from_output(out, result)
         t3 = clock()
         if timer is not None:
@@ -120,6 +126,8 @@ def run(ns: argparse.Namespace) -> None:
             print(f"{kind} steps, per step against those limits:\n" + format_limits(
                 {k: v / n for k, v in work_by_kind[kind].items()},
                 {k: v / n for k, v in phases_by_kind[kind].items()}, statistics.fmean(times), limits))
+    if gaps is not None:
+        print(gaps.report())
     if ns.by_kind:
         print("worker execute by step kind (median ms over steps of that kind):")
         for (kind, n), times in sorted(by_kind.items()):
@@ -149,6 +157,9 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--torch-profile", action="store_true",
                    help="torch.profiler over the last repeat: the ops and kernels by device time")
+    p.add_argument("--gpu-gaps", action="store_true",
+                   help="on CUDA: where a decode step's wall time goes, by device events: the device idle "
+                        "while the host prepares inputs, the forward, logits and sampling")
     p.add_argument("--by-kind", action="store_true", help="median worker ms per step kind (batch size, prefill)")
     p.add_argument("--threads", type=int)
     p.add_argument("--cpu-time", action="store_true",
@@ -159,6 +170,8 @@ def main() -> None:
                    help="leave glibc's malloc thresholds alone (the worker process raises them)")
     ns = p.parse_args()
     ns.phases = ns.phases or ns.limits
+    if ns.gpu_gaps and (ns.phases or not ns.device.startswith("cuda")):
+        p.error("--gpu-gaps times device events: CUDA only, and not with --phases")
     if not ns.malloc_default:
         keep_freed_memory()  # as the worker process does (worker_proc/host_memory.py)
     if ns.shape:
@@ -178,6 +191,56 @@ def main() -> None:
             run(ns)
         if ns.torch_profile:
             torch_profile(ns)
+
+
+class DeviceGaps:
+    """Device events at a step's start, at the forward's launch and at the logits' launch.
+
+    The device reaches an event at once when idle, so start -> forward is the time it waited for
+    the host's input preparation; forward -> logits is the model's own time; logits -> the end of
+    execute is the logits, sampling and whatever the host did before its last read."""
+
+    def __init__(self, runner):
+        self.runner, self.marks, self.rows = runner, {}, []
+        for owner, name in ((runner.model, "forward"), (runner.model, "compute_logits")):
+            self._wrap(owner, name)
+        self._graphs_wrapped = False
+
+    def _wrap(self, owner, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            self.marks.setdefault(name, self._event())
+            return inner(*args, **kwargs)
+
+        setattr(owner, name, wrapped)
+
+    @staticmethod
+    def _event():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self) -> None:
+        if not self._graphs_wrapped and self.runner.decode_graphs is not None:
+            self._wrap(self.runner.decode_graphs, "forward")  # a replay is a forward too
+            self._graphs_wrapped = True
+        self.marks = {"start": self._event()}
+
+    def end(self, wall_s: float, decode_only: bool) -> None:
+        done = self._event()
+        torch.cuda.synchronize()
+        m = self.marks
+        if decode_only and "forward" in m and "compute_logits" in m:
+            self.rows.append((1e3 * wall_s, m["start"].elapsed_time(m["forward"]),
+                              m["forward"].elapsed_time(m["compute_logits"]), m["compute_logits"].elapsed_time(done)))
+
+    def report(self) -> str:
+        if not self.rows:
+            return "device gaps: no decode step was timed"
+        cols = [statistics.median(c) for c in zip(*self.rows)]
+        return (f"decode steps ({len(self.rows)}), median ms: execute wall {cols[0]:.3f}; device idle for input "
+                f"preparation {cols[1]:.3f}, forward {cols[2]:.3f}, logits + sampling + host tail {cols[3]:.3f}")
 
 
 def torch_profile(ns: argparse.Namespace) -> None:
