@@ -7,9 +7,18 @@
 # cpuamx and cpuspec time the CPU's bf16 path on the host's AMX cores (2 of them, as the developers'
 # machine). The CPU steps can run beside the GPU's, in a second invocation on other cores:
 #   bash bench/gpu_session.sh   # installs once; then, in parallel:
-#   PAGEDSERVE_BENCH_MODELS=/tmp/bench-models-cpu taskset -c 0,1 bash bench/gpu_session.sh cpuamx cpuspec &
-#   taskset -c 2-15 bash bench/gpu_session.sh atests spec serve06
+#   PAGEDSERVE_BENCH_MODELS=/tmp/bench-models-cpu bash bench/gpu_session.sh cpuamx cpuspec &
+#   taskset -c "$(bash bench/gpu_session.sh others)" bash bench/gpu_session.sh atests spec serve06
+# The CPU steps take two CPUs of two different physical cores (CPU_PAIR; a VM's CPUs 0 and 1 may be
+# one core's two hyperthreads); `others` prints every other CPU, for the GPU's steps.
 set -u
+# Two CPUs on two physical cores, for the CPU steps.
+CPU_PAIR=${CPU_PAIR:-$(lscpu -p=CPU,CORE | grep -v '^#' | sort -t, -k2,2n -u | head -n 2 | cut -d, -f1 | paste -sd,)}
+export CPU_PAIR
+if [ "${1:-}" = others ]; then
+  lscpu -p=CPU | grep -v '^#' | grep -vxF -e "${CPU_PAIR%,*}" -e "${CPU_PAIR#*,}" | paste -sd,
+  exit 0
+fi
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 if [ ! -e /tmp/site/.installed ]; then
@@ -19,7 +28,7 @@ if [ ! -e /tmp/site/.installed ]; then
 fi
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export PAGEDSERVE_BENCH_MODELS=${PAGEDSERVE_BENCH_MODELS:-/tmp/bench-models}
-lscpu | grep "^Model name"; lscpu | grep -o -wE "avx2|avx512f|avx512_bf16|amx_bf16|amx_tile" | sort -u | tr '\n' ' '; echo
+lscpu | grep "^Model name"; echo "CPU steps on CPUs $CPU_PAIR; threads per core: $(lscpu | grep -i '^Thread(s) per core' | awk '{print $NF}')"; lscpu | grep -o -wE "avx2|avx512f|avx512_bf16|amx_bf16|amx_tile" | sort -u | tr '\n' ' '; echo
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
@@ -75,7 +84,7 @@ for s in "$@"; do
                --speculative-config "$SPEC"; done ;;
     specnorep) step specnorep 120 pagedserve bench offline --shapes 0.5b --device cuda --dtype bfloat16 \
                --engines pagedserve --num-prompts 64 --output-len 128 --runs 2 --speculative-config "$SPEC" ;;
-    cpuspec) for n in 16 1; do step "cpuspec$n" 240 taskset -c 0,1 pagedserve bench offline --shapes 0.5b-loops \
+    cpuspec) for n in 16 1; do step "cpuspec$n" 240 taskset -c "$CPU_PAIR" pagedserve bench offline --shapes 0.5b-loops \
                --device cpu --dtype bfloat16 --engines pagedserve --num-prompts $n --output-len 256 --runs 1 \
                --speculative-config "$SPEC"; done ;;
     qgaps) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qgaps 120 python3 bench/scripts/step_profile.py \
@@ -86,11 +95,11 @@ for s in "$@"; do
     qtprofile) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qtprofile 120 python3 bench/scripts/step_profile.py \
                "$PAGEDSERVE_BENCH_MODELS/qwen3-0.6b" --device cuda --dtype bfloat16 --num-prompts 128 \
                --input-len 512 512 --output-len 64 --torch-profile ;;
-    cpuamx) step cpuamx 300 bash -c 'ONEDNN_VERBOSE=1 taskset -c 0,1 python3 bench/scripts/step_profile.py --shape 0.5b \
+    cpuamx) step cpuamx 300 bash -c 'ONEDNN_VERBOSE=1 taskset -c "$CPU_PAIR" python3 bench/scripts/step_profile.py --shape 0.5b \
                --num-prompts 4 --input-len 8 64 --output-len 3 --dtype bfloat16 --threads 2 2>&1 \
-               | grep -oE "(brg_matmul|brgemm|gemm):[a-z0-9_]+" | sort | uniq -c; taskset -c 0,1 python3 -m pytest -q \
+               | grep -oE "(brg_matmul|brgemm|gemm):[a-z0-9_]+" | sort | uniq -c; taskset -c "$CPU_PAIR" python3 -m pytest -q \
                -p no:cacheprovider -o addopts="" tests/e2e/test_kernels_cpu_half.py tests/e2e/test_kernels_cpu_linear.py; \
-               for dt in bfloat16 float32; do taskset -c 0,1 python3 bench/scripts/step_profile.py --shape 0.5b \
+               for dt in bfloat16 float32; do taskset -c "$CPU_PAIR" python3 bench/scripts/step_profile.py --shape 0.5b \
                --num-prompts 32 --input-len 8 256 --output-len 32 --dtype $dt --phases --threads 2; done' ;;
     sweep) step sweep 240 python3 bench/scripts/attention_sweep.py ${SWEEP:+--configs $SWEEP} ;;
     qprofile) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qprofile 200 python3 bench/scripts/step_profile.py \
