@@ -54,7 +54,7 @@ for s in "$@"; do
   case $s in
     tests) PAGEDSERVE_TEST_DEVICE=cuda step tests 240 python3 -m pytest -q -x -p no:cacheprovider \
              tests/unit/test_kernels_attention.py tests/unit/test_kernels_blocks.py tests/unit/test_worker_triton_forward.py \
-             tests/unit/test_worker_cuda_graphs.py tests/unit/test_kernels_fused.py \
+             tests/unit/test_worker_cuda_graphs.py tests/unit/test_worker_verify_graphs.py tests/unit/test_kernels_fused.py \
              -o addopts="" --timeout 200 ;;
     check) step check 180 python3 bench/scripts/cuda_check.py ${CASES:+--cases $CASES} ;;
     kernels) step kernels 240 python3 bench/scripts/kernels_bench.py --preset llama8b --device cuda ;;
@@ -91,7 +91,8 @@ for s in "$@"; do
                "$PAGEDSERVE_BENCH_MODELS/qwen3-0.6b" --device cuda --dtype bfloat16 --num-prompts 128 \
                --input-len 512 512 --output-len 64 --max-num-seqs 128 --repeat 2 --gpu-gaps ;;
     atests) PAGEDSERVE_TEST_DEVICE=cuda step atests 90 python3 -m pytest -q -p no:cacheprovider \
-               tests/unit/test_kernels_attention.py tests/unit/test_worker_triton_forward.py -o addopts="" --timeout 80 ;;
+               tests/unit/test_kernels_attention.py tests/unit/test_worker_triton_forward.py \
+               tests/unit/test_worker_cuda_graphs.py tests/unit/test_worker_verify_graphs.py -o addopts="" --timeout 80 ;;
     qtprofile) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qtprofile 120 python3 bench/scripts/step_profile.py \
                "$PAGEDSERVE_BENCH_MODELS/qwen3-0.6b" --device cuda --dtype bfloat16 --num-prompts 128 \
                --input-len 512 512 --output-len 64 --torch-profile ;;

@@ -52,29 +52,14 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             sample_indices=self.input_ids[:0], sampled_requests=[], position_range=(0, 0),
-            attention_plan=None)
+            attention_plan=None, max_query_len=1)
 
     def capture(self) -> None:
-        """Largest first, all in one memory pool: each smaller graph fits in what the largest took."""
         if not self.capture_graphs:
             return
         with torch.inference_mode():  # as execute() runs: the buffers stay usable there
-            self._capture()
-
-    def _capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.kv_cache.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the default stream, as torch's docs ask
-            for size in reversed(self.sizes):
-                self.model.forward(self._static_batch(size), self.kv_cache, self.ops)
-        torch.cuda.current_stream().wait_stream(stream)
-        for size in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model.forward(self._static_batch(size), self.kv_cache, self.ops)
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.kv_cache.device)
+            self.graphs, self.outputs = capture_graphs(self.model, self.kv_cache, self.ops, self.sizes,
+                                                       self._static_batch)
 
     def size_for(self, batch: ForwardBatch) -> Optional[int]:
         """The captured size that runs ``batch``, or None: not one token per request, too many
@@ -102,3 +87,24 @@ class DecodeGraphs:
             self.graphs[size].replay()
             return self.outputs[size][:rows]
         return self.model.forward(self._static_batch(size), self.kv_cache, self.ops)[:rows]
+
+
+def capture_graphs(model, kv_cache: torch.Tensor, ops, sizes: list[int], static_batch) -> tuple[dict, dict]:
+    """One graph of the forward over ``static_batch(size)`` per size, and its output: largest
+    first, all in one memory pool (each smaller graph fits in what the largest took), warmed off
+    the default stream first, as torch's docs ask."""
+    graphs, outputs = {}, {}
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(kv_cache.device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for size in reversed(sizes):
+            model.forward(static_batch(size), kv_cache, ops)
+    torch.cuda.current_stream().wait_stream(stream)
+    for size in reversed(sizes):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = model.forward(static_batch(size), kv_cache, ops)
+        graphs[size] = graph
+    torch.cuda.synchronize(kv_cache.device)
+    return graphs, outputs

@@ -37,6 +37,7 @@ class ForwardBatch:
     sampled_requests: list  # the entries flagged ``samples``, in batch order (k + 1 DraftRows with proposals)
     position_range: tuple[int, int]  # (lowest, highest) position, known on the host: no device read
     attention_plan: Optional[CpuAttentionPlan]  # CPU only: batched decodes, SDPA prefill chunks
+    max_query_len: int = 0  # the most tokens of one request, known on the host (0: not known)
 
 
 def upload(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -134,6 +135,7 @@ def build_forward_batch(
         position_range=(low, high),
         attention_plan=plan_cpu_attention(num_scheduled, query_start_loc, seq_lens, block_tables,
                                           block_size, workspace) if batched_decodes else None,
+        max_query_len=max(num_scheduled, default=0),
     )
 
 

@@ -37,6 +37,7 @@ from pagedserve.worker_proc.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.worker_proc.sampler import sample
 from pagedserve.worker_proc.spec_verify import accept
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
+from pagedserve.worker_proc.verify_graphs import VerifyGraphs
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Activations budget kept free of KV blocks on CUDA: one step of this many tokens.
@@ -73,6 +74,8 @@ class ModelRunner:
         self._gather_workspace = GatherWorkspace()  # CPU decode attention's K/V gather buffers
         self._use_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1
         self.decode_graphs: Optional[DecodeGraphs] = None
+        self.verify_graphs: Optional[VerifyGraphs] = None
+        self._speculative = speculative
 
     # ------------------------------------------------------------------ description
 
@@ -109,11 +112,15 @@ class ModelRunner:
         self.model.rotary.ensure_positions(init.max_model_len)
         if self.draft is not None:
             self.draft.init_cache(init)
-        self.decode_graphs = None
+        self.decode_graphs = self.verify_graphs = None
         if self._use_graphs:
             self.decode_graphs = DecodeGraphs(self.model, self._cache.device_cache, self.ops, init.block_size,
                                               init.max_model_len)
             self.decode_graphs.capture()
+            if self._speculative is not None:  # steps of up to k + 1 tokens a request
+                self.verify_graphs = VerifyGraphs(self.model, self._cache.device_cache, self.ops, init.block_size,
+                                                  init.max_model_len, self._speculative.num_speculative_tokens + 1)
+                self.verify_graphs.capture()
         self._requests.clear()
         self._seed = init.seed
         torch.manual_seed(init.seed)
@@ -138,6 +145,14 @@ class ModelRunner:
         return self._cache
 
     # ------------------------------------------------------------------ step
+
+    def _forward(self, batch, device_cache: torch.Tensor) -> torch.Tensor:
+        """The step's hidden states: replayed from a graph where one was captured for its shape."""
+        for graphs in (self.decode_graphs, self.verify_graphs):
+            size = graphs.size_for(batch) if graphs is not None else None
+            if size:
+                return graphs.forward(batch, size)
+        return self.model.forward(batch, device_cache, self.ops)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         cache = self._initialized_cache()
@@ -166,9 +181,7 @@ class ModelRunner:
                                             workspace=self._gather_workspace, drafts=out.spec_token_ids)
                 # Before either path: a graph replays rotary's table lookups without Python
                 self.model.rotary.check_positions(*batch.position_range)
-                graph_size = self.decode_graphs.size_for(batch) if self.decode_graphs else None
-                hidden = (self.decode_graphs.forward(batch, graph_size) if graph_size
-                          else self.model.forward(batch, cache.device_cache, self.ops))
+                hidden = self._forward(batch, cache.device_cache)
                 if draft is not None:  # before verification changes the entries' state
                     draft.compute(scheduled, batch, out, self._gather_workspace)
                 # Decodes (batched last) score no prompt token: only the prefill entries are looked at.

@@ -164,8 +164,11 @@ class Worker:
                 started = time.perf_counter()
                 self.runner.init_cache(msg)
                 if self.runner.decode_graphs is not None:
-                    log.info("CUDA graphs of decode steps of %s requests captured in %.1f s",
-                             ", ".join(map(str, self.runner.decode_graphs.sizes)), time.perf_counter() - started)
+                    verify = self.runner.verify_graphs
+                    log.info("CUDA graphs of decode steps of %s requests%s captured in %.1f s",
+                             ", ".join(map(str, self.runner.decode_graphs.sizes)),
+                             f", of verification steps of up to {verify.span} tokens for up to {verify.sizes[-1] - 1} requests"
+                             if verify is not None and verify.sizes else "", time.perf_counter() - started)
                 if self.cfg.poison_kv_cache:
                     self.runner.poison_cache()
                 self.results.send(m.WorkerReady(rank=self.cfg.rank, num_gpu_blocks=msg.num_gpu_blocks,
