@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from pagedserve.protocol.step_state import HeldRequest, StepContractError
+from pagedserve.protocol.step_state import PLACEHOLDER_TOKEN, HeldRequest, StepContractError
 from pagedserve.worker_proc.attention import CpuAttentionPlan, plan_cpu_attention
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
 from pagedserve.worker_proc.spec_verify import DraftRow, draft_rows
@@ -54,21 +54,45 @@ def upload(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return views
 
 
+@dataclass(slots=True)
+class HostBatch:
+    """A step's batch gathered on the host, not yet on the device: the worker can build it while
+    the device still runs the step before, with that step's samples (placeholders) to fill in."""
+
+    input_ids: array
+    positions: array
+    slots: array
+    query_start_loc: array
+    seq_lens: array
+    sample_rows: array
+    tables: list[int]  # every request's table, padded to max_blocks
+    max_blocks: int
+    num_scheduled: list[int]
+    sampled: list  # the entries that sample, in batch order (k + 1 DraftRows with proposals)
+    position_range: tuple[int, int]
+    placeholders: list[tuple[int, HeldRequest]]  # (row, request) whose token is still PLACEHOLDER_TOKEN
+
+
 def build_forward_batch(
     requests: list[HeldRequest], block_size: int, device: torch.device, batched_decodes: bool,
     workspace: Optional[GatherWorkspace] = None, drafts: Optional[dict[str, list[int]]] = None,
 ) -> ForwardBatch:
     """``batched_decodes``: plan the CPU attention paths (batched decodes, SDPA prefill chunks).
-    ``drafts``: speculative proposals by request id, computed after its tokens (spec_verify.py).
+    ``drafts``: speculative proposals by request id, computed after its tokens (spec_verify.py)."""
+    return upload_batch(gather_batch(requests, block_size, drafts), block_size, device, batched_decodes, workspace)
 
-    The metadata is gathered into typed arrays and handed to torch without a copy: on a GPU the
-    device waits for this host work every step (a quarter of a 128-decode step, bench/RESULTS.md
-    "GPU: speculative decoding on an H200"), and torch.tensor() over Python lists was most of it."""
+
+def gather_batch(requests: list[HeldRequest], block_size: int,
+                 drafts: Optional[dict[str, list[int]]] = None) -> HostBatch:
+    """The step's metadata in typed arrays that torch takes without a copy: on a GPU the device
+    waits for this host work every step (a quarter of a 128-decode step, bench/RESULTS.md "GPU:
+    speculative decoding on an H200"), and torch.tensor() over Python lists was most of it."""
     input_ids, positions, slots = array("q"), array("q"), array("q")
     query_start_loc, seq_lens, sample_rows = array("i", [0]), array("i"), array("q")
-    tables: list[int] = []  # every request's table, padded to the widest below
+    tables: list[int] = []
     widths: list[int] = []
     sampled: list[HeldRequest] = []
+    placeholders: list[tuple[int, HeldRequest]] = []
     low, high = 0, 0
     num_scheduled: list[int] = []
     for req in requests:
@@ -80,6 +104,8 @@ def build_forward_batch(
                 f"request {req.req_id!r}: {end} tokens scheduled but the worker knows only {len(req.token_ids)}"
             )
         tokens = req.token_ids[start:end]
+        if tokens and tokens[-1] == PLACEHOLDER_TOKEN:  # only ever a request's newest token
+            placeholders.append((query_start_loc[-1] + len(tokens) - 1, req))
         if proposed:
             if not req.samples:
                 raise BatchError(f"request {req.req_id!r}: proposals for an entry that does not sample")
@@ -117,12 +143,34 @@ def build_forward_batch(
             tables += flat[offset:offset + w]
             tables += _ZEROS[:max_blocks - w] if max_blocks - w <= len(_ZEROS) else [0] * (max_blocks - w)
             offset += w
-    block_tables = _as_tensor(array("i", tables), torch.int32).view(len(requests), max_blocks)
+    return HostBatch(input_ids, positions, slots, query_start_loc, seq_lens, sample_rows, tables, max_blocks,
+                     num_scheduled, sampled, (low, high), placeholders)
+
+
+def resolve_placeholders(host: HostBatch) -> None:
+    """Each placeholder becomes its request's newest sample (``note_samples``), in the request's
+    tokens and in the batch: what apply_output does when the sample is known before the step."""
+    for row, req in host.placeholders:
+        token = req.last_sampled
+        if token is None:
+            raise BatchError(f"request {req.req_id!r} asks for the token sampled last step, but none was sampled "
+                             f"for it here")
+        req.token_ids[-1] = token
+        host.input_ids[row] = token
+    host.placeholders = []
+
+
+def upload_batch(host: HostBatch, block_size: int, device: torch.device, batched_decodes: bool,
+                 workspace: Optional[GatherWorkspace] = None) -> ForwardBatch:
+    if host.placeholders:
+        raise BatchError(f"{len(host.placeholders)} tokens of the step are still placeholders")
+    num_requests = len(host.num_scheduled)
+    block_tables = _as_tensor(array("i", host.tables), torch.int32).view(num_requests, host.max_blocks)
     input_ids_t, positions_d, slot_mapping, sample_indices = upload(
-        device, _as_tensor(input_ids, torch.long), _as_tensor(positions, torch.long), _as_tensor(slots, torch.long),
-        _as_tensor(sample_rows, torch.long))
+        device, _as_tensor(host.input_ids, torch.long), _as_tensor(host.positions, torch.long),
+        _as_tensor(host.slots, torch.long), _as_tensor(host.sample_rows, torch.long))
     block_tables_d, query_start_loc_t, seq_lens_t = upload(
-        device, block_tables, _as_tensor(query_start_loc, torch.int32), _as_tensor(seq_lens, torch.int32))
+        device, block_tables, _as_tensor(host.query_start_loc, torch.int32), _as_tensor(host.seq_lens, torch.int32))
     return ForwardBatch(
         input_ids=input_ids_t,
         positions=positions_d,
@@ -131,11 +179,11 @@ def build_forward_batch(
         query_start_loc=query_start_loc_t,
         seq_lens=seq_lens_t,
         sample_indices=sample_indices,
-        sampled_requests=sampled,
-        position_range=(low, high),
-        attention_plan=plan_cpu_attention(num_scheduled, query_start_loc, seq_lens, block_tables,
+        sampled_requests=host.sampled,
+        position_range=host.position_range,
+        attention_plan=plan_cpu_attention(host.num_scheduled, host.query_start_loc, host.seq_lens, block_tables,
                                           block_size, workspace) if batched_decodes else None,
-        max_query_len=max(num_scheduled, default=0),
+        max_query_len=max(host.num_scheduled, default=0),
     )
 
 

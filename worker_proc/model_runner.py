@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -28,13 +29,14 @@ from pagedserve.worker_proc.decode_attention import GatherWorkspace
 from pagedserve.worker_proc.draft_model import DraftModel
 from pagedserve.worker_proc.elementwise import select_elementwise
 from pagedserve.worker_proc.grammar_mask import apply_grammar_bitmask
-from pagedserve.worker_proc.input_batch import BatchError, build_forward_batch
+from pagedserve.worker_proc.input_batch import (BatchError, HostBatch, gather_batch, resolve_placeholders,
+                                                upload_batch)
 from pagedserve.worker_proc.kv_cache import KVCache, block_bytes, max_num_blocks
 from pagedserve.worker_proc.model_config import load_model_spec
 from pagedserve.worker_proc.models import MODEL_CLASSES
 from pagedserve.worker_proc.pooling import pool_chunks
 from pagedserve.worker_proc.prompt_logprobs import compute_prompt_logprobs
-from pagedserve.worker_proc.sampler import sample
+from pagedserve.worker_proc.sampler import launch_sample
 from pagedserve.worker_proc.spec_verify import accept
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.verify_graphs import VerifyGraphs
@@ -69,6 +71,8 @@ class ModelRunner:
         self.draft = (DraftModel(speculative, model_dir, self.spec, self.device, self.dtype, self.ops, tp_size)
                       if speculative is not None and speculative.method == "draft_model" else None)
         self._requests: dict[str, HeldRequest] = {}
+        self._ahead: Optional[StepAhead] = None  # the next step, applied and gathered during this one
+        self.steps_prepared_ahead = 0  # (tests, logs)
         self._cache: Optional[KVCache] = None
         self._seed = 0
         self._gather_workspace = GatherWorkspace()  # CPU decode attention's K/V gather buffers
@@ -122,6 +126,7 @@ class ModelRunner:
                                                   init.max_model_len, self._speculative.num_speculative_tokens + 1)
                 self.verify_graphs.capture()
         self._requests.clear()
+        self._ahead = None
         self._seed = init.seed
         torch.manual_seed(init.seed)
 
@@ -154,7 +159,9 @@ class ModelRunner:
                 return graphs.forward(batch, size)
         return self.model.forward(batch, device_cache, self.ops)
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput, peek: Optional[Callable[[], object]] = None) -> StepResult:
+        """``peek``: the next message if it has arrived, without waiting for it. A step it gives is
+        applied and gathered while this one's sample runs on the device (``_prepare_ahead``)."""
         cache = self._initialized_cache()
         started = time.perf_counter()
         req_ids: list[str] = []
@@ -168,17 +175,10 @@ class ModelRunner:
                 if kv is not None:
                     kv.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in,
                                        out.blocks_to_copy, out.new_block_ids_to_zero)
-            try:
-                scheduled = apply_output(self._requests, out)
-            except StepContractError as exc:
-                raise BatchError(str(exc)) from None
-            for state in scheduled[:len(out.new_requests)]:
-                if state.seed is None:  # the scheduler normally assigns one; stay deterministic anyway
-                    state.seed = self._seed ^ zlib.crc32(state.req_id.encode())
+            scheduled, host = self._prepared(out)
             if scheduled:
-                batch = build_forward_batch(scheduled, cache.block_size, self.device,
-                                            batched_decodes=self.device.type == "cpu",
-                                            workspace=self._gather_workspace, drafts=out.spec_token_ids)
+                batch = upload_batch(host, cache.block_size, self.device, batched_decodes=self.device.type == "cpu",
+                                     workspace=self._gather_workspace)
                 # Before either path: a graph replays rotary's table lookups without Python
                 self.model.rotary.check_positions(*batch.position_range)
                 hidden = self._forward(batch, cache.device_cache)
@@ -198,7 +198,10 @@ class ModelRunner:
                     # holds the token a placeholder in the next step stands for; rank 0 reports.
                     logits = self.model.compute_logits(hidden[batch.sample_indices])
                     logits = apply_grammar_bitmask(logits, batch.sampled_requests, out.grammar, out.step)
-                    sampled = sample(logits, batch.sampled_requests)
+                    pending = launch_sample(logits, batch.sampled_requests)
+                    if peek is not None and not out.spec_token_ids and self.draft is None:
+                        self._prepare_ahead(out, peek)
+                    sampled = pending.collect()
                     entries, token_ids, logprobs, alternatives = (batch.sampled_requests, sampled.token_ids,
                                                                   sampled.logprobs, sampled.top_logprobs)
                     if out.spec_token_ids:  # one token per entry, after its accepted proposals (spec_verify.py)
@@ -207,6 +210,11 @@ class ModelRunner:
                         alternatives = None if alternatives is None else [alternatives[i] for i in rows]
                         note_accepted(self._requests, num_accepted, cache.block_size)
                     note_samples(entries, token_ids)
+                    if self._ahead is not None and self._ahead.host is not None:
+                        try:  # the step prepared ahead takes these samples for its placeholders
+                            resolve_placeholders(self._ahead.host)
+                        except BatchError as exc:
+                            self._ahead.error = exc
                     if draft is not None:
                         proposals = draft.propose(entries, token_ids, out.draft_tokens, self._gather_workspace)
                     if self.rank == 0:
@@ -220,3 +228,64 @@ class ModelRunner:
                           top_logprobs=alternatives,
                           prompt_logprobs=prompt_logprobs, num_accepted_tokens=num_accepted, pooled=pooled,
                           draft_token_ids=proposals)
+
+    # ------------------------------------------------------------------ a step prepared ahead
+
+    def _prepared(self, out: SchedulerOutput) -> tuple[list[HeldRequest], Optional[HostBatch]]:
+        """The step applied to the held requests and gathered: by ``_prepare_ahead`` during the
+        step before, or now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if ahead.out is not out:  # its changes to the held requests are already made
+                raise BatchError(f"step {ahead.out.step} was prepared ahead but step {out.step} came")
+            if ahead.error is not None:
+                raise ahead.error
+            return ahead.scheduled, ahead.host
+        try:
+            scheduled = apply_output(self._requests, out)
+        except StepContractError as exc:
+            raise BatchError(str(exc)) from None
+        self._seed_new(scheduled[:len(out.new_requests)])
+        return scheduled, gather_batch(scheduled, self._initialized_cache().block_size, out.spec_token_ids)
+
+    def _prepare_ahead(self, out: SchedulerOutput, peek: Callable[[], object]) -> None:
+        """While the device runs this step, apply and gather the next one if it is already here:
+        on a GPU the host work of a step (~1 ms of a 4 ms decode step on an H200, bench/RESULTS.md
+        "GPU: speculative decoding on an H200") then no longer leaves the device idle. Its decodes'
+        tokens are this step's samples, still placeholders until they are read back."""
+        nxt = self._next_message(peek)
+        if (not isinstance(nxt, SchedulerOutput) or nxt.step <= out.step or nxt.spec_token_ids
+                or nxt.draft_tokens):
+            return  # the worker's loop takes it (and rejects a step out of order) as it would have
+        try:
+            scheduled = apply_output(self._requests, nxt, resolve_placeholders=False)
+            self._seed_new(scheduled[:len(nxt.new_requests)])
+            self._ahead = StepAhead(nxt, scheduled, gather_batch(scheduled, self._initialized_cache().block_size))
+            self.steps_prepared_ahead += 1
+        except StepContractError as exc:  # raised when that step runs, in its turn
+            self._ahead = StepAhead(nxt, [], None, exc if isinstance(exc, BatchError) else BatchError(str(exc)))
+
+    def _next_message(self, peek: Callable[[], object]):
+        if self.device.type != "cuda":  # the worker peeks on CUDA only; tests call this on the CPU
+            return peek()  # the step's work is already done: there is nothing to overlap
+        done = torch.cuda.Event()
+        done.record()
+        while True:
+            nxt = peek()
+            if nxt is not None or done.query():
+                return nxt
+
+    def _seed_new(self, new_requests: list[HeldRequest]) -> None:
+        for state in new_requests:
+            if state.seed is None:  # the scheduler normally assigns one; stay deterministic anyway
+                state.seed = self._seed ^ zlib.crc32(state.req_id.encode())
+
+
+@dataclass(slots=True)
+class StepAhead:
+    """A step applied and gathered during the one before it (ModelRunner._prepare_ahead)."""
+
+    out: SchedulerOutput
+    scheduled: list[HeldRequest]
+    host: Optional[HostBatch]
+    error: Optional[BatchError] = None

@@ -75,8 +75,28 @@ def _exponential_noise(requests: list[HeldRequest], vocab: int) -> torch.Tensor:
     return noise
 
 
+@dataclass(slots=True)
+class PendingSample:
+    """A sample whose device work is launched; ``collect`` reads it back (and waits for it)."""
+
+    token_ids: torch.Tensor
+    logprobs: Optional[torch.Tensor]
+    raw: Optional[torch.Tensor]  # the logits, when some row asks for top_logprobs
+    requests: list[HeldRequest]
+
+    def collect(self) -> SamplerOutput:
+        logprobs = None if self.logprobs is None else self.logprobs.tolist()
+        alternatives = None if self.raw is None else top_logprobs(self.raw, self.requests)
+        return SamplerOutput(self.token_ids.tolist(), logprobs, alternatives)
+
+
 def sample(logits: torch.Tensor, requests: list[HeldRequest]) -> SamplerOutput:
     """logits: float32 [len(requests), vocab], one row per request in order; not modified."""
+    return launch_sample(logits, requests).collect()
+
+
+def launch_sample(logits: torch.Tensor, requests: list[HeldRequest]) -> PendingSample:
+    """``sample`` up to its host reads: what the host does next overlaps the device's work."""
     raw = logits
     biased = any(r.sampling.logit_bias for r in requests)
     penalized = any(r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty != 0.0
@@ -101,10 +121,8 @@ def sample(logits: torch.Tensor, requests: list[HeldRequest]) -> SamplerOutput:
         probs = torch.softmax(scaled, 1)
         noise = _exponential_noise(chosen, logits.shape[1]).to(probs.device)
         token_ids[random_rows] = argmax_rows(probs / noise)
-    logprobs = alternatives = None
+    logprobs = None
     if any(r.sampling.logprobs for r in requests):  # vLLM's default: of the raw logits
-        log_probs = torch.log_softmax(raw, 1)
-        logprobs = log_probs.gather(1, token_ids[:, None])[:, 0].tolist()
-        if any(r.sampling.top_logprobs for r in requests):
-            alternatives = top_logprobs(raw, requests)
-    return SamplerOutput(token_ids.tolist(), logprobs, alternatives)
+        logprobs = torch.log_softmax(raw, 1).gather(1, token_ids[:, None])[:, 0]
+    wants_top = logprobs is not None and any(r.sampling.top_logprobs for r in requests)
+    return PendingSample(token_ids, logprobs, raw if wants_top else None, requests)

@@ -113,6 +113,7 @@ class Worker:
         ep = Endpoints(cfg.run_dir)
         # One DEALER both ways, known to the scheduler by a routing id only a worker can mint.
         self.inputs = self.results = SchedulerLink(self.ctx, ep, cfg.replica, cfg.rank)
+        self._next = None  # a message received early (ModelRunner.execute peeks at it), taken next
         self.to_supervisor = Sender(self.ctx, ep.supervisor())
         threads = cfg.num_threads or _default_cpu_threads(cfg, load_model_spec(cfg.model).num_layer_params)
         if threads:
@@ -159,7 +160,8 @@ class Worker:
         last_step = 0
         sent_at = time.perf_counter()
         while True:
-            msg = self.inputs.recv()
+            msg = self._next if self._next is not None else self._receive()
+            self._next = None
             if isinstance(msg, m.WorkerInit):
                 started = time.perf_counter()
                 self.runner.init_cache(msg)
@@ -178,13 +180,11 @@ class Worker:
                 sent_at = time.perf_counter()
                 continue
             idle = time.perf_counter() - sent_at
-            for req in msg.new_requests if self.cfg.debug_sampling_seed_offset else ():
-                req.sampling.seed = (req.sampling.seed or 0) + self.cfg.debug_sampling_seed_offset
             try:
                 if msg.step <= last_step:  # a replayed or duplicated frame: never run a step twice
                     raise StepOrderError(f"step {msg.step} arrived after step {last_step}")
                 last_step = msg.step
-                result = self.runner.execute(msg)
+                result = self.runner.execute(msg, peek=self._peek if self.runner.device.type == "cuda" else None)
             except Exception as exc:  # reported to the scheduler, which restarts the replica
                 log.error("step %d failed:\n%s", msg.step, traceback.format_exc())
                 result = m.StepResult(step=msg.step, rank=self.cfg.rank, req_ids=[], sampled_token_ids=[],
@@ -192,6 +192,19 @@ class Worker:
             result.idle_time_s = idle
             self.results.send(result)
             sent_at = time.perf_counter()
+
+    def _receive(self, timeout_ms: Optional[float] = None):
+        msg = self.inputs.recv(timeout_ms=timeout_ms)
+        for req in msg.new_requests if isinstance(msg, m.SchedulerOutput) and self.cfg.debug_sampling_seed_offset \
+                else ():
+            req.sampling.seed = (req.sampling.seed or 0) + self.cfg.debug_sampling_seed_offset
+        return msg
+
+    def _peek(self):
+        """The next message if it has arrived, kept for the loop to take next."""
+        if self._next is None:
+            self._next = self._receive(timeout_ms=0)
+        return self._next
 
     def close(self) -> None:
         for s in (self.inputs, self.results, self.to_supervisor):
