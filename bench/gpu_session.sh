@@ -87,9 +87,9 @@ for s in "$@"; do
     cpuspec) for n in 16 1; do step "cpuspec$n" 240 taskset -c "$CPU_PAIR" pagedserve bench offline --shapes 0.5b-loops \
                --device cpu --dtype bfloat16 --engines pagedserve --num-prompts $n --output-len 256 --runs 1 \
                --speculative-config "$SPEC"; done ;;
-    qgaps) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qgaps 120 python3 bench/scripts/step_profile.py \
-               "$PAGEDSERVE_BENCH_MODELS/qwen3-0.6b" --device cuda --dtype bfloat16 --num-prompts 128 \
-               --input-len 512 512 --output-len 64 --max-num-seqs 128 --repeat 2 --gpu-gaps ;;
+    qgaps) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && for a in "" --ahead; do step "qgaps$a" 120 python3 \
+               bench/scripts/step_profile.py "$PAGEDSERVE_BENCH_MODELS/qwen3-0.6b" --device cuda --dtype bfloat16 \
+               --num-prompts 128 --input-len 512 512 --output-len 64 --max-num-seqs 128 --repeat 2 --gpu-gaps $a; done ;;
     atests) PAGEDSERVE_TEST_DEVICE=cuda step atests 90 python3 -m pytest -q -p no:cacheprovider \
                tests/unit/test_kernels_attention.py tests/unit/test_worker_triton_forward.py \
                tests/unit/test_worker_cuda_graphs.py tests/unit/test_worker_verify_graphs.py -o addopts="" --timeout 80 ;;

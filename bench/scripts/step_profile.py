@@ -20,7 +20,7 @@ import pstats
 import random
 import statistics
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 from pagedserve.protocol.torch_env import apply_torch_env_defaults
 
@@ -70,9 +70,12 @@ def run(ns: argparse.Namespace) -> None:
     steps_by_kind: dict[str, list[float]] = defaultdict(list)
     work_by_kind: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     start = clock()
-    while sched.has_unfinished():
+    queued: deque = deque()  # with --ahead, the step scheduled before this one's result, as the engine does
+    while sched.has_unfinished() or queued:
         t0 = clock()
-        out = sched.schedule()
+        out = queued.popleft() if queued else sched.schedule()
+        if ns.ahead and sched.has_unfinished() and sched.can_schedule_ahead():
+            queued.append(sched.schedule())
         t1 = clock()
         if timer is not None:
             with timer.phase("IPC encode/decode"):
@@ -85,7 +88,7 @@ def run(ns: argparse.Namespace) -> None:
         else:
             if gaps is not None:
                 gaps.begin()
-            result = runner.execute(out)
+            result = runner.execute(out, peek=(lambda: queued[0] if queued else None) if ns.ahead else None)
             t2 = clock()
             if gaps is not None:
                 n_reqs = len(out.new_requests) + len(out.cached_requests) + len(out.decodes.req_ids)
@@ -160,6 +163,9 @@ def main() -> None:
     p.add_argument("--gpu-gaps", action="store_true",
                    help="on CUDA: where a decode step's wall time goes, by device events: the device idle "
                         "while the host prepares inputs, the forward, logits and sampling")
+    p.add_argument("--ahead", action="store_true",
+                   help="schedule the next step before this one's result where the scheduler allows (async "
+                        "scheduling), and let the runner prepare it while this one samples (not with --phases)")
     p.add_argument("--by-kind", action="store_true", help="median worker ms per step kind (batch size, prefill)")
     p.add_argument("--threads", type=int)
     p.add_argument("--cpu-time", action="store_true",
@@ -170,6 +176,8 @@ def main() -> None:
                    help="leave glibc's malloc thresholds alone (the worker process raises them)")
     ns = p.parse_args()
     ns.phases = ns.phases or ns.limits
+    if ns.ahead and ns.phases:
+        p.error("--ahead runs a step's preparation inside the one before: not with --phases")
     if ns.gpu_gaps and (ns.phases or not ns.device.startswith("cuda")):
         p.error("--gpu-gaps times device events: CUDA only, and not with --phases")
     if not ns.malloc_default:
