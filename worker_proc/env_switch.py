@@ -1,4 +1,4 @@
-"""The worker's on/off environment switches (PAGEDSERVE_FUSED_OPS, PAGEDSERVE_CPU_PACKED_LINEAR)."""
+"""The worker's on/off environment switches (PAGEDSERVE_FUSED_OPS, PAGEDSERVE_CPU_PACKED_LINEAR, PAGEDSERVE_PREPARE_AHEAD)."""
 
 from __future__ import annotations
 

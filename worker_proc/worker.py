@@ -25,6 +25,7 @@ from pagedserve.protocol.speculative import parse_speculative_config
 from pagedserve.protocol.torch_env import huge_pages_state
 from pagedserve.protocol.worker_link import SchedulerLink
 from pagedserve.protocol.zmq_io import Endpoints, Sender
+from pagedserve.worker_proc.env_switch import env_switch
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -86,6 +87,7 @@ def _device_for_rank(cfg: WorkerConfig) -> str:
 # is several times slower on both, since its steps last a few ms and every intra-op thread
 # the frontend or scheduler preempts stalls the whole parallel op.
 ALL_CORES_MIN_LAYER_PARAMS = 10_000_000
+PREPARE_AHEAD_ENV = "PAGEDSERVE_PREPARE_AHEAD"  # 1 or 0; unset: on CUDA only
 
 
 def _default_cpu_threads(cfg: WorkerConfig, num_layer_params: int) -> Optional[int]:
@@ -125,6 +127,10 @@ class Worker:
                                   tp_rank=cfg.rank, tp_size=cfg.tensor_parallel_size, tp_group=group,
                                   cuda_graphs=not cfg.enforce_eager,
                                   speculative=parse_speculative_config(cfg.speculative_config))
+        # Peek at the next step while this one samples (ModelRunner._prepare_ahead): on CUDA, where the
+        # device works meanwhile; a CPU has nothing to overlap (bench/RESULTS.md), but the switch may ask.
+        ahead = env_switch(PREPARE_AHEAD_ENV)
+        self._peek_next = self.runner.device.type == "cuda" if ahead is None else ahead
         kernels = self.runner.ops.__name__.rsplit(".", 1)[-1]
         if self.runner.device.type == "cpu" and cpu_native.library() is not None:
             kernels += f" + native CPU decode and prompt attention, rotary ({cpu_native.kernel_variant()})"
@@ -158,6 +164,7 @@ class Worker:
     def run(self) -> None:
         self.results.send(self.hello())
         last_step = 0
+        said_ahead = False
         sent_at = time.perf_counter()
         while True:
             msg = self._next if self._next is not None else self._receive()
@@ -184,7 +191,11 @@ class Worker:
                 if msg.step <= last_step:  # a replayed or duplicated frame: never run a step twice
                     raise StepOrderError(f"step {msg.step} arrived after step {last_step}")
                 last_step = msg.step
-                result = self.runner.execute(msg, peek=self._peek if self.runner.device.type == "cuda" else None)
+                result = self.runner.execute(msg, peek=self._peek if self._peek_next else None)
+                if self.runner.steps_prepared_ahead and not said_ahead:
+                    said_ahead = True
+                    log.info("steps are prepared ahead: step %d was applied and gathered while step %d sampled",
+                             self._next.step if self._next is not None else msg.step + 1, msg.step)
             except Exception as exc:  # reported to the scheduler, which restarts the replica
                 log.error("step %d failed:\n%s", msg.step, traceback.format_exc())
                 result = m.StepResult(step=msg.step, rank=self.cfg.rank, req_ids=[], sampled_token_ids=[],

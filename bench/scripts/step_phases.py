@@ -72,7 +72,7 @@ class PhaseTimer:
 
 def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) -> PhaseTimer:
     """Wrap what ``ModelRunner.execute`` calls; ``runner`` is a ModelRunner."""
-    from pagedserve.worker_proc import model_runner
+    from pagedserve.worker_proc import model_runner, sampler
     from pagedserve.worker_proc.kv_cache import KVCache
     from pagedserve.worker_proc.models import causal_lm, decoder_layer
 
@@ -100,9 +100,11 @@ def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) ->
     elementwise = type(runner.model.elementwise)
     timer.wrap(elementwise, "rotary", "rotary")
     timer.wrap_any(elementwise, ("rms_norm", "add_rms_norm", "silu_mul"), "norms and activations")
-    timer.wrap(model_runner, "sample", "sampling")
-    timer.wrap_any(model_runner, ("build_step_batch", "build_forward_batch", "apply_output"),
-                   "input preparation")
+    timer.wrap_any(model_runner, ("sample", "launch_sample"), "sampling")
+    if hasattr(sampler, "PendingSample"):
+        timer.wrap(sampler.PendingSample, "collect", "sampling")
+    timer.wrap_any(model_runner, ("build_step_batch", "build_forward_batch", "apply_output", "gather_batch",
+                                  "upload_batch"), "input preparation")
     timer.wrap_any(type(runner), ("_update_requests",), "input preparation")
     timer.wrap(KVCache, "apply_block_ops", "cache ops")
     return timer
