@@ -11,6 +11,13 @@
 #   taskset -c "$(bash bench/gpu_session.sh others)" bash bench/gpu_session.sh atests spec serve06
 # The CPU steps take two CPUs of two different physical cores (CPU_PAIR; a VM's CPUs 0 and 1 may be
 # one core's two hyperthreads); `others` prints every other CPU, for the GPU's steps.
+# One device call of at most 600 s that does all of it (at most 8 files come back, so the logs go
+# back as one archive; carry [".whl"]):
+#   R=$OUT; export OUT=/tmp/glogs; mkdir -p $OUT; bash bench/gpu_session.sh | tee $R/head.log;
+#   { PAGEDSERVE_BENCH_MODELS=/tmp/bench-models-cpu DEADLINE=525 bash bench/gpu_session.sh cpuamx cpuspec \
+#     >$OUT/cpu.log 2>&1; } & RUNS=3 DEADLINE=530 taskset -c "$(bash bench/gpu_session.sh others)" \
+#   bash bench/gpu_session.sh atests spec qgaps serve06 sweep 2>&1 | tee $R/session.log;
+#   wait; cp $OUT/cpu.log $R/; tar czf $R/logs.tgz -C $OUT .
 set -u
 # Two CPUs on two physical cores, for the CPU steps.
 CPU_PAIR=${CPU_PAIR:-$(lscpu -p=CPU,CORE | grep -v '^#' | sort -t, -k2,2n -u | head -n 2 | cut -d, -f1 | paste -sd,)}
