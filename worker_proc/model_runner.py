@@ -266,8 +266,8 @@ class ModelRunner:
             self._ahead = StepAhead(nxt, [], None, exc if isinstance(exc, BatchError) else BatchError(str(exc)))
 
     def _next_message(self, peek: Callable[[], object]):
-        if self.device.type != "cuda":  # the worker peeks on CUDA only; tests call this on the CPU
-            return peek()  # the step's work is already done: there is nothing to overlap
+        if self.device.type != "cuda":  # the step's work is done already: nothing to wait for
+            return peek()  # (a CPU peeks only under PAGEDSERVE_PREPARE_AHEAD=1, and in tests)
         done = torch.cuda.Event()
         done.record()
         while True:
