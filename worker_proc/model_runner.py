@@ -12,6 +12,7 @@ forward, and proposes after their samples; its cache takes every block operation
 
 from __future__ import annotations
 
+import logging
 import time
 import zlib
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from pagedserve.worker_proc.sampler import launch_sample
 from pagedserve.worker_proc.spec_verify import accept
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.verify_graphs import VerifyGraphs
+
+log = logging.getLogger("pagedserve.worker")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Activations budget kept free of KV blocks on CUDA: one step of this many tokens.
@@ -124,7 +127,11 @@ class ModelRunner:
             if self._speculative is not None:  # steps of up to k + 1 tokens a request
                 self.verify_graphs = VerifyGraphs(self.model, self._cache.device_cache, self.ops, init.block_size,
                                                   init.max_model_len, self._speculative.num_speculative_tokens + 1)
-                self.verify_graphs.capture()
+                try:
+                    self.verify_graphs.capture()
+                except Exception as exc:  # not yet run on a GPU: verifications then run eagerly, as before
+                    log.warning("verification steps run without CUDA graphs: capturing them failed: %s", exc)
+                    self.verify_graphs = None
         self._requests.clear()
         self._ahead = None
         self._seed = init.seed
