@@ -127,10 +127,7 @@ def _apply_decodes(held: dict[str, HeldRequest], out: SchedulerOutput, scheduled
             raise StepContractError(f"step {step}: decode request {req_id!r}: its new token is at position "
                                     f"{position} but {len(token_ids)} tokens are held here (out of sync)")
         if token == PLACEHOLDER_TOKEN and resolve_placeholders:
-            token = state.last_sampled
-            if token is None:
-                raise StepContractError(f"step {step}: decode request {req_id!r} asks for the token sampled "
-                                        f"last step, but none was sampled for it here")
+            token = placeholder_token(state, step)
         token_ids.append(token)
         state.num_computed_tokens = position
         state.num_scheduled_tokens = 1
@@ -141,6 +138,14 @@ def _apply_decodes(held: dict[str, HeldRequest], out: SchedulerOutput, scheduled
             raise StepContractError(f"step {step}: decodes: new block {block} names decode {index}, "
                                     f"but the step has {num_decodes} decodes")
         scheduled[first + index].block_ids.append(block)
+
+
+def placeholder_token(state: HeldRequest, step: int) -> int:
+    """The token a placeholder of ``state`` in step ``step`` stands for: its newest sample."""
+    if state.last_sampled is None:
+        raise StepContractError(f"step {step}: decode request {state.req_id!r} asks for the token sampled "
+                                f"last step, but none was sampled for it here")
+    return state.last_sampled
 
 
 def note_samples(sampled: list[HeldRequest], token_ids: list[int]) -> None:

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from pagedserve.protocol.step_state import PLACEHOLDER_TOKEN, HeldRequest, StepContractError
+from pagedserve.protocol.step_state import PLACEHOLDER_TOKEN, HeldRequest, StepContractError, placeholder_token
 from pagedserve.worker_proc.attention import CpuAttentionPlan, plan_cpu_attention
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
 from pagedserve.worker_proc.spec_verify import DraftRow, draft_rows
@@ -147,16 +147,11 @@ def gather_batch(requests: list[HeldRequest], block_size: int,
                      num_scheduled, sampled, (low, high), placeholders)
 
 
-def resolve_placeholders(host: HostBatch) -> None:
-    """Each placeholder becomes its request's newest sample (``note_samples``), in the request's
-    tokens and in the batch: what apply_output does when the sample is known before the step."""
+def resolve_placeholders(host: HostBatch, step: int) -> None:
+    """Each placeholder becomes its request's newest sample, in the request's tokens and in the
+    batch: what apply_output does when the sample is known before the step is applied."""
     for row, req in host.placeholders:
-        token = req.last_sampled
-        if token is None:
-            raise BatchError(f"request {req.req_id!r} asks for the token sampled last step, but none was sampled "
-                             f"for it here")
-        req.token_ids[-1] = token
-        host.input_ids[row] = token
+        req.token_ids[-1] = host.input_ids[row] = placeholder_token(req, step)
     host.placeholders = []
 
 

@@ -219,9 +219,9 @@ class ModelRunner:
                     note_samples(entries, token_ids)
                     if self._ahead is not None and self._ahead.host is not None:
                         try:  # the step prepared ahead takes these samples for its placeholders
-                            resolve_placeholders(self._ahead.host)
-                        except BatchError as exc:
-                            self._ahead.error = exc
+                            resolve_placeholders(self._ahead.host, self._ahead.out.step)
+                        except StepContractError as exc:
+                            self._ahead.error = BatchError(str(exc))
                     if draft is not None:
                         proposals = draft.propose(entries, token_ids, out.draft_tokens, self._gather_workspace)
                     if self.rank == 0:
@@ -270,7 +270,7 @@ class ModelRunner:
             self._ahead = StepAhead(nxt, scheduled, gather_batch(scheduled, self._initialized_cache().block_size))
             self.steps_prepared_ahead += 1
         except StepContractError as exc:  # raised when that step runs, in its turn
-            self._ahead = StepAhead(nxt, [], None, exc if isinstance(exc, BatchError) else BatchError(str(exc)))
+            self._ahead = StepAhead(nxt, [], None, BatchError(str(exc)))
 
     def _next_message(self, peek: Callable[[], object]):
         if self.device.type != "cuda":  # the step's work is done already: nothing to wait for
