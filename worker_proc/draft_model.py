@@ -30,10 +30,9 @@ import torch
 from pagedserve.protocol.messages import SchedulerOutput, WorkerInit
 from pagedserve.protocol.speculative import SpeculativeConfig, check_draft_model
 from pagedserve.protocol.step_state import HeldRequest
-from pagedserve.worker_proc.attention import plan_cpu_attention
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
 from pagedserve.worker_proc.elementwise import select_elementwise
-from pagedserve.worker_proc.input_batch import ForwardBatch, build_forward_batch, upload
+from pagedserve.worker_proc.input_batch import ForwardBatch, build_forward_batch, gather_decodes, upload_batch
 from pagedserve.worker_proc.kv_cache import KVCache, block_bytes
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError, load_model_spec
 from pagedserve.worker_proc.models import MODEL_CLASSES
@@ -124,8 +123,10 @@ class DraftModel:
         active = list(range(len(group)))
         for j in range(max(k for _, _, k in group)):
             active = [i for i in active if group[i][2] > j]
-            batch = _decode_batch([tokens[i] for i in active], [positions[i] + j for i in active],
-                                  [tables[i] for i in active], bs, self.device, workspace)
+            host = gather_decodes([tokens[i] for i in active], [positions[i] + j for i in active],
+                                  [tables[i] for i in active], bs)
+            batch = upload_batch(host, bs, self.device, batched_decodes=self.device.type == "cpu",
+                                 workspace=workspace)
             self.model.rotary.check_positions(*batch.position_range)
             hidden = self.model.forward(batch, cache.device_cache, self.ops)
             best = self.model.compute_logits(hidden).argmax(-1).tolist()
@@ -133,24 +134,3 @@ class DraftModel:
                 proposals[group[i][0].req_id].append(token)
                 tokens[i] = token
         return proposals
-
-
-def _decode_batch(tokens: list[int], positions: list[int], tables: list[list[int]], block_size: int,
-                  device: torch.device, workspace: Optional[GatherWorkspace]) -> ForwardBatch:
-    """One token per entry at ``positions``, attending over ``tables``."""
-    n = len(tokens)
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    positions_t = torch.tensor(positions, dtype=torch.long)
-    slots = block_tables[torch.arange(n), positions_t // block_size].long() * block_size + positions_t % block_size
-    query_start_loc = list(range(n + 1))
-    seq_lens = [p + 1 for p in positions]
-    input_ids, positions_d, slots, sample_indices = upload(device, torch.tensor(tokens, dtype=torch.long),
-                                                           positions_t, slots, torch.arange(n))
-    tables_d, query_start_loc_t, seq_lens_t = upload(device, block_tables,
-                                                     torch.tensor(query_start_loc, dtype=torch.int32),
-                                                     torch.tensor(seq_lens, dtype=torch.int32))
-    plan = (plan_cpu_attention([1] * n, query_start_loc, seq_lens, block_tables, block_size, workspace)
-            if device.type == "cpu" else None)
-    return ForwardBatch(input_ids, positions_d, slots, tables_d, query_start_loc_t, seq_lens_t, sample_indices, [],
-                        (min(positions), max(positions)), plan)

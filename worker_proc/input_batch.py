@@ -3,8 +3,8 @@
 The per-request state the worker keeps between steps is protocol/step_state.py's
 ``HeldRequest``, updated by ``apply_output``. Each step's batch concatenates every scheduled request's tokens
 ``token_ids[num_computed : num_computed + num_scheduled]`` — prefill chunks and decodes
-alike, no padding — with the metadata the attention kernels read. The tensors are built
-from a handful of Python lists; only the slot mapping is computed in torch.
+alike, no padding — with the metadata the attention kernels read. The metadata is gathered
+on the host into typed arrays (``HostBatch``) that torch then shares without a copy (``upload_batch``).
 """
 
 from __future__ import annotations
@@ -89,8 +89,7 @@ def gather_batch(requests: list[HeldRequest], block_size: int,
     speculative decoding on an H200"), and torch.tensor() over Python lists was most of it."""
     input_ids, positions, slots = array("q"), array("q"), array("q")
     query_start_loc, seq_lens, sample_rows = array("i", [0]), array("i"), array("q")
-    tables: list[int] = []
-    widths: list[int] = []
+    tables: list[list[int]] = []
     sampled: list[HeldRequest] = []
     placeholders: list[tuple[int, HeldRequest]] = []
     low, high = 0, 0
@@ -125,8 +124,7 @@ def gather_batch(requests: list[HeldRequest], block_size: int,
         num_scheduled.append(end - start)
         query_start_loc.append(query_start_loc[-1] + end - start)
         seq_lens.append(end)
-        tables += block_ids[:num_blocks]
-        widths.append(num_blocks)
+        tables.append(block_ids[:num_blocks])
         if proposed:
             sample_rows.extend(range(query_start_loc[-2] + req.num_scheduled_tokens - 1, query_start_loc[-1]))
             sampled += draft_rows(req, proposed)
@@ -135,16 +133,22 @@ def gather_batch(requests: list[HeldRequest], block_size: int,
             sampled.append(req)
     if drafts and len(drafts) != sum(isinstance(r, DraftRow) and r.j == 0 for r in sampled):
         raise BatchError(f"proposals for {sorted(drafts)}, not all of them entries of this step that sample")
-    max_blocks = max(widths, default=0)
-    if any(w != max_blocks for w in widths):
-        tables, flat = [], tables
-        offset = 0
-        for w in widths:
-            tables += flat[offset:offset + w]
-            tables += _ZEROS[:max_blocks - w] if max_blocks - w <= len(_ZEROS) else [0] * (max_blocks - w)
-            offset += w
-    return HostBatch(input_ids, positions, slots, query_start_loc, seq_lens, sample_rows, tables, max_blocks,
+    flat, max_blocks = _padded(tables)
+    return HostBatch(input_ids, positions, slots, query_start_loc, seq_lens, sample_rows, flat, max_blocks,
                      num_scheduled, sampled, (low, high), placeholders)
+
+
+def gather_decodes(tokens: list[int], positions: list[int], tables: list[list[int]], block_size: int) -> HostBatch:
+    """One token per entry at ``positions``, attending over ``tables``, sampling every row (the
+    draft model's steps, which hold no HeldRequest)."""
+    n = len(tokens)
+    slots = array("q")
+    for position, table in zip(positions, tables):
+        _extend_slots(slots, table, position, position + 1, block_size)
+    flat, max_blocks = _padded(tables)
+    return HostBatch(array("q", tokens), array("q", positions), slots, array("i", range(n + 1)),
+                     array("i", [p + 1 for p in positions]), array("q", range(n)), flat, max_blocks, [1] * n, [],
+                     (min(positions), max(positions)), [])
 
 
 def resolve_placeholders(host: HostBatch, step: int) -> None:
@@ -182,7 +186,15 @@ def upload_batch(host: HostBatch, block_size: int, device: torch.device, batched
     )
 
 
-_ZEROS = [0] * 4096  # block-table padding, sliced
+def _padded(tables: list[list[int]]) -> tuple[list[int], int]:
+    """Every table in one flat list, each padded with block 0 to the widest; and that width."""
+    width = max((len(t) for t in tables), default=0)
+    flat: list[int] = []
+    for table in tables:
+        flat += table
+        if len(table) < width:
+            flat += [0] * (width - len(table))
+    return flat, width
 
 
 def _as_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
