@@ -194,8 +194,7 @@ class Worker:
                 result = self.runner.execute(msg, peek=self._peek if self._peek_next else None)
                 if self.runner.steps_prepared_ahead and not said_ahead:
                     said_ahead = True
-                    log.info("steps are prepared ahead: step %d was applied and gathered while step %d sampled",
-                             self._next.step if self._next is not None else msg.step + 1, msg.step)
+                    log.info("steps are prepared ahead: each applied and gathered while the one before samples")
             except Exception as exc:  # reported to the scheduler, which restarts the replica
                 log.error("step %d failed:\n%s", msg.step, traceback.format_exc())
                 result = m.StepResult(step=msg.step, rank=self.cfg.rank, req_ids=[], sampled_token_ids=[],
