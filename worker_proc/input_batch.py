@@ -198,8 +198,10 @@ def _padded(tables: list[list[int]]) -> tuple[list[int], int]:
 
 
 def _as_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
-    """The array's memory as a tensor (it keeps the array alive); empty arrays have no buffer to share."""
-    return torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
+    """The array's memory as a tensor; empty arrays have no buffer to share. Through a memoryview,
+    which the tensor keeps: while it lives the array cannot grow (BufferError), where growing
+    would move the memory from under the tensor."""
+    return torch.frombuffer(memoryview(values), dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
 
 
 def _extend_slots(slots: array, block_ids: list[int], start: int, end: int, block_size: int) -> None:

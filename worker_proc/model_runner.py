@@ -63,6 +63,10 @@ class ModelRunner:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda":
+            # events, graph capture and Triton's launches take the current device, not the tensors':
+            # a replica's worker on cuda:1 would otherwise record and capture on cuda:0's stream
+            torch.cuda.set_device(self.device)
         self.dtype = DTYPES[dtype]
         self.rank = tp_rank
         self.shard = TensorParallelShard.for_rank(self.spec, tp_rank, tp_size, tp_group)
@@ -129,7 +133,9 @@ class ModelRunner:
                                                   init.max_model_len, self._speculative.num_speculative_tokens + 1)
                 try:
                     self.verify_graphs.capture()
+                    torch.cuda.synchronize(self.device)
                 except Exception as exc:  # not yet run on a GPU: verifications then run eagerly, as before
+                    torch.cuda.synchronize(self.device)  # a fault on the device itself is fatal: raised here
                     log.warning("verification steps run without CUDA graphs: capturing them failed: %s", exc)
                     self.verify_graphs = None
         self._requests.clear()

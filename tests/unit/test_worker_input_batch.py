@@ -1,11 +1,13 @@
 """The step's flattened batch (worker_proc/input_batch.py) against one written token by token."""
 
+from array import array
+
 import pytest
 import torch
 
 from pagedserve.protocol.messages import SamplingParams
 from pagedserve.protocol.step_state import HeldRequest
-from pagedserve.worker_proc.input_batch import BatchError, build_forward_batch
+from pagedserve.worker_proc.input_batch import BatchError, _as_tensor, build_forward_batch
 from pagedserve.worker_proc.spec_verify import DraftRow
 
 BLOCK = 16
@@ -85,3 +87,15 @@ def test_a_step_with_nothing_to_sample_and_equal_tables():
 def test_a_table_shorter_than_the_step_is_refused():
     with pytest.raises(BatchError, match="need 3 blocks"):
         build_forward_batch([held("short", 40, 20, 13, [1, 2])], BLOCK, torch.device("cpu"), batched_decodes=False)
+
+
+def test_an_array_under_a_batch_tensor_cannot_grow_while_the_tensor_lives():
+    # growing would move the array's memory and leave the tensor (on a CPU, the forward's input)
+    # reading freed memory; the tensor holds the array's buffer instead
+    values = array("q", [4, 5, 6])
+    tensor = _as_tensor(values, torch.int64)
+    with pytest.raises(BufferError):
+        values.extend(range(1000))
+    assert tensor.tolist() == [4, 5, 6]
+    del tensor
+    values.append(7)
