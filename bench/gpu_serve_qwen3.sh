@@ -17,7 +17,10 @@ if not (Path(sys.argv[1]) / "config.json").exists():
                     tie_word_embeddings=True, rope_theta=1000000.0, seed=1234, dtype="bfloat16")
 PY
 [ -n "${BUILD_ONLY:-}" ] && exit 0
-bench() { pagedserve bench serve --url http://127.0.0.1:8012 --input-len 512 512 --output-len 128 --no-progress "$@"; }
+# BENCH_ARGS: extra `pagedserve bench serve` options for every run (e.g. --temperature 1.0: sampled, the API's default)
+# shellcheck disable=SC2086
+bench() { pagedserve bench serve --url http://127.0.0.1:8012 --input-len 512 512 --output-len 128 --no-progress \
+  ${BENCH_ARGS:-} "$@"; }
 IFS='|' read -r -a configs <<<"${CONFIGS:-}"
 [ ${#configs[@]} -eq 0 ] && configs=("")
 c=0

@@ -13,8 +13,9 @@ how many of its greedy outputs equal the peer's. ``--shapes tiny,small,0.5b`` ru
 shapes of ``shapes.py`` one after the other and prints them side by side.
 ``--speculative-config JSON`` runs pagedserve a second time with speculative decoding in the
 same invocation and prints both rows with their ratio and acceptance; ``--temperature T``
-samples (seeded per prompt) instead of greedy: random weights under greedy fall into cycles
-that prompt lookup predicts, sampled at temperature 1 they repeat nothing.
+samples instead of greedy (pagedserve seeded per prompt, vLLM unseeded, its default; tokens are
+then not compared): random weights under greedy fall into cycles that prompt lookup predicts,
+sampled at temperature 1 they repeat nothing.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", metavar="JSON", help="also run pagedserve with this speculative "
                    "config (vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}') and "
                    "print it beside the run without")
-    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature, seeded per "
-                   "prompt (pagedserve only; default greedy)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default "
+                   "greedy): pagedserve seeded per prompt, vLLM unseeded (its default path); not transformers")
     p.add_argument("--repeating-prompts", type=int, default=0, metavar="N", help="each prompt its first N "
                    "tokens over and over (a workload whose outputs may repeat what came before; 0: random)")
     p.add_argument("--no-check", action="store_true", help="skip comparing the engines' tokens")
@@ -130,7 +131,7 @@ def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]],
 def run_vllm(ns: argparse.Namespace, model: str, prompts: list[list[int]], output_len: int) -> dict:
     """vLLM's offline LLM in its own interpreter; the workload and the result cross as JSON."""
     spec = {"model": str(Path(model).resolve()), "dtype": ns.dtype, "prompts": prompts, "max_tokens": output_len,
-            "runs": ns.runs, "warmup_prompts": 2,
+            "temperature": ns.temperature, "runs": ns.runs, "warmup_prompts": 2,
             "engine_args": {"gpu_memory_utilization": ns.vllm_memory_utilization, "max_num_seqs": ns.max_num_seqs,
                             **({"max_num_batched_tokens": ns.max_num_batched_tokens}
                                if ns.max_num_batched_tokens else {})}}
@@ -275,6 +276,11 @@ def main(ns: argparse.Namespace) -> int:
     ns.device = resolve_device(ns.device)
     ns.engines = [e for e in parse_engines(ns.engines) if not (e == "transformers" and ns.peer == "none")]
     ns.vllm_python = resolve_vllm_python(ns.engines, ns.vllm_python)
+    if ns.temperature > 0:
+        if "transformers" in ns.engines:
+            raise SystemExit("--temperature: the transformers peer runs greedy only here; pass --peer none "
+                             "or --engines without it")
+        ns.no_check = True  # sampled tokens of two random streams are not comparable
 
     if ns.shapes:
         names = [s.strip() for s in ns.shapes.split(",") if s.strip()]

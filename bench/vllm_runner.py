@@ -5,9 +5,9 @@
 vLLM lives in its own environment (its torch build and pins differ from pagedserve's), so
 the bench runs this file with that interpreter. It imports only vLLM and the standard
 library. IN.json holds the workload: ``model``, ``dtype``, ``prompts`` (token-id lists),
-``max_tokens``, ``runs``, ``warmup_prompts`` and ``engine_args`` (extra ``vllm.LLM``
+``max_tokens``, ``temperature`` (0: greedy), ``runs``, ``warmup_prompts`` and ``engine_args`` (extra ``vllm.LLM``
 keyword arguments). OUT.json receives, on success, the seconds of each timed run, the
-greedy token ids of the first timed run in prompt order, whether every run produced the
+token ids of the first timed run in prompt order, whether every run produced the
 same ids, and the time from this process's start to the engine's first answer. JSON files
 rather than stdout, because vLLM and its children log to stdout.
 """
@@ -30,7 +30,9 @@ def run(spec: dict) -> dict:
         warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:spec.get("warmup_prompts", 2)], warm, use_tqdm=False)
         first_answer = time.perf_counter() - STARTED
-        params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+        # unseeded: the batch-wide sampling path a user of vLLM gets by default
+        params = SamplingParams(max_tokens=spec["max_tokens"], temperature=spec.get("temperature", 0.0),
+                                ignore_eos=True)
         seconds, runs = [], []
         for _ in range(spec["runs"]):
             start = time.perf_counter()

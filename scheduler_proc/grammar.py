@@ -18,23 +18,34 @@ scheduler knowing its previous token: its mask depends on that token (overlap.py
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import numpy as np
 
 from pagedserve.protocol.messages import GrammarBitmask
+from pagedserve.scheduler_proc.utf8_guard import Utf8Guard
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_proc.request import Sequence
 
 
+@dataclass(frozen=True, slots=True)
+class ServedGrammar:
+    """What the grammar cache hands out: xgrammar's compiled grammar and its tokenizer's guard."""
+
+    compiled: Any  # xgrammar.CompiledGrammar
+    utf8: Utf8Guard
+
+
 class RequestGrammar:
     """A request's compiled grammar and stop tokens: makes one matcher per sampling sequence."""
 
-    __slots__ = ("compiled", "stop_token_ids", "start_after")
+    __slots__ = ("compiled", "utf8", "stop_token_ids", "start_after")
 
-    def __init__(self, compiled, stop_token_ids: frozenset[int], start_after: Iterable[int] = ()):
-        self.compiled = compiled
+    def __init__(self, served: ServedGrammar, stop_token_ids: frozenset[int], start_after: Iterable[int] = ()):
+        self.compiled = served.compiled
+        self.utf8 = served.utf8
         self.stop_token_ids = sorted(stop_token_ids)
         self.start_after = tuple(start_after)
 
@@ -45,13 +56,15 @@ class RequestGrammar:
 class SequenceGrammar:
     """One sequence's position in its grammar, advanced by each token it samples."""
 
-    __slots__ = ("matcher", "waiting_for", "_recent")
+    __slots__ = ("matcher", "waiting_for", "_recent", "_utf8", "_previous")
 
     def __init__(self, grammar: RequestGrammar):
         import xgrammar
 
         self.waiting_for = grammar.start_after  # () once the grammar has started
         self._recent: list[int] = []  # the last len(waiting_for) tokens while waiting
+        self._utf8 = grammar.utf8
+        self._previous: Optional[int] = None  # the output's last token, for the UTF-8 guard
 
         if grammar.stop_token_ids:  # the request's own stop tokens end the grammar
             self.matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=grammar.stop_token_ids)
@@ -67,6 +80,7 @@ class SequenceGrammar:
     def observe(self, token: int) -> None:
         """A token sampled before the grammar started: it starts after the one that completes
         ``waiting_for``."""
+        self._previous = token
         self._recent.append(token)
         if len(self._recent) > len(self.waiting_for):
             del self._recent[0]
@@ -74,6 +88,7 @@ class SequenceGrammar:
             self.waiting_for, self._recent = (), []
 
     def accept(self, token: int) -> bool:
+        self._previous = token
         return self.matcher.accept_token(token)
 
     @property
@@ -82,6 +97,7 @@ class SequenceGrammar:
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        self._utf8.narrow(bitmask, row, self._previous)  # what xgrammar lets through (utf8_guard.py)
 
 
 def step_bitmask(seqs: list["Sequence"], words_per_row: int) -> Optional[GrammarBitmask]:

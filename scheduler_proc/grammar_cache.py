@@ -26,6 +26,8 @@ import msgspec
 from pagedserve.protocol.messages import StructuredOutputs
 from pagedserve.protocol.structured_outputs import build_grammar
 from pagedserve.protocol.validate import InvalidField
+from pagedserve.scheduler_proc.grammar import ServedGrammar
+from pagedserve.scheduler_proc.utf8_guard import Utf8Guard
 
 MAX_CACHED_GRAMMARS = 256
 
@@ -100,7 +102,8 @@ class CompiledGrammarCache:
         self.words_per_row = words_per_row(vocab_size)
         self.max_entries = max_entries
         self._compiler = None
-        self._compiled: OrderedDict[bytes, object] = OrderedDict()
+        self._utf8: Optional[Utf8Guard] = None
+        self._compiled: OrderedDict[bytes, ServedGrammar] = OrderedDict()
 
     def _grammar_compiler(self):
         if self._compiler is None:
@@ -125,7 +128,9 @@ class CompiledGrammarCache:
             compiled = self._grammar_compiler().compile_grammar(grammar)
         except (RuntimeError, ValueError) as exc:
             raise InvalidField("structured_outputs", f"the grammar cannot be compiled: {exc}") from None
-        self._compiled[key] = compiled
+        if self._utf8 is None:  # one tokenizer per cache: its guard is built once
+            self._utf8 = Utf8Guard(compiled.tokenizer_info.decoded_vocab)
+        compiled = self._compiled[key] = ServedGrammar(compiled, self._utf8)
         if len(self._compiled) > self.max_entries:
             self._compiled.popitem(last=False)
         return compiled

@@ -13,17 +13,18 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedserve.kernels.device_indices import host_values_to_device, to_device_indices
 from pagedserve.protocol.messages import GrammarBitmask
 from pagedserve.protocol.step_state import HeldRequest
 from pagedserve.worker_proc.input_batch import BatchError
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def unpack_bitmask(grammar: GrammarBitmask, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab_size] bool: True where the token is allowed."""
+def unpack_bitmask(grammar: GrammarBitmask, vocab_size: int,
+                   device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """[rows, vocab_size] bool on ``device``: True where the token is allowed. The packed words
+    travel (a 32nd of the mask, without blocking on CUDA) and are unpacked there."""
     words = np.frombuffer(grammar.bitmask, dtype="<i4").reshape(len(grammar.req_ids), grammar.words_per_row)
-    bits = (torch.from_numpy(words.astype(np.int32))[:, :, None] >> _BIT_SHIFTS) & 1
+    packed = to_device_indices(torch.from_numpy(words.astype(np.int32)), device)
+    bits = (packed[:, :, None] >> torch.arange(32, dtype=torch.int32, device=device)) & 1
     allowed = bits.reshape(len(grammar.req_ids), grammar.words_per_row * 32)
     if allowed.shape[1] < vocab_size:  # rows narrower than the logits: the tokens past them are refused
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
@@ -43,8 +44,8 @@ def apply_grammar_bitmask(logits: torch.Tensor, requests: list[HeldRequest], gra
             raise BatchError(f"step {step}: the grammar bitmask names {req_id!r}, which does not "
                                     f"sample in this step")
         rows.append(row)
-    allowed = unpack_bitmask(grammar, logits.shape[-1]).to(logits.device)
-    index = torch.tensor(rows, device=logits.device)
+    allowed = unpack_bitmask(grammar, logits.shape[-1], logits.device)
+    index = host_values_to_device(rows, torch.long, logits.device)
     masked = logits.clone()
     masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return masked

@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.device_indices import host_values_to_device
 from pagedserve.protocol.step_state import HeldRequest
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists as one [rows, longest] tensor (padding 0) and its validity mask."""
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.zeros(len(rows), max(width, 1), dtype=torch.long)
-    valid = torch.zeros(len(rows), max(width, 1), dtype=torch.bool)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-            valid[i, :len(row)] = True
-    return ids.to(device), valid.to(device)
+    width = max(max((len(r) for r in rows), default=0), 1)
+    ids = host_values_to_device([r + [0] * (width - len(r)) for r in rows], torch.long, device)
+    valid = host_values_to_device([[True] * len(r) + [False] * (width - len(r)) for r in rows], torch.bool, device)
+    return ids, valid
 
 
 def _counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -38,8 +35,8 @@ def apply_logit_bias(logits: torch.Tensor, requests: list[HeldRequest]) -> None:
     for row, req in enumerate(requests):
         bias = req.sampling.logit_bias
         if bias:
-            ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=logits.device)
-            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            ids = host_values_to_device(list(bias.keys()), torch.long, logits.device)
+            values = host_values_to_device(list(bias.values()), logits.dtype, logits.device)
             logits[row].index_add_(0, ids, values)
 
 
@@ -53,16 +50,16 @@ def apply_penalties(logits: torch.Tensor, requests: list[HeldRequest]) -> None:
         return
     device = logits.device
     chosen = [requests[i] for i in rows]
-    index = torch.tensor(rows, device=device)
+    index = host_values_to_device(rows, torch.long, device)
     sub = logits[index]
     outputs = _counts([r.token_ids[r.num_prompt_tokens:] for r in chosen], vocab, device)
     if any(r.sampling.repetition_penalty != 1.0 for r in chosen):
         seen = _counts([r.token_ids[:r.num_prompt_tokens] for r in chosen], vocab, device) + outputs > 0
-        penalty = torch.tensor([r.sampling.repetition_penalty for r in chosen], device=device)[:, None]
+        penalty = host_values_to_device([r.sampling.repetition_penalty for r in chosen], sub.dtype, device)[:, None]
         penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
         sub = torch.where(seen, penalized, sub)
-    frequency = torch.tensor([r.sampling.frequency_penalty for r in chosen], device=device)[:, None]
-    presence = torch.tensor([r.sampling.presence_penalty for r in chosen], device=device)[:, None]
+    frequency = host_values_to_device([r.sampling.frequency_penalty for r in chosen], sub.dtype, device)[:, None]
+    presence = host_values_to_device([r.sampling.presence_penalty for r in chosen], sub.dtype, device)[:, None]
     sub = sub - frequency * outputs - presence * (outputs > 0).to(sub.dtype)
     logits[index] = sub
 
@@ -73,7 +70,7 @@ def apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     if not any(p > 0.0 for p in min_p):
         return scaled
     probs = torch.softmax(scaled, dim=-1)
-    threshold = torch.tensor(min_p, device=scaled.device, dtype=probs.dtype)[:, None] * probs.amax(-1, keepdim=True)
+    threshold = host_values_to_device(min_p, probs.dtype, scaled.device)[:, None] * probs.amax(-1, keepdim=True)
     return scaled.masked_fill(probs < threshold, float("-inf"))
 
 

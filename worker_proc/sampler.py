@@ -2,10 +2,20 @@
 top-k -> top-p -> seeded sampling (logits_processors.py). Logprobs are of the raw logits.
 
 Reproducibility: the randomness behind a request's k-th output token depends only on
-(seed, k) — a CPU torch.Generator seeded with a 63-bit mix of the two draws an Exp(1)
-noise vector q, and the token is argmax(probs / q) (the exponential race, equivalent to
-sampling from probs). So a request's stream is the same whatever else shares its batch,
-whether it was preempted and recomputed, and on any device.
+(seed, k): their 63-bit mix keys a counter-based stream of Exp(1) draws (splitmix64 in int64
+tensor arithmetic: the same integers on any device), and the token wins an exponential race,
+argmax(probs / q), equivalent to sampling from probs. The race runs in two levels: over
+chunks of CHUNK tokens by their mass, then over the winning chunk's tokens, which is the same
+distribution from C + CHUNK draws a row instead of one per vocabulary entry. So a request's
+stream is the same whatever else shares its batch, whether it was preempted and recomputed,
+and on any device. Unlike inverse transform sampling from one uniform, which moves a token
+wherever the mass before it moves, the race moves one only where the logits' rounding (another
+batch shape) changes which of two ratios is larger.
+
+Before (protocol 11) a seeded CPU generator drew a whole Exp(1) vector a row: ~32 ns a
+vocabulary entry, 5 ms a row of a 152k vocabulary; 156 ms a step at 32 sampled rows, half a
+0.5B model's decode step on a CPU, and 1.2 s at 256 rows on a GPU's host (bench/RESULTS.md
+"CPU: sampling at a temperature").
 """
 
 from __future__ import annotations
@@ -14,12 +24,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
+from pagedserve.kernels.device_indices import host_values_to_device
 from pagedserve.protocol.step_state import HeldRequest
 from pagedserve.worker_proc.logits_processors import apply_logit_bias, apply_min_p, apply_penalties, top_logprobs
 
 _MASK64 = (1 << 64) - 1
 GREEDY_TEMPERATURE = 1e-5  # at or below this, sampling is argmax
+CHUNK = 128  # race_sample's first level: a 152k vocabulary races as 1187 chunks
 
 
 def noise_seed(seed: int, k: int) -> int:
@@ -39,7 +52,8 @@ class SamplerOutput:
 
 
 # Every tensor here is [rows, vocab]: dims are written as 1 (not -1) so that a slip to another
-# dim fails loudly; index tensors are made with new_tensor so that they follow the logits' device.
+# dim fails loudly; per-row values reach the logits' device through host_values_to_device, which
+# does not make the host wait for the forward on CUDA.
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -48,13 +62,14 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     vocab = logits.shape[1]
     sorted_logits, order = torch.sort(logits, dim=1, descending=True, stable=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = order.new_tensor([k if k > 0 else vocab for k in top_k])[:, None]
+    k = host_values_to_device([k if k > 0 else vocab for k in top_k], order.dtype, logits.device)[:, None]
     sorted_logits = sorted_logits.masked_fill(ranks >= k, -torch.inf)
     if any(p < 1.0 for p in top_p):  # skipped at p = 1: rounding in the cumsum could cut the tail
         probs = torch.softmax(sorted_logits, 1)
         # the best token's mass_before is exactly 0, never above p: every row keeps it
         mass_before = torch.cumsum(probs, 1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before > probs.new_tensor(top_p)[:, None], -torch.inf)
+        top_p_rows = host_values_to_device(top_p, probs.dtype, probs.device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(mass_before > top_p_rows, -torch.inf)
     return torch.empty_like(logits).scatter(1, order, sorted_logits)  # order is a permutation: fills all
 
 
@@ -65,14 +80,45 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.max(1).indices
 
 
-def _exponential_noise(requests: list[HeldRequest], vocab: int) -> torch.Tensor:
-    """On the CPU: a request's noise must not depend on the device it runs on."""
-    noise = torch.empty(len(requests), vocab)
-    generator = torch.Generator()
-    for row, req in enumerate(requests):
-        generator.manual_seed(noise_seed(req.seed, req.num_output_tokens))
-        noise[row].exponential_(generator=generator)
-    return noise
+def _int64(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with its bits (torch's integers are signed)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> keeps the sign)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def exponential_noise(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """[rows, n] float64 Exp(1) draws, entry j of row r a function of (keys[r], j) alone: the
+    splitmix64 generator's output j + 1 from state keys[r], in int64 arithmetic that wraps as
+    unsigned arithmetic does; its top 53 bits are u in [0, 1) and the draw -log(1 - u)."""
+    x = keys[:, None] + torch.arange(1, n + 1, device=keys.device) * _int64(0x9E3779B97F4A7C15)
+    x = (x ^ _shr(x, 30)) * _int64(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * _int64(0x94D049BB133111EB)
+    x = x ^ _shr(x, 31)
+    return -torch.log1p(-(_shr(x, 11).double() * 2.0 ** -53))
+
+
+def _race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Per row, argmax(weight / noise) over the positive weights: index i with probability
+    weights[i] / their sum. A weight of 0 (a masked token, an empty chunk) never wins."""
+    return argmax_rows(torch.where(weights > 0, weights / noise, -1.0))
+
+
+def race_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per row, a token drawn from ``probs`` [rows, vocab] (>= 0, any total) with the noise of
+    ``keys`` [rows] int64: a chunk by the race of the chunks' masses, then a token of it."""
+    rows, vocab = probs.shape
+    if vocab % CHUNK:
+        probs = F.pad(probs, (0, CHUNK - vocab % CHUNK))
+    chunks = probs.view(rows, -1, CHUNK)
+    mass = chunks.sum(2)
+    noise = exponential_noise(keys, mass.shape[1] + CHUNK)
+    chunk = _race(mass, noise[:, :mass.shape[1]])
+    inside = chunks[torch.arange(rows, device=probs.device), chunk]
+    return chunk * CHUNK + _race(inside, noise[:, mass.shape[1]:])
 
 
 @dataclass(slots=True)
@@ -111,16 +157,18 @@ def launch_sample(logits: torch.Tensor, requests: list[HeldRequest]) -> PendingS
     token_ids = argmax_rows(logits)
     random_rows = [i for i, t in enumerate(temperatures) if t > GREEDY_TEMPERATURE]
     if random_rows:
+        device = logits.device
         chosen = [requests[i] for i in random_rows]
-        temps = logits.new_tensor([temperatures[i] for i in random_rows])[:, None]
-        scaled = apply_min_p(logits[random_rows] / temps, [r.sampling.min_p for r in chosen])
+        rows = host_values_to_device(random_rows, torch.long, device)
+        temps = host_values_to_device([temperatures[i] for i in random_rows], logits.dtype, device)[:, None]
+        scaled = apply_min_p(logits.index_select(0, rows) / temps, [r.sampling.min_p for r in chosen])
         top_k = [r.sampling.top_k for r in chosen]
         top_p = [r.sampling.top_p for r in chosen]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):  # skips a sort of every row
             scaled = _apply_top_k_top_p(scaled, top_k, top_p)
         probs = torch.softmax(scaled, 1)
-        noise = _exponential_noise(chosen, logits.shape[1]).to(probs.device)
-        token_ids[random_rows] = argmax_rows(probs / noise)
+        keys = host_values_to_device([noise_seed(r.seed, r.num_output_tokens) for r in chosen], torch.long, device)
+        token_ids.index_copy_(0, rows, race_sample(probs, keys))
     logprobs = None
     if any(r.sampling.logprobs for r in requests):  # vLLM's default: of the raw logits
         logprobs = torch.log_softmax(raw, 1).gather(1, token_ids[:, None])[:, 0]

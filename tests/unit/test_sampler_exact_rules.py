@@ -1,6 +1,6 @@
 """worker_proc/sampler.py's rules, checked exactly rather than statistically: which tokens top-k
-and top-p leave (per row of a mixed batch), that every penalty value is applied, and the
-seeded noise streams' pinned definition."""
+and top-p leave (per row of a mixed batch), that every penalty value is applied, the seeded
+noise streams' pinned definition, and the chunked race's draws."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from pagedserve.protocol.messages import SamplingParams
 from pagedserve.protocol.step_state import HeldRequest
-from pagedserve.worker_proc.sampler import GREEDY_TEMPERATURE, _apply_top_k_top_p, noise_seed, sample
+from pagedserve.worker_proc.sampler import (CHUNK, GREEDY_TEMPERATURE, _apply_top_k_top_p, exponential_noise,
+                                           noise_seed, race_sample, sample)
 
 PROBS = [0.05, 0.5, 0.1, 0.2, 0.15]  # token 1 best, then 3, 4, 2, 0
 LOGITS = [math.log(p) for p in PROBS]
@@ -84,6 +85,59 @@ def test_the_noise_stream_of_a_seed_is_pinned():
     # Every seeded sample and every recorded trace depends on these values: changing the mix
     # changes what a seed means (bump the protocol version and re-record the goldens).
     assert [noise_seed(0, 0), noise_seed(1, 0), noise_seed(0, 1), noise_seed(2**63 + 5, 7)] == PINNED
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(state: int, j: int) -> int:
+    """The generator's output j + 1 from ``state``, in Python's unbounded integers."""
+    z = (state + (j + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def test_the_noise_of_a_key_is_splitmix64s_stream_in_any_batch():
+    # int64 tensors stand for unsigned words: a sign-keeping shift or a lost wrap would differ here
+    keys = [noise_seed(0, 0), noise_seed(1, 5), noise_seed(2**63 + 5, 7), 0, 2**63 - 1]
+    noise = exponential_noise(torch.tensor(keys), 300)
+    expected = torch.tensor([[-math.log1p(-(_splitmix64(k, j) >> 11) * 2.0**-53) for j in range(300)] for k in keys],
+                            dtype=torch.float64)
+    assert torch.allclose(noise, expected, rtol=1e-15, atol=0)  # log1p's last bit may differ from libm's
+    assert torch.equal(exponential_noise(torch.tensor(keys[1:2]), 300), noise[1:2])
+    assert bool((noise >= 0).all()) and 0.9 < float(noise.mean()) < 1.1
+
+
+def _probs_with_zeros(vocab: int) -> torch.Tensor:
+    """Mass spread over every chunk, with zeros at the start, in a whole chunk and at the end."""
+    probs = torch.rand(vocab, generator=torch.Generator().manual_seed(vocab)) ** 4
+    probs[:2] = 0
+    probs[CHUNK: 2 * CHUNK] = 0
+    probs[-3 if vocab > CHUNK else -1:] = 0
+    return probs
+
+
+@pytest.mark.parametrize("vocab", [5, 3 * CHUNK + 41])
+def test_the_race_never_draws_a_token_of_probability_zero(vocab):
+    probs = _probs_with_zeros(vocab)
+    keys = torch.tensor([noise_seed(seed, 0) for seed in range(2000)])
+    drawn = race_sample(probs.expand(len(keys), vocab), keys)
+    assert bool((probs[drawn] > 0).all())
+    assert {t // CHUNK for t in drawn.tolist()} == {t // CHUNK for t in (probs > 0).nonzero().flatten().tolist()}
+
+
+def test_the_chunked_race_draws_each_token_with_its_probability():
+    # mass in four chunks, the last one the vocabulary's partial tail; 8000 fixed keys
+    vocab, tokens = 3 * CHUNK + 41, [5, CHUNK + 2, 2 * CHUNK + 100, 3 * CHUNK + 40]
+    weights = torch.tensor([0.1, 0.3, 0.2, 0.4])
+    probs = torch.zeros(vocab)
+    probs[tokens] = weights * 7  # any total
+    keys = torch.tensor([noise_seed(seed, 3) for seed in range(8000)])
+    drawn = race_sample(probs.expand(len(keys), vocab), keys).tolist()
+    frequencies = torch.tensor([drawn.count(t) for t in tokens], dtype=torch.float64) / len(drawn)
+    assert sum(frequencies) == 1
+    assert float((frequencies - weights).abs().sum()) / 2 < 0.02  # ~3 standard errors at 8000 draws
 
 
 def test_no_requests_sample_nothing():
