@@ -69,6 +69,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "print it beside the run without")
     p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default "
                    "greedy): pagedserve seeded per prompt, vLLM unseeded (its default path); not transformers")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k of both engines (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p of both engines")
     p.add_argument("--repeating-prompts", type=int, default=0, metavar="N", help="each prompt its first N "
                    "tokens over and over (a workload whose outputs may repeat what came before; 0: random)")
     p.add_argument("--no-check", action="store_true", help="skip comparing the engines' tokens")
@@ -100,6 +102,7 @@ def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]],
         opts["num_gpu_blocks"] = ns.num_gpu_blocks
     temperature = getattr(ns, "temperature", 0.0)
     sampling = [SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True,
+                               top_k=getattr(ns, "top_k", 0), top_p=getattr(ns, "top_p", 1.0),
                                seed=ns.seed + i if temperature else None) for i in range(len(prompts))]
     seconds, outputs = [], []
     started = time.perf_counter()
@@ -131,7 +134,7 @@ def run_pagedserve(ns: argparse.Namespace, model: str, prompts: list[list[int]],
 def run_vllm(ns: argparse.Namespace, model: str, prompts: list[list[int]], output_len: int) -> dict:
     """vLLM's offline LLM in its own interpreter; the workload and the result cross as JSON."""
     spec = {"model": str(Path(model).resolve()), "dtype": ns.dtype, "prompts": prompts, "max_tokens": output_len,
-            "temperature": ns.temperature, "runs": ns.runs, "warmup_prompts": 2,
+            "temperature": ns.temperature, "top_k": ns.top_k, "top_p": ns.top_p, "runs": ns.runs, "warmup_prompts": 2,
             "engine_args": {"gpu_memory_utilization": ns.vllm_memory_utilization, "max_num_seqs": ns.max_num_seqs,
                             **({"max_num_batched_tokens": ns.max_num_batched_tokens}
                                if ns.max_num_batched_tokens else {})}}
@@ -205,7 +208,7 @@ def bench_one(ns: argparse.Namespace, label: str, model: str, num_prompts: int,
     if getattr(ns, "repeating_prompts", 0):
         prompts = [(p[:ns.repeating_prompts] * len(p))[:len(p)] for p in prompts]
     print(f"{label}: {num_prompts} prompts of {input_len[0]}-{input_len[1]} tokens, {output_len} output "
-          f"tokens each, {f'temperature {ns.temperature}' if ns.temperature else 'greedy'}, {ns.dtype}, "
+          f"tokens each, {_sampling_label(ns)}, {ns.dtype}, "
           f"{ns.device}, {ns.runs} run(s) per engine; {cpu_label()}", flush=True)
     rows = {engine: RUNNERS[engine](ns, model, prompts, output_len) for engine in ns.engines}
     if ns.speculative_config and "pagedserve" in rows:  # the same workload again, speculating
@@ -230,6 +233,13 @@ def bench_one(ns: argparse.Namespace, label: str, model: str, num_prompts: int,
             result["mean_common_prefix"][engine] = statistics.fmean(_common_prefix(a, b) for a, b in pairs)
     print(format_rows([result]), flush=True)
     return result
+
+
+def _sampling_label(ns: argparse.Namespace) -> str:
+    if not ns.temperature:
+        return "greedy"
+    limits = (f", top-k {ns.top_k}" if ns.top_k > 0 else "") + (f", top-p {ns.top_p}" if ns.top_p < 1.0 else "")
+    return f"temperature {ns.temperature}{limits}"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -276,6 +286,8 @@ def main(ns: argparse.Namespace) -> int:
     ns.device = resolve_device(ns.device)
     ns.engines = [e for e in parse_engines(ns.engines) if not (e == "transformers" and ns.peer == "none")]
     ns.vllm_python = resolve_vllm_python(ns.engines, ns.vllm_python)
+    if (ns.top_k > 0 or ns.top_p < 1.0) and not ns.temperature > 0:
+        raise SystemExit("--top-k and --top-p apply to sampling: pass --temperature too")
     if ns.temperature > 0:
         if "transformers" in ns.engines:
             raise SystemExit("--temperature: the transformers peer runs greedy only here; pass --peer none "

@@ -5,8 +5,8 @@
 vLLM lives in its own environment (its torch build and pins differ from pagedserve's), so
 the bench runs this file with that interpreter. It imports only vLLM and the standard
 library. IN.json holds the workload: ``model``, ``dtype``, ``prompts`` (token-id lists),
-``max_tokens``, ``temperature`` (0: greedy), ``runs``, ``warmup_prompts`` and ``engine_args`` (extra ``vllm.LLM``
-keyword arguments). OUT.json receives, on success, the seconds of each timed run, the
+``max_tokens``, ``temperature`` (0: greedy), ``top_k``, ``top_p``, ``runs``, ``warmup_prompts``
+and ``engine_args`` (extra ``vllm.LLM`` keyword arguments). OUT.json receives, on success, the seconds of each timed run, the
 token ids of the first timed run in prompt order, whether every run produced the
 same ids, and the time from this process's start to the engine's first answer. JSON files
 rather than stdout, because vLLM and its children log to stdout.
@@ -31,8 +31,9 @@ def run(spec: dict) -> dict:
         llm.generate(prompts[:spec.get("warmup_prompts", 2)], warm, use_tqdm=False)
         first_answer = time.perf_counter() - STARTED
         # unseeded: the batch-wide sampling path a user of vLLM gets by default
+        limits = {"top_p": spec.get("top_p", 1.0), **({"top_k": spec["top_k"]} if spec.get("top_k", 0) > 0 else {})}
         params = SamplingParams(max_tokens=spec["max_tokens"], temperature=spec.get("temperature", 0.0),
-                                ignore_eos=True)
+                                ignore_eos=True, **limits)
         seconds, runs = [], []
         for _ in range(spec["runs"]):
             start = time.perf_counter()

@@ -9,25 +9,12 @@ a batch of rows, touching only the rows whose request asked for the control.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from pagedserve.kernels.device_indices import host_values_to_device
 from pagedserve.protocol.step_state import HeldRequest
-
-
-def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists as one [rows, longest] tensor (padding 0) and its validity mask."""
-    width = max(max((len(r) for r in rows), default=0), 1)
-    ids = host_values_to_device([r + [0] * (width - len(r)) for r in rows], torch.long, device)
-    valid = host_values_to_device([[True] * len(r) + [False] * (width - len(r)) for r in rows], torch.bool, device)
-    return ids, valid
-
-
-def _counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """How often each vocabulary entry occurs in each row: [rows, vocab] float32."""
-    ids, valid = _padded(rows, device)
-    counts = torch.zeros(len(rows), vocab, device=device)
-    return counts.scatter_add_(1, ids, valid.to(counts.dtype))
 
 
 def apply_logit_bias(logits: torch.Tensor, requests: list[HeldRequest]) -> None:
@@ -41,27 +28,42 @@ def apply_logit_bias(logits: torch.Tensor, requests: list[HeldRequest]) -> None:
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[HeldRequest]) -> None:
-    """Repetition, frequency and presence penalties, in place, on the rows that ask for them."""
-    vocab = logits.shape[-1]
-    rows = [i for i, r in enumerate(requests)
-            if r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty != 0.0
-            or r.sampling.presence_penalty != 0.0]
-    if not rows:
-        return
-    device = logits.device
-    chosen = [requests[i] for i in rows]
-    index = host_values_to_device(rows, torch.long, device)
-    sub = logits[index]
-    outputs = _counts([r.token_ids[r.num_prompt_tokens:] for r in chosen], vocab, device)
-    if any(r.sampling.repetition_penalty != 1.0 for r in chosen):
-        seen = _counts([r.token_ids[:r.num_prompt_tokens] for r in chosen], vocab, device) + outputs > 0
-        penalty = host_values_to_device([r.sampling.repetition_penalty for r in chosen], sub.dtype, device)[:, None]
-        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
-        sub = torch.where(seen, penalized, sub)
-    frequency = host_values_to_device([r.sampling.frequency_penalty for r in chosen], sub.dtype, device)[:, None]
-    presence = host_values_to_device([r.sampling.presence_penalty for r in chosen], sub.dtype, device)[:, None]
-    sub = sub - frequency * outputs - presence * (outputs > 0).to(sub.dtype)
-    logits[index] = sub
+    """Repetition, frequency and presence penalties, in place, on the rows that ask for them.
+
+    Only the logits of tokens the context holds change, so only those are read and written: a
+    [rows, vocab] count per penalty cost 78 ms a step at 32 rows of a 152k vocabulary on a CPU
+    (a model's generation_config, Qwen2.5's repetition_penalty 1.05, asks on every request). Each
+    entry takes the same float operations as the dense form, in the same order."""
+    seen_rows, seen_ids, seen_penalty = [], [], []  # repetition: every distinct token of prompt and output
+    out_rows, out_ids, out_counts, out_frequency, out_presence = [], [], [], [], []
+    for row, r in enumerate(requests):
+        s = r.sampling
+        if s.repetition_penalty != 1.0:
+            distinct = set(r.token_ids)
+            seen_rows += [row] * len(distinct)
+            seen_ids += distinct
+            seen_penalty += [s.repetition_penalty] * len(distinct)
+        if s.frequency_penalty != 0.0 or s.presence_penalty != 0.0:
+            counts = Counter(r.token_ids[r.num_prompt_tokens:])
+            out_rows += [row] * len(counts)
+            out_ids += counts.keys()
+            out_counts += counts.values()
+            out_frequency += [s.frequency_penalty] * len(counts)
+            out_presence += [s.presence_penalty] * len(counts)
+    if min(seen_ids, default=0) < 0 or min(out_ids, default=0) < 0:
+        raise ValueError("a penalty read a placeholder token: the step's tokens were not resolved")
+    device, dtype = logits.device, logits.dtype
+    if seen_ids:
+        at = (host_values_to_device(seen_rows, torch.long, device), host_values_to_device(seen_ids, torch.long, device))
+        penalty = host_values_to_device(seen_penalty, dtype, device)
+        values = logits[at]
+        logits[at] = torch.where(values > 0, values / penalty, values * penalty)
+    if out_ids:
+        at = (host_values_to_device(out_rows, torch.long, device), host_values_to_device(out_ids, torch.long, device))
+        counts = host_values_to_device(out_counts, dtype, device)
+        frequency = host_values_to_device(out_frequency, dtype, device)
+        presence = host_values_to_device(out_presence, dtype, device)
+        logits[at] = logits[at] - frequency * counts - presence
 
 
 def apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:

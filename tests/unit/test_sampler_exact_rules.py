@@ -11,8 +11,9 @@ import torch
 
 from pagedserve.protocol.messages import SamplingParams
 from pagedserve.protocol.step_state import HeldRequest
-from pagedserve.worker_proc.sampler import (CHUNK, GREEDY_TEMPERATURE, _apply_top_k_top_p, exponential_noise,
-                                           noise_seed, race_sample, sample)
+from pagedserve.worker_proc.logits_processors import apply_penalties
+from pagedserve.worker_proc.sampler import (CHUNK, GREEDY_TEMPERATURE, TOP_CANDIDATES, _apply_top_k_top_p,
+                                           _from_candidates, exponential_noise, noise_seed, race_sample, sample)
 
 PROBS = [0.05, 0.5, 0.1, 0.2, 0.15]  # token 1 best, then 3, 4, 2, 0
 LOGITS = [math.log(p) for p in PROBS]
@@ -161,3 +162,84 @@ def test_a_temperature_at_the_greedy_threshold_is_greedy():
     held = [HeldRequest("r", [2], 1, [0], 0, 1, SamplingParams(temperature=GREEDY_TEMPERATURE), seed=s)
             for s in range(16)]
     assert {sample(logits, [h]).token_ids[0] for h in held} == {0}
+
+
+def _kept_plainly(row: list[float], k: int, p: float) -> set[int]:
+    """The rule written out: rank by (logit desc, id), keep k, renormalize, keep while the mass
+    before a token is at most p."""
+    ranked = sorted(range(len(row)), key=lambda t: (-row[t], t))[:k if k > 0 else len(row)]
+    if p >= 1.0:
+        return set(ranked)
+    weights = [math.exp(row[t] - row[ranked[0]]) for t in ranked]
+    total, before, kept = sum(weights), 0.0, set()
+    for t, w in zip(ranked, weights):
+        if before > p:
+            break
+        kept.add(t)
+        before += w / total
+    return kept
+
+
+def _large_rows() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(11)
+    rows = {"peaked": torch.randn(3000, generator=generator) * 4, "flat": torch.randn(3000, generator=generator) * 0.1}
+    tied = torch.randn(3000, generator=generator)
+    ranked = tied.argsort(descending=True)
+    tied[ranked[TOP_CANDIDATES - 3: TOP_CANDIDATES + 2]] = tied[ranked[TOP_CANDIDATES - 1]].item()
+    inside = rows["peaked"].clone()  # a tie across top-k's cut, well inside the candidates
+    ranked = inside.argsort(descending=True)
+    inside[ranked[8:13]] = inside[ranked[10]].item()
+    return {**rows, "tied": tied, "tied inside": inside}
+
+
+@pytest.mark.parametrize("batch, among_candidates", [
+    # 3000 tokens, more than the CPU's candidates: rows that cut inside them, rows left alone beside them
+    ([("peaked", 20, 0.8), ("peaked", 0, 0.9), ("peaked", 0, 1.0), ("peaked", 50, 1.0), ("flat", 5, 0.5),
+      ("tied inside", 11, 1.0)], True),
+    ([("peaked", 20, 0.8), ("flat", 0, 0.95)], False),  # its top-p needs more tokens than the candidates
+    ([("tied", 5, 1.0)], False),  # a tie at the candidates' last place
+    ([("peaked", 2000, 0.9)], False),  # a top-k past them
+])
+def test_a_large_vocabulary_decides_top_k_and_top_p_as_the_rule_says_among_its_best_tokens_or_not(
+        batch, among_candidates):
+    source = _large_rows()
+    rows = torch.stack([source[name] for name, _, _ in batch])
+    top_k, top_p = [k for _, k, _ in batch], [p for _, _, p in batch]
+    assert (_from_candidates(rows, top_k, top_p) is not None) == among_candidates
+    masked = _apply_top_k_top_p(rows, top_k, top_p)
+    for row in range(len(rows)):
+        kept = set(torch.isfinite(masked[row]).nonzero().flatten().tolist())
+        assert kept == _kept_plainly(rows[row].tolist(), top_k[row], top_p[row]), batch[row]
+        assert torch.equal(masked[row, sorted(kept)], rows[row, sorted(kept)])
+
+
+def _penalized_densely(logits: torch.Tensor, requests: list[HeldRequest]) -> torch.Tensor:
+    """The penalties over [rows, vocab] counts, the form they had before they went sparse."""
+    out = logits.clone()
+    for row, r in enumerate(requests):
+        s = r.sampling
+        outputs = torch.bincount(torch.tensor(r.token_ids[r.num_prompt_tokens:], dtype=torch.long),
+                                 minlength=logits.shape[1]).to(logits.dtype)
+        seen = torch.bincount(torch.tensor(r.token_ids, dtype=torch.long), minlength=logits.shape[1]) > 0
+        penalty = torch.tensor(s.repetition_penalty, dtype=logits.dtype)
+        sub = torch.where(seen, torch.where(out[row] > 0, out[row] / penalty, out[row] * penalty), out[row])
+        frequency = torch.tensor(s.frequency_penalty, dtype=logits.dtype)
+        presence = torch.tensor(s.presence_penalty, dtype=logits.dtype)
+        out[row] = sub - frequency * outputs - presence * (outputs > 0).to(logits.dtype)
+    return out
+
+
+def test_penalties_touch_only_the_contexts_tokens_and_give_the_dense_forms_bits():
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 2000, generator=generator) * 3
+    tokens = torch.randint(0, 2000, (5, 300), generator=generator).tolist()
+    params = [dict(repetition_penalty=1.05), dict(), dict(frequency_penalty=0.5, presence_penalty=0.25),
+              dict(repetition_penalty=1.3, frequency_penalty=-0.4, presence_penalty=1.0), dict(presence_penalty=2.0)]
+    requests = [HeldRequest(f"r{i}", tokens[i], 200, [0], 3, 1, SamplingParams(temperature=1.0, **p))
+                for i, p in enumerate(params)]
+    expected = _penalized_densely(logits, requests)
+    apply_penalties(logits, requests)
+    assert torch.equal(logits, expected)
+    placeholder = HeldRequest("p", [5, 6, -1], 2, [0], 3, 1, SamplingParams(presence_penalty=1.0))
+    with pytest.raises(ValueError, match="placeholder"):
+        apply_penalties(logits, [placeholder])
