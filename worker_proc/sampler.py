@@ -81,25 +81,29 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
 
 
 def _from_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> Optional[torch.Tensor]:
-    """_apply_top_k_top_p's result from each row's best TOP_CANDIDATES tokens, where they decide
-    it, instead of a sort of the whole row (a 152k row: ~12 ms on a CPU, more than a 0.5B decode
-    step at 32 rows; a model's generation_config often sets top-k and top-p for every request).
-    They decide it when each row cuts at its top-k inside them or has more than its top-p of
-    the mass in them, and no tie straddles their last place; else None (the CPU syncs are free)."""
-    if any(k > TOP_CANDIDATES for k in top_k):
+    """_apply_top_k_top_p's result from each row's best tokens, where they decide it, instead of
+    a sort of the whole row (a 152k row: ~10 ms on a CPU; 32 of them cost more than a 0.5B decode
+    step, and a model's generation_config often sets top-k and top-p for every request). The
+    best max(top-k) where every row has a top-k, else TOP_CANDIDATES: they decide it when each
+    row cuts at its top-k inside them or has more than its top-p of the mass in them, and no tie
+    straddles their last place; else None (the CPU syncs are free)."""
+    width = max(top_k) if all(k > 0 for k in top_k) else TOP_CANDIDATES
+    if width > TOP_CANDIDATES:
         return None
-    values, ids = torch.topk(logits, TOP_CANDIDATES, dim=1)  # best first, ties in no set order
-    if bool(((logits >= values[:, -1:]).sum(1) > TOP_CANDIDATES).any()):
+    values, ids = torch.topk(logits, width, dim=1)  # best first, ties in no set order
+    if bool(((logits >= values[:, -1:]).sum(1) > width).any()):
         return None
     ids, by_id = ids.sort(1)  # ties ranked by token id, as the whole row's stable sort ranks them
     values, order = values.gather(1, by_id).sort(dim=1, descending=True, stable=True)
     ids = ids.gather(1, order)
     limited = torch.tensor([k > 0 for k in top_k])[:, None]
-    k = torch.tensor([k if k > 0 else TOP_CANDIDATES for k in top_k])[:, None]
-    values = values.masked_fill(torch.arange(TOP_CANDIDATES)[None, :] >= k, -torch.inf)
+    k = torch.tensor([k if k > 0 else width for k in top_k])[:, None]
+    values = values.masked_fill(torch.arange(width)[None, :] >= k, -torch.inf)
     if any(p < 1.0 for p in top_p):
         # over what top-k keeps (all of it is here), or over the whole row
-        norm = torch.where(limited, torch.logsumexp(values, 1, keepdim=True), torch.logsumexp(logits, 1, keepdim=True))
+        norm = torch.logsumexp(values, 1, keepdim=True)
+        if not bool(limited.all()):
+            norm = torch.where(limited, norm, torch.logsumexp(logits, 1, keepdim=True))
         probs = torch.exp(values - norm)
         p = torch.tensor([p if p < 1.0 else torch.inf for p in top_p], dtype=probs.dtype)[:, None]
         if bool((~limited & (p < 1.0) & (probs.sum(1, keepdim=True) <= p)).any()):

@@ -197,7 +197,9 @@ def _large_rows() -> dict[str, torch.Tensor]:
     ([("peaked", 20, 0.8), ("peaked", 0, 0.9), ("peaked", 0, 1.0), ("peaked", 50, 1.0), ("flat", 5, 0.5),
       ("tied inside", 11, 1.0)], True),
     ([("peaked", 20, 0.8), ("flat", 0, 0.95)], False),  # its top-p needs more tokens than the candidates
-    ([("tied", 5, 1.0)], False),  # a tie at the candidates' last place
+    ([("tied", 0, 0.3)], False),  # a tie at the candidates' last place
+    ([("peaked", 20, 0.9), ("peaked", 3, 1.0)], True),  # every row has a top-k: its best max(top-k) decide
+    ([("tied inside", 11, 1.0)], False),  # ... and a tie across it
     ([("peaked", 2000, 0.9)], False),  # a top-k past them
 ])
 def test_a_large_vocabulary_decides_top_k_and_top_p_as_the_rule_says_among_its_best_tokens_or_not(
