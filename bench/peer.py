@@ -26,6 +26,7 @@ import shlex
 import statistics
 import tempfile
 import time
+from typing import Optional
 from pathlib import Path
 
 from pagedserve.bench.report import RequestRecord, cpu_label, median_spread, summarize
@@ -61,6 +62,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's (default greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature (0: off)")
     p.add_argument("--runs", type=int, default=3, help="timed runs per engine, alternating engines")
     p.add_argument("--warmup-prompts", type=int, default=16)
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda, for both servers")
@@ -89,19 +93,24 @@ def text_prompts(model: str, num: int, input_len: tuple[int, int], seed: int = 0
     return [tok.decode([rng.choice(ids) for _ in range(rng.randint(*input_len))]) for _ in range(num)]
 
 
-def _request_body(engine: str, output_len: int) -> dict:
+def _request_body(engine: str, output_len: int, sampling: dict) -> dict:
+    """The engine's fields beyond the openai client's: ignore_eos, and top_k when sampling asks."""
     if engine in ("pagedserve", "vllm"):
-        return {"extra_body": {"ignore_eos": True}}
+        top_k = {"top_k": sampling["top_k"]} if sampling.get("top_k", 0) > 0 else {}
+        return {"extra_body": {"ignore_eos": True, **top_k}}
     return {"extra_body": {"generation_config": json.dumps(
         {"max_new_tokens": output_len, "do_sample": False, "eos_token_id": -1})}}
 
 
-async def _one(client, engine: str, model: str, prompt: str, output_len: int, rec: RequestRecord) -> None:
+async def _one(client, engine: str, model: str, prompt: str, output_len: int, rec: RequestRecord,
+               sampling: dict) -> None:
     sent = last = time.perf_counter()
     try:
         stream = await client.completions.create(model=model, prompt=prompt, max_tokens=output_len,
-                                                 temperature=0.0, stream=True, stream_options={"include_usage": True},
-                                                 **_request_body(engine, output_len))
+                                                 temperature=sampling.get("temperature", 0.0),
+                                                 top_p=sampling.get("top_p", 1.0), stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 **_request_body(engine, output_len, sampling))
         async for chunk in stream:
             if chunk.usage is not None:  # the last event (transformers sends usage unasked, with empty text)
                 rec.output_tokens, rec.prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
@@ -134,8 +143,11 @@ def _http_client():
         return openai.DefaultAsyncHttpxClient(limits=limits, timeout=None)
 
 
-async def drive(url: str, engine: str, model: str, prompts: list[str], output_len: int, concurrency: int) -> dict:
-    """The workload against one server; ``summarize``'s result plus the pagedserve worker idle share."""
+async def drive(url: str, engine: str, model: str, prompts: list[str], output_len: int, concurrency: int,
+                sampling: Optional[dict] = None) -> dict:
+    """The workload against one server; ``summarize``'s result plus the pagedserve worker idle share.
+    ``sampling``: temperature, top_p and top_k of every request (default greedy)."""
+    sampling = sampling or {}
     import openai
 
     clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, http_client=_http_client())
@@ -154,7 +166,7 @@ async def drive(url: str, engine: str, model: str, prompts: list[str], output_le
 
     async def limited(rec: RequestRecord, prompt: str) -> None:
         async with gate:
-            await _one(clients[rec.index % len(clients)], engine, model, prompt, output_len, rec)
+            await _one(clients[rec.index % len(clients)], engine, model, prompt, output_len, rec, sampling)
 
     before, ttft_before = await scrape()
     t0 = time.perf_counter()
@@ -204,9 +216,22 @@ def _servers(ns: argparse.Namespace, model: str, device: str) -> dict:
                          env=vllm_env(), timeout_s=VLLM_START_TIMEOUT_S)}
 
 
+def _sampling_label(sampling: dict) -> str:
+    if not sampling["temperature"]:
+        return "greedy"
+    top_k = f", top-k {sampling['top_k']}" if sampling["top_k"] > 0 else ""
+    top_p = f", top-p {sampling['top_p']}" if sampling["top_p"] < 1.0 else ""
+    return f"temperature {sampling['temperature']}{top_k}{top_p}"
+
+
 def main(ns: argparse.Namespace) -> int:
     engines = parse_engines(ns.engines)
     ns.vllm_python = resolve_vllm_python(engines, ns.vllm_python)
+    sampling = {"temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k}
+    if (ns.top_k > 0 or ns.top_p < 1.0) and not ns.temperature > 0:
+        raise SystemExit("--top-k and --top-p apply to sampling: pass --temperature too")
+    if ns.temperature > 0 and "transformers" in engines:
+        raise SystemExit("--temperature: the transformers peer is driven greedy only; pass --engines without it")
     model = ns.model or str(ensure_shape_model(SHAPES[ns.shape]) if ns.shape else ensure_llama_model())
     device = resolve_device(ns.device)
     servers = _servers(ns, model, device)
@@ -214,7 +239,7 @@ def main(ns: argparse.Namespace) -> int:
     warmup = text_prompts(model, ns.warmup_prompts, tuple(ns.input_len), seed=1)
     print(f"model {model}; {ns.num_prompts} prompts of {ns.input_len[0]}-{ns.input_len[1]} tokens, "
           f"{ns.output_len} output tokens, {ns.max_concurrency} concurrent, {ns.runs} runs per engine, "
-          f"dtype {ns.dtype}, {device}; {cpu_label()}")
+          f"dtype {ns.dtype}, {device}, {_sampling_label(sampling)}; {cpu_label()}")
     print(f"{'engine':<14}{'tok/s':>10}{'TTFT p50':>10}{'server':>10}{'TPOT':>10}{'ITL p50':>10}{'failed':>8}"
           f"{'idle':>8}{'load':>7}{'ready s':>9}")
     print("(server: TTFT p50 from pagedserve's own histogram, from the request's submission to the engine; "
@@ -224,8 +249,9 @@ def main(ns: argparse.Namespace) -> int:
         for _ in range(ns.runs):
             for engine in engines:  # one server at a time: the other's idle threads never share the cores
                 with BenchServer(engine, log_dir=logs, **servers[engine]) as server:
-                    asyncio.run(drive(server.url, engine, model, warmup, ns.output_len, ns.max_concurrency))
-                    result = asyncio.run(drive(server.url, engine, model, prompts, ns.output_len, ns.max_concurrency))
+                    asyncio.run(drive(server.url, engine, model, warmup, ns.output_len, ns.max_concurrency, sampling))
+                    result = asyncio.run(drive(server.url, engine, model, prompts, ns.output_len, ns.max_concurrency,
+                                               sampling))
                     if result["failed"]:  # say why, from the server's side, before its log goes
                         print(f"--- {engine} server log, last lines:\n{server.log_tail(2000)}\n---")
                 result["load"] = _load()
