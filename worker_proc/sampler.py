@@ -90,9 +90,10 @@ def _from_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float])
     width = max(top_k) if all(k > 0 for k in top_k) else TOP_CANDIDATES
     if width > TOP_CANDIDATES:
         return None
-    values, ids = torch.topk(logits, width, dim=1)  # best first, ties in no set order
-    if bool(((logits >= values[:, -1:]).sum(1) > width).any()):
+    values, ids = torch.topk(logits, width + 1, dim=1)  # best first, ties in no set order
+    if bool((values[:, width - 1] == values[:, width]).any()):  # the next token ties the last: which stays?
         return None
+    values, ids = values[:, :width], ids[:, :width]
     ids, by_id = ids.sort(1)  # ties ranked by token id, as the whole row's stable sort ranks them
     values, order = values.gather(1, by_id).sort(dim=1, descending=True, stable=True)
     ids = ids.gather(1, order)
