@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 from pagedserve.bench.report import cpu_label
-from pagedserve.bench.servers import (VLLM_MEMORY_UTILIZATION, VLLM_PYTHON_ENV, parse_engines,
-                                             resolve_vllm_python, vllm_env)
+from pagedserve.bench.servers import (VLLM_MEMORY_UTILIZATION, VLLM_PYTHON_ENV, add_sampling_args, bench_sampling,
+                                             parse_engines, resolve_vllm_python, sampling_label, vllm_env)
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 
@@ -67,10 +67,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", metavar="JSON", help="also run pagedserve with this speculative "
                    "config (vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}') and "
                    "print it beside the run without")
-    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default "
-                   "greedy): pagedserve seeded per prompt, vLLM unseeded (its default path); not transformers")
-    p.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k of both engines (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p of both engines")
+    add_sampling_args(p)
     p.add_argument("--repeating-prompts", type=int, default=0, metavar="N", help="each prompt its first N "
                    "tokens over and over (a workload whose outputs may repeat what came before; 0: random)")
     p.add_argument("--no-check", action="store_true", help="skip comparing the engines' tokens")
@@ -208,7 +205,7 @@ def bench_one(ns: argparse.Namespace, label: str, model: str, num_prompts: int,
     if getattr(ns, "repeating_prompts", 0):
         prompts = [(p[:ns.repeating_prompts] * len(p))[:len(p)] for p in prompts]
     print(f"{label}: {num_prompts} prompts of {input_len[0]}-{input_len[1]} tokens, {output_len} output "
-          f"tokens each, {_sampling_label(ns)}, {ns.dtype}, "
+          f"tokens each, {sampling_label(vars(ns))}, {ns.dtype}, "
           f"{ns.device}, {ns.runs} run(s) per engine; {cpu_label()}", flush=True)
     rows = {engine: RUNNERS[engine](ns, model, prompts, output_len) for engine in ns.engines}
     if ns.speculative_config and "pagedserve" in rows:  # the same workload again, speculating
@@ -233,13 +230,6 @@ def bench_one(ns: argparse.Namespace, label: str, model: str, num_prompts: int,
             result["mean_common_prefix"][engine] = statistics.fmean(_common_prefix(a, b) for a, b in pairs)
     print(format_rows([result]), flush=True)
     return result
-
-
-def _sampling_label(ns: argparse.Namespace) -> str:
-    if not ns.temperature:
-        return "greedy"
-    limits = (f", top-k {ns.top_k}" if ns.top_k > 0 else "") + (f", top-p {ns.top_p}" if ns.top_p < 1.0 else "")
-    return f"temperature {ns.temperature}{limits}"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -286,12 +276,7 @@ def main(ns: argparse.Namespace) -> int:
     ns.device = resolve_device(ns.device)
     ns.engines = [e for e in parse_engines(ns.engines) if not (e == "transformers" and ns.peer == "none")]
     ns.vllm_python = resolve_vllm_python(ns.engines, ns.vllm_python)
-    if (ns.top_k > 0 or ns.top_p < 1.0) and not ns.temperature > 0:
-        raise SystemExit("--top-k and --top-p apply to sampling: pass --temperature too")
-    if ns.temperature > 0:
-        if "transformers" in ns.engines:
-            raise SystemExit("--temperature: the transformers peer runs greedy only here; pass --peer none "
-                             "or --engines without it")
+    if bench_sampling(ns, ns.engines)["temperature"] > 0:
         ns.no_check = True  # sampled tokens of two random streams are not comparable
 
     if ns.shapes:

@@ -32,8 +32,9 @@ from pathlib import Path
 from pagedserve.bench.report import RequestRecord, cpu_label, median_spread, summarize
 from pagedserve.bench.serve import _parse_metrics, histogram_quantile, ttft_histogram
 from pagedserve.bench.servers import (VLLM_MEMORY_UTILIZATION, VLLM_PYTHON_ENV, VLLM_START_TIMEOUT_S,
-                                             BenchServer, pagedserve_command, parse_engines,
-                                             resolve_vllm_python, transformers_command, vllm_command, vllm_env)
+                                             BenchServer, add_sampling_args, bench_sampling, pagedserve_command,
+                                             parse_engines, resolve_vllm_python, sampling_label, transformers_command,
+                                             vllm_command, vllm_env)
 from pagedserve.bench.shapes import SHAPES, BenchShape, ensure_shape_model, shape_cache_dir
 from pagedserve.protocol.options import resolve_device
 
@@ -62,9 +63,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="every request's (default greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
-    p.add_argument("--top-k", type=int, default=0, help="with --temperature (0: off)")
+    add_sampling_args(p)
     p.add_argument("--runs", type=int, default=3, help="timed runs per engine, alternating engines")
     p.add_argument("--warmup-prompts", type=int, default=16)
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda, for both servers")
@@ -216,22 +215,10 @@ def _servers(ns: argparse.Namespace, model: str, device: str) -> dict:
                          env=vllm_env(), timeout_s=VLLM_START_TIMEOUT_S)}
 
 
-def _sampling_label(sampling: dict) -> str:
-    if not sampling["temperature"]:
-        return "greedy"
-    top_k = f", top-k {sampling['top_k']}" if sampling["top_k"] > 0 else ""
-    top_p = f", top-p {sampling['top_p']}" if sampling["top_p"] < 1.0 else ""
-    return f"temperature {sampling['temperature']}{top_k}{top_p}"
-
-
 def main(ns: argparse.Namespace) -> int:
     engines = parse_engines(ns.engines)
     ns.vllm_python = resolve_vllm_python(engines, ns.vllm_python)
-    sampling = {"temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k}
-    if (ns.top_k > 0 or ns.top_p < 1.0) and not ns.temperature > 0:
-        raise SystemExit("--top-k and --top-p apply to sampling: pass --temperature too")
-    if ns.temperature > 0 and "transformers" in engines:
-        raise SystemExit("--temperature: the transformers peer is driven greedy only; pass --engines without it")
+    sampling = bench_sampling(ns, engines)
     model = ns.model or str(ensure_shape_model(SHAPES[ns.shape]) if ns.shape else ensure_llama_model())
     device = resolve_device(ns.device)
     servers = _servers(ns, model, device)
@@ -239,7 +226,7 @@ def main(ns: argparse.Namespace) -> int:
     warmup = text_prompts(model, ns.warmup_prompts, tuple(ns.input_len), seed=1)
     print(f"model {model}; {ns.num_prompts} prompts of {ns.input_len[0]}-{ns.input_len[1]} tokens, "
           f"{ns.output_len} output tokens, {ns.max_concurrency} concurrent, {ns.runs} runs per engine, "
-          f"dtype {ns.dtype}, {device}, {_sampling_label(sampling)}; {cpu_label()}")
+          f"dtype {ns.dtype}, {device}, {sampling_label(sampling)}; {cpu_label()}")
     print(f"{'engine':<14}{'tok/s':>10}{'TTFT p50':>10}{'server':>10}{'TPOT':>10}{'ITL p50':>10}{'failed':>8}"
           f"{'idle':>8}{'load':>7}{'ready s':>9}")
     print("(server: TTFT p50 from pagedserve's own histogram, from the request's submission to the engine; "

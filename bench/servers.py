@@ -36,6 +36,32 @@ def parse_engines(text: str) -> list[str]:
     return engines
 
 
+def add_sampling_args(p) -> None:
+    """The sampling flags bench offline and bench peer share (greedy by default)."""
+    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default greedy); "
+                   "pagedserve and vLLM only")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
+
+
+def bench_sampling(ns, engines: Sequence[str]) -> dict:
+    """The run's temperature, top_k and top_p, refused where they would not apply as asked."""
+    sampling = {"temperature": ns.temperature, "top_k": ns.top_k, "top_p": ns.top_p}
+    if (ns.top_k > 0 or ns.top_p < 1.0) and not ns.temperature > 0:
+        raise SystemExit("--top-k and --top-p apply to sampling: pass --temperature too")
+    if ns.temperature > 0 and "transformers" in engines:
+        raise SystemExit("--temperature: the transformers peer runs greedy only here; leave it out of the engines")
+    return sampling
+
+
+def sampling_label(sampling: dict) -> str:
+    if not sampling["temperature"] > 0:
+        return "greedy"
+    top_k = f", top-k {sampling['top_k']}" if sampling["top_k"] > 0 else ""
+    top_p = f", top-p {sampling['top_p']}" if sampling["top_p"] < 1.0 else ""
+    return f"temperature {sampling['temperature']}{top_k}{top_p}"
+
+
 def resolve_vllm_python(engines: Sequence[str], given: Optional[str]) -> Optional[str]:
     """The interpreter of vLLM's environment where vllm is among the engines; exits with the
     way to name one when none is given."""
