@@ -13,7 +13,7 @@ from typing import Any, Collection, Iterable, Optional, Union
 
 from pagedserve.client.detokenizer import Decodes, make_detokenizer
 from pagedserve.protocol.messages import RequestDelta
-from pagedserve.client.stop_strings import StopStringMatcher
+from pagedserve.client.stop_strings import StopCheck, StopStringMatcher
 
 
 @dataclass(slots=True)
@@ -23,6 +23,7 @@ class TextUpdate:
     logprobs: Optional[list[float]]  # theirs
     top_logprobs: Optional[list[list[tuple[int, float]]]]  # theirs: per token, its alternatives
     finish_reason: Optional[str]  # set once this sample has ended
+    consumed: int  # the delta's tokens that count as output: not those after a stop string's end
 
 
 class SampleText:
@@ -52,7 +53,23 @@ class SampleText:
             self.ended_by_token = delta.stop_token_id
             logprobs = logprobs[:len(rendered)] if logprobs is not None else None
             alternatives = alternatives[:len(rendered)] if alternatives is not None else None
-        check = self.stop_matcher.feed(self.detokenizer.add(rendered))
+        consumed = len(delta.new_token_ids)
+        if len(delta.new_token_ids) > 1 and self.stop_matcher.stop_strings:
+            # A speculative step accepts several tokens at once: one token at a time, as a plain
+            # decode would have fed them, so the sample ends at the token that completes a stop
+            # string, and the accepted tokens after it are neither counted nor returned.
+            text = ""
+            for i, token in enumerate(rendered):
+                check = self.stop_matcher.feed(self.detokenizer.add([token]))
+                text += check.text
+                if check.matched is not None:
+                    consumed, rendered, self.ended_by_token = i + 1, rendered[:i + 1], None
+                    logprobs = logprobs[:i + 1] if logprobs is not None else None
+                    alternatives = alternatives[:i + 1] if alternatives is not None else None
+                    break
+            check = StopCheck(text, self.stop_matcher.matched)
+        else:
+            check = self.stop_matcher.feed(self.detokenizer.add(rendered))
         text, finish_reason = check.text, None
         if check.matched is not None:
             finish_reason = "stop"
@@ -64,7 +81,7 @@ class SampleText:
                 text += self.stop_matcher.flush()
                 finish_reason = delta.finish_reason
         self.finish_reason = finish_reason
-        return TextUpdate(text, list(rendered), logprobs, alternatives, finish_reason)
+        return TextUpdate(text, list(rendered), logprobs, alternatives, finish_reason, consumed)
 
 
 def ended_by_stop_string(samples: Iterable[SampleText]) -> bool:

@@ -48,8 +48,8 @@ class ChoiceState:
         return self.text.finish_reason
 
     def apply(self, delta: RequestDelta) -> ChoiceUpdate:
-        self.num_tokens += len(delta.new_token_ids)
         update = self.text.apply(delta)
+        self.num_tokens += update.consumed
         return ChoiceUpdate(self.index, update.text, update.token_ids, update.logprobs,
                             update.top_logprobs, update.finish_reason, delta.prompt_logprobs)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Collection, Optional, Union
 
+import msgspec
+
 from pagedserve.protocol import messages as m
 from pagedserve.client.detokenizer import TextDecoder
 from pagedserve.client.prompt_logprobs import prompt_logprob_tables
@@ -123,6 +125,15 @@ class PendingRequest:
         sample = self.output.outputs[delta.index]
         if sample.finish_reason is not None:
             return 0  # ended by a stop string; the scheduler lags behind
+        text = self.texts[delta.index]
+        if self.streaming:  # first: a stop string inside a speculative step's tokens ends the sample there
+            update = text.apply(delta)
+            sample.text += update.text
+            if update.consumed < len(delta.new_token_ids):
+                delta = msgspec.structs.replace(
+                    delta, new_token_ids=delta.new_token_ids[:update.consumed],
+                    logprobs=None if delta.logprobs is None else delta.logprobs[:update.consumed],
+                    top_logprobs=None if delta.top_logprobs is None else delta.top_logprobs[:update.consumed])
         sample.token_ids += delta.new_token_ids
         if delta.prompt_logprobs is not None and self.output.prompt_logprobs is None:
             # as many alternatives as the scheduler sent (as were asked for)
@@ -134,10 +145,7 @@ class PendingRequest:
         if delta.index == 0 and delta.new_token_ids:
             self.output.first_token_time = self.output.first_token_time or now
             self.output.token_times.append(now)
-        text = self.texts[delta.index]
-        if self.streaming:
-            sample.text += text.apply(delta).text
-        elif delta.finish_reason is not None:
+        if not self.streaming and delta.finish_reason is not None:
             sample.text = text.apply(m.RequestDelta(delta.request_id, delta.index, sample.token_ids,
                                                     delta.finish_reason,
                                                     stop_token_id=delta.stop_token_id)).text

@@ -39,3 +39,21 @@ def test_a_stop_string_is_the_stop_reason_even_when_a_stop_token_follows(tokeniz
     sample = _run(tokenizer, ["there"], [RequestDelta("r", 0, ids[:-1], None),
                                        RequestDelta("r", 0, [ids[-1], 7], "stop", stop_token_id=7)])
     assert sample.finish_reason == "stop" and sample.stop_reason({7}) == "there"
+
+
+def test_a_stop_string_inside_one_delta_of_several_tokens_ends_the_sample_at_its_last_token(tokenizer):
+    """A speculative step delivers its accepted tokens in one delta: the sample ends, and its
+    tokens are counted and returned, as if they had come one at a time (usage would bill the
+    accepted tokens after the stop string otherwise)."""
+    ids = tokenizer.encode("one two three four five six")
+    ends_stop = next(j for j in range(1, len(ids) + 1) if "three" in tokenizer.decode(ids[:j]))
+    assert ends_stop < len(ids)  # tokens follow the stop string inside the delta
+    sample = SampleText(TextDecoder(tokenizer), ["three"])
+    update = sample.apply(RequestDelta("r", 0, ids, None, logprobs=[-0.5] * len(ids),
+                                       top_logprobs=[[(i, -0.5)] for i in ids]))
+    assert update.finish_reason == "stop" and update.text == tokenizer.decode(ids[:ends_stop]).split("three")[0]
+    assert update.consumed == ends_stop and update.token_ids == ids[:ends_stop]
+    assert len(update.logprobs) == len(update.top_logprobs) == ends_stop
+    # without stop strings, or when the string never comes, every token counts
+    whole = SampleText(TextDecoder(tokenizer), ["seven"]).apply(RequestDelta("r", 0, ids, None))
+    assert whole.consumed == len(ids) and whole.finish_reason is None
