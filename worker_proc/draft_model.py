@@ -4,7 +4,8 @@ run in the worker beside the target, with its own paged KV cache.
 Its cache has the target's block size and number of blocks and is indexed by the same block
 tables and slots the scheduler sent, so the scheduler's one block manager manages both: every
 swap, copy-on-write and zeroing of a step is applied to it too, and a prefix-cache hit finds
-the draft's keys and values in the block beside the target's. One step, after the target's
+the draft's keys and values in the block beside the target's where a speculating sequence wrote
+them (else see below). One step, after the target's
 forward, for the entries the scheduler names (``SchedulerOutput.draft_tokens``: its sequences
 that speculate; one that backed off for good costs nothing here):
 
@@ -16,6 +17,14 @@ that speculate; one that backed off for good costs nothing here):
    to worker-only scratch blocks past the shared ones (the block holding p copied into the
    first, so the steps see the context before p); step 1 of the next step rewrites them in the
    real blocks. The scheduler's pool is never touched.
+
+Where the draft's cache lacks a sequence's earlier positions, step 1 computes them first: blocks
+written while nobody speculated (a prefix-cache hit on blocks a ``logprobs`` request computed, the
+prompt of an ``n > 1`` request's parent, a sequence that had backed off) hold the target's keys
+and values but not the draft's, and proposals from a context it never saw are rarely accepted.
+The worker keeps, per block, how many leading slots hold the draft's keys and values of the
+tokens the target's hold (``filled``), moved by the step's swaps and copies and reset by its
+zeroing, as the blocks themselves are.
 
 Greedy argmax makes the proposer a point mass, so the worker's verification (spec_verify.py)
 stays exact rejection sampling under temperature: the output distribution is the target's.
@@ -58,6 +67,10 @@ class DraftModel:
                                                            select_elementwise(ops, dtype))
         self.cache: Optional[KVCache] = None
         self.scratch_start = 0
+        self.filled: list[int] = []  # per device block: leading slots holding the draft's keys and values
+        self.host_filled: list[int] = []  # per host block, while swapped out
+        self.valid_end: dict[str, int] = {}  # per request: its positions before this hold the draft's
+        self._computed: list[tuple[HeldRequest, int, int]] = []  # this step's (entry, first, end of tokens)
 
     @property
     def num_params(self) -> int:
@@ -76,6 +89,52 @@ class DraftModel:
                              init.num_cpu_blocks, init.block_size, self.spec.num_kv_heads, self.spec.head_dim,
                              self.dtype, self.device, self.ops)
         self.model.rotary.ensure_positions(init.max_model_len + self.k)
+        self.filled, self.host_filled = [0] * init.num_gpu_blocks, [0] * init.num_cpu_blocks
+        self.valid_end = {}
+
+    def note_block_ops(self, out: SchedulerOutput) -> None:
+        """What the step's cache operations did to the draft's blocks: swap out, swap in, copy, zero."""
+        for device, host in out.blocks_to_swap_out:
+            self.host_filled[host] = self.filled[device]
+        for host, device in out.blocks_to_swap_in:
+            self.filled[device] = self.host_filled[host]
+        for src, dst in out.blocks_to_copy:
+            self.filled[dst] = self.filled[src]
+        for block in out.new_block_ids_to_zero:
+            self.filled[block] = 0
+        for req_id in out.finished_req_ids:  # preempted ones too: their blocks may be handed out again
+            self.valid_end.pop(req_id, None)
+
+    def _first_missing(self, req: HeldRequest) -> int:
+        """The first of ``req``'s computed positions whose draft keys and values are missing."""
+        end = req.num_computed_tokens
+        if self.valid_end.get(req.req_id) == end:  # its last step ran the draft: nothing to scan
+            return end
+        bs = self.cache.block_size
+        for b in range(-(-end // bs)):
+            have = self.filled[req.block_ids[b]]
+            if have < min(bs, end - b * bs):
+                return b * bs + have
+        return end
+
+    def _with_catch_up(self, req: HeldRequest, first: int) -> HeldRequest:
+        """``req`` scheduled from ``first``: its missing positions, then the step's own tokens."""
+        extra = req.num_computed_tokens - first
+        if not extra:
+            return req
+        return HeldRequest(req.req_id, req.token_ids, req.num_prompt_tokens, req.block_ids, first,
+                           req.num_scheduled_tokens + extra, req.sampling, req.seed, req.samples, req.pooling)
+
+    def note_accepted(self, num_accepted: dict[str, int]) -> None:
+        """After verification: the slots the draft computed that hold accepted tokens count as filled
+        (a rejected proposal's do not: the next step rewrites them)."""
+        bs = self.cache.block_size
+        for req, first, end in self._computed:
+            end += num_accepted.get(req.req_id, 0)
+            for b in range(first // bs, -(-end // bs)):
+                self.filled[req.block_ids[b]] = min(bs, end - b * bs)
+            self.valid_end[req.req_id] = end
+        self._computed = []
 
     def compute(self, scheduled: list[HeldRequest], batch: ForwardBatch, out: SchedulerOutput,
                 workspace: Optional[GatherWorkspace]) -> None:
@@ -83,9 +142,14 @@ class DraftModel:
         (before verification changes their state)."""
         wanted = out.draft_tokens
         subset = [r for r in scheduled if r.req_id in wanted]
+        firsts = [self._first_missing(r) for r in subset]
+        self._computed = [(r, first, r.num_computed_tokens + r.num_scheduled_tokens) for r, first in zip(subset, firsts)]
         if not subset:
             return
-        if len(subset) < len(scheduled):
+        catch_up = any(first < r.num_computed_tokens for r, first in zip(subset, firsts))
+        if catch_up:
+            subset = [self._with_catch_up(r, first) for r, first in zip(subset, firsts)]
+        if catch_up or len(subset) < len(scheduled):
             drafts = {i: d for i, d in out.spec_token_ids.items() if i in wanted}
             batch = build_forward_batch(subset, self.cache.block_size, self.device,
                                         batched_decodes=self.device.type == "cpu", workspace=workspace,

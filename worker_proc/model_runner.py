@@ -188,6 +188,8 @@ class ModelRunner:
                 if kv is not None:
                     kv.apply_block_ops(out.blocks_to_swap_out, out.blocks_to_swap_in,
                                        out.blocks_to_copy, out.new_block_ids_to_zero)
+            if self.draft is not None:
+                self.draft.note_block_ops(out)
             scheduled, host = self._prepared(out)
             if scheduled:
                 batch = upload_batch(host, cache.block_size, self.device, batched_decodes=self.device.type == "cpu",
@@ -234,6 +236,8 @@ class ModelRunner:
                         req_ids = [r.req_id for r in entries]
                     else:
                         token_ids, logprobs, alternatives, num_accepted, proposals = [], None, None, {}, {}
+                if draft is not None:
+                    draft.note_accepted(num_accepted)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(step=out.step, rank=self.rank, req_ids=req_ids, sampled_token_ids=token_ids,

@@ -1,7 +1,8 @@
 """Speculative decoding end to end: ``--speculative-config`` (vLLM's JSON) on a served model
 and ``LLM(speculative_config={...})`` give transformers' greedy tokens; the spec-decode metrics
 move under vLLM's names and pagedserve's, with prompt lookup and with a draft model; a stop string that falls inside a run of accepted
-proposals ends the stream there, with nothing after it; and what cannot run is refused in one line.
+proposals ends the stream there, with nothing after it returned or counted; a draft is still accepted on blocks it never
+computed; and what cannot run is refused in one line.
 """
 
 from __future__ import annotations
@@ -51,6 +52,22 @@ def _spec_counters(srv: Server) -> list[tuple[float, float, float, float]]:
         time.sleep(0.05)
 
 
+def _stop_string(model: str, tokens: list[int], where=lambda ends: True) -> tuple[str, int]:
+    """A 3-character stop string from the second half of ``tokens``' text, and how many tokens
+    end with it: the one that completes it included. None with U+FFFD, which a partial decode
+    shows for a character whose bytes have not all come (the detokenizer waits for them)."""
+    decode = hf_tokenizer(model).decode
+    text = decode(tokens, skip_special_tokens=True)
+    for i in range(len(text) // 2, len(text) - 3):
+        stop = text[i:i + 3]
+        if "\ufffd" in stop:
+            continue
+        ends = next(j for j in range(1, len(tokens) + 1) if stop in decode(tokens[:j], skip_special_tokens=True))
+        if ends < len(tokens) and where(ends):
+            return stop, ends
+    raise AssertionError("no stop string fits")
+
+
 def test_served_greedy_equals_transformers_metrics_move_and_a_stop_string_ends_an_accepted_run(
         model_factory, tmp_path):
     model = model_factory("qwen2")
@@ -73,6 +90,11 @@ def test_served_greedy_equals_transformers_metrics_move_and_a_stop_string_ends_a
         assert len(finished) == 1 and chunks[finished[0]].choices[0].finish_reason == "stop"
         assert all(not ch.choices or not ch.choices[0].text for ch in chunks[finished[0] + 1:])
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+        # usage counts the tokens up to the one that completes the stop string, none accepted after it
+        stop, ends = _stop_string(model, hf_greedy(model, PROMPTS[0], MAX_TOKENS))
+        done = c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+        assert done.choices[0].text == text[:text.index(stop)] and done.usage.completion_tokens == ends
     finally:
         srv.stop()
 
@@ -110,3 +132,46 @@ def test_served_greedy_with_a_draft_model_equals_transformers_and_the_metrics_mo
             assert proposed >= drafts > 0 and accepted <= proposed
     finally:
         srv.stop()
+
+
+def test_a_draft_that_is_the_target_keeps_being_accepted_on_blocks_it_never_computed_and_a_stop_string_ends_its_run(
+        model_factory):
+    """The target as its own draft proposes what the target samples: acceptance stays high where
+    the draft's cache lacks a context (blocks a request that did not speculate computed, reused
+    from the prefix cache; the prompt of an n = 2 request's parent), since the draft computes the
+    missing positions first; before, its proposals from an unseen context were all rejected. And a
+    stop string inside a run of accepted tokens ends the output at the token that completes it:
+    the accepted tokens after it are neither returned nor counted."""
+    model = model_factory("qwen2")
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 4, "backoff": "acceptance"}
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    blocks_from_logprobs = [(i * 37 + 11) % 500 + 3 for i in range(80)]
+    for_two = [(i * 53 + 7) % 500 + 3 for i in range(40)]
+    with LLM(model, speculative_config=spec, enable_prefix_caching=True, num_gpu_blocks=64, max_model_len=256,
+             debug_invariants=True, num_threads=1) as llm:
+        def accepted_share(prompt, params):
+            before = llm.refresh_stats()[0]
+            outs = llm.generate([prompt], params, use_tqdm=False)[0].outputs
+            after = llm.refresh_stats()[0]
+            proposed = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+            assert proposed > 0
+            return (after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens) / proposed, outs
+
+        # logprobs turn speculation off for this request: the blocks it computes have no draft keys
+        llm.generate([blocks_from_logprobs], SamplingParams(max_tokens=1, temperature=0.0, logprobs=1),
+                     use_tqdm=False)
+        share, outs = accepted_share(blocks_from_logprobs, greedy)
+        assert share > 0.8 and outs[0].token_ids == hf_greedy(model, blocks_from_logprobs, MAX_TOKENS)
+        share, outs = accepted_share(for_two, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, n=2,
+                                                              ignore_eos=True))
+        assert share > 0.8 and [o.token_ids for o in outs] == [hf_greedy(model, for_two, MAX_TOKENS)] * 2
+
+        tokens = hf_greedy(model, PROMPTS[0], MAX_TOKENS)
+        text = hf_tokenizer(model).decode(tokens, skip_special_tokens=True)
+        # after the prompt's token, every step accepts its 4 proposals: 1 + 5m tokens end a step, so
+        # a stop string that ends elsewhere ends inside a run of accepted tokens
+        stop, ends = _stop_string(model, tokens, lambda ends: (ends - 1) % 5 != 0)
+        _, outs = accepted_share(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                                            stop=[stop]))
+        assert outs[0].text == text[:text.index(stop)] and outs[0].finish_reason == "stop"
+        assert outs[0].token_ids == tokens[:ends]
