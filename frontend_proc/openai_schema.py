@@ -6,6 +6,8 @@ Strict mode: a string where a number belongs is a 400, not a silent coercion.
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -109,9 +111,14 @@ class SamplingFields(_Lenient):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias_ids_and_range(cls, value: Optional[dict[str, float]]):
+        seen: dict[int, str] = {}
         for key, bias in (value or {}).items():
-            if not key.strip().isdigit():
+            # ASCII digits only: str.isdigit() takes "²" and "①", which int() then refuses (a 500)
+            if not re.fullmatch(r"[0-9]+", key.strip()):
                 raise ValueError(f"logit_bias keys are token ids as strings, got {key!r}")
+            if int(key) in seen:  # "5" and "05": one of the two biases would be dropped
+                raise ValueError(f"logit_bias names token {int(key)} twice: {seen[int(key)]!r} and {key!r}")
+            seen[int(key)] = key
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
         return value

@@ -54,7 +54,8 @@ COMMON = {
     "frequency_penalty": [*HUGE, 2.5, -2.5, NAN, ""],
     "repetition_penalty": [*HUGE, 0, -1, 2.5, NAN, ""],
     "min_p": [*HUGE, -0.1, 1.5, NAN, ""],
-    "logit_bias": [{"1": 101}, {"1": -101}, {"x": 1}, {"-1": 1}, {str(VOCAB): 1}, {"1": NAN}, {"1": "x"}, [], "x"],
+    "logit_bias": [{"1": 101}, {"1": -101}, {"x": 1}, {"-1": 1}, {str(VOCAB): 1}, {"1": NAN}, {"1": "x"}, [], "x",
+                   {"\u00b2": 1}, {"\u2460": 1}, {"\uff15": 1}, {"5": 1, "05": -1}],  # "²", "①", fullwidth "５"; one id twice
     "best_of": [0, -1, 2, "", NAN],
     "prompt_logprobs": [*HUGE, -1, 21, NAN, "", "x"],
 }
