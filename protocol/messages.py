@@ -267,6 +267,9 @@ class NewRequestData(Msg):
     sampling: SamplingParams
     samples: bool  # sample a token after this step (False: a prompt chunk, or a parent's prompt[:-1])
     pooling: Optional[PoolingType] = None  # an embedding request: pool its hidden states, never sample
+    # vLLM's min_tokens: its stop tokens (stop_token_ids, and EOS unless ignore_eos), which the sampler
+    # masks while the sample has fewer than sampling.min_tokens outputs; [] without min_tokens.
+    min_tokens_stop_ids: list[int] = []
 
 
 class CachedRequestData(Msg, gc=False):  # holds only scalars and int lists: no cycles possible

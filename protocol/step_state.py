@@ -29,11 +29,12 @@ class HeldRequest:
     """One request as a receiver of SchedulerOutputs holds it between steps."""
 
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens",
-                 "num_scheduled_tokens", "samples", "sampling", "seed", "last_sampled", "pooling")
+                 "num_scheduled_tokens", "samples", "sampling", "seed", "last_sampled", "pooling", "min_tokens_stops")
 
     def __init__(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, block_ids: list[int],
                  num_computed_tokens: int, num_scheduled_tokens: int, sampling: SamplingParams,
-                 seed: Optional[int] = None, samples: bool = True, pooling: Optional[str] = None):
+                 seed: Optional[int] = None, samples: bool = True, pooling: Optional[str] = None,
+                 min_tokens_stops: tuple[int, ...] = ()):
         self.req_id = req_id
         self.token_ids = token_ids  # prompt, then every output token (placeholders resolved)
         self.num_prompt_tokens = num_prompt_tokens
@@ -45,6 +46,7 @@ class HeldRequest:
         self.seed = sampling.seed if seed is None else seed
         self.last_sampled: Optional[int] = None  # the token sampled in this request's latest step
         self.pooling = pooling  # an embedding request: "last" | "mean" (protocol/pooling.py); never samples
+        self.min_tokens_stops = min_tokens_stops  # masked before sampling.min_tokens outputs (logits_processors.py)
 
     @property
     def num_output_tokens(self) -> int:
@@ -74,7 +76,7 @@ def apply_output(held: dict[str, HeldRequest], out: SchedulerOutput,
             raise StepContractError(f"step {step}: new request {new.req_id!r} is already held")
         state = HeldRequest(new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
                             new.num_computed_tokens, new.num_scheduled_tokens, new.sampling, samples=new.samples,
-                            pooling=new.pooling)
+                            pooling=new.pooling, min_tokens_stops=tuple(new.min_tokens_stop_ids))
         held[new.req_id] = state
         append(state)
     for diff in out.cached_requests:

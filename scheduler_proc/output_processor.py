@@ -2,7 +2,9 @@
 
 Stop rules, per sequence: a token in the request's eos ids (unless ``ignore_eos``) or in
 ``stop_token_ids`` ends it with "stop", but only once it has at least ``min_tokens``
-outputs; the stop token is part of ``new_token_ids`` and named in ``stop_token_id``.
+outputs (before that the sampler masks them, as vLLM's min_tokens does: only a grammar that
+allows nothing else gets one through); the stop token is part of ``new_token_ids`` and named in
+``stop_token_id``.
 Reaching ``max_tokens`` outputs, ``max_model_len`` tokens or the whole cache ends it
 with "length".
 

@@ -55,7 +55,7 @@ class StepPlan:
             self.new.append(NewRequestData(
                 seq.seq_id, seq.token_ids.tolist(), seq.num_prompt_tokens, list(seq.block_ids),
                 computed, num_tokens, prompt_lp.sampling_to_send(seq.request, seq.sampling), samples,
-                seq.request.pooling))
+                seq.request.pooling, sorted(seq.stop_token_ids) if seq.sampling.min_tokens else []))
             seq.worker_knows = True
             (self.sampling_new if samples else self.others).append(seq)
         seq.num_tokens_sent = len(seq.token_ids)

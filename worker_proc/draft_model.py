@@ -123,7 +123,8 @@ class DraftModel:
         if not extra:
             return req
         return HeldRequest(req.req_id, req.token_ids, req.num_prompt_tokens, req.block_ids, first,
-                           req.num_scheduled_tokens + extra, req.sampling, req.seed, req.samples, req.pooling)
+                           req.num_scheduled_tokens + extra, req.sampling, req.seed, req.samples, req.pooling,
+                           req.min_tokens_stops)
 
     def note_accepted(self, num_accepted: dict[str, int]) -> None:
         """After verification: the slots the draft computed that hold accepted tokens count as filled

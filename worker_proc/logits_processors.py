@@ -1,8 +1,8 @@
 """What a request's sampling parameters do to its logits before a token is chosen.
 
-vLLM's semantics, in vLLM v1's order: logit_bias, then the penalties (repetition over prompt
-and output tokens; frequency and presence over output tokens only), then (for sampled rows)
-temperature and min_p. Greedy requests take the argmax after bias and penalties, so greedy
+vLLM's semantics, in vLLM v1's order: min_tokens (no stop token yet), logit_bias, then the
+penalties (repetition over prompt and output tokens; frequency and presence over output tokens
+only), then (for sampled rows) temperature and min_p. Greedy requests take the argmax after bias and penalties, so greedy
 with a penalty equals transformers' greedy with the same processor. Every function works on
 a batch of rows, touching only the rows whose request asked for the control.
 """
@@ -64,6 +64,30 @@ def apply_penalties(logits: torch.Tensor, requests: list[HeldRequest]) -> None:
         frequency = host_values_to_device(out_frequency, dtype, device)
         presence = host_values_to_device(out_presence, dtype, device)
         logits[at] = logits[at] - frequency * counts - presence
+
+
+def holds_back_stops(r: HeldRequest) -> bool:
+    """vLLM's min_tokens: the row's stop tokens may not be sampled yet."""
+    return bool(r.min_tokens_stops) and r.num_output_tokens < r.sampling.min_tokens
+
+
+def apply_min_tokens(logits: torch.Tensor, requests: list[HeldRequest]) -> None:
+    """vLLM's min_tokens, in place: a row with fewer outputs than its min_tokens cannot sample a
+    stop token (EOS unless ignore_eos, and stop_token_ids), so the output neither holds one nor
+    ends early. A row where that would leave nothing (a grammar that allows only a stop token) is
+    left as it was: the grammar wins."""
+    rows = [row for row, r in enumerate(requests) if holds_back_stops(r)]
+    at_rows = [row for row in rows for _ in requests[row].min_tokens_stops]
+    ids = [token for row in rows for token in requests[row].min_tokens_stops]
+    at = (host_values_to_device(at_rows, torch.long, logits.device), host_values_to_device(ids, torch.long, logits.device))
+    before = logits[at]
+    logits[at] = -torch.inf
+    which = host_values_to_device(rows, torch.long, logits.device)
+    dead = torch.isneginf(logits.index_select(0, which).amax(1))
+    if bool(dead.any()):
+        lost = dead.repeat_interleave(host_values_to_device([len(requests[row].min_tokens_stops) for row in rows],
+                                                            torch.long, logits.device))
+        logits[at] = torch.where(lost, before, logits[at])
 
 
 def apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.device_indices import host_values_to_device
 from pagedserve.protocol.step_state import HeldRequest
-from pagedserve.worker_proc.logits_processors import apply_logit_bias, apply_min_p, apply_penalties, top_logprobs
+from pagedserve.worker_proc.logits_processors import (
+    apply_logit_bias, apply_min_p, apply_min_tokens, apply_penalties, holds_back_stops, top_logprobs)
 
 _MASK64 = (1 << 64) - 1
 GREEDY_TEMPERATURE = 1e-5  # at or below this, sampling is argmax
@@ -191,8 +192,11 @@ def launch_sample(logits: torch.Tensor, requests: list[HeldRequest]) -> PendingS
     biased = any(r.sampling.logit_bias for r in requests)
     penalized = any(r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty != 0.0
                     or r.sampling.presence_penalty != 0.0 for r in requests)
-    if biased or penalized:
+    held_back = any(holds_back_stops(r) for r in requests)
+    if biased or penalized or held_back:
         logits = logits.clone()  # the caller's logits, and the logprobs, stay the raw ones
+    if held_back:
+        apply_min_tokens(logits, requests)
     if biased:
         apply_logit_bias(logits, requests)
     if penalized:

@@ -27,7 +27,7 @@ class DraftRow:
     """Row ``j`` of an entry with proposals: what the sampler reads of a request, at that position."""
 
     __slots__ = ("owner", "j", "context", "req_id", "sampling", "seed", "num_prompt_tokens", "num_output_tokens",
-                 "last_sampled")
+                 "last_sampled", "min_tokens_stops")
 
     def __init__(self, owner: HeldRequest, j: int, context: list[int]):
         self.owner = owner
@@ -39,6 +39,7 @@ class DraftRow:
         self.num_prompt_tokens = owner.num_prompt_tokens
         self.num_output_tokens = owner.num_output_tokens + j
         self.last_sampled: Optional[int] = None
+        self.min_tokens_stops = owner.min_tokens_stops
 
     @property
     def token_ids(self) -> list[int]:

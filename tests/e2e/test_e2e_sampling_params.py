@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 import torch
-from transformers import RepetitionPenaltyLogitsProcessor
+from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from support.oracle import hf_model, hf_tokenizer
 from support.server import Server
@@ -143,6 +143,29 @@ def test_greedy_with_repetition_penalty_and_bias_follows_transformers(server, te
     assert r.json()["choices"][0]["text"] == tok.decode(penalized, skip_special_tokens=True)
     forced = post(server, "/v1/completions", {"prompt": prompt, "logit_bias": {str(plain[0] + 1): 100}})
     assert forced.json()["choices"][0]["text"] == tok.decode([plain[0] + 1] * MAX_TOKENS, skip_special_tokens=True)
+
+
+def test_min_tokens_holds_back_a_stop_token_as_transformers_min_new_tokens_does(server):
+    """vLLM's min_tokens: the stop token greedy picks first is not chosen before 3 outputs (a
+    masked logit, transformers' MinNewTokensLengthLogitsProcessor), so the output neither begins
+    with it nor stops there; once allowed it stops the output as a stop token does."""
+    tok = hf_tokenizer(server.model)
+    prompt = tok("The quick brown fox").input_ids
+    plain, _ = hf_greedy_with_logprobs(server.model, prompt)
+    stop = plain[0]
+    model, ids = hf_model(server.model), list(prompt)
+    with torch.no_grad():
+        while len(ids) - len(prompt) < MAX_TOKENS and (len(ids) == len(prompt) or ids[-1] != stop):
+            logits = model(torch.tensor([ids])).logits[:, -1].float()
+            processor = MinNewTokensLengthLogitsProcessor(len(prompt), 3, [stop])
+            ids.append(int(processor(torch.tensor([ids]), logits).argmax()))
+    expected = ids[len(prompt):]
+    assert expected[0] != stop
+    r = post(server, "/v1/completions", {"prompt": prompt, "min_tokens": 3, "stop_token_ids": [stop]})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == tok.decode([t for t in expected if t != stop], skip_special_tokens=True)
+    assert r.json()["usage"]["completion_tokens"] == len(expected)
+    assert choice["finish_reason"] == ("stop" if expected[-1] == stop else "length")
 
 
 @pytest.mark.parametrize("path,body,param", [

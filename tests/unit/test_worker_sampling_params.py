@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          SequenceBiasLogitsProcessor)
 
 from pagedserve.protocol.messages import SamplingParams
 from pagedserve.protocol.step_state import HeldRequest as RequestState
@@ -119,3 +120,32 @@ def test_top_logprobs_are_log_softmax_of_the_raw_logits(logits):
         assert torch.allclose(torch.tensor([lp for _, lp in pairs]), values, atol=1e-4)
     assert out.logprobs[0] == pytest.approx(reference[0, out.token_ids[0]].item(), abs=1e-4)
     assert sample(logits, [state([1], [], logprobs=True)]).top_logprobs is None
+
+
+def test_min_tokens_holds_back_the_stop_tokens_as_transformers_min_new_tokens_does(logits):
+    """vLLM's min_tokens: before that many outputs, no stop token (EOS, stop_token_ids) can be
+    chosen, so the output neither holds one nor ends early; from then on they are ordinary."""
+    best = logits.argmax(-1).tolist()
+    cases = [([], 2), ([9], 2), ([9, 9], 2), ([], 0)]  # (outputs so far, min_tokens): before, before, at, none
+    requests, expected = [], []
+    for row, (outputs, min_tokens) in enumerate(cases):
+        stops = [best[row], 5]
+        req = state([1, 2], outputs, min_tokens=min_tokens)
+        req.min_tokens_stops = tuple(stops) if min_tokens else ()  # as the scheduler sends them
+        requests.append(req)
+        reference = MinNewTokensLengthLogitsProcessor(2, min_tokens, stops)
+        expected.append(int(reference(torch.tensor([[1, 2] + outputs]), logits[row:row + 1].clone()).argmax()))
+    out = sample(logits, requests)
+    assert out.token_ids == expected
+    assert [e == b for e, b in zip(expected, best)] == [False, False, True, True]
+    # sampled: never a held-back stop token, whatever the seed, though it is the likeliest
+    held = [state([1, 2], [], min_tokens=3, temperature=1.0, seed=seed) for seed in range(200)]
+    for req in held:
+        req.min_tokens_stops = (best[0],)
+    assert best[0] not in sample(logits[:1].repeat(200, 1), held).token_ids
+    # a row whose only allowed token is a stop token (a grammar's end) keeps it: the grammar wins
+    only_stop = torch.full((1, VOCAB), -torch.inf)
+    only_stop[0, 5] = 0.0
+    req = state([1, 2], [], min_tokens=2)
+    req.min_tokens_stops = (5,)
+    assert sample(only_stop, [req]).token_ids == [5]
