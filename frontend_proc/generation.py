@@ -25,6 +25,16 @@ T = TypeVar("T")
 ChoiceRenderer = Any
 
 
+
+LOWEST_LOGPROB = -9999.0  # vLLM's stand-in for -inf
+
+
+def _finite(logprob: float) -> float:
+    """A token a grammar masks has logprob -inf (of the masked distribution, as vLLM's), which
+    JSON cannot carry (json.dumps refused it: a 500) and msgspec writes as null (not a number,
+    against OpenAI's schema): vLLM's -9999.0 instead."""
+    return max(logprob, LOWEST_LOGPROB)
+
 class ClientDisconnected(Exception):
     pass
 
@@ -97,7 +107,7 @@ class Generation:
         if update.logprobs is None:
             return echoed or None
         alternatives = update.top_logprobs or [[] for _ in update.token_ids]
-        return echoed + [(text(t), lp, [(text(a), alp) for a, alp in top])
+        return echoed + [(text(t), _finite(lp), [(text(a), _finite(alp)) for a, alp in top])
                          for t, lp, top in zip(update.token_ids, update.logprobs, alternatives)]
 
     async def _collect(self) -> dict[str, Any]:

@@ -32,6 +32,8 @@ def _requested(body: SamplingFields) -> list[tuple[str, dict]]:
     """(client field, vLLM structured_outputs dict) for every way the body asks."""
     asked = []
     fmt = body.response_format
+    if fmt is not None:
+        _check_response_format(fmt)
     if fmt is not None and fmt.type == "json_object":
         asked.append(("response_format", {"json_object": True}))
     elif fmt is not None and fmt.type == "json_schema":
@@ -47,6 +49,22 @@ def _requested(body: SamplingFields) -> list[tuple[str, dict]]:
         if value is not None:
             asked.append((field, {key: value}))
     return asked
+
+
+def _check_response_format(fmt) -> None:
+    """Nothing in response_format goes unread: a key OpenAI does not define there, or a
+    json_schema beside another type, would be accepted and ignored (a json_object's "schema")."""
+    for extra in sorted(fmt.model_extra or {}):
+        raise InvalidRequest(f"response_format.{extra} is not a field of response_format (type, json_schema)",
+                             param=f"response_format.{extra}")
+    if fmt.json_schema is None:
+        return
+    if fmt.type != "json_schema":
+        raise InvalidRequest(f"response_format.json_schema is read only with type json_schema, not {fmt.type}",
+                             param="response_format.json_schema")
+    for extra in sorted(fmt.json_schema.model_extra or {}):
+        raise InvalidRequest(f"response_format.json_schema.{extra} is not a field of json_schema "
+                             "(name, description, schema, strict)", param=f"response_format.json_schema.{extra}")
 
 
 def structured_output_field(body: SamplingFields) -> Optional[str]:

@@ -16,6 +16,7 @@ import json
 import re
 import threading
 
+from pagedserve.protocol.json_schema_support import unenforceable
 from pagedserve.protocol.messages import StructuredOutputs
 from pagedserve.protocol.validate import InvalidField, check_structured_outputs
 
@@ -57,8 +58,12 @@ def build_grammar(spec: StructuredOutputs):
     kind = spec.kinds_set()[0]
     try:
         if kind == "json":
-            if not isinstance(json.loads(spec.json), dict):
+            schema = json.loads(spec.json)
+            if not isinstance(schema, dict):
                 raise ValueError("a JSON Schema must be a JSON object")
+            why = unenforceable(schema)
+            if why is not None:
+                raise InvalidField("structured_outputs", f"json: {why}")
             return xgrammar.Grammar.from_ebnf(json_schema_ebnf(spec.json))
         if kind == "json_object":
             return xgrammar.Grammar.from_ebnf(json_schema_ebnf(ANY_JSON_OBJECT))
@@ -67,6 +72,8 @@ def build_grammar(spec: StructuredOutputs):
         if kind == "choice":
             return xgrammar.Grammar.from_regex(choice_regex(spec.choice))
         return xgrammar.Grammar.from_ebnf(spec.grammar)
+    except InvalidField:
+        raise
     except (ValueError, RuntimeError, TypeError) as exc:  # xgrammar's parse errors, json's
         text = _LOG_PREFIX.sub("", (str(exc).strip() or type(exc).__name__).splitlines()[0])[:500]
         raise InvalidField("structured_outputs", f"{kind} cannot be compiled: {text}") from None

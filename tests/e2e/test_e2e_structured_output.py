@@ -140,11 +140,48 @@ def test_json_object_answers_are_json_objects(server):
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"guided_json": {"type": "integer"}, "guided_choice": ["a"]}, "guided_choice"),
+    # keywords the grammar engine would compile as if absent: refused, not broken by a "stop" answer
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "response_format"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 5}}}}},
+     "guided_json"),
+    ({"guided_json": {"allOf": [{"type": "integer"}, {"minimum": 3}]}}, "guided_json"),
+    ({"guided_json": {"type": "string", "pattern": "^(?!a)"}}, "guided_json"),
+    # what response_format does not define is refused, not ignored
+    ({"response_format": {"type": "json_object", "schema": {"type": "integer"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"},
+                                                                   "foo": 1}}}, "response_format"),
 ])
-def test_a_grammar_that_cannot_compile_is_a_400_naming_the_field(server, body, param):
+def test_a_grammar_that_cannot_compile_or_be_enforced_is_a_400_naming_the_field(server, body, param):
     r = chat(server, body)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param
+    assert r.json()["error"]["param"].split(".")[0] == param
+
+
+def test_a_property_named_like_a_keyword_is_a_property(server):
+    r = chat(server, {"guided_json": {"type": "object", "properties": {"not": {"type": "integer"}},
+                                      "required": ["not"], "additionalProperties": False}, "temperature": 0.0})
+    assert r.status_code == 200, r.text
+    if r.json()["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["not"], int)
+
+
+def test_logprobs_of_tokens_a_grammar_masks_are_numbers(server):
+    """Masked tokens have logprob -inf (of the masked distribution): JSON carries vLLM's -9999.0
+    instead (a 500 before, from json.dumps; null in a stream, against OpenAI's schema)."""
+    body = {"guided_choice": ["yes", "no"], "logprobs": True, "top_logprobs": 3, "temperature": 0.0}
+    r = chat(server, body)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    values = [e["logprob"] for e in content] + [a["logprob"] for e in content for a in e["top_logprobs"]]
+    assert values and all(isinstance(v, float) and -9999.0 <= v <= 0.0 for v in values)
+    assert -9999.0 in values  # a choice of two leaves a third alternative masked
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=300,
+                      json={"messages": [{"role": "user", "content": "pick"}], "stream": True, **body}) as s:
+        lines = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    streamed = [a["logprob"] for chunk in lines for c in chunk["choices"] if c.get("logprobs")
+                for e in c["logprobs"]["content"] for a in [e, *e["top_logprobs"]]]
+    assert streamed and all(isinstance(v, float) for v in streamed)
 
 
 def test_offline_constrained_generation_under_recompute_preemption(model_factory):
