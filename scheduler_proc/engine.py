@@ -210,6 +210,7 @@ class EngineLoop:
             # A recovered replica keeps its Scheduler (fail_all left it clean) so step
             # numbers keep increasing; only a different cache or model needs a new one.
             self.scheduler = Scheduler(config, grammar_cache_for(self.grammar_loader, vocab_size))
+            self.grammar_gate.cache = self.scheduler.grammars
         self.state = "draining" if self.draining else "ready"
         log.info("replica %d ready: %d device blocks, %d host blocks of %d tokens",
                  cfg.replica, num_gpu_blocks, num_cpu_blocks, cfg.block_size)

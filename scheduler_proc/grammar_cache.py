@@ -104,6 +104,7 @@ class CompiledGrammarCache:
         self._compiler = None
         self._utf8: Optional[Utf8Guard] = None
         self._compiled: OrderedDict[bytes, ServedGrammar] = OrderedDict()
+        self._failed: OrderedDict[bytes, InvalidField] = OrderedDict()
 
     def _grammar_compiler(self):
         if self._compiler is None:
@@ -114,26 +115,55 @@ class CompiledGrammarCache:
                 self._compiler = new_compiler(tokenizer, self.vocab_size)
         return self._compiler
 
-    def compile(self, spec: StructuredOutputs):
-        """The compiled grammar of ``spec``, cached; raises InvalidField naming the problem."""
+    @staticmethod
+    def _key(spec: StructuredOutputs) -> bytes:
         if spec.start_after:  # when the grammar starts is the matcher's business, not the grammar's
             spec = msgspec.structs.replace(spec, start_after=[])
-        key = msgspec.msgpack.encode(spec)
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            self._compiled.move_to_end(key)
-            return compiled
+        return msgspec.msgpack.encode(spec)
+
+    def compile(self, spec: StructuredOutputs):
+        """The compiled grammar of ``spec``, cached; raises InvalidField naming the problem."""
+        key = self._key(spec)
+        if not self.known(spec):
+            try:
+                self.store(spec, self.compile_uncached(spec))
+            except InvalidField as exc:
+                self.store(spec, exc)
+        failed = self._failed.get(key)
+        if failed is not None:
+            raise failed
+        self._compiled.move_to_end(key)
+        return self._compiled[key]
+
+    def known(self, spec: StructuredOutputs) -> bool:
+        """Whether ``compile`` answers ``spec`` at once (compiled, or known to fail)."""
+        key = self._key(spec)
+        return key in self._compiled or key in self._failed
+
+    def compile_uncached(self, spec: StructuredOutputs):
+        """xgrammar's compiled grammar of ``spec`` (seconds for a large one; xgrammar lets go of
+        the GIL, so a thread may run it while the loop steps: grammar_gate.py); raises InvalidField.
+        Reads nothing the loop changes: ``store`` files the result."""
         grammar = build_grammar(spec)
         try:
-            compiled = self._grammar_compiler().compile_grammar(grammar)
+            return self._grammar_compiler().compile_grammar(grammar)
         except (RuntimeError, ValueError) as exc:
             raise InvalidField("structured_outputs", f"the grammar cannot be compiled: {exc}") from None
+
+    def store(self, spec: StructuredOutputs, result) -> None:
+        """File ``compile_uncached``'s result for ``spec``: a compiled grammar, or the InvalidField
+        it raised (remembered too, so a slow failure is not compiled again)."""
+        key = self._key(spec)
+        if isinstance(result, InvalidField):
+            self._failed[key] = result
+            if len(self._failed) > self.max_entries:
+                self._failed.popitem(last=False)
+            return
         if self._utf8 is None:  # one tokenizer per cache: its guard is built once
-            self._utf8 = Utf8Guard(compiled.tokenizer_info.decoded_vocab)
-        compiled = self._compiled[key] = ServedGrammar(compiled, self._utf8)
+            self._utf8 = Utf8Guard(result.tokenizer_info.decoded_vocab)
+        self._compiled[key] = ServedGrammar(result, self._utf8)
         if len(self._compiled) > self.max_entries:
             self._compiled.popitem(last=False)
-        return compiled
 
 
 def compile_for(cache: Optional[CompiledGrammarCache], spec: Optional[StructuredOutputs]):

@@ -185,3 +185,29 @@ def test_messages_after_a_first_constrained_request_wait_in_order_for_the_gramma
     assert loader.ready()
     assert gate.admit([plain]) == [json_request, abort, plain]
     assert gate.admit([json_request]) == [json_request]  # loaded: nothing is held any more
+
+
+def test_a_grammar_compiles_in_a_thread_while_the_messages_after_it_wait_in_order(model_dir, grammars):
+    """A grammar that takes seconds to compile must not hold the loop (its steps, its heartbeats):
+    the gate compiles it in a thread and holds its request, and what came after, until it is
+    ready; a grammar that fails is answered from the cache, not compiled again."""
+    from pagedserve.protocol.messages import AbortRequest
+    from pagedserve.scheduler_proc.grammar_gate import GrammarGate
+
+    grammars.loader.wait()
+    gate = GrammarGate(grammars.loader)
+    gate.cache = grammars
+    spec = StructuredOutputs(json=json.dumps({"type": "object", "properties": {"a": {"enum": ["gate", "kept"]}}}))
+    slow = constrained("slow", spec, 2)
+    plain = AddRequest(request_id="plain", prompt_token_ids=[5], sampling=SamplingParams())
+    abort = AbortRequest(request_ids=["slow"])
+    assert gate.admit([plain, slow, abort]) == [plain]
+    gate._compiling[1].result(timeout=60)  # the thread's work, not a sleep
+    assert gate.admit([plain]) == [slow, abort, plain] and grammars.known(spec)
+    assert gate.admit([constrained("again", spec, 2)])[0].request_id == "again"  # compiled once
+    broken = constrained("broken", StructuredOutputs(grammar='root ::= "a" rest'), 2)
+    assert gate.admit([broken]) == []
+    gate._compiling[1].exception(timeout=60)
+    assert gate.admit([]) == [broken]
+    deltas = Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=64, max_model_len=128), grammars).add_request(broken)
+    assert deltas[0].error_kind == "invalid_request" and "structured_outputs" in deltas[0].error
