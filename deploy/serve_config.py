@@ -161,10 +161,14 @@ class _ServeConfigRules:
     def frontend_cmd(self, run_dir: str) -> list[str]:
         return self._child_cmd(FRONTEND, run_dir) + [a for alias in self.model_aliases for a in ("--model-alias", alias)]
 
+    def trace_path(self, replica: int) -> Optional[str]:
+        """Where ``replica``'s scheduler records, with --record-trace: PATH, or PATH.N with -dp > 1."""
+        if not self.record_trace:
+            return None
+        return self.record_trace if self.data_parallel_size == 1 else f"{self.record_trace}.{replica}"
+
     def scheduler_cmd(self, run_dir: str, replica: int) -> list[str]:
-        trace = self.record_trace if self.data_parallel_size == 1 or not self.record_trace \
-            else f"{self.record_trace}.{replica}"
-        return self._child_cmd(SCHEDULER, run_dir, seed=self.seed + replica, record_trace=trace) + [
+        return self._child_cmd(SCHEDULER, run_dir, seed=self.seed + replica, record_trace=self.trace_path(replica)) + [
             "--replica", str(replica)]
 
     def worker_cmd(self, run_dir: str, replica: int, rank: int, dist_init: Optional[str]) -> list[str]:

@@ -142,9 +142,25 @@ class Supervisor:
                 continue
             del self.pending_restart[replica]
             if self.restart_what.get(replica) == "replica":
+                self._keep_trace(replica)
                 self._spawn_replica(replica)
             else:
                 self._spawn_workers(replica)
+
+    def _keep_trace(self, replica: int) -> None:
+        """A restarted scheduler records afresh at its path: what it recorded before the crash (what
+        an operator most needs then) is moved aside to PATH.partK first, not overwritten."""
+        path = self.cfg.trace_path(replica)
+        if path is None or not os.path.exists(path):
+            return
+        part = 1
+        while os.path.exists(f"{path}.part{part}"):
+            part += 1
+        try:
+            os.replace(path, f"{path}.part{part}")
+            log.warning("replica %d restarts: its trace so far is kept as %s.part%d", replica, path, part)
+        except OSError as exc:
+            log.error("replica %d restarts: its trace so far could not be kept (%s); it is overwritten", replica, exc)
 
     def _restart_frontend(self) -> None:
         code = self.frontend.popen.returncode
@@ -236,8 +252,10 @@ class Supervisor:
         self.ctrl.close()  # stops its CURVE authenticator thread, if any
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        if self.cfg.record_trace:
-            log.info("trace written to %s", self.cfg.record_trace)
+        for replica in range(self.cfg.data_parallel_size):
+            path = self.cfg.trace_path(replica)
+            if path is not None and os.path.exists(path):
+                log.info("trace written to %s", path)
         log.info("pagedserve stopped")
         return 0
 

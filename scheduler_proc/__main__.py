@@ -9,6 +9,7 @@ import signal
 import sys
 
 from pagedserve.protocol.process_exit import exit_now
+from pagedserve.protocol.trace import TraceError
 from pagedserve.scheduler_proc.engine import EngineLoop
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 
@@ -24,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"pagedserve scheduler: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    loop = EngineLoop(cfg)
+    try:
+        loop = EngineLoop(cfg)
+    except TraceError as exc:  # --record-trace to a path that cannot be written: one line, not a traceback
+        print(f"pagedserve scheduler: {exc}", file=sys.stderr)
+        return 2
 
     def stop(signum, _frame):
         raise SystemExit(0)

@@ -89,11 +89,13 @@ class EngineLoop:
 
     def _broadcast(self, msg) -> bytes:
         data = encode(msg)
+        # Recorded before it is sent: a step that reached no worker (one died while the loop was
+        # idle) still took its step number, and a replay must schedule it too.
+        self._record("to_worker", data)
         try:
             self.results.broadcast(data)
         except PeerUnreachable as exc:
             raise WorkerFailure(str(exc)) from None
-        self._record("to_worker", data)
         return data
 
     def _send_next_step(self) -> None:

@@ -199,7 +199,7 @@ def format_summary(trace: Trace, s: TraceSummary) -> str:
         f"(weights {meta.get('weights')}) on {meta.get('device')}",
         f"  config: block_size={cfg.get('block_size')} gpu_blocks={init.get('num_gpu_blocks')} "
         f"cpu_blocks={init.get('num_cpu_blocks')} max_num_batched_tokens={cfg.get('max_num_batched_tokens')} "
-        f"tp={cfg.get('tp_size')} prefix_caching={cfg.get('enable_prefix_caching')} "
+        f"tp={cfg.get('tensor_parallel_size')} prefix_caching={cfg.get('enable_prefix_caching')} "
         f"chunked_prefill={cfg.get('enable_chunked_prefill')} seed={cfg.get('seed')}",
         f"  steps {s.steps} (scheduled ahead of the previous result: {s.steps_ahead}), requests {s.requests} (n>1: {s.parallel_sample_requests}), "
         f"sequences {s.sequences} (forked samples {s.forked_samples}), aborts {s.aborts}",

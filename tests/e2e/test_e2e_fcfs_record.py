@@ -76,3 +76,4 @@ def test_trace_show_prints_each_requests_record(recorded):
     text = summarize(str(recorded), per_request=True)
     lines = text.split("requests (arrival order):\n")[1].splitlines()
     assert len(lines) == NUM_REQUESTS and "first token at step" in lines[0] and "arrival #0" in lines[0]
+    assert " tp=1 " in text  # the recorded config's tensor_parallel_size (tp=None before)

@@ -16,6 +16,8 @@ from support.fault_helpers import (StreamingClients, completion, health, pid_of,
                            serves_a_request)
 from support.server import Server, wait_until
 
+from pagedserve.protocol.trace import read_trace
+
 pytestmark = pytest.mark.slow
 
 # Two replicas of one worker each, one CPU thread per worker: fits the 2-core machine.
@@ -31,8 +33,10 @@ LONG = 1500  # tokens: requests that are cut short on purpose
 @pytest.fixture(scope="module")
 def server(model_factory, tmp_path_factory):
     # its own fork server: the last test counts the supervisor's whole family, as `serve` alone has it
-    srv = Server(model_factory("qwen2"), SERVER_ARGS, own_fork_server=True)
-    srv.start(tmp_path_factory.mktemp("fault-replica"))
+    base = tmp_path_factory.mktemp("fault-replica")
+    srv = Server(model_factory("qwen2"), [*SERVER_ARGS, "--record-trace", str(base / "t.trace")], own_fork_server=True)
+    srv.trace = base / "t.trace"
+    srv.start(base)
     yield srv
     srv.stop()
 
@@ -122,6 +126,9 @@ def test_killing_a_scheduler_fails_its_requests_and_the_replica_is_restarted(ser
     assert wait_until(lambda: _both_replicas_ready(server), 60)
     assert pid_of(server, "scheduler", 1) != scheduler
     assert wait_until(lambda: all(serves_a_request(server) for _ in range(4)), 30)
+    # the killed scheduler's trace is kept beside the new one, not overwritten by it
+    before = read_trace(f"{server.trace}.1.part1")  # a torn last record is allowed: it was killed
+    assert sum(direction == "to_worker" for direction, _ in before.records) > 0
     print(f"\nscheduler kill: all ended after {last:.2f}s, recovered after {time.monotonic() - killed_at:.2f}s")
 
 
