@@ -23,7 +23,7 @@ from pagedserve.frontend_proc.errors import ServiceUnavailable, TooManyRequests
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.zmq_async import AsyncReceiver
 from pagedserve.protocol.messages import (
-    AbortRequest, AddRequest, PrefixCacheEvents, ProcessTable, RequestDelta, RequestOutputs,
+    AbortRequest, AddRequest, FrontendStarted, PrefixCacheEvents, ProcessTable, RequestDelta, RequestOutputs,
     SchedulerStats, SchedulerToFrontend, iter_deltas)
 from pagedserve.protocol.rate_limited_log import RateLimitedLog
 from pagedserve.protocol.zmq_io import Endpoints, Sender
@@ -87,6 +87,8 @@ class EngineClient:
         self._send_ctx = zmq.Context()
         self._inputs = [Sender(self._send_ctx, endpoints.scheduler_inputs(r))
                         for r in range(len(router.replicas))]
+        for sender in self._inputs:  # first on each socket: ahead of every request of this frontend
+            sender.try_send(FrontendStarted())
         self._pending_aborts: list[list[str]] = [[] for _ in router.replicas]
         self._requests: dict[str, RequestHandle] = {}
         self._stray_log = RateLimitedLog(log)

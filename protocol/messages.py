@@ -53,6 +53,12 @@ class Drain(Msg):
     """Stop admitting new requests; finish what is in flight."""
 
 
+class FrontendStarted(Msg):
+    """A frontend's first message to each replica. After a restart, every request the replica
+    still holds came from the frontend that died: nobody reads its tokens, and its sequences
+    would keep seats and blocks new clients wait for (503 queue_timeout), so they are aborted."""
+
+
 # ------------------------------------------------------------ scheduler -> frontend
 
 
@@ -396,7 +402,7 @@ class Heartbeat(Msg):
 
 # ------------------------------------------------------------ one union per channel
 
-FrontendToScheduler = Union[AddRequest, AbortRequest, Drain]
+FrontendToScheduler = Union[AddRequest, AbortRequest, Drain, FrontendStarted]
 SchedulerToFrontend = Union[RequestOutputs, SchedulerStats, PrefixCacheEvents, ProcessTable]
 SchedulerToWorker = Union[WorkerInit, SchedulerOutput]
 WorkerToScheduler = Union[WorkerHello, WorkerReady, StepResult]

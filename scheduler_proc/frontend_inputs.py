@@ -16,4 +16,7 @@ def apply_frontend_message(sched, msg, draining: bool) -> tuple[list[m.RequestDe
         return sched.abort_requests(msg.request_ids), draining
     if isinstance(msg, m.Drain):
         return [], True
+    if isinstance(msg, m.FrontendStarted):
+        sched.abort_requests(list(sched.requests))  # their deltas would reach nobody: not sent
+        return [], draining
     return [], draining

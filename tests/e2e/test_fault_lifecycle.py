@@ -11,7 +11,8 @@ import httpx
 import psutil
 import pytest
 
-from support.fault_helpers import completion, health, pid_of, process_gone, processes, serves_a_request
+from support.fault_helpers import (StreamingClients, completion, health, pid_of, process_gone, processes,
+                                  serves_a_request)
 from support.server import Server, pagedserve_processes, wait_until
 
 pytestmark = pytest.mark.slow
@@ -76,17 +77,23 @@ def test_sigterm_finishes_the_request_in_flight_refuses_new_ones_then_exits(mode
         srv.stop()
 
 
-def test_a_killed_frontend_is_restarted_on_the_same_port_and_serves_again(model_factory, tmp_path):
-    srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "64"]).start(tmp_path)
+def test_a_killed_frontend_is_restarted_on_the_same_port_and_its_requests_do_not_outlive_it(model_factory, tmp_path):
+    long_context = model_factory("qwen2", max_position_embeddings=32768)
+    srv = Server(long_context, ["--num-gpu-blocks", "8192", "--max-model-len", "32768", "--max-num-seqs", "4",
+                                "--max-queue-time-s", "5"]).start(tmp_path)
     try:
         # the supervisor's process table reaches /health once a second
         assert wait_until(lambda: len(processes(srv, "frontend")) == 1, 30)
         before = [p["pid"] for p in processes(srv, "frontend")]
         scheduler = pid_of(srv, "scheduler", 0)
+        clients = StreamingClients(srv, 4, 32000).start()  # every seat, for far longer than the test
+        assert clients.wait_all_streaming(60)
         os.kill(before[0], signal.SIGKILL)
         assert wait_until(lambda: serves_a_request(srv), 60)
         assert wait_until(lambda: [p["pid"] for p in processes(srv, "frontend")] not in ([], before), 30)
         assert pid_of(srv, "scheduler", 0) == scheduler  # the replica was not touched
+        # nobody reads the dead frontend's streams: the replica ended them, and its seats are free
+        assert wait_until(lambda: health(srv)[1]["replicas"][0]["num_running"] == 0, 10), health(srv)
     finally:
         srv.stop()
     assert srv.proc.returncode == 0

@@ -9,8 +9,8 @@ import zmq
 
 from pagedserve.frontend_proc.engine_client import EngineClient, ReplicaFailed
 from pagedserve.frontend_proc.router import Router
-from pagedserve.protocol.messages import (AbortRequest, AddRequest, FrontendToScheduler, SamplingParams,
-                                          SchedulerStats)
+from pagedserve.protocol.messages import (AbortRequest, AddRequest, FrontendStarted, FrontendToScheduler,
+                                          SamplingParams, SchedulerStats)
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 
 
@@ -61,9 +61,10 @@ def test_a_new_scheduler_pid_fails_that_replicas_in_flight_requests_and_aborts_t
 
     try:
         asyncio.run(scenario())
-        received = [schedulers[0].recv(timeout_ms=5000) for _ in range(2)]
-        assert [type(m) for m in received] == [AddRequest, AbortRequest]
-        assert received[1].request_ids == [received[0].request_id]
+        received = [schedulers[0].recv(timeout_ms=5000) for _ in range(3)]
+        # a frontend's first message to a replica says it started (a restarted one's replicas end the old requests)
+        assert [type(m) for m in received] == [FrontendStarted, AddRequest, AbortRequest]
+        assert received[2].request_ids == [received[1].request_id]
     finally:
         for rx in schedulers:
             rx.close()

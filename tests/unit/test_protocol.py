@@ -20,6 +20,7 @@ SAMPLES = {
         m.AddRequest("r1", [1, 2, 3], SP, eos_token_ids=[0]),
         m.AbortRequest(["r1", "r2"]),
         m.Drain(),
+        m.FrontendStarted(),
     ],
     m.SchedulerToFrontend: [
         m.RequestOutputs(0, 3, [m.RequestDelta("r1", 1, [4, 5], "stop", None, None, 3, 1, [-0.5, -0.1], 5)]),
