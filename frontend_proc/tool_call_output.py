@@ -4,7 +4,8 @@ OpenAI's tool-call deltas in a stream.
 A stream announces each call once its name is known (index, id, type, function.name and the
 arguments so far), then sends only what its arguments grew by. Arguments are raw slices of
 the output (tool_parsers/base.py), so the fragments concatenate to the full response's call.
-A choice that made calls and stopped on its own ends with ``finish_reason: "tool_calls"``.
+A choice that made calls and stopped on its own, every call whole, ends with ``finish_reason:
+"tool_calls"``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _finish_reason(finish_reason: Optional[str], made_calls: bool) -> Optional[str]:
-    return "tool_calls" if made_calls and finish_reason == "stop" else finish_reason
+def _finish_reason(finish_reason: Optional[str], calls: list[PartialCall]) -> Optional[str]:
+    """"tool_calls" for a choice that stopped with its calls whole; a call a stop string cut
+    short (its arguments unclosed) leaves "stop", as max_tokens leaves "length"."""
+    whole = bool(calls) and all(c.complete for c in calls)
+    return "tool_calls" if whole and finish_reason == "stop" else finish_reason
 
 
 @dataclass(slots=True)
@@ -53,8 +57,7 @@ class ToolCallChoices:
         calls = [c for c in self._calls(parsed.calls) if c.name is not None]
         if not calls:
             return self.fmt.full_choice(index, parsed.content, logprobs, finish_reason, *more)
-        choice = self.fmt.full_choice(index, parsed.content, logprobs,
-                                      _finish_reason(finish_reason, True), *more)
+        choice = self.fmt.full_choice(index, parsed.content, logprobs, _finish_reason(finish_reason, calls), *more)
         choice["message"]["content"] = parsed.content or None
         choice["message"]["tool_calls"] = [
             {"id": new_call_id(), "type": "function",
@@ -70,11 +73,12 @@ class ToolCallChoices:
         parsed = self.parser(state.text, finish_reason is not None)
         content = parsed.content[state.content_sent:]
         state.content_sent = max(state.content_sent, len(parsed.content))
-        deltas = self._call_deltas(state, self._calls(parsed.calls))
+        calls = self._calls(parsed.calls)
+        deltas = self._call_deltas(state, calls)
         if not content and not deltas and finish_reason is None and logprobs is None:
             return None
-        choice = self.fmt.chunk_choice(index, content, logprobs,
-                                       _finish_reason(finish_reason, bool(state.call_ids)), *more)
+        announced = calls[:len(state.call_ids)]
+        choice = self.fmt.chunk_choice(index, content, logprobs, _finish_reason(finish_reason, announced), *more)
         if deltas:
             if not content:
                 choice["delta"].pop("content", None)  # OpenAI's call deltas carry no content

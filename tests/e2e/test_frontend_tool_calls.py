@@ -101,3 +101,20 @@ def test_template_options_change_the_prompt_sent_to_the_engine(server):
     tokenized = httpx.post(f"{client.base_url}".replace("/v1/", "/tokenize"), headers={
         "Authorization": f"Bearer {API_KEY}"}, json={"messages": messages, **options}).json()
     assert tokenized["tokens"] == sent  # /tokenize renders the same options the same way
+
+
+def test_a_stop_string_that_cuts_a_forced_call_ends_with_stop_not_tool_calls(server):
+    """A client's stop string inside the arguments leaves them unclosed: "tool_calls" would tell
+    the client to run a call it cannot parse; the choice ends "stop", as max_tokens ends "length"."""
+    client, fake = server
+    fake.reply_text = '{"city": "Paris"}'
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    full = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice=named,
+                                          stop=["Par"])
+    (call,) = full.choices[0].message.tool_calls
+    assert call.function.arguments == '{"city": "' and full.choices[0].finish_reason == "stop"
+    _, streamed, finish = _streamed_calls(client.chat.completions.create(
+        model="tiny", messages=USER, tools=[WEATHER], tool_choice=named, stop=["Par"], stream=True))
+    assert streamed == [{"name": "get_weather", "arguments": '{"city": "'}] and finish == "stop"
+    whole = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice=named)
+    assert whole.choices[0].finish_reason == "tool_calls"
