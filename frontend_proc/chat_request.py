@@ -54,7 +54,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer,
         _check_forced_call_grammar(body, plan.structured_outputs)
     prompt_ids = tokenizer.encode_chat(body.messages, options)
     choices = fmt if plan.parser is None else ToolCallChoices(
-        fmt, plan.parser, body.n, plan.parallel_tool_calls)
+        fmt, plan.parser, body.n, plan.parallel_tool_calls, calls_as_they_grow=plan.structured_outputs is not None)
     structured = plan.structured_outputs or structured_outputs_of(body)
     if reasoning is not None:
         tail = tokenizer.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)

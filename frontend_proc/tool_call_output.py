@@ -41,9 +41,14 @@ class ToolCallChoices:
     """Drop-in for ChatFormat's full_choice / chunk_choice on requests that use tools."""
 
     def __init__(self, fmt: ChatFormat, parser: ToolParser, num_choices: int,
-                 parallel_tool_calls: bool = True):
+                 parallel_tool_calls: bool = True, calls_as_they_grow: bool = True):
         self.fmt = fmt
         self.parser = parser
+        # A grammar (a forced tool choice) guarantees the calls' shape, so they stream as they grow.
+        # Without one, only the whole output tells whether its calls are well formed (a malformed
+        # one makes all of it content, vLLM's rule): calls are streamed at its end, as the
+        # full response would hold them, never announced and then taken back as text.
+        self.calls_as_they_grow = calls_as_they_grow
         self.max_calls = None if parallel_tool_calls else 1
         self._streamed = [_StreamedChoice() for _ in range(num_choices)]
 
@@ -73,7 +78,7 @@ class ToolCallChoices:
         parsed = self.parser(state.text, finish_reason is not None)
         content = parsed.content[state.content_sent:]
         state.content_sent = max(state.content_sent, len(parsed.content))
-        calls = self._calls(parsed.calls)
+        calls = self._calls(parsed.calls) if self.calls_as_they_grow or finish_reason is not None else []
         deltas = self._call_deltas(state, calls)
         if not content and not deltas and finish_reason is None and logprobs is None:
             return None

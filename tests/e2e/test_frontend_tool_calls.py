@@ -118,3 +118,21 @@ def test_a_stop_string_that_cuts_a_forced_call_ends_with_stop_not_tool_calls(ser
     assert streamed == [{"name": "get_weather", "arguments": '{"city": "'}] and finish == "stop"
     whole = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice=named)
     assert whole.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("reply", [
+    'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',  # invalid arguments
+    '<tool_call>\n{"name": "get_weather"}\n</tool_call>',  # no arguments
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call> and then <tool_',  # junk after
+])
+def test_a_malformed_auto_call_streams_as_the_full_response_has_it(server, reply):
+    """Without a grammar only the whole output says whether its calls are well formed (else all of
+    it is content, vLLM's rule): a stream never announces a call the full response does not hold."""
+    client, fake = server
+    fake.reply_text = reply
+    full = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER])
+    choice = full.choices[0]
+    want = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []]
+    streamed = _streamed_calls(client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER],
+                                                              stream=True))
+    assert streamed == ((choice.message.content or ""), want, choice.finish_reason)
