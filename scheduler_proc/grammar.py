@@ -56,7 +56,7 @@ class RequestGrammar:
 class SequenceGrammar:
     """One sequence's position in its grammar, advanced by each token it samples."""
 
-    __slots__ = ("matcher", "waiting_for", "_recent", "_utf8", "_previous")
+    __slots__ = ("matcher", "waiting_for", "_recent", "_utf8", "_previous", "dead_end")
 
     def __init__(self, grammar: RequestGrammar):
         import xgrammar
@@ -65,6 +65,7 @@ class SequenceGrammar:
         self._recent: list[int] = []  # the last len(waiting_for) tokens while waiting
         self._utf8 = grammar.utf8
         self._previous: Optional[int] = None  # the output's last token, for the UTF-8 guard
+        self.dead_end = False  # the last mask allowed no token (utf8_guard.py removed all xgrammar allowed)
 
         if grammar.stop_token_ids:  # the request's own stop tokens end the grammar
             self.matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=grammar.stop_token_ids)
@@ -98,6 +99,7 @@ class SequenceGrammar:
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
         self._utf8.narrow(bitmask, row, self._previous)  # what xgrammar lets through (utf8_guard.py)
+        self.dead_end = not bitmask[row].any()
 
 
 def step_bitmask(seqs: list["Sequence"], words_per_row: int) -> Optional[GrammarBitmask]:
@@ -112,19 +114,26 @@ def step_bitmask(seqs: list["Sequence"], words_per_row: int) -> Optional[Grammar
     return GrammarBitmask([seq.seq_id for seq in constrained], words_per_row, rows.astype("<i4", copy=False).tobytes())
 
 
-def grammar_finish(seq: "Sequence", token: int) -> tuple[Optional[str], Optional[int], Optional[str]]:
-    """(finish reason, stop token, error) after ``seq`` sampled ``token`` and no stop rule ended it.
+def grammar_finish(seq: "Sequence", token: int
+                   ) -> tuple[Optional[str], Optional[int], Optional[str], Optional[str]]:
+    """(finish reason, stop token, error, error kind) after ``seq`` sampled ``token`` and no stop
+    rule ended it.
 
     The grammar's end is the sequence's end ("stop"), even before min_tokens: no token can
-    follow it. A token the grammar refuses means the mask was not applied: an engine error.
+    follow it. A token the grammar refuses means the mask was not applied (an engine error), or
+    that the mask allowed nothing: a grammar that asks for what no UTF-8 text holds (a surrogate
+    code point, one past U+10FFFF) at a point the frontend's check cannot see, the request's fault.
     """
     grammar = seq.grammar
     if not grammar.started:
         grammar.observe(token)
-        return None, None, None
+        return None, None, None, None
     if not grammar.accept(token):
+        if grammar.dead_end:
+            return "error", None, ("structured_outputs: the grammar allows no valid UTF-8 text here (does it ask "
+                                   "for a surrogate code point?)"), "invalid_request"
         return "error", None, (f"the sampled token {token} does not fit the request's grammar "
-                               f"(its mask was not applied)")
+                               f"(its mask was not applied)"), "engine"
     if grammar.terminated:
-        return "stop", (token if token in seq.stop_token_ids else None), None
-    return None, None, None
+        return "stop", (token if token in seq.stop_token_ids else None), None, None
+    return None, None, None, None

@@ -130,9 +130,9 @@ def apply_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[
             # after the append: an accepted proposal's block holds tokens sampled only now
             seq.num_kv_tokens = min(seq.num_kv_tokens, len(seq_tokens))
             prefix_cache.register_computed(prefix_pool, seq, block_size)
-        error = None
+        error = error_kind = None
         if finish is None and seq.grammar is not None:
-            finish, stop_token, error = grammar_finish(seq, token)
+            finish, stop_token, error, error_kind = grammar_finish(seq, token)
         orders.append(seq.order)
         prompt = None
         if seq.sampling.prompt_logprobs is not None and len(seq_tokens) == seq.num_prompt_tokens + 1:
@@ -140,7 +140,7 @@ def apply_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[
                 prompt = prompt_lp.complete(seq.request)
             except prompt_lp.PromptLogprobsMismatch as exc:
                 raise StepResultMismatch(f"step {out.step}: {exc}") from None
-        append(RequestDelta(seq.request_id, seq.index, new_tokens, finish, error, error and "engine", seq.num_prompt_tokens,
+        append(RequestDelta(seq.request_id, seq.index, new_tokens, finish, error, error_kind, seq.num_prompt_tokens,
                             seq.num_cached_tokens, [logprob] if seq.want_logprobs and logprob is not None else None,
                             stop_token, [top] if seq.want_logprobs and top else None, prompt))
         if finish is not None:

@@ -158,6 +158,15 @@ def test_a_grammar_that_cannot_compile_or_be_enforced_is_a_400_naming_the_field(
     assert r.json()["error"]["param"].split(".")[0] == param
 
 
+def test_a_grammar_that_asks_for_a_surrogate_ends_with_a_400_not_an_engine_error(server):
+    """xgrammar takes the bytes of a surrogate code point (written as an escape in the grammar's
+    text, which the frontend's parse accepts); no UTF-8 text holds one, so the guard leaves no
+    token (utf8_guard.py): the request's fault, said as such, and the replica keeps serving."""
+    r = chat(server, {"guided_grammar": 'root ::= "\\ud83d\\ude42"', "temperature": 0.0})
+    assert r.status_code == 400 and "no valid UTF-8" in r.json()["error"]["message"], r.text
+    assert chat(server, {"guided_choice": ["yes", "no"]}).status_code == 200
+
+
 def test_a_property_named_like_a_keyword_is_a_property(server):
     r = chat(server, {"guided_json": {"type": "object", "properties": {"not": {"type": "integer"}},
                                       "required": ["not"], "additionalProperties": False}, "temperature": 0.0})
