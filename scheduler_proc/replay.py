@@ -9,6 +9,7 @@ replayed scheduler decides ahead exactly where the recorded one did. Run as
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import deque
 from dataclasses import dataclass, fields
@@ -73,6 +74,8 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
     trace = read_trace(trace_path)
     cfg = _engine_config(trace)
     loader = None  # loads at the first constrained request, in the replaying thread
+    if model and not os.path.isdir(model):
+        raise TraceError(f"--model {model}: not a model directory")
     model = model or cfg.model
     to_worker, from_worker = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
     from_frontend = Decoder(m.FrontendToScheduler)
@@ -91,7 +94,7 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
                 msg = to_worker.decode(payload)
                 if isinstance(msg, m.WorkerInit) and (sched is None or
                                                       sched.config.num_gpu_blocks != msg.num_gpu_blocks):
-                    if model and loader is None:
+                    if model and loader is None and os.path.isdir(model):
                         loader = GrammarBackendLoader(model)
                     sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks),
                                       grammar_cache_for(loader, vocab_size))
@@ -105,7 +108,12 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
                                                      + first_difference(msg, out))
             elif direction == "from_frontend":
                 _require(sched, trace_path, where)
-                _, draining = apply_frontend_message(sched, from_frontend.decode(payload), draining)
+                msg = from_frontend.decode(payload)
+                if isinstance(msg, m.AddRequest) and msg.sampling.structured_outputs is not None and loader is None:
+                    # refused for want of a tokenizer, it would show as a difference, not as the cause
+                    raise TraceError(f"{where}: a grammar-constrained request needs the model's tokenizer, and "
+                                     f"{model} is not a model directory here; pass --model DIR")
+                _, draining = apply_frontend_message(sched, msg, draining)
             elif direction == "from_worker":
                 msg = from_worker.decode(payload)
                 if isinstance(msg, m.StepResult) and msg.rank == 0 and not msg.error:

@@ -50,6 +50,15 @@ def test_a_scheduler_alone_rebuilds_every_recorded_scheduler_output_byte_for_byt
     assert rc == 0 and "every SchedulerOutput identical" in text
 
 
+def test_a_scheduler_replay_without_the_model_a_grammar_needs_says_so(capfd):
+    """Not a difference at some step: the missing model, named (exit 2)."""
+    structured = str(FIXTURES / "golden_structured.trace")
+    rc, text = run_cli(capfd, "replay", "--scheduler-only", structured, "--model", "/nonexistent")
+    assert rc == 2 and "--model /nonexistent: not a model directory" in text
+    rc, text = run_cli(capfd, "replay", "--scheduler-only", structured)  # the recorded /tmp model is gone
+    assert rc == 2 and "needs the model's tokenizer" in text and "pass --model DIR" in text
+
+
 @pytest.mark.parametrize("entry", GOLDENS, ids=[g["file"] for g in GOLDENS])
 @pytest.mark.slow
 def test_fresh_workers_reproduce_every_recorded_token(entry, golden_model, capfd):
