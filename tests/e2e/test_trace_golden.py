@@ -50,6 +50,7 @@ def test_a_scheduler_alone_rebuilds_every_recorded_scheduler_output_byte_for_byt
     assert rc == 0 and "every SchedulerOutput identical" in text
 
 
+@pytest.mark.slow  # the CLI runs the replay in a process
 def test_a_scheduler_replay_without_the_model_a_grammar_needs_says_so(capfd):
     """Not a difference at some step: the missing model, named (exit 2)."""
     structured = str(FIXTURES / "golden_structured.trace")
