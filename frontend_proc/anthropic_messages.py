@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedserve.frontend_proc.embeddings_api import task_refusal
 from pagedserve.frontend_proc.anthropic_schema import CountTokensRequest, MessagesRequest
 from pagedserve.frontend_proc.errors import APIError, in_surface_terms
 from pagedserve.frontend_proc.generation import Generation
@@ -160,10 +161,11 @@ async def stream_events(generation: Generation, model: str) -> AsyncIterator[byt
     yield b"".join(tail)
 
 
-def add_anthropic_routes(app: FastAPI, serving: Serving, authorized: list[Depends]) -> None:
+def add_anthropic_routes(app: FastAPI, serving: Serving, authorized: list[Depends], task: str = "generate") -> None:
     @app.post(PATH_PREFIX, dependencies=authorized)
     async def messages(body: MessagesRequest, request: Request) -> Response:
         try:
+            task_refusal(task, "generate", PATH_PREFIX)
             generation = serving.start_chat(body.chat(), request, include_usage=True)
         except APIError as exc:
             raise in_surface_terms(exc, CHAT_FIELDS) from None

@@ -89,8 +89,8 @@ def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
         task_refusal(task, "generate", "/v1/chat/completions")
         return await serving.chat(body, request)
 
-    add_responses_routes(app, serving, authorized)
-    add_anthropic_routes(app, serving, authorized)
+    add_responses_routes(app, serving, authorized, task)
+    add_anthropic_routes(app, serving, authorized, task)
     if embeddings is not None:
         add_embedding_routes(app, embeddings, authorized)
 

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedserve.frontend_proc.embeddings_api import task_refusal
 from pagedserve.frontend_proc.errors import APIError, in_surface_terms
 from pagedserve.frontend_proc.generation import Generation
 from pagedserve.frontend_proc.responses_schema import ResponsesRequest
@@ -234,11 +235,12 @@ async def stream_events(builder: ResponseBuilder, generation: Generation) -> Asy
     yield b"".join(tail)
 
 
-def add_responses_routes(app: FastAPI, serving: Serving, authorized: list[Depends]) -> None:
+def add_responses_routes(app: FastAPI, serving: Serving, authorized: list[Depends], task: str = "generate") -> None:
     @app.post("/v1/responses", dependencies=authorized)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         builder = ResponseBuilder(body, serving.served_model_name)
         try:
+            task_refusal(task, "generate", "/v1/responses")
             generation = serving.start_chat(body.chat(), request, include_usage=True)
         except APIError as exc:
             raise in_surface_terms(exc, CHAT_FIELDS) from None

@@ -111,11 +111,16 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, body, param):
 
 
 def test_generation_endpoints_are_refused_on_an_embedding_deployment(server):
+    user = [{"role": "user", "content": "hi"}]
+    model = httpx.get(server.url + "/v1/models", timeout=60).json()["data"][0]["id"]
     for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
-        response = httpx.post(server.url + path, json=body, timeout=60)
-        assert response.status_code == 400
-        assert "--task embed" in response.json()["error"]["message"]
+                       ("/v1/chat/completions", {"messages": user}),
+                       ("/v1/responses", {"input": "hi"}),  # these two generated text before
+                       ("/v1/messages", {"model": model, "messages": user, "max_tokens": 3})):
+        for stream in (False, True):
+            response = httpx.post(server.url + path, json={**body, "stream": stream}, timeout=60)
+            assert response.status_code == 400, (path, response.text)
+            assert "--task embed" in response.json()["error"]["message"]
 
 
 def test_embeddings_are_refused_on_a_generating_deployment(shared_server):
