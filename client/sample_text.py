@@ -28,11 +28,15 @@ class TextUpdate:
 
 class SampleText:
     def __init__(self, tokenizer: Decodes, stop_strings: list[str],
-                 stream_backend: Optional[Any] = None):
+                 stream_backend: Optional[Any] = None, min_tokens: int = 0):
         # ``stream_backend``: a fast tokenizer's ``tokenizers.Tokenizer`` (``fast_backend``),
         # for the Rust streaming decoder; without one, the Python window method.
         self.detokenizer = make_detokenizer(tokenizer, stream_backend)
         self.stop_matcher = StopStringMatcher(stop_strings)
+        # vLLM's min_tokens holds stop strings back too: text of the first min_tokens tokens is
+        # never searched for them (vLLM V1's detokenizer moves its search offset past it)
+        self.min_tokens = min_tokens
+        self.num_tokens = 0  # tokens fed to the detokenizer
         self.finish_reason: Optional[str] = None
         self.ended_by_token: Optional[int] = None  # the stop token (EOS or a stop id) that ended it
 
@@ -54,12 +58,16 @@ class SampleText:
             logprobs = logprobs[:len(rendered)] if logprobs is not None else None
             alternatives = alternatives[:len(rendered)] if alternatives is not None else None
         consumed = len(delta.new_token_ids)
-        if len(delta.new_token_ids) > 1 and self.stop_matcher.stop_strings:
+        if self.stop_matcher.stop_strings and (len(delta.new_token_ids) > 1 or self.num_tokens < self.min_tokens):
             # A speculative step accepts several tokens at once: one token at a time, as a plain
             # decode would have fed them, so the sample ends at the token that completes a stop
             # string, and the accepted tokens after it are neither counted nor returned.
             text = ""
             for i, token in enumerate(rendered):
+                self.num_tokens += 1
+                if self.num_tokens <= self.min_tokens:
+                    text += self.stop_matcher.pass_through(self.detokenizer.add([token]))
+                    continue
                 check = self.stop_matcher.feed(self.detokenizer.add([token]))
                 text += check.text
                 if check.matched is not None:
@@ -69,6 +77,7 @@ class SampleText:
                     break
             check = StopCheck(text, self.stop_matcher.matched)
         else:
+            self.num_tokens += len(rendered)
             check = self.stop_matcher.feed(self.detokenizer.add(rendered))
         text, finish_reason = check.text, None
         if check.matched is not None:

@@ -40,6 +40,14 @@ class StopStringMatcher:
         emit, self._pending = self._pending[:cut], self._pending[cut:]
         return StopCheck(emit)
 
+    def pass_through(self, new_text: str) -> str:
+        """``new_text`` and what is held back, emitted unsearched: text before min_tokens, where
+        no stop string may end the output (and none that began there may end it later)."""
+        if self.matched is not None:
+            return ""
+        emit, self._pending = self._pending + new_text, ""
+        return emit
+
     def flush(self) -> str:
         """The held-back tail, at the end of a sequence that ended for another reason."""
         if self.matched is not None:

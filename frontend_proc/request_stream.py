@@ -37,9 +37,9 @@ class ChoiceUpdate:
 
 
 class ChoiceState:
-    def __init__(self, index: int, tokenizer: PromptTokenizer, stop_strings: list[str]):
+    def __init__(self, index: int, tokenizer: PromptTokenizer, stop_strings: list[str], min_tokens: int = 0):
         self.index = index
-        self.text = SampleText(tokenizer, stop_strings, tokenizer.stream_backend)
+        self.text = SampleText(tokenizer, stop_strings, tokenizer.stream_backend, min_tokens)
         self.decoder = tokenizer  # how its tokens became its text
         self.num_tokens = 0
 
@@ -67,12 +67,12 @@ def _delta_error(delta: RequestDelta) -> APIError:
 
 class RequestStream:
     def __init__(self, engine: EngineClient, handle: RequestHandle, tokenizer: PromptTokenizer,
-                 stop_strings: list[str], num_prompt_tokens: int, metrics: FrontendMetrics):
+                 stop_strings: list[str], num_prompt_tokens: int, metrics: FrontendMetrics, min_tokens: int = 0):
         self.engine = engine
         self.handle = handle
         self.num_prompt_tokens = num_prompt_tokens
         self.metrics = metrics
-        self.choices = [ChoiceState(i, tokenizer, stop_strings) for i in range(handle.num_seqs)]
+        self.choices = [ChoiceState(i, tokenizer, stop_strings, min_tokens) for i in range(handle.num_seqs)]
         self.arrival = time.monotonic()
         self.first_token_time: Optional[float] = None
         self._open = len(self.choices)  # choices without a finish_reason: checked per event

@@ -223,7 +223,7 @@ class Serving:
             for add in adds:
                 handle = self.engine.submit(add)
                 streams.append(RequestStream(self.engine, handle, decoder, body.stop_strings(),
-                                             len(add.prompt_token_ids), self.metrics))
+                                             len(add.prompt_token_ids), self.metrics, add.sampling.min_tokens))
         except APIError as exc:
             for stream in streams:
                 stream.abort()

@@ -282,7 +282,7 @@ class LLM:
             self._in_flight[replica] += 1
             decoder = self._decoders[sp.skip_special_tokens]
             pending[add.request_id] = PendingRequest(i, out, replica, decoder, sp.stop, sp.logprobs_as_dicts,
-                                                     sp.stop_token_ids)
+                                                     sp.stop_token_ids, sp.min_tokens)
             self._inputs[replica].send(add)
         self._collect(pending, results, use_tqdm, deadline)
         return results  # type: ignore[return-value]

@@ -88,7 +88,7 @@ class PendingRequest:
 
     def __init__(self, index: int, output: RequestOutput, replica: int, decoder: TextDecoder,
                  stop_strings: list[str], logprobs_as_dicts: bool = False,
-                 stop_token_ids: Collection[int] = ()):
+                 stop_token_ids: Collection[int] = (), min_tokens: int = 0):
         self.index = index  # in the caller's list of prompts
         self.stop_token_ids = frozenset(stop_token_ids)
         self.logprobs_as_dicts = logprobs_as_dicts
@@ -98,7 +98,7 @@ class PendingRequest:
         # detokenizer decodes its whole window), without a decode per token.
         self.streaming = bool(stop_strings)
         self.token_text = lambda token: decoder.decode([token])
-        self.texts = [SampleText(decoder, stop_strings, decoder.stream_backend)
+        self.texts = [SampleText(decoder, stop_strings, decoder.stream_backend, min_tokens)
                       for _ in output.outputs]
 
     @property

@@ -57,3 +57,21 @@ def test_a_stop_string_inside_one_delta_of_several_tokens_ends_the_sample_at_its
     # without stop strings, or when the string never comes, every token counts
     whole = SampleText(TextDecoder(tokenizer), ["seven"]).apply(RequestDelta("r", 0, ids, None))
     assert whole.consumed == len(ids) and whole.finish_reason is None
+
+
+def test_min_tokens_holds_stop_strings_back_as_vllm_does(tokenizer):
+    """vLLM's min_tokens: no stop string ends the sample within its first min_tokens tokens, and
+    text from there is never searched; a later occurrence ends it."""
+    ids = tokenizer.encode("one two three two four")
+    within = next(j for j in range(1, len(ids)) if "two" in tokenizer.decode(ids[:j]))
+    for min_tokens, ends in ((0, True), (within, True), (len(ids), False)):
+        for deltas in ([[t] for t in ids], [ids]):  # a plain decode's deltas, or one speculative step's
+            sample = SampleText(TextDecoder(tokenizer), ["two"], min_tokens=min_tokens)
+            text = "".join(sample.apply(RequestDelta("r", 0, d, None)).text for d in deltas)
+            text += sample.apply(RequestDelta("r", 0, [], "length")).text if sample.finish_reason is None else ""
+            if not ends:
+                assert sample.finish_reason == "length" and text == tokenizer.decode(ids)
+            elif min_tokens == 0:
+                assert sample.finish_reason == "stop" and text == "one "
+            else:  # the first "two" came within min_tokens: the second one ends it
+                assert sample.finish_reason == "stop" and text == "one two three "
