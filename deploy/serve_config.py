@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Optional
@@ -40,6 +41,8 @@ class _ServeConfigRules:
         if self.uvicorn_log_level is not None:
             self.uvicorn_log_level = self.uvicorn_log_level.lower()
         self.task = opts.task_name(self.task)  # vLLM's --runner pooling, LLM(runner="pooling")
+        if self.seed is None:  # vLLM's seed=None: no fixed seed, so one drawn now (a trace records it)
+            self.seed = secrets.randbelow(2**31)
         if isinstance(self.pooling_type, str):
             self.pooling_type = self.pooling_type.lower()
         try:

@@ -293,8 +293,13 @@ class LLM:
         refusal = priority_refusal(self.config.scheduling_policy, priority)
         if refusal is not None:
             raise InvalidField("priority", f"{refusal} (prompt {index})")
+        ids = self.encode(prompt)
+        if len(ids) + 1 > self.config.max_model_len:  # vLLM raises here too, before anything is sent
+            raise InvalidField("prompt_token_ids", f"the prompt has {len(ids)} tokens; with at least one generated "
+                                                   f"token that exceeds max_model_len={self.config.max_model_len} "
+                                                   f"(prompt {index})")
         try:
-            add = m.AddRequest(request_id=f"offline-{next(self._ids)}", prompt_token_ids=self.encode(prompt),
+            add = m.AddRequest(request_id=f"offline-{next(self._ids)}", prompt_token_ids=ids,
                                sampling=sp.to_protocol(), eos_token_ids=self.eos_token_ids, priority=priority,
                                max_queue_time_s=max_queue_time_s, deadline_s=deadline_s, tenant=tenant or "")
             check_request(add, self.vocab_size)
