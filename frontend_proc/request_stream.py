@@ -9,6 +9,7 @@ so its KV blocks are freed at once.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
@@ -23,6 +24,7 @@ from pagedserve.protocol.priority import QUEUE_TIMEOUT
 from pagedserve.client.sample_text import SampleText, ended_by_stop_string
 
 log = logging.getLogger(__name__)
+_LEADING_FIELD = re.compile(r"([a-z_]+)(?::|=)")
 
 
 @dataclass(slots=True)
@@ -56,8 +58,9 @@ class ChoiceState:
 
 def _delta_error(delta: RequestDelta) -> APIError:
     message = delta.error or "the request failed in the engine"
-    if delta.error_kind == "invalid_request":
-        return InvalidRequest(message)
+    if delta.error_kind == "invalid_request":  # the scheduler's refusals start with the field they name
+        field = _LEADING_FIELD.match(message)
+        return InvalidRequest(message, param=field.group(1) if field else None)
     if delta.error_kind == "overloaded":  # the scheduler shed what the frontend's view let through
         return TooManyRequests(message)
     if delta.error_kind == QUEUE_TIMEOUT:

@@ -93,6 +93,13 @@ def test_an_out_of_range_field_is_a_4xx_that_names_it(server, path, field, value
         assert error["param"].split(".")[0] == field, error
 
 
+def test_what_only_the_scheduler_refuses_still_names_its_field(server):
+    """n above --max-num-seqs is known only where the seats are: the scheduler's refusal names n."""
+    body = {"model": served_model(server), "max_tokens": 3, "prompt": "hi", "n": 9}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
 def test_after_every_bad_field_the_same_scheduler_serves_and_is_ready(server):
     # the reported crash, six times: it once took the replica down for good
     for _ in range(6):
