@@ -82,12 +82,12 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[HeldRequest]) -> None:
     at = (host_values_to_device(at_rows, torch.long, logits.device), host_values_to_device(ids, torch.long, logits.device))
     before = logits[at]
     logits[at] = -torch.inf
+    # no host read of the result (on CUDA it would wait for the forward): every row is put back as
+    # a where(), a no-op for a row with a token left
     which = host_values_to_device(rows, torch.long, logits.device)
     dead = torch.isneginf(logits.index_select(0, which).amax(1))
-    if bool(dead.any()):
-        lost = dead.repeat_interleave(host_values_to_device([len(requests[row].min_tokens_stops) for row in rows],
-                                                            torch.long, logits.device))
-        logits[at] = torch.where(lost, before, logits[at])
+    counts = host_values_to_device([len(requests[row].min_tokens_stops) for row in rows], torch.long, logits.device)
+    logits[at] = torch.where(dead.repeat_interleave(counts, output_size=len(ids)), before, logits[at])
 
 
 def apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
