@@ -110,15 +110,15 @@ class WorkerReplay:
         self.worker_args = list(worker_args)
         self.cfg = trace.meta["config"]
         self.tp = int(self.cfg.get("tensor_parallel_size", self.cfg.get("tp_size", 1)))  # tp_size: older traces
+        try:  # before the run dir and sockets exist: a bad header leaves nothing behind
+            self.recorded_hello = Decoder(m.WorkerToScheduler).decode(trace.hello_frame)
+        except ProtocolError as exc:
+            raise TraceError(f"{trace.path}: the recorded WorkerHello is not a valid frame: {exc}") from None
         self.ctx = zmq.Context()
         self.run_dir = str(make_run_dir())
         ep = Endpoints(self.run_dir)
         self.results = WorkerRouter(self.ctx, ep, 0, self.tp)  # stands in for the scheduler
         self.workers: list[Child] = []
-        try:
-            self.recorded_hello = Decoder(m.WorkerToScheduler).decode(trace.hello_frame)
-        except ProtocolError as exc:
-            raise TraceError(f"{trace.path}: the recorded WorkerHello is not a valid frame: {exc}") from None
 
     def _start_workers(self) -> None:
         for w in self.workers:
