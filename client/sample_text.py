@@ -36,7 +36,7 @@ class SampleText:
         # vLLM's min_tokens holds stop strings back too: text of the first min_tokens tokens is
         # never searched for them (vLLM V1's detokenizer moves its search offset past it)
         self.min_tokens = min_tokens
-        self.num_tokens = 0  # tokens fed to the detokenizer
+        self.num_tokens = 0  # output tokens so far (a stop token included, those after a stop string not)
         self.finish_reason: Optional[str] = None
         self.ended_by_token: Optional[int] = None  # the stop token (EOS or a stop id) that ended it
 
@@ -64,8 +64,7 @@ class SampleText:
             # string, and the accepted tokens after it are neither counted nor returned.
             text = ""
             for i, token in enumerate(rendered):
-                self.num_tokens += 1
-                if self.num_tokens <= self.min_tokens:
+                if self.num_tokens + i + 1 <= self.min_tokens:
                     text += self.stop_matcher.pass_through(self.detokenizer.add([token]))
                     continue
                 check = self.stop_matcher.feed(self.detokenizer.add([token]))
@@ -77,8 +76,8 @@ class SampleText:
                     break
             check = StopCheck(text, self.stop_matcher.matched)
         else:
-            self.num_tokens += len(rendered)
             check = self.stop_matcher.feed(self.detokenizer.add(rendered))
+        self.num_tokens += consumed
         text, finish_reason = check.text, None
         if check.matched is not None:
             finish_reason = "stop"

@@ -43,15 +43,17 @@ class ChoiceState:
         self.index = index
         self.text = SampleText(tokenizer, stop_strings, tokenizer.stream_backend, min_tokens)
         self.decoder = tokenizer  # how its tokens became its text
-        self.num_tokens = 0
 
     @property
     def finish_reason(self) -> Optional[str]:
         return self.text.finish_reason
 
+    @property
+    def num_tokens(self) -> int:  # what usage counts
+        return self.text.num_tokens
+
     def apply(self, delta: RequestDelta) -> ChoiceUpdate:
         update = self.text.apply(delta)
-        self.num_tokens += update.consumed
         return ChoiceUpdate(self.index, update.text, update.token_ids, update.logprobs,
                             update.top_logprobs, update.finish_reason, delta.prompt_logprobs)
 
