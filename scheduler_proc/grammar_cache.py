@@ -124,7 +124,7 @@ class CompiledGrammarCache:
     def compile(self, spec: StructuredOutputs):
         """The compiled grammar of ``spec``, cached; raises InvalidField naming the problem."""
         key = self._key(spec)
-        if not self.known(spec):
+        if key not in self._compiled and key not in self._failed:
             try:
                 self.store(spec, self.compile_uncached(spec))
             except InvalidField as exc:

@@ -2,9 +2,10 @@
 
 vLLM's semantics, in vLLM v1's order: min_tokens (no stop token yet), logit_bias, then the
 penalties (repetition over prompt and output tokens; frequency and presence over output tokens
-only), then (for sampled rows) temperature and min_p. Greedy requests take the argmax after bias and penalties, so greedy
-with a penalty equals transformers' greedy with the same processor. Every function works on
-a batch of rows, touching only the rows whose request asked for the control.
+only), then (for sampled rows) temperature and min_p. Greedy requests take the argmax after
+bias and penalties, so greedy with a penalty equals transformers' greedy with the same
+processor. Every function works on a batch of rows, touching only the rows whose request asked
+for the control.
 """
 
 from __future__ import annotations
