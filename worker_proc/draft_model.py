@@ -154,7 +154,7 @@ class DraftModel:
             drafts = {i: d for i, d in out.spec_token_ids.items() if i in wanted}
             batch = build_forward_batch(subset, self.cache.block_size, self.device,
                                         batched_decodes=self.device.type == "cpu", workspace=workspace,
-                                        drafts=drafts)
+                                        drafts=drafts, prune_last_layer=True)  # only the cache is wanted
         self.model.forward(batch, self.cache.device_cache, self.ops)
 
     def propose(self, entries: list[HeldRequest], token_ids: list[int], wanted: dict[str, int],

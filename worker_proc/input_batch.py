@@ -38,6 +38,21 @@ class ForwardBatch:
     position_range: tuple[int, int]  # (lowest, highest) position, known on the host: no device read
     attention_plan: Optional[CpuAttentionPlan]  # CPU only: batched decodes, SDPA prefill chunks
     max_query_len: int = 0  # the most tokens of one request, known on the host (0: not known)
+    output_rows: Optional["OutputRows"] = None  # forward() returns only these rows' hidden states
+
+
+@dataclass(slots=True)
+class OutputRows:
+    """The rows whose hidden states the step reads, when they are fewer than its tokens: the
+    last layer writes every token's keys and values but attends and runs its MLP for these rows
+    only (1/layers of a prefill's matmuls). Each request's rows are the end of its chunk, so they
+    form a ragged batch of their own over the same contexts."""
+
+    rows: torch.Tensor  # [R] long: batch rows, in batch order (the sampled rows)
+    block_tables: torch.Tensor  # of the requests with rows
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    attention_plan: Optional[CpuAttentionPlan]
 
 
 def upload(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -71,15 +86,20 @@ class HostBatch:
     sampled: list  # the entries that sample, in batch order (k + 1 DraftRows with proposals)
     position_range: tuple[int, int]
     placeholders: list[tuple[int, HeldRequest]]  # (row, request) whose token is still PLACEHOLDER_TOKEN
+    num_output_rows: list[int]  # per request, its rows whose hidden states are read (the last ones)
+    all_rows_read: bool  # a request reads every row (prompt logprobs, pooling): no pruning
 
 
 def build_forward_batch(
     requests: list[HeldRequest], block_size: int, device: torch.device, batched_decodes: bool,
     workspace: Optional[GatherWorkspace] = None, drafts: Optional[dict[str, list[int]]] = None,
+    prune_last_layer: bool = False,
 ) -> ForwardBatch:
     """``batched_decodes``: plan the CPU attention paths (batched decodes, SDPA prefill chunks).
-    ``drafts``: speculative proposals by request id, computed after its tokens (spec_verify.py)."""
-    return upload_batch(gather_batch(requests, block_size, drafts), block_size, device, batched_decodes, workspace)
+    ``drafts``: speculative proposals by request id, computed after its tokens (spec_verify.py).
+    ``prune_last_layer``: forward() returns the sampled rows only (``OutputRows``)."""
+    return upload_batch(gather_batch(requests, block_size, drafts), block_size, device, batched_decodes, workspace,
+                        prune_last_layer)
 
 
 def gather_batch(requests: list[HeldRequest], block_size: int,
@@ -94,7 +114,10 @@ def gather_batch(requests: list[HeldRequest], block_size: int,
     placeholders: list[tuple[int, HeldRequest]] = []
     low, high = 0, 0
     num_scheduled: list[int] = []
+    num_output_rows: list[int] = []
+    all_rows_read = False
     for req in requests:
+        all_rows_read = all_rows_read or req.pooling is not None or req.sampling.prompt_logprobs is not None
         start = req.num_computed_tokens
         end = start + req.num_scheduled_tokens
         proposed = drafts.get(req.req_id) if drafts else None
@@ -128,14 +151,18 @@ def gather_batch(requests: list[HeldRequest], block_size: int,
         if proposed:
             sample_rows.extend(range(query_start_loc[-2] + req.num_scheduled_tokens - 1, query_start_loc[-1]))
             sampled += draft_rows(req, proposed)
+            num_output_rows.append(len(proposed) + 1)
         elif req.samples:
             sample_rows.append(query_start_loc[-1] - 1)
             sampled.append(req)
+            num_output_rows.append(1)
+        else:
+            num_output_rows.append(0)
     if drafts and len(drafts) != sum(isinstance(r, DraftRow) and r.j == 0 for r in sampled):
         raise BatchError(f"proposals for {sorted(drafts)}, not all of them entries of this step that sample")
     flat, max_blocks = _padded(tables)
     return HostBatch(input_ids, positions, slots, query_start_loc, seq_lens, sample_rows, flat, max_blocks,
-                     num_scheduled, sampled, (low, high), placeholders)
+                     num_scheduled, sampled, (low, high), placeholders, num_output_rows, all_rows_read)
 
 
 def gather_decodes(tokens: list[int], positions: list[int], tables: list[list[int]], block_size: int) -> HostBatch:
@@ -148,7 +175,7 @@ def gather_decodes(tokens: list[int], positions: list[int], tables: list[list[in
     flat, max_blocks = _padded(tables)
     return HostBatch(array("q", tokens), array("q", positions), slots, array("i", range(n + 1)),
                      array("i", [p + 1 for p in positions]), array("q", range(n)), flat, max_blocks, [1] * n, [],
-                     (min(positions), max(positions)), [])
+                     (min(positions), max(positions)), [], [1] * n, False)
 
 
 def resolve_placeholders(host: HostBatch, step: int) -> None:
@@ -160,7 +187,8 @@ def resolve_placeholders(host: HostBatch, step: int) -> None:
 
 
 def upload_batch(host: HostBatch, block_size: int, device: torch.device, batched_decodes: bool,
-                 workspace: Optional[GatherWorkspace] = None) -> ForwardBatch:
+                 workspace: Optional[GatherWorkspace] = None, prune_last_layer: bool = False) -> ForwardBatch:
+    """``prune_last_layer``: the last layer computes only the rows the step reads (``OutputRows``)."""
     if host.placeholders:
         raise BatchError(f"{len(host.placeholders)} tokens of the step are still placeholders")
     num_requests = len(host.num_scheduled)
@@ -183,7 +211,30 @@ def upload_batch(host: HostBatch, block_size: int, device: torch.device, batched
         attention_plan=plan_cpu_attention(host.num_scheduled, host.query_start_loc, host.seq_lens, block_tables,
                                           block_size, workspace) if batched_decodes else None,
         max_query_len=max(host.num_scheduled, default=0),
+        output_rows=_output_rows(host, block_tables, sample_indices, block_size, device, batched_decodes, workspace)
+        if prune_last_layer else None,
     )
+
+
+def _output_rows(host: HostBatch, block_tables: torch.Tensor, sample_indices: torch.Tensor, block_size: int,
+                 device: torch.device, batched_decodes: bool,
+                 workspace: Optional[GatherWorkspace]) -> Optional[OutputRows]:
+    """The read rows as a batch of their own, or None where every row is read. They are the
+    sampled rows: each request's last (its k + 1 last when it verifies proposals)."""
+    counts = host.num_output_rows
+    if host.all_rows_read or sum(counts) >= len(host.input_ids):
+        return None
+    which = [b for b, m in enumerate(counts) if m]
+    query_start_loc, seq_lens = array("i", [0]), array("i")
+    for b in which:
+        query_start_loc.append(query_start_loc[-1] + counts[b])
+        seq_lens.append(host.seq_lens[b])
+    tables = block_tables if len(which) == len(counts) else block_tables[which]
+    tables_d, query_start_loc_t, seq_lens_t = upload(
+        device, tables, _as_tensor(query_start_loc, torch.int32), _as_tensor(seq_lens, torch.int32))
+    plan = plan_cpu_attention([counts[b] for b in which], query_start_loc, seq_lens, tables, block_size,
+                              workspace) if batched_decodes else None
+    return OutputRows(sample_indices, tables_d, query_start_loc_t, seq_lens_t, plan)
 
 
 def _padded(tables: list[list[int]]) -> tuple[list[int], int]:

@@ -29,6 +29,7 @@ from pagedserve.worker_proc.cuda_graphs import DecodeGraphs
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
 from pagedserve.worker_proc.draft_model import DraftModel
 from pagedserve.worker_proc.elementwise import select_elementwise
+from pagedserve.worker_proc.env_switch import env_switch
 from pagedserve.worker_proc.grammar_mask import apply_grammar_bitmask
 from pagedserve.worker_proc.input_batch import (BatchError, HostBatch, gather_batch, resolve_placeholders,
                                                 upload_batch)
@@ -48,6 +49,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # Activations budget kept free of KV blocks on CUDA: one step of this many tokens.
 HEADROOM_TOKENS = 8192
 HEADROOM_LOGIT_ROWS = 256
+PRUNE_ENV = "PAGEDSERVE_PRUNE_LAST_LAYER"  # 0: the last layer computes every row (A/B runs)
 
 
 class ModelRunner:
@@ -87,6 +89,7 @@ class ModelRunner:
         self.decode_graphs: Optional[DecodeGraphs] = None
         self.verify_graphs: Optional[VerifyGraphs] = None
         self._speculative = speculative
+        self.prune_last_layer = env_switch(PRUNE_ENV) is not False  # input_batch.OutputRows
 
     # ------------------------------------------------------------------ description
 
@@ -165,11 +168,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
 
     def _forward(self, batch, device_cache: torch.Tensor) -> torch.Tensor:
-        """The step's hidden states: replayed from a graph where one was captured for its shape."""
+        """The step's hidden states (its output rows': ``ForwardBatch.output_rows``): replayed from
+        a graph where one was captured for its shape."""
         for graphs in (self.decode_graphs, self.verify_graphs):
             size = graphs.size_for(batch) if graphs is not None else None
             if size:
-                return graphs.forward(batch, size)
+                hidden = graphs.forward(batch, size)
+                return hidden if batch.output_rows is None else hidden[batch.output_rows.rows]
         return self.model.forward(batch, device_cache, self.ops)
 
     def execute(self, out: SchedulerOutput, peek: Optional[Callable[[], object]] = None) -> StepResult:
@@ -193,7 +198,7 @@ class ModelRunner:
             scheduled, host = self._prepared(out)
             if scheduled:
                 batch = upload_batch(host, cache.block_size, self.device, batched_decodes=self.device.type == "cpu",
-                                     workspace=self._gather_workspace)
+                                     workspace=self._gather_workspace, prune_last_layer=self.prune_last_layer)
                 # Before either path: a graph replays rotary's table lookups without Python
                 self.model.rotary.check_positions(*batch.position_range)
                 hidden = self._forward(batch, cache.device_cache)
@@ -211,7 +216,8 @@ class ModelRunner:
                 if batch.sampled_requests:
                     # Every rank samples (the same logits, the same seeded noise), so every rank
                     # holds the token a placeholder in the next step stands for; rank 0 reports.
-                    logits = self.model.compute_logits(hidden[batch.sample_indices])
+                    sampled_hidden = hidden if batch.output_rows is not None else hidden[batch.sample_indices]
+                    logits = self.model.compute_logits(sampled_hidden)
                     logits = apply_grammar_bitmask(logits, batch.sampled_requests, out.grammar, out.step)
                     pending = launch_sample(logits, batch.sampled_requests)
                     if peek is not None and not out.spec_token_ids and self.draft is None:

@@ -18,7 +18,7 @@ NEW_TOKENS = 4
 
 
 def test_greedy_tokens_through_the_triton_attention_kernel_equal_transformers(tmp_path, monkeypatch):
-    model_dir = str(build_model_dir(tmp_path / "m", "llama", num_layers=1))
+    model_dir = str(build_model_dir(tmp_path / "m", "llama", num_layers=2))
     calls = []
     kernel = triton_ops.paged_attention
 
@@ -38,4 +38,6 @@ def test_greedy_tokens_through_the_triton_attention_kernel_equal_transformers(tm
     scheduler.add("late", prompts[1], NEW_TOKENS, arrival_step=1)  # a prefill beside a decode
     outputs = scheduler.run()
     assert [outputs["chunked"], outputs["late"]] == hf_greedy(model_dir, prompts, NEW_TOKENS)
-    assert len(calls) == scheduler.step and max(calls) > 1  # every step, prefills and decodes
+    # every step's first layer, prefills and decodes; the last layer only where a row samples
+    # (input_batch.OutputRows): step 1's first chunk of "chunked" samples nothing
+    assert scheduler.step < len(calls) < 2 * scheduler.step and max(calls) > 2

@@ -44,11 +44,13 @@ class CausalLM:
         self.rotary = RotaryEmbedding(spec.hf_config, spec.head_dim, spec.max_position_embeddings, device, dtype)
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: ModuleType) -> torch.Tensor:
-        """Hidden states [T, hidden] of every token in the batch (before the final norm)."""
+        """Hidden states [T, hidden] of every token in the batch (before the final norm); only
+        the rows ``batch.output_rows`` names, in order, where it names them."""
         hidden, residual = F.embedding(batch.input_ids, self.embed_tokens), None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             hidden, residual = layer.forward(hidden, residual, batch, kv_cache[i, 0], kv_cache[i, 1], self.rotary,
-                                             ops, self.elementwise)
+                                             ops, self.elementwise, batch.output_rows if i == last else None)
         return hidden.add_(residual)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:

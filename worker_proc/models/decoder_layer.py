@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.worker_proc.attention import attend
 from pagedserve.worker_proc.elementwise import Elementwise
-from pagedserve.worker_proc.input_batch import ForwardBatch
+from pagedserve.worker_proc.input_batch import ForwardBatch, OutputRows
 from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
 from pagedserve.worker_proc.rotary import RotaryEmbedding
@@ -83,10 +83,11 @@ class DecoderLayer:
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, rotary: RotaryEmbedding, ops: ModuleType,
-                ew: Elementwise) -> tuple[torch.Tensor, torch.Tensor]:
+                ew: Elementwise, output_rows: Optional[OutputRows] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it). The previous layer's output
         joins the residual here, in the same op as this layer's first norm; ``residual`` is
-        None for the first layer, whose input is the embeddings."""
+        None for the first layer, whose input is the embeddings. ``output_rows``: every token's
+        keys and values are written, but only those rows come out (the last layer)."""
         num_tokens = hidden.shape[0]
         if residual is None:
             residual, normed = hidden, ew.rms_norm(hidden, self.input_norm, self.eps)
@@ -101,8 +102,17 @@ class DecoderLayer:
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        attn = attend(ops, q, k, v, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                      self.scale, self.sliding_window, batch.attention_plan)
+        if output_rows is None:
+            attn = attend(ops, q, k, v, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                          self.scale, self.sliding_window, batch.attention_plan)
+        else:
+            rows = output_rows.rows
+            num_tokens, residual = rows.shape[0], residual[rows]
+            if num_tokens == 0:  # no request samples: the keys and values were all this step needed
+                return residual, residual
+            attn = attend(ops, q[rows], k[rows], v[rows], k_cache, v_cache, output_rows.block_tables,
+                          output_rows.query_start_loc, output_rows.seq_lens, self.scale, self.sliding_window,
+                          output_rows.attention_plan)
         out = self.shard.all_reduce(linear(attn.reshape(num_tokens, self.q_size), self.o_proj))
         if self.o_bias is not None:
             out = out + self.o_bias
