@@ -6,7 +6,7 @@ O(blocks + tokens): run it after every step only with ``debug_invariants``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from pagedserve.scheduler_proc.block_pool import BlockPool
 from pagedserve.scheduler_proc.request import RUNNING, SWAPPED, WAITING
 
 if TYPE_CHECKING:
+    from pagedserve.protocol.messages import SchedulerOutput
     from pagedserve.scheduler_proc.scheduler import Scheduler
 
 
@@ -72,7 +73,8 @@ def check_pool(pool: BlockPool, owners: Counter, name: str) -> None:
         _fail(f"{name}: {len(pool.cache)} cache entries but a different number of named blocks")
 
 
-def check(sched: "Scheduler") -> None:
+def check(sched: "Scheduler", out: Optional["SchedulerOutput"] = None) -> None:
+    """``out``: the step just built; its cache operations are checked against the tables too."""
     bm = sched.bm
     if bm.pending_zero or bm.pending_copies:
         _fail(f"pending zero {list(bm.pending_zero)} / copies {bm.pending_copies} not drained")
@@ -112,3 +114,42 @@ def check(sched: "Scheduler") -> None:
     ids = [s.seq_id for s in (*live, *sched.waiting, *sched.swapped)]
     if len(ids) != len(set(ids)):
         _fail(f"a sequence id is queued twice: {sorted(i for i in ids if ids.count(i) > 1)}")
+    _check_requests(sched, set(ids))
+    _check_fresh_blocks(sched, live, out)
+
+
+def _check_requests(sched: "Scheduler", queued: set[str]) -> None:
+    """Each registered request's unfinished samples are queued (a parent, until it forks, stands
+    for all of them): one that is not would keep the engine stepping and its client waiting."""
+    for request_id, request in sched.requests.items():
+        if not request.unfinished_indices:
+            _fail(f"request {request_id} is registered with every sample finished")
+        covered: set[int] = set()
+        for seq in request.sequences:
+            if seq.seq_id in queued:
+                covered |= set(range(request.sampling.n)) if seq.is_parent else {seq.index}
+        missing = request.unfinished_indices - covered
+        if missing:
+            _fail(f"request {request_id}: samples {sorted(missing)} are unfinished but in no queue")
+
+
+def _check_fresh_blocks(sched: "Scheduler", live: list, out: Optional["SchedulerOutput"]) -> None:
+    """A block a table gained since the last check holds what it should: it was zeroed, copied or
+    swapped into this step, or it already held keys and values (a prefix hit, a fork). Zeroing
+    runs after copies and swaps on the worker, so no block may be in both lists."""
+    pairs = {(s.seq_id, b) for s in live for b in s.block_ids}
+    held = {b for _, b in pairs} | set(sched.bm.device.evictable)
+    old_pairs, old_held = sched._invariant_blocks
+    sched._invariant_blocks = (pairs, held)
+    if out is None:
+        return
+    zero = set(out.new_block_ids_to_zero)
+    filled = {dst for _, dst in out.blocks_to_copy} | {dst for _, dst in out.blocks_to_swap_in}
+    if zero & filled:
+        _fail(f"blocks {sorted(zero & filled)} are both zeroed and filled in one step (zeroing runs last)")
+    unowned = zero - held
+    if unowned:
+        _fail(f"blocks {sorted(unowned)} are to be zeroed but no table holds them")
+    for seq_id, block in sorted(pairs - old_pairs):
+        if block not in zero and block not in filled and block not in old_held:
+            _fail(f"{seq_id} was given block {block} with neither zeroing, a copy nor a swap-in")

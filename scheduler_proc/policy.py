@@ -66,10 +66,10 @@ class FcfsPolicy:
 
     def next_to_start(self, swapped: Queue["Sequence"], waiting: Queue["Sequence"]) -> Optional["Sequence"]:
         """The swapped or waiting sequence to try next, or None; the first that does not fit
-        stops the rest, so nothing overtakes it."""
-        if swapped:
-            return swapped[0]
-        return waiting[0] if waiting else None
+        stops the rest, so nothing overtakes it. The older of the two queues' heads: a sequence
+        preempted by recomputation waits, and a newer one swapped out must not resume before it."""
+        heads = [queue[0] for queue in (swapped, waiting) if queue]
+        return min(heads, key=lambda seq: seq.order) if heads else None
 
     def victim(self, running: "RunningSequences") -> "Sequence":
         """The running sequence to preempt when blocks run out (``running`` is not empty): the

@@ -72,6 +72,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # arrival order, oldest first
         self.finished_ids: list[str] = []  # for the next SchedulerOutput
         self.in_flight: list[tuple] = []  # steps out, oldest first (<= 2): (output, sampling seqs, others)
+        self._invariant_blocks = (set(), set())  # the tables' blocks at the last check (invariants.py)
 
     def add_request(self, msg: AddRequest) -> list[RequestDelta]:
         verdict = admission.judge_new(msg, self.config, self.requests, self.grammars, len(self.waiting))
@@ -208,8 +209,8 @@ class Scheduler:
             self.check_invariants()
         return outputs
 
-    def check_invariants(self) -> None:  # O(blocks + tokens): every step only with debug_invariants
-        invariants.check(self)
+    def check_invariants(self, out: Optional[SchedulerOutput] = None) -> None:  # O(blocks + tokens)
+        invariants.check(self, out)  # every step only with debug_invariants; ``out``: the step built
 
     def running_sequences(self) -> list[Sequence]:
         """Every running sequence, oldest first, with its state synced (for tests and debugging)."""
@@ -395,5 +396,5 @@ class Scheduler:
         if total:
             self.in_flight.append((out, sampling, batch.others))
         if self.config.debug_invariants:
-            self.check_invariants()
+            self.check_invariants(out)
         return out

@@ -64,3 +64,39 @@ def test_a_consistent_pool_passes_empty_or_large():
     taken = [pool.take_fresh() for _ in range(100)]
     pool.share(taken[0])
     check_pool(pool, Counter(taken) + Counter([taken[0]]), "host")
+
+
+def _run_with_debug_invariants(**overrides) -> None:
+    from pagedserve.scheduler_proc.config import SchedulerConfig
+    from pagedserve.scheduler_proc.scheduler import Scheduler
+    from support.scheduler_sim import SimWorker, counting_tokens, request, run_until_done
+
+    config = SchedulerConfig(debug_invariants=True, block_size=4, num_gpu_blocks=32, **overrides)
+    sched = Scheduler(config)
+    for i in range(3):
+        sched.add_request(request(f"r{i}", list(range(10, 19 + i)), max_tokens=6, ignore_eos=True))
+    run_until_done(sched, SimWorker(config, counting_tokens()))
+
+
+def test_the_debug_check_catches_a_fresh_block_handed_out_without_zeroing(monkeypatch):
+    """The stale-KV bug the block manager is built against: the check sees it in the step that
+    hands the block out, before any worker reads it."""
+    from pagedserve.scheduler_proc.block_manager import BlockManager
+
+    monkeypatch.setattr(BlockManager, "take_blocks_to_write",
+                        lambda self, count: [self.device.take_fresh() for _ in range(count)])
+    with pytest.raises(InvariantError, match="with neither zeroing, a copy nor a swap-in"):
+        _run_with_debug_invariants()
+
+
+def test_the_debug_check_catches_a_request_left_open_with_no_sequence(monkeypatch):
+    """A request whose samples all left the queues but that never closed keeps the engine stepping
+    and its client waiting: the check names it."""
+    from pagedserve.scheduler_proc.scheduler import Scheduler
+
+    def retire_without_closing(self, seq):
+        self._forget(seq)
+
+    monkeypatch.setattr(Scheduler, "_retire", retire_without_closing)
+    with pytest.raises(InvariantError, match=r"samples \[0\] are unfinished but in no queue"):
+        _run_with_debug_invariants()

@@ -272,3 +272,21 @@ def test_waiting_sequences_start_in_the_order_the_policy_names():
     run_until_done(sched, worker, on_step=on_step)
     assert started == ["c", "b", "a"]
     assert_all_blocks_free(sched)
+
+
+def test_a_recomputed_older_sequence_starts_before_a_newer_swapped_one():
+    """FCFS across both queues: the head of waiting (preempted by recomputation, so it lost its
+    blocks) is older than the head of swapped, so it goes first (found by a fuzzer: under auto
+    preemption a sequence holding under one block is recomputed while a newer one is swapped)."""
+    sched, worker = make(block_size=4, num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    for name, length in (("old", 6), ("new", 9)):
+        sched.add_request(request(name, list(range(10, 10 + length)), max_tokens=4, ignore_eos=True))
+    old, new = (sched.requests[name].sequences[0] for name in ("old", "new"))
+    sched.waiting.clear()
+    sched.waiting.append(old)  # as if preempted by recomputation
+    sched.swapped.append(new)  # as if swapped out (its host blocks do not matter to the choice)
+    assert sched.policy.next_to_start(sched.swapped, sched.waiting) is old
+    sched.swapped.clear()
+    sched.waiting.append(new)
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
