@@ -31,6 +31,8 @@ class ChatMessage(Lenient):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # role "tool": the call this answers
+    # an assistant's earlier thinking (vLLM's field), for templates that show it (Qwen3's)
+    reasoning_content: Optional[str] = None
 
     def text(self) -> str:
         """The content as one string; only text parts are understood."""

@@ -66,6 +66,14 @@ class ChatTemplateOptions:
                                  f"it reads {sorted(variables)}", param="chat_template_kwargs")
 
 
+def check_template_reads_reasoning(messages: list, template: str) -> None:
+    """An earlier turn's thinking the template never shows would change nothing: refuse it."""
+    for i, message in enumerate(messages):
+        if message.reasoning_content is not None and "reasoning_content" not in template:
+            raise InvalidRequest(f"messages[{i}].reasoning_content: the chat template does not show an "
+                                 f"earlier turn's thinking", param=f"messages[{i}].reasoning_content")
+
+
 @lru_cache(maxsize=8)
 def template_variables(template: str) -> Optional[frozenset[str]]:
     """The variables a Jinja template reads from its context (None: it cannot be parsed here)."""
@@ -93,6 +101,8 @@ def template_messages(messages: list) -> list[dict[str, Any]]:
             entry["name"] = message.name
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            entry["reasoning_content"] = message.reasoning_content
         if message.tool_calls:
             calls = []
             for j, call in enumerate(message.tool_calls):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
-from pagedserve.client.chat_template_options import ChatTemplateOptions, template_messages
+from pagedserve.client.chat_template_options import (ChatTemplateOptions, check_template_reads_reasoning,
+                                                     template_messages)
 from pagedserve.client.errors import InvalidRequest
 from pagedserve.client.chat_messages import ChatMessage
 from pagedserve.client.detokenizer import fast_backend
@@ -25,6 +26,7 @@ class PromptTokenizer:
         self.vocab_size = vocab_size(model_dir, self.tokenizer)
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
         self.stream_backend = fast_backend(self.tokenizer)
+        self.special_ids = frozenset(self.tokenizer.all_special_ids)  # what skip_special_tokens leaves out
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -43,6 +45,7 @@ class PromptTokenizer:
         conversation = template_messages(messages)
         if isinstance(template, str):
             options.check_template_reads_kwargs(template)
+            check_template_reads_reasoning(messages, template)
         try:
             ids = self.tokenizer.apply_chat_template(
                 conversation, tools=options.tools, add_generation_prompt=options.add_generation_prompt,

@@ -5,7 +5,8 @@ A request is translated into a chat request (anthropic_schema.py) and served by
 Anthropic's events: ``message_start``, then per content block ``content_block_start``,
 ``content_block_delta`` (``text_delta``, ``input_json_delta``, ``thinking_delta``) and
 ``content_block_stop``, then ``message_delta`` (stop reason and usage) and ``message_stop``.
-Reasoning split off by ``--reasoning-parser`` comes back as ``thinking`` blocks. Errors, before
+Reasoning split off by ``--reasoning-parser`` comes back as ``thinking`` blocks; a prefill (a final
+assistant message) is continued, and the reply holds only the continuation. Errors, before
 or during a stream, have Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
 """
 
@@ -162,13 +163,17 @@ async def stream_events(generation: Generation, model: str) -> AsyncIterator[byt
 
 
 def add_anthropic_routes(app: FastAPI, serving: Serving, authorized: list[Depends], task: str = "generate") -> None:
+    thinks = serving.reasoning_parser is not None  # the model thinks unless the request says not to
+
     @app.post(PATH_PREFIX, dependencies=authorized)
     async def messages(body: MessagesRequest, request: Request) -> Response:
         try:
             task_refusal(task, "generate", PATH_PREFIX)
-            generation = serving.start_chat(body.chat(), request, include_usage=True)
+            chat = body.chat(thinks)
+            await serving.check_chat_grammars(chat)  # a forced tool's deep schema converts off the loop
+            generation = serving.start_chat(chat, request, include_usage=True)
         except APIError as exc:
-            raise in_surface_terms(exc, CHAT_FIELDS) from None
+            raise in_surface_terms(body.in_anthropic_terms(exc), CHAT_FIELDS) from None
         if not body.stream:
             return JSONResponse(full_message(await generation.full(), serving.served_model_name))
         await generation.start_stream()
@@ -178,6 +183,6 @@ def add_anthropic_routes(app: FastAPI, serving: Serving, authorized: list[Depend
     @app.post(PATH_PREFIX + "/count_tokens", dependencies=authorized)
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
         try:
-            return {"input_tokens": serving.count_chat_prompt(body.chat_request())}
+            return {"input_tokens": serving.count_chat_prompt(body.chat_request(thinks))}
         except APIError as exc:
-            raise in_surface_terms(exc, CHAT_FIELDS) from None
+            raise in_surface_terms(body.in_anthropic_terms(exc), CHAT_FIELDS) from None

@@ -2,21 +2,26 @@
 translation into the chat request the rest of the frontend serves.
 
 The subset served: ``system``; user and assistant messages of text, ``tool_use`` and
-``tool_result`` blocks; ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``;
-``tools`` and ``tool_choice``; ``stream``; ``metadata`` (describes the caller); ``thinking``
+``tool_result`` blocks, an assistant's ``thinking`` blocks as chat's ``reasoning_content`` (for
+templates that show an earlier turn's thinking); a final assistant message of text as a prefill
+the reply continues (chat's ``continue_final_message``); ``max_tokens``, ``stop_sequences``,
+``temperature``, ``top_p``, ``top_k``; ``tools`` and ``tool_choice``; ``stream``;
+``metadata.user_id`` as chat's ``user`` (the tenant, frontend_proc/tenant.py); ``thinking``
 ``{"type": "disabled"}`` as Qwen3's ``enable_thinking: false``. ``cache_control``
 marks are accepted anywhere: they are caching hints, and this server's prefix cache is the
-operator's (``--enable-prefix-caching``). Any other field is a 400 naming it, never ignored.
+operator's (``--enable-prefix-caching``). Any other field, or a field another variant of the
+same object has (``tool_choice``, ``thinking``), is a 400 naming it, never ignored.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedserve.frontend_proc.errors import InvalidRequest
+from pagedserve.frontend_proc.errors import APIError, InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest, EncodableStrings
 
 REASONS = {
@@ -28,10 +33,12 @@ REASONS = {
     "mcp_servers": "MCP servers are not supported",
     "context_management": "context management is not supported",
     "citations": "citations are not supported",
+    # the chat templates render a tool message without an error flag, so the model could not tell
     "is_error": "only tool results that are not errors are supported; say so in the content",
 }
-NEUTRAL = {"service_tier": ("auto", "standard_only")}
-ACCEPTED = frozenset({"cache_control", "metadata"})
+NEUTRAL = {"service_tier": ("auto", "standard_only"), "is_error": (False, None)}
+ACCEPTED = frozenset({"cache_control"})
+_REASONING = re.compile(r"messages\[(\d+)\]\.reasoning_content")  # the chat template's refusal of thinking
 
 
 class _Anthropic(BaseModel):
@@ -56,7 +63,7 @@ class ToolResultBlock(_Anthropic):
     type: Literal["tool_result"]
     tool_use_id: str
     content: Optional[Union[str, list[TextBlock]]] = None
-    is_error: Optional[bool] = None
+    # is_error is left undeclared: refuse_unknown refuses true (REASONS), NEUTRAL lets false and null through
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -64,7 +71,23 @@ class ToolResultBlock(_Anthropic):
         return "".join(b.text for b in self.content)
 
 
-ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+class ThinkingBlock(_Anthropic):
+    type: Literal["thinking"]
+    thinking: str
+    # Anthropic's proof the block is its model's; this server signs nothing (it sends ""), so
+    # there is nothing to check the value against
+    signature: str
+
+
+class RedactedThinkingBlock(_Anthropic):
+    """Declared so that it is refused by name rather than as an unknown block."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+                         Field(discriminator="type")]
 
 
 class Message(_Anthropic):
@@ -79,15 +102,45 @@ class Tool(_Anthropic):
     type: Optional[Literal["custom"]] = None  # server tools (web search, bash, ...) are not served
 
 
-class ToolChoice(_Anthropic):
-    type: Literal["auto", "any", "tool", "none"]
-    name: Optional[str] = None
+# tool_choice and thinking as Anthropic's variants, so a key of another variant is refused by name
+class ToolChoiceAuto(_Anthropic):
+    type: Literal["auto"]
     disable_parallel_tool_use: Optional[bool] = None
 
 
-class Thinking(_Anthropic):
-    type: Literal["enabled", "disabled"]
-    budget_tokens: Optional[int] = None
+class ToolChoiceAny(_Anthropic):
+    type: Literal["any"]
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class ToolChoiceTool(_Anthropic):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class ToolChoiceNone(_Anthropic):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[Union[ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNone],
+                       Field(discriminator="type")]
+
+
+class ThinkingEnabled(_Anthropic):
+    type: Literal["enabled"]
+    budget_tokens: int
+
+
+class ThinkingDisabled(_Anthropic):
+    type: Literal["disabled"]
+
+
+Thinking = Annotated[Union[ThinkingEnabled, ThinkingDisabled], Field(discriminator="type")]
+
+
+class Metadata(_Anthropic):
+    user_id: Optional[str] = Field(default=None, max_length=256)
 
 
 class CountTokensRequest(_Anthropic, EncodableStrings):
@@ -98,14 +151,23 @@ class CountTokensRequest(_Anthropic, EncodableStrings):
     tool_choice: Optional[ToolChoice] = None
     # "disabled": Qwen3's enable_thinking false; "enabled" (a budget) is refused (REASONS)
     thinking: Optional[Thinking] = None
+    # describes the caller (count_tokens takes it too): user_id names the tenant, as chat's user
+    metadata: Optional[Metadata] = None
 
-    def chat_request(self, **sampling: Any) -> ChatCompletionRequest:
-        """The chat request this asks for (raises InvalidRequest naming a field)."""
+    def chat_request(self, thinks: bool = False, **sampling: Any) -> ChatCompletionRequest:
+        """The chat request this asks for (raises InvalidRequest naming a field). ``thinks``: the
+        server splits off thinking (--reasoning-parser), so the model thinks unless told not to."""
         refuse_unknown(self, "")
         messages = [] if self.system is None else [{"role": "system", "content": _system_text(self.system)}]
         for i, message in enumerate(self.messages):
             messages += _chat_messages(message, i)
         fields: dict[str, Any] = {"model": self.model, "messages": messages, **sampling}
+        if _is_prefill(self.messages[-1]):
+            _check_prefill(messages[-1]["content"], len(self.messages) - 1, thinks and self.thinking is None)
+            messages[-1]["content"] = messages[-1]["content"] or ""  # thinking alone: continue after it
+            fields.update(add_generation_prompt=False, continue_final_message=True)
+        if self.metadata is not None and self.metadata.user_id is not None:
+            fields["user"] = self.metadata.user_id
         if self.tools:
             fields["tools"] = [{"type": "function", "function": {
                 "name": t.name, **({"description": t.description} if t.description else {}),
@@ -122,6 +184,19 @@ class CountTokensRequest(_Anthropic, EncodableStrings):
             error = exc.errors()[0]
             raise InvalidRequest(f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from None
 
+    def in_anthropic_terms(self, exc: APIError) -> APIError:
+        """A refusal naming a translated chat message's reasoning_content, as the Anthropic
+        message whose thinking blocks it came from (the chat list's indices differ: system first,
+        tool results as messages of their own); other errors as they are."""
+        found = isinstance(exc, InvalidRequest) and exc.param and _REASONING.fullmatch(exc.param)
+        if not found:
+            return exc
+        origins = [None] * (self.system is not None)
+        origins += [i for i, message in enumerate(self.messages) for _ in _chat_messages(message, i)]
+        where = f"messages[{origins[int(found.group(1))]}].content"
+        return InvalidRequest(exc.message.replace(exc.param, f"{where}: thinking blocks", 1), param=where,
+                              code=exc.code)
+
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(gt=0)
@@ -131,12 +206,12 @@ class MessagesRequest(CountTokensRequest):
     top_k: Optional[int] = Field(default=None, ge=0)
     stream: bool = False
 
-    def chat(self) -> ChatCompletionRequest:
+    def chat(self, thinks: bool = False) -> ChatCompletionRequest:
         sampling = {"max_tokens": self.max_tokens, "stream": self.stream,
                     **{k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                                          ("top_k", self.top_k), ("stop", self.stop_sequences))
                        if v is not None}}
-        return self.chat_request(**sampling)
+        return self.chat_request(thinks, **sampling)
 
 
 def refuse_unknown(model: BaseModel, prefix: str) -> None:
@@ -144,7 +219,7 @@ def refuse_unknown(model: BaseModel, prefix: str) -> None:
     for name, value in (model.model_extra or {}).items():
         if name in ACCEPTED or any(type(value) is type(v) and value == v for v in NEUTRAL.get(name, ())):
             continue
-        reason = REASONS.get(name, "it is not a field of Anthropic's Messages API this server knows")
+        reason = REASONS.get(name) or _not_a_field(model)
         raise InvalidRequest(f"{prefix}{name} is not supported: {reason}", param=prefix + name)
     for name in type(model).model_fields:
         value = getattr(model, name)
@@ -153,6 +228,31 @@ def refuse_unknown(model: BaseModel, prefix: str) -> None:
             if isinstance(item, BaseModel):
                 where = f"{prefix}{name}[{i}]." if isinstance(value, list) else f"{prefix}{name}."
                 refuse_unknown(item, where)
+
+
+def _not_a_field(model: BaseModel) -> str:
+    kind = getattr(model, "type", None)
+    if isinstance(kind, str):
+        return f"it is not a field of {{\"type\": \"{kind}\"}} in Anthropic's Messages API"
+    return "it is not a field of Anthropic's Messages API this server knows"
+
+
+def _is_prefill(message: Message) -> bool:
+    """Anthropic continues a final assistant message's text (a prefill) instead of starting a
+    new turn; one with tool uses is not a text to continue."""
+    return message.role == "assistant" and (
+        isinstance(message.content, str) or not any(isinstance(b, ToolUseBlock) for b in message.content))
+
+
+def _check_prefill(text: Optional[str], i: int, thinks: bool) -> None:
+    if text and text != text.rstrip():
+        raise InvalidRequest(f"messages[{i}]: final assistant content cannot end with trailing whitespace",
+                             param="messages")
+    # Anthropic refuses a prefill while the model thinks; here the reasoning parser would also take
+    # the continuation for thinking, as the prompt does not end where thinking ends
+    if thinks:
+        raise InvalidRequest(f"messages[{i}]: a final assistant message (a prefill) cannot be continued while "
+                             f"the model thinks; send thinking {{\"type\": \"disabled\"}}", param="messages")
 
 
 def _system_text(system: Union[str, list[TextBlock]]) -> str:
@@ -164,17 +264,25 @@ def _chat_messages(message: Message, i: int) -> list[dict[str, Any]]:
     (first, as Anthropic requires them first), an assistant's tool uses its tool_calls."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
+    for j, block in enumerate(message.content):
+        if isinstance(block, RedactedThinkingBlock):
+            raise InvalidRequest(f"messages[{i}].content[{j}]: redacted_thinking blocks are not supported: this "
+                                 f"server never sends them and cannot read them", param=f"messages[{i}].content[{j}]")
     texts = [b.text for b in message.content if isinstance(b, TextBlock)]
     uses = [b for b in message.content if isinstance(b, ToolUseBlock)]
     results = [b for b in message.content if isinstance(b, ToolResultBlock)]
+    thoughts = [b.thinking for b in message.content if isinstance(b, ThinkingBlock)]
     if message.role == "user":
-        if uses:
-            raise InvalidRequest(f"messages[{i}]: tool_use blocks belong to assistant messages", param="messages")
+        if uses or thoughts:
+            kind = "tool_use" if uses else "thinking"
+            raise InvalidRequest(f"messages[{i}]: {kind} blocks belong to assistant messages", param="messages")
         out = [{"role": "tool", "tool_call_id": r.tool_use_id, "content": r.text()} for r in results]
         return out + ([{"role": "user", "content": "".join(texts)}] if texts else [])
     if results:
         raise InvalidRequest(f"messages[{i}]: tool_result blocks belong to user messages", param="messages")
     chat: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    if thoughts:
+        chat["reasoning_content"] = "\n\n".join(thoughts)
     if uses:
         chat["tool_calls"] = [{"id": u.id, "type": "function",
                                "function": {"name": u.name, "arguments": json.dumps(u.input)}} for u in uses]
@@ -183,11 +291,9 @@ def _chat_messages(message: Message, i: int) -> list[dict[str, Any]]:
 
 def _tool_choice(choice: ToolChoice) -> dict[str, Any]:
     fields: dict[str, Any] = {}
-    if choice.disable_parallel_tool_use is not None:
+    if getattr(choice, "disable_parallel_tool_use", None) is not None:
         fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
-    if choice.type == "tool":
-        if choice.name is None:
-            raise InvalidRequest("tool_choice: type tool needs the tool's name", param="tool_choice")
+    if isinstance(choice, ToolChoiceTool):
         fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     else:
         fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]

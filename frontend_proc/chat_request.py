@@ -24,7 +24,7 @@ from pagedserve.client.chat_template_options import ChatTemplateOptions
 from pagedserve.frontend_proc.errors import InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest
 from pagedserve.frontend_proc.reasoning import ReasoningParser
-from pagedserve.frontend_proc.reasoning.think_tags import END
+from pagedserve.frontend_proc.reasoning.think_tags import END, START
 from pagedserve.frontend_proc.reasoning.output import ReasoningChoices
 from pagedserve.frontend_proc.response_format import ChatFormat
 from pagedserve.frontend_proc.structured_request import (
@@ -56,13 +56,22 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer,
     choices = fmt if plan.parser is None else ToolCallChoices(
         fmt, plan.parser, body.n, plan.parallel_tool_calls, calls_as_they_grow=plan.structured_outputs is not None)
     structured = plan.structured_outputs or structured_outputs_of(body)
-    if reasoning is not None:
-        tail = tokenizer.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
-        if reasoning.starts_in_reasoning(tail, options.template_kwargs):
-            end_ids = tokenizer.tokenizer.encode(END, add_special_tokens=False)
-            structured = _after_thinking(body, structured, plan.structured_outputs is not None, end_ids, reasoning)
-            choices = ReasoningChoices(fmt, choices, reasoning, body.n, end_ids)
+    if reasoning is not None and _starts_in_reasoning(body, tokenizer, prompt_ids, options, reasoning):
+        end_ids = tokenizer.tokenizer.encode(END, add_special_tokens=False)
+        structured = _after_thinking(body, structured, plan.structured_outputs is not None, end_ids, reasoning)
+        choices = ReasoningChoices(fmt, choices, reasoning, body.n, end_ids)
     return ChatPrompt(prompt_ids, structured, choices)
+
+
+def _starts_in_reasoning(body: ChatCompletionRequest, tokenizer: PromptTokenizer, prompt_ids: list[int],
+                         options: ChatTemplateOptions, reasoning: ReasoningParser) -> bool:
+    """Whether the output begins inside the thinking. A continued final message (a prefill) ends
+    the prompt with its own text, so that text says: inside only after an unclosed <think>."""
+    if options.continue_final_message:
+        final = body.messages[-1].text()
+        return final.rfind(START) > final.rfind(END)
+    tail = tokenizer.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+    return reasoning.starts_in_reasoning(tail, options.template_kwargs)
 
 
 def _after_thinking(body: ChatCompletionRequest, spec: Optional[StructuredOutputs], forced: bool,

@@ -10,9 +10,9 @@ made the 429s slow and the admitted streams' TPOT grow (bench/RESULTS.md, "Sched
 What a 429 looked like before stays: the same body (engine_client.overloaded) in each surface's
 error shape (OpenAI's; Anthropic's on ``/v1/messages``, by the function the app's handler uses),
 ``Retry-After``, and the count per tenant and per priority. The only fields read are the two those
-counts need (``priority``, ``user``), with msgspec, ignoring the rest; ``/v1/responses`` and
-``/v1/messages`` become chat requests that carry neither, so theirs count as the app counts them:
-priority 0, the tenant from the headers. A request this layer cannot judge
+counts need (``priority``, ``user``; ``/v1/messages`` names its user ``metadata.user_id``), with
+msgspec, ignoring the rest; ``/v1/responses`` and ``/v1/messages`` become chat requests without a
+priority, so theirs count as the app counts them: priority 0. A request this layer cannot judge
 cheaply (no valid API key, a body that is not a JSON object, a priority of the wrong type or out
 of range) goes on to the app, which answers it as before: so a 401 stays a 401, and malformed
 input gets the 400 that names its field. A request that does go on is still refused in
@@ -21,7 +21,7 @@ input gets the 400 that names its field. A request that does go on is still refu
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Optional
+from typing import Annotated, Callable, ClassVar, Optional
 
 import msgspec
 
@@ -43,20 +43,37 @@ class _ClassFields(msgspec.Struct):
 
 
 class _TranslatedFields(msgspec.Struct):
-    """A body translated into a chat request without its priority or user (responses_schema.py,
-    anthropic_schema.py): it only has to be a JSON object."""
+    """A body translated into a chat request without its priority or user (responses_schema.py):
+    it only has to be a JSON object."""
 
     priority: ClassVar[int] = 0
     user: ClassVar[Optional[str]] = None
 
 
+class _AnthropicMetadata(msgspec.Struct):
+    # the app's limit (anthropic_schema.Metadata): a longer id goes on to get its 400
+    user_id: Optional[Annotated[str, msgspec.Meta(max_length=256)]] = None
+
+
+class _AnthropicFields(msgspec.Struct):
+    """/v1/messages: no priority; ``metadata.user_id`` is its user (anthropic_schema.py)."""
+
+    priority: ClassVar[int] = 0
+    metadata: Optional[_AnthropicMetadata] = None
+
+    @property
+    def user(self) -> Optional[str]:
+        return None if self.metadata is None else self.metadata.user_id
+
+
 _OWN, _TRANSLATED = msgspec.json.Decoder(_ClassFields), msgspec.json.Decoder(_TranslatedFields)
+_ANTHROPIC = msgspec.json.Decoder(_AnthropicFields)
 # path -> the fields that name its class, and its error body (what app.py's handler renders)
 SURFACES: dict[str, tuple[msgspec.json.Decoder, Callable[[APIError], dict]]] = {
     "/v1/completions": (_OWN, APIError.body),
     "/v1/chat/completions": (_OWN, APIError.body),
     "/v1/responses": (_TRANSLATED, APIError.body),
-    "/v1/messages": (_TRANSLATED, anthropic_error_body),
+    "/v1/messages": (_ANTHROPIC, anthropic_error_body),
 }
 _JSON = msgspec.json.Encoder()
 

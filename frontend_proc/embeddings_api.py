@@ -43,7 +43,7 @@ MAX_INPUTS = 2048  # OpenAI's maxItems for input
 class EmbeddingRequest(Lenient, EncodableStrings):
     input: Union[str, list[str], list[int], list[list[int]]]
     model: Optional[str] = None
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Optional[Literal["float", "base64"]] = "float"  # null: omitted, as everywhere
     dimensions: Optional[int] = Field(default=None, ge=1)
     user: Optional[str] = None  # describes the caller: accepted, nothing to do
 

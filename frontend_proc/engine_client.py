@@ -80,6 +80,7 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._outputs: AsyncReceiver[SchedulerToFrontend] = AsyncReceiver(
             self._ctx, endpoints.frontend_outputs(), SchedulerToFrontend)
+        router.clock = self._outputs.read_up_to
         # Sends never wait (try_send), so they can happen anywhere, even in a cancelled
         # task's cleanup: plain synchronous sockets on their own context. The queues are
         # bounded (REQUEST_HWM): a replica that cannot keep up refuses new requests with a
@@ -212,7 +213,7 @@ class EngineClient:
                 for replica, pending in enumerate(self._pending_aborts):
                     if pending:
                         self._send_abort(replica, [])
-                for replica in self.router.failed_replicas(time.monotonic()):
+                for replica in self.router.failed_replicas():
                     self._fail_requests_on(replica.replica)
             except Exception:  # the watchdog must outlive any one failure
                 log.exception("replica watchdog check failed")
@@ -220,7 +221,7 @@ class EngineClient:
     def _fail_requests_on(self, replica: int, reason: Optional[str] = None) -> None:
         status = self.router.replicas[replica]
         state = status.stats.state if status.stats else "unknown"
-        if reason is None and status.is_fresh(time.monotonic(), self.router.timeout_s):
+        if reason is None and status.is_fresh(self.router.clock(), self.router.timeout_s):
             reason = f"scheduler replica {replica} went to state {state!r}"
         elif reason is None:
             reason = (f"scheduler replica {replica} sent no stats for "

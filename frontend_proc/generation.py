@@ -60,12 +60,16 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 class Generation:
     def __init__(self, stream: CompletionBatch, fmt: CompletionFormat, render: ChoiceRenderer,
-                 request: Request, token_text: Callable[[int], str], include_usage: bool):
+                 request: Request, token_text: Callable[[int], str], include_usage: bool,
+                 hidden: frozenset[int] = frozenset(), echo_hidden: frozenset[int] = frozenset()):
+        """``hidden``: the tokens the choices' text leaves out (special ones, skip_special_tokens);
+        ``echo_hidden``: those the echoed prompt's text leaves out (none when it was given as text)."""
         self.stream = stream
         self.fmt = fmt
         self.render = render
         self.request = request
         self.token_text = token_text
+        self.hidden, self.echo_hidden = hidden, echo_hidden
         self.include_usage = include_usage
         self._updates = stream.updates()
         self._first: Optional[list[ChoiceUpdate]] = None
@@ -103,11 +107,11 @@ class Generation:
         echoed: LogprobEntries = []
         if stream.echo_logprobs is not None and update.prompt_logprobs is not None:
             prompt = stream.choices[update.index].prompt_token_ids
-            echoed = echo_entries(prompt, update.prompt_logprobs, stream.echo_logprobs, text)
+            echoed = echo_entries(prompt, update.prompt_logprobs, stream.echo_logprobs, text, self.echo_hidden)
         if update.logprobs is None:
             return echoed or None
         alternatives = update.top_logprobs or [[] for _ in update.token_ids]
-        return echoed + [(text(t), _finite(lp), [(text(a), _finite(alp)) for a, alp in top])
+        return echoed + [(text(t), _finite(lp), [(text(a), _finite(alp)) for a, alp in top], t not in self.hidden)
                          for t, lp, top in zip(update.token_ids, update.logprobs, alternatives)]
 
     async def _collect(self) -> dict[str, Any]:

@@ -23,8 +23,10 @@ def prompt_logprob_dicts(prompt: list[int], scored: PromptLogprobs, k: int,
 
 
 def echo_entries(prompt: list[int], scored: PromptLogprobs, k: int,
-                 token_text: Callable[[int], str]) -> LogprobEntries:
-    entries: LogprobEntries = [(token_text(prompt[0]), None, None)]
+                 token_text: Callable[[int], str], hidden: frozenset[int] = frozenset()) -> LogprobEntries:
+    """``hidden``: the tokens the echoed text leaves out (special ones, decoded skipping them)."""
+    entries: LogprobEntries = [(token_text(prompt[0]), None, None, prompt[0] not in hidden)]
     for (token, logprob, _), *alternatives in scored.per_token(prompt, k):
-        entries.append((token_text(token), logprob, [(token_text(t), lp) for t, lp, _ in alternatives]))
+        entries.append((token_text(token), logprob, [(token_text(t), lp) for t, lp, _ in alternatives],
+                        token not in hidden))
     return entries

@@ -29,6 +29,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
     "include_obfuscation": (False,),  # stream_options'
     "continuous_usage_stats": (False,),  # stream_options' (vLLM)
+    "annotations": ([],),  # an assistant message sent back as OpenAI's client returned it
 }
 
 REASONS = {
@@ -82,17 +83,46 @@ REASONS = {
 
 
 def refuse_unsupported_fields(body: BaseModel) -> None:
-    """A 400 naming the first field this server would otherwise have to ignore (the request's
-    own, then its ``stream_options``')."""
-    _refuse(body, "")
+    """A 400 naming the first field this server would otherwise have to ignore: the request's
+    own, its ``stream_options``', and those inside its messages (their content parts and earlier
+    tool calls), tools and tool_choice."""
+    _refuse(body, "", top_level=True)
     options = getattr(body, "stream_options", None)
     if isinstance(options, BaseModel):
         _refuse(options, "stream_options.")
+    if options is not None and getattr(body, "stream", None) is False:
+        raise InvalidRequest("stream_options is read only when stream is true", param="stream_options")
+    metadata = (body.model_extra or {}).get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise InvalidRequest("metadata must be an object of string keys and string values", param="metadata")
+    for i, message in enumerate(getattr(body, "messages", None) or ()):
+        _refuse_in_message(message, f"messages[{i}].")
+    for k, tool in enumerate(getattr(body, "tools", None) or ()):
+        _refuse(tool, f"tools[{k}].")
+        _refuse(tool.function, f"tools[{k}].function.")
+    choice = getattr(body, "tool_choice", None)
+    if isinstance(choice, BaseModel):
+        _refuse(choice, "tool_choice.")
+        _refuse(choice.function, "tool_choice.function.")
 
 
-def _refuse(body: BaseModel, prefix: str) -> None:
+def _refuse_in_message(message: BaseModel, prefix: str) -> None:
+    _refuse(message, prefix)
+    if isinstance(message.content, list):
+        for j, part in enumerate(message.content):
+            for name, value in part.items():
+                if name not in ("type", "text") and value is not None:
+                    raise InvalidRequest(f"{prefix}content[{j}].{name} is not supported: a text part has only "
+                                         f"type and text", param=f"{prefix}content[{j}].{name}")
+    for j, call in enumerate(message.tool_calls or ()):
+        _refuse(call, f"{prefix}tool_calls[{j}].")
+        _refuse(call.function, f"{prefix}tool_calls[{j}].function.")
+
+
+def _refuse(body: BaseModel, prefix: str, top_level: bool = False) -> None:
     for name, value in (body.model_extra or {}).items():
-        if value is None or name in ABOUT_THE_CALLER:
+        if value is None or (top_level and name in ABOUT_THE_CALLER):
             continue
         if any(type(value) is type(v) and value == v for v in NEUTRAL_VALUES.get(name, ())):
             continue  # the type too: 0 is not false here

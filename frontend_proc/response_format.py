@@ -6,9 +6,10 @@ import time
 import uuid
 from typing import Any, Optional, Union
 
-# Per token: (its text, its logprob, its top alternatives as (text, logprob), best first); an
-# echoed prompt's first token has None for both (completions only).
-LogprobEntries = list[tuple[str, Optional[float], Optional[list[tuple[str, float]]]]]
+# Per token: (its text, its logprob, its top alternatives as (text, logprob), best first, whether
+# the choice's text shows it); an echoed prompt's first token has None for both (completions only).
+# A special token the text skips (skip_special_tokens) takes no room in text_offset.
+LogprobEntries = list[tuple[str, Optional[float], Optional[list[tuple[str, float]]], bool]]
 # vLLM's stop_reason: the stop string or requested stop token id that ended a choice, else None.
 StopReason = Optional[Union[str, int]]
 
@@ -45,14 +46,14 @@ class CompletionFormat:
             return None
         offset = self._text_offsets.get(index, 0)
         offsets = []
-        for token, _, _ in entries:
+        for token, _, _, shown in entries:
             offsets.append(offset)
-            offset += len(token)
+            offset += len(token) if shown else 0
         self._text_offsets[index] = offset
         # vLLM's shape: the alternatives and the sampled token, keyed by text
-        return {"tokens": [t for t, _, _ in entries],
-                "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [None if lp is None else _by_text([(t, lp), *top]) for t, lp, top in entries],
+        return {"tokens": [t for t, _, _, _ in entries],
+                "token_logprobs": [lp for _, lp, _, _ in entries],
+                "top_logprobs": [None if lp is None else _by_text([(t, lp), *top]) for t, lp, top, _ in entries],
                 "text_offset": offsets}
 
 
@@ -94,7 +95,7 @@ class ChatFormat(CompletionFormat):
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                              "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
                                               for a, alp in top]}
-                            for t, lp, top in entries],
+                            for t, lp, top, _ in entries],
                 "refusal": None}
 
 

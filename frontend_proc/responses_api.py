@@ -241,9 +241,11 @@ def add_responses_routes(app: FastAPI, serving: Serving, authorized: list[Depend
         builder = ResponseBuilder(body, serving.served_model_name)
         try:
             task_refusal(task, "generate", "/v1/responses")
-            generation = serving.start_chat(body.chat(), request, include_usage=True)
+            chat = body.chat()
+            await serving.check_chat_grammars(chat)  # a deep text.format schema converts off the loop
+            generation = serving.start_chat(chat, request, include_usage=True)
         except APIError as exc:
-            raise in_surface_terms(exc, CHAT_FIELDS) from None
+            raise in_surface_terms(body.in_input_terms(exc), CHAT_FIELDS) from None
         if not body.stream:
             return JSONResponse(full_response(builder, await generation.full()))
         await generation.start_stream()

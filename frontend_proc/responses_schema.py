@@ -1,25 +1,29 @@
 """OpenAI's Responses API request (``/v1/responses``), the stateless subset, and its translation
 into the chat request the rest of the frontend serves.
 
-Served: ``input`` as a string or as items (messages of text parts, ``function_call`` and
-``function_call_output``), ``instructions``, ``max_output_tokens``, ``temperature``, ``top_p``,
-function ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``text.format`` (text,
-json_object, json_schema), ``stream``, ``reasoning.effort: "none"`` (Qwen3's ``enable_thinking:
+Served: ``input`` as a string or as items (messages of text parts, ``function_call``,
+``function_call_output``, and ``reasoning``, whose text becomes the ``reasoning_content`` of the
+assistant turn it opens, for a template that shows an earlier turn's thinking),
+``instructions``, ``max_output_tokens``, ``temperature``, ``top_p``, function ``tools``,
+``tool_choice``, ``parallel_tool_calls``, ``text.format`` (text, json_object, json_schema),
+``stream`` (``stream_options`` only with it), ``reasoning.effort: "none"`` (Qwen3's ``enable_thinking:
 false``). Nothing is stored: ``store: true``,
 ``previous_response_id`` and ``conversation`` are 400s that say so (a store would have to live
 across frontend restarts and replicas to be worth having). Every other field of OpenAI's schema
-is refused by name unless it only describes the caller or is at its neutral value.
+is refused by name unless it only describes the caller or is at its neutral value, each judged
+where it belongs (an item's ``id`` is not a request's).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+import re
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, Discriminator, Field, PrivateAttr, Tag, ValidationError
 
 from pagedserve.client.chat_messages import Lenient
-from pagedserve.frontend_proc.errors import InvalidRequest
-from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest, EncodableStrings, StreamOptions
+from pagedserve.frontend_proc.errors import APIError, InvalidRequest
+from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest, EncodableStrings
 
 STATELESS = "this server stores no responses; send the whole conversation as input"
 REASONS = {
@@ -32,6 +36,7 @@ REASONS = {
     "reasoning": "only effort \"none\" (thinking off, where the chat template reads enable_thinking) "
                  "is served; a model served with --reasoning-parser returns its thinking as a reasoning item",
     "top_logprobs": "logprobs are not returned by /v1/responses; use /v1/chat/completions",
+    "logprobs": "logprobs are not returned by /v1/responses; use /v1/chat/completions",
     "max_tool_calls": "the number of tool calls is not limited here; use parallel_tool_calls",
     "prompt": "prompt templates are not supported",
     "moderation": "moderation is not supported",
@@ -41,22 +46,27 @@ REASONS = {
     "prompt_cache_retention": "the prefix cache is configured by the operator (--enable-prefix-caching)",
     "verbosity": "verbosity is not configurable",
     "include_obfuscation": "stream events carry no obfuscation padding",
-}
-NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "store": (False,), "background": (False,), "truncation": ("disabled",), "include": ([],),
-    "service_tier": ("auto", "default"), "include_obfuscation": (False,), "verbosity": ("medium",),
-    # fields of items a client sends back as it got them: they name or describe, change nothing
-    "id": None, "status": None, "annotations": None, "logprobs": None,
+    "include_usage": "a Responses stream always ends with its usage, in response.completed",
+    "encrypted_content": "this server cannot read encrypted reasoning; send the reasoning item's content "
+                         "as this server returned it",
 }
 ABOUT_THE_CALLER = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
+Neutral = dict[str, Optional[tuple[Any, ...]]]  # undeclared field -> its accepted values (None: any)
 
 
-class TextPart(Lenient):
+class Echoed(Lenient):
+    """An input item or content part, which a client sends back as an earlier response gave it."""
+
+    # they name or describe the item there and change nothing here; at the top level they would
+    NEUTRAL: ClassVar[Neutral] = dict.fromkeys(("id", "status", "annotations", "logprobs"))
+
+
+class TextPart(Echoed):
     type: Literal["input_text", "output_text"]
     text: str
 
 
-class MessageItem(Lenient):
+class MessageItem(Echoed):
     type: Optional[Literal["message"]] = None
     role: Literal["user", "assistant", "system", "developer"]
     content: Union[str, list[TextPart]]
@@ -65,20 +75,43 @@ class MessageItem(Lenient):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(Lenient):
+class FunctionCallItem(Echoed):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str
 
 
-class FunctionCallOutputItem(Lenient):
+class FunctionCallOutputItem(Echoed):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: Union[str, list[TextPart]]
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class ReasoningText(Echoed):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryText(Echoed):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningItem(Echoed):
+    type: Literal["reasoning"]
+    summary: list[SummaryText] = Field(default_factory=list)
+    content: Optional[list[ReasoningText]] = None
+
+    def thinking(self) -> str:
+        # the content is the thinking itself and the summary a digest of it: the summary stands
+        # in only where the content is missing (vLLM's rule too)
+        if self.content:
+            return "".join(p.text for p in self.content)
+        return "\n\n".join(p.text for p in self.summary)
 
 
 def _item_type(value: Any) -> str:
@@ -88,7 +121,8 @@ def _item_type(value: Any) -> str:
 
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
                             Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningItem, Tag("reasoning")]],
                       Discriminator(_item_type)]
 
 
@@ -121,10 +155,21 @@ class ReasoningOptions(Lenient):
 
 
 class TextOptions(Lenient):
+    NEUTRAL: ClassVar[Neutral] = {"verbosity": ("medium",)}
     format: Optional[TextFormat] = None
 
 
+class ResponseStreamOptions(Lenient):
+    """Responses' own stream options (OpenAI's ``ResponseStreamOptions``): only
+    ``include_obfuscation``, and chat's ``include_usage`` is no field of it."""
+
+    NEUTRAL: ClassVar[Neutral] = {"include_obfuscation": (False,)}
+
+
 class ResponsesRequest(Lenient, EncodableStrings):
+    NEUTRAL: ClassVar[Neutral] = {
+        "store": (False,), "background": (False,), "truncation": ("disabled",), "include": ([],),
+        "service_tier": ("auto", "default"), **dict.fromkeys(ABOUT_THE_CALLER)}
     model: Optional[str] = None
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None
@@ -136,19 +181,26 @@ class ResponsesRequest(Lenient, EncodableStrings):
     parallel_tool_calls: Optional[bool] = None
     text: Optional[TextOptions] = None
     stream: Optional[bool] = None
-    stream_options: Optional[StreamOptions] = None
+    stream_options: Optional[ResponseStreamOptions] = None
     reasoning: Optional[ReasoningOptions] = None
     metadata: Optional[dict[str, str]] = None  # describes the caller; echoed in the response
+    # chat message index -> the input index of the reasoning item its thinking came from
+    _thinking_from: dict[int, int] = PrivateAttr(default_factory=dict)
 
     def chat(self) -> ChatCompletionRequest:
         """The chat request this asks for (raises InvalidRequest naming a field)."""
         refuse_unknown(self, "")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only for a streamed response (stream: true)",
+                                 param="stream_options")
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
-            for item in self.input:
-                _append_item(messages, item)
+            for i, item in enumerate(self.input):
+                if isinstance(item, ReasoningItem):
+                    self._thinking_from[len(messages)] = i
+                _append_item(messages, item, f"input[{i}]")
         if not messages:
             raise InvalidRequest("input must not be empty", param="input")
         fields: dict[str, Any] = {"model": self.model, "messages": messages, "stream": bool(self.stream)}
@@ -175,6 +227,15 @@ class ResponsesRequest(Lenient, EncodableStrings):
             error = exc.errors()[0]
             raise InvalidRequest(f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from None
 
+    def in_input_terms(self, exc: APIError) -> APIError:
+        """A refusal of a chat message's thinking as one of the reasoning item it came from."""
+        match = re.fullmatch(r"messages\[(\d+)\]\.reasoning_content", exc.param or "")
+        if not isinstance(exc, InvalidRequest) or match is None or int(match[1]) not in self._thinking_from:
+            return exc
+        item = f"input[{self._thinking_from[int(match[1])]}]"
+        return InvalidRequest(f"{exc.message.replace(match[0], item)}; leave the reasoning items out of input",
+                              param=item, code=exc.code)
+
 
 def _reasoning_fields(reasoning: ReasoningOptions) -> dict[str, Any]:
     if reasoning.summary is not None:
@@ -188,11 +249,21 @@ def _reasoning_fields(reasoning: ReasoningOptions) -> dict[str, Any]:
     return {"chat_template_kwargs": {"enable_thinking": False}}
 
 
-def _append_item(messages: list[dict[str, Any]], item: Union[MessageItem, FunctionCallItem,
-                                                             FunctionCallOutputItem]) -> None:
-    if isinstance(item, MessageItem):
+def _append_item(messages: list[dict[str, Any]], item: Union[MessageItem, FunctionCallItem, FunctionCallOutputItem,
+                                                             ReasoningItem], where: str) -> None:
+    if isinstance(item, ReasoningItem):  # it opens the assistant turn whose message and calls follow
+        if not item.content and not item.summary:
+            raise InvalidRequest(f"{where}: a reasoning item without content names one stored by id; "
+                                 f"{STATELESS}", param=where)
+        messages.append({"role": "assistant", "content": None, "reasoning_content": item.thinking()})
+    elif isinstance(item, MessageItem):
         role = "system" if item.role == "developer" else item.role
-        messages.append({"role": role, "content": item.text()})
+        last = messages[-1] if messages else {}
+        if role == "assistant" and "reasoning_content" in last and last["content"] is None \
+                and "tool_calls" not in last:
+            last["content"] = item.text()  # the message of the turn its reasoning item opened
+        else:
+            messages.append({"role": role, "content": item.text()})
     elif isinstance(item, FunctionCallOutputItem):
         messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
     else:  # a call joins the assistant turn it belongs to
@@ -205,10 +276,12 @@ def _append_item(messages: list[dict[str, Any]], item: Union[MessageItem, Functi
 
 
 def refuse_unknown(model: BaseModel, prefix: str) -> None:
-    """A 400 naming the first field this server would have to ignore (nested models too)."""
+    """A 400 naming the first field this server would have to ignore (nested models too, each
+    with only its own class's ``NEUTRAL`` fields exempt)."""
+    exempt: Neutral = getattr(model, "NEUTRAL", {})
     for name, value in (model.model_extra or {}).items():
-        neutral = NEUTRAL.get(name, ())
-        if value is None or name in ABOUT_THE_CALLER or neutral is None:
+        neutral = exempt.get(name, ())
+        if value is None or neutral is None:
             continue
         if any(type(value) is type(v) and value == v for v in neutral):
             continue

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedserve.frontend_proc.cache_index import ReplicaCacheIndex
 from pagedserve.frontend_proc.routing_policy import Decision, ReplicaChooser, RoutingPolicy
@@ -74,6 +74,10 @@ class ReplicaStatus:
 class Router:
     def __init__(self, num_replicas: int, timeout_s: float, policy: Optional[RoutingPolicy] = None):
         self.timeout_s = timeout_s
+        # What "now" is for a replica's freshness: the frontend's receiver sets the last time it
+        # had read every stats frame sent to it, so a stall of this process's own loop (a long
+        # request's preparation) never makes a replica that kept sending look silent.
+        self.clock: Callable[[], float] = time.monotonic
         self.replicas = [ReplicaStatus(r) for r in range(num_replicas)]
         self.chooser = ReplicaChooser(policy or RoutingPolicy(), num_replicas)
         self.processes: Optional[ProcessTable] = None  # the supervisor's latest view
@@ -96,7 +100,7 @@ class Router:
         return True
 
     def _live(self, now: Optional[float]) -> list[ReplicaStatus]:
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         return [r for r in self.replicas if r.is_live(now, self.timeout_s)]
 
     def choose(self, prompt_token_ids=(), now: Optional[float] = None,
@@ -122,7 +126,7 @@ class Router:
     def every_live_full(self, limit: int, now: Optional[float] = None) -> bool:
         """True when some replica is live and every live one has ``limit`` or more waiting: what
         ``with_room`` answers None to, whichever replica a request would be routed to."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         live = False
         for r in self.replicas:
             if r.is_live(now, self.timeout_s):
@@ -145,7 +149,7 @@ class Router:
 
     def failed_replicas(self, now: Optional[float] = None) -> list[ReplicaStatus]:
         """Replicas with requests in flight that can no longer serve them."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         return [r for r in self.replicas
                 if r.request_ids and not r.is_serving(now, self.timeout_s)]
 
@@ -154,7 +158,7 @@ class Router:
 
     def describe(self, now: Optional[float] = None) -> list[dict[str, Any]]:
         """Per-replica health, for /health."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         table = self.processes
         out = []
         for r in self.replicas:

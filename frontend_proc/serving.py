@@ -26,9 +26,9 @@ from pagedserve.frontend_proc.reasoning import ReasoningParser
 from pagedserve.frontend_proc.request_fields import refuse_unsupported_fields
 from pagedserve.frontend_proc.request_stream import RequestStream
 from pagedserve.frontend_proc.response_format import CompletionFormat, ChatFormat
-from pagedserve.frontend_proc.structured_request import structured_outputs_of
+from pagedserve.frontend_proc.structured_request import check_grammars_off_loop, structured_outputs_of
 from pagedserve.frontend_proc.tenant import tenant_of
-from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
+from pagedserve.frontend_proc.tool_choice import ToolCallingConfig, plan_tool_calls
 from pagedserve.client.detokenizer import Decodes, TextDecoder
 from pagedserve.client.generation_defaults import GenerationDefaults
 from pagedserve.client.tokenization import PromptTokenizer
@@ -86,6 +86,7 @@ class Serving:
         self.reasoning_parser = reasoning_parser  # --reasoning-parser: None leaves chat output whole
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
+        await check_grammars_off_loop(body)
         refuse_unsupported_fields(body)
         self._check_model(body)
         prompts = body.prompts()
@@ -97,10 +98,22 @@ class Serving:
         generation = self._start(body, prompt_ids, max_tokens, body.wants_logprobs(),
                                  CompletionFormat(self.served_model_name), request, echo_texts,
                                  include_usage=body.include_usage_in_stream())
+        if not isinstance(prompts[0], str):  # token ids are echoed decoded, as the choices' text (a text as given)
+            generation.echo_hidden = generation.hidden
         return await self._respond(generation, body.stream)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        await self.check_chat_grammars(body)
         return await self._respond(self.start_chat(body, request), body.stream)
+
+    async def check_chat_grammars(self, body: ChatCompletionRequest) -> None:
+        """What start_chat will check of the request's grammars (a forced tool call's too), done
+        in a thread first (structured_request.check_grammars_off_loop)."""
+        try:
+            forced = plan_tool_calls(body, self.tool_calling).structured_outputs
+        except InvalidRequest:
+            forced = None  # start_chat says why
+        await check_grammars_off_loop(body, [forced])
 
     def start_chat(self, body: ChatCompletionRequest, request: Request,
                    include_usage: Optional[bool] = None) -> Generation:
@@ -246,7 +259,8 @@ class Serving:
         stream = CompletionBatch(streams, echo_texts, stop_token_ids=frozenset(body.stop_token_ids or ()),
                                  prompt_ids=prompt_ids, prompt_logprobs=body.prompt_logprobs,
                                  echo_logprobs=body.echo_logprobs())
-        return Generation(stream, fmt, choices or fmt, request, self.tokenizer.token_text, include_usage)
+        return Generation(stream, fmt, choices or fmt, request, self.tokenizer.token_text, include_usage,
+                          hidden=self.tokenizer.special_ids if body.skip_special_tokens else frozenset())
 
     async def _respond(self, generation: Generation, stream: bool) -> Response:
         """The generation as a JSON body or an SSE stream (APIError / ClientDisconnected raised

@@ -13,8 +13,10 @@ mode: no properties beyond those listed), so ``strict: false`` gets the strict b
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections import OrderedDict
-from typing import Optional
+from typing import Iterable, Optional
 
 import msgspec
 
@@ -25,7 +27,9 @@ from pagedserve.protocol.structured_outputs import build_grammar, structured_out
 from pagedserve.protocol.validate import InvalidField
 
 _CHECKED_LIMIT = 1024
-_checked: OrderedDict[bytes, None] = OrderedDict()  # grammars already known to compile
+# grammars checked already: None where they compiled, else why not (checks run in threads too)
+_checked: OrderedDict[bytes, Optional[InvalidField]] = OrderedDict()
+_checked_lock = threading.Lock()
 
 
 def _requested(body: SamplingFields) -> list[tuple[str, dict]]:
@@ -76,6 +80,18 @@ def structured_output_field(body: SamplingFields) -> Optional[str]:
 def structured_outputs_of(body: SamplingFields) -> Optional[StructuredOutputs]:
     """The body's structured output request in wire form, its grammar checked; None if none.
     Raises InvalidRequest naming the field."""
+    asked = _requested_spec(body)
+    if asked is None:
+        return None
+    field, spec = asked
+    try:
+        check_grammar(spec)
+    except InvalidField as exc:
+        raise InvalidRequest(f"{field}: {exc.reason}", param=field) from None
+    return spec
+
+
+def _requested_spec(body: SamplingFields) -> Optional[tuple[str, StructuredOutputs]]:
     asked = _requested(body)
     if not asked:
         return None
@@ -85,20 +101,50 @@ def structured_outputs_of(body: SamplingFields) -> Optional[StructuredOutputs]:
                              param=asked[1][0])
     field, value = asked[0]
     try:
-        spec = structured_outputs_from_dict(value, field)
-        check_grammar(spec)
+        return field, structured_outputs_from_dict(value, field)
     except InvalidField as exc:
         raise InvalidRequest(f"{field}: {exc.reason}", param=field) from None
-    return spec
 
 
 def check_grammar(spec: StructuredOutputs) -> None:
-    """Raise InvalidField unless ``spec``'s grammar parses; remembered once it did."""
+    """Raise InvalidField unless ``spec``'s grammar parses; the answer is remembered."""
     key = msgspec.msgpack.encode(spec)
-    if key in _checked:
-        _checked.move_to_end(key)
-        return
-    build_grammar(spec)
-    _checked[key] = None
-    if len(_checked) > _CHECKED_LIMIT:
-        _checked.popitem(last=False)
+    with _checked_lock:
+        known = key in _checked
+        if known:
+            _checked.move_to_end(key)
+            failure = _checked[key]
+    if not known:
+        try:
+            build_grammar(spec)
+            failure = None
+        except InvalidField as exc:
+            failure = exc
+        with _checked_lock:
+            _checked[key] = failure
+            if len(_checked) > _CHECKED_LIMIT:
+                _checked.popitem(last=False)
+    if failure is not None:
+        raise failure
+
+
+async def check_grammars_off_loop(body: SamplingFields, more: Iterable[Optional[StructuredOutputs]] = ()) -> None:
+    """Check the body's grammars (and ``more``) in a thread, ahead of the request's synchronous
+    path, which then finds the answers remembered. Converting a deep schema takes seconds
+    (400 nested arrays: ~10 s); xgrammar releases the GIL meanwhile, so the loop goes on serving
+    every other request and reading the replicas' heartbeats. Errors are left to that path."""
+    try:
+        asked = _requested_spec(body)
+    except InvalidRequest:
+        asked = None
+    specs = [spec for spec in ([asked[1]] if asked else []) + list(more) if spec is not None]
+    if specs:
+        await asyncio.to_thread(_check_quietly, specs)
+
+
+def _check_quietly(specs: list[StructuredOutputs]) -> None:
+    for spec in specs:
+        try:
+            check_grammar(spec)
+        except InvalidField:
+            pass

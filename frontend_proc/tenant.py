@@ -5,7 +5,8 @@ The first that is present wins:
 1. the header the operator names with ``--tenant-header`` (a gateway that authenticated the
    caller sets it, so it is the most trustworthy source);
 2. the request's ``user`` field (OpenAI's end-user id: the users of one application that
-   share one API key are told apart);
+   share one API key are told apart); on ``/v1/messages``, Anthropic's ``metadata.user_id``
+   (its translation carries it as ``user``; early_shed.py reads it from the body);
 3. the API key the request bears (``Authorization: Bearer``), as ``key-`` and a hash of it, so
    a key never reaches stats, metrics or traces;
 4. otherwise "" (one anonymous tenant).

@@ -26,7 +26,9 @@ class TokenizeRequest(_Strict, EncodableStrings):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
+    # prompt: the tokenizer's BOS/EOS (vLLM's default True); messages: the template places them,
+    # so only false (vLLM's default there) is taken
+    add_special_tokens: Optional[bool] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -38,8 +40,18 @@ class TokenizeRequest(_Strict, EncodableStrings):
                                                 self.chat_template_kwargs, tools)
 
     def check_one_input(self) -> None:
+        """One input, and no field the other form would read: each would be accepted and ignored."""
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
+        if self.prompt is not None:
+            for name in sorted(self.model_fields_set & _CHAT_ONLY):
+                raise InvalidRequest(f"{name} is read only with messages, not with prompt", param=name)
+        elif self.add_special_tokens:
+            raise InvalidRequest("add_special_tokens: with messages the chat template places the special tokens; "
+                                 "leave it out or set it false", param="add_special_tokens")
+
+
+_CHAT_ONLY = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"})
 
 
 class DetokenizeRequest(_Strict):
@@ -79,7 +91,7 @@ def add_utility_routes(app: FastAPI, serving: Serving, authorized: list, created
         if body.messages is not None:
             tokens = tokenizer.encode_chat(body.messages, body.template_options())
         else:
-            tokens = tokenizer.encode_text(body.prompt or "", add_special_tokens=body.add_special_tokens)
+            tokens = tokenizer.encode_text(body.prompt or "", add_special_tokens=body.add_special_tokens is not False)
         return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize", dependencies=authorized)

@@ -63,8 +63,16 @@ THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
-assert THINKING_CHAT_TEMPLATE != CHAT_TEMPLATE
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+).replace(  # an assistant turn's earlier thinking (reasoning_content), shown as Qwen3's template shows it
+    "'<|im_start|>' + message['role'] + '\\n' + message['content']",
+    "'<|im_start|>' + message['role'] + '\\n' + _THINKING + message['content']"
+).replace("{{- '<|im_start|>assistant' }}", "{{- '<|im_start|>assistant' }}{{- '\\n' + _THINKING if _THINKING }}"
+).replace("{%- for message in messages %}",
+          "{%- for message in messages %}{%- set _THINKING = ('<think>\\n' + message['reasoning_content'] + "
+          "'\\n</think>\\n\\n') if message['reasoning_content'] is defined and message['reasoning_content'] "
+          "else '' %}")
+assert THINKING_CHAT_TEMPLATE != CHAT_TEMPLATE and "_THINKING +" in THINKING_CHAT_TEMPLATE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # A thinking model's tags, one token each and not special (decoded into the text), as in Qwen3's

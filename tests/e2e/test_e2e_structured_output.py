@@ -11,6 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+import psutil
+
+from support.fault_helpers import pid_of
 from support.server import Server, wait_until
 from support.structured_schemas import CHOICES, REGEX, SCHEMAS, check_choice, check_json, check_regex
 
@@ -215,3 +218,31 @@ def test_offline_constrained_generation_under_recompute_preemption(model_factory
             SamplingParams(structured_outputs={"regex": "([a-z"})
     finally:
         llm.close()
+
+
+def test_a_schema_that_takes_seconds_to_check_holds_up_no_other_request(server):
+    """Converting 300 nested arrays takes xgrammar seconds; the frontend does it in a thread, so a
+    plain request sent after it is answered first, and nobody gets a 503 (the replicas' heartbeats
+    are still read)."""
+    deep: dict = {"type": "integer"}
+    for _ in range(300):
+        deep = {"type": "array", "items": deep}
+    done: list[str] = []
+    frontend = psutil.Process(pid_of(server, "frontend"))
+    cpu_before = sum(frontend.cpu_times()[:2])
+
+    def send(name: str, path: str, body: dict) -> httpx.Response:
+        response = post(server, path, body)
+        done.append(name)
+        return response
+
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(send, "deep", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}})
+        # the frontend is converting it once its CPU time has grown by a second
+        assert wait_until(lambda: sum(frontend.cpu_times()[:2]) > cpu_before + 1.0, timeout_s=60)
+        plain = pool.submit(send, "plain", "/v1/completions", {"prompt": "hello", "max_tokens": 2})
+        assert plain.result().status_code == 200
+        assert slow.result().status_code == 200, slow.result().text
+    assert done == ["plain", "deep"]

@@ -80,6 +80,10 @@ def test_token_ids_and_lists_of_them_embed_like_the_text_they_spell(server, mode
     many = client.embeddings.create(model=served_model(server), input=ids, encoding_format="float")
     single = client.embeddings.create(model=served_model(server), input=TEXTS[0], encoding_format="float")
     np.testing.assert_allclose(one.data[0].embedding, single.data[0].embedding, atol=1e-6)
+    # null is omitted, as in every other request: floats
+    unset = httpx.post(server.url + "/v1/embeddings", timeout=60, json={"input": ids[0], "encoding_format": None})
+    assert unset.status_code == 200, unset.text
+    np.testing.assert_allclose(unset.json()["data"][0]["embedding"], single.data[0].embedding, atol=1e-6)
     for item, prompt in zip(many.data, ids):
         np.testing.assert_allclose(item.embedding, hf_embedding(model_dir, prompt, "mean"), atol=1e-4)
 

@@ -76,6 +76,36 @@ def test_tool_results_and_earlier_tool_uses_reach_the_prompt(thinking_env):
     assert counted.input_tokens == len(fake.added[-1].prompt_token_ids)
 
 
+def test_a_prefill_is_continued_and_the_reply_holds_only_the_continuation(thinking_env):
+    frontend, fake, tokenizer = thinking_env
+    fake.reply_text = " sunny and 18 C."
+    client = _client(frontend)
+    prefill = [*USER, {"role": "assistant", "content": "In Oslo it is"}]
+    message = client.messages.create(model="tiny", max_tokens=64, messages=prefill, thinking=NO_THINKING,
+                                     metadata={"user_id": "team-a"})
+    assert _blocks(message) == [("text", " sunny and 18 C.")]
+    added = fake.added[-1]
+    assert tokenizer.decode(added.prompt_token_ids).endswith("assistant\nIn Oslo it is")
+    assert added.tenant == "team-a"  # metadata.user_id, as chat's user
+    with client.messages.stream(model="tiny", max_tokens=64, messages=prefill, thinking=NO_THINKING) as stream:
+        assert _blocks(stream.get_final_message()) == _blocks(message)
+    counted = client.messages.count_tokens(model="tiny", messages=prefill, thinking=NO_THINKING)
+    assert counted.input_tokens == len(added.prompt_token_ids)
+
+
+def test_a_reply_with_thinking_and_a_tool_use_can_be_sent_back_as_it_came(thinking_env):
+    frontend, fake, tokenizer = thinking_env
+    fake.reply_text = CALL
+    client = _client(frontend)
+    first = client.messages.create(model="tiny", max_tokens=64, messages=USER, tools=[WEATHER])
+    fake.reply_text = "<think>Sunny.</think>It is sunny."
+    messages = [*USER, {"role": "assistant", "content": first.content}, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": first.content[2].id, "content": "18 C, sun"}]}]
+    message = client.messages.create(model="tiny", max_tokens=64, messages=messages, tools=[WEATHER])
+    assert _blocks(message) == [("thinking", "Sunny."), ("text", "It is sunny.")]
+    assert "<think>\nThe tool knows.\n</think>" in tokenizer.decode(fake.added[-1].prompt_token_ids)
+
+
 def test_stop_sequences_end_the_text_and_are_named(thinking_env):
     frontend, fake, _ = thinking_env
     client = _client(frontend)

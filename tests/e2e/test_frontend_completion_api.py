@@ -179,3 +179,61 @@ def test_stream_options_beyond_include_usage_are_refused_unless_neutral(env):
     neutral = httpx.post(url, headers=headers, timeout=20,
                          json={**body, "stream_options": {"include_usage": True, "include_obfuscation": False}})
     assert neutral.status_code == 200 and '"usage"' in neutral.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_without_stream_are_a_400(env, path):
+    """OpenAI: "only set this when you set stream: true" (vLLM answers 400 too): usage asked for
+    there would otherwise be silently absent from a body that always carries it anyway."""
+    frontend, _, _ = env
+    base = {"prompt": "Hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "Hi"}]}
+    r = httpx.post(f"{frontend.base_url}{path}", headers=frontend.headers(), timeout=20,
+                   json={"model": "tiny", "max_tokens": 3, **base, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "user", "content": "Hi", "foo": 1}]}, "messages[0].foo"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "foo": 1}]}]},
+     "messages[0].content[0].foo"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [{**CALL, "x": 1}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}, "messages[1].tool_calls[0].x"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [
+        {**CALL, "function": {**CALL["function"], "x": 1}}]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]},
+     "messages[1].tool_calls[0].function.x"),
+    ({"tools": [{**TOOL, "function": {**TOOL["function"], "x": 1}}], "tool_choice": "none"}, "tools[0].function.x"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f", "x": 1}}},
+     "tool_choice.function.x"),
+    ({"metadata": "not an object"}, "metadata"),
+    ({"messages": [{"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": "Yes.", "reasoning_content": "think"},
+                   {"role": "user", "content": "Go on"}]}, "messages[1].reasoning_content"),
+])
+def test_a_field_inside_a_message_tool_or_tool_choice_is_read_or_refused_by_name(env, body, param):
+    """Nested fields the server would drop on the way to the template: each a 400 naming it (the
+    test model's template never shows an earlier turn's thinking)."""
+    frontend, _, _ = env
+    r = httpx.post(f"{frontend.base_url}/v1/chat/completions", headers=frontend.headers(), timeout=20,
+                   json={"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}], **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    echoed = {"role": "assistant", "content": "Yes.", "refusal": None, "annotations": []}  # as the client returns it
+    r = httpx.post(f"{frontend.base_url}/v1/chat/completions", headers=frontend.headers(), timeout=20,
+                   json={"model": "tiny", "max_tokens": 3, "messages": [
+                       {"role": "user", "content": "Hi"}, echoed, {"role": "user", "content": "More"}]})
+    assert r.status_code == 200, r.text
+
+
+def test_text_offsets_stay_inside_the_text_when_it_skips_special_tokens(env):
+    frontend, fakes, tokenizer = env
+    special = next(t for t in tokenizer.all_special_tokens if t != "<|im_end|>")
+    for fake in fakes:
+        fake.reply_text = f"Hi{special} there"
+    choice = _client(frontend).completions.create(model="tiny", prompt="Hi", max_tokens=20, logprobs=0).choices[0]
+    tokens, offsets = choice.logprobs.tokens, choice.logprobs.text_offset
+    assert special in tokens and special not in choice.text
+    for token, offset in zip(tokens, offsets):
+        assert token == special or choice.text[offset:offset + len(token)] == token, (tokens, offsets, choice.text)

@@ -112,3 +112,19 @@ def test_reasoning_tokens_are_the_tokens_through_the_end_tag_streamed_or_not(thi
     usage = client.chat.completions.create(model="tiny", messages=USER, extra_body={
         "chat_template_kwargs": {"enable_thinking": False}}).usage
     assert usage.completion_tokens_details is None
+
+
+def test_a_continued_final_message_is_content_unless_it_left_a_thinking_open(thinking_env):
+    """A prefill ends the prompt with its own text: what follows "The answer is" is the answer,
+    and only a prefill that opened a <think> and did not close it continues the thinking."""
+    frontend, fake, _ = thinking_env
+    fake.reply_text = " 4, plainly."
+    client = _client(frontend)
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    answer = client.chat.completions.create(model="tiny", extra_body=continued, messages=[
+        *USER, {"role": "assistant", "content": "The answer is"}]).choices[0].message
+    assert (answer.content, getattr(answer, "reasoning_content", None)) == (" 4, plainly.", None)
+    fake.reply_text = " sums.</think>\n\nIt is 4."
+    thought = client.chat.completions.create(model="tiny", extra_body=continued, messages=[
+        *USER, {"role": "assistant", "content": "<think>\nSmall"}]).choices[0].message
+    assert (thought.reasoning_content, thought.content) == (" sums.", "\n\nIt is 4.")

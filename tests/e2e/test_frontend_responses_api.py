@@ -86,11 +86,12 @@ def test_a_function_call_streamed_or_not_and_its_output_sent_back(thinking_env):
     assert [i[:3] for i in _items(final)] == [i[:3] for i in _items(response)]
     fake.reply_text = "Sunny."
     follow_up = client.responses.create(model="tiny", tools=[WEATHER], reasoning=NO_THINKING, input=[
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"type": "function_call", "call_id": call[3], "name": "get_weather", "arguments": call[2]},
+        {"role": "user", "content": "Weather in Oslo?"}, *response.output,  # the items as they came
         {"type": "function_call_output", "call_id": call[3], "output": "18 C"}])
     assert follow_up.output_text == "Sunny."
-    assert "<tool_response>\n18 C\n</tool_response>" in tokenizer.decode(fake.added[-1].prompt_token_ids)
+    prompt = tokenizer.decode(fake.added[-1].prompt_token_ids)
+    assert "<tool_response>\n18 C\n</tool_response>" in prompt
+    assert prompt.index("<think>\nUse the tool.\n</think>") < prompt.index('"arguments": {"city": "Oslo"}')
 
 
 def test_a_json_schema_format_is_sent_to_the_engine_as_its_grammar_after_any_thinking(thinking_env):
@@ -118,7 +119,11 @@ def test_a_json_schema_format_is_sent_to_the_engine_as_its_grammar_after_any_thi
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"), ({"truncation": "auto"}, "truncation"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-    ({"max_output_tokens": 10**6}, "max_output_tokens")])
+    ({"max_output_tokens": 10**6}, "max_output_tokens"), ({"logprobs": 5}, "logprobs"),
+    ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA"}]},
+     "input[0].encrypted_content")])
 def test_unserved_fields_are_a_400_naming_them(thinking_env, body, param):
     frontend, _, _ = thinking_env
     r = httpx.post(f"{frontend.base_url}/v1/responses", headers=frontend.headers(), timeout=20,

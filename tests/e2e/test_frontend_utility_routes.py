@@ -41,6 +41,13 @@ def test_tokenize_messages_applies_the_chat_template_with_or_without_the_generat
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
     ("/tokenize", {"prompt": "hi", "model": "other"}, "model"),
     ("/tokenize", {"prompt": "hi", "unknown_field": 1}, "unknown_field"),
+    # read only with messages: with a prompt each would be accepted and ignored
+    ("/tokenize", {"prompt": "hi", "add_generation_prompt": False}, "add_generation_prompt"),
+    ("/tokenize", {"prompt": "hi", "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"prompt": "hi", "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+    ("/tokenize", {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # the template places the special tokens; vLLM's default with messages is false
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, "add_special_tokens"),
     ("/detokenize", {"tokens": [10 ** 12]}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
 ])

@@ -148,3 +148,18 @@ def test_a_forced_tool_choice_is_the_one_grammar_of_the_request(tokenizer):
 def test_the_deprecated_functions_fields_are_refused_pointing_at_tools(field, value):
     with pytest.raises(ValueError, match=f"{field} is the deprecated form; use tool"):
         ChatCompletionRequest(messages=USER, **{field: value})
+
+
+def test_an_earlier_turns_thinking_reaches_a_template_that_shows_it_and_is_refused_by_one_that_does_not(
+        tokenizer, tmp_path):
+    from pagedserve.tools.demo_model import THINKING_CHAT_TEMPLATE
+
+    path = tmp_path / "thinking"
+    build_tokenizer(512, chat_template=THINKING_CHAT_TEMPLATE, think_tokens=True).save_pretrained(path)
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "Sunny.", "reasoning_content": "Recall the forecast."},
+                {"role": "user", "content": "Tomorrow?"}]
+    assert "<think>\nRecall the forecast.\n</think>\n\nSunny." in _prompt(PromptTokenizer(path), messages)
+    with pytest.raises(InvalidRequest) as refused:
+        _prompt(tokenizer, messages)
+    assert refused.value.param == "messages[1].reasoning_content"
