@@ -1,5 +1,6 @@
-"""What ``LLM.embed`` takes and returns, in vLLM's shapes: ``PoolingParams`` and
-``EmbeddingRequestOutput`` (``.outputs.embedding``, a list of floats).
+"""What ``LLM.embed`` and ``LLM.encode`` take and return, in vLLM's shapes: ``PoolingParams``,
+``EmbeddingRequestOutput`` (``.outputs.embedding``, a list of floats) and ``PoolingRequestOutput``
+(``.outputs.data``, a tensor).
 
 The pooled vector comes from the scheduler as it is; truncation (``dimensions``, Matryoshka
 models only) and L2 normalisation follow the HTTP frontend's rules (client/pooling.py).
@@ -8,7 +9,7 @@ models only) and L2 normalisation follow the HTTP frontend's rules (client/pooli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from pagedserve.client.pooling import Matryoshka, finish_embedding
 from pagedserve.protocol import messages as m
@@ -34,11 +35,32 @@ class EmbeddingOutput:
 
 
 @dataclass(slots=True)
-class EmbeddingRequestOutput:
+class PoolingOutput:
+    data: Any  # torch.Tensor, as vLLM's
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """vLLM's: one prompt's pooling result. ``LLM.encode``'s ``outputs`` is a PoolingOutput, the
+    pooled vector as a float32 tensor; ``LLM.embed`` returns the subclass below, as vLLM's."""
+
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: Any
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """``outputs`` is an EmbeddingOutput: ``outputs.embedding``, a list of floats."""
+
+    def as_pooling_output(self) -> PoolingRequestOutput:
+        """What ``LLM.encode`` returns for the same vector."""
+        import torch  # only encode()'s callers pay for it
+
+        return PoolingRequestOutput(self.request_id, PoolingOutput(torch.tensor(self.outputs.embedding,
+                                                                                dtype=torch.float32)),
+                                    self.prompt_token_ids, self.finished)
 
 
 class EmbeddingFailed(RuntimeError):

@@ -34,8 +34,8 @@ class SamplingParams:
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    # True: each sampled token's logprob (a float per token). An int k >= 0 (vLLM's form): per
-    # token a dict token id -> logprob holding the sampled token and the k most likely ones.
+    # vLLM's: per sampled token a dict token id -> Logprob holding it and the k most likely
+    # tokens; a bool counts as the int it is (True: 1), as in vLLM.
     logprobs: Union[bool, int, None] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -51,6 +51,12 @@ class SamplingParams:
     structured_outputs: Any = None
 
     def __post_init__(self) -> None:
+        self._normalise()
+
+    def _normalise(self) -> None:
+        """The checks and canonical forms, run again by to_protocol(): vLLM's idiom sets fields
+        after construction (``sp = llm.get_default_sampling_params(); sp.best_of = 4``), and a
+        value set so must behave as if it had been passed to the constructor."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [] if self.stop is None else self.stop
@@ -65,6 +71,8 @@ class SamplingParams:
         if self.logprobs is not None and not isinstance(self.logprobs, (bool, int)):
             raise InvalidField("logprobs", f"logprobs must be None, True or a number of alternatives, "
                                            f"got {self.logprobs!r}")
+        if isinstance(self.logprobs, bool):
+            self.logprobs = int(self.logprobs)
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise InvalidField("logit_bias", f"logit_bias must be a dict token id -> bias, got {self.logit_bias!r}")
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
@@ -76,7 +84,7 @@ class SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidField("best_of", f"only best_of equal to n ({self.n}) is supported, got {self.best_of}")
         try:
-            check_message(self.to_protocol())
+            check_message(self._wire())
         except InvalidField as exc:
             if exc.field != "top_logprobs":
                 raise
@@ -85,20 +93,33 @@ class SamplingParams:
             raise InvalidField("min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens "
                                              f"({self.max_tokens})")
 
-    @property
-    def logprobs_as_dicts(self) -> bool:
-        """vLLM's form (logprobs=k): per token a dict token id -> logprob."""
-        return self.logprobs is not None and not isinstance(self.logprobs, bool)
-
     def to_protocol(self) -> m.SamplingParams:
+        """The wire form, after the constructor's checks on the fields as they are now."""
+        self._normalise()
+        return self._wire()
+
+    def _wire(self) -> m.SamplingParams:
         wire = set(m.SamplingParams.__struct_fields__)
         values: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name in wire}
         if isinstance(values["stop_token_ids"], (list, tuple)):
             values["stop_token_ids"] = list(values["stop_token_ids"])
-        values["logprobs"] = self.logprobs is not None and self.logprobs is not False
-        values["top_logprobs"] = self.logprobs if self.logprobs_as_dicts else 0
+        values["logprobs"] = self.logprobs is not None
+        values["top_logprobs"] = self.logprobs or 0
         values["logit_bias"] = dict(self.logit_bias or {})
         return m.SamplingParams(**values)
+
+
+def check_engine_limits(sp: SamplingParams, max_logprobs: int, max_num_seqs: int) -> None:
+    """What the engine's settings allow a request (``LLM(max_logprobs=..., max_num_seqs=...)``),
+    refused before sending: the scheduler would end the request with an error output instead,
+    and vLLM raises here too (its messages)."""
+    for field, kind, asked in (("logprobs", "sample", sp.logprobs), ("prompt_logprobs", "prompt", sp.prompt_logprobs)):
+        if asked is not None and asked > max_logprobs:
+            raise InvalidField(field, f"Requested {kind} logprobs of {asked}, which is greater than max of "
+                                      f"{max_logprobs} (LLM(max_logprobs=...))")
+    if sp.n > max_num_seqs:
+        raise InvalidField("n", f"n={sp.n} parallel samples exceed max_num_seqs={max_num_seqs}, the most "
+                                f"sequences one step can run")
 
 
 def _fields_of(value: Any) -> Any:
@@ -165,11 +186,12 @@ def as_prompt_list(prompts: Any) -> list:
 
 
 def as_params_list(sampling: Any, num_prompts: int) -> list[SamplingParams]:
-    if sampling is None:
-        return [SamplingParams()] * num_prompts
+    """One SamplingParams for every prompt, or a list of one per prompt (an empty list is a
+    length mismatch, as in vLLM, not the defaults)."""
     params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * num_prompts
     if len(params) != num_prompts:
-        raise ValueError(f"{len(params)} SamplingParams for {num_prompts} prompts")
+        raise InvalidField("sampling_params", f"{len(params)} SamplingParams for {num_prompts} prompts: the "
+                                              f"lengths of prompts and sampling_params must be the same")
     for p in params:
         if not isinstance(p, SamplingParams):
             raise TypeError(f"expected pagedserve.SamplingParams, got {type(p).__name__}")

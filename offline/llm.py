@@ -7,9 +7,10 @@ output socket, pushes AddRequests to the schedulers and collects RequestDeltas u
 request finished; text follows the HTTP frontend's rules (offline/outputs.py).
 
 It never waits without end: every input is checked before anything is sent
-(offline/inputs.py), a dead scheduler raises EngineDiedError, dead workers are
-replaced as ``serve`` replaces them (the requests they held end with finish_reason
-"error"), and ``generate`` takes a timeout.
+(offline/inputs.py), a dead or hung scheduler raises EngineDiedError, the requests of a
+replica that falls silent end with finish_reason "error", dead workers are replaced as
+``serve`` replaces them (offline/replicas.py), and ``generate`` takes a timeout. Calls from
+several threads take turns.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import threading
 import time
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import zmq
 
@@ -28,13 +31,15 @@ from pagedserve.deploy.children import Child
 from pagedserve.deploy.launcher import Launcher, StartupError
 from pagedserve.offline.chat import Conversation, chat_prompt_tokenizer, render_conversations
 from pagedserve.offline.embed import (
-    EmbeddingFailed, EmbeddingRequestOutput, PendingEmbedding, PoolingParams, as_pooling_params_list)
+    EmbeddingFailed, EmbeddingRequestOutput, PendingEmbedding, PoolingParams, PoolingRequestOutput,
+    as_pooling_params_list)
+from pagedserve.offline.engine_options import offline_config
 from pagedserve.offline.inputs import (
-    Prompt, SamplingParams, as_params_list, as_per_prompt, as_priority_list, as_prompt_list, prompt_text,
-    prompt_token_ids)
-from pagedserve.offline.outputs import CompletionOutput, PendingRequest, RequestOutput
+    Prompt, SamplingParams, as_params_list, as_per_prompt, as_priority_list, as_prompt_list, check_engine_limits,
+    prompt_text, prompt_token_ids)
+from pagedserve.offline.outputs import CompletionOutput, PendingRequest, RequestOutput, progress_bar
+from pagedserve.offline.replicas import EngineDiedError, Replicas
 from pagedserve.offline.structured import StructuredOutputsParams
-from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
 from pagedserve.client.detokenizer import TextDecoder
 from pagedserve.client.generation_defaults import load_generation_defaults
@@ -45,13 +50,9 @@ from pagedserve.protocol.validate import InvalidField, check_request
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineDiedError",
-           "PoolingParams", "EmbeddingRequestOutput"]
+           "PoolingParams", "EmbeddingRequestOutput", "PoolingRequestOutput"]
 
 WATCH_INTERVAL_S = 0.5  # how often generate looks at the processes, whatever arrives meanwhile
-
-
-class EngineDiedError(RuntimeError):
-    """A scheduler exited, or workers kept dying, while the LLM was using them."""
 
 
 def _stop_processes(launcher: Launcher, ctx: zmq.Context, run_dir: str) -> None:
@@ -65,15 +66,18 @@ class LLM:
     """Start one engine (schedulers + workers, no frontend) for ``model``; close() stops it.
 
     Keyword options are ``pagedserve serve``'s (ServeConfig fields): num_gpu_blocks,
-    max_num_seqs, max_num_batched_tokens, block_size, preemption_mode, data_parallel_size, ...
-    ``task="embed"`` (or vLLM's ``runner="pooling"``) makes an embedding engine for ``embed()``.
+    max_num_seqs, max_num_batched_tokens, block_size, preemption_mode, data_parallel_size, ...;
+    those only ``serve`` uses are refused (offline/engine_options.py). ``task="embed"`` (or vLLM's
+    ``runner="pooling"``) makes an embedding engine for ``embed()`` and ``encode()``.
+    ``router``: least-loaded (default) or round-robin over the replicas; ``replica_timeout_s``,
+    ``scheduler_timeout_s``, ``max_restarts`` and ``restart_window_s`` as replicas.py applies them.
     """
 
     def __init__(self, model: str, *, log_level: str = "WARNING", startup_timeout_s: float = 600.0,
                  **engine_options):
-        if "runner" in engine_options:  # vLLM's spelling of the task
-            engine_options["task"] = engine_options.pop("runner")
-        self.config = ServeConfig(model=str(model), log_level=log_level, **engine_options)
+        self.config = offline_config(model, log_level, engine_options)
+        # Two threads' calls would read each other's outputs off the one socket: calls take turns
+        self._lock = threading.Lock()
         self.pooler = pooler_settings(self.config.pooling_type, self.config.pooler_config)
         # First: on CPU the launcher's fork server loads torch meanwhile (deploy/fork_client.py)
         self._ctx = zmq.Context()
@@ -98,15 +102,13 @@ class LLM:
         self._decoders = {skip: TextDecoder(self.tokenizer, skip) for skip in (True, False)}
         self.generation_defaults = load_generation_defaults(self.config.generation_config, self.config.model)
         self._chat_tokenizers: dict[Optional[str], object] = {}  # per chat_template, made on first chat()
-        self.worker_restarts = 0
         self._ids = itertools.count()
         ep = Endpoints(self.run_dir)
         self._outputs = Receiver(self._ctx, ep.frontend_outputs(), m.SchedulerToFrontend)
-        replicas = range(self.config.data_parallel_size)
-        self._inputs = [Sender(self._ctx, ep.scheduler_inputs(r)) for r in replicas]
+        self._inputs = [Sender(self._ctx, ep.scheduler_inputs(r)) for r in range(self.config.data_parallel_size)]
         self.stats: dict[int, m.SchedulerStats] = {}  # latest per replica
-        self._in_flight = [0 for _ in replicas]
         self._start(startup_timeout_s)
+        self._replicas = Replicas(self.config, self._launcher)  # after startup: silence counts from ready
 
     # ------------------------------------------------------------------ processes
 
@@ -123,28 +125,13 @@ class LLM:
         except StartupError as exc:
             raise EngineDiedError(str(exc)) from None
 
-    def _restart_workers(self, replica: int, reason: str) -> None:
-        """What the supervisor does for ``serve``: the replica's workers are replaced; its
-        scheduler already ended their requests with an error and waits for the new ones."""
-        self.worker_restarts += 1
-        if self.worker_restarts > self.config.max_restarts:
-            raise EngineDiedError(f"workers of replica {replica} died {self.worker_restarts} times "
-                                  f"(last: {reason}); giving up")
-        self._launcher.replace_workers(replica)
+    @property
+    def worker_restarts(self) -> int:
+        return self._replicas.worker_restarts
 
     def _watch(self) -> None:
-        """A dead scheduler ends the LLM; dead workers are replaced (asked or not)."""
-        for child in self._launcher.schedulers.values():
-            if child.popen.poll() is not None:
-                raise EngineDiedError(f"{child.name} exited with code {child.popen.returncode}")
-        for msg in self._ready.recv_nowait():
-            if isinstance(msg, m.RestartWorkers) and 0 <= msg.replica < len(self._inputs):
-                self._restart_workers(msg.replica, msg.reason)
-        now = time.monotonic()
-        for replica in list(self._launcher.workers):
-            dead = self._launcher.unreported_dead_worker(replica, now)
-            if dead is not None:
-                self._restart_workers(replica, f"{dead.name} exited")
+        """A dead or hung scheduler ends the LLM; dead workers are replaced (asked or not)."""
+        self._replicas.watch(self._ready.recv_nowait(), time.monotonic())
 
     def pids(self) -> list[int]:
         return [c.popen.pid for c in self._children]
@@ -159,9 +146,22 @@ class LLM:
     def __exit__(self, *_exc) -> None:
         self.close()
 
+    @contextmanager
+    def _turn(self, timeout: Optional[float]) -> Iterator[Optional[float]]:
+        """Holds the LLM for one public call; yields its deadline (the wait for the turn counts)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            raise TimeoutError(f"another call held this LLM for the whole timeout ({timeout:g}s)")
+        try:
+            if not self._finalizer.alive:
+                raise RuntimeError("this LLM is closed")
+            yield deadline
+        finally:
+            self._lock.release()
+
     # ------------------------------------------------------------------ generate
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def _token_ids(self, prompt: Prompt) -> list[int]:
         return prompt_token_ids(prompt, self.tokenizer.encode)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -175,7 +175,7 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 *, use_tqdm: bool = True, timeout: Optional[float] = None,
+                 *, use_tqdm: Union[bool, Callable[..., Any]] = True, timeout: Optional[float] = None,
                  priority: Optional[Sequence[int]] = None, max_queue_time_s=None, deadline_s=None,
                  tenant=None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order; returns when all have finished.
@@ -187,30 +187,36 @@ class LLM:
         value for every prompt or a list of one per prompt, as the HTTP fields. A request past its
         first-token limit ends with ``finish_reason="error"`` and its ``error``; one past its
         deadline with ``finish_reason="length"`` and the tokens so far.
+        ``use_tqdm``: a progress bar, or a callable that builds one from tqdm's keywords (vLLM's).
         Raises ValueError (naming the field) before sending anything if any input is out of
-        range, TimeoutError after ``timeout`` seconds (what was in flight is aborted), and
-        EngineDiedError if a scheduler dies.
+        range or past the engine's limits (``max_logprobs``, ``max_num_seqs``), TimeoutError after
+        ``timeout`` seconds (what was in flight is aborted; waiting for another thread's call
+        counts), and EngineDiedError if a scheduler dies or hangs.
         """
         prompts = as_prompt_list(prompts)
         per_prompt = {"priority": as_priority_list(priority, len(prompts)),
                       "max_queue_time_s": as_per_prompt("max_queue_time_s", max_queue_time_s, len(prompts), float),
                       "deadline_s": as_per_prompt("deadline_s", deadline_s, len(prompts), float),
                       "tenant": as_per_prompt("tenant", tenant, len(prompts), str)}
-        return self._generate(prompts, [prompt_text(p) for p in prompts], sampling_params,
-                              use_tqdm, timeout, per_prompt)
+        with self._turn(timeout) as deadline:
+            return self._generate(prompts, [prompt_text(p) for p in prompts], sampling_params,
+                                  use_tqdm, deadline, per_prompt)
 
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             *, use_tqdm: bool = True, chat_template: Optional[str] = None,
+             *, use_tqdm: Union[bool, Callable[..., Any]] = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: Optional[dict] = None, timeout: Optional[float] = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a
         list of them, rendered by the model's chat template exactly as ``/v1/chat/completions``
-        renders it; one RequestOutput per conversation, its ``prompt`` the rendered text."""
-        prompt_ids = render_conversations(self._chat_tokenizer(chat_template), messages,
+        renders it; one RequestOutput per conversation, its ``prompt`` the rendered text.
+        ``chat_template``: this call's; None takes the LLM's (``LLM(chat_template=...)``, else the model's)."""
+        template = self.config.chat_template if chat_template is None else chat_template
+        prompt_ids = render_conversations(self._chat_tokenizer(template), messages,
                                           add_generation_prompt, continue_final_message, chat_template_kwargs)
         texts = [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
-        return self._generate(prompt_ids, texts, sampling_params, use_tqdm, timeout)
+        with self._turn(timeout) as deadline:
+            return self._generate(prompt_ids, texts, sampling_params, use_tqdm, deadline)
 
     def _chat_tokenizer(self, chat_template: Optional[str]):
         if chat_template not in self._chat_tokenizers:
@@ -219,36 +225,47 @@ class LLM:
 
     def embed(self, prompts: Union[Prompt, Sequence[Prompt]],
               pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
-              *, use_tqdm: bool = True, timeout: Optional[float] = None) -> list[EmbeddingRequestOutput]:
+              *, use_tqdm: Union[bool, Callable[..., Any]] = True,
+              timeout: Optional[float] = None) -> list[EmbeddingRequestOutput]:
         """vLLM's ``LLM.embed``: one EmbeddingRequestOutput per prompt, in input order, each
         ``.outputs.embedding`` the pooled, L2-normalised final hidden state (``task="embed"``)."""
-        if not self._finalizer.alive:
-            raise RuntimeError("this LLM is closed")
         if self.config.task != "embed":
             raise ValueError('LLM.embed needs an embedding engine: LLM(model, task="embed") (vLLM: runner="pooling")')
         prompts = as_prompt_list(prompts)
         model_config = json.loads((Path(self.config.model) / "config.json").read_text())
         params = as_pooling_params_list(pooling_params, len(prompts), Matryoshka.of(model_config),
                                         int(model_config.get("hidden_size") or 0))
-        adds = [self._pooling_request(i, prompt) for i, prompt in enumerate(prompts)]
-        self._watch()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pending: dict[str, PendingEmbedding] = {}
-        for i, (add, p) in enumerate(zip(adds, params)):
-            replica = min(range(len(self._inputs)), key=self._in_flight.__getitem__)
-            self._in_flight[replica] += 1
-            pending[add.request_id] = PendingEmbedding(i, add, replica, p, self.pooler.normalize)
-            self._inputs[replica].send(add)
-        requests = list(pending.values())
-        results: list[Optional[EmbeddingRequestOutput]] = [None] * len(prompts)
-        self._collect(pending, results, use_tqdm, deadline)  # type: ignore[arg-type]
+        with self._turn(timeout) as deadline:
+            adds = [self._pooling_request(i, prompt) for i, prompt in enumerate(prompts)]
+            self._watch()
+            pending: dict[str, PendingEmbedding] = {}
+            for i, (add, p) in enumerate(zip(adds, params)):
+                replica = self._replicas.pick(time.monotonic())
+                pending[add.request_id] = PendingEmbedding(i, add, replica, p, self.pooler.normalize)
+                self._inputs[replica].send(add)
+            requests = list(pending.values())
+            results: list[Optional[EmbeddingRequestOutput]] = [None] * len(prompts)
+            self._collect(pending, results, use_tqdm, deadline)  # type: ignore[arg-type]
         for request in requests:
             if request.error is not None:
                 raise EmbeddingFailed(f"prompt {request.index}: {request.error}")
         return results  # type: ignore[return-value]
 
+    def encode(self, prompts: Union[Prompt, Sequence[Prompt]],
+               pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+               *, use_tqdm: Union[bool, Callable[..., Any]] = True,
+               timeout: Optional[float] = None) -> list[PoolingRequestOutput]:
+        """vLLM's pooling API: one PoolingRequestOutput per prompt, ``.outputs.data`` the vector
+        ``embed`` gives as a float32 tensor. Only an embedding engine pools (``task="embed"``)."""
+        if self.config.task != "embed":
+            raise ValueError('LLM.encode is vLLM\'s pooling API and needs an embedding engine: LLM(model, '
+                             'task="embed") (vLLM: runner="pooling"). This LLM generates: use LLM.generate '
+                             '(or LLM.get_tokenizer().encode for token ids)')
+        return [out.as_pooling_output()
+                for out in self.embed(prompts, pooling_params, use_tqdm=use_tqdm, timeout=timeout)]
+
     def _pooling_request(self, index: int, prompt: Prompt) -> m.AddRequest:
-        ids = self.encode(prompt)
+        ids = self._token_ids(prompt)
         if len(ids) > self.config.max_model_len:
             raise InvalidField("prompt_token_ids", f"{len(ids)} tokens exceed max_model_len="
                                                    f"{self.config.max_model_len} (prompt {index})")
@@ -260,106 +277,114 @@ class LLM:
             raise InvalidField(exc.field, f"{exc.reason} (prompt {index})") from None
         return add
 
-    def _generate(self, prompts: list, prompt_texts: list[Optional[str]], sampling_params,
-                  use_tqdm: bool, timeout: Optional[float], per_prompt=None) -> list[RequestOutput]:
-        if not self._finalizer.alive:
-            raise RuntimeError("this LLM is closed")
+    def _generate(self, prompts: list, prompt_texts: list[Optional[str]], sampling_params, use_tqdm,
+                  deadline: Optional[float], per_prompt=None) -> list[RequestOutput]:
         if self.config.task == "embed":
             raise ValueError("this LLM computes embeddings (task=\"embed\"): use LLM.embed")
-        params = as_params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
+        params = as_params_list(self.get_default_sampling_params() if sampling_params is None else sampling_params,
+                                len(prompts))
+        wire = {id(sp): sp.to_protocol() for sp in params}  # checked as they are now, once per object
         per_prompt = per_prompt or {}
-        requests = [self._request(i, prompt, sp, **{k: v[i] for k, v in per_prompt.items()})
+        requests = [self._request(i, prompt, sp, wire[id(sp)], **{k: v[i] for k, v in per_prompt.items()})
                     for i, (prompt, sp) in enumerate(zip(prompts, params))]
         self._watch()
-        deadline = None if timeout is None else time.monotonic() + timeout
         pending: dict[str, PendingRequest] = {}
         results: list[Optional[RequestOutput]] = [None] * len(prompts)
         for i, (add, sp) in enumerate(zip(requests, params)):
             out = RequestOutput(add.request_id, add.prompt_token_ids,
                                 [CompletionOutput(k, "", [], None) for k in range(sp.n)],
                                 arrival_time=time.perf_counter(), prompt=prompt_texts[i])
-            replica = min(range(len(self._inputs)), key=self._in_flight.__getitem__)
-            self._in_flight[replica] += 1
+            replica = self._replicas.pick(time.monotonic())
             decoder = self._decoders[sp.skip_special_tokens]
-            pending[add.request_id] = PendingRequest(i, out, replica, decoder, sp.stop, sp.logprobs_as_dicts,
-                                                     sp.stop_token_ids, sp.min_tokens)
+            pending[add.request_id] = PendingRequest(i, out, replica, decoder, sp.stop, sp.stop_token_ids,
+                                                     sp.min_tokens)
             self._inputs[replica].send(add)
         self._collect(pending, results, use_tqdm, deadline)
         return results  # type: ignore[return-value]
 
-    def _request(self, index: int, prompt: Prompt, sp: SamplingParams, priority: int = 0,
-                 max_queue_time_s: Optional[float] = None, deadline_s: Optional[float] = None,
+    def _request(self, index: int, prompt: Prompt, sp: SamplingParams, sampling: m.SamplingParams,
+                 priority: int = 0, max_queue_time_s: Optional[float] = None, deadline_s: Optional[float] = None,
                  tenant: Optional[str] = None) -> m.AddRequest:
         refusal = priority_refusal(self.config.scheduling_policy, priority)
         if refusal is not None:
             raise InvalidField("priority", f"{refusal} (prompt {index})")
-        ids = self.encode(prompt)
+        ids = self._token_ids(prompt)
         if len(ids) + 1 > self.config.max_model_len:  # vLLM raises here too, before anything is sent
             raise InvalidField("prompt_token_ids", f"the prompt has {len(ids)} tokens; with at least one generated "
                                                    f"token that exceeds max_model_len={self.config.max_model_len} "
                                                    f"(prompt {index})")
         try:
+            check_engine_limits(sp, self.config.max_logprobs, self.config.max_num_seqs)
             add = m.AddRequest(request_id=f"offline-{next(self._ids)}", prompt_token_ids=ids,
-                               sampling=sp.to_protocol(), eos_token_ids=self.eos_token_ids, priority=priority,
+                               sampling=sampling, eos_token_ids=self.eos_token_ids, priority=priority,
                                max_queue_time_s=max_queue_time_s, deadline_s=deadline_s, tenant=tenant or "")
             check_request(add, self.vocab_size)
         except InvalidField as exc:
             raise InvalidField(exc.field, f"{exc.reason} (prompt {index})") from None
         return add
 
-    def _collect(self, pending: dict[str, PendingRequest], results: list, use_tqdm: bool,
+    def _collect(self, pending: dict[str, PendingRequest], results: list, use_tqdm,
                  deadline: Optional[float]) -> None:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(pending), desc="generate", unit="req", disable=not use_tqdm)
+        bar = progress_bar(use_tqdm, len(pending), "generate")
         generated, started, next_watch = 0, time.perf_counter(), time.monotonic() + WATCH_INTERVAL_S
         try:
             while pending:
                 if time.monotonic() >= next_watch:
                     self._watch()
+                    lost = self._replicas.lost(pending, time.monotonic())
+                    self._abort({rid: pending[rid] for rid in lost})  # in case the replica comes back
+                    for delta in lost.values():
+                        self._deliver(delta, pending, results, bar)
                     next_watch = time.monotonic() + WATCH_INTERVAL_S
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"generate timed out with {len(pending)} request(s) unfinished")
                 msg = self._outputs.recv(timeout_ms=100)
+                if isinstance(msg, (m.SchedulerStats, m.RequestOutputs)):
+                    self._replicas.heard(msg.replica, time.monotonic())
                 if isinstance(msg, m.SchedulerStats):
                     self.stats[msg.replica] = msg
                 if not isinstance(msg, m.RequestOutputs):
                     continue
-                now = time.perf_counter()
                 for delta in m.iter_deltas(msg):
-                    request = pending.get(delta.request_id)
-                    if request is None:
-                        continue
-                    generated += request.apply(delta, now)
-                    if not request.finished:
-                        continue
-                    if request.ended_by_stop_string:
-                        self._inputs[request.replica].send(m.AbortRequest([delta.request_id]))
-                    results[request.index] = request.output
-                    del pending[delta.request_id]
-                    self._in_flight[request.replica] -= 1
-                    bar.update(1)
-                    bar.set_postfix_str(f"{generated / max(now - started, 1e-9):.0f} tok/s", refresh=False)
+                    generated += self._deliver(delta, pending, results, bar)
+                bar.set_postfix_str(f"{generated / max(time.perf_counter() - started, 1e-9):.0f} tok/s", refresh=False)
         finally:
             bar.close()
             if pending:  # interrupted: free what the engine still holds for them
+                for request in pending.values():
+                    self._replicas.in_flight[request.replica] -= 1
                 self._abort(pending)
 
-    def _abort(self, pending: dict[str, PendingRequest]) -> None:
+    def _deliver(self, delta: m.RequestDelta, pending: dict, results: list, bar) -> int:
+        """Applies one delta to its request (if still pending); returns the tokens it added."""
+        request = pending.get(delta.request_id)
+        if request is None:
+            return 0
+        added = request.apply(delta, time.perf_counter())
+        if request.finished:
+            if request.ended_by_stop_string:
+                self._inputs[request.replica].send(m.AbortRequest([delta.request_id]))
+            results[request.index] = request.output
+            del pending[delta.request_id]
+            self._replicas.in_flight[request.replica] -= 1
+            bar.update(1)
+        return added
+
+    def _abort(self, pending: dict) -> None:
         by_replica: dict[int, list[str]] = {}
         for rid, request in pending.items():
             by_replica.setdefault(request.replica, []).append(rid)
-            self._in_flight[request.replica] -= 1
         for replica, ids in by_replica.items():
             self._inputs[replica].send(m.AbortRequest(ids))
 
     def refresh_stats(self, timeout_s: float = 2.0) -> dict[int, m.SchedulerStats]:
         """The next stats message of every replica: sent after the last step generate() saw."""
-        deadline = time.monotonic() + timeout_s
-        fresh: set[int] = set()
-        while len(fresh) < len(self._inputs) and time.monotonic() < deadline:
-            msg = self._outputs.recv(timeout_ms=100)
-            if isinstance(msg, m.SchedulerStats):
-                self.stats[msg.replica] = msg
-                fresh.add(msg.replica)
+        with self._turn(timeout_s) as deadline:
+            fresh: set[int] = set()
+            while len(fresh) < len(self._inputs) and time.monotonic() < deadline:
+                msg = self._outputs.recv(timeout_ms=100)
+                if isinstance(msg, m.SchedulerStats):
+                    self._replicas.heard(msg.replica, time.monotonic())
+                    self.stats[msg.replica] = msg
+                    fresh.add(msg.replica)
         return self.stats

@@ -8,7 +8,7 @@ sampled for the sample until it ended (a stop token included, as vLLM's do).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection, Optional, Union
+from typing import Any, Collection, Optional, Union
 
 import msgspec
 
@@ -20,7 +20,11 @@ from pagedserve.client.sample_text import SampleText, ended_by_stop_string
 
 @dataclass(slots=True)
 class Logprob:
-    """vLLM's: a token's logprob, its rank among the vocabulary (1: most likely) and its text."""
+    """vLLM's: a token's logprob, its rank among the vocabulary (1: most likely) and its text.
+
+    A sampled token's rank is known only when it is one of the k alternatives asked for (its place
+    among them): the wire carries no rank for the sampled token itself, so outside them it is None.
+    """
 
     logprob: float
     rank: Optional[int] = None
@@ -34,9 +38,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error"
     error: Optional[str] = None
-    # One per token id when SamplingParams.logprobs: a float (logprobs=True), or vLLM's dict
-    # token id -> logprob of the sampled token and the k most likely (logprobs=k)
-    logprobs: Optional[list] = None
+    # vLLM's, with SamplingParams.logprobs=k: per token id a dict token id -> Logprob of the
+    # sampled token and the k most likely
+    logprobs: Optional[list[dict[int, Logprob]]] = None
     # vLLM's: the stop string or requested stop token id that ended the sample, else None
     stop_reason: Union[str, int, None] = None
 
@@ -46,8 +50,7 @@ class CompletionOutput:
         None without logprobs."""
         if self.logprobs is None:
             return None
-        return float(sum(lp[token] if isinstance(lp, dict) else lp
-                         for token, lp in zip(self.token_ids, self.logprobs)))
+        return float(sum(lp[token].logprob for token, lp in zip(self.token_ids, self.logprobs)))
 
 
 @dataclass(slots=True)
@@ -87,11 +90,9 @@ class PendingRequest:
     """A request sent and not finished: where its result goes and each sample's text so far."""
 
     def __init__(self, index: int, output: RequestOutput, replica: int, decoder: TextDecoder,
-                 stop_strings: list[str], logprobs_as_dicts: bool = False,
-                 stop_token_ids: Collection[int] = (), min_tokens: int = 0):
+                 stop_strings: list[str], stop_token_ids: Collection[int] = (), min_tokens: int = 0):
         self.index = index  # in the caller's list of prompts
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.logprobs_as_dicts = logprobs_as_dicts
         self.output = output
         self.replica = replica
         # Without stop strings, the text is decoded once at the end: the same text (the
@@ -156,10 +157,23 @@ class PendingRequest:
             self.output.finish_time = now
         return len(delta.new_token_ids)
 
-    def _logprobs(self, delta: m.RequestDelta) -> list:
-        if not self.logprobs_as_dicts:
-            return list(delta.logprobs)
+    def _logprobs(self, delta: m.RequestDelta) -> list[dict[int, Logprob]]:
         alternatives = delta.top_logprobs or [[] for _ in delta.new_token_ids]
-        return [{**dict(top), token: logprob}
-                for token, logprob, top in zip(delta.new_token_ids, delta.logprobs, alternatives)]
+        tables = []
+        for token, logprob, top in zip(delta.new_token_ids, delta.logprobs, alternatives):
+            ranks = {alt: rank for rank, (alt, _) in enumerate(top, start=1)}
+            table = {token: Logprob(logprob, ranks.get(token), self.token_text(token))}  # the sampled token first
+            for alt, alt_logprob in top:
+                if alt not in table:
+                    table[alt] = Logprob(alt_logprob, ranks[alt], self.token_text(alt))
+            tables.append(table)
+        return tables
 
+
+def progress_bar(use_tqdm: Any, total: int, desc: str):
+    """vLLM's ``use_tqdm``: True or False, or a callable that builds the bar (tqdm's keywords)."""
+    from tqdm.auto import tqdm
+
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, disable=not use_tqdm)

@@ -237,8 +237,9 @@ OPTIONS: tuple[Option, ...] = (
            "file of them"), metavar="WEIGHTS|FILE", to=_S),
     Option("max_waiting_requests", int, None, "load shedding: most requests waiting for a seat per "
            "replica; a request whose replica is full goes to another with room, and when every replica is "
-           "full it is refused at once (HTTP 429 with Retry-After; offline a ValueError); nothing already "
-           "admitted is affected (default: no limit)", _NON_NEGATIVE,
+           "full it is refused at once (HTTP 429 with Retry-After); nothing already admitted is affected "
+           "(default: no limit). Serve only: the offline LLM refuses it, as generate() hands the engine "
+           "its whole batch at once", _NON_NEGATIVE,
            metavar="N", to=_S | _F),
     Option("async_scheduling", bool, True, "schedule the next step while the workers run this one "
            "(--no-async-scheduling waits for every step's result before the next)", to=_S),

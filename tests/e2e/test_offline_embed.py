@@ -1,8 +1,9 @@
 """The offline ``LLM.embed`` as vLLM spells it: ``LLM(model, runner="pooling")`` (or
 ``task="embed"``) returns one EmbeddingRequestOutput per prompt whose ``outputs.embedding``
 equals transformers' last hidden state of the last token, normalised (within 1e-4 in float32),
-for a batch with a prompt longer than a step; ``dimensions`` only where the model declares it;
-generate and embed each refused on the other kind of engine."""
+for a batch with a prompt longer than a step; ``encode`` (vLLM's pooling API) gives the same
+vectors as ``PoolingRequestOutput.outputs.data``; ``dimensions`` only where the model declares
+it; generate, embed and encode each refused on the other kind of engine."""
 
 from __future__ import annotations
 
@@ -38,6 +39,21 @@ def test_llm_embed_returns_vllm_shaped_outputs_equal_to_transformers(embed_llm, 
         np.testing.assert_allclose(vector, hf_embedding(model_factory("qwen2"), ids, "last"), atol=1e-4)
 
 
+def test_encode_is_vllms_pooling_api_with_embeds_vectors_as_outputs_data(embed_llm):
+    import torch
+
+    from pagedserve import PoolingRequestOutput
+
+    prompts = ["Hello", [5, 6, 7]]
+    encoded = embed_llm.encode(prompts, use_tqdm=False)
+    embedded = embed_llm.embed(prompts, use_tqdm=False)
+    assert [type(o) for o in encoded] == [PoolingRequestOutput] * 2
+    for pooled, embedding in zip(encoded, embedded):
+        assert isinstance(pooled.outputs.data, torch.Tensor) and pooled.outputs.data.dtype == torch.float32
+        np.testing.assert_allclose(pooled.outputs.data.numpy(), embedding.outputs.embedding, atol=1e-6)
+        assert pooled.prompt_token_ids == embedding.prompt_token_ids and pooled.finished
+
+
 def test_dimensions_on_a_model_that_declares_no_matryoshka_sizes_is_refused_before_anything_runs(embed_llm):
     from pagedserve import PoolingParams
 
@@ -52,3 +68,5 @@ def test_each_kind_of_engine_refuses_the_other_kinds_call(embed_llm, shared_llm)
         embed_llm.generate(["hi"], use_tqdm=False)
     with pytest.raises(ValueError, match='task="embed"'):
         shared_llm.embed(["hi"], use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling API.*LLM.generate"):  # not a tokenizer
+        shared_llm.encode("hi", use_tqdm=False)

@@ -1,11 +1,14 @@
-"""The offline API as vLLM's quickstart writes it: generate and chat, and the fields of what
-they return (prompt, finished, stop_reason, cumulative_logprob). On the session's shared LLM,
-built as the quickstart builds one (support/shared_deployments.py)."""
+"""The offline API as vLLM's quickstart and examples write it: generate and chat, the fields of
+what they return (prompt, finished, stop_reason, logprobs as Logprob dicts, cumulative_logprob),
+a tqdm factory for ``use_tqdm``, parameters set after construction, and calls from two threads.
+On the session's shared LLM, built as the quickstart builds one (support/shared_deployments.py)."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -13,7 +16,7 @@ import psutil
 import pytest
 
 from support.oracle import hf_greedy, hf_tokenizer
-from pagedserve import SamplingParams
+from pagedserve import SamplingParams, StructuredOutputsParams
 from support.shared_deployments import GPU_MEMORY_UTILIZATION
 
 pytestmark = pytest.mark.slow
@@ -41,7 +44,7 @@ def test_quickstart_generate_returns_prompts_finished_outputs_and_cumulative_log
         assert sample.token_ids == hf_greedy(model, output.prompt_token_ids, 6)
         assert sample.finish_reason == "length" and sample.stop_reason is None
         assert math.isclose(sample.cumulative_logprob,
-                            sum(lp[t] for t, lp in zip(sample.token_ids, sample.logprobs)))
+                            sum(lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs)))
         assert sample.cumulative_logprob < 0
     by_ids = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert by_ids.prompt is None and by_ids.outputs[0].cumulative_logprob is None
@@ -98,3 +101,46 @@ def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(llm):
                                  use_tqdm=False)
     assert skipped.outputs[0].token_ids == kept.outputs[0].token_ids == [special_id] * 2
     assert skipped.outputs[0].text == "" and kept.outputs[0].text == tok.decode([special_id] * 2)
+
+
+def test_use_tqdm_may_be_a_callable_that_builds_the_progress_bar(llm):
+    from tqdm import tqdm
+
+    built = []
+
+    def bar(*args, **kwargs):
+        built.append(kwargs)
+        return tqdm(*args, **kwargs, disable=True)
+
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=bar)
+    assert len(outs) == 2 and len(built) == 1 and built[0]["total"] == 2
+
+
+def test_an_empty_list_of_sampling_params_is_refused_not_replaced_by_the_defaults(llm):
+    with pytest.raises(ValueError, match="lengths of prompts and sampling_params must be the same"):
+        llm.generate(["Hello", "Hi"], [], use_tqdm=False, timeout=10)
+
+
+def test_parameters_set_after_construction_behave_as_if_passed_to_it(llm):
+    """vLLM's examples: ``params = llm.get_default_sampling_params(); params.x = ...``."""
+    sp = llm.get_default_sampling_params()
+    sp.max_tokens, sp.stop_token_ids = 8, None  # room for either choice
+    sp.structured_outputs = StructuredOutputsParams(choice=["yes", "no"])
+    out = llm.generate("Hello", sp, use_tqdm=False, timeout=30)[0]
+    assert out.outputs[0].text in ("yes", "no")
+    sp.best_of = 4
+    with pytest.raises(ValueError, match="^best_of"):
+        llm.generate("Hello", sp, use_tqdm=False, timeout=30)
+
+
+def test_two_threads_generating_at_once_take_turns_and_each_gets_its_own_results(llm):
+    def run(max_tokens: int) -> list[int]:
+        outs = llm.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                            use_tqdm=False, timeout=60)
+        return [len(o.outputs[0].token_ids) for o in outs]
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first, second = pool.submit(run, 30), pool.submit(run, 31)
+        assert (first.result(timeout=120), second.result(timeout=120)) == ([30, 30], [31, 31])
+    assert time.monotonic() - started < 120
