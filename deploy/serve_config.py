@@ -21,6 +21,12 @@ from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 __all__ = ["ConfigError", "ROUTER_KINDS", "ServeConfig", "add_serve_args", "serve_config_from_args"]
 
 
+ALLOW_LONG_MAX_MODEL_LEN = "PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
+# Options only the generating path reads; --task embed refuses each at a non-default value.
+GENERATION_ONLY = ("reasoning_parser", "enable_auto_tool_choice", "tool_call_parser", "max_logprobs",
+                   "speculative_config", "chat_template", "generation_config")
+
+
 class ConfigError(opts.OptionError):
     """A serve option that cannot work; the message says which and why."""
 
@@ -55,10 +61,8 @@ class _ServeConfigRules:
             raise ConfigError(str(exc)) from None
         local_replicas = 1 if self.remote_workers else self.data_parallel_size
         self.dtype = resolve_dtype(self.dtype, model_cfg, self.device, self.model, local_replicas)
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = opts.default_step_tokens(self.device)
-        if self.max_model_len is None:
-            self.max_model_len = limit
+        self._check_max_model_len(limit)
+        self._check_step_budget()
         if self.model_aliases is None:  # once: a replace() keeps what the first call found
             # vLLM serves `vllm serve /models/x` as "/models/x", and its clients (vllm bench
             # serve among them) send that name; the directory's name stays the listed one.
@@ -75,6 +79,10 @@ class _ServeConfigRules:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                               f"{', '.join(opts.TOOL_CALL_PARSERS)})")
+        if self.tool_call_parser is not None and not self.enable_auto_tool_choice:
+            raise ConfigError("--tool-call-parser is only read for tool_choice \"auto\": it needs "
+                              "--enable-auto-tool-choice")
+        self._check_generation_only_options()
         try:
             pooler_settings(self.pooling_type, self.pooler_config)
         except ValueError as exc:
@@ -89,12 +97,65 @@ class _ServeConfigRules:
             check_generation_config_option(self.generation_config, self.model)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if self.router is None:
-            self.router = "cache-aware" if self.data_parallel_size > 1 else "least-loaded"
+        self._check_router()
         self._check_internal_endpoints()
         if self.distributed_executor_backend == "ray" and (self.remote_workers or self.internal_host):
             raise ConfigError("--distributed-executor-backend ray places every process itself: drop "
                               "--remote-workers / --internal-host")
+        self._check_unread_options()
+
+    def _check_max_model_len(self, limit: int) -> None:
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len > limit and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1":
+            # Positions past the trained range give garbage, not an error: vLLM refuses them too.
+            raise ConfigError(f"--max-model-len: User-specified max_model_len ({self.max_model_len}) is greater "
+                              f"than the derived max_model_len (max_position_embeddings={limit} in the model's "
+                              f"config.json); set {ALLOW_LONG_MAX_MODEL_LEN}=1 to allow it anyway")
+
+    def _check_step_budget(self) -> None:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = opts.default_step_tokens(self.device)
+            if not self.enable_chunked_prefill:  # one step must hold the longest prompt
+                self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
+        elif not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than "
+                              f"--max-model-len ({self.max_model_len}): without chunked prefill a prompt is "
+                              f"computed in one step; increase max_num_batched_tokens or decrease max_model_len")
+
+    def _check_generation_only_options(self) -> None:
+        if self.task != "embed":
+            return
+        # The embedding path reads none of these (nor the chat template: /v1/embeddings takes
+        # text or token ids), and a speculative draft model would be loaded for nothing.
+        given = [opts.BY_NAME[name].flag for name in GENERATION_ONLY
+                 if getattr(self, name) != opts.BY_NAME[name].default]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: generation only, not read by --task embed")
+
+    def _check_router(self) -> None:
+        # Cache-aware routing ranks replicas by the prefix blocks they cache: with no prefix
+        # cache every replica ties and it is least-loaded under another name.
+        if self.router is None:
+            self.router = "cache-aware" if self.data_parallel_size > 1 and self.enable_prefix_caching \
+                else "least-loaded"
+        elif self.router == "cache-aware" and not self.enable_prefix_caching:
+            raise ConfigError("--router cache-aware routes by cached prefixes: it needs --enable-prefix-caching")
+        if self.router != "cache-aware":
+            tuned = [opts.BY_NAME[n].flag for n in ("router_balance_abs", "router_balance_rel")
+                     if getattr(self, n) != opts.BY_NAME[n].default]
+            if tuned:
+                raise ConfigError(f"{', '.join(tuned)}: tune the cache-aware router, but the router is "
+                                  f"{self.router} (cache-aware needs --enable-prefix-caching)")
+
+    def _check_unread_options(self) -> None:
+        if self.default_deadline_s is not None and self.scheduling_policy != "deadline":
+            raise ConfigError("--default-deadline-s orders requests by deadline: it needs "
+                              "--scheduling-policy deadline")
+        if self.ray_address is not None and self.distributed_executor_backend != "ray":
+            raise ConfigError("--ray-address names a Ray cluster: it needs --distributed-executor-backend ray")
+        if not self.disable_log_requests:
+            raise ConfigError("--no-disable-log-requests: pagedserve never logs prompts or outputs")
 
     def _check_speculative_config(self) -> None:
         try:

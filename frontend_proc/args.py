@@ -86,7 +86,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> FrontendConfig:
     values.update(
         served_model_name=tuple(ns.served_model_name or [model.name]),
         max_model_len=ns.max_model_len or _default_max_model_len(model),
-        log_level=ns.log_level.lower(),  # uvicorn's spelling
+        log_level=opts.uvicorn_log_level(ns.log_level),
         router=default_router(ns.data_parallel_size, ns.router),
     )
     return FrontendConfig(run_dir=ns.run_dir, model=model, model_aliases=tuple(ns.model_aliases), **values)

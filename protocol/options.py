@@ -39,6 +39,9 @@ _TASK_NAMES = {"generate": "generate", "auto": "generate", "embed": "embed", "em
                "pooling": "embed"}
 BACKENDS = ("mp", "ray")  # vLLM's names for --distributed-executor-backend
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# logging's other names for --log-level, in uvicorn's words (uvicorn refuses warn, fatal, notset);
+# notset is debug, not trace: logging, which the frontend configures with it too, has no trace.
+_UVICORN_NAMES = {"warn": "warning", "fatal": "critical", "notset": "debug"}
 
 
 class OptionError(ValueError):
@@ -72,6 +75,12 @@ def task_name(value: str) -> str:
 
 def _log_level(v) -> bool:
     return isinstance(logging.getLevelName(str(v).upper()), int)
+
+
+def uvicorn_log_level(level: str) -> str:
+    """``--log-level`` (any of logging's names) as uvicorn and logging both accept it."""
+    name = str(level).lower()
+    return _UVICORN_NAMES.get(name, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +180,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("pooler_config", str, None, "--task embed, vLLM's JSON: {\"pooling_type\": \"LAST\"|\"MEAN\", "
            "\"normalize\": true|false}", aliases=("--override-pooler-config",), metavar="JSON", to=_F),
     Option("disable_log_requests", bool, True, "accepted for vLLM command lines: pagedserve never logs "
-           "prompts or outputs"),
+           "prompts or outputs, so --no-disable-log-requests is refused"),
     # -- model and devices
     Option("device", str, "auto", "cpu, cuda, or auto: cuda when torch sees a GPU, else cpu", to=_W),
     Option("enforce_eager", bool, False, "never use CUDA graphs: launch every decode step's kernels one "
@@ -196,7 +205,8 @@ OPTIONS: tuple[Option, ...] = (
            "deployment may fill (weights included; the KV cache takes what is left); on CPU the share of "
            "RAM the KV caches may take (default: 90%% of free CUDA memory, 1 GiB on CPU)",
            (lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"), metavar="FRACTION", to=_W),
-    Option("swap_space", float, 1.0, "host swap space per replica, GiB", _NON_NEGATIVE, to=_S),
+    Option("swap_space", float, 1.0, "host swap space per worker (device), GiB, as vLLM's: each "
+           "tensor-parallel worker holds its own", _NON_NEGATIVE, to=_S),
     Option("enable_prefix_caching", bool, False, "reuse the KV blocks of prompt prefixes already computed",
            to=_S),
     Option("poison_kv_cache", bool, False, "debug: fill the KV cache with NaN at start", to=_W, hidden=True),
@@ -225,8 +235,8 @@ OPTIONS: tuple[Option, ...] = (
            "503 with Retry-After before streaming, an abort chunk and an error event after; offline "
            "finish_reason \"error\") (default: no limit)", (lambda v: 0 < v <= MAX_LIMIT_S, "must be positive"),
            metavar="SECONDS", to=_S),
-    Option("default_deadline_s", float, 60.0, "deadline policy: the deadline a request without one gets, "
-           "counted from its arrival (it only orders requests; nothing ends at it)", _POSITIVE_S,
+    Option("default_deadline_s", float, None, "deadline policy: the deadline a request without one gets, "
+           "counted from its arrival (it only orders requests; nothing ends at it) (default: 60)", _POSITIVE_S,
            metavar="SECONDS", to=_S),
     Option("tenant_header", str, None, "the HTTP header that names a request's tenant (fair policy and "
            "per-tenant metrics); it wins over the request's user field, which wins over the API key",
@@ -258,7 +268,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("router", str, None, "how requests are spread over data-parallel replicas: cache-aware sends "
            "each to the replica holding the longest cached prefix of its prompt (needs "
            "--enable-prefix-caching), unless it is busier than the load bound allows, then to the least "
-           "loaded; least-loaded; round-robin (default: cache-aware when --data-parallel-size > 1; "
+           "loaded; least-loaded; round-robin (default: cache-aware when --data-parallel-size > 1 and "
+           "--enable-prefix-caching, else least-loaded; "
            "docs/DECISIONS.md)", choices=ROUTER_KINDS, to=_F),
     Option("router_balance_abs", int, 2, "cache-aware: the cache winner may carry this many more "
            "sequences than the least-loaded replica (default %(default)s)", _NON_NEGATIVE, to=_F),

@@ -11,6 +11,7 @@ from pagedserve.protocol.speculative import SpeculativeConfig
 
 # Sequences are ordered by (arrival number, sample index) packed into one int; see request.py.
 MAX_PARALLEL_SAMPLES = 1 << 20
+DEFAULT_DEADLINE_S = 60.0  # --default-deadline-s when not given (protocol/options.py says so)
 
 
 @dataclass(slots=True)
@@ -31,7 +32,7 @@ class SchedulerConfig:
     priority_aging_s: Optional[float] = None  # priority policy: one level lifted per interval; None: off
     max_waiting_requests: Optional[int] = None  # past it a new request is refused (load shedding); None: no limit
     max_queue_time_s: Optional[float] = None  # the wait for a first token (deadlines.py); None: no limit
-    default_deadline_s: float = 60.0  # deadline policy: a request without a deadline is ordered by arrival + this
+    default_deadline_s: Optional[float] = None  # deadline policy: a request without one is ordered by arrival + this
     tenant_weights: Optional[str] = None  # fair policy: NAME=WEIGHT,... (protocol/priority.py); None: all 1
     speculative: Optional[SpeculativeConfig] = None  # --speculative-config (speculation.py); None: off
 
@@ -61,11 +62,14 @@ class SchedulerConfig:
             if self.scheduling_policy != "fair":
                 raise ValueError("tenant_weights weigh tenants' shares: it needs scheduling_policy=\"fair\"")
             parse_tenant_weights(self.tenant_weights)
+        if self.default_deadline_s is None:  # None so that serve can tell it was not given
+            self.default_deadline_s = DEFAULT_DEADLINE_S
         if self.max_num_seqs >= MAX_PARALLEL_SAMPLES:
             raise ValueError(f"max_num_seqs must be below {MAX_PARALLEL_SAMPLES}, got {self.max_num_seqs}")
         if not self.enable_chunked_prefill:
             # Without chunking a prompt is computed in one step, so one step must hold the
-            # longest prompt the model accepts.
+            # longest prompt the model accepts. Serve refuses a smaller budget the user gave
+            # (deploy/serve_config.py); here it can only be a default or a trace's value.
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Every running decode needs one token of the budget each step; a smaller budget

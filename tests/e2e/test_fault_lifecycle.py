@@ -46,8 +46,8 @@ def test_a_replica_that_keeps_crashing_is_marked_failed_and_health_says_so(model
 def test_sigterm_finishes_the_request_in_flight_refuses_new_ones_then_exits(model_factory, tmp_path):
     # The longest request the demo model takes (its 4096 positions): on a fast, quiet machine 1500
     # tokens could finish before the refusal was seen, and the check below raced it.
-    srv = Server(model_factory("qwen2"), ["--num-gpu-blocks", "256", "--max-model-len", "4096",
-                                          "--drain-timeout-s", "60"]).start(tmp_path)
+    srv = Server(model_factory("qwen2", max_position_embeddings=4096),
+                 ["--num-gpu-blocks", "256", "--max-model-len", "4096", "--drain-timeout-s", "60"]).start(tmp_path)
     try:
         url = srv.url + "/v1/completions"
         body = {"prompt": "drain me", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}

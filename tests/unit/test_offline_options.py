@@ -41,8 +41,10 @@ def test_serve_only_options_are_refused_in_one_error_naming_each_before_anything
 def test_a_serve_only_option_at_its_default_and_the_options_offline_reads_are_accepted(model):
     config = offline_config(model, "WARNING", dict(port=opts.BY_NAME["port"].default, scheduler_timeout_s=3.0,
                                                    replica_timeout_s=1.0, restart_window_s=9.0, max_logprobs=3,
-                                                   chat_template="{{ messages }}", runner="pooling"))
+                                                   chat_template="{{ messages }}"))
     assert (config.scheduler_timeout_s, config.replica_timeout_s, config.restart_window_s) == (3.0, 1.0, 9.0)
+    assert config.max_logprobs == 3 and config.router == "least-loaded"
+    config = offline_config(model, "WARNING", dict(runner="pooling"))  # generation-only options: refused there
     assert config.task == "embed" and config.router == "least-loaded"
 
 

@@ -26,11 +26,15 @@ SPECIAL = {"served_model_name": ["alias-a", "alias-b"], "chat_template": "{{ mes
            # the two KV-cache budgets exclude each other; a generation config must exist
            "gpu_memory_utilization": 0.5, "generation_config": "vllm",
            "max_num_batched_tokens": 4096,  # at least the doubled max_num_seqs (512)
-           # aging needs the priority policy; tenant weights need fair (their own test, below)
-           "scheduling_policy": "priority", "tenant_weights": None,
-           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
-           "pooler_config": '{"pooling_type": "MEAN"}'}  # vLLM's JSON, agreeing with --pooling-type mean
+           # aging and a default deadline need the deadline policy; tenant weights need fair (below)
+           "scheduling_policy": "deadline", "tenant_weights": None,
+           "router": "cache-aware",  # tuned by --router-balance-*, needs --enable-prefix-caching (on)
+           # the generating task, as the generation-only options need it (embed: its own tests)
+           "task": "generate", "pooling_type": None, "pooler_config": None,
+           "disable_log_requests": True,  # --no-disable-log-requests is refused
+           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}
 NEEDS_ANOTHER_POLICY = ("tenant_weights",)
+AT_DEFAULT = (*NEEDS_ANOTHER_POLICY, "task", "pooling_type", "pooler_config", "disable_log_requests")
 KV_BUDGETS = ("gpu_memory_utilization", "kv_cache_memory_gib")  # exclude each other: one at a time
 OFFLINE_DEFAULTS = {"log_level": "WARNING"}  # LLM is quiet unless asked; the only default it changes
 
@@ -98,7 +102,7 @@ def test_each_child_is_started_with_exactly_the_values_serve_was_given(model, bu
     changed = {o.name: non_default(o) for o in opts.OPTIONS} | {unset: None}
     cfg = ServeConfig(model=model, **changed)
     for o in opts.options_for(opts.SCHEDULER) + opts.options_for(opts.WORKER) + opts.options_for(opts.FRONTEND):
-        assert getattr(cfg, o.name) != o.default or o.name in ("dtype", unset, *NEEDS_ANOTHER_POLICY), \
+        assert getattr(cfg, o.name) != o.default or o.name in ("dtype", unset, *AT_DEFAULT), \
             f"{o.flag} kept its default"
 
     engine = EngineConfig.from_args(scheduler_cli().parse_args(cfg.scheduler_cmd("run", replica=1)[3:]))
@@ -141,3 +145,79 @@ def test_tenant_weights_reach_the_scheduler_inline_from_a_flag_or_a_file(model, 
         assert engine.tenant_weights == inline  # what a trace records: no file needed to replay
     with pytest.raises((ConfigError, ValueError), match="tenant-weights"):
         ServeConfig(model=model, scheduling_policy="fair", tenant_weights="gold=-1")
+
+
+# Options accepted and then ignored are refused, in one line naming the flag, before anything starts.
+@pytest.mark.parametrize("given, complaint", [
+    (dict(max_model_len=1024), r"--max-model-len: User-specified max_model_len \(1024\) is greater than the "
+                               r"derived max_model_len \(max_position_embeddings=512"),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=256),
+     r"--max-num-batched-tokens \(256\) is smaller than --max-model-len \(512\)"),
+    (dict(router="cache-aware", data_parallel_size=2), "--router cache-aware .* needs --enable-prefix-caching"),
+    (dict(router_balance_abs=5, data_parallel_size=2), "--router-balance-abs: .* router is least-loaded"),
+    (dict(router_balance_rel=2.0, router="round-robin"), "--router-balance-rel: .* router is round-robin"),
+    (dict(task="embed", reasoning_parser="qwen3"), "--reasoning-parser: generation only"),
+    (dict(task="embed", enable_auto_tool_choice=True, tool_call_parser="hermes"),
+     "--enable-auto-tool-choice, --tool-call-parser: generation only"),
+    (dict(task="embed", max_logprobs=5), "--max-logprobs: generation only"),
+    (dict(task="embed", speculative_config='{"method": "ngram", "num_speculative_tokens": 2}'),
+     "--speculative-config: generation only"),
+    (dict(task="embed", chat_template="{{ messages }}"), "--chat-template: generation only"),
+    (dict(task="embed", generation_config="vllm"), "--generation-config: generation only"),
+    (dict(default_deadline_s=5.0), "--default-deadline-s .* needs --scheduling-policy deadline"),
+    (dict(default_deadline_s=5.0, scheduling_policy="priority"), "--default-deadline-s"),
+    (dict(ray_address="auto"), "--ray-address .* needs --distributed-executor-backend ray"),
+    (dict(disable_log_requests=False), "--no-disable-log-requests"),
+    (dict(tool_call_parser="hermes"), "--tool-call-parser .* needs --enable-auto-tool-choice"),
+])
+def test_an_option_that_would_be_ignored_is_refused_naming_it(model, given, complaint):
+    with pytest.raises(ConfigError, match=complaint):
+        ServeConfig(model=model, **given)
+
+
+def test_the_refused_options_are_accepted_where_they_are_read(model, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's override, by its own name
+    assert ServeConfig(model=model, max_model_len=1024).max_model_len == 1024
+    monkeypatch.delenv("PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN")
+    assert ServeConfig(model=model, max_model_len=512).max_model_len == 512
+    unchunked = ServeConfig(model=model, enable_chunked_prefill=False, max_num_batched_tokens=512)
+    assert unchunked.max_num_batched_tokens == 512
+    assert ServeConfig(model=model, enable_chunked_prefill=False, max_num_batched_tokens=None,
+                       device="cpu").max_num_batched_tokens >= 512
+    cfg = ServeConfig(model=model, router="cache-aware", enable_prefix_caching=True, router_balance_abs=5,
+                      data_parallel_size=2, scheduling_policy="deadline", default_deadline_s=5.0,
+                      distributed_executor_backend="ray", ray_address="auto")
+    assert (cfg.router, cfg.router_balance_abs, cfg.default_deadline_s) == ("cache-aware", 5, 5.0)
+    embed = ServeConfig(model=model, task="embed", max_logprobs=opts.BY_NAME["max_logprobs"].default)
+    assert embed.task == "embed" and embed.speculative_config is None
+
+
+def test_the_default_router_is_cache_aware_only_with_a_prefix_cache_to_route_by(model):
+    assert ServeConfig(model=model, data_parallel_size=2).router == "least-loaded"
+    assert ServeConfig(model=model, data_parallel_size=2, enable_prefix_caching=True).router == "cache-aware"
+    assert ServeConfig(model=model, enable_prefix_caching=True).router == "least-loaded"
+
+
+def test_a_budget_left_unset_without_chunked_prefill_still_holds_the_longest_prompt(model, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    cfg = ServeConfig(model=str(tmp_path), device="cpu", enable_chunked_prefill=False)
+    assert cfg.max_num_batched_tokens == 4096 > opts.CPU_STEP_TOKENS
+
+
+def test_without_a_default_deadline_given_the_deadline_policy_keeps_sixty_seconds(model):
+    cfg = ServeConfig(model=model, scheduling_policy="deadline")
+    engine = EngineConfig.from_args(scheduler_cli().parse_args(cfg.scheduler_cmd("run", replica=0)[3:]))
+    assert engine.default_deadline_s is None
+    assert engine.scheduler_config(num_gpu_blocks=8, num_cpu_blocks=0).default_deadline_s == 60.0
+
+
+@pytest.mark.parametrize("level, uvicorn", [("warn", "warning"), ("FATAL", "critical"), ("notset", "debug"),
+                                            ("WARNING", "warning"), ("debug", "debug")])
+def test_every_log_level_serve_accepts_reaches_the_frontend_as_one_uvicorn_knows(model, level, uvicorn):
+    cfg = ServeConfig(model=model, log_level=level)
+    frontend = frontend_args(cfg.frontend_cmd("run")[3:])
+    assert frontend.log_level == uvicorn and uvicorn in opts.UVICORN_LOG_LEVELS
+
+
+def test_swap_space_is_documented_per_worker_as_each_tensor_parallel_worker_allocates_it():
+    assert "per worker" in opts.BY_NAME["swap_space"].help and "per replica" not in opts.BY_NAME["swap_space"].help
