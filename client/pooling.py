@@ -7,16 +7,23 @@ models are meant to be read (Qwen3-Embedding, vLLM). ``dimensions`` is honoured 
 the model's config.json declares Matryoshka training (vLLM's ``is_matryoshka`` /
 ``matryoshka_dimensions``); elsewhere it is refused, since a truncated vector of another
 model is not an embedding of its own.
+
+A sentence-transformers model dir (``modules.json``) carries its pooler: the Pooling module's
+``pooling_mode_*`` and whether a Normalize module follows. Those are the defaults, as vLLM
+reads them, below ``--pooling-type`` / ``--pooler-config``; a mode this server cannot pool
+(cls, max, ...) is refused rather than served as another, which would be a different embedding.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
+from pagedserve.client.model_files import read_json
 from pagedserve.protocol.pooling import POOLING_TYPES
 
 DEFAULT_POOLING = "last"  # vLLM's for decoder models served as embedders (Qwen3-Embedding's)
@@ -27,6 +34,34 @@ _POOLER_KEYS = ("pooling_type", "normalize")
 class PoolerSettings:
     pooling_type: str = DEFAULT_POOLING  # "last" | "mean"
     normalize: bool = True  # L2-normalise every embedding
+    # the fields the flags set; the model's sentence-transformers files fill only the others
+    given: frozenset[str] = field(default=frozenset(), compare=False)
+
+    def under_model_defaults(self, model_dir: str | Path) -> "PoolerSettings":
+        defaults = sentence_transformers_pooler(Path(model_dir), "pooling_type" not in self.given)
+        return replace(self, **{k: v for k, v in defaults.items() if k not in self.given})
+
+
+_ST_POOLING, _ST_NORMALIZE = "sentence_transformers.models.Pooling", "sentence_transformers.models.Normalize"
+_ST_MODES = {"mean_tokens": "mean", "lasttoken": "last"}
+
+
+def sentence_transformers_pooler(model_dir: Path, with_pooling_type: bool = True) -> dict[str, Any]:
+    """``pooling_type`` and ``normalize`` from modules.json, where the model has one; ValueError for
+    a pooling mode other than mean or last token, unless the pooling type is not wanted (a flag set it)."""
+    modules = read_json(model_dir / "modules.json")
+    if not isinstance(modules, list) or not modules:
+        return {}
+    types = {m.get("type"): m.get("path", "") for m in modules if isinstance(m, dict)}
+    found: dict[str, Any] = {"normalize": _ST_NORMALIZE in types}
+    if with_pooling_type and _ST_POOLING in types:
+        config = read_json(model_dir / types[_ST_POOLING] / "config.json")
+        modes = [k.removeprefix("pooling_mode_") for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
+        if len(modes) != 1 or modes[0] not in _ST_MODES:
+            raise ValueError(f"{model_dir / types[_ST_POOLING]}: pooling mode {'+'.join(modes) or 'none'} is not "
+                             f"supported, only mean_tokens or lasttoken; pass --pooling-type to override")
+        found["pooling_type"] = _ST_MODES[modes[0]]
+    return found
 
 
 def pooler_settings(pooling_type: Optional[str], pooler_config: Optional[str]) -> PoolerSettings:
@@ -53,7 +88,9 @@ def pooler_settings(pooling_type: Optional[str], pooler_config: Optional[str]) -
     normalize = config.get("normalize", True)
     if not isinstance(normalize, bool):
         raise ValueError(f"--pooler-config normalize must be true or false, got {normalize!r}")
-    return PoolerSettings(pooling_type or from_config or DEFAULT_POOLING, normalize)
+    given = frozenset(k for k, v in (("pooling_type", pooling_type or from_config), ("normalize", "normalize" in config))
+                      if v)
+    return PoolerSettings(pooling_type or from_config or DEFAULT_POOLING, normalize, given)
 
 
 @dataclass(frozen=True, slots=True)

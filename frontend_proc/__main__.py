@@ -60,7 +60,7 @@ async def serve(config: FrontendConfig) -> None:
                       reasoning_parser=(get_reasoning_parser(config.reasoning_parser)
                                         if config.reasoning_parser else None))
     embeddings = EmbeddingServing(config.task, config.model, config.served_model_names, serving.accepted_model_names,
-                                  config.max_model_len, engine, tokenizer, config.pooler)
+                                  config.max_model_len, engine, tokenizer, config.pooler, metrics)
     app = build_app(serving, router, metrics, config.api_key, embeddings)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level,

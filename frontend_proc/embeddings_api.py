@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Awaitable, Literal, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -29,6 +30,7 @@ from pagedserve.client.pooling import Matryoshka, PoolerSettings, finish_embeddi
 from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.frontend_proc.engine_client import EngineClient, ReplicaFailed, RequestHandle
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest, ServiceUnavailable, ShuttingDown
+from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.openai_schema import EncodableStrings
 from pagedserve.frontend_proc.request_fields import refuse_unsupported_fields
 from pagedserve.frontend_proc.request_stream import _delta_error
@@ -82,14 +84,17 @@ def task_refusal(task: str, wanted: str, endpoint: str) -> None:
 
 class EmbeddingServing:
     def __init__(self, task: str, model_dir: Path, served_model_names: Sequence[str], accepted_model_names: Sequence[str],
-                 max_model_len: int, engine: EngineClient, tokenizer: PromptTokenizer, pooler: PoolerSettings):
+                 max_model_len: int, engine: EngineClient, tokenizer: PromptTokenizer, pooler: PoolerSettings,
+                 metrics: Optional[FrontendMetrics] = None):
         self.task = task
         self.served_model_name = served_model_names[0]
         self.accepted_model_names = list(accepted_model_names)
         self.max_model_len = max_model_len
         self.engine = engine
         self.tokenizer = tokenizer
-        self.pooler = pooler
+        # a generating deployment never pools: its model's pooler files must not stop it starting
+        self.pooler = pooler.under_model_defaults(model_dir) if task == "embed" else pooler
+        self.metrics = metrics
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.hidden_size = int(config.get("hidden_size") or 0)
         self.matryoshka = Matryoshka.of(config)
@@ -107,10 +112,11 @@ class EmbeddingServing:
         request_id = f"embd-{uuid.uuid4().hex}"
         adds = [self._add_request(f"{request_id}-{i}", prompt) for i, prompt in enumerate(body.inputs())]
         handles: list[RequestHandle] = []
+        arrival = time.monotonic()
         try:
             for add in adds:
                 handles.append(self.engine.submit(add))
-            deltas = await unless_disconnected(request, _embeddings_of(handles))
+            deltas = await unless_disconnected(request, _embeddings_of([self._counted(h, arrival) for h in handles]))
         except ClientDisconnected:
             self._abort(handles)
             return Response(status_code=499)
@@ -134,6 +140,14 @@ class EmbeddingServing:
             raise InvalidRequest(f"input: {exc.reason}", param="input") from None
         return add
 
+    async def _counted(self, handle: RequestHandle, arrival: float) -> RequestDelta:
+        """Each input is an engine request of its own, so each counts once, as a vLLM pooling request
+        does: a success ("stop", vLLM's finish for a pooled request) and its arrival-to-embedding time."""
+        delta = await _embedding_of(handle)
+        if self.metrics is not None:
+            self.metrics.count_finish("stop", time.monotonic() - arrival)
+        return delta
+
     def _abort(self, handles: list[RequestHandle]) -> None:
         for handle in handles:
             self.engine.abort(handle)
@@ -150,9 +164,9 @@ class EmbeddingServing:
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
 
-async def _embeddings_of(handles: list[RequestHandle]) -> list[RequestDelta]:
-    """Every handle's embedding delta, in order; on the first failure the others stop waiting."""
-    waits = [asyncio.ensure_future(_embedding_of(h)) for h in handles]
+async def _embeddings_of(embeddings: list[Awaitable[RequestDelta]]) -> list[RequestDelta]:
+    """Every input's embedding delta, in order; on the first failure the others stop waiting."""
+    waits = [asyncio.ensure_future(e) for e in embeddings]
     try:
         return list(await asyncio.gather(*waits))
     finally:

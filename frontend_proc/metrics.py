@@ -175,6 +175,11 @@ class _Observed:
 
 
 class FrontendMetrics:
+    """Latencies and finishes counted per sequence, as vLLM v1 counts them: it runs each of a request's n
+    samples as its own child request, each with its own TTFT, inter-token gaps, e2e latency and success,
+    and an embedding input as a request of its own. Counting choices everywhere keeps the counter and the
+    histograms' ``_count`` equal, so a dashboard's rate(success) matches rate(e2e_count)."""
+
     def __init__(self, router: Router, model_name: str):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
@@ -183,20 +188,36 @@ class FrontendMetrics:
         self.shed = ShedCounts()  # 429s answered here (--max-waiting-requests)
         self.registry.register(ClassStatsCollector(router, model_name, self.shed))
         self.time_to_first_token = _Observed(
-            self.registry, model_name, "time_to_first_token_seconds", "Arrival to first output token",
+            self.registry, model_name, "time_to_first_token_seconds", "Arrival to a sequence's first output token",
             _TTFT_BUCKETS)
-        self.time_per_output_token = _Observed(
-            self.registry, model_name, "time_per_output_token_seconds", "Mean gap between output tokens",
-            _TPOT_BUCKETS)
+        # vLLM observes every decode gap under both names (time_per_output_token is its older one)
+        self._token_gaps = [_Observed(self.registry, model_name, suffix, "Gap between a sequence's consecutive outputs",
+                                      _TPOT_BUCKETS)
+                            for suffix in ("time_per_output_token_seconds", "inter_token_latency_seconds")]
+        self._mean_token_gap = _Observed(
+            self.registry, model_name, "request_time_per_output_token_seconds",
+            "A finished sequence's mean gap between output tokens", _TPOT_BUCKETS)
         self.e2e_request_latency = _Observed(
-            self.registry, model_name, "e2e_request_latency_seconds", "Arrival to last output token",
+            self.registry, model_name, "e2e_request_latency_seconds", "Arrival to a sequence's last output",
             _LATENCY_BUCKETS)
-        self._request_success = Counter(
-            "pagedserve_request_success", "Finished sequences by finish reason",
-            labelnames=["model_name", "finish_reason"], registry=self.registry)
+        self._request_success = [
+            Counter(name, "Finished sequences by finish reason", labelnames=["model_name", label],
+                    registry=self.registry).labels  # vLLM spells the label finished_reason
+            for name, label in (("pagedserve_request_success", "finish_reason"),
+                                ("vllm:request_success", "finished_reason"))]
 
-    def count_finish(self, finish_reason: str) -> None:
-        self._request_success.labels(self.model_name, finish_reason).inc()
+    def observe_token_gap(self, seconds: float) -> None:
+        for gaps in self._token_gaps:
+            gaps.observe(seconds)
+
+    def count_finish(self, finish_reason: str, e2e_seconds: float, decode_seconds: float = 0.0,
+                     num_tokens: int = 0) -> None:
+        """One sequence ended: its success, its e2e latency and, past one token, its mean token gap."""
+        for labels in self._request_success:
+            labels(self.model_name, finish_reason).inc()
+        self.e2e_request_latency.observe(e2e_seconds)
+        if num_tokens > 1:
+            self._mean_token_gap.observe(decode_seconds / (num_tokens - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

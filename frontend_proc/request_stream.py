@@ -43,6 +43,8 @@ class ChoiceState:
         self.index = index
         self.text = SampleText(tokenizer, stop_strings, tokenizer.stream_backend, min_tokens)
         self.decoder = tokenizer  # how its tokens became its text
+        self.first_token_at: Optional[float] = None
+        self.last_token_at: Optional[float] = None
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -79,7 +81,6 @@ class RequestStream:
         self.metrics = metrics
         self.choices = [ChoiceState(i, tokenizer, stop_strings, min_tokens) for i in range(handle.num_seqs)]
         self.arrival = time.monotonic()
-        self.first_token_time: Optional[float] = None
         self._open = len(self.choices)  # choices without a finish_reason: checked per event
 
     @property
@@ -107,7 +108,6 @@ class RequestStream:
                 if self.is_finished():
                     if ended_by_stop_string(c.text for c in self.choices):
                         self.abort()  # the scheduler still runs it: free the blocks now
-                    self._observe_finished()
                     break
             if batch:
                 yield batch
@@ -119,23 +119,26 @@ class RequestStream:
         choice = self.choices[delta.index]
         if choice.finish_reason is not None:
             return None  # already ended by a stop string; the scheduler lags behind
-        if delta.new_token_ids and self.first_token_time is None:
-            self.first_token_time = time.monotonic()
-            self.metrics.time_to_first_token.observe(self.first_token_time - self.arrival)
+        now = time.monotonic()
+        if delta.new_token_ids:
+            self._observe_tokens(choice, now)
         update = choice.apply(delta)
         if update.finish_reason is not None:  # once per choice: a finished one returns above
             self._open -= 1
+            decode_seconds = 0.0 if choice.first_token_at is None else choice.last_token_at - choice.first_token_at
+            self.metrics.count_finish(update.finish_reason, now - self.arrival, decode_seconds, choice.num_tokens)
         return update
 
     def abort(self) -> None:
         """Free the request at the scheduler unless it already finished there."""
         self.engine.abort(self.handle)
 
-    def _observe_finished(self) -> None:
-        now = time.monotonic()
-        self.metrics.e2e_request_latency.observe(now - self.arrival)
-        for choice in self.choices:
-            self.metrics.count_finish(choice.finish_reason)
-            if self.first_token_time is not None and choice.num_tokens > 1:
-                self.metrics.time_per_output_token.observe(
-                    (now - self.first_token_time) / (choice.num_tokens - 1))
+    def _observe_tokens(self, choice: ChoiceState, now: float) -> None:
+        """Each choice is a sequence of its own (vLLM's child request): its own TTFT, then one gap per
+        delta, as vLLM observes one inter-token latency per step however many tokens the step brought."""
+        if choice.first_token_at is None:
+            choice.first_token_at = now
+            self.metrics.time_to_first_token.observe(now - self.arrival)
+        else:
+            self.metrics.observe_token_gap(now - choice.last_token_at)
+        choice.last_token_at = now

@@ -79,6 +79,8 @@ class LLM:
         # Two threads' calls would read each other's outputs off the one socket: calls take turns
         self._lock = threading.Lock()
         self.pooler = pooler_settings(self.config.pooling_type, self.config.pooler_config)
+        if self.config.task == "embed":  # a sentence-transformers model's own pooler, as served
+            self.pooler = self.pooler.under_model_defaults(model)
         # First: on CPU the launcher's fork server loads torch meanwhile (deploy/fork_client.py)
         self._ctx = zmq.Context()
         self.run_dir = str(make_run_dir(self.config.run_dir_parent))

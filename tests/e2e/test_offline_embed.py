@@ -70,3 +70,22 @@ def test_each_kind_of_engine_refuses_the_other_kinds_call(embed_llm, shared_llm)
         shared_llm.embed(["hi"], use_tqdm=False)
     with pytest.raises(ValueError, match="pooling API.*LLM.generate"):  # not a tokenizer
         shared_llm.encode("hi", use_tqdm=False)
+
+
+def test_a_sentence_transformers_model_pools_offline_as_it_declares(tmp_path):
+    """modules.json's mean pooling without a Normalize module, as served (client/pooling.py)."""
+    import json
+
+    from pagedserve import LLM
+    from pagedserve.tools.demo_model import build_model_dir
+
+    model_dir = build_model_dir(tmp_path / "st", "qwen2")
+    (model_dir / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (model_dir / "1_Pooling").mkdir()
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    with LLM(str(model_dir), task="embed", max_model_len=128, num_gpu_blocks=32) as llm:
+        (output,) = llm.embed([[5, 6, 7, 8]], use_tqdm=False)
+    expected = hf_embedding(str(model_dir), [5, 6, 7, 8], "mean", normalize=False)
+    np.testing.assert_allclose(output.outputs.embedding, expected, atol=1e-4)

@@ -64,9 +64,10 @@ def hf_model(model_dir: str):
     return hf_model_and_tokenizer(model_dir)[0]
 
 
-def hf_embedding(model_dir: str, prompt_ids: list[int], pooling: str, dimensions: int | None = None):
+def hf_embedding(model_dir: str, prompt_ids: list[int], pooling: str, dimensions: int | None = None,
+                 normalize: bool = True):
     """transformers' last_hidden_state of ``prompt_ids`` pooled (last token or mean), truncated to
-    ``dimensions`` and L2-normalised: what an embedding from the engine must equal (float32)."""
+    ``dimensions`` and L2-normalised (unless not): what an embedding from the engine must equal (float32)."""
     import torch
 
     model, _ = hf_model_and_tokenizer(model_dir)
@@ -75,4 +76,4 @@ def hf_embedding(model_dir: str, prompt_ids: list[int], pooling: str, dimensions
     pooled = states[-1] if pooling == "last" else states.mean(0)
     if dimensions is not None:
         pooled = pooled[:dimensions]
-    return torch.nn.functional.normalize(pooled, dim=0).tolist()
+    return (torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled).tolist()

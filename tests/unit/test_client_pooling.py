@@ -59,3 +59,52 @@ def test_vllms_spellings_of_the_task_and_the_pooler_reach_the_frontend(tmp_path)
         ServeConfig(model=str(tmp_path), pooling_type="mean")
     with pytest.raises(ConfigError, match="disagree"):
         ServeConfig(model=str(tmp_path), task="embed", pooling_type="last", pooler_config='{"pooling_type": "MEAN"}')
+
+
+def _sentence_transformers_dir(path, mode: str, normalize: bool) -> str:
+    import json
+
+    from pagedserve.tools.demo_model import build_model_dir
+
+    model_dir = build_model_dir(path, "qwen2")
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (model_dir / "2_Normalize").mkdir()
+    (model_dir / "modules.json").write_text(json.dumps(modules))
+    (model_dir / "1_Pooling").mkdir()
+    modes = {f"pooling_mode_{m}": m == mode for m in ("cls_token", "mean_tokens", "max_tokens", "lasttoken")}
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
+    return str(model_dir)
+
+
+@pytest.mark.parametrize("mode, normalize, expected", [
+    ("mean_tokens", True, PoolerSettings("mean", True)),
+    ("mean_tokens", False, PoolerSettings("mean", False)),  # no Normalize module: raw pooled vectors
+    ("lasttoken", True, PoolerSettings("last", True)),
+])
+def test_a_sentence_transformers_model_brings_its_pooler_as_the_embed_default(tmp_path, mode, normalize, expected):
+    from pagedserve.frontend_proc.embeddings_api import EmbeddingServing
+
+    model_dir = _sentence_transformers_dir(tmp_path, mode, normalize)
+    serving = EmbeddingServing("embed", model_dir, ["m"], ["m"], 256, None, None, pooler_settings(None, None))
+    assert serving.pooler == expected
+    assert EmbeddingServing("generate", model_dir, ["m"], ["m"], 256, None, None,
+                            pooler_settings(None, None)).pooler == PoolerSettings("last", True)
+
+
+def test_the_flags_win_over_the_models_pooler_field_by_field(tmp_path):
+    model_dir = _sentence_transformers_dir(tmp_path, "mean_tokens", False)
+    assert pooler_settings("last", None).under_model_defaults(model_dir) == PoolerSettings("last", False)
+    assert (pooler_settings(None, '{"normalize": true}').under_model_defaults(model_dir)
+            == PoolerSettings("mean", True))
+    assert pooler_settings(None, None).under_model_defaults(tmp_path / "none") == PoolerSettings("last", True)
+
+
+@pytest.mark.parametrize("mode", ["cls_token", "max_tokens"])
+def test_a_pooling_mode_this_server_cannot_pool_is_refused_unless_a_flag_overrides_it(tmp_path, mode):
+    model_dir = _sentence_transformers_dir(tmp_path, mode, True)
+    with pytest.raises(ValueError, match=f"pooling mode {mode.removesuffix('_tokens').removesuffix('_token')}"):
+        pooler_settings(None, None).under_model_defaults(model_dir)
+    assert pooler_settings("mean", None).under_model_defaults(model_dir) == PoolerSettings("mean", True)
