@@ -187,6 +187,9 @@ class WorkerHello(Msg):
     max_gpu_blocks: int  # what fits in the memory this worker may use
     hostname: str = ""  # where ``pid`` lives: a scheduler watches only pids on its own node
     vocab_size: int = 0  # embedding rows: a token id at or above it is refused at admission; 0: unknown
+    # how it computes, for a trace's replay to compute the same way ("" / False: not said)
+    dtype: str = ""
+    enforce_eager: bool = False
 
 
 class WorkerInit(Msg):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -64,7 +65,10 @@ class _EngineConfigRules:
         """What a replay needs to rebuild this scheduler (paths, timeouts and logging left out)."""
         skip = {"run_dir", "record_trace", "step_timeout_s", "worker_start_timeout_s",
                 "stats_interval_s", "log_interval_s", "log_level"}
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        config = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        if self.model:  # a replay from another directory still finds the weights
+            config["model"] = os.path.abspath(self.model)
+        return config
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:

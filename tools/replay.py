@@ -52,6 +52,9 @@ def compare_results(step: int, recorded: m.StepResult, replayed: m.StepResult) -
     if recorded.num_accepted_tokens != replayed.num_accepted_tokens:
         return (f"step {step}: recorded accepted proposals {recorded.num_accepted_tokens}, "
                 f"replayed {replayed.num_accepted_tokens}")
+    if (recorded.draft_token_ids or {}) != (replayed.draft_token_ids or {}):
+        return (f"step {step}: recorded draft proposals {recorded.draft_token_ids}, "
+                f"replayed {replayed.draft_token_ids}")
     rec_lp, rep_lp = recorded.logprobs or [], replayed.logprobs or []
     for i, (a, b) in enumerate(zip(rec_lp, rep_lp)):
         if a != b:
@@ -124,16 +127,27 @@ class WorkerReplay:
         for w in self.workers:
             w.kill()
         self.workers = spawn_workers(0, self.tp, self._worker_cmd)
-        hellos = self._collect(m.WorkerHello)
+        try:
+            hellos = self._collect(m.WorkerHello)
+        except ReplayMismatch as exc:  # nothing was replayed yet: the trace cannot be used here
+            raise TraceError(f"the replay's workers did not start on {self.device}: {exc}") from None
         if hellos[0].model_id != self.recorded_hello.model_id:
             raise TraceError(f"the trace was recorded with model {self.recorded_hello.model_id}, "
                              f"but {self.model} is {hellos[0].model_id}")
 
     def _worker_cmd(self, rank: int, dist_init: Optional[str]) -> list[str]:
+        """The recorded workers' way of computing: their dtype, CUDA graphs or not, the draft model."""
+        hello, recorded = self.recorded_hello, []
+        if hello.dtype:
+            recorded += ["--dtype", hello.dtype]
+        if hello.enforce_eager:
+            recorded.append("--enforce-eager")
+        if self.cfg.get("speculative_config"):
+            recorded += ["--speculative-config", self.cfg["speculative_config"]]
         return [sys.executable, "-m", "pagedserve.worker_proc", "--run-dir", self.run_dir, "--model", self.model,
                 "--rank", str(rank), "--tensor-parallel-size", str(self.tp), "--device", self.device,
                 "--block-size", str(self.cfg.get("block_size", 16)), "--log-level", "WARNING",
-                *self.worker_args, *(["--dist-init", dist_init] if dist_init else [])]
+                *recorded, *self.worker_args, *(["--dist-init", dist_init] if dist_init else [])]
 
     def _collect(self, kind: type) -> dict[int, object]:
         """One ``kind`` message from each rank."""

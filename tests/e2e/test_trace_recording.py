@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve.protocol import messages as m
+from pagedserve.protocol.codec import Decoder
 from pagedserve.tools.replay import replay_workers
 from pagedserve.tools.trace_show import summarize_trace
 from pagedserve.protocol.trace import read_trace
@@ -91,3 +93,31 @@ def test_a_tensor_parallel_trace_with_a_lost_worker_replays_exactly_both_ways(mo
     assert report.ok, report.mismatch
     steps, tokens = replay_workers(str(path), model, "cpu", num_threads=1)
     assert steps == report.steps and tokens > 0
+
+
+def test_a_bf16_draft_model_trace_replays_as_recorded_from_another_directory(model_factory, tmp_path, monkeypatch):
+    """A replay computes as the recorded workers did: their dtype (auto would pick float32 for this
+    float32 checkpoint, and the tokens would differ), their draft model (its proposals are compared
+    too), and the weights are found from another directory than the one the server ran in."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.tools.replay import TraceError
+
+    model = Path(model_factory("qwen2"))
+    monkeypatch.chdir(model.parent)
+    path = tmp_path / "bf16.trace"
+    spec = {"method": "draft_model", "model": model.name, "num_speculative_tokens": 3}
+    with LLM(model.name, dtype="bfloat16", speculative_config=spec, record_trace=str(path), num_threads=1,
+             max_model_len=256) as llm:
+        llm.generate(["Hello there, how are you", "Once upon a time"], SamplingParams(max_tokens=16, temperature=0))
+    monkeypatch.chdir(tmp_path)
+    trace = read_trace(str(path))
+    assert trace.meta["config"]["model"] == str(model)
+    results = [Decoder(m.WorkerToScheduler).decode(payload) for direction, payload in trace.records
+               if direction == "from_worker"]
+    assert any(isinstance(r, m.StepResult) and r.draft_token_ids for r in results)  # proposals to compare
+    steps, tokens = replay_workers(str(path), None, None, num_threads=1)
+    assert steps > 0 and tokens > 0
+    with pytest.raises(TraceError, match="did not start on cuda"):  # no GPU here: unusable, not "differs"
+        if __import__("torch").cuda.is_available():
+            pytest.skip("this machine has CUDA")
+        replay_workers(str(path), None, "cuda", num_threads=1)
