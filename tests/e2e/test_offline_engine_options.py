@@ -61,7 +61,12 @@ def test_max_logprobs_bounds_logprobs_and_prompt_logprobs_before_anything_is_sen
 
 def test_workers_dying_more_than_max_restarts_times_but_not_within_restart_window_s_are_replaced(custom_llm):
     greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    replaced_by = None
     for kill in (1, 2):  # max_restarts=1: the second death is allowed only because the window has passed
+        # the window (0.5 s) counts from when the first death was seen, at the latest when its call returned:
+        # requests keep running on the replacement until it has passed
+        while replaced_by is not None and time.monotonic() - replaced_by <= 0.5:
+            custom_llm.generate([[5, 6, 7]], greedy, use_tqdm=False, timeout=60)
         worker = next(c for c in custom_llm._children if c.role == "worker")
         worker.popen.kill()
         worker.popen.wait(timeout=10)
@@ -70,6 +75,7 @@ def test_workers_dying_more_than_max_restarts_times_but_not_within_restart_windo
         assert [o.finish_reason for o in custom_llm.generate([[5, 6, 7]], greedy, use_tqdm=False, timeout=60)] \
             == ["length"]
         assert custom_llm.worker_restarts == kill and worker not in custom_llm._children
+        replaced_by = time.monotonic()
 
 
 def test_a_silent_replica_loses_its_requests_then_ends_the_llm_as_hung(model):
