@@ -21,7 +21,7 @@ from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.frontend_proc.embeddings_api import task_refusal
-from pagedserve.frontend_proc.anthropic_schema import CountTokensRequest, MessagesRequest
+from pagedserve.frontend_proc.anthropic_schema import MESSAGE_PARTS, CountTokensRequest, MessagesRequest
 from pagedserve.frontend_proc.errors import APIError, in_surface_terms
 from pagedserve.frontend_proc.generation import Generation
 from pagedserve.frontend_proc.serving import Serving
@@ -173,7 +173,7 @@ def add_anthropic_routes(app: FastAPI, serving: Serving, authorized: list[Depend
             await serving.check_chat_grammars(chat)  # a forced tool's deep schema converts off the loop
             generation = serving.start_chat(chat, request, include_usage=True)
         except APIError as exc:
-            raise in_surface_terms(body.in_anthropic_terms(exc), CHAT_FIELDS) from None
+            raise in_surface_terms(exc, CHAT_FIELDS, body.origins(), MESSAGE_PARTS) from None
         if not body.stream:
             return JSONResponse(full_message(await generation.full(), serving.served_model_name))
         await generation.start_stream()
@@ -185,4 +185,4 @@ def add_anthropic_routes(app: FastAPI, serving: Serving, authorized: list[Depend
         try:
             return {"input_tokens": serving.count_chat_prompt(body.chat_request(thinks))}
         except APIError as exc:
-            raise in_surface_terms(body.in_anthropic_terms(exc), CHAT_FIELDS) from None
+            raise in_surface_terms(exc, CHAT_FIELDS, body.origins(), MESSAGE_PARTS) from None

@@ -16,12 +16,11 @@ same object has (``tool_choice``, ``thinking``), is a 400 naming it, never ignor
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedserve.frontend_proc.errors import APIError, InvalidRequest
+from pagedserve.frontend_proc.errors import InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest, EncodableStrings
 
 REASONS = {
@@ -38,7 +37,8 @@ REASONS = {
 }
 NEUTRAL = {"service_tier": ("auto", "standard_only"), "is_error": (False, None)}
 ACCEPTED = frozenset({"cache_control"})
-_REASONING = re.compile(r"messages\[(\d+)\]\.reasoning_content")  # the chat template's refusal of thinking
+# a chat message's reasoning_content is its Anthropic message's thinking blocks (in_surface_terms' parts)
+MESSAGE_PARTS = {".reasoning_content": (".content", ".content: thinking blocks")}
 
 
 class _Anthropic(BaseModel):
@@ -184,18 +184,11 @@ class CountTokensRequest(_Anthropic, EncodableStrings):
             error = exc.errors()[0]
             raise InvalidRequest(f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from None
 
-    def in_anthropic_terms(self, exc: APIError) -> APIError:
-        """A refusal naming a translated chat message's reasoning_content, as the Anthropic
-        message whose thinking blocks it came from (the chat list's indices differ: system first,
-        tool results as messages of their own); other errors as they are."""
-        found = isinstance(exc, InvalidRequest) and exc.param and _REASONING.fullmatch(exc.param)
-        if not found:
-            return exc
-        origins = [None] * (self.system is not None)
-        origins += [i for i, message in enumerate(self.messages) for _ in _chat_messages(message, i)]
-        where = f"messages[{origins[int(found.group(1))]}].content"
-        return InvalidRequest(exc.message.replace(exc.param, f"{where}: thinking blocks", 1), param=where,
-                              code=exc.code)
+    def origins(self) -> list[str]:
+        """Where each message of the chat request came from (errors.in_surface_terms)."""
+        origins = ["system"] * (self.system is not None)
+        return origins + [f"messages[{i}]" for i, message in enumerate(self.messages)
+                          for _ in _chat_messages(message, i)]
 
 
 class MessagesRequest(CountTokensRequest):
@@ -248,8 +241,7 @@ def _check_prefill(text: Optional[str], i: int, thinks: bool) -> None:
     if text and text != text.rstrip():
         raise InvalidRequest(f"messages[{i}]: final assistant content cannot end with trailing whitespace",
                              param="messages")
-    # Anthropic refuses a prefill while the model thinks; here the reasoning parser would also take
-    # the continuation for thinking, as the prompt does not end where thinking ends
+    # Anthropic refuses a prefill while the model thinks
     if thinks:
         raise InvalidRequest(f"messages[{i}]: a final assistant message (a prefill) cannot be continued while "
                              f"the model thinks; send thinking {{\"type\": \"disabled\"}}", param="messages")

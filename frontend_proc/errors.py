@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from typing import Optional, Sequence
+
 from pagedserve.client.errors import APIError, InvalidRequest  # noqa: F401  (client/: the offline LLM raises them too)
 
 
@@ -61,11 +64,26 @@ class ShuttingDown(ServiceUnavailable):
         super().__init__(message, code="server_shutting_down")
 
 
-def in_surface_terms(exc: APIError, names: dict[str, str]) -> APIError:
-    """A refusal of a translated chat request in the field names its client sent (Responses'
-    ``text.format`` for chat's ``response_format``, ...); other errors as they are."""
+_CHAT_MESSAGE = re.compile(r"messages\[(\d+)\]")
+
+
+def in_surface_terms(exc: APIError, names: dict[str, str], origins: Sequence[str] = (),
+                     parts: Optional[dict[str, tuple[str, str]]] = None) -> APIError:
+    """A refusal of a translated chat request in the terms its client sent: field names (Responses'
+    ``text.format`` for chat's ``response_format``, ...), and ``messages[k]`` as ``origins[k]``, the
+    part of the request that chat message came from (the indices differ: a system prompt leads,
+    a tool result is a message of its own, a reasoning item and the message after it are one).
+    ``parts``: what follows ``messages[k]`` in the client's terms, as (param, text). Other errors
+    as they are."""
     if not isinstance(exc, InvalidRequest) or exc.param is None:
         return exc
+    found = _CHAT_MESSAGE.match(exc.param)
+    if found and int(found[1]) < len(origins):
+        rest = exc.param[found.end():]
+        param_rest, text_rest = (parts or {}).get(rest, (rest, rest))
+        origin = origins[int(found[1])]
+        return InvalidRequest(exc.message.replace(exc.param, origin + text_rest, 1), param=origin + param_rest,
+                              code=exc.code)
     chat_field = exc.param.split(".")[0].split("[")[0]
     if chat_field not in names:
         return exc

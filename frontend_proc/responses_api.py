@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedserve.frontend_proc.embeddings_api import task_refusal
 from pagedserve.frontend_proc.errors import APIError, in_surface_terms
 from pagedserve.frontend_proc.generation import Generation
-from pagedserve.frontend_proc.responses_schema import ResponsesRequest
+from pagedserve.frontend_proc.responses_schema import MESSAGE_PARTS, ResponsesRequest
 from pagedserve.frontend_proc.serving import Serving
 
 
@@ -245,7 +245,7 @@ def add_responses_routes(app: FastAPI, serving: Serving, authorized: list[Depend
             await serving.check_chat_grammars(chat)  # a deep text.format schema converts off the loop
             generation = serving.start_chat(chat, request, include_usage=True)
         except APIError as exc:
-            raise in_surface_terms(body.in_input_terms(exc), CHAT_FIELDS) from None
+            raise in_surface_terms(exc, CHAT_FIELDS, body.origins(), MESSAGE_PARTS) from None
         if not body.stream:
             return JSONResponse(full_response(builder, await generation.full()))
         await generation.start_stream()

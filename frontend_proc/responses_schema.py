@@ -16,13 +16,12 @@ where it belongs (an item's ``id`` is not a request's).
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, Discriminator, Field, PrivateAttr, Tag, ValidationError
 
 from pagedserve.client.chat_messages import Lenient
-from pagedserve.frontend_proc.errors import APIError, InvalidRequest
+from pagedserve.frontend_proc.errors import InvalidRequest
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest, EncodableStrings
 
 STATELESS = "this server stores no responses; send the whole conversation as input"
@@ -50,6 +49,8 @@ REASONS = {
     "encrypted_content": "this server cannot read encrypted reasoning; send the reasoning item's content "
                          "as this server returned it",
 }
+# a chat message's reasoning_content is the reasoning item that opened its turn (in_surface_terms' parts)
+MESSAGE_PARTS = {".reasoning_content": ("", "")}
 ABOUT_THE_CALLER = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
 Neutral = dict[str, Optional[tuple[Any, ...]]]  # undeclared field -> its accepted values (None: any)
 
@@ -184,8 +185,9 @@ class ResponsesRequest(Lenient, EncodableStrings):
     stream_options: Optional[ResponseStreamOptions] = None
     reasoning: Optional[ReasoningOptions] = None
     metadata: Optional[dict[str, str]] = None  # describes the caller; echoed in the response
-    # chat message index -> the input index of the reasoning item its thinking came from
-    _thinking_from: dict[int, int] = PrivateAttr(default_factory=dict)
+    # where each chat message came from, for errors.in_surface_terms (a message after a reasoning
+    # item joins its turn, so the turn is named by the reasoning item)
+    _origins: list[str] = PrivateAttr(default_factory=list)
 
     def chat(self) -> ChatCompletionRequest:
         """The chat request this asks for (raises InvalidRequest naming a field)."""
@@ -194,13 +196,14 @@ class ResponsesRequest(Lenient, EncodableStrings):
             raise InvalidRequest("stream_options is only for a streamed response (stream: true)",
                                  param="stream_options")
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        self._origins = ["instructions"] * len(messages)
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
+            self._origins.append("input")
         else:
             for i, item in enumerate(self.input):
-                if isinstance(item, ReasoningItem):
-                    self._thinking_from[len(messages)] = i
                 _append_item(messages, item, f"input[{i}]")
+                self._origins += [f"input[{i}]"] * (len(messages) - len(self._origins))
         if not messages:
             raise InvalidRequest("input must not be empty", param="input")
         fields: dict[str, Any] = {"model": self.model, "messages": messages, "stream": bool(self.stream)}
@@ -227,14 +230,9 @@ class ResponsesRequest(Lenient, EncodableStrings):
             error = exc.errors()[0]
             raise InvalidRequest(f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from None
 
-    def in_input_terms(self, exc: APIError) -> APIError:
-        """A refusal of a chat message's thinking as one of the reasoning item it came from."""
-        match = re.fullmatch(r"messages\[(\d+)\]\.reasoning_content", exc.param or "")
-        if not isinstance(exc, InvalidRequest) or match is None or int(match[1]) not in self._thinking_from:
-            return exc
-        item = f"input[{self._thinking_from[int(match[1])]}]"
-        return InvalidRequest(f"{exc.message.replace(match[0], item)}; leave the reasoning items out of input",
-                              param=item, code=exc.code)
+    def origins(self) -> list[str]:
+        """Where each message of the last chat() came from (errors.in_surface_terms)."""
+        return self._origins
 
 
 def _reasoning_fields(reasoning: ReasoningOptions) -> dict[str, Any]:

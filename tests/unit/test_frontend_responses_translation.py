@@ -13,7 +13,7 @@ from pagedserve.frontend_proc.errors import InvalidRequest, in_surface_terms
 from pagedserve.frontend_proc.reasoning import REASONING_PARSERS
 from pagedserve.frontend_proc.response_format import ChatFormat
 from pagedserve.frontend_proc.responses_api import CHAT_FIELDS, ResponseBuilder, full_response
-from pagedserve.frontend_proc.responses_schema import ResponsesRequest
+from pagedserve.frontend_proc.responses_schema import MESSAGE_PARTS, ResponsesRequest
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
 from pagedserve.tools.demo_model import CHAT_TEMPLATE, THINKING_CHAT_TEMPLATE, build_tokenizer
 
@@ -60,7 +60,7 @@ def _prompt(tokenizer: PromptTokenizer, body: ResponsesRequest) -> str:
         chat = prepare_chat(body.chat(), tokenizer, ToolCallingConfig(True, "hermes"), ChatFormat("m"),
                             REASONING_PARSERS["qwen3"])
     except InvalidRequest as exc:
-        raise in_surface_terms(body.in_input_terms(exc), CHAT_FIELDS) from None
+        raise in_surface_terms(exc, CHAT_FIELDS, body.origins(), MESSAGE_PARTS) from None
     return tokenizer.tokenizer.decode(chat.prompt_ids)
 
 
