@@ -109,10 +109,12 @@ class Serving:
     async def check_chat_grammars(self, body: ChatCompletionRequest) -> None:
         """What start_chat will check of the request's grammars (a forced tool call's too), done
         in a thread first (structured_request.check_grammars_off_loop)."""
-        try:
-            forced = plan_tool_calls(body, self.tool_calling).structured_outputs
-        except InvalidRequest:
-            forced = None  # start_chat says why
+        forced = None
+        if body.tools and body.tool_choice not in (None, "none", "auto"):  # only a forced call has a grammar
+            try:
+                forced = plan_tool_calls(body, self.tool_calling).structured_outputs
+            except InvalidRequest:
+                pass  # start_chat says why
         await check_grammars_off_loop(body, [forced])
 
     def start_chat(self, body: ChatCompletionRequest, request: Request,

@@ -138,6 +138,8 @@ async def check_grammars_off_loop(body: SamplingFields, more: Iterable[Optional[
     except InvalidRequest:
         asked = None
     specs = [spec for spec in ([asked[1]] if asked else []) + list(more) if spec is not None]
+    with _checked_lock:  # a thread costs ~0.2 ms a request: only for grammars not checked before
+        specs = [spec for spec in specs if msgspec.msgpack.encode(spec) not in _checked]
     if specs:
         await asyncio.to_thread(_check_quietly, specs)
 
