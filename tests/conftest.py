@@ -17,6 +17,13 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+# The repository's top-level folders share names with installed packages (kernels/ is Hugging
+# Face's `kernels`, which transformers imports): `python -m pytest` and xdist's workers put the
+# working directory first on sys.path, and a test run from the root would import those folders.
+# The installed pagedserve is what runs; every process a test starts inherits PYTHONSAFEPATH.
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))  # `import support` under any --import-mode
 
