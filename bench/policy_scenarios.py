@@ -34,6 +34,7 @@ import msgspec
 from pagedserve.bench.report import stats
 from pagedserve.bench.serve import _CHUNK, _JSON, first_model, http_session
 from pagedserve.bench.servers import BenchServer, pagedserve_command
+from pagedserve.deploy.entry_points import python_module
 
 POLICY_SCENARIOS = ("priority", "fair", "deadline", "shedding")
 # about 4x one request's run time on the demo model with 16 running (~40 ms), shorter than the
@@ -215,8 +216,8 @@ async def _start_flood_process(url: str, model: str) -> asyncio.subprocess.Proce
     interpreter on a loaded machine (a new venv's cold files) once took past a window fixed before
     it started, and flooded nothing. JSON over pipes, not multiprocessing: no pickle anywhere."""
     pipe = asyncio.subprocess.PIPE
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "pagedserve.bench.policy_scenarios", "flood",
-                                                url, model, stdin=pipe, stdout=pipe)
+    proc = await asyncio.create_subprocess_exec(*python_module("pagedserve.bench.policy_scenarios", "flood", url, model),
+                                                stdin=pipe, stdout=pipe)
     if await proc.stdout.readline() != b"ready\n":
         raise RuntimeError(f"the flood process did not start (exit {await proc.wait()})")
     return proc

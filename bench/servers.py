@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 
 import httpx
 
+from pagedserve.deploy.entry_points import SAFE_PATH_FLAGS, python_module
+
 ENGINES = ("pagedserve", "vllm", "transformers")
 VLLM_PYTHON_ENV = "PAGEDSERVE_VLLM_PYTHON"
 # On the CPU, vLLM's gpu_memory_utilization is the share of the machine's RAM it reserves, and
@@ -103,13 +105,12 @@ def free_port() -> int:
 
 
 def pagedserve_command(model: str, port: int, extra: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "pagedserve.deploy.cli", "serve", model, "--host", "127.0.0.1",
-            "--port", str(port), *extra]
+    return python_module("pagedserve.deploy.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port), *extra)
 
 
 def transformers_command(model: str, port: int, device: str = "cpu", dtype: str = "auto") -> list[str]:
     code = "import sys; from transformers.cli.transformers import main; sys.exit(main())"
-    return [sys.executable, "-c", code, "serve", model, "--continuous-batching", "--device", device,
+    return [sys.executable, *SAFE_PATH_FLAGS, "-c", code, "serve", model, "--continuous-batching", "--device", device,
             "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
 
 

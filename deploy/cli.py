@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from pagedserve.clean_path import drop_working_directory
 from pagedserve.deploy.serve_config import ConfigError, add_serve_args, serve_config_from_args
 from pagedserve.deploy.vllm_compat import unsupported_flag
 from pagedserve.protocol.version import package_version
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    drop_working_directory()  # ``python -m pagedserve.deploy.cli`` on 3.10 (pagedserve/clean_path.py)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:

@@ -27,6 +27,7 @@ from typing import Optional
 
 import msgspec
 
+from pagedserve.deploy.entry_points import python_module
 from pagedserve.deploy.fork_server import MAX_REQUEST_BYTES, STATUS
 
 log = logging.getLogger("pagedserve.deploy")
@@ -90,7 +91,8 @@ class ForkServerConnection:
     """A fork server of this process's own (``listen``: one others may connect to as well), or,
     with ``address``, a connection to one that listens there."""
 
-    def __init__(self, listen: Optional[str] = None, address: Optional[str] = None):
+    def __init__(self, listen: Optional[str] = None, address: Optional[str] = None,
+                 allow_modules: tuple[str, ...] = ()):
         self.proc: Optional[subprocess.Popen] = None
         self.address = address or listen
         self.lock = threading.Lock()
@@ -108,8 +110,9 @@ class ForkServerConnection:
             return
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "pagedserve.deploy.fork_server", str(theirs.fileno()),
-                                          *(["--listen", listen] if listen else [])],
+            self.proc = subprocess.Popen(python_module("pagedserve.deploy.fork_server", str(theirs.fileno()),
+                                                       *(["--listen", listen] if listen else []),
+                                                       *(a for m in allow_modules for a in ("--allow-module", m))),
                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, process_group=0)
         finally:
             theirs.close()

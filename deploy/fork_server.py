@@ -9,6 +9,12 @@ starts with them loaded, shared copy-on-write, and runs the ``python -m`` entry 
 command names (runpy), with the parent's argv, environment, working directory and standard
 streams, under the command line as its process title.
 
+It runs code on request, so it runs only pagedserve's own entry points (``ENTRY_MODULES``, plus
+any its starter named with ``--allow-module``), only for a peer of its own uid (``SO_PEERCRED``),
+and listens only in a directory private to its user. A refused request is logged on stderr and
+the server goes on. Its children import what is installed: the server runs with ``-P`` and a
+child keeps its ``sys.path``, never the working directory (``entry_points.py``).
+
 The wire (SOCK_SEQPACKET, msgpack, never pickle): a client sends ``{"argv", "env", "cwd"}``
 with four descriptors (stdin, stdout, stderr, the write end of a status pipe) and gets
 ``{"pid"}`` or ``{"error"}``. When a child ends, its exit code as ``subprocess`` gives it
@@ -41,6 +47,8 @@ from typing import Optional
 
 import msgspec
 
+from pagedserve.clean_path import drop_working_directory
+from pagedserve.deploy.entry_points import ENTRY_MODULES, module_of
 from pagedserve.deploy.parent_death import die_with_parent
 from pagedserve.protocol.process_exit import exit_now
 
@@ -80,6 +88,31 @@ def preload() -> None:
     gc.freeze()  # out of every child's collections: their pages stay shared
 
 
+def refuse(why: str) -> None:
+    """No logging is configured here (each child's ``basicConfig`` sets its own): one stderr line."""
+    print(f"pagedserve fork server: refused {why}", file=sys.stderr, flush=True)
+
+
+def private_directory_problem(path: str) -> Optional[str]:
+    """Why the directory of ``path`` is not private to this user (None when it is): anyone who
+    can write there could put their own socket in its place."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.stat(directory)
+    except OSError as exc:
+        return f"cannot stat {directory}: {exc.strerror}"
+    if st.st_uid != os.getuid():
+        return f"{directory} belongs to uid {st.st_uid}, not {os.getuid()}"
+    if st.st_mode & 0o077:
+        return f"{directory} has mode {oct(st.st_mode & 0o777)}; others may enter it (0700 is private)"
+    return None
+
+
+def peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
 def thread_count() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -91,8 +124,10 @@ class ForkServer:
     """Serves fork requests on ``control`` (the parent's end) and on every connection accepted
     by ``listener`` (``--listen``: other processes' deployments)."""
 
-    def __init__(self, control: socket.socket, listener: Optional[socket.socket] = None):
+    def __init__(self, control: socket.socket, listener: Optional[socket.socket] = None,
+                 allowed_modules: frozenset[str] = ENTRY_MODULES):
         self.control, self.listener = control, listener
+        self.allowed_modules = allowed_modules
         self.pid = os.getpid()
         self.hello: dict = {}
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pid -> (its status pipe, who asked)
@@ -133,6 +168,11 @@ class ForkServer:
             conn, _ = self.listener.accept()
         except OSError:
             return
+        uid = peer_uid(conn)
+        if uid != os.getuid():
+            refuse(f"a connection from uid {uid}: it serves uid {os.getuid()} only")
+            conn.close()
+            return
         self.selector.register(conn, selectors.EVENT_READ)
         try:
             self.send(conn, **self.hello)
@@ -158,19 +198,24 @@ class ForkServer:
         try:
             request = msgspec.msgpack.decode(data)
             argv, env, cwd = list(request["argv"]), dict(request["env"]), str(request["cwd"])
-            if len(fds) != 4 or len(argv) < 3 or argv[1] != "-m":
+            module = module_of(argv)
+            if len(fds) != 4 or module is None:
                 raise ValueError(f"a request needs argv [python, -m, module, ...] and 4 descriptors, "
                                  f"got {argv[:3]} and {len(fds)}")
-        except Exception as exc:  # a malformed request fails that spawn, never the server
+            if module not in self.allowed_modules:
+                raise PermissionError(f"module {module!r} is not one of this deployment's entry points "
+                                      f"({', '.join(sorted(self.allowed_modules))})")
+        except Exception as exc:  # a malformed or refused request fails that spawn, never the server
             for fd in fds:
                 os.close(fd)
+            refuse(f"a request: {type(exc).__name__}: {exc}")
             self.send(conn, error=f"{type(exc).__name__}: {exc}")
             return True
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            self.become(argv, env, cwd, fds)  # never returns
+            self.become(argv, module, env, cwd, fds)  # never returns
         for fd in fds[:3]:
             os.close(fd)
         self.children[pid] = (fds[3], conn)
@@ -205,7 +250,7 @@ class ForkServer:
                 except ProcessLookupError:
                     pass
 
-    def become(self, argv: list[str], env: dict, cwd: str, fds: list[int]) -> None:
+    def become(self, argv: list[str], module: str, env: dict, cwd: str, fds: list[int]) -> None:
         """In the child: drop the server's state, take the request's, run its module."""
         code = 1
         try:
@@ -234,9 +279,9 @@ class ForkServer:
                 setproctitle.setproctitle(" ".join(argv))  # ps and psutil show the command, as if exec'd
             except ImportError:
                 pass
-            sys.path[0] = cwd  # what ``python -m`` puts first
-            sys.argv = [argv[2], *argv[3:]]
-            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+            # sys.path stays the server's: ``python -P -m`` puts no working directory on it
+            sys.argv = [module, *argv[argv.index("-m") + 2:]]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exc:
             code = exit_code(exc.code)
@@ -257,16 +302,23 @@ def exit_code(value) -> int:
 
 
 def main() -> None:
+    drop_working_directory()  # before preload() imports transformers
     parser = argparse.ArgumentParser(prog="pagedserve.deploy.fork_server")
     parser.add_argument("fd", type=int, help="the parent's end of their socketpair")
     parser.add_argument("--listen", help="also serve other processes on this unix socket (in a private dir)")
+    parser.add_argument("--allow-module", action="append", default=[],
+                        help="a module to run besides pagedserve's entry points (the fork server's own tests)")
     ns = parser.parse_args()
     listener = None
     if ns.listen:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(ns.listen)
-        listener.listen(64)
-    server = ForkServer(socket.socket(fileno=ns.fd), listener)
+        problem = private_directory_problem(ns.listen)
+        if problem is not None:  # it serves its parent still; other deployments start theirs by exec
+            refuse(f"to listen at {ns.listen}: {problem}")
+        else:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            listener.bind(ns.listen)
+            listener.listen(64)
+    server = ForkServer(socket.socket(fileno=ns.fd), listener, ENTRY_MODULES | frozenset(ns.allow_module))
     try:
         preload()
     except BaseException as exc:  # the parent falls back to starting its children itself

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from pagedserve.deploy.entry_points import python_module
 from pagedserve.protocol import options as opts
 from pagedserve.client.generation_defaults import check_generation_config_option
 from pagedserve.client.pooling import pooler_settings
@@ -219,8 +220,8 @@ class _ServeConfigRules:
 
     def _child_cmd(self, process: str, run_dir: str, **overrides) -> list[str]:
         values = opts.values_of(self, opts.options_for(process)) | overrides
-        return [sys.executable, "-m", f"pagedserve.{process}_proc", "--run-dir", run_dir, "--model", self.model,
-                *opts.argv_for(process, values)]
+        return python_module(f"pagedserve.{process}_proc", "--run-dir", run_dir, "--model", self.model,
+                             *opts.argv_for(process, values))
 
     def frontend_cmd(self, run_dir: str) -> list[str]:
         return self._child_cmd(FRONTEND, run_dir) + [a for alias in self.model_aliases for a in ("--model-alias", alias)]

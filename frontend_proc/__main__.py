@@ -6,6 +6,10 @@ with a ProcessReady(role="frontend").
 
 from __future__ import annotations
 
+from pagedserve.clean_path import drop_working_directory
+
+drop_working_directory()  # before anything imports transformers (pagedserve/clean_path.py)
+
 import asyncio
 import gc
 import logging

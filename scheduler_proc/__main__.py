@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pagedserve.clean_path import drop_working_directory
+
+drop_working_directory()  # before anything imports transformers (pagedserve/clean_path.py)
+
 import argparse
 import gc
 import logging

@@ -9,6 +9,11 @@ replayed scheduler decides ahead exactly where the recorded one did. Run as
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before anything imports transformers (pagedserve/clean_path.py)
+    from pagedserve.clean_path import drop_working_directory
+
+    drop_working_directory()
+
 import os
 import sys
 from collections import deque

@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 
 from pagedserve.deploy.children import Child
+from pagedserve.deploy.entry_points import python_module
 from pagedserve.deploy.launcher import StartupError, spawn_workers, stop_children, wait_for
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import Decoder, ProtocolError
@@ -144,10 +145,10 @@ class WorkerReplay:
             recorded.append("--enforce-eager")
         if self.cfg.get("speculative_config"):
             recorded += ["--speculative-config", self.cfg["speculative_config"]]
-        return [sys.executable, "-m", "pagedserve.worker_proc", "--run-dir", self.run_dir, "--model", self.model,
-                "--rank", str(rank), "--tensor-parallel-size", str(self.tp), "--device", self.device,
-                "--block-size", str(self.cfg.get("block_size", 16)), "--log-level", "WARNING",
-                *recorded, *self.worker_args, *(["--dist-init", dist_init] if dist_init else [])]
+        return python_module("pagedserve.worker_proc", "--run-dir", self.run_dir, "--model", self.model,
+                             "--rank", str(rank), "--tensor-parallel-size", str(self.tp), "--device", self.device,
+                             "--block-size", str(self.cfg.get("block_size", 16)), "--log-level", "WARNING",
+                             *recorded, *self.worker_args, *(["--dist-init", dist_init] if dist_init else []))
 
     def _collect(self, kind: type) -> dict[int, object]:
         """One ``kind`` message from each rank."""
@@ -234,7 +235,7 @@ def replay_workers(trace_path: str, model: Optional[str], device: Optional[str],
 def replay_main(ns: argparse.Namespace) -> int:
     if ns.scheduler_only:
         model = ["--model", ns.model] if ns.model else []  # constrained requests' masks need its tokenizer
-        return subprocess.call([sys.executable, "-m", "pagedserve.scheduler_proc.replay", ns.trace, *model])
+        return subprocess.call(python_module("pagedserve.scheduler_proc.replay", ns.trace, *model))
     try:
         steps, tokens = replay_workers(ns.trace, ns.model, ns.device, getattr(ns, "num_threads", None))
     except TraceError as exc:

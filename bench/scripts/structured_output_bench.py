@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from pagedserve.deploy.entry_points import python_module
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -60,7 +62,7 @@ def free_port() -> int:
 
 
 def start_server(model: str, port: int, extra: list[str], log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pagedserve.deploy.cli", "serve", model, "--port", str(port), *extra]
+    cmd = python_module("pagedserve.deploy.cli", "serve", model, "--port", str(port), *extra)
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -1,6 +1,10 @@
 """The fork server (deploy/fork_server.py): a child forked from it behaves as the same command
 exec'd would, as far as a deployment can tell (argv, environment, working directory, streams,
-exit codes, process title, OpenMP threads), and none outlives its parent."""
+exit codes, process title, OpenMP threads), and none outlives its parent. It runs only the
+modules it was started to run, for its own user, and listens only in a private directory.
+
+The tests' modules live in a directory on the server's PYTHONPATH, named with --allow-module:
+a child imports nothing from its working directory."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import textwrap
 import psutil
 import pytest
 
+from pagedserve.deploy.entry_points import python_module
+
 from support.fault_helpers import process_gone as gone
 from support.server import wait_until
 from pagedserve.deploy.fork_client import (START_METHOD_ENV, ForkServerConnection, ForkServerError,
@@ -21,21 +27,45 @@ from pagedserve.deploy.fork_client import (START_METHOD_ENV, ForkServerConnectio
 pytestmark = pytest.mark.slow  # every test starts a fork server
 
 
+TEST_MODULES = ("report_args", "raises", "sleeps", "omp_threads", "fine", "sleeps_long", "sleeps_shared", "exits_3",
+                "sleeper")
+
+
 @pytest.fixture(scope="module")
-def server():
-    conn = ForkServerConnection()
+def modules(tmp_path_factory):
+    return tmp_path_factory.mktemp("modules")
+
+
+def fork_server(modules, **kwargs) -> ForkServerConnection:
+    """A fork server that may run the test modules, found on its PYTHONPATH."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(modules)
+    try:
+        return ForkServerConnection(allow_modules=TEST_MODULES, **kwargs)
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+@pytest.fixture(scope="module")
+def server(modules):
+    conn = fork_server(modules)
     yield conn
     conn.close()
 
 
 @pytest.fixture
-def module_dir(tmp_path, monkeypatch):
-    """Modules written here run as ``python -m NAME`` from here, the children's working directory."""
+def module_dir(modules, tmp_path, monkeypatch):
+    """Modules written to the server's path run as ``python -P -m NAME`` from ``tmp_path``, the
+    children's working directory."""
     monkeypatch.chdir(tmp_path)
 
     def write(name: str, body: str) -> list[str]:
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
-        return [sys.executable, "-m", name]
+        assert name in TEST_MODULES
+        (modules / f"{name}.py").write_text(textwrap.dedent(body))
+        return python_module(name)
 
     return write
 
@@ -68,7 +98,8 @@ def test_a_signal_is_a_negative_code_and_the_title_is_the_command_line(server, m
     cmd = module_dir("sleeps", "import time\ntime.sleep(600)\n")
     child = server.spawn([*cmd, "--run-dir", "/somewhere/run-1"])
     assert child.poll() is None
-    assert wait_until(lambda: " ".join(psutil.Process(child.pid).cmdline()) == " ".join(child.args), 10), \
+    # rstrip: the title is padded with NULs to the server's own argv (long here, with --allow-module)
+    assert wait_until(lambda: " ".join(psutil.Process(child.pid).cmdline()).rstrip() == " ".join(child.args), 10), \
         psutil.Process(child.pid).cmdline()
     assert psutil.Process(child.pid).ppid() == server.proc.pid
     with pytest.raises(subprocess.TimeoutExpired):
@@ -109,8 +140,8 @@ def test_a_malformed_request_is_refused_and_the_server_goes_on(server, module_di
     assert server.spawn(module_dir("fine", "pass\n")).wait(60) == 0
 
 
-def test_closing_the_connection_kills_the_children_still_running(module_dir):
-    conn = ForkServerConnection()
+def test_closing_the_connection_kills_the_children_still_running(modules, module_dir):
+    conn = fork_server(modules)
     child = conn.spawn(module_dir("sleeps_long", "import time\ntime.sleep(600)\n"))
     server_pid = conn.proc.pid
     conn.close()
@@ -122,13 +153,14 @@ def test_a_sigkilled_parent_leaves_neither_the_server_nor_its_children(tmp_path)
     script.write_text(textwrap.dedent("""
         import sys, time
         from pagedserve.deploy.fork_client import ForkServerConnection
-        conn = ForkServerConnection()
+        conn = ForkServerConnection(allow_modules=("sleeper",))
         child = conn.spawn([sys.executable, "-m", "sleeper"])
         print(conn.proc.pid, child.pid, flush=True)
         time.sleep(600)
     """))
     (tmp_path / "sleeper.py").write_text("import time\ntime.sleep(600)\n")
-    parent = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(tmp_path)})
     try:
         server_pid, child_pid = map(int, parent.stdout.readline().split())
         parent.kill()
@@ -157,11 +189,11 @@ def test_one_server_is_shared_by_a_processs_cpu_deployments_and_stops_with_the_l
 
 
 def test_a_listening_server_forks_for_every_client_and_a_client_that_goes_takes_only_its_children(
-        module_dir, tmp_path):
+        modules, module_dir, tmp_path):
     import tempfile
 
     address = os.path.join(tempfile.mkdtemp(prefix="pfs-"), "fork.sock")  # mkdtemp: a private dir
-    owner = ForkServerConnection(listen=address)
+    owner = fork_server(modules, listen=address)
     try:
         owner._check_ready()
         first, second = ForkServerConnection(address=address), ForkServerConnection(address=address)
@@ -180,3 +212,59 @@ def test_a_listening_server_forks_for_every_client_and_a_client_that_goes_takes_
         owner.close()
     assert not ForkServerConnection(address=address).alive()  # nobody listens: spawns are exec'd
     os.rmdir(os.path.dirname(address))  # empty: the owner removed its socket
+
+
+def test_a_module_outside_its_entry_points_is_refused_logged_and_the_server_goes_on(modules, module_dir, capfd):
+    server = fork_server(modules)  # its stderr is this test's
+    try:
+        with pytest.raises(ForkServerError, match="not one of this deployment's entry points"):
+            server.spawn(python_module("http.server", "8000"))
+        assert "pagedserve fork server: refused a request" in capfd.readouterr().err
+        assert server.spawn(module_dir("fine", "pass\n")).wait(60) == 0
+    finally:
+        server.close()
+
+
+def test_a_peer_of_another_uid_is_refused_even_where_the_filesystem_lets_it_in(modules, tmp_path):
+    import pwd
+    import tempfile
+
+    if os.getuid() != 0:
+        pytest.skip("only root can start a peer of another uid here")
+    nobody = pwd.getpwnam("nobody")
+    directory = tempfile.mkdtemp(prefix="pfs-")
+    owner = fork_server(modules, listen=os.path.join(directory, "fork.sock"))
+    try:
+        owner._check_ready()
+        os.chmod(directory, 0o711)  # after the server checked it: only the uid check stands now
+        os.chmod(owner.address, 0o777)
+        probe = textwrap.dedent(f"""
+            import os, socket
+            os.setgid({nobody.pw_gid}); os.setuid({nobody.pw_uid})
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect({owner.address!r})
+            s.settimeout(30)
+            print(repr(s.recv(1 << 16)))
+        """)
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "b''"  # closed before the hello, and nothing could be asked for
+        assert owner.spawn(python_module("fine")).wait(60) == 0
+    finally:
+        owner.close()
+        os.rmdir(directory)
+
+
+def test_a_listen_path_in_a_directory_others_may_write_is_refused_and_the_parent_is_still_served(
+        modules, module_dir, tmp_path, capfd):
+    shared = tmp_path / "world-writable"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    owner = fork_server(modules, listen=str(shared / "fork.sock"))
+    try:
+        assert owner.spawn(module_dir("fine", "pass\n")).wait(60) == 0
+        assert not (shared / "fork.sock").exists()
+        assert "refused to listen at" in capfd.readouterr().err
+        assert not ForkServerConnection(address=str(shared / "fork.sock")).alive()
+    finally:
+        owner.close()

@@ -18,6 +18,7 @@ import ray  # the ray extra, part of the test extra: CI runs these
 
 from support.oracle import hf_tokenizer
 from support.server import Server, wait_until
+from support.shadowing import assert_it_shadows, shadowing_cwd, unsafe_env
 from support.greedy import assert_equal_to_transformers, client, greedy_completions
 
 
@@ -142,8 +143,12 @@ def test_sigterm_leaves_no_process_and_no_live_placement_group(dp2):
 
 
 def test_tensor_parallel_pair_on_one_node_serves_transformers_greedy_tokens(cluster, model_factory, tmp_path):
-    srv = Server(model_factory("qwen2"), [*SERVER_ARGS, "--tensor-parallel-size", "2"],
-                 env={"RAY_ADDRESS": cluster.address})
+    """A Llama, started from a directory that shadows an installed package (support/shadowing.py):
+    the replica's processes on the Ray node import what is installed."""
+    cwd = shadowing_cwd(tmp_path)
+    assert_it_shadows(cwd)
+    srv = Server(model_factory("llama"), [*SERVER_ARGS, "--tensor-parallel-size", "2"],
+                 env=unsafe_env(RAY_ADDRESS=cluster.address), cwd=str(cwd), console_script=True)
     srv.start(tmp_path, timeout_s=150)
     try:
         replica = health(srv)["replicas"][0]

@@ -97,7 +97,10 @@ class Server:
     port: int = 0
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
-    env: dict = field(default_factory=dict)  # extra environment for the whole deployment
+    env: dict = field(default_factory=dict)  # extra environment for the whole deployment (None: unset)
+    cwd: str | None = None  # the deployment's working directory (this process's by default)
+    # ``pagedserve serve`` as a user types it (the console script) instead of ``python -m``
+    console_script: bool = False
     # False: its processes are forked from this pytest process's listening fork server, loaded
     # once for all of them (deploy/fork_client.py); True: from one of its own, as `serve` alone does.
     own_fork_server: bool = False
@@ -111,11 +114,14 @@ class Server:
         self.run_dir_parent = str(tmp / "run")
         os.makedirs(self.run_dir_parent, exist_ok=True)
         self.log_path = tmp / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "pagedserve.deploy.cli", "serve", self.model, "--port", str(self.port),
-               "--run-dir-parent", self.run_dir_parent, *self.args]
+        entry = ([str(Path(sys.executable).parent / "pagedserve")] if self.console_script
+                 else [sys.executable, "-m", "pagedserve.deploy.cli"])
+        cmd = [*entry, "serve", self.model, "--port", str(self.port), "--run-dir-parent", self.run_dir_parent,
+               *self.args]
         shared = {} if self.own_fork_server else {ADDRESS_ENV: session_fork_server()}
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, **shared, **self.env})
+        env = {k: v for k, v in {**os.environ, **shared, **self.env}.items() if v is not None}
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env,
+                                     cwd=self.cwd)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
