@@ -3,7 +3,7 @@
 # named steps, each under its own time limit, logging to $OUT (the device tool's folder).
 #   bench/gpu_session.sh tests check kernels offline serve
 # Before the call, here: `bash bench/gpu_wheels.sh` (the missing packages and pagedserve's own
-# wheel into .whl/, which the call carries). Steps and their results: bench/RESULTS.md, "GPU".
+# wheel into .whl/, which the call carries). Steps and their results: bench/RESULTS.md (GPU) and bench/log/.
 # cpuamx and cpuspec time the CPU's bf16 path on the host's AMX cores (2 of them, as the developers'
 # machine). The CPU steps can run beside the GPU's, in a second invocation on other cores:
 #   bash bench/gpu_session.sh   # installs once; then, in parallel:
@@ -18,8 +18,9 @@
 #     >$OUT/cpu.log 2>&1; } & RUNS=2 DEADLINE=530 CONFIGS="|--max-num-seqs 128|--max-num-seqs 96" \
 #   taskset -c "$(bash bench/gpu_session.sh others)" bash bench/gpu_session.sh atests serve06 serve06t spec qgaps \
 #   2>&1 | tee $R/session.log; wait; cp $OUT/cpu.log $R/; tar czf $R/logs.tgz -C $OUT .
-# serve06's CONFIGS map the rate against TPOT by running requests (RESULTS "GPU: where vLLM's published point
-# lies"): the default's TPOT is 2x vLLM's, so which cap meets both halves of the goal decides the default.
+# serve06's CONFIGS map the rate against TPOT by running requests (bench/log/2026-11-28.md "GPU: where vLLM's
+# published point lies"): the default's TPOT is 2x vLLM's, so which cap meets both halves of the goal decides
+# the default.
 set -u
 # Two CPUs on two physical cores, for the CPU steps.
 CPU_PAIR=${CPU_PAIR:-$(lscpu -p=CPU,CORE | grep -v '^#' | sort -t, -k2,2n -u | head -n 2 | cut -d, -f1 | paste -sd,)}
@@ -91,7 +92,7 @@ for s in "$@"; do
     spec) for n in 1 64; do step "spec$n" 150 pagedserve bench offline --shapes 0.5b-loops --device cuda \
                --dtype bfloat16 --engines pagedserve --num-prompts $n --output-len 256 --runs 4 \
                --speculative-config "$SPEC"; done
-          # in bf16 one stream of 0.5b-loops hardly repeats (9% accepted, RESULTS); a prompt of one
+          # in bf16 one stream of 0.5b-loops hardly repeats (9% accepted, bench/log/2026-11-28.md); a prompt of one
           # 4-token phrase repeated does (87% on a CPU in bf16): output that copies its input
           step spec1rep 150 pagedserve bench offline --shapes 0.5b-loops --device cuda --dtype bfloat16 \
                --engines pagedserve --num-prompts 1 --output-len 256 --runs 4 --repeating-prompts 4 \
@@ -99,7 +100,8 @@ for s in "$@"; do
     specnorep) step specnorep 120 pagedserve bench offline --shapes 0.5b --device cuda --dtype bfloat16 \
                --engines pagedserve --num-prompts 64 --output-len 128 --runs 2 --speculative-config "$SPEC" ;;
     # Issue 33's 16 streams on AMX: in bf16 a 16-row step there should be bound by memory, where an extra
-    # row is cheap (on AVX2 it is compute-bound: 1.03x at 86% accepted, RESULTS); repeated prompts repeat.
+    # row is cheap (on AVX2 it is compute-bound: 1.03x at 86% accepted, bench/log/2026-11-28.md); repeated
+    # prompts repeat.
     cpuspec) for n in 16 1; do step "cpuspec$n" 240 taskset -c "$CPU_PAIR" pagedserve bench offline --shapes 0.5b-loops \
                --device cpu --dtype bfloat16 --engines pagedserve --num-prompts $n --output-len 256 --runs 1 \
                --repeating-prompts 4 --speculative-config "$SPEC"; done ;;

@@ -13,7 +13,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   annotated_doc==0.0.7 apache_tvm_ffi==0.1.15.post2 annotated_types==0.8.0 distro==1.9.0 fastapi==0.165.0 httpcore2==2.16.2 httptools==0.9.0 httpx2==2.16.2 jiter==0.19.0 msgspec==0.22.0 openai==3.57.0 opentelemetry_api==1.45.2 pydantic==2.14.4 pydantic_core==2.50.5 pyzmq==27.3.0 sniffio==1.3.1 starlette==1.10.0 truststore==0.10.5 typing_inspection==0.4.5 uvicorn==0.54.0 xgrammar==0.2.8 
 rm -f .whl/pagedserve-*.whl
 # A stale egg-info's SOURCES.txt (or build/) puts files in the wheel that pyproject no longer
-# lists, which hid a missing package once (RESULTS "GPU: paged attention's tiles").
+# lists, which hid a missing package once (bench/log/2026-11-28.md "GPU: paged attention's tiles").
 rm -rf build pagedserve.egg-info
 python=python3
 [ -x .venv/bin/python ] && python=.venv/bin/python  # it has setuptools; a bare python3 may not

@@ -130,7 +130,7 @@ def _http_client():
     """The openai client's aiohttp transport (its `aiohttp` extra) where installed, else httpx.
 
     The client shares the servers' cores here; per stream event it spent 94 us of CPU over
-    httpx and 71 us over aiohttp (bench/RESULTS.md), time the server under test loses."""
+    httpx and 71 us over aiohttp (bench/log/2026-11-25.md), time the server under test loses."""
     import httpx
     import openai
 

@@ -15,7 +15,7 @@ The client is aiohttp, as vLLM's own serving benchmark: on a machine where the c
 the server's cores, what it spends per event is taken from the server, and a client that falls
 behind reads several events at once (ITL near zero). At 64 streams on 2 cores httpx spent
 68-76 us of CPU per event and read in bursts (ITL p50 0.01 ms); aiohttp 24-25 us, with an
-ITL p50 of 2.7 ms that matches the server's steps (bench/RESULTS.md).
+ITL p50 of 2.7 ms that matches the server's steps (bench/log/2026-11-25.md).
 """
 
 from __future__ import annotations

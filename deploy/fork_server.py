@@ -4,7 +4,7 @@ schedulers, workers and frontend from that state:
 
 Each runtime process loads torch and transformers (the worker for the model, the frontend for
 the tokenizer, the scheduler for xgrammar's), 3-4 CPU-s apiece: most of a start's CPU on 2
-cores (bench/RESULTS.md "Starting a deployment from a fork server"). A child forked from here
+cores (bench/log/2026-11-28.md "Starting a deployment from a fork server"). A child forked from here
 starts with them loaded, shared copy-on-write, and runs the ``python -m`` entry point its
 command names (runpy), with the parent's argv, environment, working directory and standard
 streams, under the command line as its process title.

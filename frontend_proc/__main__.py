@@ -97,7 +97,7 @@ async def serve(config: FrontendConfig) -> None:
 # Where the frontend and a scheduler share a core, the scheduler should win it: a step it
 # sends late leaves the device idle for everyone, while a late SSE write delays one event.
 # Measured on 2 cores, demo model, 64 streams: 4.8-9.6k tok/s with this against 3.9-4.7k
-# without, TPOT mean 5.4-9.8 ms against 12.3-14.9 (bench/RESULTS.md). Only ever lowers
+# without, TPOT mean 5.4-9.8 ms against 12.3-14.9 (bench/log/2026-11-23.md). Only ever lowers
 # this process's priority, which needs no privilege.
 FRONTEND_NICENESS = 5
 
@@ -125,7 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(main_coroutine) -> None:
     """On uvloop where it is installed (uvicorn's own choice for its `standard` extra): the
     frontend's cost is event-loop work per token (a queue wake, an SSE write), which uvloop
-    does in C (bench/RESULTS.md)."""
+    does in C (bench/log/2026-11-25.md)."""
     try:
         import uvloop
     except ImportError:

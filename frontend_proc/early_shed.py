@@ -5,7 +5,7 @@ anything per request.
 
 The refusals share one event loop with the admitted streams, so each one must cost little of it:
 a flood of them through the whole request path (pydantic, the tokenizer, the router) was what
-made the 429s slow and the admitted streams' TPOT grow (bench/RESULTS.md, "Scheduling policies").
+made the 429s slow and the admitted streams' TPOT grow (bench/log/2026-11-26.md, "Scheduling policies").
 
 What a 429 looked like before stays: the same body (engine_client.overloaded) in each surface's
 error shape (OpenAI's; Anthropic's on ``/v1/messages``, by the function the app's handler uses),

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 # Why a replica was chosen (the reason label of pagedserve_router_decisions_total).
 REASONS = ("cache_hit", "no_hit", "load_bound", "least_loaded", "round_robin")
-# measured in bench/RESULTS.md (cache-aware routing); defined with the option
+# measured in bench/log/2026-11-23.md (cache-aware routing); defined with the option
 DEFAULT_BALANCE_ABS = BY_NAME["router_balance_abs"].default  # sequences
 DEFAULT_BALANCE_REL = BY_NAME["router_balance_rel"].default
 

@@ -62,7 +62,7 @@ static inline void scores8(const float *q, const float *k0, int64_t row, int64_t
  * to 4 query heads of one KV head (16 zmm for d = 64) per pass, instead of a load and a store
  * of every output row for every slot. Per output element the operations and their order are
  * the plain loop's (o = fma(p, v, o) from 0, slot by slot): the same bits as that loop built
- * for this CPU (checked when it landed, bench/RESULTS.md). */
+ * for this CPU (checked when it landed, bench/log/2026-11-26.md "CPU: issue 31's served fp32 Llama"). */
 #define VALUES_IN_REGISTERS 1
 #define VHEADS 4
 static inline __attribute__((always_inline)) void values_in_registers(
@@ -116,8 +116,8 @@ static inline __attribute__((always_inline)) void values_in_registers(
 /* The values' pass on AVX2: each slot's value row of a KV head is loaded once per 64 floats and
  * added into every query head of its group, with the operations and order of the plain loop
  * (o = fma(p, v, o), slot by slot), so the same bits; the plain loop ran 1.2x longer on a warm
- * layer (bench/RESULTS.md). Keeping a head's output in registers instead re-reads the values
- * once per head (tried, slower). */
+ * layer (bench/log/2026-11-27.md "CPU: the served small-llama side by side again"). Keeping a
+ * head's output in registers instead re-reads the values once per head (tried, slower). */
 #define VALUES_BY_KV_HEAD 1
 static inline __attribute__((always_inline)) void values_by_kv_head(
     const float *scores, const float *v, const int32_t *table, int64_t lo, int64_t hi, float *ob, int64_t hq,

@@ -2,7 +2,7 @@
  *
  * oneDNN's packed float32 matmul ran a 0.5B model's projections at 56-94% of a Zen 4's FMA peak,
  * lowest at the few rows of a decode step and on gate_up (the widest, most of a layer's FLOPs),
- * and each call costs ~20 us of framework time, a hundred calls a decode step (bench/RESULTS.md,
+ * and each call costs ~20 us of framework time, a hundred calls a decode step (bench/log/2026-11-28.md,
  * "CPU: a native linear layer on AVX2"). This kernel runs one register tile of 6 rows x 16
  * columns (12 accumulators, BLIS's Haswell shape) over a weight packed once at load into panels
  * of 16 columns, [N/16][K][16]:

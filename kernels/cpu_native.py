@@ -2,7 +2,7 @@
 
 The worker's CPU decode attention reads the paged cache directly (cpu_decode_attention.c)
 instead of gathering each request's blocks into a padded copy for SDPA: 2-4x faster for 32-64
-decodes and ~9x for a few (bench/RESULTS.md); rotary embedding (cpu_rotary.c) is one pass
+decodes and ~9x for a few (bench/log/2026-11-25.md); rotary embedding (cpu_rotary.c) is one pass
 instead of six torch ops, with the same roundings; a prompt chunk's causal attention
 (cpu_prefill_attention.c) tiles queries and keys in registers where SDPA's per-block overhead
 dominates at small head dims. Each has bfloat16 and float16 forms (cpu_*_half.c, cpu_half.h):

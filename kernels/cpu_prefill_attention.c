@@ -29,9 +29,9 @@
 /* Register tiles, in vectors of VW floats: QB queries x KT keys of scores, then QB queries x DB
  * output columns. A tile's accumulators, one row of keys (or values) and a broadcast must fit
  * in the vector registers, 32 of 512 bits with AVX-512 but 16 of 256 bits with AVX2, where
- * AVX-512's tile would spill (1.15x slower on a Zen 1 EPYC, bench/RESULTS.md); AVX2's 6 x 16
+ * AVX-512's tile would spill (1.15x slower on a Zen 1 EPYC, bench/log/2026-11-26.md); AVX2's 6 x 16
  * (12 accumulators, 15 registers) ran the 0.5B's 1024-token step 1.2-1.5x as fast as 4 x 16
- * (RESULTS "CPU: huge pages and a fused SiLU gate"). The sums run in the same order whatever the
+ * (bench/log/2026-11-28.md "CPU: huge pages and a fused SiLU gate"). The sums run in the same order whatever the
  * tile, so every tile gives the same bits. */
 #if defined(__AVX512F__)
 #define VW 16

@@ -54,7 +54,7 @@ static inline float decode_softmax(float *s, int64_t n) {
  * every block boundary and a step's keys and values (larger than the caches) come from DRAM at
  * a fraction of its bandwidth. The decode kernels request the next block's keys and values
  * (elem bytes each) while they score this one; the values are weighed after all the keys, from
- * the caches by then (bench/RESULTS.md: 1.5x on float32, 1.7x on bfloat16). */
+ * the caches by then (bench/log/2026-11-26.md: 1.5x on float32, 1.7x on bfloat16). */
 static inline void prefetch_next_block(const void *k, const void *v, const int32_t *table, int64_t pos, int64_t hi,
                                        int64_t bs, int64_t row, int64_t elem) {
     const int64_t next = (pos / bs + 1) * bs;

@@ -12,7 +12,7 @@ rows. So requests of up to BLOCK_Q tokens (decodes, speculative verifies) run in
 16-row tiles and 64-key steps, and longer ones in a second launch of 128-row tiles (64 in
 float32); each launch's programs return at once for the other kind. A step of decodes only
 (num_tokens == num_requests, as every CUDA-graph replay) makes only the first launch. Tile
-shapes: bench/scripts/attention_sweep.py, RESULTS "GPU: paged attention's tiles".
+shapes: bench/scripts/attention_sweep.py, bench/log/2026-11-28.md "GPU: paged attention's tiles".
 
 In a step of decodes only, each request's keys can be cut into ``decode_splits`` parts, one
 program each, whose outputs a second kernel weighs by their softmax sums (flash-decoding): off
@@ -38,12 +38,12 @@ import triton.language as tl
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_ROWS_PER_TILE = 16  # tl.dot wants at least 16 rows
 # (rows of queries, keys per tile, num_warps, num_stages) of each launch, by the sweep on an
-# H200 (RESULTS "GPU: paged attention's tiles"). Long: by the cache's element size; float32's
+# H200 (bench/log/2026-11-28.md "GPU: paged attention's tiles"). Long: by the cache's element size; float32's
 # is smaller so its fp32 tiles fit, and was not timed.
 SHORT_TILE = (MIN_ROWS_PER_TILE, 64, 4, 2)
 LONG_TILE = {2: (128, 32, 4, 2), 4: (64, 64, 4, 2)}
 SHORT, LONG = 1, 2  # which requests a launch serves: up to short_len tokens, or more
-DECODE_SPLITS = 1  # parts of a decode's keys; off until timed on a GPU (RESULTS "Open on a GPU")
+DECODE_SPLITS = 1  # parts of a decode's keys; off until timed on a GPU (bench/log/2026-11-28.md "Open on a GPU")
 
 
 @triton.jit

@@ -9,7 +9,7 @@ consecutive blocks is one contiguous span per (layer, K|V), so a swap costs
 
 A run needs both sides consecutive. The device side often is not (a sequence's blocks are
 wherever the pool had them; on an H100, 128 scattered blocks of Llama-8B took 8192 copies of
-32 KB, 154 ms: bench/RESULTS.md), while host blocks, allocated together, mostly are. So when
+32 KB, 154 ms: bench/log/2026-11-25.md), while host blocks, allocated together, mostly are. So when
 it saves copies, the device side is staged: on swap-out the blocks are gathered on the device
 in host order (one kernel), then copied in runs of the host side alone; on swap-in they are
 copied in host runs into a device buffer, then scattered into place (one kernel). Staging

@@ -3,11 +3,11 @@
 The rule is by ISA (/proc/cpuinfo's flags), as measured: bfloat16 where the CPU multiplies it
 in hardware (AMX-BF16 tiles or AVX512-BF16 dot products, through oneDNN), float32 elsewhere.
 With AVX512-BF16 (Zen 5) bfloat16 served the 0.5B shape 1.8x as fast as float32 offline, both
-prefill- and decode-heavy (bench/RESULTS.md, "CPU: bf16 on AVX512-BF16"); AMX multiplies
+prefill- and decode-heavy (bench/log/2026-11-26.md, "CPU: bf16 on AVX512-BF16"); AMX multiplies
 bfloat16 faster still and is taken unmeasured. On AVX2 (every AMD CPU before Zen 4, most Intel
 laptops) torch's fallback ran the steps 2.4-6.5x slower than float32, and with the worker's native
 linear kernel float32 arithmetic still beats bfloat16's (it keeps the checkpoint's half-precision
-weights and widens them exactly: RESULTS "CPU: a native linear layer on AVX2"); AVX-512 without BF16
+weights and widens them exactly: bench/log/2026-11-28.md "CPU: a native linear layer on AVX2"); AVX-512 without BF16
 (Skylake-SP to Ice Lake) gets oneDNN's emulation, which widens to float32 and multiplies at
 float32's rate, so it keeps float32 too (unmeasured). Where float32 is chosen it must fit half
 the memory available: a model too large for that keeps bfloat16 (slow, but it fits), and the

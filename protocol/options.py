@@ -351,10 +351,10 @@ CPU_STEP_TOKENS, CUDA_STEP_TOKENS = 1024, 8192
 
 def default_step_tokens(device: str) -> int:
     """--max-num-batched-tokens when not given. On CUDA a step's host cost hardly grows with
-    its tokens (bench/RESULTS.md, H100), so larger steps prefill faster at little cost to
+    its tokens (bench/log/2026-11-25.md, H100), so larger steps prefill faster at little cost to
     decodes. On CPU a step's cost is nearly linear in its tokens, so a smaller step costs
     little throughput and lets the first requests of a burst out a step sooner: 2 cores,
-    64 streams, TTFT p50 65-71 ms at 1024 against 88-92 ms at 2048, same tok/s (RESULTS)."""
+    64 streams, TTFT p50 65-71 ms at 1024 against 88-92 ms at 2048, same tok/s (bench/log/2026-11-25.md)."""
     return CUDA_STEP_TOKENS if device.startswith("cuda") else CPU_STEP_TOKENS
 
 

@@ -2,7 +2,7 @@
 
 Finalization collects every object the process still holds, and with torch, transformers and
 xgrammar loaded (frozen by ``gc.freeze`` at start) a scheduler spent ~0.8 s of its stop in that
-collection and in torch's operator deregistration (py-spy, demo model, 2 cores: bench/RESULTS.md
+collection and in torch's operator deregistration (py-spy, demo model, 2 cores: bench/log/2026-11-27.md
 "Stopping a deployment"). Nothing left needs it: the caller has closed its sockets and files.
 """
 

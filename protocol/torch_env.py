@@ -15,7 +15,7 @@ def apply_torch_env_defaults() -> None:
     # libgomp's threads spin a while after each parallel op before they sleep. A step's ops
     # follow each other within ~0.1 ms, so a short spin (10k iterations, ~0.2 ms here) keeps the
     # pool hot through a step, while a thread waiting between steps sleeps almost at once. Quiet
-    # 2 cores, small bench shape (bench/RESULTS.md): offline 1438 tok/s against 1078 sleeping at
+    # 2 cores, small bench shape (bench/log/2026-11-25.md): offline 1438 tok/s against 1078 sleeping at
     # once (PASSIVE) and ~1290 at 3k; serving 64 streams TPOT 43-46 ms against 56 ms. libgomp's
     # own default (300k, ~6 ms) holds a core the scheduler and frontend need. OMP_WAIT_POLICY or
     # GOMP_SPINCOUNT set by the environment win (PASSIVE for cores shared with other tenants:
@@ -25,7 +25,7 @@ def apply_torch_env_defaults() -> None:
     # torch puts each CPU allocation of 2 MiB or more on 2 MiB pages (aligned, MADV_HUGEPAGE). A
     # step streams GBs of weights, and on 4 KiB pages every 4 KiB of them misses the TLB: the
     # 0.5B shape's 24 layers of projections at 8 rows took 60-67 ms against 72-77 (AVX2 Zen 4,
-    # bench/RESULTS.md "CPU: huge pages and a fused SiLU gate"). THP_MEM_ALLOC_ENABLE=0 turns it off.
+    # bench/log/2026-11-28.md "CPU: huge pages and a fused SiLU gate"). THP_MEM_ALLOC_ENABLE=0 turns it off.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 

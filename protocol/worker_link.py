@@ -14,7 +14,7 @@ Only the intended peer receives a step, and only it can answer one:
   TCP. On a CURVE endpoint the ZAP handler already admits only the deployment's client
   key, so the key is that client public key, and a worker node needs no extra file.
 
-Cost: bench/scripts/link_bench.py (numbers in bench/RESULTS.md).
+Cost: bench/scripts/link_bench.py (numbers in bench/log/2026-11-23.md, "Worker channel").
 """
 
 from __future__ import annotations

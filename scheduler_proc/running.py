@@ -1,7 +1,7 @@
 """The running sequences: one interface over two representations.
 
 Most running sequences are steady decodes, held as numpy columns in the decode lane
-(decode_lane.py), which keeps the scheduler's cost per sequence flat in N (bench/RESULTS.md,
+(decode_lane.py), which keeps the scheduler's cost per sequence flat in N (bench/log/2026-11-22.md,
 "Scheduler"); the rest (prefills, parents, copy-on-write tails, logprobs, grammars) are
 ``Sequence`` objects in a list in arrival order. Only this module and the lane know that
 there are two: the scheduler asks it for the newest sequence, a victim's removal, the

@@ -2,7 +2,7 @@
 
 Why: a decode step of the 0.5B shape launches ~800 kernels (24 layers). On an H100 they run
 in about 4 ms, but the host needs ~25 ms to launch them one by one, so the GPU idles for most
-of the step (bench/RESULTS.md). A graph launches the whole forward at once.
+of the step (bench/log/2026-11-25.md). A graph launches the whole forward at once.
 
 How: every input of the forward lives in a static buffer. A step of n one-token requests
 copies its inputs into the first n rows and replays the graph of the smallest captured batch

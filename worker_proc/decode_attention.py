@@ -6,7 +6,7 @@ request the same result comes from gathering each request's blocks into a padded
 depends only on the step's sequence lengths and block tables, so the plan is built once
 per step (per sliding window) and shared by every layer.
 
-Two choices come from measurement (bench/RESULTS.md, "decode attention groups"):
+Two choices come from measurement (bench/log/2026-11-23.md, "Issue 12: grouped decode attention"):
 - Whole blocks are gathered, not single slots: rows of block_size keys copy 20-30%
   faster. A block's slots outside what its request may see (the unfilled tail of its last
   block, the front of a sliding window, and the padding, which repeats the last block)

@@ -6,7 +6,7 @@ with a fresh mmap and unmaps it on free. A CPU prefill step of 2048 tokens on th
 shape allocates an 80 MB gate/up output and a 40 MB SiLU product in each of 24 layers, so
 every step page-faulted (and the kernel zeroed) about 3 GB anew. With large allocations
 taken from the heap and the heap never trimmed, a step reuses the pages the previous one
-freed: the 0.5B MLP at 2048 tokens took 364 ms instead of 410 ms (bench/RESULTS.md). The
+freed: the 0.5B MLP at 2048 tokens took 364 ms instead of 410 ms (bench/log/2026-11-23.md). The
 cost is that the process keeps its peak activation memory resident, which a worker
 reuses on every step anyway.
 """

@@ -58,7 +58,7 @@ class OutputRows:
 def upload(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """Host tensors of one dtype on ``device``. On CUDA: one pinned buffer, one non-blocking
     copy, views into it. A copy from pageable memory would make the host wait for the
-    stream, and seven of them a step serialised host and GPU (bench/RESULTS.md, H100)."""
+    stream, and seven of them a step serialised host and GPU (bench/log/2026-11-25.md, H100)."""
     if device.type != "cuda":
         return [t.to(device) for t in tensors]
     flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory().to(device, non_blocking=True)
@@ -105,7 +105,7 @@ def build_forward_batch(
 def gather_batch(requests: list[HeldRequest], block_size: int,
                  drafts: Optional[dict[str, list[int]]] = None) -> HostBatch:
     """The step's metadata in typed arrays that torch takes without a copy: on a GPU the device
-    waits for this host work every step (a quarter of a 128-decode step, bench/RESULTS.md "GPU:
+    waits for this host work every step (a quarter of a 128-decode step, bench/log/2026-11-28.md "GPU:
     speculative decoding on an H200"), and torch.tensor() over Python lists was most of it."""
     input_ids, positions, slots = array("q"), array("q"), array("q")
     query_start_loc, seq_lens, sample_rows = array("i", [0]), array("i"), array("q")

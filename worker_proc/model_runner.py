@@ -273,7 +273,7 @@ class ModelRunner:
 
     def _prepare_ahead(self, out: SchedulerOutput, peek: Callable[[], object]) -> None:
         """While the device runs this step, apply and gather the next one if it is already here:
-        on a GPU the host work of a step (~1 ms of a 4 ms decode step on an H200, bench/RESULTS.md
+        on a GPU the host work of a step (~1 ms of a 4 ms decode step on an H200, bench/log/2026-11-28.md
         "GPU: speculative decoding on an H200") then no longer leaves the device idle. Its decodes'
         tokens are this step's samples, still placeholders until they are read back."""
         nxt = self._next_message(peek)

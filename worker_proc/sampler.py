@@ -14,7 +14,7 @@ batch shape) changes which of two ratios is larger.
 
 Before (protocol 11) a seeded CPU generator drew a whole Exp(1) vector a row: ~32 ns a
 vocabulary entry, 5 ms a row of a 152k vocabulary; 156 ms a step at 32 sampled rows, half a
-0.5B model's decode step on a CPU, and 1.2 s at 256 rows on a GPU's host (bench/RESULTS.md
+0.5B model's decode step on a CPU, and 1.2 s at 256 rows on a GPU's host (bench/log/2026-11-28.md
 "CPU: sampling at a temperature").
 """
 

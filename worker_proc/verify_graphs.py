@@ -3,7 +3,7 @@
 Why: a step that verifies proposals has 1 to k + 1 tokens per request, which the decode graphs
 (cuda_graphs.py, one token per request) do not take, so it ran eagerly, every kernel launched
 from the host. On an H200 that made speculation worthless: at 64 streams, 2.7 tokens accepted
-a verification gained nothing over plain decode steps replayed from graphs (bench/RESULTS.md
+a verification gained nothing over plain decode steps replayed from graphs (bench/log/2026-11-28.md
 "GPU: speculative decoding on an H200").
 
 How: a graph of R requests holds R x (k + 1) tokens, in static buffers as the decode graphs'.

@@ -128,7 +128,7 @@ class Worker:
                                   cuda_graphs=not cfg.enforce_eager,
                                   speculative=parse_speculative_config(cfg.speculative_config))
         # Peek at the next step while this one samples (ModelRunner._prepare_ahead): on CUDA, where the
-        # device works meanwhile; a CPU has nothing to overlap (bench/RESULTS.md), but the switch may ask.
+        # device works meanwhile; a CPU has nothing to overlap (bench/log/2026-11-28.md), but the switch may ask.
         ahead = env_switch(PREPARE_AHEAD_ENV)
         self._peek_next = self.runner.device.type == "cuda" if ahead is None else ahead
         kernels = self.runner.ops.__name__.rsplit(".", 1)[-1]

@@ -56,7 +56,7 @@ def make_step(decodes: int, prompts: int, prompt_len: int, context: int, device,
 def time_ms(fn, iters: int, rounds: int) -> list[float]:
     """ms a call, from replays of one CUDA graph of ``iters`` calls, as the engine replays its decode
     steps: timed call by call from Python, a small step measures the kernel's launch instead
-    (0.08 ms for one decode as for 16, RESULTS "GPU: speculative decoding on an H200")."""
+    (0.08 ms for one decode as for 16, bench/log/2026-11-28.md "GPU: speculative decoding on an H200")."""
     fn()  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

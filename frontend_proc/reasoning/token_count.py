@@ -11,7 +11,7 @@ a tag the model wrote in several tokens, or a stop string, cannot make the two d
 The split is on characters and the count on tokens: the smallest prefix of the choice's tokens
 whose decoded text reaches the end of the thinking. Where the tokens hold the end tag's own ids
 and the prefix through them decodes to exactly the thinking, that prefix is it (one decode of
-the thinking); otherwise bisection finds it (a dozen or more decodes: bench/RESULTS.md,
+the thinking); otherwise bisection finds it (a dozen or more decodes: bench/log/2026-11-26.md,
 "Reasoning token counts (issue 35)"). Either runs once per choice, when it finishes.
 """
 

@@ -50,6 +50,6 @@ def test_a_workers_large_tensors_sit_on_huge_pages():
 @pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(), reason="this kernel has no huge pages")
 def test_the_cpu_kv_cache_stays_on_small_pages():
     # Its fresh blocks are first written a few at a time: a huge page would fault in 2 MiB for
-    # each 8 KiB block (RESULTS "CPU: the KV cache on small pages").
+    # each 8 KiB block (bench/log/2026-11-28.md "CPU: the KV cache on small pages").
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     assert huge_kb(env, KV_CHILD) < 2 << 10

@@ -125,12 +125,36 @@ def test_one_request_takes_at_most_a_dozen_steps_each_naming_a_file_that_exists(
         assert not gone, f"a step of the request path names files that do not exist: {gone}"
 
 
-def test_every_measurement_docs_decisions_points_to_is_a_heading_of_results():
-    headings = [line.lstrip("#").strip() for line in (ROOT / "bench" / "RESULTS.md").read_text().splitlines()
-                if line.startswith("#")]
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return "".join(c for c in heading.lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
+
+
+def _anchors(path: Path) -> dict[str, str]:
+    """Each heading of a markdown file -> its anchor (a repeated one gets -1, -2, ... as GitHub numbers them)."""
+    anchors, seen, fence = {}, {}, False
+    for line in path.read_text().splitlines():
+        fence ^= line.startswith("```")
+        if fence or not re.match(r"#{1,6} ", line):
+            continue
+        text = line.lstrip("#").strip()
+        n = seen.get(_slug(text), 0)
+        seen[_slug(text)] = n + 1
+        anchors.setdefault(text, _slug(text) + (f"-{n}" if n else ""))
+    return anchors
+
+
+def test_every_measurement_docs_decisions_points_to_is_a_section_of_its_dated_log():
+    """`→ [DATE "heading"](../bench/log/DATE.md#anchor)`: the log exists, a heading of it starts with the quoted
+    text, and the anchor is that heading's, so the link lands on it."""
     text = (ROOT / "docs" / "DECISIONS.md").read_text()
-    pointers = [p for arrow in re.findall(r"→ RESULTS ((?:\"[^\"]+\"(?:,\s*)?)+)", text)
-                for p in re.findall(r"\"([^\"]+)\"", arrow)]
-    assert pointers
-    dangling = [p for p in pointers if not any(h.startswith(p) for h in headings)]
-    assert not dangling, f"docs/DECISIONS.md points to no heading of bench/RESULTS.md: {dangling}"
+    assert "→ RESULTS" not in text, "docs/DECISIONS.md points to bench/RESULTS.md sections; they live in bench/log/"
+    links = re.findall(r'\[(\d{4}-\d\d-\d\d) "([^"]+)"\]\(\.\./bench/log/([^)#]+)\.md#([^)\s]+)\)', text)
+    assert len(links) >= text.count("→ ["), "an arrow of docs/DECISIONS.md points to no dated log"
+    wrong = []
+    for date, quoted, log, anchor in links:
+        path = ROOT / "bench" / "log" / f"{log}.md"
+        anchors = _anchors(path) if path.is_file() and date == log else {}
+        if not any(h.startswith(quoted) and a == anchor for h, a in anchors.items()):
+            wrong.append(f'{date} "{quoted}" #{anchor}')
+    assert not wrong, f"docs/DECISIONS.md points to no heading of its bench/log/ file: {wrong}"

@@ -3,7 +3,7 @@
 On a CPU with AVX2 and FMA but no AVX-512, the weights are kept only as the panels of the native
 kernel (kernels/cpu_linear.c), which every row count takes: on a 2-core Zen 4 it ran the 0.5B and
 small shapes' projections 1.4-2.6x as fast as oneDNN's packed weight at one row, 1.05-1.4x at 4-64
-rows, and within noise of it at prefill's 256-1024 (bench/RESULTS.md, "CPU: a native linear layer
+rows, and within noise of it at prefill's 256-1024 (bench/log/2026-11-28.md, "CPU: a native linear layer
 on AVX2"). Its sums are float32 whatever the weights' dtype: a half-precision checkpoint computed in
 float32 keeps half-precision panels (``_narrowest_exact``), and a bfloat16 or float16 model's rows
 are widened, multiplied and the result rounded once. Cache-resident models also keep x @ W_t for
@@ -14,7 +14,7 @@ turns the native kernel off, ``=1`` takes it wherever it is built.
 oneDNN's prepacked weights (``torch.ops.mkldnn``) beat oneMKL's sgemm from two rows up on
 every weight that streams from memory: 1.1-1.4x per projection and 1.2-1.9x for lm_head on the
 0.5B and small shapes, and oneMKL barely gains from a second thread at few rows where oneDNN
-doubles (bench/RESULTS.md). oneDNN costs ~45 us a call more than torch.mm, so:
+doubles (bench/log/2026-11-26.md, "CPU: oneDNN's prepacked weights"). oneDNN costs ~45 us a call more than torch.mm, so:
 
 - models small enough to stay in the caches (<= 16 MiB: the demo, tiny, llama-3layer) keep an
   [in, out] copy and take x @ W_t at every row count (2-4x W @ x.T at 1-32 rows there);
@@ -27,7 +27,7 @@ In bfloat16 (where oneDNN has it: AVX-512 up) the packed weight wins at nearly e
 and size, cache-resident ones too, and alone is kept. Two threads, against torch's unpacked bf16
 matmul (oneDNN's too): 1.3-2.4x at 1-8 rows (lm_head 10.1 -> 7.7 ms at one row; 18.1 -> 7.7 on
 one thread), 1.25-1.5x at 32, 1.02-1.18x at 256-1024. Only down_proj at 32 rows (W @ x.T, ~10%)
-and lm_head at 256 rows on one thread (5%) went the other way (bench/RESULTS.md, "CPU: bf16 on
+and lm_head at 256 rows on one thread (5%) went the other way (bench/log/2026-11-26.md, "CPU: bf16 on
 AVX512-BF16"). Measured with AVX512-BF16 (oneDNN's ``brg_matmul:avx512_core_bf16``); on AMX oneDNN
 picks its AMX brgemm behind the same call, so the rule is the same there, unmeasured. float16
 keeps the unpacked paths.
@@ -192,7 +192,7 @@ def _in_float32(kernel, x: torch.Tensor, *args) -> torch.Tensor:
 def silu_gate(x: torch.Tensor, w: LinearWeight, ew: "Elementwise") -> torch.Tensor:
     """A gated MLP's input to down_proj, silu(gate) * up, from its gate_up weight: in one native
     call where the panels alternate gate and up (the [rows, 2 * size] product never reaches
-    memory: a 0.5B prefill layer's MLP 101 -> 96 ms at 845 rows, bench/RESULTS.md "CPU: huge
+    memory: a 0.5B prefill layer's MLP 101 -> 96 ms at 845 rows, bench/log/2026-11-28.md "CPU: huge
     pages and a fused SiLU gate"), else linear() then ``ew.silu_mul``. ``w``: made with gate_size."""
     if _on_panels(x, w):
         return _in_float32(cpu_native.silu_gate, x, w.panels, w.gate_size, w.bias)
