@@ -21,7 +21,7 @@ import httpx
 
 from pagedserve.deploy.entry_points import SAFE_PATH_FLAGS, python_module
 
-ENGINES = ("pagedserve", "vllm", "transformers")
+ENGINES = ("pagedserve", "vllm", "transformers", "llamacpp")
 VLLM_PYTHON_ENV = "PAGEDSERVE_VLLM_PYTHON"
 # On the CPU, vLLM's gpu_memory_utilization is the share of the machine's RAM it reserves, and
 # it refuses to start when that much is not free: its 0.92 default fails beside any other work.
