@@ -32,3 +32,8 @@ def module_of(argv: list[str]) -> Optional[str]:
     if len(rest) >= 2 and rest[0] == "-m":
         return rest[1]
     return None
+
+
+def arguments_of(argv: list[str]) -> list[str]:
+    """What the module of such a command line is given: the arguments after its name."""
+    return argv[argv.index("-m") + 2:]

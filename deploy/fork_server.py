@@ -48,7 +48,7 @@ from typing import Optional
 import msgspec
 
 from pagedserve.clean_path import drop_working_directory
-from pagedserve.deploy.entry_points import ENTRY_MODULES, module_of
+from pagedserve.deploy.entry_points import ENTRY_MODULES, arguments_of, module_of
 from pagedserve.deploy.parent_death import die_with_parent
 from pagedserve.protocol.process_exit import exit_now
 
@@ -280,7 +280,7 @@ class ForkServer:
             except ImportError:
                 pass
             # sys.path stays the server's: ``python -P -m`` puts no working directory on it
-            sys.argv = [module, *argv[argv.index("-m") + 2:]]
+            sys.argv = [module, *arguments_of(argv)]
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exc:

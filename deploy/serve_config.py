@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import secrets
-import sys
 from pathlib import Path
 from typing import Optional
 

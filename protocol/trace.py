@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 import msgspec
 
 from pagedserve.protocol.codec import PROTOCOL_VERSION, encode
+from pagedserve.protocol.model_identity import config_identity
 
 TRACE_MAGIC = b"PAGEDSERVE-TRACE v1\n"
 _MAGIC_STEM = b"PAGEDSERVE-TRACE"
@@ -56,7 +57,7 @@ def weights_fingerprint(model_dir: str | os.PathLike) -> Optional[str]:
     files = sorted(root.glob("*.safetensors"))
     if not files or not (root / "config.json").is_file():
         return None
-    h = hashlib.sha256((root / "config.json").read_bytes())
+    h = hashlib.sha256(config_identity(root / "config.json"))
     for path in files:
         size = path.stat().st_size
         h.update(f"{path.name}:{size}".encode())

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from pagedserve.protocol.model_identity import config_identity
+
 # Architecture name in config.json -> model family flags. All four are the same
 # pre-norm decoder (RMSNorm, rotary, GQA, SwiGLU); they differ only in these switches.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -79,7 +81,7 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         raise UnsupportedModelError(f"{config_path} not found: is {model_dir!r} an HF model directory?")
-    config_bytes = config_path.read_bytes()
+    config_bytes = config_identity(config_path)  # not the bytes: transformers_version is not the model
     config = AutoConfig.from_pretrained(str(model_dir))
     architectures = getattr(config, "architectures", None) or []
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)

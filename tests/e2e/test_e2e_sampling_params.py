@@ -127,7 +127,10 @@ def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt_as_transformers
                         streamed[key] += (chunk_choice["logprobs"] or {}).get(key, [])
     assert streamed == {key: logprobs[key] for key in streamed}
     plain = post(server, "/v1/completions", {"prompt": prompt, "logprobs": 2})
-    assert plain.json()["choices"][0]["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][len(prompt):]
+    # Equal up to rounding: with echo the last layer computes every prompt row (prompt_logprobs), without
+    # it only the sampled row, and on AVX-512 the matmul's blocking follows the row count (1 ulp here).
+    assert plain.json()["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        logprobs["token_logprobs"][len(prompt):], abs=1e-5)
     assert "prompt_logprobs" not in plain.json()["choices"][0]
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from pagedserve.deploy.serve_config import ConfigError, ServeConfig
 from pagedserve.protocol import cpu_dtype, options
+from pagedserve.deploy.entry_points import arguments_of
 
 
 @pytest.fixture
@@ -119,9 +120,9 @@ def test_the_model_path_as_given_is_an_accepted_name_unless_names_are_set(model_
     from pagedserve.frontend_proc.args import parse_args
 
     path = model_dir("float32")  # vLLM serves `vllm serve /models/x` as "/models/x"
-    frontend = parse_args(ServeConfig(model=path).frontend_cmd("/tmp/run")[3:])
+    frontend = parse_args(arguments_of(ServeConfig(model=path).frontend_cmd("/tmp/run")))
     assert frontend.served_model_names == (Path(path).name,) and frontend.model_aliases == (path,)
-    named = parse_args(ServeConfig(model=path, served_model_name=["a"]).frontend_cmd("/tmp/run")[3:])
+    named = parse_args(arguments_of(ServeConfig(model=path, served_model_name=["a"]).frontend_cmd("/tmp/run")))
     assert named.served_model_names == ("a",) and named.model_aliases == ()
 
 
@@ -140,7 +141,7 @@ def test_tool_calling_flags_reach_the_frontend_and_an_unknown_parser_is_refused(
 
     assert sorted(TOOL_CALL_PARSERS) == sorted(TOOL_PARSERS)  # deploy cannot import the frontend
     cfg = ServeConfig(model=model_dir("float32"), enable_auto_tool_choice=True, tool_call_parser="hermes")
-    frontend = parse_args(cfg.frontend_cmd("/tmp/run")[3:]).tool_calling
+    frontend = parse_args(arguments_of(cfg.frontend_cmd("/tmp/run"))).tool_calling
     assert (frontend.enable_auto_tool_choice, frontend.tool_call_parser) == (True, "hermes")
     with pytest.raises(ConfigError, match="hermes, llama3_json"):
         ServeConfig(model=model_dir("float32"), tool_call_parser="granite")

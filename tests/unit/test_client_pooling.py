@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pagedserve.client.pooling import Matryoshka, PoolerSettings, finish_embedding, pooler_settings
+from pagedserve.deploy.entry_points import arguments_of
 
 
 def test_the_pooler_comes_from_pooling_type_or_vllms_pooler_config():
@@ -52,7 +53,7 @@ def test_vllms_spellings_of_the_task_and_the_pooler_reach_the_frontend(tmp_path)
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512, "torch_dtype": "float32"}))
     cfg = ServeConfig(model=str(tmp_path), task="pooling", pooler_config='{"pooling_type": "MEAN"}')
-    frontend = parse_args(cfg.frontend_cmd("run")[3:])
+    frontend = parse_args(arguments_of(cfg.frontend_cmd("run")))
     assert (frontend.task, frontend.pooler) == ("embed", PoolerSettings("mean", True))
     assert parse_args(["--run-dir", "r", "--model", str(tmp_path), "--runner", "pooling"]).task == "embed"
     with pytest.raises(ConfigError, match="are for --task embed"):

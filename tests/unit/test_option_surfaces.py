@@ -18,6 +18,7 @@ from pagedserve.protocol import options as opts
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 from pagedserve.worker_proc.__main__ import build_parser as worker_cli
 from pagedserve.worker_proc.worker import WorkerConfig
+from pagedserve.deploy.entry_points import arguments_of
 
 # Values whose generic non-default (below) would break the option's own rule or another's.
 SPECIAL = {"served_model_name": ["alias-a", "alias-b"], "chat_template": "{{ messages }}", "host": "127.0.0.2",
@@ -105,17 +106,17 @@ def test_each_child_is_started_with_exactly_the_values_serve_was_given(model, bu
         assert getattr(cfg, o.name) != o.default or o.name in ("dtype", unset, *AT_DEFAULT), \
             f"{o.flag} kept its default"
 
-    engine = EngineConfig.from_args(scheduler_cli().parse_args(cfg.scheduler_cmd("run", replica=1)[3:]))
+    engine = EngineConfig.from_args(scheduler_cli().parse_args(arguments_of(cfg.scheduler_cmd("run", replica=1))))
     expected = opts.values_of(cfg, opts.options_for(opts.SCHEDULER))
     expected.update(seed=cfg.seed + 1, record_trace=f"{cfg.record_trace}.1")  # per replica
     assert opts.values_of(engine, opts.options_for(opts.SCHEDULER)) == expected and engine.replica == 1
 
-    ns = worker_cli().parse_args(cfg.worker_cmd("run", replica=1, rank=1, dist_init="tcp://127.0.0.1:1")[3:])
+    ns = worker_cli().parse_args(arguments_of(cfg.worker_cmd("run", replica=1, rank=1, dist_init="tcp://127.0.0.1:1")))
     worker = WorkerConfig(**{name: getattr(ns, name) for name in WorkerConfig.__dataclass_fields__})
     assert opts.values_of(worker, opts.options_for(opts.WORKER)) == opts.values_of(cfg, opts.options_for(opts.WORKER))
     assert (worker.replica, worker.rank, worker.dist_init) == (1, 1, "tcp://127.0.0.1:1")
 
-    frontend = frontend_args(cfg.frontend_cmd("run")[3:])
+    frontend = frontend_args(arguments_of(cfg.frontend_cmd("run")))
     expected = opts.values_of(cfg, opts.options_for(opts.FRONTEND))
     expected.update(served_model_name=tuple(cfg.served_model_name), log_level=cfg.log_level.lower())
     assert opts.values_of(frontend, opts.options_for(opts.FRONTEND)) == expected
@@ -141,7 +142,7 @@ def test_tenant_weights_reach_the_scheduler_inline_from_a_flag_or_a_file(model, 
     weights.write_text(json.dumps({"gold": 4, "free": 0.5}))
     for given, inline in (("gold=4,free=0.5", "free=0.5,gold=4.0"), (str(weights), "free=0.5,gold=4.0")):
         cfg = ServeConfig(model=model, scheduling_policy="fair", tenant_weights=given)
-        engine = EngineConfig.from_args(scheduler_cli().parse_args(cfg.scheduler_cmd("run", replica=0)[3:]))
+        engine = EngineConfig.from_args(scheduler_cli().parse_args(arguments_of(cfg.scheduler_cmd("run", replica=0))))
         assert engine.tenant_weights == inline  # what a trace records: no file needed to replay
     with pytest.raises((ConfigError, ValueError), match="tenant-weights"):
         ServeConfig(model=model, scheduling_policy="fair", tenant_weights="gold=-1")
@@ -206,7 +207,7 @@ def test_a_budget_left_unset_without_chunked_prefill_still_holds_the_longest_pro
 
 def test_without_a_default_deadline_given_the_deadline_policy_keeps_sixty_seconds(model):
     cfg = ServeConfig(model=model, scheduling_policy="deadline")
-    engine = EngineConfig.from_args(scheduler_cli().parse_args(cfg.scheduler_cmd("run", replica=0)[3:]))
+    engine = EngineConfig.from_args(scheduler_cli().parse_args(arguments_of(cfg.scheduler_cmd("run", replica=0))))
     assert engine.default_deadline_s is None
     assert engine.scheduler_config(num_gpu_blocks=8, num_cpu_blocks=0).default_deadline_s == 60.0
 
@@ -215,7 +216,7 @@ def test_without_a_default_deadline_given_the_deadline_policy_keeps_sixty_second
                                             ("WARNING", "warning"), ("debug", "debug")])
 def test_every_log_level_serve_accepts_reaches_the_frontend_as_one_uvicorn_knows(model, level, uvicorn):
     cfg = ServeConfig(model=model, log_level=level)
-    frontend = frontend_args(cfg.frontend_cmd("run")[3:])
+    frontend = frontend_args(arguments_of(cfg.frontend_cmd("run")))
     assert frontend.log_level == uvicorn and uvicorn in opts.UVICORN_LOG_LEVELS
 
 
