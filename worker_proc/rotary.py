@@ -3,12 +3,20 @@
 The inverse frequencies come from transformers' own rope init functions (default,
 "linear", "llama3", "yarn", "longrope"), so every scaling type a config names is computed
 the way the oracle computes it. "dynamic" rescales with the sequence length and would
-need a table per length, so it is refused.
+need a table per length, so it is refused. "longrope" (Phi-3) takes its short factors for
+positions below ``original_max_position_embeddings`` and its long factors from there on:
+transformers switches a whole forward pass to the long factors once its last position crosses
+that length, which is the same thing token by token (a decode), but not for a prompt computed in
+one pass across it, whose earlier positions transformers rotates with the long factors too.
+
+A family whose layers rotate differently (Gemma 3: local layers their own base) passes a
+``layer_type``: the key of its rope parameters in ``config.rope_parameters``; ``RotaryTables``
+holds one table per key, grown and checked together.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -16,18 +24,25 @@ from pagedserve.kernels import cpu_native
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 
 
-def _rope_type_and_theta(config: Any) -> tuple[str, float]:
+def _rope_params(config: Any, layer_type: Optional[str]) -> dict:
     params = getattr(config, "rope_parameters", None)  # transformers >= 5
+    if params is not None and layer_type is not None:
+        params = params[layer_type]
     if params is None:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def inverse_frequencies(config: Any, head_dim: int, layer_type: Optional[str] = None,
+                        seq_len: Optional[int] = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention scaling of cos/sin). ``seq_len``: longrope's
+    long factors (past its original length), as transformers asks for them."""
+    params = _rope_params(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    return rope_type, float(params.get("rope_theta", 10000.0))
-
-
-def inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim // 2] float32, attention scaling of cos/sin)."""
-    rope_type, theta = _rope_type_and_theta(config)
+    theta = float(params.get("rope_theta", 10000.0))
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     if rope_type == "default":
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
         return 1.0 / (theta**exponents), 1.0
@@ -37,16 +52,29 @@ def inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise UnsupportedModelError(f"unknown rope_scaling type {rope_type!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=seq_len, **kwargs)
     return inv_freq.float().cpu(), float(scaling)
+
+
+def _long_rope_start(config: Any, layer_type: Optional[str]) -> Optional[int]:
+    """The first position longrope rotates with its long factors; None for other rope types."""
+    params = _rope_params(config, layer_type)
+    if params.get("rope_type", params.get("type")) != "longrope":
+        return None
+    return int(params["original_max_position_embeddings"])
 
 
 class RotaryEmbedding:
     """Applies rotary embeddings to [tokens, heads, head_dim] tensors by position."""
 
-    def __init__(self, config: Any, head_dim: int, max_positions: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: Any, head_dim: int, max_positions: int, device: torch.device, dtype: torch.dtype,
+                 layer_type: Optional[str] = None):
         self.config, self.head_dim, self.dtype, self.device = config, head_dim, dtype, device
-        self.inv_freq, self.scaling = inverse_frequencies(config, head_dim)
+        self.inv_freq, self.scaling = inverse_frequencies(config, head_dim, layer_type)
+        self.long_start = _long_rope_start(config, layer_type)
+        if self.long_start is not None:
+            self.long_inv_freq, _ = inverse_frequencies(config, head_dim, layer_type, seq_len=self.long_start + 1)
         self.max_positions = 0
         self.ensure_positions(max_positions)
 
@@ -57,7 +85,10 @@ class RotaryEmbedding:
         # Same float32 arithmetic as HF's rotary forward (position * inv_freq, then cos),
         # so the table entries equal what the oracle computes per call.
         # HF's table is cat((freqs, freqs)): both halves of a row are equal, so one half is kept.
-        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * self.inv_freq[None, :]
+        positions = torch.arange(max_positions, dtype=torch.float)[:, None]
+        freqs = positions * self.inv_freq[None, :]
+        if self.long_start is not None and max_positions > self.long_start:
+            freqs[self.long_start:] = positions[self.long_start:] * self.long_inv_freq[None, :]
         self.cos = (freqs.cos() * self.scaling).to(self.device, self.dtype)
         self.sin = (freqs.sin() * self.scaling).to(self.device, self.dtype)
         self.max_positions = max_positions
@@ -92,3 +123,24 @@ class RotaryEmbedding:
         torch.mul(x1, cos, out=first).sub_(x2 * sin)
         torch.mul(x2, cos, out=second).add_(x1 * sin)
         return out
+
+
+class RotaryTables:
+    """The model's rotary tables, one per distinct layer type (most families have one): what
+    the runner grows once the served length is known and checks before each step."""
+
+    def __init__(self, config: Any, head_dim: int, max_positions: int, device: torch.device, dtype: torch.dtype,
+                 layer_types: tuple[Optional[str], ...]):
+        self.by_type = {t: RotaryEmbedding(config, head_dim, max_positions, device, dtype, t)
+                        for t in dict.fromkeys(layer_types)}
+
+    def __getitem__(self, layer_type: Optional[str]) -> RotaryEmbedding:
+        return self.by_type[layer_type]
+
+    def ensure_positions(self, max_positions: int) -> None:
+        for table in self.by_type.values():
+            table.ensure_positions(max_positions)
+
+    def check_positions(self, low: int, high: int) -> None:
+        for table in self.by_type.values():
+            table.check_positions(low, high)
