@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagedserve.protocol import options as opts
+from pagedserve.protocol.model_architectures import ModelConfigError, check_model_config
 from pagedserve.client.generation_defaults import check_generation_config_option
 from pagedserve.client.pooling import pooler_settings
 from pagedserve.protocol.speculative import SpeculativeConfigError, check_draft_model, parse_speculative_config
@@ -38,6 +39,10 @@ class _ServeConfigRules:
         cfg_path = Path(self.model) / "config.json"
         if not cfg_path.is_file():
             raise ConfigError(f"{self.model} is not a model directory (no config.json)")
+        try:  # the workers' own check, so a model they would refuse is refused before any process starts
+            check_model_config(self.model)
+        except ModelConfigError as exc:
+            raise ConfigError(str(exc)) from None
         model_cfg = json.loads(cfg_path.read_text())
         limit = int(model_cfg.get("max_position_embeddings") or 2048)
         if isinstance(self.served_model_name, str):
