@@ -32,6 +32,11 @@ ARCHITECTURES: dict[str, str] = {
 }
 
 
+LONGROPE_LIMIT = ("longrope rotary scaling: sequences up to original_max_position_embeddings ({limit}) are computed "
+                  "exactly; past it transformers recomputes the whole sequence with the long factors, which the paged "
+                  "cache cannot, so a served length of {asked} is refused: set --max-model-len {limit} or less")
+
+
 class ModelConfigError(ValueError):
     """A model directory whose config.json names no supported architecture, or contradicts itself."""
 
@@ -94,3 +99,13 @@ def check_model_config(model_dir: str | Path) -> str:
     if window is None and layer_types is not None and "sliding_attention" in layer_types:
         raise ModelConfigError("config.json: layer_types has sliding_attention layers but no sliding_window")
     return arch
+
+
+def longrope_limit(config: dict[str, Any]) -> int | None:
+    """The longest sequence a longrope model (Phi-3) is computed exactly in a paged cache: its short
+    factors' length (worker_proc/rotary.py says why); None for every other rope."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) not in ("longrope", "su"):
+        return None
+    limit = config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+    return int(limit) if limit else None

@@ -3,11 +3,11 @@
 The inverse frequencies come from transformers' own rope init functions (default,
 "linear", "llama3", "yarn", "longrope"), so every scaling type a config names is computed
 the way the oracle computes it. "dynamic" rescales with the sequence length and would
-need a table per length, so it is refused. "longrope" (Phi-3) takes its short factors for
-positions below ``original_max_position_embeddings`` and its long factors from there on:
-transformers switches a whole forward pass to the long factors once its last position crosses
-that length, which is the same thing token by token (a decode), but not for a prompt computed in
-one pass across it, whose earlier positions transformers rotates with the long factors too.
+need a table per length, so it is refused. "longrope" (Phi-3) rotates with its short factors up
+to ``original_max_position_embeddings``; past it transformers computes the whole sequence again with
+its long factors (Phi3ForCausalLM drops its cache at the switch), which a paged cache shared by
+prefixes cannot do, so the served length stops there (``LONGROPE_LIMIT``; serve_config.py caps or
+refuses --max-model-len before any process starts).
 
 A family whose layers rotate differently (Gemma 3: local layers their own base) passes a
 ``layer_type``: the key of its rope parameters in ``config.rope_parameters``; ``RotaryTables``
@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from pagedserve.kernels import cpu_native
+from pagedserve.protocol.model_architectures import LONGROPE_LIMIT
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 
 
@@ -34,10 +35,8 @@ def _rope_params(config: Any, layer_type: Optional[str]) -> dict:
     return params
 
 
-def inverse_frequencies(config: Any, head_dim: int, layer_type: Optional[str] = None,
-                        seq_len: Optional[int] = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim // 2] float32, attention scaling of cos/sin). ``seq_len``: longrope's
-    long factors (past its original length), as transformers asks for them."""
+def inverse_frequencies(config: Any, head_dim: int, layer_type: Optional[str] = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention scaling of cos/sin); longrope's short factors."""
     params = _rope_params(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", 10000.0))
@@ -53,16 +52,16 @@ def inverse_frequencies(config: Any, head_dim: int, layer_type: Optional[str] = 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise UnsupportedModelError(f"unknown rope_scaling type {rope_type!r}")
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=seq_len, **kwargs)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
     return inv_freq.float().cpu(), float(scaling)
 
 
 def _long_rope_start(config: Any, layer_type: Optional[str]) -> Optional[int]:
-    """The first position longrope rotates with its long factors; None for other rope types."""
+    """The longest sequence longrope rotates with its short factors alone; None for other rope types."""
     params = _rope_params(config, layer_type)
     if params.get("rope_type", params.get("type")) != "longrope":
         return None
-    return int(params["original_max_position_embeddings"])
+    return int(params.get("original_max_position_embeddings") or config.original_max_position_embeddings)
 
 
 class RotaryEmbedding:
@@ -70,25 +69,24 @@ class RotaryEmbedding:
 
     def __init__(self, config: Any, head_dim: int, max_positions: int, device: torch.device, dtype: torch.dtype,
                  layer_type: Optional[str] = None):
+        """A table of ``max_positions`` rows (longrope: at most its original length)."""
         self.config, self.head_dim, self.dtype, self.device = config, head_dim, dtype, device
         self.inv_freq, self.scaling = inverse_frequencies(config, head_dim, layer_type)
-        self.long_start = _long_rope_start(config, layer_type)
-        if self.long_start is not None:
-            self.long_inv_freq, _ = inverse_frequencies(config, head_dim, layer_type, seq_len=self.long_start + 1)
+        self.exact_positions = _long_rope_start(config, layer_type)  # None: every position
         self.max_positions = 0
-        self.ensure_positions(max_positions)
+        self.ensure_positions(max_positions if self.exact_positions is None
+                              else min(max_positions, self.exact_positions))
 
     def ensure_positions(self, max_positions: int) -> None:
         """Grow the table to cover positions [0, max_positions)."""
         if max_positions <= self.max_positions:
             return
+        if self.exact_positions is not None and max_positions > self.exact_positions:
+            raise UnsupportedModelError(LONGROPE_LIMIT.format(limit=self.exact_positions, asked=max_positions))
         # Same float32 arithmetic as HF's rotary forward (position * inv_freq, then cos),
         # so the table entries equal what the oracle computes per call.
         # HF's table is cat((freqs, freqs)): both halves of a row are equal, so one half is kept.
-        positions = torch.arange(max_positions, dtype=torch.float)[:, None]
-        freqs = positions * self.inv_freq[None, :]
-        if self.long_start is not None and max_positions > self.long_start:
-            freqs[self.long_start:] = positions[self.long_start:] * self.long_inv_freq[None, :]
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * self.inv_freq[None, :]
         self.cos = (freqs.cos() * self.scaling).to(self.device, self.dtype)
         self.sin = (freqs.sin() * self.scaling).to(self.device, self.dtype)
         self.max_positions = max_positions

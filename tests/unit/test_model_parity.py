@@ -17,10 +17,12 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
 }
 
-PHI3_LONGROPE = {
-    "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 40,
-    "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)],
-}
+# Short factors up to 512 positions (every sequence here), scaled by longrope's attention factor
+# (2048 / 512 positions: sqrt(1 + ln 4 / ln 512)); the served length stops there (rotary.py)
+PHI3_LONGROPE = dict(original_max_position_embeddings=512, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0,
+    "short_factor": [1.0 + 0.25 * i for i in range(8)], "long_factor": [4.0 + 2.0 * i for i in range(8)],
+})
 
 CASES = {
     "llama": dict(arch="llama"),
@@ -38,8 +40,7 @@ CASES = {
     "gemma2_softcaps_sandwich_norms_window_8": dict(arch="gemma2", norm_std=0.1, seed=20),
     "gemma3_qk_norm_local_rope_base_window_8": dict(arch="gemma3", norm_std=0.1, seed=21),
     "phi3_fused_qkv_and_gate_up": dict(arch="phi3", norm_std=0.1, seed=22),
-    # decodes cross the original length (40) into the long factors; no prompt is that long
-    "phi3_longrope": dict(arch="phi3", norm_std=0.1, seed=23, rope_parameters=PHI3_LONGROPE),
+    "phi3_longrope": dict(arch="phi3", norm_std=0.1, seed=23, **PHI3_LONGROPE),
     "olmo2_post_norms_projection_qk_norm": dict(arch="olmo2", norm_std=0.1, seed=24),
     "granite_multipliers": dict(arch="granite", norm_std=0.1, seed=25),
 }

@@ -86,3 +86,22 @@ def test_a_partial_rotary_factor_is_refused_not_run_wrongly(model_copy):
     model = model_copy("phi3", partial_rotary_factor=0.5)
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
         ModelRunner(str(model))
+
+
+def test_a_longrope_model_is_served_up_to_its_original_length_and_a_longer_one_refused(tmp_path):
+    """Past original_max_position_embeddings transformers recomputes the whole sequence with the long
+    factors: the default length stops there, a longer one asked for is refused in one line."""
+    from pagedserve.protocol.messages import WorkerInit
+    from pagedserve.tools.demo_model import build_model_dir
+    from pagedserve.worker_proc.model_runner import ModelRunner
+
+    model = str(build_model_dir(tmp_path / "phi3", "phi3", original_max_position_embeddings=256, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.5] * 8, "long_factor": [6.0] * 8}))
+    assert ServeConfig(model=model).max_model_len == 256
+    with pytest.raises(ConfigError) as caught:
+        ServeConfig(model=model, max_model_len=1024)
+    assert "longrope" in str(caught.value) and "--max-model-len 256" in str(caught.value)
+    assert "\n" not in str(caught.value)
+    runner = ModelRunner(model)
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        runner.init_cache(WorkerInit(num_gpu_blocks=8, num_cpu_blocks=0, block_size=16, max_model_len=1024, seed=0))
