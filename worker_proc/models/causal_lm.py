@@ -43,7 +43,8 @@ class CausalLM:
             rope_types = spec.layer_rope_types or (None,) * spec.num_layers
             self.rotary = RotaryTables(spec.hf_config, spec.head_dim, spec.max_position_embeddings, device, dtype,
                                        rope_types)
-            self.layers = [DecoderLayer(spec, shard, i, source, device, dtype, layout, self.rotary[rope_types[i]])
+            layer = spec.family.layer or DecoderLayer
+            self.layers = [layer(spec, shard, i, source, device, dtype, layout, self.rotary[rope_types[i]])
                            for i in range(spec.num_layers)]
         finally:
             source.close()

@@ -18,12 +18,15 @@ how it differs, as data:
   and residual scales, q/k norm kind, per-layer rope, norm weight offset, biases), and raises
   ``UnsupportedModelError`` for a setting the decoder cannot compute exactly;
 - ``tensor_parallel``: False where a layer cannot be cut by heads (OLMo 2's q/k norm spans the
-  whole projection).
+  whole projection);
+- ``layer``: the layer class, None for the shared ``DecoderLayer``. A family whose layers compute
+  something the shared one does not (a mixture of experts, latent attention) gives its own class,
+  with DecoderLayer's constructor and ``forward`` signature, in its file; CausalLM builds one per
+  layer and calls them as it calls DecoderLayer (the paged cache, attention dispatch, tensor-parallel
+  slices and kernels are still the shared ones it uses).
 
 Adding a dense family: its file with ``FAMILIES``, one line in ``ARCHITECTURES``, a builder line in
 tools/demo_model.py and a parity case in tests (docs/ARCHITECTURE.md, "How to add a model family").
-A mixture-of-experts or latent-attention family adds its own layer class beside DecoderLayer and
-names it in a field of its ``Family``; the shared model and cache stay as they are.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class Family:
     names: LayerNames = field(default_factory=LayerNames)
     read_config: Callable[[Any], dict[str, Any]] = _no_fields  # transformers config -> ModelSpec fields
     tensor_parallel: bool = True
+    layer: Optional[Callable[..., Any]] = None  # None: models/decoder_layer.py's DecoderLayer
 
 
 def family_of(architecture: str) -> Family:
