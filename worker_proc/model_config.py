@@ -23,7 +23,8 @@ class UnsupportedModelError(ModelConfigError):
 
 
 GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-QK_NORMS = (None, "head", "projection")  # RMSNorm of each head of q and k (Qwen3, Gemma 3), or of all of q and all of k (OLMo 2)
+# RMSNorm of q and k: none, of each head (Qwen3, Gemma 3), or of all of q and all of k (OLMo 2)
+QK_NORMS = (None, "head", "projection")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
-"""The causal LM of every dense family: embeddings, decoder layers over the paged KV cache, final norm, lm_head.
+"""The causal LM of every dense family: embeddings, decoder layers over the paged cache, final norm, lm_head.
 
 A family's scales sit here: the embeddings' (Gemma, Granite), the logits' divisor (Granite) and their
-soft cap (Gemma 2), computed after lm_head in float32 as transformers computes them in float32.
+soft cap (Gemma 2), applied to the float32 logits (transformers applies them to lm_head's output in the
+model's dtype: the same ops in float32, one rounding fewer in half precision).
 
 Embeddings and lm_head are replicated on every tensor-parallel rank (only rank 0
 samples); lm_head is the embedding matrix when the config ties them. On CPU the matrices are
