@@ -33,9 +33,10 @@ def _rows(source: WeightSource, names: tuple[str, ...], suffix: str,
     """This rank's rows of weights kept as len(parts) tensors, or fused in one (its parts one after
     another, each ``sizes[i]`` rows in the checkpoint)."""
     if len(names) == len(parts):
-        return torch.cat([source.get(n + suffix, dim=0, part=p) for n, p in zip(names, parts)])
+        return torch.cat([source.get(n + suffix, dim=0, part=p) for n, p in zip(names, parts, strict=True)])
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    return torch.cat([source.get(names[0] + suffix, dim=0, part=(o + a, o + b)) for o, (a, b) in zip(offsets, parts)])
+    return torch.cat([source.get(names[0] + suffix, dim=0, part=(o + a, o + b))
+                      for o, (a, b) in zip(offsets, parts, strict=True)])
 
 
 class DecoderLayer:
