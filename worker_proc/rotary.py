@@ -40,10 +40,9 @@ def inverse_frequencies(config: Any, head_dim: int, layer_type: Optional[str] = 
     params = _rope_params(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", 10000.0))
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
-    if rope_type == "default":
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    if rope_type == "default":  # the rotated dims: all, or the first ones (partial_rotary_factor, Phi-4-mini)
+        dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
         return 1.0 / (theta**exponents), 1.0
     if rope_type == "dynamic":
         raise UnsupportedModelError("rope_scaling type 'dynamic' is not supported")
@@ -72,6 +71,7 @@ class RotaryEmbedding:
         """A table of ``max_positions`` rows (longrope: at most its original length)."""
         self.config, self.head_dim, self.dtype, self.device = config, head_dim, dtype, device
         self.inv_freq, self.scaling = inverse_frequencies(config, head_dim, layer_type)
+        self.rotary_dim = 2 * self.inv_freq.numel()  # head_dim, or the first dims of a partial rotary
         self.exact_positions = _long_rope_start(config, layer_type)  # None: every position
         self.max_positions = 0
         self.ensure_positions(max_positions if self.exact_positions is None
@@ -105,7 +105,12 @@ class RotaryEmbedding:
         HF computes x * cos + cat(-x2, x1) * sin; per half that is x1 * cos - x2 * sin and
         x2 * cos + x1 * sin with the same roundings (a + (-b) is a - b exactly), so this is
         bit for bit the same, written into one output without the concatenated copy. On CPU
-        in float32 the native kernel computes the same products and sums in one pass."""
+        in float32 the native kernel computes the same products and sums in one pass. A partial
+        rotary turns the first ``rotary_dim`` dims and copies the rest, as transformers does."""
+        if self.rotary_dim != self.head_dim:
+            out = x.clone()
+            out[..., :self.rotary_dim] = self.torch_rotate(x[..., :self.rotary_dim], positions)
+            return out
         if cpu_native.supports_rotary(x, self.cos):  # positions already checked (check_positions)
             return cpu_native.rotary(x, self.cos, self.sin, positions)
         return self.torch_rotate(x, positions)
@@ -114,7 +119,7 @@ class RotaryEmbedding:
         """The torch ops' rotation (any device and dtype): the reference the kernels are held to."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        half = self.head_dim // 2
+        half = self.rotary_dim // 2
         x1, x2 = x[..., :half], x[..., half:]
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         first, second = out[..., :half], out[..., half:]

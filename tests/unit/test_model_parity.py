@@ -41,6 +41,7 @@ CASES = {
     "gemma3_qk_norm_local_rope_base_window_8": dict(arch="gemma3", norm_std=0.1, seed=21),
     "phi3_fused_qkv_and_gate_up": dict(arch="phi3", norm_std=0.1, seed=22),
     "phi3_longrope": dict(arch="phi3", norm_std=0.1, seed=23, **PHI3_LONGROPE),
+    "phi3_partial_rotary_as_phi4_mini": dict(arch="phi3", norm_std=0.1, seed=26, partial_rotary_factor=0.75),
     "olmo2_post_norms_projection_qk_norm": dict(arch="olmo2", norm_std=0.1, seed=24),
     "granite_multipliers": dict(arch="granite", norm_std=0.1, seed=25),
 }

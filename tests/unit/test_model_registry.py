@@ -80,14 +80,6 @@ def test_olmo2_is_refused_across_tensor_parallel_ranks_its_qk_norm_spans_every_h
         TensorParallelShard.for_rank(spec, 0, 2)
 
 
-def test_a_partial_rotary_factor_is_refused_not_run_wrongly(model_copy):
-    from pagedserve.worker_proc.model_runner import ModelRunner
-
-    model = model_copy("phi3", partial_rotary_factor=0.5)
-    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
-        ModelRunner(str(model))
-
-
 def test_a_longrope_model_is_served_up_to_its_original_length_and_a_longer_one_refused(tmp_path):
     """Past original_max_position_embeddings transformers recomputes the whole sequence with the long
     factors: the default length stops there, a longer one asked for is refused in one line."""

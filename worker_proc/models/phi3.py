@@ -1,6 +1,6 @@
-"""Phi-3: Llama's layer with q/k/v fused in one ``qkv_proj`` and gate/up in one ``gate_up_proj`` in
-the checkpoint (sliced per tensor-parallel rank at load), and longrope scaling (rotary.py); a
-partial rotary factor is refused there."""
+"""Phi-3 (and Phi-4-mini, the same architecture): Llama's layer with q/k/v fused in one ``qkv_proj``
+and gate/up in one ``gate_up_proj`` in the checkpoint (sliced per tensor-parallel rank at load),
+longrope scaling and a partial rotary factor (rotary.py)."""
 
 from pagedserve.worker_proc.models.family import Family, LayerNames
 
