@@ -12,6 +12,7 @@ from typing import Optional
 
 from pagedserve.deploy.entry_points import python_module
 from pagedserve.protocol import options as opts
+from pagedserve.protocol.model_architectures import LONGROPE_LIMIT, ModelConfigError, check_model_config, longrope_limit
 from pagedserve.client.generation_defaults import check_generation_config_option
 from pagedserve.client.pooling import pooler_settings
 from pagedserve.protocol.speculative import SpeculativeConfigError, check_draft_model, parse_speculative_config
@@ -38,6 +39,10 @@ class _ServeConfigRules:
         cfg_path = Path(self.model) / "config.json"
         if not cfg_path.is_file():
             raise ConfigError(f"{self.model} is not a model directory (no config.json)")
+        try:  # the workers' own check, so a model they would refuse is refused before any process starts
+            check_model_config(self.model)
+        except ModelConfigError as exc:
+            raise ConfigError(str(exc)) from None
         model_cfg = json.loads(cfg_path.read_text())
         limit = int(model_cfg.get("max_position_embeddings") or 2048)
         if isinstance(self.served_model_name, str):
@@ -61,7 +66,7 @@ class _ServeConfigRules:
             raise ConfigError(str(exc)) from None
         local_replicas = 1 if self.remote_workers else self.data_parallel_size
         self.dtype = resolve_dtype(self.dtype, model_cfg, self.device, self.model, local_replicas)
-        self._check_max_model_len(limit)
+        self._check_max_model_len(limit, longrope_limit(model_cfg))
         self._check_step_budget()
         if self.model_aliases is None:  # once: a replace() keeps what the first call found
             # vLLM serves `vllm serve /models/x` as "/models/x", and its clients (vllm bench
@@ -104,9 +109,13 @@ class _ServeConfigRules:
                               "--remote-workers / --internal-host")
         self._check_unread_options()
 
-    def _check_max_model_len(self, limit: int) -> None:
+    def _check_max_model_len(self, limit: int, exact: Optional[int] = None) -> None:
+        """``exact``: the longest sequence the workers compute exactly (a longrope model's original
+        length), the default where it is shorter than the model's positions; more is refused."""
         if self.max_model_len is None:
-            self.max_model_len = limit
+            self.max_model_len = limit if exact is None else min(limit, exact)
+        elif exact is not None and self.max_model_len > exact:
+            raise ConfigError(f"--max-model-len: {LONGROPE_LIMIT.format(limit=exact, asked=self.max_model_len)}")
         elif self.max_model_len > limit and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1":
             # Positions past the trained range give garbage, not an error: vLLM refuses them too.
             raise ConfigError(f"--max-model-len: User-specified max_model_len ({self.max_model_len}) is greater "

@@ -66,12 +66,12 @@ def _request_of_tile(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.conste
 @triton.jit(do_not_specialize=["num_requests"])
 def _paged_attention_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale_log2, num_requests,
+    scale_log2, softcap, num_requests,
     query_token_stride, query_head_stride, out_token_stride, out_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     block_size, head_dim, group_size,
     short_len, part_ptr, part_ml_ptr, num_tokens, num_q_heads,
-    SLIDING_WINDOW: tl.constexpr, SERVES: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SERVES: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, DOT_IN_FP32: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -132,6 +132,10 @@ def _paged_attention_kernel(
         kv_mask = k_exists[:, None] & dim_valid[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(dot_dtype)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        if SOFTCAP:  # c * tanh(s / c) of the scaled score s, in log2 units: scores is s * log2(e) here
+            capped = scores / (softcap * 1.4426950408889634)
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp2 overflows to inf, or reaches 0)
+            scores = (1.0 - 2.0 / (tl.math.exp2(capped * 2.8853900817779268) + 1.0)) * (softcap * 1.4426950408889634)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_exists[None, :]
         if SLIDING_WINDOW > 0:
             visible = visible & ((q_pos[:, None] - k_pos[None, :]) < SLIDING_WINDOW)
@@ -189,6 +193,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
     *,
     tiles: Optional[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = None,
     decode_splits: int = DECODE_SPLITS,
@@ -219,7 +224,7 @@ def paged_attention(
             query_start_loc.to(device=device, dtype=torch.int32).contiguous(),
             seq_lens.to(device=device, dtype=torch.int32).contiguous())
     short_len = max(short_tile[0] // group_pad, 1)
-    launch = (out, query, k_cache, v_cache, meta, scale, sliding_window, group_pad)
+    launch = (out, query, k_cache, v_cache, meta, scale, sliding_window, softcap, group_pad)
     if num_tokens > num_requests:  # some request has more than one token
         _launch(*launch, SHORT, short_len, short_tile, 1)
         _launch(*launch, LONG, short_len, long_tile, 1)
@@ -228,7 +233,8 @@ def paged_attention(
     return out
 
 
-def _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, group_pad, serves, short_len, tile, splits):
+def _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, softcap, group_pad, serves, short_len, tile,
+            splits):
     rows, keys, num_warps, num_stages = tile
     block_tables, query_start_loc, seq_lens = meta
     num_tokens, num_q_heads, head_dim = query.shape
@@ -242,11 +248,12 @@ def _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, group_pad
     grid = (num_tokens // block_q + num_requests, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale * math.log2(math.e), num_requests,
+        scale * math.log2(math.e), softcap or 0.0, num_requests,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1], head_dim, num_q_heads // num_kv_heads, short_len, part, part_ml, num_tokens, num_q_heads,
-        SLIDING_WINDOW=sliding_window or 0, SERVES=serves, BLOCK_Q=block_q, GROUP_PAD=group_pad,
+        SLIDING_WINDOW=sliding_window or 0, SOFTCAP=softcap is not None, SERVES=serves, BLOCK_Q=block_q,
+        GROUP_PAD=group_pad,
         BLOCK_N=keys, DIM_PAD=dim_pad, DOT_IN_FP32=_INTERPRETED and k_cache.dtype == torch.bfloat16,
         NUM_SPLITS=splits, num_warps=num_warps, num_stages=num_stages,
     )

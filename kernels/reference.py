@@ -73,6 +73,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch of queries over their paged context.
 
@@ -81,7 +82,8 @@ def paged_attention(
     ``seq_lens[b]`` tokens (cached context followed by this step's tokens, whose K/V have
     already been written). block_tables: [B, max_blocks] int32. Returns [T, q_heads, dim].
     A key at position p is visible to a query at position i when p <= i and, with a
-    sliding window w, i - p < w.
+    sliding window w, i - p < w. ``softcap`` c: each scaled score s becomes c * tanh(s / c)
+    before the softmax (Gemma 2's attention soft-capping).
     """
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -103,6 +105,8 @@ def paged_attention(
         kh = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
         vh = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
         scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
         k_pos = torch.arange(seq_len, device=query.device)[None, :]
         visible = k_pos <= q_pos

@@ -80,12 +80,27 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # can make a random model close its thinking with one logit_bias entry.
 THINK_TOKENS = ["<think>", "</think>"]
 
-# Shapes by family; every one is a few MB in fp32.
+# Shapes by family; every one is a few MB in fp32. ``config``: the family's own settings at a
+# tiny scale (a config's keyword arguments override them).
 ARCHS: dict[str, dict[str, Any]] = {
     "qwen2": dict(cls="Qwen2Config", model_type="qwen2"),
     "llama": dict(cls="LlamaConfig", model_type="llama"),
     "qwen3": dict(cls="Qwen3Config", model_type="qwen3"),
     "mistral": dict(cls="MistralConfig", model_type="mistral"),
+    # head_dim 16 (Gemma's default is 256), queries scaled by 24 ** -0.5 rather than 16 ** -0.5,
+    # a window of 8 on every other layer, and Gemma 2's soft caps at values random weights reach
+    "gemma2": dict(cls="Gemma2Config", model_type="gemma2", norm_init=0.0,  # its norms scale by 1 + weight
+                   config=dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                               attn_logit_softcapping=5.0, final_logit_softcapping=8.0)),
+    "gemma3": dict(cls="Gemma3TextConfig", model_type="gemma3_text", norm_init=0.0,
+                   config=dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2,
+                               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "phi3": dict(cls="Phi3Config", model_type="phi3"),
+    "olmo2": dict(cls="Olmo2Config", model_type="olmo2"),
+    "granite": dict(cls="GraniteConfig", model_type="granite",
+                    config=dict(embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                                logits_scaling=4.0)),
 }
 
 
@@ -131,13 +146,16 @@ def build_model_dir(
     dtype: str = "float32",
     thinking_template: bool = False,
     initializer_range: float = 0.2,
+    norm_std: float = 0.0,
     **extra_config: Any,
 ) -> Path:
     """Write a random ``arch`` model with a local tokenizer into ``path``; returns it.
     ``thinking_template``: the chat template reads Qwen3's ``enable_thinking``, and ``<think>`` /
     ``</think>`` are tokens of their own.
     ``initializer_range``: the weights' std; 0.2 (wide logits: greedy ties between engines are
-    unlikely) unless a bench shape asks for a checkpoint's own (bench/shapes.py)."""
+    unlikely) unless a bench shape asks for a checkpoint's own (bench/shapes.py).
+    ``norm_std``: norm weights drawn around their init value with this std (0: the init value), so
+    a norm that scales by the wrong weight (Gemma's 1 + weight) changes the tokens."""
     import torch
     import transformers
 
@@ -162,10 +180,11 @@ def build_model_dir(
         bos_token_id=None,
         pad_token_id=tokenizer.pad_token_id,
         initializer_range=initializer_range,
-        **extra_config,
+        **{**ARCHS[arch].get("config", {}), **extra_config},
     )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    _fill_weights(model, seed, config.initializer_range, config.pad_token_id)
+    _fill_weights(model, seed, config.initializer_range, config.pad_token_id, norm_std,
+                  ARCHS[arch].get("norm_init", 1.0))
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path, safe_serialization=True)
@@ -175,11 +194,13 @@ def build_model_dir(
     return path
 
 
-def _fill_weights(model: Any, seed: int, std: float, pad_token_id: Optional[int]) -> None:
+def _fill_weights(model: Any, seed: int, std: float, pad_token_id: Optional[int], norm_std: float = 0.0,
+                  norm_init: float = 1.0) -> None:
     """Every parameter from our own seeded generator, in name order, with HF's init rules
     (matrices ~ N(0, std), biases 0, norm weights 1, the pad token's embedding 0). The values
     then depend on the seed and the parameter names and shapes only, not on how a transformers
-    release initializes (5.24 changed it, and with it every golden trace's model)."""
+    release initializes (5.24 changed it, and with it every golden trace's model). Norm weights are
+    their init value (1, or 0 where the norm scales by 1 + weight), plus noise of ``norm_std``."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -188,7 +209,9 @@ def _fill_weights(model: Any, seed: int, std: float, pad_token_id: Optional[int]
             if name.endswith("bias"):
                 param.zero_()
             elif param.dim() == 1:
-                param.fill_(1.0)
+                param.fill_(norm_init)
+                if norm_std:
+                    param.add_(torch.empty(param.shape).normal_(0.0, norm_std, generator=generator))
             else:
                 param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator))
         embeddings = model.get_input_embeddings().weight

@@ -20,7 +20,7 @@ apply_torch_env_defaults()  # before torch loads, below
 
 from pagedserve.protocol import options as opts
 from pagedserve.protocol.process_exit import exit_now
-from pagedserve.worker_proc.model_config import UnsupportedModelError
+from pagedserve.protocol.model_architectures import ModelConfigError
 from pagedserve.worker_proc.host_memory import keep_freed_memory
 from pagedserve.worker_proc.worker import Worker, WorkerConfig
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # before the weights load: their temporaries' pages are reused by steps
     try:
         worker = Worker(cfg)
-    except UnsupportedModelError as exc:  # the operator's fix is in the message, not a traceback
+    except ModelConfigError as exc:  # (UnsupportedModelError is one) the operator's fix is in the message
         logging.getLogger("pagedserve.worker").error("cannot serve %s: %s", cfg.model, exc)
         return 2
     gc.freeze()  # the model and torch's own objects: keep collections proportional to a step

@@ -8,6 +8,11 @@ them (native_prefill.py: a cache in the query's dtype, no window inside them, at
 keys). On other devices, and whenever the step's ops are not the torch references (PAGEDSERVE_KERNELS=triton under TRITON_INTERPRET=1 on
 CPU, which is how the tests run the Triton kernel inside a real forward pass), everything goes
 to the kernel. The plan is computed once per step and shared by every layer.
+
+Attention soft-capping (Gemma 2: each scaled score s becomes c * tanh(s / c)) is in the reference
+and the Triton kernel only: SDPA and the native CPU kernels cannot apply it, so on CPU a soft-capped
+layer takes the reference for its whole batch (a Python loop over requests: slower, exact; the worker
+says so in its log, ``SOFTCAP_ON_CPU``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from pagedserve.worker_proc.decode_attention import (DecodeContext, GatherWorksp
                                                      decode_attention)
 from pagedserve.worker_proc.native_prefill import NativePrefill, plan_native_prefill
 from pagedserve.worker_proc.prefill_attention import PrefillChunk, plan_prefill_chunk, prefill_attention
+
+SOFTCAP_ON_CPU = ("attention soft-capping runs the torch reference attention on CPU (the native kernels and "
+                  "SDPA cannot soft-cap)")
 
 
 @dataclass(slots=True)
@@ -72,14 +80,15 @@ def plan_cpu_attention(num_scheduled: Sequence[int], query_start_loc: Sequence[i
 
 def attend(ops: ModuleType, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
            v_cache: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-           scale: float, sliding_window: Optional[int], plan: Optional[CpuAttentionPlan]) -> torch.Tensor:
+           scale: float, sliding_window: Optional[int], plan: Optional[CpuAttentionPlan],
+           softcap: Optional[float] = None) -> torch.Tensor:
     """paged_attention's contract: query [T, heads, dim] over the step's ragged batch.
 
     key/value are this step's rows [T, kv_heads, dim], already written to the cache.
     """
-    if plan is None or ops is not reference:
+    if plan is None or ops is not reference or softcap is not None:
         return ops.paged_attention(query.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
-                                   seq_lens, scale, sliding_window)
+                                   seq_lens, scale, sliding_window, softcap)
     if plan.all_decode:
         return decode_attention(query, k_cache, v_cache, scale, plan.decode_context(sliding_window))
     rest, native = plan.chunks, None

@@ -73,6 +73,8 @@ class FusedElementwise:
         return self._norm.add_rms_norm(x, residual, weight, eps)
 
     def rotary(self, rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if rotary.rotary_dim != x.shape[-1]:  # a partial rotary: the kernel turns whole heads
+            return rotary(x, positions)
         return self._rotary.rotary(x, rotary.cos, rotary.sin, positions)
 
     def silu_mul(self, gate_up: torch.Tensor, size: int) -> torch.Tensor:

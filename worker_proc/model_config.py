@@ -2,7 +2,10 @@
 
 transformers' own config classes parse the file (``AutoConfig``), so defaults and
 legacy field names are resolved exactly as the oracle resolves them; this module only
-picks out the shape of the network and refuses what the worker cannot run.
+picks out the shape of the network and refuses what the worker cannot run. The architecture
+names come from protocol/model_architectures.py (the check ``pagedserve serve`` runs before
+any process starts), and each family's hook (models/family.py) sets the fields below that
+differ from the Llama defaults.
 """
 
 from __future__ import annotations
@@ -12,20 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from pagedserve.protocol.model_architectures import ModelConfigError, check_model_config
 from pagedserve.protocol.model_identity import config_identity
 
-# Architecture name in config.json -> model family flags. All four are the same
-# pre-norm decoder (RMSNorm, rotary, GQA, SwiGLU); they differ only in these switches.
-SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": dict(qk_norm=False),
-    "MistralForCausalLM": dict(qk_norm=False),
-    "Qwen2ForCausalLM": dict(qk_norm=False),
-    "Qwen3ForCausalLM": dict(qk_norm=True),
-}
 
-
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ModelConfigError):
     """The model directory holds something this worker cannot run."""
+
+
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# RMSNorm of q and k: none, of each head (Qwen3, Gemma 3), or of all of q and all of k (OLMo 2)
+QK_NORMS = (None, "head", "projection")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +43,31 @@ class ModelSpec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
     layer_sliding_windows: tuple[Optional[int], ...]  # per layer; None = full attention
     hf_config: Any  # the transformers config, for the rotary init functions
+    family: Any  # models/family.py's Family: the checkpoint's names
+    # What a family's read_config may set (the defaults are Llama's):
+    qk_norm: Optional[str] = None  # one of QK_NORMS
+    hidden_act: str = "silu"  # the gated MLP's activation, one of GATED_ACTIVATIONS
+    attention_scale: float = 0.0  # 0: head_dim ** -0.5
+    attn_logit_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the softmax
+    final_logit_softcap: Optional[float] = None  # the same on the logits
+    embedding_scale: float = 1.0  # the embeddings times this (Gemma: sqrt(hidden), Granite: its multiplier)
+    residual_scale: float = 1.0  # each attention and MLP output times this before it joins the residual
+    logits_divisor: float = 1.0  # the logits over this (Granite's logits_scaling)
+    norm_weight_offset: float = 0.0  # Gemma's norms scale by (1 + weight): 1.0, added at load
+    layer_rope_types: Optional[tuple[str, ...]] = None  # per layer, the key of its rope parameters (Gemma 3)
+
+    def __post_init__(self) -> None:
+        if self.attention_scale == 0.0:
+            object.__setattr__(self, "attention_scale", self.head_dim**-0.5)
+        if self.hidden_act not in GATED_ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported (only "
+                                        f"{', '.join(GATED_ACTIVATIONS)})")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm {self.qk_norm!r}: one of {QK_NORMS}")
 
     @property
     def num_layer_params(self) -> int:
@@ -56,10 +76,6 @@ class ModelSpec:
         k_and_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
         mlp = 3 * self.hidden_size * self.intermediate_size
         return self.num_layers * (q_and_o + k_and_v + mlp)
-
-    @property
-    def attention_scale(self) -> float:
-        return self.head_dim**-0.5
 
 
 def _sliding_windows(config: Any, num_layers: int) -> tuple[Optional[int], ...]:
@@ -75,30 +91,22 @@ def _sliding_windows(config: Any, num_layers: int) -> tuple[Optional[int], ...]:
 
 
 def load_model_spec(model_dir: str | Path) -> ModelSpec:
-    """Read ``model_dir/config.json``; raises UnsupportedModelError for other architectures."""
+    """Read ``model_dir/config.json``; raises UnsupportedModelError (a ModelConfigError) for
+    architectures or settings the worker cannot run, in one line."""
     from transformers import AutoConfig
 
-    config_path = Path(model_dir) / "config.json"
-    if not config_path.is_file():
-        raise UnsupportedModelError(f"{config_path} not found: is {model_dir!r} an HF model directory?")
-    config_bytes = config_identity(config_path)  # not the bytes: transformers_version is not the model
+    from pagedserve.worker_proc.models.family import family_of
+
+    arch = check_model_config(model_dir)
+    config_bytes = config_identity(Path(model_dir) / "config.json")  # transformers_version is not the model
     config = AutoConfig.from_pretrained(str(model_dir))
-    architectures = getattr(config, "architectures", None) or []
-    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise UnsupportedModelError(
-            f"model architecture {architectures or config.model_type!r} is not supported; "
-            f"supported architectures: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+    family = family_of(arch)
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     attention_bias = bool(getattr(config, "attention_bias", False))
-    is_qwen2 = arch == "Qwen2ForCausalLM"
     num_layers = config.num_hidden_layers
-    return ModelSpec(
+    fields: dict[str, Any] = dict(
         architecture=arch,
         model_id=f"{arch}:{hashlib.sha256(config_bytes).hexdigest()[:16]}",
         hidden_size=config.hidden_size,
@@ -109,12 +117,15 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         head_dim=head_dim,
         vocab_size=config.vocab_size,
         rms_norm_eps=config.rms_norm_eps,
-        qkv_bias=is_qwen2 or attention_bias,  # Qwen2 always has q/k/v bias, never o bias
-        o_bias=attention_bias and not is_qwen2,
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_position_embeddings=config.max_position_embeddings,
         layer_sliding_windows=_sliding_windows(config, num_layers),
         hf_config=config,
+        family=family,
+        hidden_act=getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu",
     )
+    fields.update(family.read_config(config))
+    return ModelSpec(**fields)

@@ -32,6 +32,9 @@ class TensorParallelShard:
     def for_rank(cls, spec: ModelSpec, rank: int, size: int, group: Optional[Any] = None) -> "TensorParallelShard":
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"tp_rank {rank} is not a rank of a tensor-parallel group of size {size}")
+        if size > 1 and not spec.family.tensor_parallel:
+            raise UnsupportedModelError(f"{spec.architecture} runs on one device per replica: --tensor-parallel-size "
+                                        f"must be 1, got {size}")
         problems = []
         if spec.num_heads % size:
             problems.append(f"num_attention_heads={spec.num_heads}")

@@ -18,13 +18,14 @@ from typing import Optional
 
 import zmq
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, reference
 from pagedserve.protocol import messages as m
 from pagedserve.protocol import options as opts
 from pagedserve.protocol.speculative import parse_speculative_config
 from pagedserve.protocol.torch_env import huge_pages_state
 from pagedserve.protocol.worker_link import SchedulerLink
 from pagedserve.protocol.zmq_io import Endpoints, Sender
+from pagedserve.worker_proc.attention import SOFTCAP_ON_CPU
 from pagedserve.worker_proc.env_switch import env_switch
 
 log = logging.getLogger("pagedserve.worker")
@@ -144,6 +145,8 @@ class Worker:
             kernels += " + fused norms, rotary and SiLU gate"
         if self.runner.device.type == "cpu":
             kernels += f"; huge pages {huge_pages_state()}"
+            if self.runner.spec.attn_logit_softcap is not None and self.runner.ops is reference:
+                kernels += f"; {SOFTCAP_ON_CPU}"
         log.info("%s on %s (%s), kernels: %s", self.runner.model_id, self.runner.device, cfg.dtype, kernels)
         draft = self.runner.draft
         if draft is not None:

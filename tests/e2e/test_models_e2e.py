@@ -1,5 +1,6 @@
-"""More model families through the real server (greedy tokens equal transformers'), and a
-model the workers cannot run refused at startup with a message naming the ones they can."""
+"""More model families through the real server (greedy tokens equal transformers'), and a model
+the workers cannot run, or whose config contradicts itself, refused by ``pagedserve serve`` before
+any process starts, in one line (naming the architectures it can run)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import shutil
 import subprocess
 import sys
 
+import httpx
 import pytest
-
-from support.oracle import hf_tokenizer
+from pagedserve.protocol.model_architectures import ARCHITECTURES
 from support.greedy import assert_equal_to_transformers, greedy_completions
-from support.server import Server
+from support.oracle import hf_tokenizer
+from support.server import Server, pagedserve_processes, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +43,61 @@ def test_model_family_serves_transformers_greedy_tokens(arch, overrides, model_f
         srv.stop()
 
 
-def test_an_unsupported_architecture_is_refused_at_startup_naming_the_supported_ones(model_factory, tmp_path):
+def prompt_ids_sharing_a_prefix(model: str) -> list[list[int]]:
+    """Three prompts of 30-40 tokens, the last two opening with the first one's first 20."""
+    tok = hf_tokenizer(model)
+    head = tok(PROMPTS[1]).input_ids
+    assert len(head) >= 30
+    return [head[:36], head[:20] + tok(" Hello, world! The lazy dog.").input_ids, head[:20] + head[24:40]]
+
+
+def prefix_cache_hits(srv: Server) -> float:
+    metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("pagedserve_prefix_cache_hits_total"))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3"])
+def test_family_serves_transformers_greedy_tokens_with_prefix_caching_and_chunked_prefill(arch, model_factory,
+                                                                                           tmp_path):
+    """Prompts of 8-token steps (chunked prefill) over blocks of 4, the later ones finding their first
+    20 tokens cached. Gemma 2's window (8) is shorter than every prompt: its local layers attend
+    over a window while its global layers see everything, with soft-capped scores and logits."""
+    model = model_factory(arch, norm_std=0.1, seed=20)
+    prompts = prompt_ids_sharing_a_prefix(model)
+    srv = Server(model, ["--num-gpu-blocks", "128", "--max-model-len", "256", "--max-num-batched-tokens", "8",
+                         "--max-num-seqs", "4", "--block-size", "4", "--enable-prefix-caching",
+                         "--enable-chunked-prefill"]).start(tmp_path)
+    try:
+        first = greedy_completions(srv, prompts[:1], 16)
+        rest = greedy_completions(srv, prompts[1:], 16)
+        # the counters reach /metrics with the next stats heartbeat (every 0.5 s)
+        assert wait_until(lambda: prefix_cache_hits(srv) >= 2 * 20, 5)
+        if arch == "gemma2":
+            assert "attention soft-capping runs the torch reference attention on CPU" in srv.log()
+        assert_equal_to_transformers(model, prompts, first + rest, 16)
+    finally:
+        srv.stop()
+
+
+def refused_serve(model, tmp_path) -> subprocess.CompletedProcess:
+    run_dirs = tmp_path / "run"
+    run_dirs.mkdir()
+    return subprocess.run([sys.executable, "-m", "pagedserve.deploy.cli", "serve", str(model), "--port", "0",
+                           "--run-dir-parent", str(run_dirs)], capture_output=True, text=True, timeout=120)
+
+
+def assert_refused_in_one_line_with_nothing_started(run: subprocess.CompletedProcess, tmp_path) -> str:
+    assert run.returncode == 2, run.stderr[-3000:]
+    lines = (run.stdout + run.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedserve serve: "), lines[-20:]
+    assert not list((tmp_path / "run").iterdir())  # no run dir: no process was ever started
+    assert not pagedserve_processes(str(tmp_path / "run"))
+    return lines[0]
+
+
+def test_an_unsupported_architecture_is_refused_before_any_process_starts_naming_the_supported_ones(
+        model_factory, tmp_path):
     from transformers import GPT2Config
 
     model = tmp_path / "gpt2"
@@ -49,12 +105,18 @@ def test_an_unsupported_architecture_is_refused_at_startup_naming_the_supported_
     (model / "config.json").unlink()
     GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=512, architectures=["GPT2LMHeadModel"]).save_pretrained(model)
     assert json.loads((model / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
-    run = subprocess.run([sys.executable, "-m", "pagedserve.deploy.cli", "serve", str(model), "--port", "0",
-                          "--run-dir-parent", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1
-    out = run.stdout + run.stderr
-    assert "Traceback" not in out, out[-3000:]
-    assert "GPT2LMHeadModel" in out and "is not supported" in out, out[-3000:]
-    for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        assert supported in out, out[-3000:]
-    assert not list(tmp_path.glob("pagedserve-*"))  # the run dir was cleaned up
+    line = assert_refused_in_one_line_with_nothing_started(refused_serve(model, tmp_path), tmp_path)
+    assert "GPT2LMHeadModel" in line and "is not supported" in line
+    for supported in ARCHITECTURES:
+        assert supported in line
+
+
+def test_a_model_whose_config_contradicts_itself_is_refused_in_one_line_before_any_process_starts(
+        model_factory, tmp_path):
+    model = tmp_path / "broken"
+    shutil.copytree(model_factory("gemma2"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention"] * (config["num_hidden_layers"] + 1)
+    (model / "config.json").write_text(json.dumps(config))
+    line = assert_refused_in_one_line_with_nothing_started(refused_serve(model, tmp_path), tmp_path)
+    assert "layer_types" in line and "num_hidden_layers" in line

@@ -18,7 +18,8 @@ from pagedserve.deploy.entry_points import arguments_of
 @pytest.fixture
 def model_dir(tmp_path):
     def make(dtype):
-        (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 128, "dtype": dtype}))
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"],
+                                                          "max_position_embeddings": 128, "dtype": dtype}))
         return str(tmp_path)
     return make
 

@@ -61,19 +61,25 @@ os._exit(0)
 def test_two_tensor_parallel_ranks_produce_transformers_greedy_tokens(tmp_path):
     split_kv = build_model_dir(tmp_path / "kv2", "qwen2", num_heads=4, num_kv_heads=2)
     replicated_kv = build_model_dir(tmp_path / "kv1", "llama", num_heads=4, num_kv_heads=1, seed=1)
+    # Phi-3 keeps q/k/v and gate/up fused in its checkpoint: each rank reads its rows of every part;
+    # Gemma 2's norms after attention and the MLP run after the all-reduce
+    fused = build_model_dir(tmp_path / "phi3", "phi3", num_heads=4, num_kv_heads=2, norm_std=0.1, seed=2)
+    sandwich = build_model_dir(tmp_path / "gemma2", "gemma2", num_heads=4, num_kv_heads=2, norm_std=0.1, seed=3)
+    models = (split_kv, replicated_kv, fused, sandwich)
     prompts = random_prompts([7, 15, 4], vocab_size=512, seed=8)
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     tests_dir = str(Path(__file__).parents[1])
-    args = [tests_dir, None, str(free_port()), json.dumps(prompts), str(split_kv), str(replicated_kv)]
+    args = [tests_dir, None, str(free_port()), json.dumps(prompts), *map(str, models)]
     ranks = [subprocess.Popen([sys.executable, str(script), *(args[:1] + [str(r)] + args[2:])],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    finished = [rank.communicate(timeout=60) for rank in ranks]
+    finished = [rank.communicate(timeout=120) for rank in ranks]
     for rank, (_, stderr) in zip(ranks, finished):
         assert rank.returncode == 0, stderr[-3000:]
     rank0, rank1 = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in finished)
     assert rank0 == rank1  # rank 1 decoded the same stream from the broadcast tokens
-    for model_dir, (*tokens, heads) in zip((split_kv, replicated_kv), rank0):
+    assert len(rank0) == len(models)
+    for model_dir, (*tokens, heads) in zip(models, rank0):
         assert heads == [1, 2]  # one KV head and half the query heads per rank
         expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
         for ours, theirs in zip(tokens, expected):

@@ -51,7 +51,8 @@ def test_vllms_spellings_of_the_task_and_the_pooler_reach_the_frontend(tmp_path)
     from pagedserve.deploy.serve_config import ConfigError, ServeConfig
     from pagedserve.frontend_proc.args import parse_args
 
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512, "torch_dtype": "float32"}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"],
+                                                      "max_position_embeddings": 512, "torch_dtype": "float32"}))
     cfg = ServeConfig(model=str(tmp_path), task="pooling", pooler_config='{"pooling_type": "MEAN"}')
     frontend = parse_args(arguments_of(cfg.frontend_cmd("run")))
     assert (frontend.task, frontend.pooler) == ("embed", PoolerSettings("mean", True))

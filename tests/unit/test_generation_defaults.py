@@ -21,7 +21,8 @@ def model_dir(tmp_path):
     def make(generation_config=None):
         path = tmp_path / "model"
         path.mkdir(exist_ok=True)
-        (path / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
+        (path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"],
+                                                      "max_position_embeddings": 128}))
         if generation_config is not None:
             (path / "generation_config.json").write_text(json.dumps(generation_config))
         return str(path)

@@ -86,6 +86,20 @@ def test_a_step_of_decodes_only_matches_reference(splits, sliding_window):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("splits, sliding_window", [(1, None), (3, 6)])
+def test_soft_capped_scores_match_the_reference_and_differ_from_uncapped_attention(splits, sliding_window):
+    """Gemma 2's cap * tanh(score / cap), in decode-only steps (split or not) and a ragged batch. The
+    scale is large enough that scores reach the cap, so capping changes the result."""
+    batch = to_device(*build_batch(RAGGED_BATCH, 4, 2, 2, 16, torch.float32, seed=15))
+    decodes = to_device(*build_batch([(1, 1), (70, 1), (33, 1)], 16, 2, 2, 16, torch.float32, seed=16))
+    for args in (batch, decodes):
+        out = triton_ops.paged_attention(*args, 1.0, sliding_window, 2.5, decode_splits=splits)
+        expected = reference.paged_attention(*args, 1.0, sliding_window, 2.5)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+        assert not torch.allclose(expected, reference.paged_attention(*args, 1.0, sliding_window), atol=1e-2)
+
+
 def test_query_given_as_a_strided_slice_of_a_fused_projection_gives_the_same_result():
     query, *rest = build_batch([(5, 5), (12, 1)], 3, 1, 2, 16, torch.float32, seed=12)
     fused = torch.cat([query, torch.full_like(query, float("nan"))], dim=1)

@@ -17,6 +17,13 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
 }
 
+# Short factors up to 512 positions (every sequence here), scaled by longrope's attention factor
+# (2048 / 512 positions: sqrt(1 + ln 4 / ln 512)); the served length stops there (rotary.py)
+PHI3_LONGROPE = dict(original_max_position_embeddings=512, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0,
+    "short_factor": [1.0 + 0.25 * i for i in range(8)], "long_factor": [4.0 + 2.0 * i for i in range(8)],
+})
+
 CASES = {
     "llama": dict(arch="llama"),
     "qwen2": dict(arch="qwen2"),
@@ -28,6 +35,15 @@ CASES = {
     # the chunks after the first, on their cached context
     "qwen2_head_dim_32": dict(arch="qwen2", hidden_size=128, seed=6),
     "llama_head_dim_64_multi_query": dict(arch="llama", hidden_size=256, num_heads=4, num_kv_heads=1, seed=10),
+    # The families beyond Llama's (models/<family>.py), each with norm weights off their init value.
+    # Gemma's window (8) is shorter than most prompts and than every prompt with its output.
+    "gemma2_softcaps_sandwich_norms_window_8": dict(arch="gemma2", norm_std=0.1, seed=20),
+    "gemma3_qk_norm_local_rope_base_window_8": dict(arch="gemma3", norm_std=0.1, seed=21),
+    "phi3_fused_qkv_and_gate_up": dict(arch="phi3", norm_std=0.1, seed=22),
+    "phi3_longrope": dict(arch="phi3", norm_std=0.1, seed=23, **PHI3_LONGROPE),
+    "phi3_partial_rotary_as_phi4_mini": dict(arch="phi3", norm_std=0.1, seed=26, partial_rotary_factor=0.75),
+    "olmo2_post_norms_projection_qk_norm": dict(arch="olmo2", norm_std=0.1, seed=24),
+    "granite_multipliers": dict(arch="granite", norm_std=0.1, seed=25),
 }
 
 

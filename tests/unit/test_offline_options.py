@@ -23,7 +23,8 @@ HTTP_ONLY = dict(api_key="k", host="0.0.0.0", port=1, served_model_name="x", dra
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("model")
-    (path / "config.json").write_text(json.dumps({"max_position_embeddings": 512, "torch_dtype": "float32"}))
+    (path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"],
+                                                  "max_position_embeddings": 512, "torch_dtype": "float32"}))
     return str(path)
 
 

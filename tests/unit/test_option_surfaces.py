@@ -58,7 +58,8 @@ def non_default(option: opts.Option):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("model")
-    (path / "config.json").write_text(json.dumps({"max_position_embeddings": 512, "torch_dtype": "float32"}))
+    (path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"],
+                                                  "max_position_embeddings": 512, "torch_dtype": "float32"}))
     return str(path)
 
 
@@ -200,7 +201,8 @@ def test_the_default_router_is_cache_aware_only_with_a_prefix_cache_to_route_by(
 
 
 def test_a_budget_left_unset_without_chunked_prefill_still_holds_the_longest_prompt(model, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"],
+                                                      "max_position_embeddings": 4096}))
     cfg = ServeConfig(model=str(tmp_path), device="cpu", enable_chunked_prefill=False)
     assert cfg.max_num_batched_tokens == 4096 > opts.CPU_STEP_TOKENS
 

@@ -41,3 +41,17 @@ def test_greedy_tokens_through_the_triton_attention_kernel_equal_transformers(tm
     # every step's first layer, prefills and decodes; the last layer only where a row samples
     # (input_batch.OutputRows): step 1's first chunk of "chunked" samples nothing
     assert scheduler.step < len(calls) < 2 * scheduler.step and max(calls) > 2
+
+
+def test_gemma2s_soft_capped_windowed_attention_through_the_triton_kernel_equals_transformers(tmp_path, monkeypatch):
+    """Soft-capping inside the kernel, on local (window 8) and global layers, prompts past the window."""
+    model_dir = str(build_model_dir(tmp_path / "m", "gemma2", norm_std=0.1, seed=20))
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
+    runner = ModelRunner(model_dir, device=str(DEVICE), cuda_graphs=False)
+    assert runner.ops is triton_ops and runner.spec.attn_logit_softcap is not None
+    prompts = random_prompts([19, 12], vocab_size=512, seed=3)
+    scheduler = TrivialScheduler(runner)
+    scheduler.add("chunked", prompts[0], NEW_TOKENS + 4, prefill_chunks=[9])
+    scheduler.add("late", prompts[1], NEW_TOKENS + 4, arrival_step=1)
+    outputs = scheduler.run()
+    assert [outputs["chunked"], outputs["late"]] == hf_greedy(model_dir, prompts, NEW_TOKENS + 4)

@@ -1,4 +1,8 @@
-"""The Llama-family causal LM: embeddings, decoder layers over the paged KV cache, final norm, lm_head.
+"""The causal LM of every dense family: embeddings, decoder layers over the paged cache, final norm, lm_head.
+
+A family's scales sit here: the embeddings' (Gemma, Granite), the logits' divisor (Granite) and their
+soft cap (Gemma 2), applied to the float32 logits (transformers applies them to lm_head's output in the
+model's dtype: the same ops in float32, one rounding fewer in half precision).
 
 Embeddings and lm_head are replicated on every tensor-parallel rank (only rank 0
 samples); lm_head is the embedding matrix when the config ties them. On CPU the matrices are
@@ -18,7 +22,7 @@ from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.elementwise import Elementwise, TorchElementwise
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.linear import LinearWeight, linear, weight_layout
-from pagedserve.worker_proc.rotary import RotaryEmbedding
+from pagedserve.worker_proc.rotary import RotaryTables
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
 
@@ -36,20 +40,28 @@ class CausalLM:
             layout = weight_layout(device, num_params * self.embed_tokens.element_size(), dtype)
             head = self.embed_tokens if tied else source.get("lm_head.weight").to(device, dtype)
             self.lm_head = LinearWeight.of(head, None, layout)
-            self.norm = source.get("model.norm.weight").to(device, dtype)
-            self.layers = [DecoderLayer(spec, shard, i, source, device, dtype, layout)
+            self.norm = (source.get("model.norm.weight").float() + spec.norm_weight_offset).to(device, dtype)
+            rope_types = spec.layer_rope_types or (None,) * spec.num_layers
+            self.rotary = RotaryTables(spec.hf_config, spec.head_dim, spec.max_position_embeddings, device, dtype,
+                                       rope_types)
+            layer = spec.family.layer or DecoderLayer
+            self.layers = [layer(spec, shard, i, source, device, dtype, layout, self.rotary[rope_types[i]])
                            for i in range(spec.num_layers)]
         finally:
             source.close()
-        self.rotary = RotaryEmbedding(spec.hf_config, spec.head_dim, spec.max_position_embeddings, device, dtype)
+        # transformers rounds Gemma's sqrt(hidden) to the weights' dtype before multiplying
+        self.embedding_scale = (None if spec.embedding_scale == 1.0
+                                else torch.tensor(spec.embedding_scale, dtype=dtype, device=device))
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """Hidden states [T, hidden] of every token in the batch (before the final norm); only
         the rows ``batch.output_rows`` names, in order, where it names them."""
         hidden, residual = F.embedding(batch.input_ids, self.embed_tokens), None
+        if self.embedding_scale is not None:
+            hidden = hidden * self.embedding_scale
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer.forward(hidden, residual, batch, kv_cache[i, 0], kv_cache[i, 1], self.rotary,
+            hidden, residual = layer.forward(hidden, residual, batch, kv_cache[i, 0], kv_cache[i, 1],
                                              ops, self.elementwise, batch.output_rows if i == last else None)
         return hidden.add_(residual)
 
@@ -59,4 +71,10 @@ class CausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] of the given rows of forward()'s output."""
-        return linear(self.final_norm(hidden), self.lm_head).float()
+        logits = linear(self.final_norm(hidden), self.lm_head).float()
+        spec = self.spec
+        if spec.logits_divisor != 1.0:
+            logits = logits / spec.logits_divisor
+        if spec.final_logit_softcap is not None:
+            logits = torch.tanh(logits / spec.final_logit_softcap) * spec.final_logit_softcap
+        return logits

@@ -1,10 +1,13 @@
-"""One pre-norm decoder layer of the Llama family (Llama, Mistral, Qwen2, Qwen3) over the paged cache.
+"""One decoder layer over the paged cache, for every dense family (models/family.py says how they differ).
 
-Weights are plain tensors, fused at load: q/k/v into one matmul and gate/up into one.
-Norms, residual adds, rotary and the SiLU gate go through an Elementwise (elementwise.py):
-transformers' op sequence, so float32 greedy tokens equal transformers', or fused kernels; where
-the matmuls are native (CPU), the SiLU gate is part of gate_up's call (models/linear.py silu_gate).
-Each layer's residual add is deferred to the next norm, so the fused path does both in one.
+Attention (grouped-query, optional q/k norm, rotary, soft-capping, a sliding window per layer) and a
+gated MLP, each between the norms its family declares: before it (Llama), before and after (Gemma),
+after only (OLMo 2). Weights are plain tensors, fused at load: q/k/v into one matmul and gate/up
+into one, whether the checkpoint keeps them apart or fused (Phi-3). Norms, residual adds, rotary and
+the SiLU gate go through an Elementwise (elementwise.py): transformers' op sequence, so float32
+greedy tokens equal transformers', or fused kernels; where the matmuls are native (CPU), the SiLU
+gate is part of gate_up's call (models/linear.py silu_gate). Each layer's residual add is deferred
+to the next layer, where the fused path does it in the same op as that layer's first norm.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from pagedserve.worker_proc.attention import attend
 from pagedserve.worker_proc.elementwise import Elementwise
@@ -24,65 +28,115 @@ from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
 
 
-def _maybe(source: WeightSource, name: str, present: bool, **part) -> Optional[torch.Tensor]:
-    return source.get(name, **part) if present else None
+def _rows(source: WeightSource, names: tuple[str, ...], suffix: str,
+          parts: tuple[tuple[int, int], ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    """This rank's rows of weights kept as len(parts) tensors, or fused in one (its parts one after
+    another, each ``sizes[i]`` rows in the checkpoint)."""
+    if len(names) == len(parts):
+        return torch.cat([source.get(n + suffix, dim=0, part=p) for n, p in zip(names, parts, strict=True)])
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return torch.cat([source.get(names[0] + suffix, dim=0, part=(o + a, o + b))
+                      for o, (a, b) in zip(offsets, parts, strict=True)])
 
 
 class DecoderLayer:
     def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int,
                  source: WeightSource, device: torch.device, dtype: torch.dtype,
-                 layout: WeightLayout = WeightLayout()):
-        """``layout``: whether to keep [in, out] copies of the projections too (models/linear.py)."""
+                 layout: WeightLayout = WeightLayout(), rotary: Optional[RotaryEmbedding] = None):
+        """``layout``: whether to keep [in, out] copies of the projections too (models/linear.py).
+        ``rotary``: this layer's table (models/causal_lm.py)."""
         p = f"model.layers.{layer}."
+        names = spec.family.names
         d = spec.head_dim
         self.eps = spec.rms_norm_eps
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, d
         self.q_size, self.kv_size = shard.num_heads * d, shard.num_kv_heads * d
-        self.scale = spec.attention_scale
+        self.scale, self.softcap = spec.attention_scale, spec.attn_logit_softcap
+        self.residual_scale = spec.residual_scale
         self.sliding_window = spec.layer_sliding_windows[layer]
-        self.shard = shard
+        self.shard, self.rotary = shard, rotary
+        self.gelu = spec.hidden_act == "gelu_pytorch_tanh"
+        self.intermediate = shard.intermediate_size
 
         def load(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.to(device=device, dtype=dtype).contiguous()
 
+        def norm(name: Optional[str]) -> Optional[torch.Tensor]:  # Gemma's (1 + weight), added once here
+            return None if name is None else load(source.get(p + name + ".weight").float() + spec.norm_weight_offset)
+
         heads, kv_heads, inter = shard.head_rows(d), shard.kv_head_rows(d), shard.intermediate_rows()
-        attn, mlp = p + "self_attn.", p + "mlp."
-        self.input_norm = load(source.get(p + "input_layernorm.weight"))
-        self.post_norm = load(source.get(p + "post_attention_layernorm.weight"))
-        qkv_weight = load(torch.cat([
-            source.get(attn + "q_proj.weight", dim=0, part=heads),
-            source.get(attn + "k_proj.weight", dim=0, part=kv_heads),
-            source.get(attn + "v_proj.weight", dim=0, part=kv_heads),
-        ]))
-        qkv_bias = load(torch.cat([
-            source.get(attn + "q_proj.bias", dim=0, part=heads),
-            source.get(attn + "k_proj.bias", dim=0, part=kv_heads),
-            source.get(attn + "v_proj.bias", dim=0, part=kv_heads),
-        ])) if spec.qkv_bias else None
+        qkv_parts, qkv_sizes = (heads, kv_heads, kv_heads), (spec.num_heads * d, spec.num_kv_heads * d,
+                                                             spec.num_kv_heads * d)
+        self.pre_attention_norm, self.post_attention_norm = norm(names.pre_attention_norm), norm(names.post_attention_norm)
+        self.pre_mlp_norm, self.post_mlp_norm = norm(names.pre_mlp_norm), norm(names.post_mlp_norm)
+        qkv_weight = load(_rows(source, tuple(p + n for n in names.qkv), ".weight", qkv_parts, qkv_sizes))
+        qkv_bias = (load(_rows(source, tuple(p + n for n in names.qkv), ".bias", qkv_parts, qkv_sizes))
+                    if spec.qkv_bias else None)
         self.qkv = LinearWeight.of(qkv_weight, qkv_bias, layout)
         # o_proj's and down_proj's biases are added after the all-reduce (once, not per rank)
-        self.o_proj = LinearWeight.of(load(source.get(attn + "o_proj.weight", dim=1, part=heads)), None, layout)
-        self.o_bias = load(_maybe(source, attn + "o_proj.bias", spec.o_bias))
-        # Qwen3 normalises each head of q and k; one [q_heads + kv_heads, dim] weight
-        # lets a single norm call cover both.
-        self.qk_norm_weight = load(torch.cat([
-            source.get(attn + "q_norm.weight").expand(shard.num_heads, d),
-            source.get(attn + "k_norm.weight").expand(shard.num_kv_heads, d),
-        ])) if spec.qk_norm else None
-        gate_up_weight = load(torch.cat([
-            source.get(mlp + "gate_proj.weight", dim=0, part=inter),
-            source.get(mlp + "up_proj.weight", dim=0, part=inter),
-        ]))
-        gate_up_bias = load(torch.cat([
-            source.get(mlp + "gate_proj.bias", dim=0, part=inter),
-            source.get(mlp + "up_proj.bias", dim=0, part=inter),
-        ])) if spec.mlp_bias else None
-        self.gate_up = LinearWeight.of(gate_up_weight, gate_up_bias, layout, gate_size=shard.intermediate_size)
-        self.down = LinearWeight.of(load(source.get(mlp + "down_proj.weight", dim=1, part=inter)), None, layout)
-        self.down_bias = load(_maybe(source, mlp + "down_proj.bias", spec.mlp_bias))
+        self.o_proj = LinearWeight.of(load(source.get(p + names.o_proj + ".weight", dim=1, part=heads)), None, layout)
+        self.o_bias = load(source.get(p + names.o_proj + ".bias")) if spec.o_bias else None
+        self.qk_norm, self.q_norm_weight, self.k_norm_weight = spec.qk_norm, None, None
+        if spec.qk_norm == "head":
+            # One [q_heads + kv_heads, dim] weight lets a single norm call cover every head of q and k.
+            self.qk_norm_weight = torch.cat([norm(names.q_norm).expand(shard.num_heads, d),
+                                             norm(names.k_norm).expand(shard.num_kv_heads, d)])
+        elif spec.qk_norm == "projection":  # over all of q and all of k (one rank holds every head)
+            self.q_norm_weight, self.k_norm_weight = norm(names.q_norm), norm(names.k_norm)
+        inter_parts, inter_sizes = (inter, inter), (spec.intermediate_size,) * 2
+        gate_up_weight = load(_rows(source, tuple(p + n for n in names.gate_up), ".weight", inter_parts, inter_sizes))
+        gate_up_bias = (load(_rows(source, tuple(p + n for n in names.gate_up), ".bias", inter_parts, inter_sizes))
+                        if spec.mlp_bias else None)
+        # A GeLU gate multiplies through linear(): no panels interleaved for silu_gate
+        self.gate_up = LinearWeight.of(gate_up_weight, gate_up_bias, layout,
+                                       gate_size=0 if self.gelu else shard.intermediate_size)
+        self.down = LinearWeight.of(load(source.get(p + names.down + ".weight", dim=1, part=inter)), None, layout)
+        self.down_bias = load(source.get(p + names.down + ".bias")) if spec.mlp_bias else None
+
+    def _join(self, out: torch.Tensor, residual: torch.Tensor, norm: Optional[torch.Tensor],
+              ew: Elementwise) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the next block's input, the residual stream): ``out`` joins the residual, then the norm
+        before the next block, where the family has one."""
+        if norm is None:
+            total = out.add_(residual)
+            return total, total
+        return ew.add_rms_norm(out, residual, norm, self.eps)
+
+    def _finish(self, out: torch.Tensor, bias: Optional[torch.Tensor], norm: Optional[torch.Tensor],
+                ew: Elementwise) -> torch.Tensor:
+        """A block's output before it joins the residual: summed over ranks, its bias, the norm
+        after it, the residual multiplier."""
+        out = self.shard.all_reduce(out)
+        if bias is not None:
+            out = out + bias
+        if norm is not None:
+            out = ew.rms_norm(out, norm, self.eps)
+        if self.residual_scale != 1.0:
+            out = out * self.residual_scale
+        return out
+
+    def _qk(self, qkv: torch.Tensor, positions: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+        """q and k, normed and rotated together as one [T, q_heads + kv_heads, dim] tensor."""
+        num_tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
+        if self.qk_norm == "projection":
+            qk = torch.cat([ew.rms_norm(qkv[:, :self.q_size], self.q_norm_weight, self.eps),
+                            ew.rms_norm(qkv[:, self.q_size:qk_size], self.k_norm_weight, self.eps)], dim=1)
+            qk = qk.view(num_tokens, -1, self.head_dim)
+        else:
+            qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
+            if self.qk_norm == "head":
+                qk = ew.rms_norm(qk, self.qk_norm_weight, self.eps)
+        return ew.rotary(self.rotary, qk, positions)
+
+    def _gated(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+        """The MLP's input to down_proj: act(gate) * up."""
+        if not self.gelu:
+            return silu_gate(x, self.gate_up, ew)
+        gate, up = linear(x, self.gate_up).split(self.intermediate, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, rotary: RotaryEmbedding, ops: ModuleType,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, ops: ModuleType,
                 ew: Elementwise, output_rows: Optional[OutputRows] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it). The previous layer's output
         joins the residual here, in the same op as this layer's first norm; ``residual`` is
@@ -90,21 +144,18 @@ class DecoderLayer:
         keys and values are written, but only those rows come out (the last layer)."""
         num_tokens = hidden.shape[0]
         if residual is None:
-            residual, normed = hidden, ew.rms_norm(hidden, self.input_norm, self.eps)
+            residual = hidden
+            x = hidden if self.pre_attention_norm is None else ew.rms_norm(hidden, self.pre_attention_norm, self.eps)
         else:
-            normed, residual = ew.add_rms_norm(hidden, residual, self.input_norm, self.eps)
-        qkv = linear(normed, self.qkv)
-        # q and k rotate together as one [T, q_heads + kv_heads, dim] tensor.
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        if self.qk_norm_weight is not None:
-            qk = ew.rms_norm(qk, self.qk_norm_weight, self.eps)
-        qk = ew.rotary(rotary, qk, batch.positions)
+            x, residual = self._join(hidden, residual, self.pre_attention_norm, ew)
+        qkv = linear(x, self.qkv)
+        qk = self._qk(qkv, batch.positions, ew)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if output_rows is None:
             attn = attend(ops, q, k, v, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                          self.scale, self.sliding_window, batch.attention_plan)
+                          self.scale, self.sliding_window, batch.attention_plan, self.softcap)
         else:
             rows = output_rows.rows
             num_tokens, residual = rows.shape[0], residual[rows]
@@ -112,12 +163,9 @@ class DecoderLayer:
                 return residual, residual
             attn = attend(ops, q[rows], k[rows], v[rows], k_cache, v_cache, output_rows.block_tables,
                           output_rows.query_start_loc, output_rows.seq_lens, self.scale, self.sliding_window,
-                          output_rows.attention_plan)
-        out = self.shard.all_reduce(linear(attn.reshape(num_tokens, self.q_size), self.o_proj))
-        if self.o_bias is not None:
-            out = out + self.o_bias
-        normed, residual = ew.add_rms_norm(out, residual, self.post_norm, self.eps)
-        out = self.shard.all_reduce(linear(silu_gate(normed, self.gate_up, ew), self.down))
-        if self.down_bias is not None:
-            out = out + self.down_bias
+                          output_rows.attention_plan, self.softcap)
+        out = self._finish(linear(attn.reshape(num_tokens, self.q_size), self.o_proj), self.o_bias,
+                           self.post_attention_norm, ew)
+        x, residual = self._join(out, residual, self.pre_mlp_norm, ew)
+        out = self._finish(linear(self._gated(x, ew), self.down), self.down_bias, self.post_mlp_norm, ew)
         return out, residual

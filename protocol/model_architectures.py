@@ -1,0 +1,111 @@
+"""The model architectures the workers run, and the checks of a model's config.json that need
+no worker: the one registry of families, read by the launcher before any process starts and by
+the worker when it loads a model.
+
+It lives in protocol/ because it is an agreement between processes: ``pagedserve serve`` (deploy/,
+which must not import worker_proc) refuses a model the workers would refuse, in one line, before
+it starts them, and the worker resolves each name to its family's file from the same table, so
+the two can never disagree. Only names and plain JSON are read here (no torch, no transformers):
+the check costs a file read.
+
+A family's file is ``worker_proc/models/<module>.py``; it declares a ``FAMILIES`` dict from these
+architecture names to its ``Family`` (worker_proc/models/family.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# config.json's "architectures" name -> the module under worker_proc/models/ that declares it.
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen",
+    "Qwen3ForCausalLM": "qwen",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+    "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
+    "GraniteForCausalLM": "granite",
+}
+
+
+LONGROPE_LIMIT = ("longrope rotary scaling: sequences up to original_max_position_embeddings ({limit}) are computed "
+                  "exactly; past it transformers recomputes the whole sequence with the long factors, which the paged "
+                  "cache cannot, so a served length of {asked} is refused: set --max-model-len {limit} or less")
+
+
+class ModelConfigError(ValueError):
+    """A model directory whose config.json names no supported architecture, or contradicts itself."""
+
+
+def read_model_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{path} not found: is {str(model_dir)!r} an HF model directory?")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelConfigError(f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelConfigError(f"{path} is not a JSON object")
+    return config
+
+
+def supported_architecture(config: dict[str, Any]) -> str:
+    """The first of config.json's architectures the workers run; ModelConfigError naming them otherwise."""
+    named = config.get("architectures") or []
+    arch = next((a for a in named if isinstance(a, str) and a in ARCHITECTURES), None)
+    if arch is None:
+        shown = named or config.get("model_type") or "none"
+        raise ModelConfigError(f"model architecture {shown!r} is not supported; supported architectures: "
+                               f"{', '.join(sorted(ARCHITECTURES))}")
+    return arch
+
+
+def _positive_int(config: dict[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelConfigError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_model_config(model_dir: str | Path) -> str:
+    """The architecture to run; ModelConfigError (one line) for an unsupported one or a config that
+    breaks its own rules: query heads that do not group over the key/value heads, layer types that do
+    not cover the layers, a window that is not a positive length or is missing for its sliding layers.
+
+    A window longer than ``max_position_embeddings`` is not refused: it never binds (every position
+    sees all before it, in transformers as here), and real checkpoints ship one (Phi-3.5-mini and
+    Phi-3-mini-128k: a window of 262144 over 131072 positions)."""
+    config = read_model_config(model_dir)
+    arch = supported_architecture(config)
+    _positive_int(config, "max_position_embeddings")
+    layers = _positive_int(config, "num_hidden_layers")
+    heads = _positive_int(config, "num_attention_heads")
+    kv_heads = _positive_int(config, "num_key_value_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise ModelConfigError(f"config.json: num_attention_heads ({heads}) is not a multiple of "
+                               f"num_key_value_heads ({kv_heads})")
+    layer_types = config.get("layer_types")
+    if layer_types is not None and layers is not None and len(layer_types) != layers:
+        raise ModelConfigError(f"config.json: layer_types names {len(layer_types)} layers but num_hidden_layers "
+                               f"is {layers}")
+    window = _positive_int(config, "sliding_window")
+    if window is None and layer_types is not None and "sliding_attention" in layer_types:
+        raise ModelConfigError("config.json: layer_types has sliding_attention layers but no sliding_window")
+    return arch
+
+
+def longrope_limit(config: dict[str, Any]) -> int | None:
+    """The longest sequence a longrope model (Phi-3) is computed exactly in a paged cache: its short
+    factors' length (worker_proc/rotary.py says why); None for every other rope."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) not in ("longrope", "su"):
+        return None
+    limit = config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+    return int(limit) if limit else None
