@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import pytest
@@ -33,9 +32,18 @@ def test_an_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_pa
         assert supported in message
 
 
-def test_the_model_id_names_the_architecture_and_hashes_the_config(model_dir):
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
-    assert ModelRunner(str(model_dir)).model_id == f"Qwen2ForCausalLM:{digest}"
+def test_the_model_id_names_the_architecture_and_the_config_but_not_the_transformers_that_wrote_it(
+        model_dir, tmp_path):
+    from pagedserve.worker_proc.model_config import load_model_spec
+
+    model_id = ModelRunner(str(model_dir)).model_id
+    assert model_id.startswith("Qwen2ForCausalLM:")
+    config = json.loads((model_dir / "config.json").read_text())
+    for name, change in (("rewritten", {"transformers_version": "4.0.0"}), ("other", {"rms_norm_eps": 1e-3})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **change}, indent=4))
+    assert load_model_spec(tmp_path / "rewritten").model_id == model_id
+    assert load_model_spec(tmp_path / "other").model_id != model_id
 
 
 def test_block_bytes_and_the_cpu_block_budget(model_dir):
