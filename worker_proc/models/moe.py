@@ -1,0 +1,155 @@
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE): router, experts, shared expert.
+
+The decoder layer takes this block in place of its dense MLP where the config has experts
+(``ModelSpec.moe``). The router is replicated and computed with F.linear, as transformers does,
+so the experts picked are transformers' (kernels/moe_routing.py routes). Each expert's
+intermediate features are sharded across tensor-parallel ranks, as the dense MLP's are: every
+rank routes every token, runs its slice of each chosen expert, and one all-reduce sums the block.
+
+How the experts run, chosen once at load and named in the worker log:
+
+- CPU: the step's (token, expert) pairs sorted by expert, then one gate_up (with its SiLU gate)
+  and one down matmul per *active* expert over its contiguous run of rows; an expert no token
+  routes to costs nothing. Each expert is a pair of LinearWeights in the model's WeightLayout
+  (models/linear.py), so the matmuls take the path dense layers take for the dtype and ISA:
+  cpu_linear.c's panels (AVX2 without AVX-512), oneDNN's packed weights (bfloat16 on AVX512-BF16,
+  float32 models past the caches), or torch's. Measured against a per-expert loop over plain
+  weights and a dense loop over every expert: bench/scripts/moe_cpu_bench.py, RESULTS "CPU:
+  mixture of experts".
+- GPU: kernels/fused_moe.py (Triton; vLLM's moe_align_block_size and grouped GEMM) over the
+  experts stacked as [E, 2I, H] and [E, H, I]; the torch reference where the kernels are torch's.
+
+Checkpoints: the per-expert names the hub's checkpoints use and transformers 5's save_pretrained
+writes (Mixtral ``block_sparse_moe.experts.N.w1/w3/w2``, Qwen ``mlp.experts.N.gate/up/down_proj``),
+or transformers 5's in-memory fused names (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``mlp.experts.down_proj`` [E, H, I]).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import moe_reference
+from pagedserve.kernels.moe_routing import route, sort_by_expert
+from pagedserve.kernels.ops import select_ops
+from pagedserve.worker_proc.elementwise import Elementwise
+from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
+from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
+from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
+from pagedserve.worker_proc.weights import WeightSource
+
+log = logging.getLogger("pagedserve.worker")
+
+# Each family's block prefix in its hub checkpoints and an expert's gate, up and down names there.
+EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2")),
+    "Qwen2MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+    "Qwen3MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+}
+FUSED_PREFIX = "mlp."  # transformers 5's module names, where the experts are 3D tensors
+
+
+def _slice(size: int, shard: TensorParallelShard, what: str) -> tuple[int, int]:
+    if size % shard.size:
+        raise UnsupportedModelError(f"tensor-parallel size {shard.size} does not divide {what}={size}; "
+                                    "pick a tp_size that does")
+    part = size // shard.size
+    return shard.rank * part, (shard.rank + 1) * part
+
+
+class SparseMoeBlock:
+    def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int, source: WeightSource,
+                 device: torch.device, dtype: torch.dtype, layout: WeightLayout = WeightLayout()):
+        moe = spec.moe
+        self.rule, self.num_experts, self.shard = moe.routing, moe.num_experts, shard
+        prefix, (gate, up, down) = EXPERT_NAMES[spec.architecture]
+        p = f"model.layers.{layer}.{prefix}"
+        fused = f"model.layers.{layer}.{FUSED_PREFIX}experts.gate_up_proj" in source
+        if fused:
+            p = f"model.layers.{layer}.{FUSED_PREFIX}"
+
+        def load(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        self.router = load(source.get(p + "gate.weight"))  # [E, H], on every rank
+        a, b = _slice(moe.expert_intermediate_size, shard, "moe_intermediate_size")
+        size = b - a
+        if fused:
+            full_gate_up, full_down = source.get(p + "experts.gate_up_proj"), source.get(p + "experts.down_proj")
+            inter = moe.expert_intermediate_size
+            gate_ups = [torch.cat([w[a:b], w[inter + a: inter + b]]) for w in full_gate_up]
+            downs = [w[:, a:b] for w in full_down]
+        else:
+            e = p + "experts.{}.{}.weight"
+            gate_ups = [torch.cat([source.get(e.format(i, gate), dim=0, part=(a, b)),
+                                   source.get(e.format(i, up), dim=0, part=(a, b))]) for i in range(self.num_experts)]
+            downs = [source.get(e.format(i, down), dim=1, part=(a, b)) for i in range(self.num_experts)]
+        if device.type == "cpu":
+            self.experts = [(LinearWeight.of(load(gu), None, layout, gate_size=size), LinearWeight.of(load(d), None, layout))
+                            for gu, d in zip(gate_ups, downs)]
+            self.gate_up = self.down = None
+            self.kernel = "grouped by expert: " + _layout_name(self.experts[0][0])
+        else:
+            self.experts = None
+            self.gate_up, self.down = load(torch.stack(gate_ups)), load(torch.stack(downs))
+            self.fused_moe = moe_reference.fused_moe
+            self.kernel = "torch reference (per-expert loop)"
+            if select_ops(device).__name__.endswith("triton_ops"):
+                from pagedserve.kernels import fused_moe  # imports triton
+
+                self.fused_moe, self.kernel = fused_moe.fused_moe, "Triton fused_moe (sorted token blocks, grouped GEMM)"
+        del gate_ups, downs
+        self.shared: Optional[tuple[LinearWeight, LinearWeight, torch.Tensor]] = None
+        if moe.shared_expert_intermediate_size:
+            s = p  # Qwen2-MoE's shared expert has the same names in either form
+            sa, sb = _slice(moe.shared_expert_intermediate_size, shard, "shared_expert_intermediate_size")
+            shared_gate_up = load(torch.cat([source.get(s + "shared_expert.gate_proj.weight", dim=0, part=(sa, sb)),
+                                             source.get(s + "shared_expert.up_proj.weight", dim=0, part=(sa, sb))]))
+            self.shared = (LinearWeight.of(shared_gate_up, None, layout, gate_size=sb - sa),
+                           LinearWeight.of(load(source.get(s + "shared_expert.down_proj.weight", dim=1, part=(sa, sb))),
+                                           None, layout),
+                           load(source.get(s + "shared_expert_gate.weight")))  # [1, H], on every rank
+        if layer == spec.moe.sparse_layers.index(True):
+            log.info("mixture of experts: %d experts, top %d; %s", self.num_experts, self.rule.top_k, self.kernel)
+
+    def forward(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+        """x [T, H] (the post-attention norm's output) -> the block's output [T, H], all-reduced."""
+        weights, ids = route(F.linear(x, self.router), self.rule)
+        if self.experts is not None:
+            out = grouped_experts(x, self.experts, weights, ids, ew)
+        else:
+            out = self.fused_moe(x, self.gate_up, self.down, weights, ids)
+        if self.shared is not None:
+            gate_up, down, gate = self.shared
+            out = out + torch.sigmoid(F.linear(x, gate)) * linear(silu_gate(x, gate_up, ew), down)
+        return self.shard.all_reduce(out)
+
+
+def grouped_experts(x: torch.Tensor, experts: list[tuple[LinearWeight, LinearWeight]], weights: torch.Tensor,
+                    ids: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+    """moe_reference.fused_moe's result from per-expert LinearWeights: the pairs sorted by expert,
+    one silu_gate and one linear per active expert over its rows, each output row scaled by its
+    weight (in the weight's dtype, then rounded to x's, as transformers does) and added into its
+    token's row, a token's experts in ascending order."""
+    order = sort_by_expert(ids, len(experts))
+    rows = x[order.token_of]
+    outs = []
+    start = 0
+    for (gate_up, down), count in zip(experts, order.counts):
+        if count:
+            outs.append(linear(silu_gate(rows[start: start + count], gate_up, ew), down))
+            start += count
+    scaled = (torch.cat(outs) * weights.reshape(-1)[order.pair, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, order.token_of, scaled)
+
+
+def _layout_name(w: LinearWeight) -> str:
+    if w.panels is not None:
+        return f"native matmuls ({str(w.panels.dtype).removeprefix('torch.')} panels)"
+    if w.packed is not None:
+        return "oneDNN packed matmuls"
+    return "torch matmuls" + (" ([in, out] copies)" if w.weight_t is not None else "")
