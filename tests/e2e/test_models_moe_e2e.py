@@ -74,4 +74,4 @@ def test_more_experts_per_token_than_experts_is_refused_at_startup_in_one_line(m
                           "--run-dir-parent", str(tmp_path)], capture_output=True, text=True, timeout=120)
     out = run.stdout + run.stderr
     assert run.returncode == 1 and "Traceback" not in out, out[-3000:]
-    assert "num_experts_per_tok=9 needs between 1 and num_experts=8 experts to pick from" in out, out[-3000:]
+    assert "num_experts_per_tok=9 needs between 1 and num_local_experts=8 experts to pick from" in out, out[-3000:]

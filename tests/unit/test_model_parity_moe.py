@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedserve.tools.demo_model import build_model_dir
-from pagedserve.worker_proc.model_config import UnsupportedModelError
+from pagedserve.protocol.model_architectures import ModelConfigError
 from pagedserve.worker_proc.model_runner import ModelRunner
 from pagedserve.worker_proc.models.moe import SparseMoeBlock
 from support.worker_harness import TrivialScheduler, random_prompts
@@ -95,7 +95,8 @@ def test_a_config_routing_to_more_experts_than_it_has_is_refused_at_start_in_one
     config = json.loads((model_dir / "config.json").read_text())
     config["num_experts_per_tok"] = 9
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match=r"^num_experts_per_tok=9 needs between 1 and num_experts=8 [^\n]*$"):
+    with pytest.raises(ModelConfigError, match=r"^config.json: num_experts_per_tok=9 needs between 1 and "
+                                               r"num_local_experts=8 experts to pick from$"):
         ModelRunner(str(model_dir))
 
 

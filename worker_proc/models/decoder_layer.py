@@ -1,13 +1,14 @@
-"""One decoder layer over the paged cache, for every dense family (models/family.py says how they differ).
+"""One decoder layer over the paged cache, for every family (models/family.py says how they differ).
 
 Attention (grouped-query, optional q/k norm, rotary, soft-capping, a sliding window per layer) and a
-gated MLP, each between the norms its family declares: before it (Llama), before and after (Gemma),
-after only (OLMo 2). Weights are plain tensors, fused at load: q/k/v into one matmul and gate/up
-into one, whether the checkpoint keeps them apart or fused (Phi-3). Norms, residual adds, rotary and
-the SiLU gate go through an Elementwise (elementwise.py): transformers' op sequence, so float32
-greedy tokens equal transformers', or fused kernels; where the matmuls are native (CPU), the SiLU
-gate is part of gate_up's call (models/linear.py silu_gate). Each layer's residual add is deferred
-to the next layer, where the fused path does it in the same op as that layer's first norm.
+gated MLP (a mixture of experts' sparse layers: models/moe.py's block), each between the norms its
+family declares: before it (Llama), before and after (Gemma), after only (OLMo 2). Weights are plain
+tensors, fused at load: q/k/v into one matmul and gate/up into one, whether the checkpoint keeps
+them apart or fused (Phi-3). Norms, residual adds, rotary and the SiLU gate go through an
+Elementwise (elementwise.py): transformers' op sequence, so float32 greedy tokens equal
+transformers', or fused kernels; where the matmuls are native (CPU), the SiLU gate is part of
+gate_up's call (models/linear.py silu_gate). Each layer's residual add is deferred to the next
+layer, where the fused path does it in the same op as that layer's first norm.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.input_batch import ForwardBatch, OutputRows
 from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
+from pagedserve.worker_proc.models.moe import SparseMoeBlock
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -83,6 +85,12 @@ class DecoderLayer:
                                              norm(names.k_norm).expand(shard.num_kv_heads, d)])
         elif spec.qk_norm == "projection":  # over all of q and all of k (one rank holds every head)
             self.q_norm_weight, self.k_norm_weight = norm(names.q_norm), norm(names.k_norm)
+        # a mixture of experts' sparse layers run the experts' block instead of the dense MLP
+        self.moe = (SparseMoeBlock(spec, shard, layer, source, device, dtype, layout)
+                    if spec.moe is not None and spec.moe.sparse_layers[layer] else None)
+        if self.moe is not None:
+            self.down_bias = None
+            return
         inter_parts, inter_sizes = (inter, inter), (spec.intermediate_size,) * 2
         gate_up_weight = load(_rows(source, tuple(p + n for n in names.gate_up), ".weight", inter_parts, inter_sizes))
         gate_up_bias = (load(_rows(source, tuple(p + n for n in names.gate_up), ".bias", inter_parts, inter_sizes))
@@ -167,5 +175,5 @@ class DecoderLayer:
         out = self._finish(linear(attn.reshape(num_tokens, self.q_size), self.o_proj), self.o_bias,
                            self.post_attention_norm, ew)
         x, residual = self._join(out, residual, self.pre_mlp_norm, ew)
-        out = self._finish(linear(self._gated(x, ew), self.down), self.down_bias, self.post_mlp_norm, ew)
-        return out, residual
+        mlp = self.moe.forward(x, ew) if self.moe is not None else linear(self._gated(x, ew), self.down)
+        return self._finish(mlp, self.down_bias, self.post_mlp_norm, ew), residual

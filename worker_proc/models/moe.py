@@ -1,7 +1,8 @@
 """A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE): router, experts, shared expert.
 
-The decoder layer takes this block in place of its dense MLP where the config has experts
-(``ModelSpec.moe``). The router is replicated and computed with F.linear, as transformers does,
+A family file (mixtral.py, qwen_moe.py) reads its config into a ``MoeSpec`` with its checkpoint's
+``ExpertNames`` (``ModelSpec.moe``); the decoder layer takes this block in place of its dense MLP
+in the layers the spec marks sparse. The router is replicated and computed with F.linear, as transformers does,
 so the experts picked are transformers' (kernels/moe_routing.py routes). Each expert's
 intermediate features are sharded across tensor-parallel ranks, as the dense MLP's are: every
 rank routes every token, runs its slice of each chosen expert, and one all-reduce sums the block.
@@ -14,8 +15,8 @@ How the experts run, chosen once at load and named in the worker log:
   (models/linear.py), so the matmuls take the path dense layers take for the dtype and ISA:
   cpu_linear.c's panels (AVX2 without AVX-512), oneDNN's packed weights (bfloat16 on AVX512-BF16,
   float32 models past the caches), or torch's. Measured against a per-expert loop over plain
-  weights and a dense loop over every expert: bench/scripts/moe_cpu_bench.py, RESULTS "CPU:
-  mixture of experts".
+  weights and a dense loop over every expert: bench/scripts/moe_cpu_bench.py, bench/log/2026-12-06.md
+  "CPU: mixture of experts".
 - GPU: kernels/fused_moe.py (Triton; vLLM's moe_align_block_size and grouped GEMM) over the
   experts stacked as [E, 2I, H] and [E, H, I]; the torch reference where the kernels are torch's.
 
@@ -28,13 +29,14 @@ or transformers 5's in-memory fused names (``mlp.experts.gate_up_proj`` [E, 2I, 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import moe_reference
-from pagedserve.kernels.moe_routing import route, sort_by_expert
+from pagedserve.kernels.moe_routing import RoutingRule, route, sort_by_expert
 from pagedserve.kernels.ops import select_ops
 from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
@@ -44,13 +46,32 @@ from pagedserve.worker_proc.weights import WeightSource
 
 log = logging.getLogger("pagedserve.worker")
 
-# Each family's block prefix in its hub checkpoints and an expert's gate, up and down names there.
-EXPERT_NAMES = {
-    "MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2")),
-    "Qwen2MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-    "Qwen3MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-}
-FUSED_PREFIX = "mlp."  # transformers 5's module names, where the experts are 3D tensors
+@dataclass(frozen=True, slots=True)
+class ExpertNames:
+    """Where a family's checkpoint keeps a sparse layer's tensors, under ``model.layers.{i}.``: the
+    router ``{block}gate``, expert N's ``{block}experts.N.{gate|up|down}``, a shared expert
+    ``{block}shared_expert.{gate_proj|up_proj|down_proj}`` and its gate ``{block}shared_expert_gate``."""
+    block: str = "mlp."
+    expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+FUSED_BLOCK = "mlp."  # transformers 5's module names, where the experts are 3D tensors
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A mixture-of-experts family's experts (ModelSpec.moe), as its family file reads its config."""
+    num_experts: int
+    expert_intermediate_size: int
+    shared_expert_intermediate_size: int  # 0: no shared expert (Qwen2-MoE has one, with a sigmoid gate)
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
+    routing: RoutingRule
+    names: ExpertNames = ExpertNames()
+
+    def layer_params(self, hidden_size: int) -> int:
+        """Weights of one sparse layer's MLP: every expert, the shared one, the routers."""
+        experts = self.num_experts * 3 * hidden_size * self.expert_intermediate_size
+        return experts + 3 * hidden_size * self.shared_expert_intermediate_size + (self.num_experts + 1) * hidden_size
 
 
 def _slice(size: int, shard: TensorParallelShard, what: str) -> tuple[int, int]:
@@ -65,12 +86,13 @@ class SparseMoeBlock:
     def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int, source: WeightSource,
                  device: torch.device, dtype: torch.dtype, layout: WeightLayout = WeightLayout()):
         moe = spec.moe
-        self.rule, self.num_experts, self.shard = moe.routing, moe.num_experts, shard
-        prefix, (gate, up, down) = EXPERT_NAMES[spec.architecture]
-        p = f"model.layers.{layer}.{prefix}"
-        fused = f"model.layers.{layer}.{FUSED_PREFIX}experts.gate_up_proj" in source
-        if fused:
-            p = f"model.layers.{layer}.{FUSED_PREFIX}"
+        self.rule, self.num_experts = moe.routing, moe.num_experts
+        gate, up, down = moe.names.expert
+        p = f"model.layers.{layer}.{moe.names.block}"
+        if f"model.layers.{layer}.{FUSED_BLOCK}experts.gate_up_proj" in source:
+            p, fused = f"model.layers.{layer}.{FUSED_BLOCK}", True
+        else:
+            fused = False
 
         def load(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=device, dtype=dtype).contiguous()
@@ -117,7 +139,8 @@ class SparseMoeBlock:
             log.info("mixture of experts: %d experts, top %d; %s", self.num_experts, self.rule.top_k, self.kernel)
 
     def forward(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
-        """x [T, H] (the post-attention norm's output) -> the block's output [T, H], all-reduced."""
+        """x [T, H] (after the norm before the MLP) -> this rank's part of the block's output [T, H]:
+        the decoder layer sums the ranks' parts, as it does the dense MLP's."""
         weights, ids = route(F.linear(x, self.router), self.rule)
         if self.experts is not None:
             out = grouped_experts(x, self.experts, weights, ids, ew)
@@ -126,7 +149,7 @@ class SparseMoeBlock:
         if self.shared is not None:
             gate_up, down, gate = self.shared
             out = out + torch.sigmoid(F.linear(x, gate)) * linear(silu_gate(x, gate_up, ew), down)
-        return self.shard.all_reduce(out)
+        return out
 
 
 def grouped_experts(x: torch.Tensor, experts: list[tuple[LinearWeight, LinearWeight]], weights: torch.Tensor,
