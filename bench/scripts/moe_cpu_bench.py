@@ -82,7 +82,8 @@ def main() -> None:
     plain = [(LinearWeight.of(gate_up[e], None, WeightLayout(), gate_size=size),
               LinearWeight.of(down[e], None, WeightLayout())) for e in range(num_experts)]
     ew = TorchElementwise()
-    print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, {ns.clock} clock; "
+    print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
+          f"{torch.get_num_threads()} threads, {ns.clock} clock; "
           f"{ns.shape} H={hidden} I={size} E={num_experts} top-{top_k}, {ns.dtype}; "
           f"grouped layout: {_layout_name(grouped[0][0])}")
     print("| tokens | active experts | grouped | grouped-torch | naive loop | dense | fastest |")

@@ -39,6 +39,8 @@ def test_a_mixture_of_experts_serves_transformers_greedy_tokens(arch, overrides,
     srv = Server(model, SERVER_ARGS).start(tmp_path)
     try:
         assert_equal_to_transformers(model, prompts, greedy_completions(srv, prompts, 16), 16)
+        # the worker log names how the experts run (here: grouped by expert, in the dense layers' CPU layout)
+        assert "mixture of experts: 8 experts, top 2; grouped by expert: " in srv.log_path.read_text()
     finally:
         srv.stop()
 

@@ -205,7 +205,9 @@ def test_triton_fused_moe_equals_the_reference(dtype, tokens, top_k):
     torch.testing.assert_close(got.float().cpu(), expected.float(), **tol)
 
 
-def test_triton_fused_moe_of_no_tokens_is_empty():
+def test_a_step_of_no_tokens_gives_no_rows_on_either_path():
     x, gate_up, down, weights, ids = experts_case(0, torch.float32)
-    got = fused_moe.fused_moe(*to_device(x, gate_up, down, weights, ids))
-    assert got.shape == (0, 64)
+    assert fused_moe.fused_moe(*to_device(x, gate_up, down, weights, ids)).shape == (0, 64)
+    experts = [(LinearWeight.of(gate_up[e].contiguous(), None, WeightLayout(), gate_size=48),
+                LinearWeight.of(down[e].contiguous(), None, WeightLayout())) for e in range(8)]
+    assert grouped_experts(x, experts, weights, ids, TorchElementwise()).shape == (0, 64)

@@ -46,6 +46,7 @@ from pagedserve.worker_proc.weights import WeightSource
 
 log = logging.getLogger("pagedserve.worker")
 
+
 @dataclass(frozen=True, slots=True)
 class ExpertNames:
     """Where a family's checkpoint keeps a sparse layer's tensors, under ``model.layers.{i}.``: the
@@ -111,8 +112,8 @@ class SparseMoeBlock:
                                    source.get(e.format(i, up), dim=0, part=(a, b))]) for i in range(self.num_experts)]
             downs = [source.get(e.format(i, down), dim=1, part=(a, b)) for i in range(self.num_experts)]
         if device.type == "cpu":
-            self.experts = [(LinearWeight.of(load(gu), None, layout, gate_size=size), LinearWeight.of(load(d), None, layout))
-                            for gu, d in zip(gate_ups, downs)]
+            self.experts = [(LinearWeight.of(load(gu), None, layout, gate_size=size),
+                             LinearWeight.of(load(d), None, layout)) for gu, d in zip(gate_ups, downs)]
             self.gate_up = self.down = None
             self.kernel = "grouped by expert: " + _layout_name(self.experts[0][0])
         else:
@@ -123,18 +124,19 @@ class SparseMoeBlock:
             if select_ops(device).__name__.endswith("triton_ops"):
                 from pagedserve.kernels import fused_moe  # imports triton
 
-                self.fused_moe, self.kernel = fused_moe.fused_moe, "Triton fused_moe (sorted token blocks, grouped GEMM)"
+                self.fused_moe = fused_moe.fused_moe
+                self.kernel = "Triton fused_moe (sorted token blocks, grouped GEMM)"
         del gate_ups, downs
         self.shared: Optional[tuple[LinearWeight, LinearWeight, torch.Tensor]] = None
-        if moe.shared_expert_intermediate_size:
-            s = p  # Qwen2-MoE's shared expert has the same names in either form
+        if moe.shared_expert_intermediate_size:  # Qwen2-MoE's, under the same names in either form
             sa, sb = _slice(moe.shared_expert_intermediate_size, shard, "shared_expert_intermediate_size")
-            shared_gate_up = load(torch.cat([source.get(s + "shared_expert.gate_proj.weight", dim=0, part=(sa, sb)),
-                                             source.get(s + "shared_expert.up_proj.weight", dim=0, part=(sa, sb))]))
+            shared = p + "shared_expert."
+            shared_gate_up = load(torch.cat([source.get(shared + "gate_proj.weight", dim=0, part=(sa, sb)),
+                                             source.get(shared + "up_proj.weight", dim=0, part=(sa, sb))]))
+            shared_down = load(source.get(shared + "down_proj.weight", dim=1, part=(sa, sb)))
             self.shared = (LinearWeight.of(shared_gate_up, None, layout, gate_size=sb - sa),
-                           LinearWeight.of(load(source.get(s + "shared_expert.down_proj.weight", dim=1, part=(sa, sb))),
-                                           None, layout),
-                           load(source.get(s + "shared_expert_gate.weight")))  # [1, H], on every rank
+                           LinearWeight.of(shared_down, None, layout),
+                           load(source.get(p + "shared_expert_gate.weight")))  # [1, H], on every rank
         if layer == spec.moe.sparse_layers.index(True):
             log.info("mixture of experts: %d experts, top %d; %s", self.num_experts, self.rule.top_k, self.kernel)
 
@@ -158,6 +160,8 @@ def grouped_experts(x: torch.Tensor, experts: list[tuple[LinearWeight, LinearWei
     one silu_gate and one linear per active expert over its rows, each output row scaled by its
     weight (in the weight's dtype, then rounded to x's, as transformers does) and added into its
     token's row, a token's experts in ascending order."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
     order = sort_by_expert(ids, len(experts))
     rows = x[order.token_of]
     outs = []
