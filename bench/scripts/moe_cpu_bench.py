@@ -46,17 +46,6 @@ def dense_experts(x, gate_up, down, weights, ids):
     return out
 
 
-def cpu_times(fn, repeat: int) -> list[float]:
-    """This thread's CPU seconds in each of ``repeat`` calls of ``fn``, after two untimed ones."""
-    fn(), fn()
-    times = []
-    for _ in range(repeat):
-        start = time.thread_time()
-        fn()
-        times.append(time.thread_time() - start)
-    return times
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-moe")
@@ -96,8 +85,8 @@ def main() -> None:
                  "naive loop": lambda: moe_reference.fused_moe(x, gate_up, down, weights, ids),
                  "dense": lambda: dense_experts(x, gate_up, down, weights, ids)}
         repeat = ns.repeat if tokens <= 16 else max(3, ns.repeat // 3)
-        times = {k: min(cpu_times(c, repeat) if ns.clock == "cpu" else timed_runs(c, repeat, warmup=2))
-                 for k, c in calls.items()}
+        clock = time.thread_time if ns.clock == "cpu" else time.perf_counter
+        times = {k: min(timed_runs(c, repeat, warmup=2, clock=clock)) for k, c in calls.items()}
         cells = " | ".join(f"{1e3 * t:.2f}" for t in times.values())
         print(f"| {tokens} | {len(ids.unique())} | {cells} | {min(times, key=times.get)} |", flush=True)
 
