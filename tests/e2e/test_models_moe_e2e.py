@@ -1,7 +1,7 @@
 """Mixtures of experts through the real multi-process path: the server's greedy tokens equal
 transformers' (Mixtral, Qwen2-MoE with its shared expert); two tensor-parallel ranks, each with half
 of every expert's intermediate features, decode transformers' tokens; a config that routes each
-token to more experts than it has is refused at startup in one line."""
+token to more experts than it has is refused in one line before any process starts."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from support.greedy import assert_equal_to_transformers, greedy_completions
 from support.oracle import hf_tokenizer
 from support.server import Server, free_port
 from support.worker_harness import hf_greedy, random_prompts
+from test_models_e2e import assert_refused_in_one_line_with_nothing_started, refused_serve
 from test_worker_tensor_parallel import NEW_TOKENS, RANK_SCRIPT
 
 pytestmark = pytest.mark.slow
@@ -66,14 +67,11 @@ def test_two_tensor_parallel_ranks_split_every_expert_and_produce_transformers_g
         assert ours[: len(theirs)] == theirs and len(theirs) >= 10
 
 
-def test_more_experts_per_token_than_experts_is_refused_at_startup_in_one_line(model_factory, tmp_path):
+def test_more_experts_per_token_than_experts_is_refused_before_any_process_starts_in_one_line(model_factory, tmp_path):
     model = tmp_path / "broken"
     shutil.copytree(model_factory("mixtral", **MIXTRAL), model)
     config = json.loads((model / "config.json").read_text())
     config["num_experts_per_tok"] = 9
     (model / "config.json").write_text(json.dumps(config))
-    run = subprocess.run([sys.executable, "-m", "pagedserve.deploy.cli", "serve", str(model), "--port", "0",
-                          "--run-dir-parent", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    out = run.stdout + run.stderr
-    assert run.returncode == 1 and "Traceback" not in out, out[-3000:]
-    assert "num_experts_per_tok=9 needs between 1 and num_local_experts=8 experts to pick from" in out, out[-3000:]
+    line = assert_refused_in_one_line_with_nothing_started(refused_serve(model, tmp_path), tmp_path)
+    assert line.endswith("num_experts_per_tok=9 needs between 1 and num_local_experts=8 experts to pick from"), line
