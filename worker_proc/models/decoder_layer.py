@@ -1,14 +1,13 @@
-"""One decoder layer over the paged cache, for every family (models/family.py says how they differ).
+"""One decoder layer over the paged cache, for every dense family (models/family.py says how they differ).
 
 Attention (grouped-query, optional q/k norm, rotary, soft-capping, a sliding window per layer) and a
-gated MLP (a mixture of experts' sparse layers: models/moe.py's block), each between the norms its
-family declares: before it (Llama), before and after (Gemma), after only (OLMo 2). Weights are plain
-tensors, fused at load: q/k/v into one matmul and gate/up into one, whether the checkpoint keeps
-them apart or fused (Phi-3). Norms, residual adds, rotary and the SiLU gate go through an
-Elementwise (elementwise.py): transformers' op sequence, so float32 greedy tokens equal
-transformers', or fused kernels; where the matmuls are native (CPU), the SiLU gate is part of
-gate_up's call (models/linear.py silu_gate). Each layer's residual add is deferred to the next
-layer, where the fused path does it in the same op as that layer's first norm.
+gated MLP, each between the norms its family declares: before it (Llama), before and after (Gemma),
+after only (OLMo 2). Weights are plain tensors, fused at load: q/k/v into one matmul and gate/up
+into one, whether the checkpoint keeps them apart or fused (Phi-3). Norms, residual adds, rotary and
+the SiLU gate go through an Elementwise (elementwise.py): transformers' op sequence, so float32
+greedy tokens equal transformers', or fused kernels; where the matmuls are native (CPU), the SiLU
+gate is part of gate_up's call (models/linear.py silu_gate). Each layer's residual add is deferred
+to the next layer, where the fused path does it in the same op as that layer's first norm.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.input_batch import ForwardBatch, OutputRows
 from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
-from pagedserve.worker_proc.models.moe import SparseMoeBlock
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -44,9 +42,11 @@ def _rows(source: WeightSource, names: tuple[str, ...], suffix: str,
 class DecoderLayer:
     def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int,
                  source: WeightSource, device: torch.device, dtype: torch.dtype,
-                 layout: WeightLayout = WeightLayout(), rotary: Optional[RotaryEmbedding] = None):
+                 layout: WeightLayout = WeightLayout(), rotary: Optional[RotaryEmbedding] = None,
+                 dense_mlp: bool = True):
         """``layout``: whether to keep [in, out] copies of the projections too (models/linear.py).
-        ``rotary``: this layer's table (models/causal_lm.py)."""
+        ``rotary``: this layer's table (models/causal_lm.py). ``dense_mlp``: False for a family's
+        layer class that brings its own MLP (``_mlp``; models/moe.py): none is loaded here."""
         p = f"model.layers.{layer}."
         names = spec.family.names
         d = spec.head_dim
@@ -85,10 +85,7 @@ class DecoderLayer:
                                              norm(names.k_norm).expand(shard.num_kv_heads, d)])
         elif spec.qk_norm == "projection":  # over all of q and all of k (one rank holds every head)
             self.q_norm_weight, self.k_norm_weight = norm(names.q_norm), norm(names.k_norm)
-        # a mixture of experts' sparse layers run the experts' block instead of the dense MLP
-        self.moe = (SparseMoeBlock(spec, shard, layer, source, device, dtype, layout)
-                    if spec.moe is not None and spec.moe.sparse_layers[layer] else None)
-        if self.moe is not None:
+        if not dense_mlp:
             self.down_bias = None
             return
         inter_parts, inter_sizes = (inter, inter), (spec.intermediate_size,) * 2
@@ -136,6 +133,11 @@ class DecoderLayer:
                 qk = ew.rms_norm(qk, self.qk_norm_weight, self.eps)
         return ew.rotary(self.rotary, qk, positions)
 
+    def _mlp(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+        """This rank's part of the MLP's output (before the all-reduce): a family's layer class may
+        compute another MLP here (models/moe.py)."""
+        return linear(self._gated(x, ew), self.down)
+
     def _gated(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
         """The MLP's input to down_proj: act(gate) * up."""
         if not self.gelu:
@@ -175,5 +177,4 @@ class DecoderLayer:
         out = self._finish(linear(attn.reshape(num_tokens, self.q_size), self.o_proj), self.o_bias,
                            self.post_attention_norm, ew)
         x, residual = self._join(out, residual, self.pre_mlp_norm, ew)
-        mlp = self.moe.forward(x, ew) if self.moe is not None else linear(self._gated(x, ew), self.down)
-        return self._finish(mlp, self.down_bias, self.post_mlp_norm, ew), residual
+        return self._finish(self._mlp(x, ew), self.down_bias, self.post_mlp_norm, ew), residual

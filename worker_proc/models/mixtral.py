@@ -4,7 +4,7 @@ float32; experts as ``block_sparse_moe.experts.N.w1`` (gate), ``w3`` (up) and ``
 
 from pagedserve.kernels.moe_routing import RoutingRule
 from pagedserve.worker_proc.models.family import Family
-from pagedserve.worker_proc.models.moe import ExpertNames, MoeSpec
+from pagedserve.worker_proc.models.moe import ExpertNames, MoeDecoderLayer, MoeSpec
 
 
 def _mixtral(config) -> dict:
@@ -14,4 +14,4 @@ def _mixtral(config) -> dict:
                             ExpertNames("block_sparse_moe.", ("w1", "w3", "w2"))))
 
 
-FAMILIES = {"MixtralForCausalLM": Family(read_config=_mixtral)}
+FAMILIES = {"MixtralForCausalLM": Family(read_config=_mixtral, layer=MoeDecoderLayer)}

@@ -1,11 +1,12 @@
 """A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE): router, experts, shared expert.
 
 A family file (mixtral.py, qwen_moe.py) reads its config into a ``MoeSpec`` with its checkpoint's
-``ExpertNames`` (``ModelSpec.moe``); the decoder layer takes this block in place of its dense MLP
-in the layers the spec marks sparse. The router is replicated and computed with F.linear, as transformers does,
-so the experts picked are transformers' (kernels/moe_routing.py routes). Each expert's
-intermediate features are sharded across tensor-parallel ranks, as the dense MLP's are: every
-rank routes every token, runs its slice of each chosen expert, and one all-reduce sums the block.
+``ExpertNames`` (``ModelSpec.moe``) and gives ``MoeDecoderLayer`` as its layer class: the shared
+DecoderLayer with this block as the MLP of the layers the spec marks sparse. The router is
+replicated and computed with F.linear, as transformers does, so the experts picked are
+transformers' (kernels/moe_routing.py routes). Each expert's intermediate features are sharded
+across tensor-parallel ranks, as the dense MLP's are: every rank routes every token, runs its slice
+of each chosen expert, and the layer's one all-reduce sums the block.
 
 How the experts run, chosen once at load and named in the worker log:
 
@@ -40,7 +41,9 @@ from pagedserve.kernels.moe_routing import RoutingRule, route, sort_by_expert
 from pagedserve.kernels.ops import select_ops
 from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
+from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
+from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
 
@@ -152,6 +155,21 @@ class SparseMoeBlock:
             gate_up, down, gate = self.shared
             out = out + torch.sigmoid(F.linear(x, gate)) * linear(silu_gate(x, gate_up, ew), down)
         return out
+
+
+class MoeDecoderLayer(DecoderLayer):
+    """A mixture-of-experts family's layer (its ``Family(layer=...)``): the shared DecoderLayer, whose MLP
+    in the layers its ``MoeSpec`` marks sparse is the experts' block; the other layers keep the dense MLP."""
+
+    def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int, source: WeightSource,
+                 device: torch.device, dtype: torch.dtype, layout: WeightLayout = WeightLayout(),
+                 rotary: Optional[RotaryEmbedding] = None):
+        sparse = spec.moe.sparse_layers[layer]
+        super().__init__(spec, shard, layer, source, device, dtype, layout, rotary, dense_mlp=not sparse)
+        self.moe = SparseMoeBlock(spec, shard, layer, source, device, dtype, layout) if sparse else None
+
+    def _mlp(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+        return super()._mlp(x, ew) if self.moe is None else self.moe.forward(x, ew)
 
 
 def grouped_experts(x: torch.Tensor, experts: list[tuple[LinearWeight, LinearWeight]], weights: torch.Tensor,

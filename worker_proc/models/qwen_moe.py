@@ -8,7 +8,7 @@ Checkpoint names: ``mlp.gate``, ``mlp.experts.N.{gate,up,down}_proj``, ``mlp.sha
 
 from pagedserve.kernels.moe_routing import RoutingRule
 from pagedserve.worker_proc.models.family import Family
-from pagedserve.worker_proc.models.moe import MoeSpec
+from pagedserve.worker_proc.models.moe import MoeDecoderLayer, MoeSpec
 
 
 def _experts(config) -> MoeSpec:
@@ -29,5 +29,5 @@ def _qwen3_moe(config) -> dict:
     return dict(qk_norm="head", moe=_experts(config))
 
 
-FAMILIES = {"Qwen2MoeForCausalLM": Family(read_config=_qwen2_moe),
-            "Qwen3MoeForCausalLM": Family(read_config=_qwen3_moe)}
+FAMILIES = {"Qwen2MoeForCausalLM": Family(read_config=_qwen2_moe, layer=MoeDecoderLayer),
+            "Qwen3MoeForCausalLM": Family(read_config=_qwen3_moe, layer=MoeDecoderLayer)}
