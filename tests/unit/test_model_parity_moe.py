@@ -12,6 +12,7 @@ import torch
 
 from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.protocol.model_architectures import ModelConfigError
+from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.model_runner import ModelRunner
 from pagedserve.worker_proc.models.moe import SparseMoeBlock
 from support.worker_harness import TrivialScheduler, random_prompts
@@ -127,3 +128,10 @@ def test_bfloat16_experts_stay_close_to_transformers_bfloat16_logits(tmp_path):
     ours = torch.cat(step_logits)
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max() < 0.15  # the dense model's bf16 tolerance; measured 0.08
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_experts_is_refused_in_one_line(tmp_path):
+    model_dir = build_model_dir(tmp_path / "m", **{**CASES["qwen3_moe_norm_topk_prob"], "moe_intermediate_size": 50})
+    with pytest.raises(UnsupportedModelError, match=r"^tensor-parallel size 4 does not divide moe_intermediate_size=50;"
+                                                    r" pick a tp_size that does$"):
+        ModelRunner(str(model_dir), tp_rank=0, tp_size=4)
