@@ -29,7 +29,12 @@ ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "phi3",
     "Olmo2ForCausalLM": "olmo2",
     "GraniteForCausalLM": "granite",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen_moe",
+    "Qwen3MoeForCausalLM": "qwen_moe",
 }
+# A mixture of experts' expert count, by the name its family's config.json gives it.
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts")
 
 
 LONGROPE_LIMIT = ("longrope rotary scaling: sequences up to original_max_position_embeddings ({limit}) are computed "
@@ -77,7 +82,8 @@ def _positive_int(config: dict[str, Any], key: str) -> int | None:
 def check_model_config(model_dir: str | Path) -> str:
     """The architecture to run; ModelConfigError (one line) for an unsupported one or a config that
     breaks its own rules: query heads that do not group over the key/value heads, layer types that do
-    not cover the layers, a window that is not a positive length or is missing for its sliding layers.
+    not cover the layers, a window that is not a positive length or is missing for its sliding layers,
+    a mixture of experts routing each token to more experts than it has (or to none).
 
     A window longer than ``max_position_embeddings`` is not refused: it never binds (every position
     sees all before it, in transformers as here), and real checkpoints ship one (Phi-3.5-mini and
@@ -95,9 +101,11 @@ def check_model_config(model_dir: str | Path) -> str:
     if layer_types is not None and layers is not None and len(layer_types) != layers:
         raise ModelConfigError(f"config.json: layer_types names {len(layer_types)} layers but num_hidden_layers "
                                f"is {layers}")
-    window = _positive_int(config, "sliding_window")
+    # A window its config turns off is never read: transformers' Qwen2-MoE config writes 0 there then.
+    window = None if config.get("use_sliding_window") is False else _positive_int(config, "sliding_window")
     if window is None and layer_types is not None and "sliding_attention" in layer_types:
         raise ModelConfigError("config.json: layer_types has sliding_attention layers but no sliding_window")
+    _check_experts(config)
     return arch
 
 
@@ -109,3 +117,16 @@ def longrope_limit(config: dict[str, Any]) -> int | None:
         return None
     limit = config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
     return int(limit) if limit else None
+
+
+def _check_experts(config: dict[str, Any]) -> None:
+    """A mixture of experts routes each token to num_experts_per_tok of its experts: at least one,
+    and no more than it has."""
+    top_k = config.get("num_experts_per_tok")
+    key = next((k for k in EXPERT_COUNT_KEYS if config.get(k) is not None), None)
+    if top_k is None or key is None or config[key] == 0:  # no experts: every layer's MLP is dense (Qwen2-MoE)
+        return
+    experts = _positive_int(config, key)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ModelConfigError(f"config.json: num_experts_per_tok={top_k!r} needs between 1 and "
+                               f"{key}={experts} experts to pick from")

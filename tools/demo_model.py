@@ -101,6 +101,10 @@ ARCHS: dict[str, dict[str, Any]] = {
     "granite": dict(cls="GraniteConfig", model_type="granite",
                     config=dict(embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.5,
                                 logits_scaling=4.0)),
+    # mixtures of experts (expert counts and sizes: build_model_dir's extra config)
+    "mixtral": dict(cls="MixtralConfig", model_type="mixtral"),
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", model_type="qwen2_moe"),
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", model_type="qwen3_moe"),
 }
 
 

@@ -59,6 +59,7 @@ class ModelSpec:
     logits_divisor: float = 1.0  # the logits over this (Granite's logits_scaling)
     norm_weight_offset: float = 0.0  # Gemma's norms scale by (1 + weight): 1.0, added at load
     layer_rope_types: Optional[tuple[str, ...]] = None  # per layer, the key of its rope parameters (Gemma 3)
+    moe: Any = None  # a mixture of experts' models/moe.py MoeSpec; None: every layer's MLP is dense
 
     def __post_init__(self) -> None:
         if self.attention_scale == 0.0:
@@ -71,11 +72,14 @@ class ModelSpec:
 
     @property
     def num_layer_params(self) -> int:
-        """Weights in the decoder layers (not embeddings): about the FLOPs of one token / 2."""
+        """Weights in the decoder layers (not embeddings): about the FLOPs of one token / 2
+        (of a mixture of experts, every expert's weights: what memory holds)."""
         q_and_o = 2 * self.hidden_size * self.num_heads * self.head_dim
         k_and_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * (q_and_o + k_and_v + mlp)
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        sparse = sum(self.moe.sparse_layers) if self.moe else 0
+        sparse_mlp = self.moe.layer_params(self.hidden_size) if self.moe else 0
+        return self.num_layers * (q_and_o + k_and_v) + (self.num_layers - sparse) * dense_mlp + sparse * sparse_mlp
 
 
 def _sliding_windows(config: Any, num_layers: int) -> tuple[Optional[int], ...]:

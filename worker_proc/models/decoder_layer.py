@@ -42,9 +42,11 @@ def _rows(source: WeightSource, names: tuple[str, ...], suffix: str,
 class DecoderLayer:
     def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int,
                  source: WeightSource, device: torch.device, dtype: torch.dtype,
-                 layout: WeightLayout = WeightLayout(), rotary: Optional[RotaryEmbedding] = None):
+                 layout: WeightLayout = WeightLayout(), rotary: Optional[RotaryEmbedding] = None,
+                 dense_mlp: bool = True):
         """``layout``: whether to keep [in, out] copies of the projections too (models/linear.py).
-        ``rotary``: this layer's table (models/causal_lm.py)."""
+        ``rotary``: this layer's table (models/causal_lm.py). ``dense_mlp``: False for a family's
+        layer class that brings its own MLP (``_mlp``; models/moe.py): none is loaded here."""
         p = f"model.layers.{layer}."
         names = spec.family.names
         d = spec.head_dim
@@ -83,6 +85,9 @@ class DecoderLayer:
                                              norm(names.k_norm).expand(shard.num_kv_heads, d)])
         elif spec.qk_norm == "projection":  # over all of q and all of k (one rank holds every head)
             self.q_norm_weight, self.k_norm_weight = norm(names.q_norm), norm(names.k_norm)
+        if not dense_mlp:
+            self.down_bias = None
+            return
         inter_parts, inter_sizes = (inter, inter), (spec.intermediate_size,) * 2
         gate_up_weight = load(_rows(source, tuple(p + n for n in names.gate_up), ".weight", inter_parts, inter_sizes))
         gate_up_bias = (load(_rows(source, tuple(p + n for n in names.gate_up), ".bias", inter_parts, inter_sizes))
@@ -128,6 +133,11 @@ class DecoderLayer:
                 qk = ew.rms_norm(qk, self.qk_norm_weight, self.eps)
         return ew.rotary(self.rotary, qk, positions)
 
+    def _mlp(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+        """This rank's part of the MLP's output (before the all-reduce): a family's layer class may
+        compute another MLP here (models/moe.py)."""
+        return linear(self._gated(x, ew), self.down)
+
     def _gated(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
         """The MLP's input to down_proj: act(gate) * up."""
         if not self.gelu:
@@ -167,5 +177,4 @@ class DecoderLayer:
         out = self._finish(linear(attn.reshape(num_tokens, self.q_size), self.o_proj), self.o_bias,
                            self.post_attention_norm, ew)
         x, residual = self._join(out, residual, self.pre_mlp_norm, ew)
-        out = self._finish(linear(self._gated(x, ew), self.down), self.down_bias, self.post_mlp_norm, ew)
-        return out, residual
+        return self._finish(self._mlp(x, ew), self.down_bias, self.post_mlp_norm, ew), residual

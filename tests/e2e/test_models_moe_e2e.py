@@ -1,0 +1,77 @@
+"""Mixtures of experts through the real multi-process path: the server's greedy tokens equal
+transformers' (Mixtral, Qwen2-MoE with its shared expert); two tensor-parallel ranks, each with half
+of every expert's intermediate features, decode transformers' tokens; a config that routes each
+token to more experts than it has is refused in one line before any process starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedserve.tools.demo_model import build_model_dir
+from support.greedy import assert_equal_to_transformers, greedy_completions
+from support.oracle import hf_tokenizer
+from support.server import Server, free_port
+from support.worker_harness import hf_greedy, random_prompts
+from test_models_e2e import assert_refused_in_one_line_with_nothing_started, refused_serve
+from test_worker_tensor_parallel import NEW_TOKENS, RANK_SCRIPT
+
+pytestmark = pytest.mark.slow
+
+SERVER_ARGS = ["--num-gpu-blocks", "64", "--max-model-len", "512", "--max-num-batched-tokens", "256"]
+PROMPTS = [
+    "Hello, world! " * 3,
+    "The quick brown fox jumps over the lazy dog. A paged attention engine keeps its cache in blocks.",
+]
+MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2)
+QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96)
+
+
+@pytest.mark.parametrize("arch, overrides", [("mixtral", MIXTRAL), ("qwen2_moe", QWEN2_MOE)])
+def test_a_mixture_of_experts_serves_transformers_greedy_tokens(arch, overrides, model_factory, tmp_path):
+    model = model_factory(arch, **overrides)
+    tok = hf_tokenizer(model)
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    srv = Server(model, SERVER_ARGS).start(tmp_path)
+    try:
+        assert_equal_to_transformers(model, prompts, greedy_completions(srv, prompts, 16), 16)
+        # the worker log names how the experts run (here: grouped by expert, in the dense layers' CPU layout)
+        assert "mixture of experts: 8 experts, top 2; grouped by expert: " in srv.log_path.read_text()
+    finally:
+        srv.stop()
+
+
+def test_two_tensor_parallel_ranks_split_every_expert_and_produce_transformers_greedy_tokens(tmp_path):
+    moe = build_model_dir(tmp_path / "moe", "qwen2_moe", num_heads=4, num_kv_heads=2, num_layers=3,
+                          mlp_only_layers=[1], seed=2, **QWEN2_MOE)
+    prompts = random_prompts([7, 15, 4], vocab_size=512, seed=8)
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    tests_dir = str(Path(__file__).parents[1])
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, str(script), tests_dir, str(r), port, json.dumps(prompts), str(moe)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    finished = [rank.communicate(timeout=120) for rank in ranks]
+    for rank, (_, stderr) in zip(ranks, finished):
+        assert rank.returncode == 0, stderr[-3000:]
+    rank0, rank1 = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in finished)
+    assert rank0 == rank1
+    *tokens, heads = rank0[0]
+    assert heads == [1, 2]
+    for ours, theirs in zip(tokens, hf_greedy(moe, prompts, NEW_TOKENS)):
+        assert ours[: len(theirs)] == theirs and len(theirs) >= 10
+
+
+def test_more_experts_per_token_than_experts_is_refused_before_any_process_starts_in_one_line(model_factory, tmp_path):
+    model = tmp_path / "broken"
+    shutil.copytree(model_factory("mixtral", **MIXTRAL), model)
+    config = json.loads((model / "config.json").read_text())
+    config["num_experts_per_tok"] = 9
+    (model / "config.json").write_text(json.dumps(config))
+    line = assert_refused_in_one_line_with_nothing_started(refused_serve(model, tmp_path), tmp_path)
+    assert line.endswith("num_experts_per_tok=9 needs between 1 and num_local_experts=8 experts to pick from"), line

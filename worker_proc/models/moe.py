@@ -1,0 +1,200 @@
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE): router, experts, shared expert.
+
+A family file (mixtral.py, qwen_moe.py) reads its config into a ``MoeSpec`` with its checkpoint's
+``ExpertNames`` (``ModelSpec.moe``) and gives ``MoeDecoderLayer`` as its layer class: the shared
+DecoderLayer with this block as the MLP of the layers the spec marks sparse. The router is
+replicated and computed with F.linear, as transformers does, so the experts picked are
+transformers' (kernels/moe_routing.py routes). Each expert's intermediate features are sharded
+across tensor-parallel ranks, as the dense MLP's are: every rank routes every token, runs its slice
+of each chosen expert, and the layer's one all-reduce sums the block.
+
+How the experts run, chosen once at load and named in the worker log:
+
+- CPU: the step's (token, expert) pairs sorted by expert, then one gate_up (with its SiLU gate)
+  and one down matmul per *active* expert over its contiguous run of rows; an expert no token
+  routes to costs nothing. Each expert is a pair of LinearWeights in the model's WeightLayout
+  (models/linear.py), so the matmuls take the path dense layers take for the dtype and ISA:
+  cpu_linear.c's panels (AVX2 without AVX-512), oneDNN's packed weights (bfloat16 on AVX512-BF16,
+  float32 models past the caches), or torch's. Measured against a per-expert loop over plain
+  weights and a dense loop over every expert: bench/scripts/moe_cpu_bench.py, bench/log/2026-12-06.md
+  "CPU: mixture of experts".
+- GPU: kernels/fused_moe.py (Triton; vLLM's moe_align_block_size and grouped GEMM) over the
+  experts stacked as [E, 2I, H] and [E, H, I]; the torch reference where the kernels are torch's.
+
+Checkpoints: the per-expert names the hub's checkpoints use and transformers 5's save_pretrained
+writes (Mixtral ``block_sparse_moe.experts.N.w1/w3/w2``, Qwen ``mlp.experts.N.gate/up/down_proj``),
+or transformers 5's in-memory fused names (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``mlp.experts.down_proj`` [E, H, I]).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import moe_reference
+from pagedserve.kernels.moe_routing import RoutingRule, route, sort_by_expert
+from pagedserve.kernels.ops import select_ops
+from pagedserve.worker_proc.elementwise import Elementwise
+from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
+from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
+from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
+from pagedserve.worker_proc.rotary import RotaryEmbedding
+from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
+from pagedserve.worker_proc.weights import WeightSource
+
+log = logging.getLogger("pagedserve.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertNames:
+    """Where a family's checkpoint keeps a sparse layer's tensors, under ``model.layers.{i}.``: the
+    router ``{block}gate``, expert N's ``{block}experts.N.{gate|up|down}``, a shared expert
+    ``{block}shared_expert.{gate_proj|up_proj|down_proj}`` and its gate ``{block}shared_expert_gate``."""
+    block: str = "mlp."
+    expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+FUSED_BLOCK = "mlp."  # transformers 5's module names, where the experts are 3D tensors
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A mixture-of-experts family's experts (ModelSpec.moe), as its family file reads its config."""
+    num_experts: int
+    expert_intermediate_size: int
+    shared_expert_intermediate_size: int  # 0: no shared expert (Qwen2-MoE has one, with a sigmoid gate)
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
+    routing: RoutingRule
+    names: ExpertNames = ExpertNames()
+
+    def layer_params(self, hidden_size: int) -> int:
+        """Weights of one sparse layer's MLP: every expert, the shared one, the routers."""
+        experts = self.num_experts * 3 * hidden_size * self.expert_intermediate_size
+        return experts + 3 * hidden_size * self.shared_expert_intermediate_size + (self.num_experts + 1) * hidden_size
+
+
+def _slice(size: int, shard: TensorParallelShard, what: str) -> tuple[int, int]:
+    if size % shard.size:
+        raise UnsupportedModelError(f"tensor-parallel size {shard.size} does not divide {what}={size}; "
+                                    "pick a tp_size that does")
+    part = size // shard.size
+    return shard.rank * part, (shard.rank + 1) * part
+
+
+class SparseMoeBlock:
+    def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int, source: WeightSource,
+                 device: torch.device, dtype: torch.dtype, layout: WeightLayout = WeightLayout()):
+        moe = spec.moe
+        self.rule, self.num_experts = moe.routing, moe.num_experts
+        gate, up, down = moe.names.expert
+        p = f"model.layers.{layer}.{moe.names.block}"
+        if f"model.layers.{layer}.{FUSED_BLOCK}experts.gate_up_proj" in source:
+            p, fused = f"model.layers.{layer}.{FUSED_BLOCK}", True
+        else:
+            fused = False
+
+        def load(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        self.router = load(source.get(p + "gate.weight"))  # [E, H], on every rank
+        a, b = _slice(moe.expert_intermediate_size, shard, "moe_intermediate_size")
+        size = b - a
+        if fused:
+            full_gate_up, full_down = source.get(p + "experts.gate_up_proj"), source.get(p + "experts.down_proj")
+            inter = moe.expert_intermediate_size
+            gate_ups = [torch.cat([w[a:b], w[inter + a: inter + b]]) for w in full_gate_up]
+            downs = [w[:, a:b] for w in full_down]
+        else:
+            e = p + "experts.{}.{}.weight"
+            gate_ups = [torch.cat([source.get(e.format(i, gate), dim=0, part=(a, b)),
+                                   source.get(e.format(i, up), dim=0, part=(a, b))]) for i in range(self.num_experts)]
+            downs = [source.get(e.format(i, down), dim=1, part=(a, b)) for i in range(self.num_experts)]
+        if device.type == "cpu":
+            self.experts = [(LinearWeight.of(load(gu), None, layout, gate_size=size),
+                             LinearWeight.of(load(d), None, layout)) for gu, d in zip(gate_ups, downs)]
+            self.gate_up = self.down = None
+            self.kernel = "grouped by expert: " + _layout_name(self.experts[0][0])
+        else:
+            self.experts = None
+            self.gate_up, self.down = load(torch.stack(gate_ups)), load(torch.stack(downs))
+            self.fused_moe = moe_reference.fused_moe
+            self.kernel = "torch reference (per-expert loop)"
+            if select_ops(device).__name__.endswith("triton_ops"):
+                from pagedserve.kernels import fused_moe  # imports triton
+
+                self.fused_moe = fused_moe.fused_moe
+                self.kernel = "Triton fused_moe (sorted token blocks, grouped GEMM)"
+        del gate_ups, downs
+        self.shared: Optional[tuple[LinearWeight, LinearWeight, torch.Tensor]] = None
+        if moe.shared_expert_intermediate_size:  # Qwen2-MoE's, under the same names in either form
+            sa, sb = _slice(moe.shared_expert_intermediate_size, shard, "shared_expert_intermediate_size")
+            shared = p + "shared_expert."
+            shared_gate_up = load(torch.cat([source.get(shared + "gate_proj.weight", dim=0, part=(sa, sb)),
+                                             source.get(shared + "up_proj.weight", dim=0, part=(sa, sb))]))
+            shared_down = load(source.get(shared + "down_proj.weight", dim=1, part=(sa, sb)))
+            self.shared = (LinearWeight.of(shared_gate_up, None, layout, gate_size=sb - sa),
+                           LinearWeight.of(shared_down, None, layout),
+                           load(source.get(p + "shared_expert_gate.weight")))  # [1, H], on every rank
+        if layer == spec.moe.sparse_layers.index(True):
+            log.info("mixture of experts: %d experts, top %d; %s", self.num_experts, self.rule.top_k, self.kernel)
+
+    def forward(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+        """x [T, H] (after the norm before the MLP) -> this rank's part of the block's output [T, H]:
+        the decoder layer sums the ranks' parts, as it does the dense MLP's."""
+        weights, ids = route(F.linear(x, self.router), self.rule)
+        if self.experts is not None:
+            out = grouped_experts(x, self.experts, weights, ids, ew)
+        else:
+            out = self.fused_moe(x, self.gate_up, self.down, weights, ids)
+        if self.shared is not None:
+            gate_up, down, gate = self.shared
+            out = out + torch.sigmoid(F.linear(x, gate)) * linear(silu_gate(x, gate_up, ew), down)
+        return out
+
+
+class MoeDecoderLayer(DecoderLayer):
+    """A mixture-of-experts family's layer (its ``Family(layer=...)``): the shared DecoderLayer, whose MLP
+    in the layers its ``MoeSpec`` marks sparse is the experts' block; the other layers keep the dense MLP."""
+
+    def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int, source: WeightSource,
+                 device: torch.device, dtype: torch.dtype, layout: WeightLayout = WeightLayout(),
+                 rotary: Optional[RotaryEmbedding] = None):
+        sparse = spec.moe.sparse_layers[layer]
+        super().__init__(spec, shard, layer, source, device, dtype, layout, rotary, dense_mlp=not sparse)
+        self.moe = SparseMoeBlock(spec, shard, layer, source, device, dtype, layout) if sparse else None
+
+    def _mlp(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+        return super()._mlp(x, ew) if self.moe is None else self.moe.forward(x, ew)
+
+
+def grouped_experts(x: torch.Tensor, experts: list[tuple[LinearWeight, LinearWeight]], weights: torch.Tensor,
+                    ids: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+    """moe_reference.fused_moe's result from per-expert LinearWeights: the pairs sorted by expert,
+    one silu_gate and one linear per active expert over its rows, each output row scaled by its
+    weight (in the weight's dtype, then rounded to x's, as transformers does) and added into its
+    token's row, a token's experts in ascending order."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    order = sort_by_expert(ids, len(experts))
+    rows = x[order.token_of]
+    outs = []
+    start = 0
+    for (gate_up, down), count in zip(experts, order.counts):
+        if count:
+            outs.append(linear(silu_gate(rows[start: start + count], gate_up, ew), down))
+            start += count
+    scaled = (torch.cat(outs) * weights.reshape(-1)[order.pair, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, order.token_of, scaled)
+
+
+def _layout_name(w: LinearWeight) -> str:
+    if w.panels is not None:
+        return f"native matmuls ({str(w.panels.dtype).removeprefix('torch.')} panels)"
+    if w.packed is not None:
+        return "oneDNN packed matmuls"
+    return "torch matmuls" + (" ([in, out] copies)" if w.weight_t is not None else "")
