@@ -1,6 +1,7 @@
 """One pre-norm decoder layer of the Llama family (Llama, Mistral, Qwen2, Qwen3) over the paged cache.
 
-Weights are plain tensors, fused at load: q/k/v into one matmul and gate/up into one.
+Weights are plain tensors, fused at load: q/k/v into one matmul and gate/up into one (a quantized
+checkpoint's projections are quantized layers, worker_proc/quantization.py).
 Norms, residual adds, rotary and the SiLU gate go through an Elementwise (elementwise.py):
 transformers' op sequence, so float32 greedy tokens equal transformers', or fused kernels; where
 the matmuls are native (CPU), the SiLU gate is part of gate_up's call (models/linear.py silu_gate).
@@ -19,6 +20,7 @@ from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.input_batch import ForwardBatch, OutputRows
 from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
+from pagedserve.worker_proc.quantization import load_projection
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -49,19 +51,19 @@ class DecoderLayer:
         attn, mlp = p + "self_attn.", p + "mlp."
         self.input_norm = load(source.get(p + "input_layernorm.weight"))
         self.post_norm = load(source.get(p + "post_attention_layernorm.weight"))
-        qkv_weight = load(torch.cat([
-            source.get(attn + "q_proj.weight", dim=0, part=heads),
-            source.get(attn + "k_proj.weight", dim=0, part=kv_heads),
-            source.get(attn + "v_proj.weight", dim=0, part=kv_heads),
-        ]))
         qkv_bias = load(torch.cat([
             source.get(attn + "q_proj.bias", dim=0, part=heads),
             source.get(attn + "k_proj.bias", dim=0, part=kv_heads),
             source.get(attn + "v_proj.bias", dim=0, part=kv_heads),
         ])) if spec.qkv_bias else None
-        self.qkv = LinearWeight.of(qkv_weight, qkv_bias, layout)
+        def projection(names: list[str], dim: int, parts: list, bias: Optional[torch.Tensor] = None,
+                       gate_size: int = 0) -> LinearWeight:  # float, or quantized (worker_proc/quantization.py)
+            return load_projection(source, names, dim, parts, load, bias, layout, dtype, device, gate_size)
+
+        self.qkv = projection([attn + "q_proj", attn + "k_proj", attn + "v_proj"], 0, [heads, kv_heads, kv_heads],
+                              qkv_bias)
         # o_proj's and down_proj's biases are added after the all-reduce (once, not per rank)
-        self.o_proj = LinearWeight.of(load(source.get(attn + "o_proj.weight", dim=1, part=heads)), None, layout)
+        self.o_proj = projection([attn + "o_proj"], 1, [heads])
         self.o_bias = load(_maybe(source, attn + "o_proj.bias", spec.o_bias))
         # Qwen3 normalises each head of q and k; one [q_heads + kv_heads, dim] weight
         # lets a single norm call cover both.
@@ -69,16 +71,13 @@ class DecoderLayer:
             source.get(attn + "q_norm.weight").expand(shard.num_heads, d),
             source.get(attn + "k_norm.weight").expand(shard.num_kv_heads, d),
         ])) if spec.qk_norm else None
-        gate_up_weight = load(torch.cat([
-            source.get(mlp + "gate_proj.weight", dim=0, part=inter),
-            source.get(mlp + "up_proj.weight", dim=0, part=inter),
-        ]))
         gate_up_bias = load(torch.cat([
             source.get(mlp + "gate_proj.bias", dim=0, part=inter),
             source.get(mlp + "up_proj.bias", dim=0, part=inter),
         ])) if spec.mlp_bias else None
-        self.gate_up = LinearWeight.of(gate_up_weight, gate_up_bias, layout, gate_size=shard.intermediate_size)
-        self.down = LinearWeight.of(load(source.get(mlp + "down_proj.weight", dim=1, part=inter)), None, layout)
+        self.gate_up = projection([mlp + "gate_proj", mlp + "up_proj"], 0, [inter, inter], gate_up_bias,
+                                  gate_size=shard.intermediate_size)
+        self.down = projection([mlp + "down_proj"], 1, [inter])
         self.down_bias = load(_maybe(source, mlp + "down_proj.bias", spec.mlp_bias))
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch,
