@@ -6,7 +6,10 @@ saved by ``compressed_tensors``' ``ModelCompressor`` exactly as llm-compressor s
 ``weight_packed`` (pack-quantized) or an int8 ``weight`` (int-quantized), ``weight_scale``,
 ``weight_zero_point`` when asymmetric, and ``quantization_config`` in config.json. lm_head stays
 in float, as llm-compressor's recipes leave it. transformers loads the result (it decompresses
-it), which is the oracle of the engine's quantized paths. Needs the ``compressed-tensors`` package.
+it), which is the oracle of the engine's quantized paths. transformers 5.25 cannot load an
+asymmetric pack-quantized file (its zero points are packed down the rows, and the loader expects
+them unpacked), so ``dequantized_model_dir`` writes the float model the library's own decompressor
+makes of a file, for transformers to load instead. Needs the ``compressed-tensors`` package.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ SCHEMES: dict[str, tuple[int, Optional[int], bool, bool]] = {
     "w8a16_g128": (8, 128, True, False),  # compressed-tensors' W8A16 preset
     "w4a16": (4, 128, True, False),  # the W4A16 preset
     "w4a16_asym": (4, 128, False, False),  # W4A16_ASYM
+    "w8a16_asym": (8, None, False, False),  # asymmetric per channel
     "w8a8": (8, None, True, True),  # the W8A8 / INT8 preset: dynamic per-token activations
 }
 
@@ -88,4 +92,35 @@ def build_quantized_model_dir(path: str | Path, scheme: str = "w4a16", arch: str
         if not (path / file.name).exists():
             shutil.copy(file, path / file.name)
     shutil.rmtree(source)
+    return path
+
+
+def dequantized_model_dir(quantized: str | Path, path: str | Path) -> Path:
+    """The float32 model compressed-tensors' decompressor makes of ``quantized`` (its
+    ``weight_packed`` / int8 ``weight``, scales and zero points -> ``weight``), without a
+    quantization_config, in ``path``; returns it."""
+    import json
+
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file, save_file
+
+    quantized, path = Path(quantized), Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((quantized / "config.json").read_text())
+    qc = QuantizationConfig.model_validate(config.pop("quantization_config"))
+    scheme = next(iter(qc.config_groups.values()))
+    compressor = BaseCompressor.get_value_from_registry(qc.format)
+    tensors = load_file(str(quantized / "model.safetensors"))
+    prefixes = {name.rsplit(".", 1)[0] for name in tensors if name.endswith(".weight_scale")}
+    out = {name: t for name, t in tensors.items() if name.rsplit(".", 1)[0] not in prefixes}
+    for prefix in sorted(prefixes):
+        local = {name.rsplit(".", 1)[1]: t for name, t in tensors.items() if name.rsplit(".", 1)[0] == prefix}
+        out[prefix + ".weight"] = compressor.decompress(local, scheme)["weight"].to(torch.float32).contiguous()
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    for file in quantized.iterdir():
+        if not (path / file.name).exists():
+            shutil.copy(file, path / file.name)
     return path
