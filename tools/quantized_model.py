@@ -73,14 +73,22 @@ def build_quantized_model_dir(path: str | Path, scheme: str = "w4a16", arch: str
     """A random ``arch`` model (``demo_model.build_model_dir``'s arguments; the defaults give
     every projection 128 or 256 inputs, whole groups of 128) quantized by ``scheme`` (SCHEMES),
     saved compressed into ``path``; returns it."""
+    path = Path(path)
+    kwargs = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256) | model_kwargs
+    source = build_model_dir(path.with_name(path.name + "-float"), arch, **kwargs)
+    quantize_model_dir(source, path, scheme)
+    shutil.rmtree(source)
+    return path
+
+
+def quantize_model_dir(source: str | Path, path: str | Path, scheme: str) -> Path:
+    """``source`` (a float model directory) quantized by ``scheme`` into ``path``; returns it."""
     import torch
     import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
 
-    path = Path(path)
-    kwargs = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256) | model_kwargs
-    source = build_model_dir(path.with_name(path.name + "-float"), arch, **kwargs)
+    source, path = Path(source), Path(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
     apply_quantization_config(model, quantization_config(scheme))
     _round_to_nearest(model)
@@ -91,7 +99,6 @@ def build_quantized_model_dir(path: str | Path, scheme: str = "w4a16", arch: str
     for file in source.iterdir():  # tokenizer, generation config, demo marker
         if not (path / file.name).exists():
             shutil.copy(file, path / file.name)
-    shutil.rmtree(source)
     return path
 
 
