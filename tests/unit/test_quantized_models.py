@@ -20,6 +20,7 @@ from pagedserve.protocol.quantization import (QuantizationConfigError, check_sha
                                               projection_inputs)
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.model_runner import ModelRunner
+from pagedserve.worker_proc.models import quantized_linear as ql
 from pagedserve.worker_proc.models.quantized_linear import (make_int4, make_int8, make_w8a8, quantize_per_token,
                                                             reference)
 from support.worker_harness import TrivialScheduler, hf_greedy, random_prompts
@@ -50,15 +51,18 @@ OPS = {  # (bits, group, asymmetric)
 }
 
 
+@pytest.mark.parametrize("path", ["torch_op", "dequantized_for_the_call"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("op", list(OPS))
-def test_each_weight_only_op_equals_the_dequantized_weights_matmul(op, dtype):
+def test_each_weight_only_op_equals_the_dequantized_weights_matmul(op, dtype, path, monkeypatch):
     bits, group, asym = OPS[op]
-    n, k = 96, 256
+    n, k = 128, 256
     q, scale, zero = _random_q(bits, n, k, group, asym)
     make = make_int4 if bits == 4 else make_int8
     layer = make(q, scale, zero, group, dtype)
     assert layer.weight.dtype in (torch.uint8, torch.int8)  # the integers as stored, no float copy
+    assert layer.can_dequantize()
+    monkeypatch.setitem(ql.DEQUANTIZE_MIN_ROWS, dtype, 10**9 if path == "torch_op" else 1)
     for rows in (1, 3, 8, 37):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
         got, want = layer.forward(x), reference(q, scale, zero, group, x.float())
@@ -66,6 +70,25 @@ def test_each_weight_only_op_equals_the_dequantized_weights_matmul(op, dtype):
         # float32: the same products summed in another order; bfloat16: scales and output rounded
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         assert (got.float() - want).abs().max() <= tol * want.abs().max(), op
+
+
+def test_an_int4_weight_whose_rows_are_not_whole_blocks_of_64_keeps_torchs_op():
+    q, scale, _ = _random_q(4, 96, 256, 128, False)
+    layer = make_int4(q, scale, None, 128, torch.float32)
+    assert not layer.can_dequantize()
+    x = torch.randn(40, 256)
+    assert (layer.forward(x) - reference(q, scale, None, 128, x)).abs().max() < 1e-4 * x.abs().max() * 256
+
+
+def test_float32_dequantized_weights_are_the_ones_compressed_tensors_decompresses(tmp_path):
+    """So a float32 prompt's products are transformers' own, bit for bit."""
+    from safetensors.torch import load_file
+
+    model_dir = build_quantized_model_dir(tmp_path / "m", "w4a16", "llama")
+    floats = load_file(str(dequantized_model_dir(model_dir, tmp_path / "f") / "model.safetensors"))
+    runner = ModelRunner(str(model_dir))
+    down = runner.model.layers[1].down.quantized
+    assert torch.equal(down.dequantized(torch.float32), floats["model.layers.1.mlp.down_proj.weight"])
 
 
 def test_w8a8_sums_int8_products_exactly_in_int32_then_scales_them():

@@ -17,11 +17,16 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
   scaled to int8 (compressed-tensors' rounding: round half to even, clamp to [-128, 127]), then
   ``torch._int_mm`` (int8 x int8 -> int32, exact) and the two scales applied in float32.
 
+From ``DEQUANTIZE_MIN_ROWS`` rows (32 in half precision: prefill chunks; every row in float32, where
+torch's int ops have no vectorized path) a weight-only layer instead multiplies a dequantized copy
+of its weight made for the call and freed after it (F.linear: oneDNN or oneMKL GEMM), since torch's
+int ops above run a row at a time. At most one layer's weight is ever held in float, for one call.
 Each has its plain-torch reference (``reference``), the test oracle.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,6 +49,8 @@ class QuantizedLinear:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T: [rows, out] in x's dtype."""
         x = x.contiguous()
+        if x.shape[0] >= dequantize_min_rows(x.dtype) and self.kind != "w8a8" and self.can_dequantize():
+            return torch.nn.functional.linear(x, self.dequantized(x.dtype))
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales)
         if self.kind == "int8":
@@ -65,10 +72,62 @@ class QuantizedLinear:
         acc = torch._int_mm(xq, self.weight)
         return (acc.float() * x_scale * self.scales).to(x.dtype)
 
+    def can_dequantize(self) -> bool:
+        return self.kind != "int4" or (self.out_features % INT4_BLOCK_N == 0 and _int4_layout_known())
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in ``dtype``, made for one call and freed after it: q * scale (+ zero),
+        per group, the products compressed-tensors' dequantize makes (float32: the same values)."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        if self.kind == "int4":
+            scale, zero = self.scales[..., 0].t().to(dtype), self.scales[..., 1].t().to(dtype)
+            signed = _unpack_int4pack(self.weight, n, k).to(dtype).sub_(8).view(n, k // g, g)
+            w = signed.mul_(scale.unsqueeze(-1))
+            if zero.any():
+                w.add_(zero.unsqueeze(-1))
+            return w.view(n, k)
+        if self.kind == "int8":
+            w = self.weight.to(dtype).mul_(self.scales.to(dtype).unsqueeze(-1))
+            return w if self.zero_correction is None else w.sub_(self.zero_correction.to(dtype).unsqueeze(-1))
+        w = self.weight.to(dtype).mul_(self.scales.to(dtype).unsqueeze(-1))  # [groups, out, group_size]
+        if self.zero_correction is not None:
+            w.sub_(self.zero_correction.to(dtype).unsqueeze(-1))
+        return w.permute(1, 0, 2).reshape(n, k)
+
     @property
     def nbytes(self) -> int:
         extra = 0 if self.zero_correction is None else self.zero_correction.nbytes
         return self.weight.nbytes + self.scales.nbytes + extra
+
+
+# From this many rows a weight-only layer multiplies a dequantized copy of its weight, made for
+# the call, instead of torch's int8 / int4 ops: those run a row at a time (a 0.5B gate_up at 256
+# rows, one thread: int8 247 ms, int4 211 ms, against 2 ms of dequantizing + 22 ms of F.linear in
+# bfloat16; bench/scripts/quant_bench.py). float32 has no fast int8 / int4 op at all.
+DEQUANTIZE_MIN_ROWS = {torch.bfloat16: 32, torch.float16: 32, torch.float32: 1}
+INT4_BLOCK_N = 64  # torch's CPU int4 layout: blocks of 64 output rows
+
+
+def dequantize_min_rows(dtype: torch.dtype) -> int:
+    return DEQUANTIZE_MIN_ROWS.get(dtype, 1)
+
+
+def _unpack_int4pack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """torch's CPU int4 layout [n, k / 2] uint8 (per block of 64 rows, [k, 32] bytes: row j in the
+    low nibble, row j + 32 in the high) back to [n, k] unsigned values."""
+    v = packed.view(n // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)
+    return torch.cat([v & 0xF, v >> 4], dim=-1).permute(0, 2, 1).reshape(n, k)
+
+
+@functools.cache
+def _int4_layout_known() -> bool:
+    """The layout _unpack_int4pack reads is torch's private one: checked once, on a small weight."""
+    try:
+        w = torch.randint(0, 16, (2 * INT4_BLOCK_N, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w, 1)
+        return torch.equal(_unpack_int4pack(packed, *w.shape).to(torch.int32), w)
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
