@@ -90,36 +90,46 @@ def _min_median_ms(fn, repeats: int) -> tuple[float, float]:
 
 
 def ops_table(rows_list: list[int], dtype: torch.dtype, repeats: int) -> None:
-    """The 0.5B shape's four projections of one layer, summed, per row count."""
+    """The 0.5B shape's four projections of one layer, summed, per row count: each quantized
+    layer through torch's op ("op") and through a dequantized copy made for the call ("deq")."""
     shapes = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down
     g = torch.Generator().manual_seed(0)
-    layers: dict[str, list] = {"bf16 packed": [], "w8a16": [], "w8a16_g128": [], "w4a16": [], "w8a8": []}
+    layers: dict[str, list] = {"bf16 packed" if dtype == torch.bfloat16 else "float": [], "w8a16": [],
+                               "w8a16_g128": [], "w4a16": [], "w8a8": []}
     for n, k in shapes:
         w = torch.randn(n, k, generator=g) * 0.02
-        layers["bf16 packed"].append(torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None))
+        layers[next(iter(layers))].append(torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
+                                          if dtype == torch.bfloat16 else w)
         q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         q4 = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
         layers["w8a16"].append(ql.make_int8(q8, torch.rand(n, 1), None, None, dtype))
         layers["w8a16_g128"].append(ql.make_int8(q8, torch.rand(n, k // 128), None, 128, dtype))
         layers["w4a16"].append(ql.make_int4(q4, torch.rand(n, k // 128), None, 128, dtype))
         layers["w8a8"].append(ql.make_w8a8(q8, torch.rand(n, 1)))
-    print(f"one 0.5B layer's projections (qkv, o, gate_up, down), {dtype}, ms: fastest / median of {repeats}, "
+    columns = [(next(iter(layers)), None)] + [(f"{name} {path}", path) for name in ("w8a16", "w8a16_g128", "w4a16")
+                                              for path in ("op", "deq")] + [("w8a8", None)]
+    print(f"one 0.5B layer's projections (qkv, o, gate_up, down), {dtype}, ms: fastest / median, "
           f"threads {torch.get_num_threads()}")
-    print(f"{'rows':>6} " + " ".join(f"{name:>15}" for name in layers))
+    print(f"{'rows':>6} " + " ".join(f"{name:>17}" for name, _ in columns))
+    chosen = ql.dequantize_min_rows
     for rows in rows_list:
         cells = []
-        for name, ws in layers.items():
-            xs = [torch.randn(rows, k, generator=g).to(dtype) for _, k in shapes]
-            if name == "bf16 packed":
+        xs = [torch.randn(rows, k, generator=g).to(dtype) for _, k in shapes]
+        for name, path in columns:
+            ws = layers[name.split(" ")[0] if path else name]
+            ql.dequantize_min_rows = (lambda kind, dtype, first=1 if path == "deq" else 10**9: first)
+            if name in ("bf16 packed", "float"):
                 def fn():
                     for x, w in zip(xs, ws):
-                        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                        (torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") if dtype == torch.bfloat16
+                         else torch.nn.functional.linear(x, w))
             else:
                 def fn():
                     for x, w in zip(xs, ws):
                         w.forward(x)
-            cells.append(_min_median_ms(fn, repeats))
-        print(f"{rows:>6} " + " ".join(f"{f'{lo:.2f} / {med:.2f}':>15}" for lo, med in cells), flush=True)
+            cells.append(_min_median_ms(fn, repeats if rows < 64 else max(3, repeats // 6)))
+        ql.dequantize_min_rows = chosen
+        print(f"{rows:>6} " + " ".join(f"{f'{lo:.2f} / {med:.2f}':>17}" for lo, med in cells), flush=True)
 
 
 def main() -> None:
@@ -130,7 +140,7 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 256])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256])
     p.add_argument("--op-repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; on a shared "
                    "machine 1 keeps the timings from waiting on a descheduled thread)")

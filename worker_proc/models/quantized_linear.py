@@ -17,8 +17,8 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
   scaled to int8 (compressed-tensors' rounding: round half to even, clamp to [-128, 127]), then
   ``torch._int_mm`` (int8 x int8 -> int32, exact) and the two scales applied in float32.
 
-From ``DEQUANTIZE_MIN_ROWS`` rows (32 in half precision: prefill chunks; every row in float32, where
-torch's int ops have no vectorized path) a weight-only layer instead multiplies a dequantized copy
+From ``DEQUANTIZE_MIN_ROWS`` rows (16-128 in half precision: prefill chunks; every row in float32,
+where torch's int ops have no vectorized path) a weight-only layer instead multiplies a dequantized copy
 of its weight made for the call and freed after it (F.linear: oneDNN or oneMKL GEMM), since torch's
 int ops above run a row at a time. At most one layer's weight is ever held in float, for one call.
 Each has its plain-torch reference (``reference``), the test oracle.
@@ -49,7 +49,7 @@ class QuantizedLinear:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T: [rows, out] in x's dtype."""
         x = x.contiguous()
-        if x.shape[0] >= dequantize_min_rows(x.dtype) and self.kind != "w8a8" and self.can_dequantize():
+        if self.kind != "w8a8" and x.shape[0] >= dequantize_min_rows(self.kind, x.dtype) and self.can_dequantize():
             return torch.nn.functional.linear(x, self.dequantized(x.dtype))
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales)
@@ -100,16 +100,21 @@ class QuantizedLinear:
         return self.weight.nbytes + self.scales.nbytes + extra
 
 
-# From this many rows a weight-only layer multiplies a dequantized copy of its weight, made for
-# the call, instead of torch's int8 / int4 ops: those run a row at a time (a 0.5B gate_up at 256
-# rows, one thread: int8 247 ms, int4 211 ms, against 2 ms of dequantizing + 22 ms of F.linear in
-# bfloat16; bench/scripts/quant_bench.py). float32 has no fast int8 / int4 op at all.
-DEQUANTIZE_MIN_ROWS = {torch.bfloat16: 32, torch.float16: 32, torch.float32: 1}
+# From this many rows (bfloat16 / float16) a weight-only layer multiplies a dequantized copy of its
+# weight, made for the call, instead of torch's int8 / int4 op, which runs about a row at a time.
+# One 0.5B layer's four projections, one thread, bfloat16, op / dequantized (bf16 packed): int8
+# 3.2 / 6.1 ms at 16 rows, 16.3 / 16.6 at 64, 71 / 57 at 256 (31); int4 8.4 / 27.5 at 32, 23 / 48 at
+# 64, 94 / 68 at 256; int8 in groups (an op call per group) 10.9 / 9.1 at 16
+# (bench/scripts/quant_bench.py). float32 has no vectorized int op at all (int8 22 ms at one row,
+# 4.1 s at 256; dequantized 21 ms and 178 ms), so it always dequantizes.
+DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128}
+
+
+def dequantize_min_rows(kind: str, dtype: torch.dtype) -> int:
+    return 1 if dtype == torch.float32 else DEQUANTIZE_MIN_ROWS[kind]
+
+
 INT4_BLOCK_N = 64  # torch's CPU int4 layout: blocks of 64 output rows
-
-
-def dequantize_min_rows(dtype: torch.dtype) -> int:
-    return DEQUANTIZE_MIN_ROWS.get(dtype, 1)
 
 
 def _unpack_int4pack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
