@@ -264,7 +264,9 @@ def test_serve_refuses_a_quantized_model_whose_tensor_parallel_slices_cut_groups
     from pagedserve.deploy.serve_config import ConfigError, ServeConfig
 
     model_dir = build_quantized_model_dir(tmp_path / "m", "w4a16", "llama")  # o_proj: 128 inputs
-    ServeConfig(model=str(model_dir), device="cpu", quantization="compressed-tensors")
+    cfg = ServeConfig(model=str(model_dir), device="cpu", quantization="compressed-tensors")
+    worker_cmd = cfg.worker_cmd("run", replica=0, rank=0, dist_init=None)
+    assert worker_cmd[worker_cmd.index("--quantization") + 1] == "compressed-tensors"
     with pytest.raises(ConfigError, match="split 2 ways cut a group") as err:
         ServeConfig(model=str(model_dir), device="cpu", tensor_parallel_size=2)
     assert "\n" not in str(err.value)
