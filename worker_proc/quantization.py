@@ -58,7 +58,7 @@ class _Reader:
     def is_quantized(self, prefix: str) -> bool:
         if prefix + ".weight_packed" in self.source:
             return True
-        return prefix + ".weight" in self.source and self.source.dtype(prefix + ".weight") == torch.int8
+        return prefix + ".weight" in self.source and self.source.dtype_name(prefix + ".weight") == "I8"
 
     def _values(self, prefix: str, dim: int, part: Part) -> tuple[torch.Tensor, int, int]:
         """(int8 values of this slice, out, in of the whole weight)."""

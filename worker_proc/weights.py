@@ -52,8 +52,9 @@ class WeightSource:
     def shape(self, name: str) -> list[int]:
         return list(self._handle(name).get_slice(name).get_shape())
 
-    def dtype(self, name: str) -> torch.dtype:
-        return self._handle(name).get_slice(name)[:0].dtype if self.shape(name) else self.get(name).dtype
+    def dtype_name(self, name: str) -> str:
+        """safetensors' name of the tensor's dtype ("I8", "BF16", ...), without reading it."""
+        return self._handle(name).get_slice(name).get_dtype()
 
     def get(self, name: str, dim: int = 0, part: Optional[tuple[int, int]] = None) -> torch.Tensor:
         """The tensor ``name``, or rows/columns [start, end) of it along ``dim``."""
