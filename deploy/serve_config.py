@@ -16,6 +16,8 @@ from pagedserve.protocol.model_architectures import LONGROPE_LIMIT, ModelConfigE
 from pagedserve.client.generation_defaults import check_generation_config_option
 from pagedserve.client.pooling import pooler_settings
 from pagedserve.protocol.speculative import SpeculativeConfigError, check_draft_model, parse_speculative_config
+from pagedserve.protocol.quantization import (QuantizationConfigError, check_shapes, parse_quantization_config,
+                                              projection_inputs)
 from pagedserve.protocol.options import FRONTEND, ROUTER_KINDS, SCHEDULER, WORKER, resolve_device, resolve_dtype
 from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
@@ -68,6 +70,7 @@ class _ServeConfigRules:
         self.dtype = resolve_dtype(self.dtype, model_cfg, self.device, self.model, local_replicas)
         self._check_max_model_len(limit, longrope_limit(model_cfg))
         self._check_step_budget()
+        self._check_quantization(model_cfg)
         if self.model_aliases is None:  # once: a replace() keeps what the first call found
             # vLLM serves `vllm serve /models/x` as "/models/x", and its clients (vllm bench
             # serve among them) send that name; the directory's name stays the listed one.
@@ -108,6 +111,18 @@ class _ServeConfigRules:
             raise ConfigError("--distributed-executor-backend ray places every process itself: drop "
                               "--remote-workers / --internal-host")
         self._check_unread_options()
+
+    def _check_quantization(self, model_cfg: dict) -> None:
+        """A quantized checkpoint the workers could not load is refused here, before any process starts."""
+        try:
+            spec = parse_quantization_config(model_cfg, self.quantization)
+            if spec is not None:
+                check_shapes(spec, projection_inputs(model_cfg), self.tensor_parallel_size)
+        except (QuantizationConfigError, KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(str(exc) if isinstance(exc, QuantizationConfigError)
+                              else f"config.json: {exc!r} is missing or malformed") from None
+        if spec is not None and self.device != "cpu":
+            raise ConfigError(f"quantized checkpoints ({spec.name}) run on CPU only: --device cpu")
 
     def _check_max_model_len(self, limit: int, exact: Optional[int] = None) -> None:
         """``exact``: the longest sequence the workers compute exactly (a longrope model's original

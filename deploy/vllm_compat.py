@@ -11,8 +11,6 @@ from typing import Optional
 from pagedserve.protocol.options import DTYPE_ALIASES, DTYPE_CHOICES, resolve_dtype  # noqa: F401 (re-exported)
 
 UNSUPPORTED_FLAGS = {
-    "--quantization": "quantized weights are not supported; serve an unquantized model",
-    "-q": "quantized weights are not supported; serve an unquantized model",
     "--pipeline-parallel-size": "pipeline parallelism is not supported; use --tensor-parallel-size "
                                 "and --data-parallel-size",
     "-pp": "pipeline parallelism is not supported; use --tensor-parallel-size and --data-parallel-size",

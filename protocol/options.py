@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
+from pagedserve.protocol.quantization import METHODS as QUANTIZATION_METHODS
 from pagedserve.protocol.priority import MAX_LIMIT_S, SCHEDULING_POLICIES, parse_tenant_weights
 from pagedserve.protocol.speculative import SpeculativeConfigError, parse_speculative_config
 
@@ -188,6 +189,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("dtype", str, "auto", "weights and KV cache; auto: the model config's dtype, but on CPU a "
            "float16 or bfloat16 model computes in bfloat16 where oneDNN has it (AVX-512 and up), else in "
            "float32 if that fits half the free memory", choices=DTYPE_CHOICES, to=_W),
+    Option("quantization", str, None, "the checkpoint's quantization method, read from its config.json's "
+           "quantization_config (compressed-tensors: int4 / int8 weights, W8A8); given, it must match the "
+           "checkpoint's (default: the checkpoint's)", choices=QUANTIZATION_METHODS, aliases=("-q",), to=_W),
     Option("max_model_len", int, None, "prompt + output token limit (default: the model's "
            "max_position_embeddings)", (lambda v: v >= 2, "must be at least 2"), to=_S | _F),
     Option("tensor_parallel_size", int, 1, "workers (devices) per replica", _POSITIVE,

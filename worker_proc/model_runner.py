@@ -37,6 +37,7 @@ from pagedserve.worker_proc.kv_cache import KVCache, block_bytes, max_num_blocks
 from pagedserve.worker_proc.model_config import load_model_spec
 from pagedserve.worker_proc.models import MODEL_CLASSES
 from pagedserve.worker_proc.pooling import pool_chunks
+from pagedserve.worker_proc.quantization import checkpoint_quantization
 from pagedserve.worker_proc.prompt_logprobs import compute_prompt_logprobs
 from pagedserve.worker_proc.sampler import launch_sample
 from pagedserve.worker_proc.spec_verify import accept
@@ -55,13 +56,15 @@ PRUNE_ENV = "PAGEDSERVE_PRUNE_LAST_LAYER"  # 0: the last layer computes every ro
 class ModelRunner:
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
                  tp_rank: int = 0, tp_size: int = 1, tp_group=None, cuda_graphs: bool = True,
-                 speculative: Optional[SpeculativeConfig] = None):
+                 speculative: Optional[SpeculativeConfig] = None, quantization: Optional[str] = None):
         """``cuda_graphs``: on CUDA, replay decode steps from captured graphs (cuda_graphs.py);
         one GPU per replica only, for now (an all-reduce inside a graph is not yet checked).
-        ``speculative``: with method draft_model, the draft is loaded beside the model."""
+        ``speculative``: with method draft_model, the draft is loaded beside the model.
+        ``quantization``: ``--quantization``, which must name the checkpoint's own method."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
         self.spec = load_model_spec(model_dir)
+        self.quantization = checkpoint_quantization(model_dir, quantization)  # refused here, in one line
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())

@@ -3,7 +3,8 @@
 A sharded checkpoint lists which file holds each tensor in
 ``model.safetensors.index.json``; without an index every ``*.safetensors`` file is
 scanned. Slices are read with ``get_slice`` so a tensor-parallel rank never materialises
-the full weight.
+the full weight. ``quantization``: config.json's quantization scheme (worker_proc/quantization.py
+loads the projections it covers).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from pagedserve.worker_proc.model_config import UnsupportedModelError
 
 class WeightSource:
     def __init__(self, model_dir: str | Path):
+        from pagedserve.worker_proc.quantization import checkpoint_quantization
+
         model_dir = Path(model_dir)
+        self.quantization = checkpoint_quantization(model_dir)
         index_path = model_dir / "model.safetensors.index.json"
         self._file_of: dict[str, Path] = {}
         if index_path.is_file():
@@ -44,6 +48,13 @@ class WeightSource:
         if path not in self._open:
             self._open[path] = safe_open(str(path), framework="pt")
         return self._open[path]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handle(name).get_slice(name).get_shape())
+
+    def dtype_name(self, name: str) -> str:
+        """safetensors' name of the tensor's dtype ("I8", "BF16", ...), without reading it."""
+        return self._handle(name).get_slice(name).get_dtype()
 
     def get(self, name: str, dim: int = 0, part: Optional[tuple[int, int]] = None) -> torch.Tensor:
         """The tensor ``name``, or rows/columns [start, end) of it along ``dim``."""

@@ -127,7 +127,8 @@ class Worker:
         self.runner = ModelRunner(cfg.model, device=_device_for_rank(cfg), dtype=cfg.dtype,
                                   tp_rank=cfg.rank, tp_size=cfg.tensor_parallel_size, tp_group=group,
                                   cuda_graphs=not cfg.enforce_eager,
-                                  speculative=parse_speculative_config(cfg.speculative_config))
+                                  speculative=parse_speculative_config(cfg.speculative_config),
+                                  quantization=cfg.quantization)
         # Peek at the next step while this one samples (ModelRunner._prepare_ahead): on CUDA, where the
         # device works meanwhile; a CPU has nothing to overlap (bench/log/2026-11-28.md), but the switch may ask.
         ahead = env_switch(PREPARE_AHEAD_ENV)

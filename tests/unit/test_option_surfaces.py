@@ -33,9 +33,12 @@ SPECIAL = {"served_model_name": ["alias-a", "alias-b"], "chat_template": "{{ mes
            # the generating task, as the generation-only options need it (embed: its own tests)
            "task": "generate", "pooling_type": None, "pooler_config": None,
            "disable_log_requests": True,  # --no-disable-log-requests is refused
-           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}
+           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
+           # must name the checkpoint's own method, and this one is not quantized (its own tests:
+           # tests/unit/test_quantized_models.py, down to the worker's command line)
+           "quantization": None}
 NEEDS_ANOTHER_POLICY = ("tenant_weights",)
-AT_DEFAULT = (*NEEDS_ANOTHER_POLICY, "task", "pooling_type", "pooler_config", "disable_log_requests")
+AT_DEFAULT = (*NEEDS_ANOTHER_POLICY, "task", "pooling_type", "pooler_config", "disable_log_requests", "quantization")
 KV_BUDGETS = ("gpu_memory_utilization", "kv_cache_memory_gib")  # exclude each other: one at a time
 OFFLINE_DEFAULTS = {"log_level": "WARNING"}  # LLM is quiet unless asked; the only default it changes
 

@@ -3,7 +3,8 @@
 Attention (grouped-query, optional q/k norm, rotary, soft-capping, a sliding window per layer) and a
 gated MLP, each between the norms its family declares: before it (Llama), before and after (Gemma),
 after only (OLMo 2). Weights are plain tensors, fused at load: q/k/v into one matmul and gate/up
-into one, whether the checkpoint keeps them apart or fused (Phi-3). Norms, residual adds, rotary and
+into one, whether the checkpoint keeps them apart or fused (Phi-3); a quantized checkpoint's
+projections are quantized layers (worker_proc/quantization.py). Norms, residual adds, rotary and
 the SiLU gate go through an Elementwise (elementwise.py): transformers' op sequence, so float32
 greedy tokens equal transformers', or fused kernels; where the matmuls are native (CPU), the SiLU
 gate is part of gate_up's call (models/linear.py silu_gate). Each layer's residual add is deferred
@@ -21,8 +22,9 @@ import torch.nn.functional as F
 from pagedserve.worker_proc.attention import attend
 from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.input_batch import ForwardBatch, OutputRows
-from pagedserve.worker_proc.model_config import ModelSpec
+from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
+from pagedserve.worker_proc.quantization import load_projection
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -71,12 +73,28 @@ class DecoderLayer:
                                                              spec.num_kv_heads * d)
         self.pre_attention_norm, self.post_attention_norm = norm(names.pre_attention_norm), norm(names.post_attention_norm)
         self.pre_mlp_norm, self.post_mlp_norm = norm(names.pre_mlp_norm), norm(names.post_mlp_norm)
-        qkv_weight = load(_rows(source, tuple(p + n for n in names.qkv), ".weight", qkv_parts, qkv_sizes))
+        quantized = getattr(source, "quantization", None) is not None
+
+        def projection(checkpoint_names: tuple[str, ...], dim: int, parts: tuple, sizes: tuple,
+                       bias: Optional[torch.Tensor], gate_size: int = 0) -> LinearWeight:
+            """Float weights (fused here if the checkpoint keeps them apart), or a quantized
+            checkpoint's layer (worker_proc/quantization.py), which reads them apart only."""
+            full = tuple(p + n for n in checkpoint_names)
+            if quantized:
+                if len(full) != len(parts):
+                    raise UnsupportedModelError(f"{full[0]}: a quantized checkpoint with fused projections "
+                                                "is not supported")
+                return load_projection(source, list(full), dim, list(parts), load, bias, layout, dtype, device,
+                                       gate_size)
+            weight = (_rows(source, full, ".weight", parts, sizes) if dim == 0
+                      else source.get(full[0] + ".weight", dim=1, part=parts[0]))
+            return LinearWeight.of(load(weight), bias, layout, gate_size=gate_size)
+
         qkv_bias = (load(_rows(source, tuple(p + n for n in names.qkv), ".bias", qkv_parts, qkv_sizes))
                     if spec.qkv_bias else None)
-        self.qkv = LinearWeight.of(qkv_weight, qkv_bias, layout)
+        self.qkv = projection(names.qkv, 0, qkv_parts, qkv_sizes, qkv_bias)
         # o_proj's and down_proj's biases are added after the all-reduce (once, not per rank)
-        self.o_proj = LinearWeight.of(load(source.get(p + names.o_proj + ".weight", dim=1, part=heads)), None, layout)
+        self.o_proj = projection((names.o_proj,), 1, (heads,), (), None)
         self.o_bias = load(source.get(p + names.o_proj + ".bias")) if spec.o_bias else None
         self.qk_norm, self.q_norm_weight, self.k_norm_weight = spec.qk_norm, None, None
         if spec.qk_norm == "head":
@@ -89,13 +107,12 @@ class DecoderLayer:
             self.down_bias = None
             return
         inter_parts, inter_sizes = (inter, inter), (spec.intermediate_size,) * 2
-        gate_up_weight = load(_rows(source, tuple(p + n for n in names.gate_up), ".weight", inter_parts, inter_sizes))
         gate_up_bias = (load(_rows(source, tuple(p + n for n in names.gate_up), ".bias", inter_parts, inter_sizes))
                         if spec.mlp_bias else None)
         # A GeLU gate multiplies through linear(): no panels interleaved for silu_gate
-        self.gate_up = LinearWeight.of(gate_up_weight, gate_up_bias, layout,
-                                       gate_size=0 if self.gelu else shard.intermediate_size)
-        self.down = LinearWeight.of(load(source.get(p + names.down + ".weight", dim=1, part=inter)), None, layout)
+        self.gate_up = projection(names.gate_up, 0, inter_parts, inter_sizes, gate_up_bias,
+                                  gate_size=0 if self.gelu else shard.intermediate_size)
+        self.down = projection((names.down,), 1, (inter,), (), None)
         self.down_bias = load(source.get(p + names.down + ".bias")) if spec.mlp_bias else None
 
     def _join(self, out: torch.Tensor, residual: torch.Tensor, norm: Optional[torch.Tensor],

@@ -54,6 +54,7 @@ from pagedserve.worker_proc.env_switch import env_switch
 
 if TYPE_CHECKING:
     from pagedserve.worker_proc.elementwise import Elementwise
+    from pagedserve.worker_proc.models.quantized_linear import QuantizedLinear
 
 # W @ x.T won over F.linear at 16 and 32 rows on the small and 0.5B shapes, and lost at 64.
 SMALL_BATCH_ROWS = 32
@@ -88,6 +89,7 @@ class LinearWeight:
     panels: Optional[torch.Tensor] = None  # cpu_linear.c's layout of weight: [ceil(out / 16), in, 16]
     out_features: int = 0
     gate_size: int = 0  # a gate_up weight's gate rows (its panels, if any, alternate gate and up: silu_gate only)
+    quantized: Optional["QuantizedLinear"] = None  # a quantized checkpoint's layer: its integers, scales and op
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], layout: WeightLayout,
@@ -201,6 +203,9 @@ def silu_gate(x: torch.Tensor, w: LinearWeight, ew: "Elementwise") -> torch.Tens
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     """x [rows, in] @ weight[out, in].T (+ bias): [rows, out], contiguous."""
+    if w.quantized is not None:  # models/quantized_linear.py
+        out = w.quantized.forward(x)
+        return out if w.bias is None else out.add_(w.bias)
     if x.device.type != "cpu":
         return F.linear(x, w.weight, w.bias)
     rows = x.shape[0]

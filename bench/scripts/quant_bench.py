@@ -1,0 +1,174 @@
+"""Quantized checkpoints on CPU against the float model: decode step time at one stream and
+prefill throughput through the real Scheduler + ModelRunner (one process), and each projection's
+op per row count, side by side: bf16 (oneDNN's packed weight, the float path), W8A16 per channel
+(``_weight_int8pack_mm``), W8A16 in groups of 128 (that op once per group), W4A16 g128
+(``_weight_int4pack_mm_for_cpu``), W8A8 (per-token int8 activations, ``torch._int_mm``).
+
+The quantized models are the shape's random model quantized by compressed-tensors
+(tools/quantized_model.py), written once beside it (bench/shapes.py's cache).
+
+    python bench/scripts/quant_bench.py --shape 0.5b --dtype bfloat16
+    python bench/scripts/quant_bench.py --ops-only --threads 1
+    python bench/scripts/quant_bench.py --build-only   # quantize the shape's model (no timing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+from pagedserve.protocol.torch_env import apply_torch_env_defaults
+
+apply_torch_env_defaults()  # as a worker does, before torch loads
+import torch  # noqa: E402
+
+from pagedserve.bench.shapes import SHAPES, ensure_shape_model, shape_cache_dir  # noqa: E402
+from pagedserve.protocol.messages import AddRequest, SamplingParams, WorkerInit  # noqa: E402
+from pagedserve.scheduler_proc.config import SchedulerConfig  # noqa: E402
+from pagedserve.scheduler_proc.scheduler import Scheduler  # noqa: E402
+from pagedserve.worker_proc.model_runner import ModelRunner  # noqa: E402
+from pagedserve.worker_proc.models import quantized_linear as ql  # noqa: E402
+from step_phases import timed_runs  # noqa: E402
+
+SCHEMES = ("w8a16", "w8a16_g128", "w4a16", "w8a8")
+
+
+def ensure_quantized(shape: str, scheme: str) -> Path:
+    from pagedserve.tools.quantized_model import quantize_model_dir
+
+    path = shape_cache_dir() / f"{shape}-{scheme}"
+    if not (path / "config.json").exists():
+        print(f"quantizing {shape} by {scheme} into {path} (once)", flush=True)
+        partial = path.with_name(path.name + ".partial")
+        quantize_model_dir(ensure_shape_model(SHAPES[shape]), partial, scheme)
+        partial.rename(path)
+    return path
+
+
+def time_model(model_dir: Path, dtype: str, prefill_tokens: int, decode_steps: int, repeats: int) -> dict:
+    """Median ms of a decode step (one stream) and prefill tokens/s of one prompt in one step."""
+    runner = ModelRunner(str(model_dir), dtype=dtype)
+    block = 16
+    cfg = SchedulerConfig(block_size=block, num_gpu_blocks=4096, max_num_seqs=8,
+                          max_num_batched_tokens=max(prefill_tokens, 16), max_model_len=4096)
+    runner.init_cache(WorkerInit(block_size=block, num_gpu_blocks=4096, num_cpu_blocks=0, max_model_len=4096, seed=0))
+    rng = random.Random(0)
+    prefill_ms, decode_ms = [], []
+    for r in range(repeats):
+        sched = Scheduler(cfg)
+        prompt = [rng.randrange(3, 1000) for _ in range(prefill_tokens)]
+        sampling = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
+        sched.add_request(AddRequest(request_id=f"r{r}", prompt_token_ids=prompt, sampling=sampling))
+        while sched.has_unfinished():
+            out = sched.schedule()
+            t0 = time.perf_counter()
+            result = runner.execute(out)
+            ms = 1e3 * (time.perf_counter() - t0)
+            sched.update_from_output(out, result)
+            (prefill_ms if out.total_num_scheduled_tokens > 1 else decode_ms).append(ms)
+    weights = sum(layer.nbytes for layer in _quantized_layers(runner))
+    return dict(decode=statistics.median(decode_ms), decode_spread=(min(decode_ms), max(decode_ms)),
+                prefill=prefill_tokens / statistics.median(prefill_ms) * 1e3,
+                prefill_ms=statistics.median(prefill_ms), qbytes=weights)
+
+
+def _quantized_layers(runner: ModelRunner):
+    for layer in runner.model.layers:
+        for proj in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            if proj.quantized is not None:
+                yield proj.quantized
+
+
+def _min_median_ms(fn, repeats: int) -> tuple[float, float]:
+    """(fastest, median) of ``repeats`` calls: on a shared machine the fastest is the op's own
+    cost and the median adds the other processes' share."""
+    times = timed_runs(fn, repeats, warmup=3)
+    return 1e3 * min(times), 1e3 * statistics.median(times)
+
+
+def ops_table(rows_list: list[int], dtype: torch.dtype, repeats: int) -> None:
+    """The 0.5B shape's four projections of one layer, summed, per row count: each quantized
+    layer through torch's op ("op") and through a dequantized copy made for the call ("deq")."""
+    shapes = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down
+    g = torch.Generator().manual_seed(0)
+    layers: dict[str, list] = {"bf16 packed" if dtype == torch.bfloat16 else "float": [], "w8a16": [],
+                               "w8a16_g128": [], "w4a16": [], "w8a8": []}
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=g) * 0.02
+        layers[next(iter(layers))].append(torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
+                                          if dtype == torch.bfloat16 else w)
+        q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        q4 = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+        layers["w8a16"].append(ql.make_int8(q8, torch.rand(n, 1), None, None, dtype))
+        layers["w8a16_g128"].append(ql.make_int8(q8, torch.rand(n, k // 128), None, 128, dtype))
+        layers["w4a16"].append(ql.make_int4(q4, torch.rand(n, k // 128), None, 128, dtype))
+        layers["w8a8"].append(ql.make_w8a8(q8, torch.rand(n, 1)))
+    columns = [(next(iter(layers)), None)] + [(f"{name} {path}", path) for name in ("w8a16", "w8a16_g128", "w4a16")
+                                              for path in ("op", "deq")] + [("w8a8", None)]
+    print(f"one 0.5B layer's projections (qkv, o, gate_up, down), {dtype}, ms: fastest / median, "
+          f"threads {torch.get_num_threads()}")
+    print(f"{'rows':>6} " + " ".join(f"{name:>17}" for name, _ in columns))
+    chosen = ql.dequantize_min_rows
+    for rows in rows_list:
+        cells = []
+        xs = [torch.randn(rows, k, generator=g).to(dtype) for _, k in shapes]
+        for name, path in columns:
+            ws = layers[name.split(" ")[0] if path else name]
+            ql.dequantize_min_rows = (lambda kind, dtype, first=1 if path == "deq" else 10**9: first)
+            if name in ("bf16 packed", "float"):
+                def fn():
+                    for x, w in zip(xs, ws):
+                        (torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") if dtype == torch.bfloat16
+                         else torch.nn.functional.linear(x, w))
+            else:
+                def fn():
+                    for x, w in zip(xs, ws):
+                        w.forward(x)
+            cells.append(_min_median_ms(fn, repeats if rows < 64 else max(3, repeats // 6)))
+        ql.dequantize_min_rows = chosen
+        print(f"{rows:>6} " + " ".join(f"{f'{lo:.2f} / {med:.2f}':>17}" for lo, med in cells), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    p.add_argument("--prefill-tokens", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256])
+    p.add_argument("--op-repeats", type=int, default=30)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; on a shared "
+                   "machine 1 keeps the timings from waiting on a descheduled thread)")
+    p.add_argument("--ops-only", action="store_true")
+    p.add_argument("--models-only", action="store_true")
+    p.add_argument("--build-only", action="store_true")
+    ns = p.parse_args()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    if ns.build_only:
+        for scheme in ns.schemes:
+            ensure_quantized(ns.shape, scheme)
+        return
+    if not ns.models_only:
+        ops_table(ns.rows, getattr(torch, ns.dtype), ns.op_repeats)
+    if ns.ops_only:
+        return
+    dirs = {"float": ensure_shape_model(SHAPES[ns.shape])} | {s: ensure_quantized(ns.shape, s) for s in ns.schemes}
+    print(f"{ns.shape}, {ns.dtype}, threads {torch.get_num_threads()}: decode at 1 stream (median ms/step, "
+          f"min-max), prefill of {ns.prefill_tokens} tokens in one step")
+    print(f"{'model':<12} {'decode ms':>10} {'(min-max)':>16} {'prefill tok/s':>14} {'layer weights MiB':>18}")
+    for name, model_dir in dirs.items():
+        r = time_model(model_dir, ns.dtype, ns.prefill_tokens, ns.decode_steps, ns.repeats)
+        lo, hi = r["decode_spread"]
+        mib = f"{r['qbytes'] / 2**20:.0f}" if r["qbytes"] else "-"
+        print(f"{name:<12} {r['decode']:>10.2f} {f'({lo:.1f}-{hi:.1f})':>16} {r['prefill']:>14.0f} {mib:>18}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""A checkpoint's quantization, read once from config.json's ``quantization_config``: what the
+serve command refuses at start (before any process runs) and what the worker loads by.
+
+compressed-tensors (llm-compressor's format, vLLM's ``--quantization compressed-tensors``) is the
+one method read. Its weight schemes here: integer weights of 4 or 8 bits, per output channel or
+in groups along the input, symmetric or (4-bit, 8-bit weight-only) asymmetric, stored
+``pack-quantized`` (int32 words) or ``int-quantized`` / ``naive-quantized`` (int8); activations
+unquantized (weight-only, W4A16 / W8A16) or int8 per token, dynamic and symmetric, on int8
+per-channel symmetric weights (W8A8). Everything else (floating-point formats, activation
+ordering, static activation scales, a quantized KV cache, sparsity, transforms, several
+schemes in one model) is refused in one line naming the field, as is a config that is not what
+the library writes (a corrupt one). Pure Python, no torch: ``deploy/serve_config.py`` checks a
+model before starting anything, with the shapes its tensor-parallel slices would cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+METHODS = ("compressed-tensors",)  # --quantization's choices
+PACKED, INT8_FORMATS = "pack-quantized", ("int-quantized", "naive-quantized")
+GROUP_SIZES_INT4 = (32, 64, 128, 256)  # torch's int4 weight op takes these
+
+
+class QuantizationConfigError(ValueError):
+    """The checkpoint's quantization cannot be served; the message is one line saying why."""
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizationSpec:
+    """One scheme for every quantized linear layer of the model (those ``ignore`` names stay float)."""
+    method: str
+    format: str  # pack-quantized | int-quantized | naive-quantized
+    bits: int  # weight bits: 4 or 8
+    group_size: Optional[int]  # None: one scale per output channel
+    symmetric: bool
+    dynamic_int8_activations: bool  # W8A8: int8 x int8 -> int32, activations scaled per token
+
+    @property
+    def name(self) -> str:
+        act = "A8" if self.dynamic_int8_activations else "A16"
+        group = f"g{self.group_size}" if self.group_size else "per-channel"
+        return f"{self.method} W{self.bits}{act} {group}{'' if self.symmetric else ' asymmetric'} ({self.format})"
+
+
+def _fail(message: str) -> QuantizationConfigError:
+    return QuantizationConfigError(f"quantization_config: {message}")
+
+
+def _args(config: dict, key: str) -> Optional[dict]:
+    args = config.get(key)
+    if args is not None and not isinstance(args, dict):
+        raise _fail(f"{key} must be an object, got {type(args).__name__}")
+    return args
+
+
+def _one_scheme(qc: dict) -> tuple[dict, str]:
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+        raise _fail("config_groups must be an object of schemes")
+    schemes = list(groups.values())
+    first = {k: v for k, v in schemes[0].items() if k != "targets"}
+    if any({k: v for k, v in s.items() if k != "targets"} != first for s in schemes[1:]):
+        raise _fail("several schemes in one model (mixed precision) are not supported")
+    for scheme in schemes:
+        targets = scheme.get("targets")
+        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+            raise _fail("each scheme's targets must be a list of names")
+        if any(t != "Linear" and "proj" not in t for t in targets):
+            raise _fail(f"targets {targets} are not supported (only Linear layers)")
+    fmt = schemes[0].get("format") or qc.get("format")
+    if not isinstance(fmt, str):
+        raise _fail("no format")
+    return schemes[0], fmt
+
+
+def parse_quantization_config(model_config: dict, requested: Optional[str] = None) -> Optional[QuantizationSpec]:
+    """The checkpoint's scheme (None: not quantized). ``requested``: ``--quantization``, which must
+    name the checkpoint's own method. Raises QuantizationConfigError (one line)."""
+    qc = model_config.get("quantization_config")
+    if requested is not None and requested not in METHODS:
+        raise QuantizationConfigError(f"--quantization {requested!r} is not supported (choose one of "
+                                      f"{', '.join(METHODS)})")
+    if qc is None:
+        if requested is not None:
+            raise QuantizationConfigError(f"--quantization {requested}: the checkpoint is not quantized "
+                                          f"(config.json has no quantization_config)")
+        return None
+    if not isinstance(qc, dict):
+        raise _fail(f"must be an object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method not in METHODS:
+        raise _fail(f"quant_method {method!r} is not supported (supported: {', '.join(METHODS)})")
+    if requested is not None and requested != method:
+        raise QuantizationConfigError(f"--quantization {requested} does not match the checkpoint's "
+                                      f"quant_method {method!r}")
+    for key, what in (("sparsity_config", "sparsity"), ("transform_config", "transforms"),
+                      ("kv_cache_scheme", "a quantized KV cache")):
+        if qc.get(key):
+            raise _fail(f"{key}: {what} is not supported")
+    scheme, fmt = _one_scheme(qc)
+    weights, inputs = _args(scheme, "weights"), _args(scheme, "input_activations")
+    if _args(scheme, "output_activations") is not None:
+        raise _fail("output_activations: quantized outputs are not supported")
+    if weights is None:
+        raise _fail("the scheme quantizes no weights")
+    bits, group, strategy = weights.get("num_bits"), weights.get("group_size"), weights.get("strategy")
+    symmetric = weights.get("symmetric", True)
+    if weights.get("type", "int") != "int":
+        raise _fail(f"weights of type {weights.get('type')!r} are not supported (only int)")
+    if bits not in (4, 8):
+        raise _fail(f"{bits!r}-bit weights are not supported (4 or 8)")
+    if not isinstance(symmetric, bool):
+        raise _fail(f"weights.symmetric must be true or false, got {symmetric!r}")
+    if weights.get("dynamic"):
+        raise _fail("dynamic weight scales are not supported")
+    if weights.get("actorder") not in (None, "static", "weight"):
+        raise _fail(f"activation ordering {weights.get('actorder')!r} is not supported")
+    if strategy == "channel":
+        if group is not None:
+            raise _fail(f"weights.group_size {group!r} with the channel strategy")
+    elif strategy == "group":
+        if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+            raise _fail(f"weights.group_size must be a positive integer, got {group!r}")
+        if bits == 4 and group not in GROUP_SIZES_INT4:
+            raise _fail(f"int4 groups of {group} are not supported (torch's int4 op takes "
+                        f"{', '.join(map(str, GROUP_SIZES_INT4))})")
+        if bits == 8 and group % 4:
+            raise _fail(f"int8 groups of {group} are not whole int32 words")
+    else:
+        raise _fail(f"weights.strategy {strategy!r} is not supported (channel or group)")
+    if fmt == PACKED:
+        pass
+    elif fmt in INT8_FORMATS:
+        if bits != 8:
+            raise _fail(f"format {fmt} holds 8-bit weights, not {bits}-bit")
+    else:
+        raise _fail(f"format {fmt!r} is not supported ({PACKED}, {', '.join(INT8_FORMATS)})")
+    dynamic = False
+    if inputs is not None:
+        ok = (inputs.get("type", "int") == "int" and inputs.get("num_bits") == 8 and inputs.get("strategy") == "token"
+              and inputs.get("dynamic") is True and inputs.get("symmetric", True) is True)
+        if not ok:
+            raise _fail("input_activations: only int8, per token, dynamic, symmetric is supported")
+        if not (bits == 8 and strategy == "channel" and symmetric):
+            raise _fail("int8 activations need int8 per-channel symmetric weights (W8A8)")
+        dynamic = True
+    return QuantizationSpec(method, fmt, bits, group if strategy == "group" else None, symmetric, dynamic)
+
+
+def check_shapes(spec: QuantizationSpec, in_features: dict[str, int], tp_size: int) -> None:
+    """Each quantized projection's inputs (by name) divide into whole groups, and so does each
+    rank's slice of a row-parallel one (o_proj, down_proj: their inputs are split ``tp_size``
+    ways). Raises QuantizationConfigError naming the first that does not."""
+    unit = spec.group_size or (32 // spec.bits if spec.format == PACKED else 1)
+    for name, k in in_features.items():
+        if spec.bits == 4 and spec.group_size is None and k % 32:
+            raise _fail(f"{name} has {k} inputs: per-channel int4 takes multiples of 32")
+        if spec.group_size and k % spec.group_size:
+            raise _fail(f"{name} has {k} inputs, not a multiple of group_size {spec.group_size}")
+        if name in ("o_proj", "down_proj") and tp_size > 1 and (k % tp_size or (k // tp_size) % unit):
+            raise _fail(f"{name}'s {k} inputs split {tp_size} ways cut a "
+                        f"{'group' if spec.group_size else 'packed word'} ({unit} values); pick another "
+                        f"--tensor-parallel-size")
+
+
+def projection_inputs(model_config: dict) -> dict[str, int]:
+    """The inputs of each projection of a Llama-family layer, from config.json."""
+    hidden = int(model_config["hidden_size"])
+    heads = int(model_config["num_attention_heads"])
+    head_dim = int(model_config.get("head_dim") or hidden // heads)
+    inter = int(model_config["intermediate_size"])
+    return {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": heads * head_dim,
+            "gate_proj": hidden, "up_proj": hidden, "down_proj": inter}

@@ -1,0 +1,210 @@
+"""A quantized linear layer: integer weights, their scales (and zero points), and the torch op
+that multiplies them, chosen at load by the checkpoint's scheme (worker_proc/quantization.py).
+
+No float copy of a quantized weight is kept: every path multiplies the integers as stored.
+
+- ``int4`` (W4A16, groups of 32-256, symmetric or asymmetric): torch's
+  ``_weight_int4pack_mm_for_cpu`` over ``_convert_weight_to_int4pack_for_cpu``'s layout, which
+  computes ``(q - 8) * scale + zero`` per group in the activations' dtype. compressed-tensors' nibble
+  is its signed value + 8, so ``q - 8`` is the signed value: zero is 0 (symmetric) or
+  ``-zero_point * scale``. A per-channel int4 weight takes the largest group that divides its
+  inputs, every group with the channel's scale.
+- ``int8`` (W8A16 per channel): torch's ``_weight_int8pack_mm``, x @ (q * scale).T; an asymmetric
+  weight subtracts rowsum(x) * zero_point * scale after.
+- ``int8_grouped`` (W8A16 in groups): the same op once per group of inputs, summed (torch has no
+  grouped int8 op).
+- ``w8a8`` (int8 weights per channel, int8 activations per token, both symmetric): each row of x
+  scaled to int8 (compressed-tensors' rounding: round half to even, clamp to [-128, 127]), then
+  ``torch._int_mm`` (int8 x int8 -> int32, exact) and the two scales applied in float32.
+
+From ``DEQUANTIZE_MIN_ROWS`` rows (16-128 in half precision: prefill chunks; every row in float32,
+where torch's int ops have no vectorized path) a weight-only layer instead multiplies a dequantized copy
+of its weight made for the call and freed after it (F.linear: oneDNN or oneMKL GEMM), since torch's
+int ops above run a row at a time. At most one layer's weight is ever held in float, for one call.
+Each has its plain-torch reference (``reference``), the test oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+KINDS = ("int4", "int8", "int8_grouped", "w8a8")
+
+
+@dataclass(slots=True)
+class QuantizedLinear:
+    kind: str
+    out_features: int
+    in_features: int
+    weight: torch.Tensor  # int4: torch's int4pack layout [out, in / 2] uint8; int8: [out, in];
+    # int8_grouped: [groups, out, group_size]; w8a8: [in, out] int8 (_int_mm's right operand)
+    scales: torch.Tensor  # int4: [in / group, out, 2] (scale, zero); int8 / w8a8: [out]; int8_grouped: [groups, out]
+    group_size: int = 0
+    zero_correction: Optional[torch.Tensor] = None  # int8 asymmetric: zero_point * scale, [out] or [groups, out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] @ W.T: [rows, out] in x's dtype."""
+        x = x.contiguous()
+        if self.kind != "w8a8" and x.shape[0] >= dequantize_min_rows(self.kind, x.dtype) and self.can_dequantize():
+            return torch.nn.functional.linear(x, self.dequantized(x.dtype))
+        if self.kind == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales)
+        if self.kind == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+            if self.zero_correction is not None:
+                out -= x.sum(-1, keepdim=True) * self.zero_correction
+            return out
+        if self.kind == "int8_grouped":
+            g = self.group_size
+            out = None
+            for i in range(self.weight.shape[0]):
+                part = x[:, i * g:(i + 1) * g].contiguous()
+                y = torch.ops.aten._weight_int8pack_mm(part, self.weight[i], self.scales[i])
+                if self.zero_correction is not None:
+                    y -= part.sum(-1, keepdim=True) * self.zero_correction[i]
+                out = y if out is None else out.add_(y)
+            return out
+        xq, x_scale = quantize_per_token(x)
+        acc = torch._int_mm(xq, self.weight)
+        return (acc.float() * x_scale * self.scales).to(x.dtype)
+
+    def can_dequantize(self) -> bool:
+        return self.kind != "int4" or (self.out_features % INT4_BLOCK_N == 0 and _int4_layout_known())
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in ``dtype``, made for one call and freed after it: q * scale (+ zero),
+        per group, the products compressed-tensors' dequantize makes (float32: the same values)."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        if self.kind == "int4":
+            scale, zero = self.scales[..., 0].t().to(dtype), self.scales[..., 1].t().to(dtype)
+            signed = _unpack_int4pack(self.weight, n, k).to(dtype).sub_(8).view(n, k // g, g)
+            w = signed.mul_(scale.unsqueeze(-1))
+            if zero.any():
+                w.add_(zero.unsqueeze(-1))
+            return w.view(n, k)
+        if self.kind == "int8":
+            w = self.weight.to(dtype).mul_(self.scales.to(dtype).unsqueeze(-1))
+            return w if self.zero_correction is None else w.sub_(self.zero_correction.to(dtype).unsqueeze(-1))
+        w = self.weight.to(dtype).mul_(self.scales.to(dtype).unsqueeze(-1))  # [groups, out, group_size]
+        if self.zero_correction is not None:
+            w.sub_(self.zero_correction.to(dtype).unsqueeze(-1))
+        return w.permute(1, 0, 2).reshape(n, k)
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.zero_correction is None else self.zero_correction.nbytes
+        return self.weight.nbytes + self.scales.nbytes + extra
+
+
+# From this many rows (bfloat16 / float16) a weight-only layer multiplies a dequantized copy of its
+# weight, made for the call, instead of torch's int8 / int4 op, which runs about a row at a time.
+# One 0.5B layer's four projections, one thread, bfloat16, op / dequantized (bf16 packed): int8
+# 3.2 / 6.1 ms at 16 rows, 16.3 / 16.6 at 64, 71 / 57 at 256 (31); int4 8.4 / 27.5 at 32, 23 / 48 at
+# 64, 94 / 68 at 256; int8 in groups (an op call per group) 10.9 / 9.1 at 16
+# (bench/scripts/quant_bench.py). float32 has no vectorized int op at all (int8 22 ms at one row,
+# 4.1 s at 256; dequantized 21 ms and 178 ms), so it always dequantizes.
+DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128}
+
+
+def dequantize_min_rows(kind: str, dtype: torch.dtype) -> int:
+    return 1 if dtype == torch.float32 else DEQUANTIZE_MIN_ROWS[kind]
+
+
+INT4_BLOCK_N = 64  # torch's CPU int4 layout: blocks of 64 output rows
+
+
+def _unpack_int4pack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """torch's CPU int4 layout [n, k / 2] uint8 (per block of 64 rows, [k, 32] bytes: row j in the
+    low nibble, row j + 32 in the high) back to [n, k] unsigned values."""
+    v = packed.view(n // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)
+    return torch.cat([v & 0xF, v >> 4], dim=-1).permute(0, 2, 1).reshape(n, k)
+
+
+@functools.cache
+def _int4_layout_known() -> bool:
+    """The layout _unpack_int4pack reads is torch's private one: checked once, on a small weight."""
+    try:
+        w = torch.randint(0, 16, (2 * INT4_BLOCK_N, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w, 1)
+        return torch.equal(_unpack_int4pack(packed, *w.shape).to(torch.int32), w)
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 rows, float32 scale [rows, 1]): symmetric, scale = max|row| / 127, as compressed-tensors'
+    dynamic per-token quantization (a zero row gets scale 1)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127.0
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round(xf / scale).clamp_(-128, 127).to(torch.int8), scale
+
+
+# ---------------------------------------------------------------- builders (from signed integers)
+
+
+def _pick_group(in_features: int) -> int:
+    for g in (256, 128, 64, 32):
+        if in_features % g == 0:
+            return g
+    raise ValueError(f"{in_features} inputs do not divide into int4 groups of 32 or more")
+
+
+def make_int4(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group_size: Optional[int],
+              dtype: torch.dtype) -> QuantizedLinear:
+    """``q`` [out, in] int8 in [-8, 7]; ``scale`` / ``zero_point`` [out, in / group] (or [out, 1]
+    per channel, ``group_size`` None)."""
+    n, k = q.shape
+    if group_size is None:
+        group_size = _pick_group(k)
+        scale = scale.reshape(n, 1).expand(n, k // group_size)
+        if zero_point is not None:
+            zero_point = zero_point.reshape(n, 1).expand(n, k // group_size)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
+    s = scale.to(torch.float32)
+    zero = torch.zeros_like(s) if zero_point is None else -zero_point.to(torch.float32) * s
+    scales_and_zeros = torch.stack([s.t(), zero.t()], dim=-1).to(dtype).contiguous()
+    return QuantizedLinear("int4", n, k, packed, scales_and_zeros, group_size)
+
+
+def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group_size: Optional[int],
+              dtype: torch.dtype) -> QuantizedLinear:
+    """``q`` [out, in] int8; ``scale`` / ``zero_point`` [out, in / group] or [out, 1]."""
+    n, k = q.shape
+    s = scale.to(torch.float32)
+    correction = None if zero_point is None else (zero_point.to(torch.float32) * s)
+    if group_size is None:
+        return QuantizedLinear("int8", n, k, q.contiguous(), s.reshape(n).to(dtype).contiguous(), 0,
+                               None if correction is None else correction.reshape(n).to(dtype))
+    groups = k // group_size
+    weight = q.reshape(n, groups, group_size).transpose(0, 1).contiguous()
+    return QuantizedLinear("int8_grouped", n, k, weight, s.t().to(dtype).contiguous(), group_size,
+                           None if correction is None else correction.t().to(dtype).contiguous())
+
+
+def make_w8a8(q: torch.Tensor, scale: torch.Tensor) -> QuantizedLinear:
+    n, k = q.shape
+    return QuantizedLinear("w8a8", n, k, q.t().contiguous(), scale.reshape(1, n).to(torch.float32).contiguous())
+
+
+# ---------------------------------------------------------------- references (the tests' oracle)
+
+
+def reference(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group_size: Optional[int],
+              x: torch.Tensor, dynamic_int8: bool = False) -> torch.Tensor:
+    """Plain torch: the dequantized weight (q - zero_point) * scale, then x @ W.T in float32 (W8A8:
+    the int8 x int8 products summed exactly in int64, then both scales)."""
+    n, k = q.shape
+    if dynamic_int8:
+        xq, x_scale = quantize_per_token(x)
+        acc = xq.to(torch.int64) @ q.to(torch.int64).t()
+        return (acc.float() * x_scale * scale.reshape(1, n).float()).to(x.dtype)
+    g = group_size or k
+    s = scale.float().reshape(n, k // g, 1)
+    zp = 0 if zero_point is None else zero_point.float().reshape(n, k // g, 1)
+    w = ((q.float().reshape(n, k // g, g) - zp) * s).reshape(n, k)
+    return (x.float() @ w.t()).to(x.dtype)

@@ -1,0 +1,152 @@
+"""Loads a compressed-tensors checkpoint's projections as quantized layers (models/quantized_linear.py).
+
+A layer is quantized when the checkpoint holds its ``weight_packed`` (pack-quantized: the signed
+integers + 2^(bits-1), packed little-endian from bit 0 of each int32 word, a zero point packed the
+same way down the output rows) or an int8 ``weight`` (int-quantized, naive-quantized), with
+``weight_scale`` [out, in / group] (or [out, 1] per channel); a layer ``ignore``d by the config keeps
+its float ``weight`` and the float path. The integers are unpacked to int8 once, sliced for this
+tensor-parallel rank (output rows of q/k/v and gate/up, inputs of o_proj and down_proj, whole groups
+and packed words only), fused (q|k|v, gate|up) and handed to the op's builder; no float copy of a
+quantized weight is ever made. Anything that does not fit (a shape that does not divide into its
+groups, a scale of the wrong shape, a fused group half quantized) raises UnsupportedModelError in
+one line naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from pagedserve.protocol.quantization import (PACKED, QuantizationConfigError, QuantizationSpec,
+                                              parse_quantization_config)
+from pagedserve.worker_proc.model_config import UnsupportedModelError
+from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout
+from pagedserve.worker_proc.models.quantized_linear import make_int4, make_int8, make_w8a8
+
+Part = Optional[tuple[int, int]]
+
+
+def checkpoint_quantization(model_dir: str | Path, requested: Optional[str] = None) -> Optional[QuantizationSpec]:
+    """config.json's scheme, ``--quantization`` checked against it (UnsupportedModelError, one line)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        return parse_quantization_config(config, requested)
+    except QuantizationConfigError as exc:
+        raise UnsupportedModelError(str(exc)) from None
+
+
+def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """[rows, words] int32 -> [rows, count] int8 signed values (pack_to_int32's inverse for 4 / 8 bits)."""
+    if sys.byteorder != "little":
+        raise UnsupportedModelError("pack-quantized weights are read on little-endian hosts only")
+    raw = packed.contiguous().view(torch.uint8)
+    if bits == 8:
+        return (raw[:, :count] ^ 0x80).view(torch.int8).contiguous()
+    nibbles = torch.stack((raw & 0xF, raw >> 4), dim=-1).reshape(raw.shape[0], -1)[:, :count]
+    return (nibbles.view(torch.int8) - 8).contiguous()
+
+
+class _Reader:
+    def __init__(self, source, spec: QuantizationSpec):
+        self.source, self.spec = source, spec
+
+    def is_quantized(self, prefix: str) -> bool:
+        if prefix + ".weight_packed" in self.source:
+            return True
+        return prefix + ".weight" in self.source and self.source.dtype_name(prefix + ".weight") == "I8"
+
+    def _values(self, prefix: str, dim: int, part: Part) -> tuple[torch.Tensor, int, int]:
+        """(int8 values of this slice, out, in of the whole weight)."""
+        spec, src = self.spec, self.source
+        if prefix + ".weight_packed" in src:
+            if spec.format != PACKED:
+                raise UnsupportedModelError(f"{prefix}.weight_packed in a {spec.format} checkpoint")
+            shape = src.get(prefix + ".weight_shape")
+            if shape.numel() != 2:
+                raise UnsupportedModelError(f"{prefix}.weight_shape {shape.tolist()} is not [out, in]")
+            n, k = (int(v) for v in shape.tolist())
+            per_word = 32 // spec.bits
+            words = src.shape(prefix + ".weight_packed")[-1]
+            if words != -(-k // per_word):
+                raise UnsupportedModelError(f"{prefix}.weight_packed has {words} words a row, not the "
+                                            f"{-(-k // per_word)} of {k} {spec.bits}-bit values")
+            if dim == 1 and part is not None:
+                start, end = part
+                if start % per_word or end % per_word:
+                    raise UnsupportedModelError(f"{prefix}: this rank's inputs [{start}, {end}) cut a packed word")
+                packed = src.get(prefix + ".weight_packed", dim=1, part=(start // per_word, end // per_word))
+                return _unpack(packed, spec.bits, end - start), n, k
+            q = _unpack(src.get(prefix + ".weight_packed", dim=0, part=part), spec.bits, k)
+            return q, n, k
+        shape = src.shape(prefix + ".weight")
+        if len(shape) != 2:
+            raise UnsupportedModelError(f"{prefix}.weight has shape {shape}, not [out, in]")
+        return src.get(prefix + ".weight", dim=dim, part=part), shape[0], shape[1]
+
+    def read(self, prefix: str, dim: int, part: Part) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(int8 values [rows, in], scale [rows, groups], zero point [rows, groups] or None) of this slice."""
+        spec, src, group = self.spec, self.source, self.spec.group_size
+        q, n, k = self._values(prefix, dim, part)
+        if group is not None and k % group:
+            raise UnsupportedModelError(f"{prefix} has {k} inputs, not a multiple of group_size {group}")
+        groups = k // group if group else 1
+        scale = src.get(prefix + ".weight_scale")
+        if tuple(scale.shape) != (n, groups):
+            raise UnsupportedModelError(f"{prefix}.weight_scale has shape {list(scale.shape)}, not [{n}, {groups}]")
+        zero = None
+        if not spec.symmetric:
+            zero = src.get(prefix + ".weight_zero_point")
+            if spec.format == PACKED:
+                zero = _unpack(zero.t(), spec.bits, n).t()
+            if tuple(zero.shape) != (n, groups):
+                raise UnsupportedModelError(f"{prefix}.weight_zero_point has shape {list(zero.shape)}, "
+                                            f"not [{n}, {groups}]")
+        if part is not None:
+            start, end = part
+            if dim == 0:
+                scale, zero = scale[start:end], None if zero is None else zero[start:end]
+            elif group is not None:
+                if start % group or end % group:
+                    raise UnsupportedModelError(f"{prefix}: this rank's inputs [{start}, {end}) cut a group of {group}")
+                cols = slice(start // group, end // group)
+                scale, zero = scale[:, cols], None if zero is None else zero[:, cols]
+        return q, scale.contiguous(), None if zero is None else zero.contiguous()
+
+
+def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
+                    load: Callable[[torch.Tensor], torch.Tensor], bias: Optional[torch.Tensor], layout: WeightLayout,
+                    dtype: torch.dtype, device: torch.device, gate_size: int = 0) -> LinearWeight:
+    """One (fused) projection: ``prefixes`` (q, k, v or gate, up, or a single one) stacked on their
+    output rows, each sliced along ``dim`` by its entry of ``parts``. Float weights take
+    ``LinearWeight.of``; quantized ones a QuantizedLinear of the checkpoint's scheme."""
+    spec: Optional[QuantizationSpec] = getattr(source, "quantization", None)
+    reader = _Reader(source, spec) if spec is not None else None
+    quantized = [reader is not None and reader.is_quantized(p) for p in prefixes]
+    if not any(quantized):
+        tensors = [source.get(p + ".weight", dim=dim, part=pt) for p, pt in zip(prefixes, parts)]
+        weight = load(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
+        return LinearWeight.of(weight, bias, layout, gate_size=gate_size)
+    if not all(quantized):
+        mixed = ", ".join(f"{p.rsplit('.', 1)[-1]} {'quantized' if q else 'float'}" for p, q in zip(prefixes, quantized))
+        raise UnsupportedModelError(f"{prefixes[0].rsplit('.', 1)[0]}: a fused projection mixes quantized and "
+                                    f"float weights ({mixed})")
+    if device.type != "cpu":
+        raise UnsupportedModelError(f"quantized checkpoints ({spec.name}) run on CPU only (--device cpu)")
+    pieces = [reader.read(p, dim, pt) for p, pt in zip(prefixes, parts)]
+
+    def fused(i: int) -> Optional[torch.Tensor]:
+        return pieces[0][i] if len(pieces) == 1 or pieces[0][i] is None else torch.cat([p[i] for p in pieces])
+
+    q, scale, zero = fused(0), fused(1), fused(2)
+    if spec.dynamic_int8_activations:
+        layer = make_w8a8(q, scale)
+    elif spec.bits == 4:
+        layer = make_int4(q, scale, zero, spec.group_size, dtype)
+    else:
+        layer = make_int8(q, scale, zero, spec.group_size, dtype)
+    return LinearWeight(None, bias, out_features=layer.out_features, gate_size=gate_size, quantized=layer)
