@@ -86,6 +86,12 @@ ARCHS: dict[str, dict[str, Any]] = {
     "llama": dict(cls="LlamaConfig", model_type="llama"),
     "qwen3": dict(cls="Qwen3Config", model_type="qwen3"),
     "mistral": dict(cls="MistralConfig", model_type="mistral"),
+    # no native file: served by the transformers backend (worker_proc/models/transformers_backend.py)
+    "stablelm": dict(cls="StableLmConfig", model_type="stablelm"),
+    "starcoder2": dict(cls="Starcoder2Config", model_type="starcoder2"),
+    "cohere": dict(cls="CohereConfig", model_type="cohere"),
+    "smollm3": dict(cls="SmolLM3Config", model_type="smollm3"),
+    "glm4": dict(cls="Glm4Config", model_type="glm4"),
 }
 
 

@@ -1,5 +1,5 @@
-"""More model families through the real server (greedy tokens equal transformers'), and a
-model the workers cannot run refused at startup with a message naming the ones they can."""
+"""More model families through the real server (greedy tokens equal transformers'), natively and by
+the transformers backend, and a model the workers cannot run refused at startup in one line."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,41 @@ def test_model_family_serves_transformers_greedy_tokens(arch, overrides, model_f
         srv.stop()
 
 
+@pytest.mark.parametrize("arch", ["starcoder2", "glm4"])
+def test_a_family_without_a_native_file_serves_transformers_greedy_tokens_with_prefix_caching_and_chunks(
+        arch, model_factory, tmp_path):
+    """The transformers backend behind the real processes: prompts share a cached prefix, are prefilled
+    in chunks of 16 tokens and decode beside each other's chunks; the worker's log names the backend."""
+    model = model_factory(arch)
+    tok = hf_tokenizer(model)
+    shared = tok(PROMPTS[1]).input_ids
+    prompts = [shared + tok(tail).input_ids for tail in (" one", " two three", " four five six seven")]
+    srv = Server(model, ["--num-gpu-blocks", "64", "--max-model-len", "512", "--max-num-batched-tokens", "16",
+                         "--enable-prefix-caching", "--block-size", "4"]).start(tmp_path)
+    try:
+        first = greedy_completions(srv, prompts[:1], 16)  # its blocks are cached before the others arrive
+        assert_equal_to_transformers(model, prompts, first + greedy_completions(srv, prompts[1:], 16), 16)
+        architecture = json.loads((Path(model) / "config.json").read_text())["architectures"][0]
+        assert f"model implementation: transformers backend ({architecture})" in srv.log_path.read_text()
+    finally:
+        srv.stop()
+
+
+def test_an_architecture_neither_implementation_runs_is_refused_at_startup_in_one_line(model_factory, tmp_path):
+    from transformers import MambaConfig
+
+    model = tmp_path / "mamba"
+    shutil.copytree(model_factory("qwen2"), model)
+    (model / "config.json").unlink()
+    MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=512, architectures=["MambaForCausalLM"]).save_pretrained(model)
+    run = subprocess.run([sys.executable, "-m", "pagedserve.deploy.cli", "serve", str(model), "--port", "0",
+                          "--run-dir-parent", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    out = run.stdout + run.stderr
+    assert "Traceback" not in out, out[-3000:]
+    assert "MambaForCausalLM" in out and "natively:" in out and "by the transformers backend:" in out, out[-3000:]
+
+
 def test_an_unsupported_architecture_is_refused_at_startup_naming_the_supported_ones(model_factory, tmp_path):
     from transformers import GPT2Config
 
@@ -50,7 +86,8 @@ def test_an_unsupported_architecture_is_refused_at_startup_naming_the_supported_
     GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=512, architectures=["GPT2LMHeadModel"]).save_pretrained(model)
     assert json.loads((model / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
     run = subprocess.run([sys.executable, "-m", "pagedserve.deploy.cli", "serve", str(model), "--port", "0",
-                          "--run-dir-parent", str(tmp_path)], capture_output=True, text=True, timeout=120)
+                          "--run-dir-parent", str(tmp_path), "--model-impl", "native"],
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     out = run.stdout + run.stderr
     assert "Traceback" not in out, out[-3000:]

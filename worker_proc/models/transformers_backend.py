@@ -22,6 +22,7 @@ Tensor parallelism is refused (one rank holds the whole model).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,8 @@ def _causal_lm_class(config: Any) -> type:
             f"the transformers backend runs decoder-only causal LMs, and {architectures or config.model_type!r} "
             f"is not one of transformers' causal-LM classes"
             + (f" (its causal LM is {default}: set architectures to it)" if isinstance(default, str) else ""))
+    if config.get_text_config() is not config:
+        raise UnsupportedModelError(f"{arch} is a multimodal model; the transformers backend runs text decoders only")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{arch} is an encoder-decoder model; the transformers backend runs decoders only")
     return getattr(transformers, arch)
@@ -177,9 +180,21 @@ class _GivenHidden(nn.Module):
         self.hidden: Optional[torch.Tensor] = None
 
     def forward(self, *args, **kwargs):
-        from transformers.modeling_outputs import BaseModelOutputWithPast
+        return _base_output_class()(last_hidden_state=self.hidden)
 
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+
+@functools.cache
+def _base_output_class() -> type:
+    """A base model's output holding only last_hidden_state; any other field a head reads is None."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    class HiddenOnly(BaseModelOutputWithPast):
+        def __getattr__(self, name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+
+    return HiddenOnly
 
 
 class _NoPositionTable:
