@@ -52,7 +52,7 @@ def test_a_family_without_a_native_file_serves_transformers_greedy_tokens_with_p
     shared = tok(PROMPTS[1]).input_ids
     prompts = [shared + tok(tail).input_ids for tail in (" one", " two three", " four five six seven")]
     srv = Server(model, ["--num-gpu-blocks", "64", "--max-model-len", "512", "--max-num-batched-tokens", "16",
-                         "--enable-prefix-caching", "--block-size", "4"]).start(tmp_path)
+                         "--max-num-seqs", "4", "--enable-prefix-caching", "--block-size", "4"]).start(tmp_path)
     try:
         first = greedy_completions(srv, prompts[:1], 16)  # its blocks are cached before the others arrive
         assert_equal_to_transformers(model, prompts, first + greedy_completions(srv, prompts[1:], 16), 16)

@@ -30,6 +30,9 @@ TINY = dict(
     shared_expert_intermediate_size=64, n_shared_experts=1, n_group=1, topk_group=1,
     q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
     tie_word_embeddings=False, initializer_range=0.2,
+    # GPT-J, CodeGen; BERT-style and BART-style decoders; GPT-Neo's layer pattern
+    rotary_dim=8, is_decoder=True, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
+    encoder_attention_heads=4, decoder_ffn_dim=128, encoder_ffn_dim=128, attention_types=[[["global", "local"], 1]],
 )
 
 
@@ -58,7 +61,10 @@ def tiny_model(cls: type, seed: int = 0):
     from pagedserve.tools.demo_model import _fill_weights
 
     defaults = cls.config_class()
-    config = cls.config_class(**{k: v for k, v in TINY.items() if hasattr(defaults, k)})
+    values = {k: v for k, v in TINY.items() if hasattr(defaults, k) and _settable(defaults, k)}
+    if "kv_lora_rank" in values:  # latent attention: every head has its own keys and values
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    config = cls.config_class(**values)
     config.architectures = [cls.__name__]
     with torch.device("meta"):
         size = sum(p.numel() for p in cls(config).parameters())
@@ -67,6 +73,12 @@ def tiny_model(cls: type, seed: int = 0):
     model = cls(config).float().eval()
     _fill_weights(model, seed, 0.2, 0)
     return model
+
+
+def _settable(config, name: str) -> bool:
+    """Not a derived property (Falcon's head_dim, xLSTM's v_head_dim)."""
+    attribute = getattr(type(config), name, None)
+    return not (isinstance(attribute, property) and attribute.fset is None)
 
 
 def one_line(exc: BaseException) -> str:

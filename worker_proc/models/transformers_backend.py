@@ -15,8 +15,9 @@ packed as one and one by one, through an attention that records every call and a
 sequence. The model is refused, in one line saying why, when its attention does not go through the
 interface, when one sequence's outputs depend on the other's outside attention (recurrent,
 convolutional or state-space layers), when a layer asks for what the kernels cannot do (logit
-soft-capping, sinks, non-causal or cross attention, values of another size than keys, layers of
-different shapes), or when the probe's logits are not the model's own with its own attention.
+soft-capping, sinks, non-causal or cross attention, layers of different shapes), or when the probe's
+logits are not the model's own with its own attention. Keys and values of different head sizes
+(latent attention's) share the cache at the larger size, the smaller padded with zeros.
 Tensor parallelism is refused (one rank holds the whole model).
 """
 
@@ -171,21 +172,9 @@ class _Probe:
         return out
 
 
-class _GivenHidden(nn.Module):
-    """Stands in for the base model inside the causal LM, so the LM's own forward turns given final
-    hidden states into logits: whatever it does after the decoder (scaling, soft-capping) is its own."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.hidden: Optional[torch.Tensor] = None
-
-    def forward(self, *args, **kwargs):
-        return _base_output_class()(last_hidden_state=self.hidden)
-
-
 @functools.cache
-def _base_output_class() -> type:
-    """A base model's output holding only last_hidden_state; any other field a head reads is None."""
+def _hidden_only_output() -> type:
+    """A decoder's output holding only last_hidden_state; any other field a head reads is None."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     class HiddenOnly(BaseModelOutputWithPast):
@@ -242,10 +231,10 @@ class TransformersCausalLM:
             module._pagedserve_owner = self
         self._probe: Optional[_Probe] = None
         self._step: Optional[tuple[ForwardBatch, torch.Tensor, ModuleType]] = None
-        self.decoder = self.hf.base_model
+        self.decoder = self.hf.get_decoder()
         if self.decoder is self.hf:
-            raise UnsupportedModelError(f"{spec.architecture} has no base model apart from its head")
-        self._given = _GivenHidden()
+            raise UnsupportedModelError(f"{spec.architecture} has no decoder apart from its head")
+        self._decoder_forward = self.decoder.forward
         with torch.inference_mode():
             self._layers, self.spec = self._check(spec)
 
@@ -293,10 +282,9 @@ class TransformersCausalLM:
         if len(shapes) > 1:
             raise UnsupportedModelError(f"{name}'s attention layers differ in heads or head size {sorted(shapes)}: "
                                         f"the paged cache holds one shape")
-        num_heads, num_kv_heads, head_dim, value_dim = shapes.pop()
-        if value_dim != head_dim:
-            raise UnsupportedModelError(f"{name}'s values have {value_dim} dims a head and its keys {head_dim}: "
-                                        f"the paged cache holds one head size")
+        num_heads, num_kv_heads, key_dim, value_dim = shapes.pop()
+        head_dim = max(key_dim, value_dim)  # the cache's: the smaller of the two is padded with zeros
+        self._pad_keys, self._value_dim = head_dim - key_dim, value_dim
         tolerance = self._tolerance()
         for (start, end), own in zip(segments, alone):
             if not _close(packed[start:end], own, tolerance):
@@ -307,9 +295,8 @@ class TransformersCausalLM:
         if not _close(alone[0], reference, tolerance):
             raise UnsupportedModelError(
                 f"{name}'s outputs with paged attention are not its own (its attention reads a mask or "
-                f"arguments that pagedserve's kernels do not): refused rather than computed wrongly")
-        base_prefix = self.hf.base_model_prefix
-        setattr(self.hf, base_prefix, self._given)
+                f"arguments that pagedserve's kernels do not, or it numbers positions its own way): "
+                f"refused rather than computed wrongly")
         self._probe = _Probe(segments)
         try:
             hidden = self._decoder_hidden(ids[None], positions[None])
@@ -346,15 +333,19 @@ class TransformersCausalLM:
             return self._probe.attend(module, query, key, value, scale, window, softcap, extra)
         index, layer_window = self._layers[module]
         batch, kv_cache, ops = self._step
+        if self._pad_keys:  # zeros add nothing to q . k (the scale is the model's own, not the padded size's)
+            query, key = (F.pad(t, (0, self._pad_keys)) for t in (query, key))
+        if value.shape[-1] < query.shape[-1]:
+            value = F.pad(value, (0, query.shape[-1] - value.shape[-1]))
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, heads, dim]
         k_cache, v_cache = kv_cache[index, 0], kv_cache[index, 1]
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = attend(ops, q, k, v, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                      scale, window if window is not None else layer_window, batch.attention_plan)
-        return out[None]
+        return out[None, :, :, :self._value_dim]
 
     def _decoder_hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
+        return self._decoder_forward(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """Final hidden states [T, hidden] (after the model's final norm), or only the rows
@@ -371,13 +362,15 @@ class TransformersCausalLM:
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab] of forward()'s rows, by the causal LM's own head."""
-        self._given.hidden = hidden[None]
+        """float32 logits [rows, vocab] of forward()'s rows, by the causal LM's own forward with its decoder
+        standing aside (it returns ``hidden``): whatever the head does (scaling, soft-capping) is its own."""
+        output = _hidden_only_output()(last_hidden_state=hidden[None])
+        self.decoder.forward = lambda *args, **kwargs: output
         try:
             dummy = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
             return self.hf(input_ids=dummy, use_cache=False, logits_to_keep=0).logits[0].float()
         finally:
-            self._given.hidden = None
+            del self.decoder.forward
 
 
 def _close(ours: torch.Tensor, theirs: torch.Tensor, tolerance: float) -> bool:
