@@ -99,12 +99,17 @@ def load_backend_spec(model_dir: str | Path) -> ModelSpec:
     return ModelSpec(
         architecture=arch,
         model_id=f"{arch}:{hashlib.sha256(config_path.read_bytes()).hexdigest()[:16]}:transformers",
-        hidden_size=hidden, intermediate_size=int(getattr(config, "intermediate_size", None) or 4 * hidden),
+        hidden_size=hidden, intermediate_size=_largest(getattr(config, "intermediate_size", None)) or 4 * hidden,
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         vocab_size=int(config.vocab_size), rms_norm_eps=0.0, qkv_bias=False, o_bias=False, mlp_bias=False,
         qk_norm=False, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_position_embeddings=int(getattr(config, "max_position_embeddings", None) or 2048),
         layer_sliding_windows=windows, hf_config=config)
+
+
+def _largest(value: Any) -> int:
+    """A size some configs give per layer (Gemma 3n's intermediate_size) as one number."""
+    return int(max(value) if isinstance(value, (list, tuple)) else value or 0)
 
 
 def _paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -231,8 +236,8 @@ class TransformersCausalLM:
             module._pagedserve_owner = self
         self._probe: Optional[_Probe] = None
         self._step: Optional[tuple[ForwardBatch, torch.Tensor, ModuleType]] = None
-        self.decoder = self.hf.get_decoder()
-        if self.decoder is self.hf:
+        self.decoder, self._stand_aside = _decoder_of(self.hf)
+        if self.decoder is None:
             raise UnsupportedModelError(f"{spec.architecture} has no decoder apart from its head")
         self._decoder_forward = self.decoder.forward
         with torch.inference_mode():
@@ -316,7 +321,8 @@ class TransformersCausalLM:
         """The model's logits with its own (eager) attention: what the probe's must equal."""
         self.hf.set_attn_implementation("eager")
         try:
-            return self.hf(input_ids=ids[None], use_cache=False).logits[0].float()
+            positions = torch.arange(len(ids), device=ids.device)[None]
+            return self.hf(input_ids=ids[None], position_ids=positions, use_cache=False).logits[0].float()
         finally:
             self.hf.set_attn_implementation(ATTENTION_NAME)
 
@@ -365,12 +371,27 @@ class TransformersCausalLM:
         """float32 logits [rows, vocab] of forward()'s rows, by the causal LM's own forward with its decoder
         standing aside (it returns ``hidden``): whatever the head does (scaling, soft-capping) is its own."""
         output = _hidden_only_output()(last_hidden_state=hidden[None])
-        self.decoder.forward = lambda *args, **kwargs: output
+        for module in self._stand_aside:
+            module.forward = lambda *args, **kwargs: output
         try:
             dummy = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
             return self.hf(input_ids=dummy, use_cache=False, logits_to_keep=0).logits[0].float()
         finally:
-            del self.decoder.forward
+            for module in self._stand_aside:
+                del module.forward
+
+
+def _decoder_of(model: nn.Module) -> tuple[Optional[nn.Module], list[nn.Module]]:
+    """(the module whose last_hidden_state is the head's input, the modules the causal LM's forward may call
+    for it: the base model, and the decoder inside it where the LM calls that (OPT's model.decoder))."""
+    head = model.get_output_embeddings()
+    candidates = [model.base_model, getattr(model, "model", None)]
+    base = next((m for m in candidates if isinstance(m, nn.Module) and m is not model and m is not head), None)
+    if base is None:
+        return None, []
+    inner = base.get_decoder() if hasattr(base, "get_decoder") else base
+    nested = isinstance(inner, nn.Module) and inner is not base and inner is not head
+    return base, [base, inner] if nested else [base]
 
 
 def _close(ours: torch.Tensor, theirs: torch.Tensor, tolerance: float) -> bool:
