@@ -62,7 +62,7 @@ def tiny_model(cls: type, seed: int = 0):
     from pagedserve.tools.demo_model import _fill_weights
 
     defaults = cls.config_class()
-    values = {k: v for k, v in TINY.items() if hasattr(defaults, k) and _settable(defaults, k)}
+    values = {k: v for k, v in TINY.items() if _settable(defaults, k)}
     if "kv_lora_rank" in values:  # latent attention: every head has its own keys and values
         values["num_key_value_heads"] = values["num_attention_heads"]
     config = cls.config_class(**values)
@@ -77,9 +77,15 @@ def tiny_model(cls: type, seed: int = 0):
 
 
 def _settable(config, name: str) -> bool:
-    """Not a derived property (Falcon's head_dim, xLSTM's v_head_dim)."""
+    """Not a derived property (Falcon's head_dim, xLSTM's v_head_dim) or a per-layer one (Gemma 4's head_dim)."""
     attribute = getattr(type(config), name, None)
-    return not (isinstance(attribute, property) and attribute.fset is None)
+    if isinstance(attribute, property) and attribute.fset is None:
+        return False
+    try:
+        getattr(config, name)
+    except Exception:
+        return False
+    return True
 
 
 def one_line(exc: BaseException) -> str:

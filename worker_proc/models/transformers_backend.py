@@ -15,9 +15,10 @@ packed as one and one by one, through an attention that records every call and a
 sequence. The model is refused, in one line saying why, when its attention does not go through the
 interface, when one sequence's outputs depend on the other's outside attention (recurrent,
 convolutional or state-space layers), when a layer asks for what the kernels cannot do (logit
-soft-capping, sinks, non-causal or cross attention, layers of different shapes), or when the probe's
-logits are not the model's own with its own attention. Keys and values of different head sizes
-(latent attention's) share the cache at the larger size, the smaller padded with zeros.
+soft-capping, sinks, non-causal or cross attention, layers of different head counts), or when the
+probe's logits are not the model's own with its own attention. Keys and values of different head
+sizes (latent attention's, or layers of different sizes) share the cache at the largest size, the
+smaller padded with zeros.
 Tensor parallelism is refused (one rank holds the whole model).
 """
 
@@ -81,30 +82,40 @@ def load_backend_spec(model_dir: str | Path) -> ModelSpec:
         raise UnsupportedModelError(f"{config_path} not found: is {model_dir!r} an HF model directory?")
     config = AutoConfig.from_pretrained(str(model_dir))
     arch = _causal_lm_class(config).__name__
-    layer_types = list(getattr(config, "layer_types", None) or [])
+    layer_types = list(_read(config, "layer_types") or [])
     others = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
     if others:
         raise UnsupportedModelError(f"{arch} has {', '.join(others)} layers: the transformers backend runs attention "
                                     f"layers only (no recurrent, state-space, linear or chunked attention)")
-    num_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    num_heads = int(getattr(config, "num_attention_heads", 0) or 0)
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    num_layers = int(_read(config, "num_hidden_layers") or 0)
+    num_heads = int(_read(config, "num_attention_heads") or 0)
+    hidden = int(_read(config, "hidden_size") or 0)
     if not (num_layers and num_heads and hidden):
         raise UnsupportedModelError(f"{arch}'s config names no num_hidden_layers, num_attention_heads or hidden_size")
-    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // num_heads)
-    window = getattr(config, "sliding_window", None)
+    num_kv_heads = int(_read(config, "num_key_value_heads") or num_heads)
+    head_dim = int(_read(config, "head_dim") or hidden // num_heads)
+    window = _read(config, "sliding_window")
     windows = tuple(window if t == "sliding_attention" else None for t in layer_types) \
         if len(layer_types) == num_layers and window else (None,) * num_layers
     return ModelSpec(
         architecture=arch,
         model_id=f"{arch}:{hashlib.sha256(config_path.read_bytes()).hexdigest()[:16]}:transformers",
-        hidden_size=hidden, intermediate_size=_largest(getattr(config, "intermediate_size", None)) or 4 * hidden,
+        hidden_size=hidden, intermediate_size=_largest(_read(config, "intermediate_size")) or 4 * hidden,
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         vocab_size=int(config.vocab_size), rms_norm_eps=0.0, qkv_bias=False, o_bias=False, mlp_bias=False,
-        qk_norm=False, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        max_position_embeddings=int(getattr(config, "max_position_embeddings", None) or 2048),
+        qk_norm=False, tie_word_embeddings=bool(_read(config, "tie_word_embeddings")),
+        max_position_embeddings=int(_read(config, "max_position_embeddings") or 2048),
         layer_sliding_windows=windows, hf_config=config)
+
+
+def _read(config: Any, name: str) -> Any:
+    """A config field, or None where the config has none or keeps it per layer (Gemma 4's head_dim): the
+    probe reads the true sizes off the model's attention calls."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:
+        return None
+    return _largest(value) if isinstance(value, (list, tuple)) and name != "layer_types" else value
 
 
 def _largest(value: Any) -> int:
@@ -137,6 +148,15 @@ class _Call:
     cross: bool  # keys of another length than the queries
     sliding_window: Optional[int]
     unsupported: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class _PagedLayer:
+    """An attention module's layer of the cache, its window where the call names none, its values' size."""
+
+    index: int
+    sliding_window: Optional[int]
+    value_dim: int
 
 
 @dataclass(slots=True)
@@ -256,7 +276,7 @@ class TransformersCausalLM:
         finally:
             self._probe = None
 
-    def _check(self, spec: ModelSpec) -> tuple[dict[nn.Module, tuple[int, Optional[int]]], ModelSpec]:
+    def _check(self, spec: ModelSpec) -> tuple[dict[nn.Module, _PagedLayer], ModelSpec]:
         name = spec.architecture
         generator = torch.Generator().manual_seed(0)
         seqs = [torch.randint(0, spec.vocab_size, (n,), generator=generator).to(self.device) for n in PROBE_LENGTHS]
@@ -283,13 +303,13 @@ class TransformersCausalLM:
                                         f"kernels do not compute")
         if len({id(c.module) for c in calls}) != len(calls):
             raise UnsupportedModelError(f"{name} runs an attention module more than once per forward")
-        shapes = {(c.num_heads, c.num_kv_heads, c.head_dim, c.value_dim) for c in calls}
-        if len(shapes) > 1:
-            raise UnsupportedModelError(f"{name}'s attention layers differ in heads or head size {sorted(shapes)}: "
+        heads = {(c.num_heads, c.num_kv_heads) for c in calls}
+        if len(heads) > 1:
+            raise UnsupportedModelError(f"{name}'s attention layers differ in query or KV heads {sorted(heads)}: "
                                         f"the paged cache holds one shape")
-        num_heads, num_kv_heads, key_dim, value_dim = shapes.pop()
-        head_dim = max(key_dim, value_dim)  # the cache's: the smaller of the two is padded with zeros
-        self._pad_keys, self._value_dim = head_dim - key_dim, value_dim
+        num_heads, num_kv_heads = heads.pop()
+        # The cache's head size is the largest key or value size of any layer; the smaller are padded with zeros.
+        head_dim = max(max(c.head_dim, c.value_dim) for c in calls)
         tolerance = self._tolerance()
         for (start, end), own in zip(segments, alone):
             if not _close(packed[start:end], own, tolerance):
@@ -312,7 +332,7 @@ class TransformersCausalLM:
         windows = [c.sliding_window if c.sliding_window is not None else
                    (spec.layer_sliding_windows[i] if len(calls) == spec.num_layers else None)
                    for i, c in enumerate(calls)]
-        layers = {c.module: (i, windows[i]) for i, c in enumerate(calls)}
+        layers = {c.module: _PagedLayer(i, windows[i], c.value_dim) for i, c in enumerate(calls)}
         true_spec = _replace(spec, num_layers=len(calls), num_heads=num_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, layer_sliding_windows=tuple(windows))
         return layers, true_spec
@@ -337,18 +357,19 @@ class TransformersCausalLM:
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         if self._probe is not None:
             return self._probe.attend(module, query, key, value, scale, window, softcap, extra)
-        index, layer_window = self._layers[module]
+        layer = self._layers[module]
         batch, kv_cache, ops = self._step
-        if self._pad_keys:  # zeros add nothing to q . k (the scale is the model's own, not the padded size's)
-            query, key = (F.pad(t, (0, self._pad_keys)) for t in (query, key))
-        if value.shape[-1] < query.shape[-1]:
-            value = F.pad(value, (0, query.shape[-1] - value.shape[-1]))
+        k_cache, v_cache = kv_cache[layer.index, 0], kv_cache[layer.index, 1]
+        size = k_cache.shape[-1]
+        if key.shape[-1] < size:  # zeros add nothing to q . k (the scale is the model's own, not the padded size's)
+            query, key = (F.pad(t, (0, size - key.shape[-1])) for t in (query, key))
+        if value.shape[-1] < size:
+            value = F.pad(value, (0, size - value.shape[-1]))
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, heads, dim]
-        k_cache, v_cache = kv_cache[index, 0], kv_cache[index, 1]
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = attend(ops, q, k, v, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                     scale, window if window is not None else layer_window, batch.attention_plan)
-        return out[None, :, :, :self._value_dim]
+                     scale, window if window is not None else layer.sliding_window, batch.attention_plan)
+        return out[None, :, :, :layer.value_dim]
 
     def _decoder_hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self._decoder_forward(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
