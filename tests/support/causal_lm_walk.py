@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 NEW_TOKENS = 6
-MAX_PARAMS = 20_000_000
+MAX_PARAMS = 25_000_000
 PROMPT_LENGTHS = (7, 3)
 # A tiny shape for any config: the names a config does not have are left out.
 TINY = dict(
@@ -33,7 +33,7 @@ TINY = dict(
     # GPT-J, CodeGen; BERT-style and BART-style decoders; GPT-Neo's layer pattern
     rotary_dim=8, is_decoder=True, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
     encoder_attention_heads=4, decoder_ffn_dim=128, encoder_ffn_dim=128, attention_types=[[["global", "local"], 1]],
-    vocab_size_per_layer_input=512, hidden_size_per_layer_input=16,
+    vocab_size_per_layer_input=512, hidden_size_per_layer_input=16, default_language="en_XX",
 )
 
 
