@@ -143,14 +143,17 @@ def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def walk(pattern: str = "", new_tokens: int = NEW_TOKENS, log=None) -> list[Outcome]:
+def walk(pattern: str = "", new_tokens: int = NEW_TOKENS, log=None, part: int = 0, parts: int = 1) -> list[Outcome]:
+    """``part`` of ``parts``: every parts-th class from the part-th, so the walk can run in pieces."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     outcomes = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: a second thread costs more than it gives
     with tempfile.TemporaryDirectory() as tmp:
-        for cls in causal_lm_classes(pattern):
+        for cls in causal_lm_classes(pattern)[part::parts]:
             try:
                 outcome = check(cls, Path(tmp), new_tokens)
             except Exception as exc:  # the walk reports, it does not stop
@@ -158,6 +161,7 @@ def walk(pattern: str = "", new_tokens: int = NEW_TOKENS, log=None) -> list[Outc
             outcomes.append(outcome)
             if log is not None:
                 log(f"{'ok  ' if outcome.ok else 'FAIL'} {outcome.name} ({outcome.seconds:.1f}s) {outcome.reason}")
+    torch.set_num_threads(threads)
     return outcomes
 
 
