@@ -57,16 +57,22 @@ def causal_lm_classes(pattern: str = "") -> list[type]:
     return [getattr(transformers, n) for n in names if hasattr(transformers, n)]
 
 
-def tiny_model(cls: type, seed: int = 0):
-    """A 2-layer random float32 ``cls`` from its config class's defaults and TINY."""
-    from pagedserve.tools.demo_model import _fill_weights
-
+def tiny_config(cls: type):
+    """``cls``'s config class's defaults with TINY's sizes."""
     defaults = cls.config_class()
     values = {k: v for k, v in TINY.items() if _settable(defaults, k)}
     if "kv_lora_rank" in values:  # latent attention: every head has its own keys and values
         values["num_key_value_heads"] = values["num_attention_heads"]
     config = cls.config_class(**values)
     config.architectures = [cls.__name__]
+    return config
+
+
+def tiny_model(cls: type, seed: int = 0):
+    """A 2-layer random float32 ``cls`` from its config class's defaults and TINY."""
+    from pagedserve.tools.demo_model import _fill_weights
+
+    config = tiny_config(cls)
     with torch.device("meta"):
         size = sum(p.numel() for p in cls(config).parameters())
     if size > MAX_PARAMS:  # sub-configs or sizes TINY does not name: too big to walk in minutes
@@ -99,15 +105,25 @@ def check(cls: type, workdir: Path, new_tokens: int = NEW_TOKENS) -> Outcome:
     from pagedserve.worker_proc.model_runner import ModelRunner
     from support.worker_harness import TrivialScheduler, random_prompts
 
+    from pagedserve.worker_proc.models.transformers_backend import load_backend_spec
+
     started = time.perf_counter()
     name = cls.__name__
+    path = workdir / name
+    try:  # what the config alone refuses is refused before the model is built (RWKV's looks for a compiler)
+        tiny_config(cls).save_pretrained(path)
+        load_backend_spec(path)
+    except UnsupportedModelError as exc:
+        _remove(path)
+        return Outcome(name, False, f"refused: {exc}", time.perf_counter() - started)
+    except Exception:
+        pass  # the model's build below says why
     try:
         model = tiny_model(cls)
     except Exception as exc:  # a config the tiny shape does not fit: not the backend's failure
         return Outcome(name, False, f"tiny model not built: {one_line(exc)}", time.perf_counter() - started)
     prompts = random_prompts(list(PROMPT_LENGTHS), vocab_size=min(512, model.config.vocab_size), seed=1)
     try:
-        path = workdir / name
         model.save_pretrained(path)
         expected = []
         with torch.inference_mode():

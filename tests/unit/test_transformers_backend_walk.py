@@ -11,9 +11,9 @@ import pytest
 
 from support.causal_lm_walk import report, walk
 
-# 101 of 188 served at parity with transformers 5.25.0; the margin is for a transformers release that
+# 100 of 188 served at parity with transformers 5.25.0 (about 40 s on 2 cores); the margin is for a transformers release that
 # adds or reshapes an architecture, not for regressions of the backend.
-WALK_FLOOR = 96
+WALK_FLOOR = 95
 PARTS = 4
 
 

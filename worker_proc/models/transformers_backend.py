@@ -67,8 +67,6 @@ def _causal_lm_class(config: Any) -> type:
             + (f" (its causal LM is {default}: set architectures to it)" if isinstance(default, str) else ""))
     if config.get_text_config() is not config:
         raise UnsupportedModelError(f"{arch} is a multimodal model; the transformers backend runs text decoders only")
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{arch} is an encoder-decoder model; the transformers backend runs decoders only")
     return getattr(transformers, arch)
 
 
