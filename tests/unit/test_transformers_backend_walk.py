@@ -11,8 +11,8 @@ import pytest
 
 from support.causal_lm_walk import report, walk
 
-# 100 of 188 served at parity with transformers 5.25.0 (about 40 s on 2 cores); the margin is for a transformers release that
-# adds or reshapes an architecture, not for regressions of the backend.
+# 100 of 188 served at parity with transformers 5.25.0 (about 40 s on 2 cores); the margin is for a
+# transformers release that adds or reshapes an architecture, not for regressions of the backend.
 WALK_FLOOR = 95
 PARTS = 4
 
