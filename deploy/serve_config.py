@@ -42,7 +42,7 @@ class _ServeConfigRules:
         if not cfg_path.is_file():
             raise ConfigError(f"{self.model} is not a model directory (no config.json)")
         try:  # the workers' own check, so a model they would refuse is refused before any process starts
-            check_model_config(self.model)
+            check_model_config(self.model, self.model_impl)
         except ModelConfigError as exc:
             raise ConfigError(str(exc)) from None
         model_cfg = json.loads(cfg_path.read_text())

@@ -59,15 +59,33 @@ def read_model_config(model_dir: str | Path) -> dict[str, Any]:
     return config
 
 
-def supported_architecture(config: dict[str, Any]) -> str:
-    """The first of config.json's architectures the workers run; ModelConfigError naming them otherwise."""
-    named = config.get("architectures") or []
-    arch = next((a for a in named if isinstance(a, str) and a in ARCHITECTURES), None)
+def supported_architecture(config: dict[str, Any], model_impl: str = "native") -> str:
+    """The first of config.json's architectures the workers run (``--model-impl``: a native family,
+    or, unless ``native``, any causal LM transformers defines, for the backend to probe at start);
+    ModelConfigError naming the native ones otherwise."""
+    named = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    shown = named or config.get("model_type") or "none"
+    native = ", ".join(sorted(ARCHITECTURES))
+    if model_impl != "transformers":
+        arch = next((a for a in named if a in ARCHITECTURES), None)
+        if arch is not None:
+            return arch
+        if model_impl == "native":
+            raise ModelConfigError(f"model architecture {shown!r} is not supported; supported architectures: {native}")
+    arch = next((a for a in named if a in _transformers_causal_lms()), None)
     if arch is None:
-        shown = named or config.get("model_type") or "none"
-        raise ModelConfigError(f"model architecture {shown!r} is not supported; supported architectures: "
-                               f"{', '.join(sorted(ARCHITECTURES))}")
+        raise ModelConfigError(f"model architecture {shown!r} is not supported: no native family (those are "
+                               f"{native}) and no causal LM of transformers for the transformers backend")
     return arch
+
+
+def _transformers_causal_lms() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names: set[str] = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([value] if isinstance(value, str) else value)
+    return names
 
 
 def _positive_int(config: dict[str, Any], key: str) -> int | None:
@@ -79,7 +97,7 @@ def _positive_int(config: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def check_model_config(model_dir: str | Path) -> str:
+def check_model_config(model_dir: str | Path, model_impl: str = "native") -> str:
     """The architecture to run; ModelConfigError (one line) for an unsupported one or a config that
     breaks its own rules: query heads that do not group over the key/value heads, layer types that do
     not cover the layers, a window that is not a positive length or is missing for its sliding layers,
@@ -89,7 +107,7 @@ def check_model_config(model_dir: str | Path) -> str:
     sees all before it, in transformers as here), and real checkpoints ship one (Phi-3.5-mini and
     Phi-3-mini-128k: a window of 262144 over 131072 positions)."""
     config = read_model_config(model_dir)
-    arch = supported_architecture(config)
+    arch = supported_architecture(config, model_impl)
     _positive_int(config, "max_position_embeddings")
     layers = _positive_int(config, "num_hidden_layers")
     heads = _positive_int(config, "num_attention_heads")

@@ -35,6 +35,7 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "qwen3_coder")  # fron
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # frontend_proc/reasoning/__init__.py (a test checks)
 TASKS = ("generate", "embed")
 POOLING_TYPES = ("last", "mean")  # protocol/pooling.py
+MODEL_IMPLS = ("auto", "native", "transformers")  # worker_proc/model_impl.py
 # vLLM's spellings of a task: --runner generate|pooling|auto (auto: a decoder generates)
 _TASK_NAMES = {"generate": "generate", "auto": "generate", "embed": "embed", "embedding": "embed",
                "pooling": "embed"}
@@ -184,6 +185,10 @@ OPTIONS: tuple[Option, ...] = (
            "prompts or outputs, so --no-disable-log-requests is refused"),
     # -- model and devices
     Option("device", str, "auto", "cpu, cuda, or auto: cuda when torch sees a GPU, else cpu", to=_W),
+    Option("model_impl", str, "auto", "which implementation runs the model: native (pagedserve's own "
+           "families), transformers (transformers' modeling code over the paged cache, any decoder-only causal LM "
+           "it knows; one device), or auto: native where pagedserve has the family, else transformers",
+           choices=MODEL_IMPLS, to=_W),
     Option("enforce_eager", bool, False, "never use CUDA graphs: launch every decode step's kernels one "
            "by one (slower on a GPU; no effect on CPU)", to=_W),
     Option("dtype", str, "auto", "weights and KV cache; auto: the model config's dtype, but on CPU a "

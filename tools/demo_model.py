@@ -105,6 +105,12 @@ ARCHS: dict[str, dict[str, Any]] = {
     "mixtral": dict(cls="MixtralConfig", model_type="mixtral"),
     "qwen2_moe": dict(cls="Qwen2MoeConfig", model_type="qwen2_moe"),
     "qwen3_moe": dict(cls="Qwen3MoeConfig", model_type="qwen3_moe"),
+    # no native file: served by the transformers backend (worker_proc/models/transformers_backend.py)
+    "stablelm": dict(cls="StableLmConfig", model_type="stablelm"),
+    "starcoder2": dict(cls="Starcoder2Config", model_type="starcoder2"),
+    "cohere": dict(cls="CohereConfig", model_type="cohere"),
+    "smollm3": dict(cls="SmolLM3Config", model_type="smollm3"),
+    "glm4": dict(cls="Glm4Config", model_type="glm4"),
 }
 
 

@@ -34,8 +34,8 @@ from pagedserve.worker_proc.grammar_mask import apply_grammar_bitmask
 from pagedserve.worker_proc.input_batch import (BatchError, HostBatch, gather_batch, resolve_placeholders,
                                                 upload_batch)
 from pagedserve.worker_proc.kv_cache import KVCache, block_bytes, max_num_blocks
-from pagedserve.worker_proc.model_config import load_model_spec
-from pagedserve.worker_proc.models import MODEL_CLASSES
+from pagedserve.worker_proc.model_config import UnsupportedModelError
+from pagedserve.worker_proc.model_impl import select_implementation
 from pagedserve.worker_proc.pooling import pool_chunks
 from pagedserve.worker_proc.quantization import checkpoint_quantization
 from pagedserve.worker_proc.prompt_logprobs import compute_prompt_logprobs
@@ -56,15 +56,22 @@ PRUNE_ENV = "PAGEDSERVE_PRUNE_LAST_LAYER"  # 0: the last layer computes every ro
 class ModelRunner:
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
                  tp_rank: int = 0, tp_size: int = 1, tp_group=None, cuda_graphs: bool = True,
-                 speculative: Optional[SpeculativeConfig] = None, quantization: Optional[str] = None):
+                 speculative: Optional[SpeculativeConfig] = None, quantization: Optional[str] = None,
+                 model_impl: str = "auto"):
         """``cuda_graphs``: on CUDA, replay decode steps from captured graphs (cuda_graphs.py);
         one GPU per replica only, for now (an all-reduce inside a graph is not yet checked).
         ``speculative``: with method draft_model, the draft is loaded beside the model.
-        ``quantization``: ``--quantization``, which must name the checkpoint's own method."""
+        ``quantization``: ``--quantization``, which must name the checkpoint's own method.
+        ``model_impl``: native, transformers or auto (model_impl.py)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
-        self.spec = load_model_spec(model_dir)
+        implementation = select_implementation(model_dir, model_impl)
+        self.spec, self.model_impl = implementation.spec, implementation.description
         self.quantization = checkpoint_quantization(model_dir, quantization)  # refused here, in one line
+        if self.quantization is not None and not implementation.is_native:
+            # transformers would decompress every weight to full precision: the point of the format lost
+            raise UnsupportedModelError(f"quantized checkpoints run on the native families only, not the "
+                                        f"{implementation.description}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -78,8 +85,11 @@ class ModelRunner:
         self.ops = select_ops(self.device)
         if self.device.type == "cpu":
             cpu_native.library()  # compiled (once per machine) now, not during the first decode step
-        self.model = MODEL_CLASSES[self.spec.architecture](model_dir, self.spec, self.shard, self.device, self.dtype,
-                                                           select_elementwise(self.ops, self.dtype))
+        self.model = implementation.model_class(model_dir, self.spec, self.shard, self.device, self.dtype,
+                                                select_elementwise(self.ops, self.dtype))
+        if self.model.spec is not self.spec:  # the transformers backend reads the cache's shape off its model
+            self.spec = self.model.spec
+            self.shard = TensorParallelShard.for_rank(self.spec, tp_rank, tp_size, tp_group)
         self.draft = (DraftModel(speculative, model_dir, self.spec, self.device, self.dtype, self.ops, tp_size)
                       if speculative is not None and speculative.method == "draft_model" else None)
         self._requests: dict[str, HeldRequest] = {}
@@ -88,7 +98,7 @@ class ModelRunner:
         self._cache: Optional[KVCache] = None
         self._seed = 0
         self._gather_workspace = GatherWorkspace()  # CPU decode attention's K/V gather buffers
-        self._use_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1
+        self._use_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1 and implementation.is_native
         self.decode_graphs: Optional[DecodeGraphs] = None
         self.verify_graphs: Optional[VerifyGraphs] = None
         self._speculative = speculative

@@ -108,7 +108,7 @@ class StepOrderError(RuntimeError):
 
 class Worker:
     def __init__(self, cfg: WorkerConfig, ctx: Optional[zmq.Context] = None):
-        from pagedserve.worker_proc.model_config import load_model_spec
+        from pagedserve.worker_proc.model_impl import select_implementation
         from pagedserve.worker_proc.model_runner import ModelRunner
 
         self.cfg = cfg
@@ -118,7 +118,8 @@ class Worker:
         self.inputs = self.results = SchedulerLink(self.ctx, ep, cfg.replica, cfg.rank)
         self._next = None  # a message received early (ModelRunner.execute peeks at it), taken next
         self.to_supervisor = Sender(self.ctx, ep.supervisor())
-        threads = cfg.num_threads or _default_cpu_threads(cfg, load_model_spec(cfg.model).num_layer_params)
+        threads = cfg.num_threads or _default_cpu_threads(
+            cfg, select_implementation(cfg.model, cfg.model_impl).spec.num_layer_params)
         if threads:
             import torch
 
@@ -128,7 +129,8 @@ class Worker:
                                   tp_rank=cfg.rank, tp_size=cfg.tensor_parallel_size, tp_group=group,
                                   cuda_graphs=not cfg.enforce_eager,
                                   speculative=parse_speculative_config(cfg.speculative_config),
-                                  quantization=cfg.quantization)
+                                  quantization=cfg.quantization, model_impl=cfg.model_impl)
+        log.info("model implementation: %s", self.runner.model_impl)
         # Peek at the next step while this one samples (ModelRunner._prepare_ahead): on CUDA, where the
         # device works meanwhile; a CPU has nothing to overlap (bench/log/2026-11-28.md), but the switch may ask.
         ahead = env_switch(PREPARE_AHEAD_ENV)

@@ -1,6 +1,7 @@
-"""More model families through the real server (greedy tokens equal transformers'), and a model
-the workers cannot run, or whose config contradicts itself, refused by ``pagedserve serve`` before
-any process starts, in one line (naming the architectures it can run)."""
+"""More model families through the real server (greedy tokens equal transformers'), natively and by
+the transformers backend; a model no implementation can run, or whose config contradicts itself,
+refused by ``pagedserve serve`` before any process starts, in one line (naming the architectures
+it runs natively)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -80,11 +82,31 @@ def test_family_serves_transformers_greedy_tokens_with_prefix_caching_and_chunke
         srv.stop()
 
 
-def refused_serve(model, tmp_path) -> subprocess.CompletedProcess:
+@pytest.mark.parametrize("arch", ["starcoder2", "glm4"])
+def test_a_family_without_a_native_file_serves_transformers_greedy_tokens_with_prefix_caching_and_chunks(
+        arch, model_factory, tmp_path):
+    """The transformers backend behind the real processes: prompts share a cached prefix, are prefilled
+    in chunks of 16 tokens and decode beside each other's chunks; the worker's log names the backend."""
+    model = model_factory(arch)
+    tok = hf_tokenizer(model)
+    shared = tok(PROMPTS[1]).input_ids
+    prompts = [shared + tok(tail).input_ids for tail in (" one", " two three", " four five six seven")]
+    srv = Server(model, ["--num-gpu-blocks", "64", "--max-model-len", "512", "--max-num-batched-tokens", "16",
+                         "--max-num-seqs", "4", "--enable-prefix-caching", "--block-size", "4"]).start(tmp_path)
+    try:
+        first = greedy_completions(srv, prompts[:1], 16)  # its blocks are cached before the others arrive
+        assert_equal_to_transformers(model, prompts, first + greedy_completions(srv, prompts[1:], 16), 16)
+        architecture = json.loads((Path(model) / "config.json").read_text())["architectures"][0]
+        assert f"model implementation: transformers backend ({architecture})" in srv.log_path.read_text()
+    finally:
+        srv.stop()
+
+
+def refused_serve(model, tmp_path, *args: str) -> subprocess.CompletedProcess:
     run_dirs = tmp_path / "run"
     run_dirs.mkdir()
     return subprocess.run([sys.executable, "-m", "pagedserve.deploy.cli", "serve", str(model), "--port", "0",
-                           "--run-dir-parent", str(run_dirs)], capture_output=True, text=True, timeout=120)
+                           "--run-dir-parent", str(run_dirs), *args], capture_output=True, text=True, timeout=120)
 
 
 def assert_refused_in_one_line_with_nothing_started(run: subprocess.CompletedProcess, tmp_path) -> str:
@@ -96,7 +118,22 @@ def assert_refused_in_one_line_with_nothing_started(run: subprocess.CompletedPro
     return lines[0]
 
 
-def test_an_unsupported_architecture_is_refused_before_any_process_starts_naming_the_supported_ones(
+def test_an_architecture_neither_implementation_runs_is_refused_at_startup_in_one_line(model_factory, tmp_path):
+    from transformers import MambaConfig
+
+    model = tmp_path / "mamba"
+    shutil.copytree(model_factory("qwen2"), model)
+    (model / "config.json").unlink()
+    MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=512, architectures=["MambaForCausalLM"]).save_pretrained(model)
+    run = subprocess.run([sys.executable, "-m", "pagedserve.deploy.cli", "serve", str(model), "--port", "0",
+                          "--run-dir-parent", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    out = run.stdout + run.stderr
+    assert "Traceback" not in out, out[-3000:]
+    assert "MambaForCausalLM" in out and "natively:" in out and "by the transformers backend:" in out, out[-3000:]
+
+
+def test_an_architecture_outside_the_native_families_is_refused_by_native_before_any_process_starts(
         model_factory, tmp_path):
     from transformers import GPT2Config
 
@@ -105,7 +142,8 @@ def test_an_unsupported_architecture_is_refused_before_any_process_starts_naming
     (model / "config.json").unlink()
     GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=512, architectures=["GPT2LMHeadModel"]).save_pretrained(model)
     assert json.loads((model / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
-    line = assert_refused_in_one_line_with_nothing_started(refused_serve(model, tmp_path), tmp_path)
+    line = assert_refused_in_one_line_with_nothing_started(
+        refused_serve(model, tmp_path, "--model-impl", "native"), tmp_path)
     assert "GPT2LMHeadModel" in line and "is not supported" in line
     for supported in ARCHITECTURES:
         assert supported in line
@@ -120,3 +158,14 @@ def test_a_model_whose_config_contradicts_itself_is_refused_in_one_line_before_a
     (model / "config.json").write_text(json.dumps(config))
     line = assert_refused_in_one_line_with_nothing_started(refused_serve(model, tmp_path), tmp_path)
     assert "layer_types" in line and "num_hidden_layers" in line
+
+
+def test_an_architecture_transformers_does_not_know_either_is_refused_before_any_process_starts(
+        model_factory, tmp_path):
+    model = tmp_path / "unknown"
+    shutil.copytree(model_factory("qwen2"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    line = assert_refused_in_one_line_with_nothing_started(refused_serve(model, tmp_path), tmp_path)
+    assert "NoSuchModelForCausalLM" in line and "transformers backend" in line and "LlamaForCausalLM" in line
