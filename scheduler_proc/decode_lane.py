@@ -24,7 +24,7 @@ dropped. An end therefore never holds the next step back.
 
 Overlapped scheduling: with one batch in flight the lane may schedule the next, each
 sequence computing the token the in-flight step samples for it, sent as a placeholder the
-workers resolve (overlap.py, ``can_schedule_ahead``). A sequence may enter while a batch is
+workers resolve (``Scheduler.can_schedule_ahead``). A sequence may enter while a batch is
 out (its first token arrived while it sat out the step ahead): it takes the next position,
 which no batch out holds, and its ring starts at the update after theirs, so the ring's clock
 stays one update per result for every sequence a batch holds. Only ends leave while a batch
@@ -43,11 +43,11 @@ from pagedserve.protocol.step_state import PLACEHOLDER_TOKEN
 from pagedserve.scheduler_proc import prefix_cache
 
 if TYPE_CHECKING:
-    from pagedserve.scheduler_proc.block_manager import BlockManager
     from pagedserve.scheduler_proc.block_pool import BlockPool
     from pagedserve.scheduler_proc.request import Sequence
 
 RING = 128  # sampled tokens a sequence may hold in the lane before they are flushed to it
+FEW = 4  # positions synced one by one (numpy's fixed cost per call exceeds the slices' then)
 EMPTY_DECODES = DecodeBatch([], [], [], [])  # never mutated
 _NO_GRANTS = (np.zeros(0, np.int64), [])  # never mutated
 
@@ -159,8 +159,11 @@ class DecodeLane:
         return tokens, (firsts * 8).tolist(), (ends * 8).tolist()
 
     def sync_many(self, positions: list[int]) -> None:
-        """``sync`` for several positions: a few array operations, then one short loop."""
-        if not positions:
+        """``sync`` for several positions: a few array operations, then one short loop (for up to
+        ``FEW`` of them, the usual staggered flush, slices of each one's ring row instead)."""
+        if len(positions) <= FEW:
+            for pos in positions:
+                self._sync_one(pos)
             return
         where = np.asarray(positions, np.int64)
         tokens, firsts, ends = self._unflushed(where)
@@ -180,6 +183,21 @@ class DecodeLane:
         self.since[where] = np.maximum(self.since[where], self.clock)
         self.num_held[where] = 0
 
+    def _sync_one(self, pos: int) -> None:
+        seq, clock = self.seqs[pos], self.clock
+        seq.num_kv_tokens = seq.num_tokens_sent = int(self.computed[pos])
+        start = int(self.since[pos])
+        if clock > start:  # else it entered behind batches still out: nothing of its own yet
+            row, first, end = self.ring[pos], start % RING, clock % RING
+            seq.token_ids.frombytes(row[first:end].tobytes() if first < end else
+                                    row[first:].tobytes() + row[:end].tobytes())  # == at RING tokens: all, wrapped
+            self.since[pos] = clock
+        blocks_held = int(self.num_held[pos])
+        if blocks_held:
+            seq.block_ids.extend(self.held[pos, :blocks_held].tolist())
+            self.num_held[pos] = 0
+        seq.num_blocks_sent = len(seq.block_ids)
+
     def sync_all(self) -> None:
         self.sync_many(list(range(self.n)))
 
@@ -190,7 +208,7 @@ class DecodeLane:
     def leave(self, seq: "Sequence") -> None:
         """Back to the Sequence object: its state synced, its lane position given up."""
         pos = seq.lane_pos
-        if self.num_batches_holding(pos):  # its token in flight would be dropped (overlap.py, rule 2)
+        if self.num_batches_holding(pos):  # its token in flight would be dropped (Scheduler.can_schedule_ahead, rule 2)
             raise RuntimeError(f"{seq.seq_id} left the decode lane while a batch out computes its token")
         self.sync(pos)
         self._remove(pos)
@@ -250,22 +268,16 @@ class DecodeLane:
 
     # ------------------------------------------------------------------ one step
 
-    def grant_blocks(self, bm: "BlockManager") -> list["Sequence"]:
-        """A fresh block for every sequence whose next token starts one, if all of them fit.
-
-        Returns the sequences that must leave the lane instead (all that need a block, when
-        the free blocks do not cover them): the slow path decides who gets what, FCFS.
-        """
+    def needing_blocks(self) -> list[int]:
+        """The positions whose next token starts a block."""
         n = self.n
-        needy = (self.computed[:n] >= self.table_tokens[:n]).nonzero()[0].tolist()
-        if not needy:
-            return []
-        if len(needy) > bm.device.num_free:
-            return [self.seqs[pos] for pos in needy]
+        return (self.computed[:n] >= self.table_tokens[:n]).nonzero()[0].tolist()
+
+    def grant_blocks(self, needy: list[int], blocks: list[int]) -> None:
+        """``blocks``, fresh from the block manager, one for each position of ``needing_blocks``."""
         full = self.num_held[needy] == self.max_held
         if full.any():
             self.sync_many(np.asarray(needy)[full].tolist())
-        blocks = bm.take_blocks_to_write(len(needy))
         slots = self.num_held[needy]
         self.held[needy, slots] = blocks
         self.num_held[needy] = slots + 1
@@ -273,7 +285,6 @@ class DecodeLane:
         self.tail_block[needy] = blocks
         self.table_tokens[needy] += self.block_size
         self._granted = (np.asarray(needy, np.int64), blocks)
-        return []
 
     def schedule(self) -> DecodeBatch:
         """Every sequence in the lane computes its newest token; the batch for the workers."""
@@ -292,7 +303,7 @@ class DecodeLane:
         return batch
 
     def num_needing_blocks(self) -> int:
-        """Sequences whose next token starts a block (what ``grant_blocks`` would hand out)."""
+        """Sequences whose next token starts a block (``len(needing_blocks())``, counted)."""
         n = self.n
         return int((self.computed[:n] >= self.table_tokens[:n]).sum())
 
