@@ -56,9 +56,6 @@ class RunningSequences:
     def num_steady_needing_blocks(self) -> int:
         return self._lane.num_needing_blocks()
 
-    def is_steady(self, seq: Sequence) -> bool:
-        return seq.lane_pos >= 0
-
     def per_object(self) -> list[Sequence]:
         """The running sequences outside the steady batch, oldest first, as a snapshot."""
         return [seq for seq in self._queue if seq.status == RUNNING and seq.lane_pos < 0]
@@ -74,8 +71,7 @@ class RunningSequences:
     def max_by(self, key) -> Sequence:
         """The running sequence with the largest ``key`` (the priority policy's victim): a scan,
         paid only when a sequence must give way."""
-        live = [seq for seq in self._queue if seq.status == RUNNING and seq.lane_pos < 0]
-        return max((*live, *self._lane.seqs), key=key)
+        return max(self, key=key)
 
     def __iter__(self):
         """Every running sequence, in no order, the steady ones not synced (for what the request
@@ -86,9 +82,6 @@ class RunningSequences:
         """Every running sequence, oldest first, with its state synced (tests, debugging)."""
         self._lane.sync_all()
         return sorted(self.per_object() + [s for s in self._lane.seqs if s.status == RUNNING], key=by_order)
-
-    def sync_all(self) -> None:
-        self._lane.sync_all()
 
     # ------------------------------------------------------------------ membership
 

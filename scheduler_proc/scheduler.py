@@ -218,16 +218,19 @@ class Scheduler:
             for seq in sampled.ended:
                 if seq.request.pooling is not None:
                     prefix_cache.register_computed(pool, seq, block_size)
+        verified = []
         for seq, tokens, rejected in sampled.appended:
             seq.token_ids.extend(tokens)
-            if rejected is not None:  # the workers drop the same blocks (protocol/step_state.py, note_accepted)
+            if rejected is not None:
                 seq.num_kv_tokens -= rejected
-                self.bm.release_unused(seq)  # a sequence that ended holds nothing: nothing to release
-                seq.num_blocks_sent = min(seq.num_blocks_sent, len(seq.block_ids))
+                verified.append(seq)
             if pool is not None and seq.num_kv_tokens // block_size > len(seq.block_keys):
                 # after the append: an accepted proposal's block holds tokens sampled only now
                 seq.num_kv_tokens = min(seq.num_kv_tokens, len(seq.token_ids))
                 prefix_cache.register_computed(pool, seq, block_size)
+        for seq in verified:  # the workers drop the same blocks (protocol/step_state.py, note_accepted)
+            self.bm.release_unused(seq)
+            seq.num_blocks_sent = min(seq.num_blocks_sent, len(seq.block_ids))
         for seq in sampled.ended:
             self.running.discard(seq)
             self._retire(seq)

@@ -116,3 +116,20 @@ def test_parallel_samples_fork_after_their_prompt_even_when_an_earlier_prompt_wa
     sched.update_from_output(out, worker.step(out))
     run_until_done(sched, worker)
     assert_all_blocks_free(sched)
+
+
+def test_reading_a_result_changes_no_sequence_until_the_scheduler_applies_it():
+    """One writer: ``read_samples`` decides (tokens kept, ends, deltas) and only the scheduler appends."""
+    from pagedserve.scheduler_proc.output_processor import read_samples
+
+    sched, worker = make(scripted(7, EOS))
+    sched.add_request(request("r", [4, 5, 6], max_tokens=10))
+    out = sched.schedule()
+    seq = sched.requests["r"].sequences[0]
+    assert (list(seq.token_ids), seq.num_kv_tokens) == ([4, 5, 6], 3)  # the plan applied once built
+    result = worker.step(out)
+    sampled = read_samples(out, result, [seq], [])
+    assert [(s, tokens) for s, tokens, _ in sampled.appended] == [(seq, [7])] and not sampled.ended
+    assert list(seq.token_ids) == [4, 5, 6]  # decided, not yet applied
+    sched.update_from_output(out, result)
+    assert list(seq.token_ids) == [4, 5, 6, 7]
