@@ -32,8 +32,8 @@ _FIRST_TOKEN, _DEADLINE = 0, 1
 
 
 def has_first_token(request: "Request") -> bool:
-    """Whether any sample of ``request`` has sampled a token (a steady decode in the lane has)."""
-    return any(seq.lane_pos >= 0 or len(seq.token_ids) > seq.num_prompt_tokens for seq in request.sequences)
+    """Whether any sample of ``request`` has sampled a token."""
+    return any(len(seq.token_ids) > seq.num_prompt_tokens for seq in request.sequences)
 
 
 def first_token_limit_s(request: "Request", server_limit_s: Optional[float]) -> Optional[float]:

@@ -11,9 +11,10 @@ the exceptions (a filled block, a stop token candidate, the end) touch a Sequenc
 A sequence enters after a step that sampled for it, when nothing but decodes lie ahead:
 the workers hold it, it is no parent waiting to fork, its last block is its own and it wants
 no logprobs. While it is in the lane the lane owns its ``num_kv_tokens`` and its newest
-tokens (a ring of the last ``RING`` sampled tokens per sequence) and the blocks it was
-granted since its last sync; ``sync`` writes all of it back to the Sequence, and every path
-outside the lane syncs before it reads one.
+tokens (a ring of the last ``RING`` sampled tokens per sequence); ``sync`` writes them back to
+the Sequence, and every path outside the lane syncs before it reads one. Its block table stays
+the Sequence's alone: a block granted is appended to it at once (a sequence in 1/block_size of
+the steps).
 
 Positions are dense (0..n-1) and a removal moves the last sequence into the gap, so lane
 order means nothing; FCFS order stays in ``Sequence.order`` (see ``newest``). Each batch out
@@ -24,7 +25,7 @@ dropped. An end therefore never holds the next step back.
 
 Overlapped scheduling: with one batch in flight the lane may schedule the next, each
 sequence computing the token the in-flight step samples for it, sent as a placeholder the
-workers resolve (overlap.py, ``can_schedule_ahead``). A sequence may enter while a batch is
+workers resolve (``Scheduler.can_schedule_ahead``). A sequence may enter while a batch is
 out (its first token arrived while it sat out the step ahead): it takes the next position,
 which no batch out holds, and its ring starts at the update after theirs, so the ring's clock
 stays one update per result for every sequence a batch holds. Only ends leave while a batch
@@ -43,11 +44,11 @@ from pagedserve.protocol.step_state import PLACEHOLDER_TOKEN
 from pagedserve.scheduler_proc import prefix_cache
 
 if TYPE_CHECKING:
-    from pagedserve.scheduler_proc.block_manager import BlockManager
     from pagedserve.scheduler_proc.block_pool import BlockPool
     from pagedserve.scheduler_proc.request import Sequence
 
 RING = 128  # sampled tokens a sequence may hold in the lane before they are flushed to it
+FEW = 4  # positions synced one by one (numpy's fixed cost per call exceeds the slices' then)
 EMPTY_DECODES = DecodeBatch([], [], [], [])  # never mutated
 _NO_GRANTS = (np.zeros(0, np.int64), [])  # never mutated
 
@@ -76,7 +77,7 @@ class DecodeLane:
         self.ids: list[str] = []  # seq ids, for the DecodeBatch
         self.request_ids: list[str] = []  # for the frontend's token lists
         self.lists_out = False
-        columns = ("computed", "table_tokens", "max_len", "min_len", "order", "index", "last", "since", "num_held",
+        columns = ("computed", "table_tokens", "max_len", "min_len", "order", "index", "last", "since",
                    "entered", "tail_block", "before_tail_block", "key_hash", "num_keyed")
         self._columns = [np.zeros(capacity, np.int64) for _ in columns]
         (self.computed,  # tokens with KV; +1 as soon as a step is scheduled
@@ -84,7 +85,6 @@ class DecodeLane:
          self.max_len, self.min_len, self.order, self.index,
          self.last,  # the newest token, not yet sent to the workers
          self.since,  # clock value from which this sequence's ring slots are not yet flushed
-         self.num_held,  # granted blocks not yet appended to the sequence's block table
          self.entered,  # clock value at entry: ring slots from here on are this sequence's tokens
          # For publishing filled blocks to the prefix cache without a sync:
          self.tail_block,  # the last block of the table
@@ -92,8 +92,6 @@ class DecodeLane:
          self.key_hash,  # own hash of the last prefix-cache key (the next key's parent)
          self.num_keyed,  # len(seq.block_keys)
          ) = self._columns
-        self.max_held = RING // block_size + 2  # a sync every RING steps keeps it below this
-        self.held = np.zeros((capacity, self.max_held), np.int64)
         # ring[pos, clock % RING]: the token of that update; a row per sequence, read whole on a flush.
         self.ring = np.zeros((capacity, RING), np.int64)
         self.clock = 0  # results applied
@@ -129,7 +127,6 @@ class DecodeLane:
         # Entering while batches are out (that do not hold it): its first ring slot is the
         # update after theirs, so nothing is flushed from it until then.
         self.since[pos] = self.entered[pos] = self.clock + len(self.in_flight)
-        self.num_held[pos] = 0
         self.tail_block[pos] = seq.block_ids[-1]
         self.before_tail_block[pos] = seq.block_ids[-2] if len(seq.block_ids) > 1 else -1
         self.note_keys(pos, seq)
@@ -159,26 +156,32 @@ class DecodeLane:
         return tokens, (firsts * 8).tolist(), (ends * 8).tolist()
 
     def sync_many(self, positions: list[int]) -> None:
-        """``sync`` for several positions: a few array operations, then one short loop."""
-        if not positions:
+        """``sync`` for several positions: a few array operations, then one short loop (for up to
+        ``FEW`` of them, the usual staggered flush, slices of each one's ring row instead)."""
+        if len(positions) <= FEW:
+            for pos in positions:
+                self._sync_one(pos)
             return
         where = np.asarray(positions, np.int64)
         tokens, firsts, ends = self._unflushed(where)
-        num_held = self.num_held[where]
-        held = self.held[where].tolist() if num_held.any() else None
         seqs = self.seqs
-        for i, (pos, computed, first, end, blocks_held) in enumerate(zip(
-                positions, self.computed[where].tolist(), firsts, ends, num_held.tolist())):
+        for pos, computed, first, end in zip(positions, self.computed[where].tolist(), firsts, ends):
             seq = seqs[pos]
-            seq.num_kv_tokens = computed
-            seq.num_tokens_sent = computed
+            seq.num_kv_tokens = seq.num_tokens_sent = computed
             seq.token_ids.frombytes(tokens[first:end])
-            blocks = seq.block_ids
-            if blocks_held:
-                blocks.extend(held[i][:blocks_held])
-            seq.num_blocks_sent = len(blocks)
+            seq.num_blocks_sent = len(seq.block_ids)
         self.since[where] = np.maximum(self.since[where], self.clock)
-        self.num_held[where] = 0
+
+    def _sync_one(self, pos: int) -> None:
+        seq, clock = self.seqs[pos], self.clock
+        seq.num_kv_tokens = seq.num_tokens_sent = int(self.computed[pos])
+        start = int(self.since[pos])
+        if clock > start:  # else it entered behind batches still out: nothing of its own yet
+            row, first, end = self.ring[pos], start % RING, clock % RING
+            seq.token_ids.frombytes(row[first:end].tobytes() if first < end else
+                                    row[first:].tobytes() + row[:end].tobytes())  # == at RING tokens: all, wrapped
+            self.since[pos] = clock
+        seq.num_blocks_sent = len(seq.block_ids)
 
     def sync_all(self) -> None:
         self.sync_many(list(range(self.n)))
@@ -190,7 +193,7 @@ class DecodeLane:
     def leave(self, seq: "Sequence") -> None:
         """Back to the Sequence object: its state synced, its lane position given up."""
         pos = seq.lane_pos
-        if self.num_batches_holding(pos):  # its token in flight would be dropped (overlap.py, rule 2)
+        if self.num_batches_holding(pos):  # its token in flight would be dropped (Scheduler.can_schedule_ahead, rule 2)
             raise RuntimeError(f"{seq.seq_id} left the decode lane while a batch out computes its token")
         self.sync(pos)
         self._remove(pos)
@@ -216,7 +219,6 @@ class DecodeLane:
             for column in self._columns:
                 column[pos] = column[last]
             self.ring[pos] = self.ring[last]
-            self.held[pos] = self.held[last]
             moved = self.seqs[pos] = self.seqs[last]
             moved.lane_pos = pos
             self.ids[pos] = self.ids[last]
@@ -250,30 +252,21 @@ class DecodeLane:
 
     # ------------------------------------------------------------------ one step
 
-    def grant_blocks(self, bm: "BlockManager") -> list["Sequence"]:
-        """A fresh block for every sequence whose next token starts one, if all of them fit.
-
-        Returns the sequences that must leave the lane instead (all that need a block, when
-        the free blocks do not cover them): the slow path decides who gets what, FCFS.
-        """
+    def needing_blocks(self) -> list[int]:
+        """The positions whose next token starts a block."""
         n = self.n
-        needy = (self.computed[:n] >= self.table_tokens[:n]).nonzero()[0].tolist()
-        if not needy:
-            return []
-        if len(needy) > bm.device.num_free:
-            return [self.seqs[pos] for pos in needy]
-        full = self.num_held[needy] == self.max_held
-        if full.any():
-            self.sync_many(np.asarray(needy)[full].tolist())
-        blocks = bm.take_blocks_to_write(len(needy))
-        slots = self.num_held[needy]
-        self.held[needy, slots] = blocks
-        self.num_held[needy] = slots + 1
+        return (self.computed[:n] >= self.table_tokens[:n]).nonzero()[0].tolist()
+
+    def grant_blocks(self, needy: list[int], blocks: list[int]) -> None:
+        """``blocks``, fresh from the block manager, one for each position of ``needing_blocks``,
+        appended to their tables (the workers learn them from this step's batch)."""
+        seqs = self.seqs
+        for pos, block in zip(needy, blocks):
+            seqs[pos].block_ids.append(block)
         self.before_tail_block[needy] = self.tail_block[needy]
         self.tail_block[needy] = blocks
         self.table_tokens[needy] += self.block_size
         self._granted = (np.asarray(needy, np.int64), blocks)
-        return []
 
     def schedule(self) -> DecodeBatch:
         """Every sequence in the lane computes its newest token; the batch for the workers."""
@@ -292,7 +285,7 @@ class DecodeLane:
         return batch
 
     def num_needing_blocks(self) -> int:
-        """Sequences whose next token starts a block (what ``grant_blocks`` would hand out)."""
+        """Sequences whose next token starts a block (``len(needing_blocks())``, counted)."""
         n = self.n
         return int((self.computed[:n] >= self.table_tokens[:n]).sum())
 

@@ -13,7 +13,7 @@ the token that completes them is the last free one. It is still handled as a con
 sequence meanwhile (no steady decode, no step ahead, no proposals): the simplest correct choice.
 
 A constrained sequence is never a steady decode (running.py) and never samples twice without the
-scheduler knowing its previous token: its mask depends on that token (overlap.py).
+scheduler knowing its previous token: its mask depends on that token (``Scheduler.can_schedule_ahead``).
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ allows nothing else gets one through); the stop token is part of ``new_token_ids
 Reaching ``max_tokens`` outputs, ``max_model_len`` tokens or the whole cache ends it
 with "length".
 
-These functions change only the sequences they are given (their tokens, matchers and
-prefix-cache keys); what ends and what forks they return, and the scheduler applies it. The
-steady decodes' tokens are checked in running.py, with array operations.
+These functions change no sequence's tokens, counters or blocks: what each keeps, what ends and
+what forks they return, and the scheduler applies it (a grammar's matcher advances here). The
+steady decodes' tokens are screened in running.py with array operations, then asked ``finish_of``.
 """
 
 from __future__ import annotations
@@ -44,14 +44,24 @@ class StepResultMismatch(ValueError):
 class Sampled:
     """What the per-object samples of one step decided, for the scheduler to apply."""
 
-    __slots__ = ("deltas", "orders", "ended", "num_accepted", "drafted")
+    __slots__ = ("deltas", "orders", "ended", "num_accepted", "appended")
 
     def __init__(self) -> None:
         self.deltas: list[RequestDelta] = []
         self.orders: list[int] = []  # of the sequences behind ``deltas``: a step's deltas go out in arrival order
         self.ended: list[Sequence] = []  # to retire, in this order
         self.num_accepted = 0
-        self.drafted: list[Sequence] = []  # sequences whose proposals this result verified
+        # (sequence, tokens it keeps, proposals its verification rejected or None: it verified none)
+        self.appended: list[tuple[Sequence, list[int], Optional[int]]] = []
+
+
+def finish_of(seq: Sequence, token: int, length: int) -> Optional[str]:
+    """The stop rules (above) for ``seq`` once it holds ``length`` tokens, ``token`` the last:
+    "stop", "length" or None. The one implementation: the steady decodes' array test (running.py)
+    only picks the sequences to ask."""
+    if token in seq.stop_token_ids and length >= seq.min_len:
+        return "stop"
+    return "length" if length >= seq.max_len else None
 
 
 def check_result(out: SchedulerOutput, result: StepResult, num_per_object: int) -> None:
@@ -75,9 +85,12 @@ def check_result(out: SchedulerOutput, result: StepResult, num_per_object: int) 
             raise StepResultMismatch(f"step {out.step}: {len(values)} {name} for {len(tokens)} tokens")
 
 
-def apply_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[Sequence], others: list[Sequence],
-                  prefix_pool: Optional[BlockPool], block_size: int, speculator=None) -> Sampled:
-    """Append each per-object sequence's sample (checked by ``check_result``) and apply its stop rules.
+def read_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[Sequence], others: list[Sequence],
+                 speculator=None) -> Sampled:
+    """Each per-object sequence's sample (checked by ``check_result``) under the stop rules, as
+    decisions the scheduler applies (``Scheduler._apply_samples``): the tokens it keeps, the
+    proposals it rejected, whether it ends, its delta. Only a grammar's matcher and the
+    speculator's own counters move here.
 
     A sequence that verified proposals (speculation.py) gets its accepted ones, then the sample,
     each checked in turn: nothing past a stop or ``max_tokens`` is kept or sent."""
@@ -89,16 +102,13 @@ def apply_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[
     if speculator is not None:  # what the step's forward took prices a proposal (spec_cost.py)
         speculator.cost.note_forward(out.step, result.forward_time_s)
     sampled = Sampled()
-    append, ended = sampled.deltas.append, sampled.ended
+    append, ended, appended = sampled.deltas.append, sampled.ended, sampled.appended.append
     orders = sampled.orders
     if others or result.pooled:  # embedding requests end with their prompt's last chunk (pooling.py)
         try:
             pooling.apply_pooled(out, result.pooled, others, sampled.deltas, orders, ended)
         except pooling.PooledMismatch as exc:
             raise StepResultMismatch(str(exc)) from None
-        if prefix_pool is not None:  # their blocks outlive them in the cache (last-token pooling hits them)
-            for seq in ended:
-                prefix_cache.register_computed(prefix_pool, seq, block_size)
     logprobs = _NO_LOGPROBS if result.logprobs is None else result.logprobs
     alternatives = _NO_LOGPROBS if result.top_logprobs is None else result.top_logprobs
     tokens = result.sampled_token_ids[:len(sampling_seqs)]
@@ -107,35 +117,27 @@ def apply_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[
             raise StepResultMismatch(f"step {out.step}: a sample for {req_id!r} where {seq.seq_id!r} was due")
         if seq.status != RUNNING:
             continue  # aborted while the step ran
-        new_tokens = [token]
+        new_tokens, rejected = [token], None
         if seq.spec is not None and seq.spec.drafts:
-            new_tokens = accepted_tokens(out, result, seq, token, speculator)
-            sampled.drafted.append(seq)
-        seq_tokens = seq.token_ids
+            new_tokens, rejected = accepted_tokens(out, result, seq, token, speculator)
+        length = len(seq.token_ids)
         finish = stop_token = None
         for i, token in enumerate(new_tokens):
-            seq_tokens.append(token)
-            if token in seq.stop_token_ids and len(seq_tokens) >= seq.min_len:
-                finish = "stop"
-                stop_token = token
-            elif len(seq_tokens) >= seq.max_len:
-                finish = "length"
-            if finish is not None:
+            if (finish := finish_of(seq, token, length + i + 1)) is not None:
+                stop_token = token if finish == "stop" else None
                 del new_tokens[i + 1:]
                 break
+        length += len(new_tokens)
         sampled.num_accepted += len(new_tokens)
+        appended((seq, new_tokens, rejected))
         if speculator is not None and seq.spec is not None and speculator.from_worker:
-            speculator.receive(seq, result.draft_token_ids.get(seq.seq_id))
-        if prefix_pool is not None and seq.num_kv_tokens // block_size > len(seq.block_keys):
-            # after the append: an accepted proposal's block holds tokens sampled only now
-            seq.num_kv_tokens = min(seq.num_kv_tokens, len(seq_tokens))
-            prefix_cache.register_computed(prefix_pool, seq, block_size)
+            speculator.receive(seq, result.draft_token_ids.get(seq.seq_id), length)
         error = error_kind = None
         if finish is None and seq.grammar is not None:
             finish, stop_token, error, error_kind = grammar_finish(seq, token)
         orders.append(seq.order)
         prompt = None
-        if seq.sampling.prompt_logprobs is not None and len(seq_tokens) == seq.num_prompt_tokens + 1:
+        if seq.sampling.prompt_logprobs is not None and length == seq.num_prompt_tokens + 1:
             try:  # each sample's first token carries them
                 prompt = prompt_lp.complete(seq.request)
             except prompt_lp.PromptLogprobsMismatch as exc:
@@ -148,17 +150,17 @@ def apply_samples(out: SchedulerOutput, result: StepResult, sampling_seqs: list[
     return sampled
 
 
-def accepted_tokens(out: SchedulerOutput, result: StepResult, seq: Sequence, token: int, speculator) -> list[int]:
-    """``seq``'s accepted proposals then ``token``; its computed tokens shrink to the accepted ones."""
+def accepted_tokens(out: SchedulerOutput, result: StepResult, seq: Sequence, token: int,
+                    speculator) -> tuple[list[int], int]:
+    """``seq``'s accepted proposals then ``token``, and how many proposals were rejected."""
     drafts = seq.spec.drafts
     num_accepted = result.num_accepted_tokens.get(seq.seq_id)
     if num_accepted is None or not 0 <= num_accepted <= len(drafts):
         raise StepResultMismatch(f"step {out.step}: {seq.seq_id!r} verified {len(drafts)} proposals but the "
                                  f"result accepts {num_accepted}")
-    seq.num_kv_tokens -= len(drafts) - num_accepted
     accepted = drafts[:num_accepted]
     speculator.settle(seq, num_accepted)
-    return [*accepted, token]
+    return [*accepted, token], len(drafts) - num_accepted
 
 
 def in_arrival_order(deltas: list[RequestDelta], orders: list[int]) -> list[RequestDelta]:

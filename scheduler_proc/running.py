@@ -20,21 +20,15 @@ import numpy as np
 
 from pagedserve.protocol.messages import DecodeBatch, RequestDelta
 
-from pagedserve.scheduler_proc.decode_lane import DecodeLane, lane_kind, lane_ready
+from pagedserve.scheduler_proc.decode_lane import DecodeLane, lane_ready
+from pagedserve.scheduler_proc.output_processor import finish_of
 from pagedserve.scheduler_proc.request import RUNNING, Sequence
 from pagedserve.scheduler_proc.step import StepOutputs
 
 if TYPE_CHECKING:
-    from pagedserve.scheduler_proc.block_manager import BlockManager
     from pagedserve.scheduler_proc.block_pool import BlockPool
 
 by_order = attrgetter("order")
-
-
-def is_steady_kind(seq: Sequence) -> bool:
-    """Whether ``seq`` joins the steady decodes once its next token is in (no fork, shared tail,
-    logprobs or grammar ahead), so it may sit out a step scheduled ahead (overlap.py)."""
-    return lane_kind(seq)
 
 
 class RunningSequences:
@@ -62,9 +56,6 @@ class RunningSequences:
     def num_steady_needing_blocks(self) -> int:
         return self._lane.num_needing_blocks()
 
-    def is_steady(self, seq: Sequence) -> bool:
-        return seq.lane_pos >= 0
-
     def per_object(self) -> list[Sequence]:
         """The running sequences outside the steady batch, oldest first, as a snapshot."""
         return [seq for seq in self._queue if seq.status == RUNNING and seq.lane_pos < 0]
@@ -80,21 +71,17 @@ class RunningSequences:
     def max_by(self, key) -> Sequence:
         """The running sequence with the largest ``key`` (the priority policy's victim): a scan,
         paid only when a sequence must give way."""
-        live = [seq for seq in self._queue if seq.status == RUNNING and seq.lane_pos < 0]
-        return max((*live, *self._lane.seqs), key=key)
+        return max(self, key=key)
 
-    def unsynced(self) -> list[Sequence]:
-        """Every running sequence, in no order, with the lane's counters not synced (for what
-        the request holds, such as its priority)."""
-        return [*self.per_object(), *self._lane.seqs]
+    def __iter__(self):
+        """Every running sequence, in no order, the steady ones not synced (for what the request
+        holds, such as its priority)."""
+        return iter([*self.per_object(), *self._lane.seqs])
 
     def all_synced(self) -> list[Sequence]:
         """Every running sequence, oldest first, with its state synced (tests, debugging)."""
         self._lane.sync_all()
         return sorted(self.per_object() + [s for s in self._lane.seqs if s.status == RUNNING], key=by_order)
-
-    def sync_all(self) -> None:
-        self._lane.sync_all()
 
     # ------------------------------------------------------------------ membership
 
@@ -117,13 +104,13 @@ class RunningSequences:
         if seq.is_parent:
             self._reserved_seats -= seq.request.sampling.n - 1
 
-    def preempt(self, seq: Sequence, bm: "BlockManager") -> int:
-        """Take ``seq`` out during a step; returns the decode tokens it had reserved (0 or 1)."""
+    def preempt(self, seq: Sequence) -> int:
+        """Take ``seq`` out during a step; returns the decode tokens it had reserved (0 or 1: a
+        steady decode, whose block granted this step the scheduler then gives back unwritten)."""
         if seq.is_parent:
             self._reserved_seats -= seq.request.sampling.n - 1
         if seq.lane_pos >= 0:
             self._lane.leave(seq)
-            bm.release_unused(seq)  # a block granted this step, never written
             return 1
         queue = self._queue
         if queue[-1] is seq:
@@ -141,19 +128,24 @@ class RunningSequences:
 
     # ------------------------------------------------------------------ one step
 
-    def begin_step(self, bm: "BlockManager") -> int:
-        """Blocks for the steady decodes; the decode tokens they reserve from the step's budget.
-
-        When blocks do not cover every steady decode that needs one, those leave the batch for
-        the per-object loop, which decides FCFS who gets what.
-        """
+    def begin_step(self, num_free_blocks: int) -> list[int]:
+        """The steady decodes (positions) whose next token starts a block, for the scheduler to
+        grant (``grant_steady``) when the free blocks cover them all; when not, those leave the
+        batch for the per-object loop, which decides FCFS who gets what."""
         if self._num_gone:
             self._queue = [seq for seq in self._queue if seq.status == RUNNING and seq.lane_pos < 0]
             self._num_gone = 0
-        for seq in self._lane.grant_blocks(bm):
-            self._lane.leave(seq)
+        lane = self._lane
+        needy = lane.needing_blocks()
+        if len(needy) <= num_free_blocks:
+            return needy
+        for seq in [lane.seqs[pos] for pos in needy]:
+            lane.leave(seq)
             insort(self._queue, seq, key=by_order)
-        return self._lane.n
+        return []
+
+    def grant_steady(self, needy: list[int], blocks: list[int]) -> None:
+        self._lane.grant_blocks(needy, blocks)
 
     def steady_batch(self) -> DecodeBatch:
         """The step's batch of steady decodes (after the per-object loop and admissions)."""
@@ -167,7 +159,8 @@ class RunningSequences:
 
     def record_steady(self, tokens: list[int], deltas: list[RequestDelta], orders: list[int],
                       prefix_pool: Optional["BlockPool"]) -> tuple[StepOutputs, list[Sequence], int]:
-        """The steady decodes' tokens, checked for their ends with array operations.
+        """The steady decodes' tokens, screened for their ends with array operations (a superset:
+        a stop id of any sequence, or a length limit), each candidate then asked ``finish_of``.
 
         Appends an end's delta (and its sequence's order) to ``deltas`` and ``orders``; returns
         the step's outputs, the sequences that ended (for the scheduler to retire) and how many
@@ -204,15 +197,12 @@ class RunningSequences:
         keep = np.ones(m, bool)
         ended_positions, ended = [], []
         seqs = lane.seqs
-        for row, pos in zip(gone, gone_positions):
+        for row, pos, length in zip(gone, gone_positions, new_len[gone].tolist()):
             seq = seqs[pos]
             token = tokens[row]
-            if stop_candidate is not None and stop_candidate[row] and token in seq.stop_token_ids:
-                finish, stop_token = "stop", token
-            elif at_limit[row]:
-                finish, stop_token = "length", None
-            else:
+            if (finish := finish_of(seq, token, length)) is None:
                 continue  # another sequence's stop token
+            stop_token = token if finish == "stop" else None
             keep[row] = False
             ended_positions.append(pos)
             ended.append(seq)

@@ -15,8 +15,10 @@ Each ``schedule()``:
    (A preempting step's freed blocks must not become swap-in destinations that a copy or zero
    listed in the same step would touch.)
 
-Helpers answer questions and return decisions (admission.py, output_processor.py, policy.py);
-only this class applies them to the queues and counters.
+Helpers answer questions and return decisions (admission.py, output_processor.py, policy.py,
+speculation.py); only this class applies them to the queues, sequences, blocks and counters: a
+step's plan (``StepPlan``, a record) once it is built (``_update_after_schedule``), a result's
+samples in ``_apply_samples``, as vLLM's ``_update_after_schedule`` and ``update_from_output`` do.
 """
 
 from __future__ import annotations
@@ -30,17 +32,18 @@ from typing import Optional
 from pagedserve.protocol.messages import AddRequest, RequestDelta, SchedulerOutput, StepResult
 from pagedserve.protocol.priority import QUEUE_TIMEOUT
 
-from pagedserve.scheduler_proc import admission, invariants, output_processor, overlap, prefix_cache
+from pagedserve.scheduler_proc import admission, invariants, output_processor, prefix_cache
 from pagedserve.scheduler_proc.admission import Admission, length_limit
 from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.block_pool import CacheEventLog
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.deadlines import RequestTimes, queue_timeout_message
+from pagedserve.scheduler_proc.decode_lane import lane_kind
 from pagedserve.scheduler_proc.grammar import step_bitmask
 from pagedserve.scheduler_proc.policy import policy_for
 from pagedserve.scheduler_proc.request import FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, token_array
 from pagedserve.scheduler_proc.running import RunningSequences, by_order
-from pagedserve.scheduler_proc.speculation import release_rejected, schedule_decode, spec_k_for, speculator_for
+from pagedserve.scheduler_proc.speculation import spec_k_for, speculator_for
 from pagedserve.scheduler_proc.stats import SchedulerCounters, snapshot
 from pagedserve.scheduler_proc.step import SchedulerStateError, StepOutputs, StepPlan
 
@@ -181,11 +184,8 @@ class Scheduler:
         output_processor.check_result(out, result, len(sampling))
         self.in_flight.pop(0)
         pool = self.bm.device if self.config.enable_prefix_caching else None
-        sampled = output_processor.apply_samples(out, result, sampling, others, pool, self.block_size, self.speculator)
-        release_rejected(self.bm, sampled.drafted)
-        for seq in sampled.ended:
-            self.running.discard(seq)
-            self._retire(seq)
+        sampled = output_processor.read_samples(out, result, sampling, others, self.speculator)
+        self._apply_samples(sampled, pool)
         deltas = sampled.deltas
         num_accepted = sampled.num_accepted
         if out.decodes.req_ids:
@@ -209,6 +209,32 @@ class Scheduler:
             self.check_invariants()
         return outputs
 
+    def _apply_samples(self, sampled: output_processor.Sampled, pool) -> None:
+        """A step's per-object samples applied in one place: their tokens appended, the KV and the
+        blocks of rejected proposals given back, full blocks named in the prefix cache, the ended
+        retired."""
+        block_size = self.block_size
+        if pool is not None:  # ended embedding requests' blocks outlive them (last-token pooling hits them)
+            for seq in sampled.ended:
+                if seq.request.pooling is not None:
+                    prefix_cache.register_computed(pool, seq, block_size)
+        verified = []
+        for seq, tokens, rejected in sampled.appended:
+            seq.token_ids.extend(tokens)
+            if rejected is not None:
+                seq.num_kv_tokens -= rejected
+                verified.append(seq)
+            if pool is not None and seq.num_kv_tokens // block_size > len(seq.block_keys):
+                # after the append: an accepted proposal's block holds tokens sampled only now
+                seq.num_kv_tokens = min(seq.num_kv_tokens, len(seq.token_ids))
+                prefix_cache.register_computed(pool, seq, block_size)
+        for seq in verified:  # the workers drop the same blocks (protocol/step_state.py, note_accepted)
+            self.bm.release_unused(seq)
+            seq.num_blocks_sent = min(seq.num_blocks_sent, len(seq.block_ids))
+        for seq in sampled.ended:
+            self.running.discard(seq)
+            self._retire(seq)
+
     def check_invariants(self, out: Optional[SchedulerOutput] = None) -> None:  # O(blocks + tokens)
         invariants.check(self, out)  # every step only with debug_invariants; ``out``: the step built
 
@@ -225,8 +251,43 @@ class Scheduler:
         return self._step
 
     def can_schedule_ahead(self) -> bool:
-        """Whether the next step may be scheduled before the result of the one out (overlap.py)."""
-        return overlap.can_schedule_ahead(self) and self.policy.victim_for_waiting(self) is None
+        """Async scheduling's rule: whether the next step may go out before the result of the one out.
+
+        Overlapped scheduling covers the steady state of plain decodes; everything else waits for
+        the result (docs/DECISIONS.md). Ahead is allowed when exactly one step is out, no waiting
+        sequence outranks a running one (its victim would be chosen with a token in flight), and:
+
+        1. every sequence sampling in it is a steady decode (running.py), so no token a per-object
+           sequence needs is unknown; except sequences that sit the step ahead out: grammar-constrained
+           ones (never steady; their mask needs the token still in flight, so they wait for it, vLLM's
+           choice) and ones sampling their way into the steady batch (a prompt's first token), which
+           join it when their token arrives, while the step ahead is out (``lane_kind``); with no
+           steady decode to overlap, nobody waits for nothing;
+        2. the free blocks cover every block the running sequences can ask for, so the step
+           preempts nothing: no in-flight sequence is swapped or recomputed with a token still
+           unknown, and no steady decode leaves the batch for the per-object path while its token is
+           in flight.
+
+        Sequences with nothing to compute until the result arrives (a parent about to fork) simply
+        sit the step out. A steady decode that ends meanwhile holds nothing back: the batch out
+        that computes a token past its end drops it (running.py).
+        """
+        if len(self.in_flight) != 1:
+            return False
+        sampling, running, bm = self.in_flight[0][1], self.running, self.bm
+        if sampling and not running.num_steady:  # only the ones sampling would run, and they sit it out
+            return False
+        if any(seq.grammar is None and not lane_kind(seq) for seq in sampling):
+            return False  # one that would not join the steady batch keeps its every-step decode by being waited for
+        free = bm.device.num_free - running.num_steady_needing_blocks()
+        budget = self.config.max_num_batched_tokens
+        for seq in running.per_object():  # rule 2: an upper bound on what the per-object loop can take
+            if free < 0:
+                return False
+            remaining = seq.target_len - seq.num_kv_tokens
+            if remaining > 0:
+                free -= bm.num_new_blocks(seq, min(remaining, budget))
+        return free >= 0 and self.policy.victim_for_waiting(self) is None
 
     def schedule(self, now: Optional[float] = None) -> SchedulerOutput:
         """One step; ``now``: its clock (default: ``self.clock()``), recorded in the output."""
@@ -237,9 +298,11 @@ class Scheduler:
         self._step += 1
         self._end_past_limits(self.clock() if now is None else now)
         batch = StepPlan(self.config.max_num_batched_tokens)
-        if not self.in_flight:  # no victim while a step out may hold its token (overlap.py, rule 2)
+        if not self.in_flight:  # no victim while a step out may hold its token (can_schedule_ahead, rule 2)
             self._make_way_for_waiting(batch)
-        batch.budget -= self.running.begin_step(self.bm)  # every steady decode runs: its token comes first
+        if needy := self.running.begin_step(self.bm.device.num_free):
+            self.running.grant_steady(needy, self.bm.take_blocks_to_write(len(needy)))
+        batch.budget -= self.running.num_steady  # every steady decode runs: its token comes first
         self._schedule_running(batch)
         if not batch.preempted:
             self._start_swapped_and_waiting(batch)
@@ -267,8 +330,12 @@ class Scheduler:
             if seq.status != RUNNING:
                 continue  # preempted for an older sequence earlier in this step
             if seq.is_decode:
-                if self._make_room(seq, 1, batch):  # later: a bound on the decodes still to come
-                    schedule_decode(self.speculator, seq, self.bm, batch, later=len(queue) - i - 1)
+                if self._make_room(seq, 1, batch):  # its one token's block is free; proposals take what is spare
+                    later = len(queue) - i - 1  # a bound on the decodes still to come
+                    drafts = (self.speculator.propose(seq, self.bm, batch.budget - 1 - later, later)
+                              if seq.spec is not None else ())
+                    self.bm.append_slots(seq, 1 + len(drafts))
+                    batch.add(seq, 1, drafts)
                 if later_decodes is not None:
                     later_decodes -= 1
                 continue
@@ -302,7 +369,9 @@ class Scheduler:
         """Take a running sequence off the device, by swap or by recompute."""
         if batch.holds(seq):  # un-scheduling a victim is not supported (FCFS's newest never is one)
             raise SchedulerStateError(f"the policy chose {seq.seq_id!r}, already scheduled this step, as a victim")
-        batch.budget += self.running.preempt(seq, self.bm)
+        if self.running.preempt(seq):  # a steady decode: its reserved token back, and a block granted unwritten
+            batch.budget += 1
+            self.bm.release_unused(seq)
         batch.preempted = True
         seq.num_preemptions += 1
         if seq.worker_knows:
@@ -376,7 +445,20 @@ class Scheduler:
                     self.bm.append_slots(child, 1)
                     batch.add(child, 1)
 
+    def _update_after_schedule(self, batch: StepPlan) -> None:
+        """The plan applied to its sequences in one place: the tokens each computes (its proposals
+        counted until their result says which stay), and what the workers now hold of it."""
+        drafts = batch.drafts
+        for seq, num_tokens in batch.scheduled:
+            seq.num_kv_tokens += num_tokens
+            seq.num_tokens_sent = len(seq.token_ids)
+            seq.num_blocks_sent = len(seq.block_ids)
+            seq.worker_knows = True
+            if drafts and seq.seq_id in drafts:
+                seq.spec.drafts = drafts[seq.seq_id]
+
     def _finish_step(self, batch: StepPlan) -> SchedulerOutput:
+        self._update_after_schedule(batch)
         decodes = self.running.steady_batch()
         zero, copies = self.bm.drain()
         finished, self.finished_ids = self.finished_ids, []

@@ -4,7 +4,7 @@ sequence's proposals are worth against it.
 A proposal pays only when the tokens it is expected to add outweigh the rows it adds to the
 step. Neither is known up front: how much a row costs depends on the model, the device, the
 batch and on what speculation switches off (a step holding proposals is not overlapped,
-overlap.py), and how often a sequence's proposals are right depends on the sequence. So both
+Scheduler.can_schedule_ahead), and how often a sequence's proposals are right depends on the sequence. So both
 are measured as the engine runs:
 
 - **Cost:** the time between one step's clock (``SchedulerOutput.now_s``) and the next is

@@ -12,7 +12,8 @@ same room, ``max_tokens``, cache and backoff rules, so every worker of a tensor-
 and a replayed trace verify exactly the same ones.
 
 One step of a speculating sequence: a plain decode (its newest token) followed by up to k
-proposals, with slots for all k + 1 reserved from the block manager (check, then commit).
+proposals; ``propose`` only asks the block manager (check), and the scheduler takes the slots
+for all of them (commit).
 Proposals never preempt: they take only the blocks no later sequence of the step may need,
 and shrink or vanish when the cache is tight. The workers score the k + 1 positions in one
 forward, accept a prefix of the proposals and sample one more token; the scheduler then takes
@@ -24,7 +25,7 @@ per accepted token; switched off instead, the simplest correct choice) and no gr
 mask per proposed position would need the matcher advanced through every proposal and rolled
 back on rejection; switched off, the simplest correct choice). Such a sequence stays out of
 the decode lane while it speculates, so a step holding one is never scheduled ahead
-(overlap.py): async scheduling is off for those steps, on again once no sequence speculates.
+(``Scheduler.can_schedule_ahead``): async scheduling is off for those steps, on again once no sequence speculates.
 
 Backoff, per sequence, by expected gain (spec_cost.py): the steps' recorded clock gives what
 a verification position costs against a plain decode (``rho``), the sequence's verifications
@@ -189,11 +190,11 @@ class Speculator:
         if spec.proposed >= GIVE_UP_AFTER and spec.accepted < GIVE_UP_BELOW * spec.proposed:
             spec.off = True
 
-    def receive(self, seq: "Sequence", drafts: Optional[list[int]]) -> None:
-        """draft_model: the draft's proposals after ``seq``'s sample, just appended."""
+    def receive(self, seq: "Sequence", drafts: Optional[list[int]], length: int) -> None:
+        """draft_model: the draft's proposals after ``seq``'s sample, once it holds ``length`` tokens."""
         spec = seq.spec
         spec.worker_drafts = drafts[:self.k] if drafts else []
-        spec.worker_drafts_at = len(seq.token_ids)
+        spec.worker_drafts_at = length
 
     def _wanted_drafts(self, batch, none: bool) -> dict[str, int]:
         """draft_model: every entry of a sequence still speculating goes through the worker's draft
@@ -243,23 +244,3 @@ def spec_k_for(speculator: Optional[Speculator], msg, compiled_grammar) -> int:
     if speculator is None or msg.sampling.logprobs or compiled_grammar is not None or not speculator.worth_starting():
         return 0
     return speculator.k
-
-
-def schedule_decode(speculator: Optional[Speculator], seq: "Sequence", bm: "BlockManager", batch,
-                    later: int) -> None:
-    """``seq``'s decode, with proposals when it speculates (its one token's block is free)."""
-    drafts = speculator.propose(seq, bm, batch.budget - 1 - later, later) if seq.spec is not None else None
-    if drafts:
-        bm.append_slots(seq, 1 + len(drafts))
-        batch.add_drafted(seq, drafts)
-    else:
-        bm.append_slots(seq, 1)
-        batch.add_decode(seq)
-
-
-def release_rejected(bm: "BlockManager", drafted: list["Sequence"]) -> None:
-    """The blocks that held only rejected proposals go back to the pool in the same update."""
-    for seq in drafted:
-        bm.release_unused(seq)  # a sequence that ended holds nothing: nothing to release
-        # the workers drop the same blocks (protocol/step_state.py, note_accepted)
-        seq.num_blocks_sent = min(seq.num_blocks_sent, len(seq.block_ids))

@@ -85,7 +85,7 @@ def snapshot(sched: "Scheduler") -> dict:
     by_priority = sched.policy.name in POLICIES_WITH_PRIORITY  # under the others every priority is 0
     priority = lambda seq: seq.request.priority  # noqa: E731
     tenant = lambda seq: seq.request.tenant  # noqa: E731
-    running = sched.running.unsynced()
+    running = list(sched.running)
     return {
         "scheduling_policy": sched.policy.name,
         "num_waiting_by_priority": _count(sched.waiting, priority) if by_priority else {},

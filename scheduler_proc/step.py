@@ -9,7 +9,7 @@ from pagedserve.protocol.messages import CachedRequestData, NewRequestData, Requ
 from pagedserve.scheduler_proc import prompt_logprobs as prompt_lp
 from pagedserve.scheduler_proc.request import Sequence
 
-_NO_BLOCKS: list[int] = []  # shared by every CachedRequestData without new blocks; never mutated
+_NO_BLOCKS: list[int] = []  # shared by every CachedRequestData without new blocks (and no drafts); never mutated
 
 
 class SchedulerStateError(RuntimeError):
@@ -17,9 +17,11 @@ class SchedulerStateError(RuntimeError):
 
 
 class StepPlan:
-    """The batch one ``schedule()`` builds: what each sequence computes, and the cache moves."""
+    """The batch one ``schedule()`` builds, as a record: what each sequence computes, the wire
+    entries for it, and the cache moves. Planning changes no sequence: the scheduler applies the
+    plan once it is built (``Scheduler._update_after_schedule``)."""
 
-    __slots__ = ("budget", "new", "cached", "sampling_new", "sampling_cached", "others",
+    __slots__ = ("budget", "new", "cached", "sampling_new", "sampling_cached", "others", "scheduled",
                  "swap_out", "swap_in", "preempted", "num_recomputed", "drafts")
 
     def __init__(self, token_budget: int):
@@ -32,66 +34,42 @@ class StepPlan:
         self.sampling_new: list = []
         self.sampling_cached: list = []
         self.others: list = []
+        self.scheduled: list[tuple[Sequence, int]] = []  # (sequence, tokens its KV gains), in planning order
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
         self.preempted = False
         self.num_recomputed = 0  # tokens computed again after a recompute-preemption
         self.drafts: dict[str, list[int]] = {}  # speculative proposals by sequence id (speculation.py)
 
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        """``seq`` computes ``num_tokens`` tokens from its ``num_kv_tokens`` this step (its blocks granted)."""
+    def add(self, seq: Sequence, num_tokens: int, drafts: list[int] = _NO_BLOCKS) -> None:
+        """``seq`` computes ``num_tokens`` tokens from its ``num_kv_tokens`` this step, then its
+        proposals ``drafts`` (a decode that speculates), its blocks granted for all of them."""
         computed = seq.num_kv_tokens
         if seq.recompute_until > computed:
             self.num_recomputed += min(seq.recompute_until, computed + num_tokens) - computed
-        seq.num_kv_tokens = computed + num_tokens
-        self.budget -= num_tokens
-        samples = computed + num_tokens == len(seq.token_ids) and seq.request.pooling is None
+        self.budget -= num_tokens + len(drafts)
+        self.scheduled.append((seq, num_tokens + len(drafts)))
+        if drafts:
+            self.drafts[seq.seq_id] = drafts
+        tokens = seq.token_ids
+        samples = computed + num_tokens == len(tokens) and seq.request.pooling is None
         if seq.worker_knows:
-            self.cached.append(CachedRequestData(
-                seq.seq_id, seq.token_ids[seq.num_tokens_sent:].tolist(), seq.block_ids[seq.num_blocks_sent:],
-                computed, num_tokens, samples))
+            sent = seq.num_tokens_sent
+            blocks, blocks_sent = seq.block_ids, seq.num_blocks_sent
+            self.cached.append(CachedRequestData(  # a decode's diff without slicing: its one new token
+                seq.seq_id, [tokens[sent]] if sent == len(tokens) - 1 else tokens[sent:].tolist(),
+                _NO_BLOCKS if blocks_sent == len(blocks) else blocks[blocks_sent:], computed, num_tokens, samples))
             (self.sampling_cached if samples else self.others).append(seq)
         else:
             self.new.append(NewRequestData(
-                seq.seq_id, seq.token_ids.tolist(), seq.num_prompt_tokens, list(seq.block_ids),
+                seq.seq_id, tokens.tolist(), seq.num_prompt_tokens, list(seq.block_ids),
                 computed, num_tokens, prompt_lp.sampling_to_send(seq.request, seq.sampling), samples,
                 seq.request.pooling, sorted(seq.stop_token_ids) if seq.sampling.min_tokens else []))
-            seq.worker_knows = True
             (self.sampling_new if samples else self.others).append(seq)
-        seq.num_tokens_sent = len(seq.token_ids)
-        seq.num_blocks_sent = len(seq.block_ids)
 
     def holds(self, seq: Sequence) -> bool:
         """Whether ``seq`` is already in this batch as a per-object entry (O(batch): for preemptions only)."""
-        return any(s is seq for s in (*self.sampling_new, *self.sampling_cached, *self.others))
-
-    def add_decode(self, seq: Sequence) -> None:
-        """``add(seq, 1)`` for a decode the workers hold: its one new token, without slicing."""
-        computed = seq.num_kv_tokens
-        if seq.recompute_until > computed or not seq.worker_knows or seq.request.pooling is not None:
-            self.add(seq, 1)  # a pooling request's last prompt token: computed, not sampled
-            return
-        blocks = seq.block_ids
-        sent = seq.num_blocks_sent
-        new_blocks = _NO_BLOCKS if sent == len(blocks) else blocks[sent:]
-        tokens = seq.token_ids
-        sent = seq.num_tokens_sent
-        new_tokens = [tokens[computed]] if sent == computed else tokens[sent:].tolist()
-        self.cached.append(CachedRequestData(seq.seq_id, new_tokens, new_blocks, computed, 1, True))
-        self.sampling_cached.append(seq)
-        self.budget -= 1
-        seq.num_kv_tokens = computed + 1
-        seq.num_tokens_sent = computed + 1
-        seq.num_blocks_sent = len(blocks)
-
-    def add_drafted(self, seq: Sequence, drafts: list[int]) -> None:
-        """``add_decode`` followed by ``drafts`` (its slots granted): the step computes them too
-        and samples after each; ``num_kv_tokens`` counts them until the result says which stay."""
-        self.add_decode(seq)
-        seq.num_kv_tokens += len(drafts)
-        self.budget -= len(drafts)
-        self.drafts[seq.seq_id] = drafts
-        seq.spec.drafts = drafts
+        return any(s is seq for s, _ in self.scheduled)
 
 
 class StepOutputs:

@@ -14,6 +14,12 @@ traced Python memory and RSS growth between an early and the final sample.
     python bench/scripts/scheduler_bench.py --soak --steps 100000
     python bench/scripts/scheduler_bench.py --policies   # each --scheduling-policy at 1,024 running
 
+``--nano-vllm DIR``: the same steady decodes through nano-vllm's scheduler and block manager (a
+checkout's ``nanovllm/engine/``; needs ``xxhash``), block 256 (the only size it takes), which
+always names full blocks for its prefix cache: its row sits beside ours at block 256, prefix on.
+
+    python bench/scripts/scheduler_bench.py --nano-vllm /tmp/nano-vllm --block-sizes 256
+
 ``--policies``: the steady-decode cost under each scheduling policy, 1,024 running, block 16,
 prefix cache off; requests alternate between two tenants and two priorities (0 under fcfs and
 fair), and under deadline each carries a deadline_s (none due).
@@ -22,11 +28,14 @@ fair), and under deadline each carries a deadline_s (none due).
 from __future__ import annotations
 
 import argparse
-import statistics
 import gc
+import importlib.util
 import random
+import statistics
+import sys
 import time
 import tracemalloc
+import types
 
 import psutil
 
@@ -95,6 +104,14 @@ def steady_decode_cost(num_seqs: int, block_size: int, prefix: bool, steps: int,
         out = sched.schedule()
         sched.update_from_output(out, driver.step(out))
     assert sched.stats()["num_running"] == num_seqs
+    costs = timed_steps(sched.schedule, driver.step, sched.update_from_output, steps, num_seqs)
+    assert sched.stats()["num_preemptions_recompute"] == 0
+    return costs
+
+
+def timed_steps(schedule, fabricate, update, steps: int, num_seqs: int) -> tuple[float, float]:
+    """Microseconds per sequence per step of ``out = schedule()`` and ``update(out, fabricate(out))``
+    (the fabrication not timed): ``steps`` with the collector as it is, then ``steps`` with it paused."""
     costs = []
     for collect in (True, False):
         gc.collect()
@@ -103,22 +120,55 @@ def steady_decode_cost(num_seqs: int, block_size: int, prefix: bool, steps: int,
         elapsed = 0.0
         for _ in range(steps):
             start = time.perf_counter()
-            out = sched.schedule()
+            out = schedule()
             mid = time.perf_counter()
-            result = driver.step(out)
+            result = fabricate(out)
             resume = time.perf_counter()
-            sched.update_from_output(out, result)
+            update(out, result)
             elapsed += (mid - start) + (time.perf_counter() - resume)
         gc.enable()
         costs.append(elapsed / steps / num_seqs * 1e6)
-    assert sched.stats()["num_preemptions_recompute"] == 0
     return costs[0], costs[1]
 
 
 SIZES = (256, 1024, 4096)
 
 
-def table(steps: int, runs: int) -> None:
+def load_nano_vllm(root: str):
+    """nano-vllm's Scheduler class from a checkout, without its package (torch, the model runner)."""
+    for name in ("nanovllm", "nanovllm.engine"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    config = sys.modules["nanovllm.config"] = types.ModuleType("nanovllm.config")
+    config.Config = types.SimpleNamespace
+    for name in ("sampling_params", "engine.sequence", "engine.block_manager", "engine.scheduler"):
+        spec = importlib.util.spec_from_file_location(f"nanovllm.{name}", f"{root}/nanovllm/{name.replace('.', '/')}.py")
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["nanovllm.engine.scheduler"].Scheduler, sys.modules["nanovllm.engine.sequence"].Sequence
+
+
+def nano_decode_cost(nano, num_seqs: int, steps: int, warmup: int = 50) -> tuple[float, float]:
+    """``steady_decode_cost`` for nano-vllm: ``schedule()`` + ``postprocess()`` at block 256."""
+    scheduler_class, sequence_class = nano
+    params = sys.modules["nanovllm.sampling_params"].SamplingParams
+    rng = random.Random(0)
+    max_len = 1024 + 2 * steps + warmup + 64
+    block_size = 256
+    sched = scheduler_class(types.SimpleNamespace(
+        max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * 1100, eos=-1, kvcache_block_size=block_size,
+        num_kvcache_blocks=num_seqs * (-(-max_len // block_size)) + 16))
+    for _ in range(num_seqs):
+        sched.add(sequence_class(rng.choices(_TOKENS, k=rng.randint(100, 1024)),
+                                 params(max_tokens=2 * steps + warmup + 32)))
+    for _ in range(3 + warmup):
+        seqs, is_prefill = sched.schedule()
+        sched.postprocess(seqs, [TOKEN] * len(seqs), is_prefill)
+    assert len(sched.running) == num_seqs and not sched.waiting
+    return timed_steps(sched.schedule, lambda out: [TOKEN] * len(out[0]),
+                       lambda out, tokens: sched.postprocess(out[0], tokens, out[1]), steps, num_seqs)
+
+
+def table(steps: int, runs: int, block_sizes=(16, 256), nano_root=None) -> None:
     # Runs of one configuration swing by up to 1.5x on a shared machine (heap layout, other
     # load): the sizes are measured in turn, ``runs`` times, and each cell is a median.
     print("us per running sequence per step (schedule + update_from_output), "
@@ -126,19 +176,30 @@ def table(steps: int, runs: int) -> None:
     print("| running | block size | prefix cache | default gc | gc paused |")
     print("|--------:|-----------:|:------------:|-----------:|----------:|")
     results = {}
-    for block_size in (16, 256):
+    nano = load_nano_vllm(nano_root) if nano_root else None
+    for block_size in block_sizes:
         for prefix in (False, True):
             samples = {n: [] for n in SIZES}
+            nano_samples = {n: [] for n in SIZES}
             for _ in range(runs):
                 for num_seqs in SIZES:
                     samples[num_seqs].append(steady_decode_cost(num_seqs, block_size, prefix, steps))
+                    if nano and block_size == 256 and prefix:  # in turn with ours, so load drifts alike
+                        nano_samples[num_seqs].append(nano_decode_cost(nano, num_seqs, steps))
             for num_seqs in SIZES:
                 cost = statistics.median(on for on, _ in samples[num_seqs])
                 paused = statistics.median(off for _, off in samples[num_seqs])
                 results[(num_seqs, block_size, prefix)] = (cost, paused)
                 print(f"| {num_seqs:7d} | {block_size:10d} | {'on' if prefix else 'off':^12} | {cost:10.3f} "
                       f"| {paused:9.3f} |", flush=True)
-    for block_size in (16, 256):
+            for num_seqs in SIZES if nano_samples[SIZES[0]] else ():
+                cost = statistics.median(on for on, _ in nano_samples[num_seqs])
+                paused = statistics.median(off for _, off in nano_samples[num_seqs])
+                ours = results[(num_seqs, block_size, prefix)]
+                results[("nano", num_seqs)] = (cost, paused)
+                print(f"| {num_seqs:7d} | nano-vllm {block_size:3d} | {'on':^12} | {cost:10.3f} | {paused:9.3f} | "
+                      f"nano / ours: {cost / ours[0]:.2f}x, {paused / ours[1]:.2f}x", flush=True)
+    for block_size in block_sizes:
         for prefix in (False, True):
             (big, big_paused), (mid, mid_paused) = results[(4096, block_size, prefix)], results[(1024, block_size, prefix)]
             print(f"step cost 4096 vs 1024 (block {block_size}, prefix {'on' if prefix else 'off'}): "
@@ -208,13 +269,15 @@ def main() -> None:
     parser.add_argument("--tracemalloc", action="store_true",
                         help="soak: also trace Python allocations (about 2x slower; its own bookkeeping adds RSS)")
     parser.add_argument("--policies", action="store_true", help="the cost under each --scheduling-policy")
+    parser.add_argument("--nano-vllm", metavar="DIR", help="also nano-vllm's scheduler, from this checkout")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 256], help="block sizes of the table")
     args = parser.parse_args()
     if args.policies:
         policies(args.steps or 400, args.runs)
     elif args.soak:
         soak(args.steps or 100_000, args.concurrency, args.tracemalloc)
     else:
-        table(args.steps or 400, args.runs)
+        table(args.steps or 400, args.runs, tuple(args.block_sizes), args.nano_vllm)
 
 
 if __name__ == "__main__":

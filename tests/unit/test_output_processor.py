@@ -116,3 +116,39 @@ def test_parallel_samples_fork_after_their_prompt_even_when_an_earlier_prompt_wa
     sched.update_from_output(out, worker.step(out))
     run_until_done(sched, worker)
     assert_all_blocks_free(sched)
+
+
+def test_reading_a_result_changes_no_sequence_until_the_scheduler_applies_it():
+    """One writer: ``read_samples`` decides (tokens kept, ends, deltas) and only the scheduler appends."""
+    from pagedserve.scheduler_proc.output_processor import read_samples
+
+    sched, worker = make(scripted(7, EOS))
+    sched.add_request(request("r", [4, 5, 6], max_tokens=10))
+    out = sched.schedule()
+    seq = sched.requests["r"].sequences[0]
+    assert (list(seq.token_ids), seq.num_kv_tokens) == ([4, 5, 6], 3)  # the plan applied once built
+    result = worker.step(out)
+    sampled = read_samples(out, result, [seq], [])
+    assert [(s, tokens) for s, tokens, _ in sampled.appended] == [(seq, [7])] and not sampled.ended
+    assert list(seq.token_ids) == [4, 5, 6]  # decided, not yet applied
+    sched.update_from_output(out, result)
+    assert list(seq.token_ids) == [4, 5, 6, 7]
+
+
+def test_planning_a_step_changes_no_sequence_until_the_scheduler_applies_the_plan():
+    """One writer: ``StepPlan.add`` records the wire entry; the counters move in ``_finish_step``."""
+    from pagedserve.scheduler_proc.step import StepPlan
+
+    sched, worker = make(counting_tokens())
+    sched.add_request(request("r", [4, 5, 6], max_tokens=10))
+    out = sched.schedule()
+    sched.update_from_output(out, worker.step(out))  # one token sampled: a decode the workers hold
+    seq = sched.requests["r"].sequences[0]
+    before = (seq.num_kv_tokens, seq.num_tokens_sent, seq.num_blocks_sent, seq.worker_knows, list(seq.token_ids))
+    plan = StepPlan(100)
+    plan.add(seq, 1)
+    assert (seq.num_kv_tokens, seq.num_tokens_sent, seq.num_blocks_sent, seq.worker_knows,
+            list(seq.token_ids)) == before
+    [entry] = plan.cached
+    assert (entry.new_token_ids, entry.num_computed_tokens, entry.num_scheduled_tokens) == ([seq.token_ids[-1]], 3, 1)
+    assert plan.scheduled == [(seq, 1)] and plan.budget == 99

@@ -37,7 +37,7 @@ def run(config: SchedulerConfig, workload, ahead: bool):
     counters = lambda: dict(getattr(sched.policy, "counters", {}))  # noqa: E731
 
     def spy_preempt(seq, batch):
-        preemptions.append((seq, list(sched.running.unsynced()), counters()))
+        preemptions.append((seq, list(sched.running), counters()))
         preempt(seq, batch)
 
     def spy_admit(plan, batch):

@@ -36,7 +36,7 @@ def run(config: SchedulerConfig, workload, ahead: bool) -> tuple[Scheduler, dict
     preempt = sched._preempt
 
     def spy(seq, batch):
-        preemptions.append((_key(seq), [_key(s) for s in sched.running.unsynced()]))
+        preemptions.append((_key(seq), [_key(s) for s in sched.running]))
         preempt(seq, batch)
 
     sched._preempt = spy
