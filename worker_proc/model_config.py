@@ -101,7 +101,12 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
 
     from pagedserve.worker_proc.models.family import family_of
 
-    arch = check_model_config(model_dir)
+    try:
+        arch = check_model_config(model_dir)
+    except UnsupportedModelError:
+        raise
+    except ModelConfigError as exc:  # the worker's callers catch one type, whoever found the fault
+        raise UnsupportedModelError(str(exc)) from None
     config_bytes = config_identity(Path(model_dir) / "config.json")  # transformers_version is not the model
     config = AutoConfig.from_pretrained(str(model_dir))
     family = family_of(arch)

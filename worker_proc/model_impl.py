@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.protocol.model_architectures import ARCHITECTURES, ModelConfigError, read_model_config
 from pagedserve.protocol.options import MODEL_IMPLS
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError, load_model_spec
 
@@ -34,9 +35,9 @@ def select_implementation(model_dir: str | Path, model_impl: str = "auto") -> Mo
     if model_impl != "transformers":
         try:
             spec = load_model_spec(model_dir)
-        except UnsupportedModelError as exc:
-            if model_impl == "native":
-                raise
+        except ModelConfigError as exc:  # UnsupportedModelError, or the registry's own check
+            if model_impl == "native" or _names_a_native_family(model_dir):
+                raise  # a native family's config that breaks its own rules: no other implementation fixes that
             native_refusal = exc
         else:
             from pagedserve.worker_proc.models import MODEL_CLASSES
@@ -51,3 +52,11 @@ def select_implementation(model_dir: str | Path, model_impl: str = "auto") -> Mo
             raise
         raise UnsupportedModelError(f"natively: {native_refusal}; by the transformers backend: {exc}") from None
     return ModelImplementation(spec, TransformersCausalLM, f"transformers backend ({spec.architecture})")
+
+
+def _names_a_native_family(model_dir: str | Path) -> bool:
+    try:
+        named = read_model_config(model_dir).get("architectures") or []
+    except ModelConfigError:
+        return False
+    return any(a in ARCHITECTURES for a in named if isinstance(a, str))

@@ -44,13 +44,19 @@ def test_every_registered_architecture_names_a_family_file_that_declares_it():
 
 
 def test_an_unsupported_architecture_is_refused_in_one_line_naming_every_supported_one(model_copy):
+    """Natively (the workers' check, and serve's with --model-impl native). With auto, GPT-2 goes to
+    the transformers backend; a name transformers does not know either is refused by serve as well."""
     model = rewrite_config(model_copy("qwen2"), architectures=["GPT2LMHeadModel"], model_type="gpt2")
-    for refuse in (check_model_config, load_model_spec, lambda m: ServeConfig(model=str(m))):
+    for refuse in (check_model_config, load_model_spec, lambda m: ServeConfig(model=str(m), model_impl="native")):
         with pytest.raises((ModelConfigError, ConfigError)) as caught:
             refuse(model)
         message = str(caught.value)
         assert "\n" not in message and "GPT2LMHeadModel" in message and "is not supported" in message
         assert all(arch in message for arch in ARCHITECTURES)
+    assert ServeConfig(model=str(model)).model_impl == "auto"  # the backend probes it at start
+    unknown = rewrite_config(model, architectures=["NoSuchModelForCausalLM"])
+    with pytest.raises(ConfigError, match="NoSuchModelForCausalLM.*no causal LM of transformers"):
+        ServeConfig(model=str(unknown))
 
 
 @pytest.mark.parametrize("changes, named", [

@@ -25,7 +25,7 @@ def test_an_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_pa
     config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError) as refused:
-        ModelRunner(str(tmp_path))
+        ModelRunner(str(tmp_path), model_impl="native")
     message = str(refused.value)
     assert "GPT2LMHeadModel" in message
     for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):

@@ -35,10 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.protocol.model_identity import config_identity
 from pagedserve.worker_proc.attention import attend
 from pagedserve.worker_proc.elementwise import TorchElementwise
 from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
+from pagedserve.worker_proc.models.family import Family
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 
 ATTENTION_NAME = "pagedserve_paged"
@@ -97,13 +99,14 @@ def load_backend_spec(model_dir: str | Path) -> ModelSpec:
         if len(layer_types) == num_layers and window else (None,) * num_layers
     return ModelSpec(
         architecture=arch,
-        model_id=f"{arch}:{hashlib.sha256(config_path.read_bytes()).hexdigest()[:16]}:transformers",
+        model_id=f"{arch}:{hashlib.sha256(config_identity(config_path)).hexdigest()[:16]}:transformers",
         hidden_size=hidden, intermediate_size=_largest(_read(config, "intermediate_size")) or 4 * hidden,
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         vocab_size=int(config.vocab_size), rms_norm_eps=0.0, qkv_bias=False, o_bias=False, mlp_bias=False,
-        qk_norm=False, tie_word_embeddings=bool(_read(config, "tie_word_embeddings")),
+        tie_word_embeddings=bool(_read(config, "tie_word_embeddings")),
         max_position_embeddings=int(_read(config, "max_position_embeddings") or 2048),
-        layer_sliding_windows=windows, hf_config=config)
+        layer_sliding_windows=windows, hf_config=config,
+        family=Family())  # transformers' own modules load the checkpoint: no names of ours
 
 
 def _read(config: Any, name: str) -> Any:
