@@ -19,14 +19,17 @@ from support.server import Server
 
 pytestmark = pytest.mark.slow
 
-ARGS = ["--num-gpu-blocks", "128", "--max-model-len", "512", "--max-num-batched-tokens", "128",
+# A stream of LONG tokens holds the one seat for seconds on any CPU: 450 took half a second on an idle
+# Zen 5, shorter than the limits these tests wait out.
+LONG = 4000
+ARGS = ["--num-gpu-blocks", "640", "--max-model-len", "4096", "--max-num-batched-tokens", "128",
         "--debug-invariants", "--max-num-seqs", "1", "--scheduling-policy", "fair", "--tenant-header", "x-tenant",
         "--max-queue-time-s", "60", "--served-model-name", "m"]
 
 
 @pytest.fixture(scope="module")
 def server(model_factory, tmp_path_factory):
-    srv = Server(model_factory("qwen2"), ARGS).start(tmp_path_factory.mktemp("deadlines"))
+    srv = Server(model_factory("qwen2", max_position_embeddings=4096), ARGS).start(tmp_path_factory.mktemp("deadlines"))
     yield srv
     srv.stop()
 
@@ -35,7 +38,7 @@ def client(srv: Server, api_key: str = "none") -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
-def _hold_the_seat(srv: Server, max_tokens: int = 450) -> tuple[threading.Thread, list]:
+def _hold_the_seat(srv: Server, max_tokens: int = LONG) -> tuple[threading.Thread, list]:
     """A stream that takes the one seat; returns its thread and [time of its first chunk]."""
     first = [None]
 
@@ -73,7 +76,7 @@ def test_a_request_past_its_queue_time_gets_503_with_retry_after_before_any_byte
 
 def test_a_queue_timeout_after_streaming_began_ends_with_abort_an_error_event_and_done(server):
     # two prompts, one seat: the first streams while the second waits past its limit
-    body = {"model": "m", "prompt": ["the first prompt", "the second prompt"], "max_tokens": 450, "stream": True,
+    body = {"model": "m", "prompt": ["the first prompt", "the second prompt"], "max_tokens": LONG, "stream": True,
             "ignore_eos": True, "max_queue_time_s": 0.5}
     events = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
@@ -96,12 +99,12 @@ def test_a_queue_timeout_after_streaming_began_ends_with_abort_an_error_event_an
 def test_a_deadline_ends_a_stream_with_length_and_the_tokens_so_far(server):
     started = time.monotonic()
     chunks = list(client(server).completions.create(
-        model="m", prompt="a long story", max_tokens=480, stream=True,
+        model="m", prompt="a long story", max_tokens=LONG, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "deadline_s": 0.5}))
     assert time.monotonic() - started < 10
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["length"]
-    assert 0 < chunks[-1].usage.completion_tokens < 480
+    assert 0 < chunks[-1].usage.completion_tokens < LONG
 
 
 def _tenant_tokens(srv: Server) -> dict[str, float]:
