@@ -19,6 +19,7 @@ from typing import Optional
 import zmq
 
 from pagedserve.kernels import cpu_native
+from pagedserve.worker_proc.models.linear import GEMV_MAX_ROWS
 from pagedserve.protocol import messages as m
 from pagedserve.protocol import options as opts
 from pagedserve.protocol.speculative import parse_speculative_config
@@ -138,6 +139,10 @@ class Worker:
         if panels is not None:
             kernels += (f" + native matmuls ({str(panels.dtype).removeprefix('torch.')} weights, float32 sums; AVX2, FMA;"
                         " gate_up with its SiLU gate in one call)")
+        elif self.runner.model.lm_head.gemv:
+            above = "oneDNN packed" if self.runner.model.lm_head.packed is not None else "F.linear"
+            kernels += (f" + native GEMV matmuls up to {GEMV_MAX_ROWS} rows ({cpu_native.gemv_variant()}), {above}"
+                        " above")
         elif self.runner.model.lm_head.packed is not None:
             kernels += " + oneDNN packed matmuls"
         if self.runner.model.elementwise.name == "fused":

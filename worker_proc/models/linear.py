@@ -32,6 +32,15 @@ AVX512-BF16"). Measured with AVX512-BF16 (oneDNN's ``brg_matmul:avx512_core_bf16
 picks its AMX brgemm behind the same call, so the rule is the same there, unmeasured. float16
 keeps the unpacked paths.
 
+**Decode's few rows (1-8) on AVX512-BF16, in bfloat16** take kernels/cpu_gemv.c on the weight as
+loaded ([out, in], each row's K contiguous), which streams every weight byte once at the memory's
+speed where oneDNN's packed call read a one-stream step's weights at ~55-64% of it (bench/RESULTS.md,
+"CPU: one stream at the memory's speed"); oneDNN's packed copy stays beside it for 9 rows and up
+(prefill, many streams), where it wins, for models of up to ``GEMV_TWO_LAYOUTS_MAX_BYTES``; larger
+ones keep only the weight as loaded, F.linear above 8 rows. A tied lm_head's weight is then the
+embedding itself, no copy. ``PAGEDSERVE_CPU_GEMV=0`` turns it off, ``=1`` takes it in every dtype
+the kernel serves (float32 and float16 widened, also where not measured as faster).
+
 ``PAGEDSERVE_CPU_PACKED_LINEAR=0`` keeps the unpacked paths everywhere (``W @ x.T`` up to 32
 rows, an [in, out] copy above for models up to 512 MiB, F.linear above for larger ones), ``=1``
 packs cache-resident models' float32 weights too. Every path here sums dot products in its own
@@ -66,6 +75,11 @@ CACHE_RESIDENT_MAX_BYTES = 16 << 20
 PACKED_MIN_ROWS = 2
 PACKED_ENV = "PAGEDSERVE_CPU_PACKED_LINEAR"
 NATIVE_ENV = "PAGEDSERVE_CPU_NATIVE_LINEAR"
+GEMV_ENV = "PAGEDSERVE_CPU_GEMV"
+# cpu_gemv.c takes products of up to this many rows.
+GEMV_MAX_ROWS = cpu_native.GEMV_MAX_ROWS
+# Up to this size a model keeps oneDNN's packed copy beside the weight cpu_gemv.c reads (both in memory).
+GEMV_TWO_LAYOUTS_MAX_BYTES = 4 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +90,7 @@ class WeightLayout:
     packed: bool = False  # a oneDNN prepacked copy serves PACKED_MIN_ROWS rows and up
     plain: bool = True  # the [out, in] weight itself is kept (False: only the packed copy or panels)
     native: bool = False  # cpu_linear.c's panels serve every row count (resident: all but one row)
+    gemv: bool = False  # cpu_gemv.c serves up to GEMV_MAX_ROWS rows from the [out, in] weight (plain)
 
 
 @dataclass(slots=True)
@@ -88,6 +103,7 @@ class LinearWeight:
     panels: Optional[torch.Tensor] = None  # cpu_linear.c's layout of weight: [ceil(out / 16), in, 16]
     out_features: int = 0
     gate_size: int = 0  # a gate_up weight's gate rows (its panels, if any, alternate gate and up: silu_gate only)
+    gemv: bool = False  # up to GEMV_MAX_ROWS rows take cpu_gemv.c on ``weight``
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], layout: WeightLayout,
@@ -102,7 +118,7 @@ class LinearWeight:
                       else cpu_native.pack_linear_weight(narrow))
         return cls(weight if layout.plain else None, bias,
                    weight.t().contiguous() if layout.transposed else None, layout.resident, packed, panels,
-                   weight.shape[0], gate_size)
+                   weight.shape[0], gate_size, layout.gemv)
 
 
 def _narrowest_exact(weight: torch.Tensor) -> torch.Tensor:
@@ -160,10 +176,23 @@ def native_linear_chosen(dtype: torch.dtype = torch.float32) -> bool:
     return choice or "avx512f" not in cpu_flags()
 
 
+def gemv_chosen(dtype: torch.dtype) -> bool:
+    """Whether a few rows take cpu_gemv.c: where it is built, by default in bfloat16 with AVX512-BF16
+    (the one measured faster than oneDNN), with ``PAGEDSERVE_CPU_GEMV=1`` in every dtype it takes."""
+    choice = env_switch(GEMV_ENV)
+    if dtype not in cpu_native.DTYPE_SUFFIXES or choice is False or cpu_native.library() is None:
+        return False
+    return choice or (dtype == torch.bfloat16 and cpu_native.gemv_variant() == "avx512bf16")
+
+
 def weight_layout(device: torch.device, weight_bytes: int, dtype: torch.dtype = torch.float32) -> WeightLayout:
     """How a model of ``weight_bytes`` of weights keeps its matrices."""
     if device.type != "cpu":
         return WeightLayout()
+    if gemv_chosen(dtype):  # the weight as loaded for few rows, and packed beside it where that fits
+        packed = (weight_bytes <= GEMV_TWO_LAYOUTS_MAX_BYTES and env_switch(PACKED_ENV) is not False
+                  and packed_linear_available(dtype))
+        return WeightLayout(packed=packed, gemv=True)
     resident = weight_bytes <= CACHE_RESIDENT_MAX_BYTES
     if native_linear_chosen(dtype):
         return WeightLayout(transposed=resident, resident=resident, plain=False, native=True)
@@ -204,6 +233,8 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     if x.device.type != "cpu":
         return F.linear(x, w.weight, w.bias)
     rows = x.shape[0]
+    if w.gemv and rows <= GEMV_MAX_ROWS:
+        return cpu_native.gemv(x, w.weight, w.bias)
     if _on_panels(x, w):
         if w.gate_size:  # its panels alternate gate and up
             raise ValueError("a gate_up weight packed for silu_gate multiplies only through it")
