@@ -44,6 +44,7 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_decode_attention_half.c"): (),
            Path(__file__).with_name("cpu_linear.c"): (),
            Path(__file__).with_name("cpu_gemv.c"): (),
+           Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary_half.c"): ("-ffp-contract=off",),
            # its loops over keys (softmax) take 512-bit vectors where the CPU has them
@@ -66,6 +67,7 @@ _SIGNATURES = {
     **{f"gemv_{suffix}": [_P, _I, _I, _I, _P, _I, _I, _P, ctypes.c_int, _P, _I, ctypes.c_int]
        for suffix in ("f32", "bf16", "f16")},
     "gemv_variant": [],
+    **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int, "gemv_variant": ctypes.c_char_p,
@@ -396,3 +398,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
 @functools.cache
 def _gemv_kernels(lib: ctypes.CDLL) -> dict:
     return {dtype: getattr(lib, f"gemv_{suffix}") for dtype, suffix in DTYPE_SUFFIXES.items()}
+
+
+def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether rms_norm serves these tensors: bfloat16 or float16 on CPU, x contiguous, weight [x's last dim]."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous() and weight.shape == x.shape[-1:]
+            and weight.is_contiguous() and _native_dtype(x, weight))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm over x's last dim (kernels/cpu_rms_norm_half.c, supports_rms_norm), a new tensor; with
+    ``residual`` (x's shape and dtype), x += residual first, rounded as torch's add_ rounds, in place."""
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("rms_norm: the residual does not match x")
+        residual = residual.contiguous()
+    d = x.shape[-1]
+    out = torch.empty_like(x)
+    getattr(library(), f"rms_norm_{DTYPE_SUFFIXES[x.dtype]}")(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        x.numel() // d if d else 0, d, eps)
+    return out

@@ -147,6 +147,8 @@ class Worker:
             kernels += " + oneDNN packed matmuls"
         if self.runner.model.elementwise.name == "fused":
             kernels += " + fused norms, rotary and SiLU gate"
+        elif self.runner.model.elementwise.name == "native":
+            kernels += " + native residual add and RMSNorm"
         if self.runner.device.type == "cpu":
             kernels += f"; huge pages {huge_pages_state()}"
         log.info("%s on %s (%s), kernels: %s", self.runner.model_id, self.runner.device, cfg.dtype, kernels)
