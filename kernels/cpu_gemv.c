@@ -28,9 +28,9 @@
 
 #define GEMV_MAX_ROWS 8
 #define PARALLEL_MIN_MACS (1 << 17)
-/* The rows this many blocks ahead are prefetched while a block runs (one line per row a step). */
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 4
+/* The rows this many rows ahead are prefetched while a block runs (one line per row a step). */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 32
 #endif
 
 #if defined(__AVX512F__)
@@ -77,7 +77,7 @@ static inline __attribute__((always_inline)) void block_dpbf16(const uint16_t *r
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
-    const uint16_t *ahead = w + (int64_t)PREFETCH_BLOCKS * R * ldw;
+    const uint16_t *ahead = w + (int64_t)PREFETCH_ROWS * ldw;
     int64_t kk = 0;
     for (; kk + 32 <= k; kk += 32) {
         __m512bh wv[8];
@@ -135,7 +135,7 @@ static inline __attribute__((always_inline)) void block_widened(const void *rest
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) acc[r][i] = hbroadcast(0.0f);
-    const char *ahead = wb + (int64_t)PREFETCH_BLOCKS * R * ldw * size;
+    const char *ahead = wb + (int64_t)PREFETCH_ROWS * ldw * size;
     int64_t kk = 0;
     for (; kk + HALF_VW <= k; kk += HALF_VW) {
         hvec wv[8];
