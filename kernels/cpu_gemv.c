@@ -243,3 +243,89 @@ const char *gemv_variant(void) {
     return "scalar";
 #endif
 }
+
+/* ---- bfloat16 panels for vdpbf16ps: the weight packed once at load as [ceil(N/16)][ceil(K/2)][16][2] -------
+ * (a panel's 16 rows, each k pair of a row adjacent), zero past N and K: one 64-byte line is the next k pair
+ * of 16 outputs, so a thread reads its panels as one sequential stream, and each x pair is a 32-bit
+ * broadcast; each accumulator holds 16 outputs, no horizontal sums. U sets of accumulators take every U-th
+ * k pair, so the dot products' latency never bounds a row. Returns -1 without AVX512-BF16 (never chosen). */
+#if defined(GEMV_BF16_DPBF16)
+#define PANEL_UNROLL(M) ((M) <= 3 ? 4 : (M) <= 6 ? 3 : 2)
+static inline __attribute__((always_inline)) void panel_dpbf16(const uint16_t *restrict x, const int64_t ldx,
+                                                               const uint16_t *restrict panel, const int64_t kp,
+                                                               const int M, const int U, __m512 *restrict sums) {
+    __m512 acc[4][8];
+#pragma GCC unroll 4
+    for (int u = 0; u < U; u++)
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) acc[u][i] = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + U <= kp; p += U) {
+        prefetch(panel + (p + PREFETCH_ROWS) * 32);
+#pragma GCC unroll 4
+        for (int u = 0; u < U; u++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(panel + (p + u) * 32);
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) {
+                uint32_t pair;
+                memcpy(&pair, x + i * ldx + 2 * (p + u), sizeof pair);
+                acc[u][i] = _mm512_dpbf16_ps(acc[u][i], (__m512bh)_mm512_set1_epi32((int)pair), wv);
+            }
+        }
+    }
+    for (; p < kp; p++) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(panel + p * 32);
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) {
+            uint32_t pair;
+            memcpy(&pair, x + i * ldx + 2 * p, sizeof pair);
+            acc[0][i] = _mm512_dpbf16_ps(acc[0][i], (__m512bh)_mm512_set1_epi32((int)pair), wv);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; i++) {
+        __m512 s = acc[0][i];
+#pragma GCC unroll 4
+        for (int u = 1; u < U; u++) s = _mm512_add_ps(s, acc[u][i]);
+        sums[i] = s;
+    }
+}
+
+#define DEFINE_PANELS_M(M)                                                                                         \
+    static void gemv_panels_bf16_##M(const uint16_t *x, int64_t ldx, int64_t k, const uint16_t *packed, int64_t n, \
+                                     const uint16_t *bias, void *out, int64_t ldo, int out_kind) {                  \
+        const int64_t panels = (n + 15) / 16, kp = (k + 1) / 2, macs = (M) * n * k;                                \
+        _Pragma("omp parallel for schedule(static) if (macs >= PARALLEL_MIN_MACS)")                                \
+        for (int64_t b = 0; b < panels; b++) {                                                                     \
+            __m512 sums[8];                                                                                        \
+            float lanes[16];                                                                                       \
+            panel_dpbf16(x, ldx, packed + b * kp * 32, kp, M, PANEL_UNROLL(M), sums);                              \
+            const int64_t cols = n - b * 16 < 16 ? n - b * 16 : 16;                                                \
+            for (int i = 0; i < M; i++) {                                                                          \
+                _mm512_storeu_ps(lanes, sums[i]);                                                                  \
+                for (int64_t c = 0; c < cols; c++)                                                                 \
+                    put(out, ldo, i, b * 16 + c, finish(lanes[c], bias, NULL, b * 16 + c, 1), out_kind);          \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+DEFINE_PANELS_M(1) DEFINE_PANELS_M(2) DEFINE_PANELS_M(3) DEFINE_PANELS_M(4)
+DEFINE_PANELS_M(5) DEFINE_PANELS_M(6) DEFINE_PANELS_M(7) DEFINE_PANELS_M(8)
+#endif
+
+/* x [m, k] bfloat16 (row stride ldx; its k must be even unless the last pair's second half is readable: the
+ * caller pads), packed as above, bias [n] bfloat16 or NULL, out as gemv_bf16's. */
+int gemv_panels_bf16(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                     const uint16_t *bias, void *out, int64_t ldo, int out_kind) {
+#if defined(GEMV_BF16_DPBF16)
+    static void (*const by_rows[GEMV_MAX_ROWS + 1])(const uint16_t *, int64_t, int64_t, const uint16_t *, int64_t,
+                                                    const uint16_t *, void *, int64_t, int) = {
+        NULL, gemv_panels_bf16_1, gemv_panels_bf16_2, gemv_panels_bf16_3, gemv_panels_bf16_4,
+        gemv_panels_bf16_5, gemv_panels_bf16_6, gemv_panels_bf16_7, gemv_panels_bf16_8};
+    if (m < 1 || m > GEMV_MAX_ROWS) return -1;
+    by_rows[m](x, ldx, k, packed, n, bias, out, ldo, out_kind);
+    return 0;
+#else
+    (void)x; (void)ldx; (void)m; (void)k; (void)packed; (void)n; (void)bias; (void)out; (void)ldo; (void)out_kind;
+    return -1;
+#endif
+}

@@ -67,11 +67,12 @@ _SIGNATURES = {
     **{f"gemv_{suffix}": [_P, _I, _I, _I, _P, _I, _I, _P, ctypes.c_int, _P, _I, ctypes.c_int]
        for suffix in ("f32", "bf16", "f16")},
     "gemv_variant": [],
+    "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int, "gemv_variant": ctypes.c_char_p,
-             **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}}
+             **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int, **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D
@@ -392,6 +393,42 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     _gemv_kernels(lib or library())[dtype](
         x.data_ptr(), x.stride(0), rows, k, weight.data_ptr(), weight.stride(0), n,
         None if bias is None else bias.data_ptr(), bias_f32, out.data_ptr(), n, _GEMV_OUT[out.dtype])
+    return out
+
+
+def supports_gemv_panels() -> bool:
+    """Whether gemv_panels() runs here: bfloat16 by vdpbf16ps (AVX512-BF16)."""
+    return gemv_variant() == "avx512bf16"
+
+
+def pack_gemv_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [N, K] -> gemv_panels()'s layout [ceil(N/16), ceil(K/2), 16, 2], zero past N and K:
+    a panel's 16 rows with each row's k pair adjacent, one 64-byte line per k pair."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // 16) * 16, -(-k // 2) * 2, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    return padded.view(-1, 16, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def gemv_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: Optional[torch.Tensor] = None,
+                out_dtype: torch.dtype = torch.bfloat16, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """x [M, K] bfloat16 (1 <= M <= GEMV_MAX_ROWS) @ the weight packed by pack_gemv_panels (+ bias [N]
+    bfloat16): [M, N] in ``out_dtype`` (bfloat16 or float32), float32 sums by vdpbf16ps (supports_gemv_panels)."""
+    rows, k = x.shape
+    if (x.dtype != torch.bfloat16 or panels.dtype != torch.bfloat16 or panels.shape[1] != -(-k // 2)
+            or panels.shape[0] * 16 < out_features or not 1 <= rows <= GEMV_MAX_ROWS
+            or (bias is not None and bias.shape != (out_features,))):
+        raise ValueError("gemv_panels: x, the panels and bias do not match")
+    if k % 2:  # the kernel reads x in pairs: the pad's products are 0 * 0
+        x = torch.cat([x, x.new_zeros(rows, 1)], dim=1)
+    elif x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    out = torch.empty(rows, out_features, dtype=out_dtype)
+    (lib or library()).gemv_panels_bf16(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), out_features,
+                                        None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+                                        _GEMV_OUT[out_dtype])
     return out
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 import zmq
 
 from pagedserve.kernels import cpu_native
-from pagedserve.worker_proc.models.linear import GEMV_MAX_ROWS
+from pagedserve.worker_proc.models.linear import GEMV_MAX_ROWS, GEMV_PANEL_MAX_ROWS
 from pagedserve.protocol import messages as m
 from pagedserve.protocol import options as opts
 from pagedserve.protocol.speculative import parse_speculative_config
@@ -141,8 +141,8 @@ class Worker:
                         " gate_up with its SiLU gate in one call)")
         elif self.runner.model.lm_head.gemv:
             above = "oneDNN packed" if self.runner.model.lm_head.packed is not None else "F.linear"
-            kernels += (f" + native GEMV matmuls up to {GEMV_MAX_ROWS} rows ({cpu_native.gemv_variant()}), {above}"
-                        " above")
+            rows = GEMV_PANEL_MAX_ROWS if self.runner.model.lm_head.gemv_panels is not None else GEMV_MAX_ROWS
+            kernels += f" + native GEMV matmuls at 1-{rows} rows ({cpu_native.gemv_variant()}), {above} above"
         elif self.runner.model.lm_head.packed is not None:
             kernels += " + oneDNN packed matmuls"
         if self.runner.model.elementwise.name == "fused":

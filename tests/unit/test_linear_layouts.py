@@ -126,7 +126,9 @@ def test_bfloat16_on_avx512_bf16_keeps_the_weight_for_few_rows_and_packs_it_besi
         monkeypatch, weight_bytes, packed):
     monkeypatch.setenv(lin.GEMV_ENV, "")
     packed = packed and lin.packed_linear_available(torch.bfloat16)
-    assert lin.weight_layout(CPU, weight_bytes, torch.bfloat16) == lin.WeightLayout(packed=packed, gemv=True)
+    # the panels (made in LinearWeight.of) take 1-4 rows, the packed copy the rest; without it the weight as loaded
+    assert lin.weight_layout(CPU, weight_bytes, torch.bfloat16) == lin.WeightLayout(packed=packed, plain=not packed,
+                                                                                    gemv=True)
     assert not lin.weight_layout(CPU, weight_bytes, torch.float32).gemv  # measured faster in bfloat16 only
     monkeypatch.setenv(lin.GEMV_ENV, "1")
     assert lin.weight_layout(CPU, weight_bytes, torch.float32).gemv
@@ -135,16 +137,23 @@ def test_bfloat16_on_avx512_bf16_keeps_the_weight_for_few_rows_and_packs_it_besi
 
 
 @GEMV_BF16
-@pytest.mark.parametrize("rows", [1, 8, 9, 32])
-def test_bfloat16_rows_up_to_eight_take_the_gemv_kernel_and_more_the_packed_weight(monkeypatch, rows):
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 32])
+@pytest.mark.parametrize("weight_bytes", [100 * MIB, 8192 * MIB])
+def test_bfloat16_rows_up_to_four_take_the_gemv_panels_and_more_the_packed_weight(monkeypatch, rows, weight_bytes):
+    """Without the packed copy (a model past GEMV_TWO_LAYOUTS_MAX_BYTES) 5-8 rows take the row-major GEMV."""
     monkeypatch.setenv(lin.GEMV_ENV, "")
     calls = []
-    gemv = cpu_native.gemv
-    monkeypatch.setattr(cpu_native, "gemv", lambda x, *a: calls.append(("gemv", x.shape[0])) or gemv(x, *a))
-    w = lin.LinearWeight.of(torch.randn(48, 32, dtype=torch.bfloat16), None,
-                            lin.weight_layout(CPU, 100 * MIB, torch.bfloat16))
-    assert lin.linear(torch.randn(rows, 32, dtype=torch.bfloat16), w).shape == (rows, 48)
-    assert calls == ([("gemv", rows)] if rows <= lin.GEMV_MAX_ROWS else [])
+    for name in ("gemv", "gemv_panels"):
+        kernel = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name, lambda x, *a, _k=kernel, _n=name: calls.append(_n) or _k(x, *a))
+    weight = torch.randn(48, 32, dtype=torch.bfloat16)
+    w = lin.LinearWeight.of(weight, None, lin.weight_layout(CPU, weight_bytes, torch.bfloat16))
+    out = lin.linear(torch.randn(rows, 32, dtype=torch.bfloat16), w)
+    assert out.shape == (rows, 48)
+    packed = w.packed is not None
+    expected = (["gemv_panels"] if rows <= lin.GEMV_PANEL_MAX_ROWS else
+                ["gemv"] if rows <= lin.GEMV_MAX_ROWS and not packed else [])
+    assert calls == expected
 
 
 LAYOUTS = {
@@ -157,6 +166,7 @@ LAYOUTS = {
     "native": lin.WeightLayout(plain=False, native=True),
     "native_and_resident_copy": lin.WeightLayout(transposed=True, resident=True, plain=False, native=True),
     "gemv_and_packed": lin.WeightLayout(packed=True, gemv=True),
+    "gemv_panels_and_packed": lin.WeightLayout(packed=True, plain=False, gemv=True),
     "gemv_only": lin.WeightLayout(gemv=True),
 }
 
