@@ -1,10 +1,9 @@
-"""A one-stream decode step's matmuls, alone: the 0.5B shape's 24 layers of qkv, o, gate_up and down and its
-lm_head (random weights, 0.988 GB in bfloat16), through each path worker_proc/models/linear.py can take at
-1-8 rows: kernels/cpu_gemv.c on the weights as loaded, oneDNN's packed weights, F.linear. In the same run,
-the memory's read bandwidth over the same bytes (the max of each weight viewed as int32, and the sum of one
-1 GiB tensor), so every
-path is given as GB/s and % of what this machine reads now. Paths alternate within each repeat; medians
-and ranges over the repeats.
+"""A one-stream decode step's matmuls, alone: the 0.5B shape's 24 layers of qkv, o, gate_up and down
+and its lm_head (random weights, 0.988 GB in bfloat16), through each path worker_proc/models/linear.py can
+take at 1-8 rows: kernels/cpu_gemv.c's bfloat16 panels and its row-major kernel on the weights as loaded,
+oneDNN's packed weights, F.linear. In the same run, the memory's read bandwidth over the same bytes (the
+max of each weight viewed as int32, and the sum of one 1 GiB tensor), so every path is given as GB/s and
+% of what this machine reads now. Paths alternate within each repeat; medians and ranges over the repeats.
 
     python bench/scripts/gemv_bench.py [--rows 1,2,4,8] [--repeat 7] [--dtype bfloat16] [--threads 2]
     python bench/scripts/gemv_bench.py --threads 1 --cpu-time    # one core, on a loaded machine
@@ -42,7 +41,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--paths", default="gemv,packed,F.linear")
+    p.add_argument("--paths", default="panels,gemv,packed,F.linear",
+                   help="panels: cpu_gemv.c's bfloat16 vdpbf16ps panels; gemv: its row-major kernel")
     p.add_argument("--cpu-time", action="store_true",
                    help="time with this thread's CPU time (robust to other processes' load; use with --threads 1)")
     ns = p.parse_args()
@@ -58,6 +58,10 @@ def main() -> None:
     total = sum(w.numel() * w.element_size() for w in weights)
     paths = ns.paths.split(",")
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights] if "packed" in paths else None
+    panels = ([cpu_native.pack_gemv_panels(w) for w in weights]
+              if "panels" in paths and dtype == torch.bfloat16 and cpu_native.supports_gemv_panels() else None)
+    if panels is None and "panels" in paths:
+        paths.remove("panels")
     big = torch.ones(1 << 28)  # 1 GiB, touched
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, gemv variant {cpu_native.gemv_variant()}, "
           f"{ns.dtype} weights {total / 1e9:.3f} GB ({len(weights)} matrices)")
@@ -69,7 +73,9 @@ def main() -> None:
             x = xs[w.shape[1]]
             if i == len(weights) - 1:
                 head = CLOCK()
-            if path == "gemv":
+            if path == "panels":
+                cpu_native.gemv_panels(x, panels[i], w.shape[0])
+            elif path == "gemv":
                 cpu_native.gemv(x, w)
             elif path == "packed":
                 torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
