@@ -21,6 +21,12 @@
  * (in the weight's dtype) added in float32 first, as oneDNN does. Sums run in another order than
  * oneDNN's, so results may differ from F.linear in the last bits (tests/unit/test_cpu_gemv.py).
  * gemv_variant() names the instructions for the worker's log.
+ *
+ * gemv_panels_bf16 (at the end) is the bfloat16 kernel the worker takes by default at 1-4 rows: the weight
+ * packed at load so that each thread reads one sequential stream and each vdpbf16ps yields 16 outputs.
+ * On one core of this Zen 5 it read the 0.5B's step at ~90% of the core's read bandwidth, where the
+ * row-major walk above (R interleaved row streams, a horizontal sum per output) read it at ~75%
+ * (bench/RESULTS.md, "CPU: one stream at the memory's speed").
  */
 #include <stdint.h>
 
