@@ -72,7 +72,8 @@ _SIGNATURES = {
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int, "gemv_variant": ctypes.c_char_p,
-             **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int, **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}}
+             **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
+             **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D
@@ -443,7 +444,8 @@ def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.is_contiguous() and _native_dtype(x, weight))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """RMSNorm over x's last dim (kernels/cpu_rms_norm_half.c, supports_rms_norm), a new tensor; with
     ``residual`` (x's shape and dtype), x += residual first, rounded as torch's add_ rounds, in place."""
     if residual is not None:

@@ -6,7 +6,6 @@ build, in process: tests/unit/test_cpu_gemv.py). Other levels run the compiler: 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedserve.kernels import cpu_native
 from support.cpu_variants import variant  # noqa: F401 (a fixture)

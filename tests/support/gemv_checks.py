@@ -33,5 +33,5 @@ def check_gemv(rows: int, k: int, n: int, dtype: torch.dtype, with_bias: bool, o
         bound = bound * (1 + torch.finfo(out_dtype).eps) + (exact.abs() + bound) * torch.finfo(out_dtype).eps / 2
         bound = bound + torch.finfo(out_dtype).tiny  # a subnormal result
     error = (got.double() - exact).abs()
-    assert (error <= bound).all(), f"worst error {error.max().item():.3g}, bound there {bound[error.argmax() // n].max()}"
+    assert (error <= bound).all(), f"worst error {error.max().item():.3g}"
     assert torch.equal(got, cpu_native.gemv(x.contiguous(), weight, bias, out_dtype=out_dtype))

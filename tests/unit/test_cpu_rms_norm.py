@@ -41,6 +41,7 @@ def test_strided_or_float32_inputs_take_transformers_sequence():
     x, weight = torch.randn(4, 64).bfloat16(), torch.ones(64).bfloat16()
     strided = torch.randn(4, 128).bfloat16()[:, ::2]
     assert not cpu_native.supports_rms_norm(strided, weight)
-    assert torch.equal(NativeElementwise().rms_norm(strided, weight, 1e-6), TorchElementwise().rms_norm(strided, weight, 1e-6))
+    assert torch.equal(NativeElementwise().rms_norm(strided, weight, 1e-6),
+                       TorchElementwise().rms_norm(strided, weight, 1e-6))
     assert not cpu_native.supports_rms_norm(x.float(), weight.float())
     assert cpu_native.supports_rms_norm(x, weight)

@@ -200,7 +200,7 @@ def weight_layout(device: torch.device, weight_bytes: int, dtype: torch.dtype = 
     """How a model of ``weight_bytes`` of weights keeps its matrices."""
     if device.type != "cpu":
         return WeightLayout()
-    if gemv_chosen(dtype):  # cpu_gemv.c for few rows (panels, or the weight as loaded); oneDNN packed beside, where it fits
+    if gemv_chosen(dtype):  # cpu_gemv.c for few rows (panels or the weight as loaded); oneDNN packed beside
         packed = (weight_bytes <= GEMV_TWO_LAYOUTS_MAX_BYTES and env_switch(PACKED_ENV) is not False
                   and packed_linear_available(dtype))
         plain = not packed or not _panels_for(dtype)  # the row-major GEMV and F.linear's weight where needed
