@@ -43,6 +43,8 @@ CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_decode_attention_half.c"): (),
            Path(__file__).with_name("cpu_linear.c"): (),
+           Path(__file__).with_name("cpu_gemv.c"): (),
+           Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary_half.c"): ("-ffp-contract=off",),
            # its loops over keys (softmax) take 512-bit vectors where the CPU has them
@@ -62,13 +64,23 @@ _SIGNATURES = {
     **{f"{name}_{suffix}": [_P, _I, _I, _I, _P, _I, _P, _P, _I]
        for name in ("linear", "silu_gate") for suffix in ("f32", "bf16", "f16")},
     "linear_f32_available": [],
+    **{f"gemv_{suffix}": [_P, _I, _I, _I, _P, _I, _I, _P, ctypes.c_int, _P, _I, ctypes.c_int]
+       for suffix in ("f32", "bf16", "f16")},
+    "gemv_variant": [],
+    "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
+    **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
-             "linear_f32_available": ctypes.c_int, **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}}
+             "linear_f32_available": ctypes.c_int, "gemv_variant": ctypes.c_char_p,
+             **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
+             **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D
 LINEAR_PANEL = 16  # cpu_linear.c's NR: a packed weight's columns per panel
+GEMV_MAX_ROWS = 8  # cpu_gemv.c's: products of 1..8 rows
+# gemv()'s out_kind by the result's dtype
+_GEMV_OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _library: Optional[ctypes.CDLL] = None
 _tried = False
@@ -347,3 +359,102 @@ def _linear_kernels(lib: ctypes.CDLL) -> dict:
     """The library's panel kernels by (kind, panel dtype), looked up once."""
     return {(kind, dtype): getattr(lib, f"{kind}_{suffix}")
             for kind in ("linear", "silu_gate") for dtype, suffix in DTYPE_SUFFIXES.items()}
+
+
+def gemv_variant(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
+    """Which instructions gemv() uses here ("avx512bf16": bfloat16 by vdpbf16ps, float32 and float16
+    widened on AVX-512; "avx512", "avx2", "scalar": all widened to float32); None without the library."""
+    lib = lib or library()
+    return None if lib is None else lib.gemv_variant().decode()
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         out_dtype: Optional[torch.dtype] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """x [M, K] (1 <= M <= GEMV_MAX_ROWS; rows may be strided) @ weight[N, K].T (+ bias [N]), x,
+    weight and bias of one dtype (float32, bfloat16 or float16), the weight as loaded (rows
+    contiguous in K, rows may be strided): [M, N] contiguous in ``out_dtype`` (default x's; float32
+    keeps the sums unrounded), float32 sums (kernels/cpu_gemv.c). A decode step makes a hundred of
+    these calls, so the checks are the few that keep the kernel's reads in bounds."""
+    rows, k = x.shape
+    dtype = x.dtype
+    if (weight.dtype != dtype or dtype not in DTYPE_SUFFIXES or weight.dim() != 2 or weight.shape[1] != k
+            or not 1 <= rows <= GEMV_MAX_ROWS or (bias is not None and bias.shape != (weight.shape[0],))):
+        raise ValueError("gemv: x, weight and bias do not match")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    bias_f32 = 0
+    if bias is not None and bias.dtype != dtype:
+        bias, bias_f32 = bias.float().contiguous(), 1
+    elif bias is not None:
+        bias = bias.contiguous()
+    n = weight.shape[0]
+    out = torch.empty(rows, n, dtype=out_dtype or dtype)
+    _gemv_kernels(lib or library())[dtype](
+        x.data_ptr(), x.stride(0), rows, k, weight.data_ptr(), weight.stride(0), n,
+        None if bias is None else bias.data_ptr(), bias_f32, out.data_ptr(), n, _GEMV_OUT[out.dtype])
+    return out
+
+
+def supports_gemv_panels() -> bool:
+    """Whether gemv_panels() runs here: bfloat16 by vdpbf16ps (AVX512-BF16)."""
+    return gemv_variant() == "avx512bf16"
+
+
+def pack_gemv_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [N, K] -> gemv_panels()'s layout [ceil(N/16), ceil(K/2), 16, 2], zero past N and K:
+    a panel's 16 rows with each row's k pair adjacent, one 64-byte line per k pair."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // 16) * 16, -(-k // 2) * 2, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    return padded.view(-1, 16, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def gemv_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: Optional[torch.Tensor] = None,
+                out_dtype: torch.dtype = torch.bfloat16, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """x [M, K] bfloat16 (1 <= M <= GEMV_MAX_ROWS) @ the weight packed by pack_gemv_panels (+ bias [N]
+    bfloat16): [M, N] in ``out_dtype`` (bfloat16 or float32), float32 sums by vdpbf16ps (supports_gemv_panels)."""
+    rows, k = x.shape
+    if (x.dtype != torch.bfloat16 or panels.dtype != torch.bfloat16 or panels.shape[1] != -(-k // 2)
+            or panels.shape[0] * 16 < out_features or not 1 <= rows <= GEMV_MAX_ROWS
+            or (bias is not None and bias.shape != (out_features,))):
+        raise ValueError("gemv_panels: x, the panels and bias do not match")
+    if k % 2:  # the kernel reads x in pairs: the pad's products are 0 * 0
+        x = torch.cat([x, x.new_zeros(rows, 1)], dim=1)
+    elif x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    out = torch.empty(rows, out_features, dtype=out_dtype)
+    (lib or library()).gemv_panels_bf16(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), out_features,
+                                        None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+                                        _GEMV_OUT[out_dtype])
+    return out
+
+
+@functools.cache
+def _gemv_kernels(lib: ctypes.CDLL) -> dict:
+    return {dtype: getattr(lib, f"gemv_{suffix}") for dtype, suffix in DTYPE_SUFFIXES.items()}
+
+
+def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether rms_norm serves these tensors: bfloat16 or float16 on CPU, x contiguous, weight [x's last dim]."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous() and weight.shape == x.shape[-1:]
+            and weight.is_contiguous() and _native_dtype(x, weight))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm over x's last dim (kernels/cpu_rms_norm_half.c, supports_rms_norm), a new tensor; with
+    ``residual`` (x's shape and dtype), x += residual first, rounded as torch's add_ rounds, in place."""
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("rms_norm: the residual does not match x")
+        residual = residual.contiguous()
+    d = x.shape[-1]
+    out = torch.empty_like(x)
+    getattr(library(), f"rms_norm_{DTYPE_SUFFIXES[x.dtype]}")(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        x.numel() // d if d else 0, d, eps)
+    return out

@@ -10,6 +10,12 @@ its results are not bit for bit theirs (a norm's squares are summed in another o
 rotary and SiLU differ by a rounding step here and there), so it is chosen where two engines
 never agree bit for bit anyway: half precision on the Triton path. ``PAGEDSERVE_FUSED_OPS=0``
 turns it off, ``=1`` takes it in float32 too (still only with the Triton kernels).
+
+``NativeElementwise`` is the CPU's half-precision form (bfloat16, float16, where the native kernels are
+built): the residual add and RMSNorm in one C pass (kernels/cpu_rms_norm_half.c), torch's roundings op
+for op but its sum of squares in another order, the rest transformers' sequence. One stream's decode
+step spends more in the norms' six torch ops a call than in attention (bench/RESULTS.md, "CPU: one
+stream at the memory's speed"). ``PAGEDSERVE_FUSED_OPS=0`` turns it off too.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import cpu_native, reference
 from pagedserve.worker_proc.env_switch import env_switch
 
 FUSED_ENV = "PAGEDSERVE_FUSED_OPS"
@@ -81,13 +87,31 @@ class FusedElementwise:
         return self._silu_mul.silu_mul(gate_up, size)
 
 
-Elementwise = Union[TorchElementwise, FusedElementwise]
+class NativeElementwise(TorchElementwise):
+    name = "native"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if cpu_native.supports_rms_norm(x, weight):
+            return cpu_native.rms_norm(x, weight, eps)
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if cpu_native.supports_rms_norm(x, weight) and residual.shape == x.shape and residual.dtype == x.dtype:
+            return cpu_native.rms_norm(x, weight, eps, residual=residual), x
+        return super().add_rms_norm(x, residual, weight, eps)
+
+
+Elementwise = Union[TorchElementwise, FusedElementwise, NativeElementwise]
 
 
 def select_elementwise(ops: ModuleType, dtype: torch.dtype) -> Elementwise:
     """Fused where the attention kernels are Triton's (CUDA, or the interpreter in tests) and
-    the dtype is half precision; transformers' sequence otherwise."""
+    the dtype is half precision; the native norm on CPU in half precision; transformers' sequence otherwise."""
     fused = env_switch(FUSED_ENV)
-    if ops is not reference and (fused or (fused is None and dtype in (torch.bfloat16, torch.float16))):
+    half = dtype in (torch.bfloat16, torch.float16)
+    if ops is not reference and (fused or (fused is None and half)):
         return FusedElementwise()
+    if ops is reference and half and fused is not False and cpu_native.library() is not None:
+        return NativeElementwise()
     return TorchElementwise()

@@ -1,4 +1,4 @@
-"""The worker's on/off environment switches (PAGEDSERVE_FUSED_OPS, PAGEDSERVE_CPU_PACKED_LINEAR, PAGEDSERVE_PREPARE_AHEAD,
+"""The worker's on/off environment switches (PAGEDSERVE_FUSED_OPS, PAGEDSERVE_CPU_PACKED_LINEAR, PAGEDSERVE_CPU_GEMV, PAGEDSERVE_PREPARE_AHEAD,
 PAGEDSERVE_PRUNE_LAST_LAYER)."""
 
 from __future__ import annotations

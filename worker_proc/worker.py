@@ -19,6 +19,7 @@ from typing import Optional
 import zmq
 
 from pagedserve.kernels import cpu_native, reference
+from pagedserve.worker_proc.models.linear import GEMV_MAX_ROWS, GEMV_PANEL_MAX_ROWS
 from pagedserve.protocol import messages as m
 from pagedserve.protocol import options as opts
 from pagedserve.protocol.speculative import parse_speculative_config
@@ -142,10 +143,16 @@ class Worker:
         if panels is not None:
             kernels += (f" + native matmuls ({str(panels.dtype).removeprefix('torch.')} weights, float32 sums; AVX2, FMA;"
                         " gate_up with its SiLU gate in one call)")
+        elif self.runner.model.lm_head.gemv:
+            above = "oneDNN packed" if self.runner.model.lm_head.packed is not None else "F.linear"
+            rows = GEMV_PANEL_MAX_ROWS if self.runner.model.lm_head.gemv_panels is not None else GEMV_MAX_ROWS
+            kernels += f" + native GEMV matmuls at 1-{rows} rows ({cpu_native.gemv_variant()}), {above} above"
         elif self.runner.model.lm_head.packed is not None:
             kernels += " + oneDNN packed matmuls"
         if self.runner.model.elementwise.name == "fused":
             kernels += " + fused norms, rotary and SiLU gate"
+        elif self.runner.model.elementwise.name == "native":
+            kernels += " + native residual add and RMSNorm"
         if self.runner.device.type == "cpu":
             kernels += f"; huge pages {huge_pages_state()}"
             if self.runner.spec.attn_logit_softcap is not None and self.runner.ops is reference:

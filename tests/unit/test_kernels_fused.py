@@ -17,6 +17,7 @@ import torch
 from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.kernels import fused_norm, fused_rotary, fused_silu_mul, reference, triton_ops
 from pagedserve.worker_proc import elementwise
+from pagedserve.kernels import cpu_native
 from pagedserve.worker_proc.elementwise import FusedElementwise, TorchElementwise, select_elementwise
 from pagedserve.worker_proc.model_runner import ModelRunner
 from pagedserve.worker_proc.rotary import RotaryEmbedding
@@ -105,9 +106,12 @@ def test_fused_ops_are_chosen_for_half_precision_triton_and_can_be_set(monkeypat
     assert isinstance(select_elementwise(triton_ops, torch.bfloat16), FusedElementwise)
     assert isinstance(select_elementwise(triton_ops, torch.float16), FusedElementwise)
     assert isinstance(select_elementwise(triton_ops, torch.float32), TorchElementwise)  # the oracle's regime
-    assert isinstance(select_elementwise(reference, torch.bfloat16), TorchElementwise)  # CPU
+    native = elementwise.NativeElementwise if cpu_native.library() is not None else TorchElementwise
+    assert type(select_elementwise(reference, torch.bfloat16)) is native  # CPU: the native norm in half precision
+    assert type(select_elementwise(reference, torch.float32)) is TorchElementwise  # the oracle's regime
     monkeypatch.setenv(elementwise.FUSED_ENV, "0")
     assert isinstance(select_elementwise(triton_ops, torch.bfloat16), TorchElementwise)
+    assert type(select_elementwise(reference, torch.bfloat16)) is TorchElementwise
     monkeypatch.setenv(elementwise.FUSED_ENV, "1")
     assert isinstance(select_elementwise(triton_ops, torch.float32), FusedElementwise)
     assert isinstance(select_elementwise(reference, torch.float32), TorchElementwise)

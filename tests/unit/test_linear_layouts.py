@@ -18,9 +18,10 @@ NATIVE = pytest.mark.skipif(not cpu_native.supports_linear(), reason="no native 
 
 @pytest.fixture(autouse=True)
 def onednn_unless_native_asked(monkeypatch):
-    """The oneDNN and oneMKL rules below are the ones a CPU with AVX-512 gets; the native kernel's
-    tests ask for it."""
+    """The oneDNN and oneMKL rules below are the ones a CPU with AVX-512 gets; the native kernels'
+    tests ask for them."""
     monkeypatch.setenv(lin.NATIVE_ENV, "0")
+    monkeypatch.setenv(lin.GEMV_ENV, "0")
 
 
 @pytest.mark.skipif(not lin.packed_linear_available(torch.float32), reason="torch built without oneDNN")
@@ -115,6 +116,46 @@ def test_bfloat16_rows_of_every_count_take_the_packed_weight(monkeypatch, rows):
     assert calls == [rows]
 
 
+GEMV_BF16 = pytest.mark.skipif(cpu_native.gemv_variant() != "avx512bf16",
+                               reason="cpu_gemv.c is chosen by default only with AVX512-BF16 (vdpbf16ps)")
+
+
+@GEMV_BF16
+@pytest.mark.parametrize("weight_bytes,packed", [(100 * MIB, True), (2048 * MIB, True), (8192 * MIB, False)])
+def test_bfloat16_on_avx512_bf16_keeps_the_weight_for_few_rows_and_packs_it_beside_where_that_fits(
+        monkeypatch, weight_bytes, packed):
+    monkeypatch.setenv(lin.GEMV_ENV, "")
+    packed = packed and lin.packed_linear_available(torch.bfloat16)
+    # the panels (made in LinearWeight.of) take 1-4 rows, the packed copy the rest; without it the weight as loaded
+    assert lin.weight_layout(CPU, weight_bytes, torch.bfloat16) == lin.WeightLayout(packed=packed, plain=not packed,
+                                                                                    gemv=True)
+    assert not lin.weight_layout(CPU, weight_bytes, torch.float32).gemv  # measured faster in bfloat16 only
+    monkeypatch.setenv(lin.GEMV_ENV, "1")
+    assert lin.weight_layout(CPU, weight_bytes, torch.float32).gemv
+    monkeypatch.setenv(lin.GEMV_ENV, "0")
+    assert not lin.weight_layout(CPU, weight_bytes, torch.bfloat16).gemv
+
+
+@GEMV_BF16
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 32])
+@pytest.mark.parametrize("weight_bytes", [100 * MIB, 8192 * MIB])
+def test_bfloat16_rows_up_to_four_take_the_gemv_panels_and_more_the_packed_weight(monkeypatch, rows, weight_bytes):
+    """Without the packed copy (a model past GEMV_TWO_LAYOUTS_MAX_BYTES) 5-8 rows take the row-major GEMV."""
+    monkeypatch.setenv(lin.GEMV_ENV, "")
+    calls = []
+    for name in ("gemv", "gemv_panels"):
+        kernel = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name, lambda x, *a, _k=kernel, _n=name: calls.append(_n) or _k(x, *a))
+    weight = torch.randn(48, 32, dtype=torch.bfloat16)
+    w = lin.LinearWeight.of(weight, None, lin.weight_layout(CPU, weight_bytes, torch.bfloat16))
+    out = lin.linear(torch.randn(rows, 32, dtype=torch.bfloat16), w)
+    assert out.shape == (rows, 48)
+    packed = w.packed is not None
+    expected = (["gemv_panels"] if rows <= lin.GEMV_PANEL_MAX_ROWS else
+                ["gemv"] if rows <= lin.GEMV_MAX_ROWS and not packed else [])
+    assert calls == expected
+
+
 LAYOUTS = {
     "resident_copy": lin.WeightLayout(transposed=True, resident=True),
     "resident_copy_and_packed": lin.WeightLayout(transposed=True, resident=True, packed=True),
@@ -124,6 +165,9 @@ LAYOUTS = {
     "plain_only": lin.WeightLayout(),
     "native": lin.WeightLayout(plain=False, native=True),
     "native_and_resident_copy": lin.WeightLayout(transposed=True, resident=True, plain=False, native=True),
+    "gemv_and_packed": lin.WeightLayout(packed=True, gemv=True),
+    "gemv_panels_and_packed": lin.WeightLayout(packed=True, plain=False, gemv=True),
+    "gemv_only": lin.WeightLayout(gemv=True),
 }
 
 
@@ -135,6 +179,8 @@ def test_every_layout_computes_x_times_w_transposed_plus_bias(layout, rows, with
         pytest.skip("torch built without oneDNN")
     if LAYOUTS[layout].native and not cpu_native.supports_linear():
         pytest.skip("no native linear kernel here")
+    if LAYOUTS[layout].gemv and cpu_native.library() is None:
+        pytest.skip("no native CPU kernels here")
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen)
     bias = torch.randn(96, generator=gen) if with_bias else None
@@ -155,6 +201,8 @@ def test_every_layout_in_bfloat16_computes_what_f_linear_does_within_its_roundin
         pytest.skip("no oneDNN bfloat16 on this CPU (it needs AVX-512)")
     if LAYOUTS[layout].native and not cpu_native.supports_linear():
         pytest.skip("no native linear kernel here")
+    if LAYOUTS[layout].gemv and cpu_native.library() is None:
+        pytest.skip("no native CPU kernels here")
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen).bfloat16()
     bias = torch.randn(96, generator=gen).bfloat16() if with_bias else None

@@ -32,6 +32,16 @@ AVX512-BF16"). Measured with AVX512-BF16 (oneDNN's ``brg_matmul:avx512_core_bf16
 picks its AMX brgemm behind the same call, so the rule is the same there, unmeasured. float16
 keeps the unpacked paths.
 
+**Decode's few rows on AVX512-BF16, in bfloat16** take kernels/cpu_gemv.c: 1-4 rows its vdpbf16ps panels
+(``gemv_panels``, [N/16][K/2][16][2], one sequential stream per thread), which read a one-stream step's
+0.988 GB on one core at ~90% of that core's read bandwidth where oneDNN's packed weight read it at ~80%
+(bench/RESULTS.md, "CPU: one stream at the memory's speed"); at 5-8 rows the panels' broadcasts of x
+cost more than oneDNN's packed call, which takes them and everything above (prefill, many streams), for
+models of up to ``GEMV_TWO_LAYOUTS_MAX_BYTES``; larger ones keep the weight as loaded instead of the
+packed copy: the row-major GEMV at 5-8 rows, F.linear above. ``PAGEDSERVE_CPU_GEMV=0`` turns it off,
+``=1`` takes the row-major GEMV (up to 8 rows) in every dtype the kernel serves (float32 and float16
+widened, not measured as faster).
+
 ``PAGEDSERVE_CPU_PACKED_LINEAR=0`` keeps the unpacked paths everywhere (``W @ x.T`` up to 32
 rows, an [in, out] copy above for models up to 512 MiB, F.linear above for larger ones), ``=1``
 packs cache-resident models' float32 weights too. Every path here sums dot products in its own
@@ -67,6 +77,13 @@ CACHE_RESIDENT_MAX_BYTES = 16 << 20
 PACKED_MIN_ROWS = 2
 PACKED_ENV = "PAGEDSERVE_CPU_PACKED_LINEAR"
 NATIVE_ENV = "PAGEDSERVE_CPU_NATIVE_LINEAR"
+GEMV_ENV = "PAGEDSERVE_CPU_GEMV"
+# cpu_gemv.c takes products of up to this many rows; its bfloat16 panels up to GEMV_PANEL_MAX_ROWS (faster than
+# oneDNN's packed weight at 1-4 rows, slower at 8: bench/RESULTS.md).
+GEMV_MAX_ROWS = cpu_native.GEMV_MAX_ROWS
+GEMV_PANEL_MAX_ROWS = 4
+# Up to this size a model keeps oneDNN's packed copy beside the weight cpu_gemv.c reads (both in memory).
+GEMV_TWO_LAYOUTS_MAX_BYTES = 4 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +94,7 @@ class WeightLayout:
     packed: bool = False  # a oneDNN prepacked copy serves PACKED_MIN_ROWS rows and up
     plain: bool = True  # the [out, in] weight itself is kept (False: only the packed copy or panels)
     native: bool = False  # cpu_linear.c's panels serve every row count (resident: all but one row)
+    gemv: bool = False  # cpu_gemv.c serves few rows: from its bfloat16 panels, or the [out, in] weight (plain)
 
 
 @dataclass(slots=True)
@@ -90,6 +108,8 @@ class LinearWeight:
     out_features: int = 0
     gate_size: int = 0  # a gate_up weight's gate rows (its panels, if any, alternate gate and up: silu_gate only)
     quantized: Optional["QuantizedLinear"] = None  # a quantized checkpoint's layer: its integers, scales and op
+    gemv: bool = False  # few rows take cpu_gemv.c: gemv_panels up to GEMV_PANEL_MAX_ROWS, else ``weight``
+    gemv_panels: Optional[torch.Tensor] = None  # cpu_gemv.c's bfloat16 panels [ceil(out / 16), ceil(in / 2), 16, 2]
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], layout: WeightLayout,
@@ -104,7 +124,14 @@ class LinearWeight:
                       else cpu_native.pack_linear_weight(narrow))
         return cls(weight if layout.plain else None, bias,
                    weight.t().contiguous() if layout.transposed else None, layout.resident, packed, panels,
-                   weight.shape[0], gate_size)
+                   weight.shape[0], gate_size, gemv=layout.gemv,
+                   gemv_panels=cpu_native.pack_gemv_panels(weight) if layout.gemv and _panels_for(weight.dtype) else None)
+
+
+def _panels_for(dtype: torch.dtype) -> bool:
+    """cpu_gemv.c's panels serve this dtype's few rows by default (bfloat16 on AVX512-BF16); not under
+    ``PAGEDSERVE_CPU_GEMV=1``, which asks for the row-major kernel."""
+    return dtype == torch.bfloat16 and env_switch(GEMV_ENV) is None and cpu_native.supports_gemv_panels()
 
 
 def _narrowest_exact(weight: torch.Tensor) -> torch.Tensor:
@@ -162,10 +189,24 @@ def native_linear_chosen(dtype: torch.dtype = torch.float32) -> bool:
     return choice or "avx512f" not in cpu_flags()
 
 
+def gemv_chosen(dtype: torch.dtype) -> bool:
+    """Whether a few rows take cpu_gemv.c: where it is built, by default in bfloat16 with AVX512-BF16
+    (the one measured faster than oneDNN), with ``PAGEDSERVE_CPU_GEMV=1`` in every dtype it takes."""
+    choice = env_switch(GEMV_ENV)
+    if dtype not in cpu_native.DTYPE_SUFFIXES or choice is False or cpu_native.library() is None:
+        return False
+    return choice or (dtype == torch.bfloat16 and cpu_native.gemv_variant() == "avx512bf16")
+
+
 def weight_layout(device: torch.device, weight_bytes: int, dtype: torch.dtype = torch.float32) -> WeightLayout:
     """How a model of ``weight_bytes`` of weights keeps its matrices."""
     if device.type != "cpu":
         return WeightLayout()
+    if gemv_chosen(dtype):  # cpu_gemv.c for few rows (panels or the weight as loaded); oneDNN packed beside
+        packed = (weight_bytes <= GEMV_TWO_LAYOUTS_MAX_BYTES and env_switch(PACKED_ENV) is not False
+                  and packed_linear_available(dtype))
+        plain = not packed or not _panels_for(dtype)  # the row-major GEMV and F.linear's weight where needed
+        return WeightLayout(packed=packed, plain=plain, gemv=True)
     resident = weight_bytes <= CACHE_RESIDENT_MAX_BYTES
     if native_linear_chosen(dtype):
         return WeightLayout(transposed=resident, resident=resident, plain=False, native=True)
@@ -209,6 +250,11 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     if x.device.type != "cpu":
         return F.linear(x, w.weight, w.bias)
     rows = x.shape[0]
+    if w.gemv and rows <= GEMV_MAX_ROWS:
+        if w.gemv_panels is not None and rows <= GEMV_PANEL_MAX_ROWS:
+            return cpu_native.gemv_panels(x, w.gemv_panels, w.out_features, w.bias)
+        if w.weight is not None:
+            return cpu_native.gemv(x, w.weight, w.bias)
     if _on_panels(x, w):
         if w.gate_size:  # its panels alternate gate and up
             raise ValueError("a gate_up weight packed for silu_gate multiplies only through it")
