@@ -229,6 +229,8 @@ class _HeadOnly:
 
     panels: None = None
     packed: None = None
+    gemv: bool = False
+    gemv_panels: None = None
 
 
 class TransformersCausalLM:
