@@ -20,7 +20,7 @@
  * The result is rounded once to the rows' dtype (or kept in float32: lm_head's logits), the bias
  * (in the weight's dtype) added in float32 first, as oneDNN does. Sums run in another order than
  * oneDNN's, so results may differ from F.linear in the last bits (tests/unit/test_cpu_gemv.py).
- * gemv_variant() names the instructions for the worker's log.
+ * cpu_kernel_variant() (cpu_decode_attention_half.c) names the instructions for the worker's log.
  *
  * gemv_panels_bf16 (at the end) is the bfloat16 kernel the worker takes by default at 1-4 rows: the weight
  * packed at load so that each thread reads one sequential stream and each vdpbf16ps yields 16 outputs.
@@ -237,18 +237,6 @@ DEFINE_RANGE(range_bf16, block_widened, 1, 2)
 DEFINE_GEMV(f32)
 DEFINE_GEMV(bf16)
 DEFINE_GEMV(f16)
-
-const char *gemv_variant(void) {
-#if defined(GEMV_BF16_DPBF16)
-    return "avx512bf16";
-#elif HALF_VW == 16
-    return "avx512";
-#elif HALF_VW == 8
-    return "avx2";
-#else
-    return "scalar";
-#endif
-}
 
 /* ---- bfloat16 panels for vdpbf16ps: the weight packed once at load as [ceil(N/16)][ceil(K/2)][16][2] -------
  * (a panel's 16 rows, each k pair of a row adjacent), zero past N and K: one 64-byte line is the next k pair

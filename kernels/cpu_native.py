@@ -66,12 +66,11 @@ _SIGNATURES = {
     "linear_f32_available": [],
     **{f"gemv_{suffix}": [_P, _I, _I, _I, _P, _I, _I, _P, ctypes.c_int, _P, _I, ctypes.c_int]
        for suffix in ("f32", "bf16", "f16")},
-    "gemv_variant": [],
     "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
-             "linear_f32_available": ctypes.c_int, "gemv_variant": ctypes.c_char_p,
+             "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
              **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}}
 # The kernels' name for each dtype they take (their symbols end in it).
@@ -365,7 +364,8 @@ def gemv_variant(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
     """Which instructions gemv() uses here ("avx512bf16": bfloat16 by vdpbf16ps, float32 and float16
     widened on AVX-512; "avx512", "avx2", "scalar": all widened to float32); None without the library."""
     lib = lib or library()
-    return None if lib is None else lib.gemv_variant().decode()
+    # one ladder for the library (cpu_half.h): vdpbf16ps here exactly where the decode attention has it
+    return None if lib is None else lib.cpu_kernel_variant().decode()
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
