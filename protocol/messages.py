@@ -20,6 +20,7 @@ from pagedserve.protocol.scheduler_stats import SchedulerStats  # noqa: F401  (r
 
 
 LimitS = Annotated[float, msgspec.Meta(gt=0, le=MAX_LIMIT_S)]
+MAX_LORA_NAME_CHARS = 256
 
 
 # ------------------------------------------------------------ frontend -> scheduler
@@ -41,6 +42,31 @@ class AddRequest(Msg):
     # An embedding request (protocol/pooling.py): its prompt is computed, pooled and returned in
     # RequestDelta.embedding; nothing is sampled. None: a generation request.
     pooling: Optional[PoolingType] = None
+    # The LoRA adapter that computes this request (a LoadLoRA's name); "": the base model.
+    lora_name: Annotated[str, msgspec.Meta(max_length=MAX_LORA_NAME_CHARS)] = ""
+
+
+class LoRAAdapter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One adapter as every process names it (protocol/lora_adapter.py reads its files)."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LORA_NAME_CHARS)]
+    lora_id: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]  # vLLM's lora_int_id: fixed for the name's life
+    path: str  # the resolved adapter directory
+    digest: str  # AdapterSpec.digest when the frontend accepted it: a worker refuses other bytes
+
+
+class LoadLoRA(Msg):
+    """Register an adapter (startup's --lora-modules, or POST /v1/load_lora_adapter): requests
+    may name it from now on. Registering a name again with another digest replaces it."""
+
+    adapter: LoRAAdapter
+
+
+class UnloadLoRA(Msg):
+    """Forget an adapter. The frontend sends it only when none of its requests is in flight; a
+    request that still names it later ends with an invalid_request error."""
+
+    name: str
 
 
 class AbortRequest(Msg):
@@ -299,6 +325,29 @@ class SchedulerOutput(Msg):
     draft_tokens: dict[str, int] = {}
 
 
+class LoRASlot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    slot: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+    adapter: LoRAAdapter
+
+
+class LoRAStep(Msg):
+    """The adapter changes of step ``step``, sent just before its SchedulerOutput, only when a
+    step has some (a deployment without LoRA never sends one, so its frames are unchanged).
+
+    A worker applies them before that step's forward: ``forget`` first, then ``loads`` (the slot
+    now holds that adapter, replacing what it held), and reads ``prefetch`` into its host cache
+    in the background. ``request_slots`` gives the slot of each of the step's new requests that
+    uses an adapter (absent: the base model); a request keeps its slot until it finishes or is
+    preempted, because the scheduler never reassigns a slot an admitted request uses.
+    """
+
+    step: int
+    loads: list[LoRASlot] = []
+    prefetch: list[LoRAAdapter] = []
+    forget: list[str] = []  # adapter names: drop from the host cache and any slot
+    request_slots: dict[str, int] = {}
+
+
 class StepResult(Msg):
     step: int
     rank: int
@@ -349,8 +398,8 @@ class Heartbeat(Msg):
 
 # ------------------------------------------------------------ one union per channel
 
-FrontendToScheduler = Union[AddRequest, AbortRequest, Drain, FrontendStarted]
+FrontendToScheduler = Union[AddRequest, AbortRequest, Drain, FrontendStarted, LoadLoRA, UnloadLoRA]
 SchedulerToFrontend = Union[RequestOutputs, SchedulerStats, PrefixCacheEvents, ProcessTable]
-SchedulerToWorker = Union[WorkerInit, SchedulerOutput]
+SchedulerToWorker = Union[WorkerInit, SchedulerOutput, LoRAStep]
 WorkerToScheduler = Union[WorkerHello, WorkerReady, StepResult]
 ToSupervisor = Union[ProcessReady, RestartWorkers, Heartbeat]

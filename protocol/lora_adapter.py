@@ -1,0 +1,218 @@
+"""A LoRA adapter directory in PEFT's format, read and judged the same way in every process.
+
+The frontend reads an adapter before it accepts it (a bad one is a 4xx naming the reason),
+the offline ``LLM`` does the same, and each worker reads it again when it loads the tensors:
+one reader, so the three can never disagree about what an adapter holds. Reading checks
+only ``adapter_config.json`` and the safetensors header (no tensor is read), so it is cheap
+enough for a request path.
+
+What is served: ``peft_type`` LORA on the attention and MLP projections of the decoder
+layers, rank at most ``--max-lora-rank``, ``lora_alpha`` with or without rsLoRA. What is
+refused, by name: DoRA, ``modules_to_save``, embedding or lm_head adapters, per-module
+``rank_pattern`` / ``alpha_pattern``, LoRA biases, ``layers_to_transform``, and adapters on a
+mixture-of-experts layer's experts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# The projections an adapter may target, by the names PEFT gives the base model's modules.
+# qkv_proj / gate_up_proj are the fused projections of checkpoints that store them fused (Phi-3).
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
+
+_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_SAFETENSORS_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+class LoRAAdapterError(ValueError):
+    """An adapter that cannot be served; the message says which file and why, for a 4xx."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """What one adapter directory holds, as read from its config and its tensors' header."""
+
+    path: str  # the resolved directory
+    rank: int
+    scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA: folded into B at load
+    target_modules: tuple[str, ...]  # sorted short names that have tensors, e.g. ("k_proj", "q_proj")
+    num_layers: int  # 1 + the highest layer index with a tensor
+    # (layer, module, "A" | "B") -> (safetensors dtype, shape): A is [r, in], B is [out, r]
+    tensors: dict[tuple[int, str, str], tuple[str, tuple[int, ...]]]
+    tensor_names: dict[tuple[int, str, str], str]  # the same keys -> the name in the file
+    digest: str  # sha256 over the config's and the weights' bytes: a replay loads the same adapter
+
+
+def _refuse(path: Path, why: str) -> LoRAAdapterError:
+    return LoRAAdapterError(f"LoRA adapter {path}: {why}")
+
+
+def _config(path: Path) -> dict:
+    try:
+        cfg = json.loads((path / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise _refuse(path, f"no {CONFIG_FILE} (not a PEFT adapter directory)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _refuse(path, f"{CONFIG_FILE} is not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise _refuse(path, f"{CONFIG_FILE} is not a JSON object")
+    return cfg
+
+
+def _check_config(path: Path, cfg: dict, max_rank: int) -> tuple[int, float]:
+    """(rank, scaling) of a config whose every setting is one this engine serves."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise _refuse(path, f"peft_type {cfg.get('peft_type')!r} is not served (only LORA)")
+    if cfg.get("use_dora"):
+        raise _refuse(path, "DoRA (use_dora) is not supported")
+    if cfg.get("modules_to_save"):
+        raise _refuse(path, f"modules_to_save {cfg['modules_to_save']} is not supported")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise _refuse(path, "per-module rank_pattern / alpha_pattern is not supported")
+    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
+        raise _refuse(path, "LoRA biases (bias / lora_bias) are not supported")
+    if cfg.get("layers_to_transform") is not None:
+        raise _refuse(path, "layers_to_transform is not supported")
+    if cfg.get("fan_in_fan_out"):
+        raise _refuse(path, "fan_in_fan_out (Conv1D-style weights) is not supported")
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise _refuse(path, f"r={rank!r} is not a positive integer")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise _refuse(path, f"lora_alpha={alpha!r} is not a finite number")
+    if rank > max_rank:
+        raise _refuse(path, f"rank {rank} exceeds --max-lora-rank {max_rank}")
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    return rank, float(scaling)
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    """The safetensors header of the weights file, and the file's size: every tensor's bytes
+    must lie inside the file, so a truncated download is refused here, not at load."""
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        alt = " (adapter_model.bin is a pickle: not read; save with safe_serialization)" \
+            if (path / "adapter_model.bin").exists() else ""
+        raise _refuse(path, f"no {WEIGHTS_FILE}{alt}")
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _refuse(path, f"{WEIGHTS_FILE} is truncated (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(_MAX_HEADER_BYTES, size - 8):
+                raise _refuse(path, f"{WEIGHTS_FILE} is corrupt (header of {n} bytes in a {size}-byte file)")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _refuse(path, f"{WEIGHTS_FILE} has an unreadable header ({exc})") from None
+    if not isinstance(header, dict):
+        raise _refuse(path, f"{WEIGHTS_FILE} has a header that is not a JSON object")
+    header.pop("__metadata__", None)
+    return header, size - 8 - n
+
+
+def _tensors(path: Path, header: dict, data_bytes: int) -> tuple[dict, dict]:
+    tensors, names = {}, {}
+    for name, info in header.items():
+        if not isinstance(info, dict) or info.get("dtype") not in _SAFETENSORS_DTYPES:
+            raise _refuse(path, f"tensor {name}: dtype {info.get('dtype') if isinstance(info, dict) else info!r} "
+                                f"is not one of {', '.join(_SAFETENSORS_DTYPES)}")
+        shape, offsets = tuple(info.get("shape", ())), info.get("data_offsets", ())
+        expected = math.prod(shape) * _SAFETENSORS_DTYPES[info["dtype"]]
+        if len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1] <= data_bytes \
+                or offsets[1] - offsets[0] != expected:
+            raise _refuse(path, f"{WEIGHTS_FILE} is truncated or corrupt (tensor {name})")
+        if "lora_embedding" in name or "embed_tokens" in name or "lm_head" in name:
+            raise _refuse(path, f"adapters on embeddings or lm_head are not supported ({name})")
+        if ".experts." in name:
+            raise _refuse(path, f"adapters on mixture-of-experts experts are not supported ({name})")
+        match = _TENSOR.search(name)
+        if match is None:
+            raise _refuse(path, f"tensor {name} is not a LoRA A/B weight of a decoder layer's projection")
+        layer, _, module, side = match.groups()
+        if module not in SUPPORTED_MODULES:
+            raise _refuse(path, f"module {module!r} is not supported (supported: {', '.join(SUPPORTED_MODULES)})")
+        if len(shape) != 2:
+            raise _refuse(path, f"tensor {name} has shape {list(shape)}, not a matrix")
+        key = (int(layer), module, side)
+        tensors[key], names[key] = (info["dtype"], shape), name
+    if not tensors:
+        raise _refuse(path, f"{WEIGHTS_FILE} holds no LoRA weights")
+    for layer, module, side in tensors:
+        if (layer, module, "B" if side == "A" else "A") not in tensors:
+            raise _refuse(path, f"layer {layer} {module} has lora_{side} but not its pair")
+    return tensors, names
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for file in (CONFIG_FILE, WEIGHTS_FILE):
+        with open(path / file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def read_adapter(path: str, max_rank: int, projections: Optional[dict[str, tuple[int, int]]] = None,
+                 num_layers: Optional[int] = None) -> AdapterSpec:
+    """Read and judge the adapter at ``path``; raises LoRAAdapterError naming the reason.
+
+    ``projections`` (module -> (in, out) of the base model, unsharded; ``projection_shapes``)
+    and ``num_layers``, when given, check the tensors' shapes against the model they adapt.
+    """
+    where = Path(path).expanduser()
+    if not where.is_dir():
+        raise _refuse(where, "not a directory" if where.exists() else "does not exist")
+    where = where.resolve()
+    cfg = _config(where)
+    rank, scaling = _check_config(where, cfg, max_rank)
+    header, data_bytes = _header(where)
+    tensors, names = _tensors(where, header, data_bytes)
+    for (layer, module, side), (_, shape) in tensors.items():
+        if num_layers is not None and layer >= num_layers:
+            raise _refuse(where, f"layer {layer} does not exist in the base model ({num_layers} layers)")
+        want_r = shape[0] if side == "A" else shape[1]
+        if want_r != rank:
+            raise _refuse(where, f"layer {layer} {module} lora_{side} has rank {want_r}, the config says r={rank}")
+        if projections is not None:
+            if module not in projections:
+                raise _refuse(where, f"module {module!r} is not a projection of this model "
+                                     f"(it has {', '.join(sorted(projections))})")
+            d_in, d_out = projections[module]
+            if (side == "A" and shape[1] != d_in) or (side == "B" and shape[0] != d_out):
+                raise _refuse(where, f"layer {layer} {module} lora_{side} has shape {list(shape)}, "
+                                     f"which does not fit the base model's {d_in} -> {d_out} projection")
+    return AdapterSpec(str(where), rank, scaling, tuple(sorted({m for _, m, _ in tensors})),
+                       1 + max(layer for layer, _, _ in tensors), tensors, names, _digest(where))
+
+
+def projection_shapes(model_cfg: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) of each adaptable projection of a decoder of ``model_cfg`` (a config.json dict)."""
+    text = model_cfg.get("text_config") or model_cfg
+    hidden = int(text["hidden_size"])
+    heads = int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    inter = int(text.get("intermediate_size") or 4 * hidden)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    if "Phi3" in "".join(model_cfg.get("architectures") or ()):
+        shapes = {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden),
+                  "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
+    return shapes
