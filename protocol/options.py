@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
@@ -129,6 +130,32 @@ class Option:
         if self.nargs:
             return [self.flag, *map(str, value)]
         return [self.flag, str(value)]
+
+
+def _lora_modules_ok(v) -> bool:
+    try:
+        return all(lora_module(item) for item in v)
+    except ValueError:
+        return False
+
+
+def lora_module(item: str) -> tuple[str, str]:
+    """(name, path) of one --lora-modules item: NAME=PATH or vLLM's JSON with name and path."""
+    if item.lstrip().startswith("{"):
+        try:
+            spec = json.loads(item)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--lora-modules {item!r}: {exc}") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+            raise ValueError(f"--lora-modules {item!r}: JSON needs string name and path")
+        name, path = spec["name"], spec["path"]
+    else:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise ValueError(f"--lora-modules {item!r} is not NAME=PATH")
+    if not name or not path:
+        raise ValueError(f"--lora-modules {item!r}: empty name or path")
+    return name, path
 
 
 def _tenant_weights_ok(v) -> bool:
@@ -268,6 +295,21 @@ OPTIONS: tuple[Option, ...] = (
            "\"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}'; greedy outputs stay the same "
            "and sampled ones keep their distribution (docs/DECISIONS.md); eagle and mtp are refused",
            (_speculative_config, "is not a speculative config"), metavar="JSON", to=_S | _W),
+    # -- LoRA adapters (protocol/lora_adapter.py reads them)
+    Option("enable_lora", bool, False, "serve LoRA adapters of the base model: a request's model field names "
+           "the adapter (--lora-modules, or POST /v1/load_lora_adapter when "
+           "PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING=1 or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)", to=_S | _W | _F),
+    Option("lora_modules", str, None, "adapters served from the start, each NAME=PATH (a PEFT directory) or "
+           "vLLM's JSON '{\"name\": NAME, \"path\": PATH}'", (_lora_modules_ok, "must be NAME=PATH or "
+           "JSON with name and path"), nargs="+", metavar="NAME=PATH", to=_F),
+    Option("max_loras", int, 4, "most different adapters in one step (each holds a slot of adapter weights "
+           "on every worker); a request of another adapter waits, FCFS, until a slot frees (vLLM's default "
+           "is 1, which serialises a mix of adapters)", _POSITIVE, to=_S | _W),
+    Option("max_lora_rank", int, 16, "the largest adapter rank served; a slot is sized for it", _POSITIVE,
+           to=_W | _F),
+    Option("max_cpu_loras", int, None, "adapters each worker keeps read in host memory, least recently used "
+           "dropped first, so a slot loads from memory, not disk (default: --max-loras, and never fewer)",
+           _POSITIVE, to=_W),
     Option("seed", int, 0, "sampling seed (replica r uses seed + r)", to=_S),
     Option("debug_invariants", bool, False, "check block-manager invariants every step", to=_S),
     Option("record_trace", str, None, "record the protocol to a trace file (replica r of several: "
