@@ -58,3 +58,8 @@ class SchedulerStats(Msg):
     spec_decode_num_draft_tokens: int = 0  # proposals verified
     spec_decode_num_accepted_tokens: int = 0  # proposals accepted
     spec_decode_num_accepted_tokens_per_pos: list[int] = []  # accepted at proposal position 0, 1, ...
+    # LoRA (--enable-lora): adapters with a running / waiting request, as vLLM's vllm:lora_requests_info labels
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
+    max_lora: int = 0  # --max-loras: adapters one step may hold (0: LoRA off)
+    generation_tokens_by_lora: dict[str, int] = {}  # tokens generated per adapter since start
