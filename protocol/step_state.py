@@ -29,7 +29,8 @@ class HeldRequest:
     """One request as a receiver of SchedulerOutputs holds it between steps."""
 
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens",
-                 "num_scheduled_tokens", "samples", "sampling", "seed", "last_sampled", "pooling", "min_tokens_stops")
+                 "num_scheduled_tokens", "samples", "sampling", "seed", "last_sampled", "pooling", "min_tokens_stops",
+                 "lora_slot")
 
     def __init__(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, block_ids: list[int],
                  num_computed_tokens: int, num_scheduled_tokens: int, sampling: SamplingParams,
@@ -47,6 +48,7 @@ class HeldRequest:
         self.last_sampled: Optional[int] = None  # the token sampled in this request's latest step
         self.pooling = pooling  # an embedding request: "last" | "mean" (protocol/pooling.py); never samples
         self.min_tokens_stops = min_tokens_stops  # masked before sampling.min_tokens outputs (logits_processors.py)
+        self.lora_slot = -1  # the worker's LoRA slot that computes it (LoRAStep.request_slots); -1: the base model
 
     @property
     def num_output_tokens(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -19,6 +19,9 @@ from pagedserve.protocol.step_state import PLACEHOLDER_TOKEN, HeldRequest, StepC
 from pagedserve.worker_proc.attention import CpuAttentionPlan, plan_cpu_attention
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
 from pagedserve.worker_proc.spec_verify import DraftRow, draft_rows
+
+if TYPE_CHECKING:
+    from pagedserve.worker_proc.models.lora_linear import LoRABatch
 
 
 class BatchError(StepContractError):
@@ -39,6 +42,7 @@ class ForwardBatch:
     attention_plan: Optional[CpuAttentionPlan]  # CPU only: batched decodes, SDPA prefill chunks
     max_query_len: int = 0  # the most tokens of one request, known on the host (0: not known)
     output_rows: Optional["OutputRows"] = None  # forward() returns only these rows' hidden states
+    lora: Optional["LoRABatch"] = None  # each token's LoRA slot (worker_proc/lora_slots.py); None: no adapter
 
 
 @dataclass(slots=True)

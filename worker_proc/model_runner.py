@@ -6,12 +6,15 @@ new ones, cached ones' diffs, decodes, placeholders resolved); run the model onc
 flattened ragged batch (prefill chunks and decodes mixed); sample for the entries flagged
 ``samples``; prompt logprobs of the chunks that ask (prompt_logprobs.py); pooled hidden states of
 embedding requests (pooling.py). Every rank samples and remembers its samples; rank 0 reports them.
+With ``--enable-lora`` a step's LoRAStep (``apply_lora_step``, before ``execute``) changes the adapter
+slots once the step's finished requests are gone, before its forward (lora_slots.py).
 With a draft model (draft_model.py) it runs over the speculating entries after the target's
 forward, and proposes after their samples; its cache takes every block operation too.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import zlib
@@ -22,7 +25,8 @@ import torch
 
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.ops import select_ops
-from pagedserve.protocol.messages import SchedulerOutput, StepResult, WorkerInit
+from pagedserve.protocol.lora_adapter import projection_shapes
+from pagedserve.protocol.messages import LoRAStep, SchedulerOutput, StepResult, WorkerInit
 from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output, note_accepted, note_samples
 from pagedserve.worker_proc.cuda_graphs import DecodeGraphs
@@ -34,8 +38,11 @@ from pagedserve.worker_proc.grammar_mask import apply_grammar_bitmask
 from pagedserve.worker_proc.input_batch import (BatchError, HostBatch, gather_batch, resolve_placeholders,
                                                 upload_batch)
 from pagedserve.worker_proc.kv_cache import KVCache, block_bytes, max_num_blocks
+from pagedserve.worker_proc.lora_adapters import AdapterReader, shard_parts
+from pagedserve.worker_proc.lora_slots import LoRASlots
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.model_impl import select_implementation
+from pagedserve.worker_proc.models.lora_linear import LoRAConfig
 from pagedserve.worker_proc.pooling import pool_chunks
 from pagedserve.worker_proc.quantization import checkpoint_quantization
 from pagedserve.worker_proc.prompt_logprobs import compute_prompt_logprobs
@@ -57,12 +64,13 @@ class ModelRunner:
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
                  tp_rank: int = 0, tp_size: int = 1, tp_group=None, cuda_graphs: bool = True,
                  speculative: Optional[SpeculativeConfig] = None, quantization: Optional[str] = None,
-                 model_impl: str = "auto"):
+                 model_impl: str = "auto", lora: Optional[LoRAConfig] = None):
         """``cuda_graphs``: on CUDA, replay decode steps from captured graphs (cuda_graphs.py);
         one GPU per replica only, for now (an all-reduce inside a graph is not yet checked).
         ``speculative``: with method draft_model, the draft is loaded beside the model.
         ``quantization``: ``--quantization``, which must name the checkpoint's own method.
-        ``model_impl``: native, transformers or auto (model_impl.py)."""
+        ``model_impl``: native, transformers or auto (model_impl.py).
+        ``lora``: serve LoRA adapters (``--enable-lora``): the slots are allocated now."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
         implementation = select_implementation(model_dir, model_impl)
@@ -72,6 +80,9 @@ class ModelRunner:
             # transformers would decompress every weight to full precision: the point of the format lost
             raise UnsupportedModelError(f"quantized checkpoints run on the native families only, not the "
                                         f"{implementation.description}")
+        if lora is not None and not implementation.is_native:
+            raise UnsupportedModelError(f"--enable-lora runs on the native families only, not the "
+                                        f"{implementation.description} (--model-impl native)")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -86,7 +97,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_native.library()  # compiled (once per machine) now, not during the first decode step
         self.model = implementation.model_class(model_dir, self.spec, self.shard, self.device, self.dtype,
-                                                select_elementwise(self.ops, self.dtype))
+                                                select_elementwise(self.ops, self.dtype),
+                                                **({} if lora is None else {"lora": lora}))
+        self.lora = None if lora is None else self._lora_slots(model_dir, lora)
         if self.model.spec is not self.spec:  # the transformers backend reads the cache's shape off its model
             self.spec = self.model.spec
             self.shard = TensorParallelShard.for_rank(self.spec, tp_rank, tp_size, tp_group)
@@ -103,6 +116,26 @@ class ModelRunner:
         self.verify_graphs: Optional[VerifyGraphs] = None
         self._speculative = speculative
         self.prune_last_layer = env_switch(PRUNE_ENV) is not False  # input_batch.OutputRows
+
+    def _lora_slots(self, model_dir: str, config: LoRAConfig) -> LoRASlots:
+        spec, shard, d = self.spec, self.shard, self.spec.head_dim
+        with open(f"{model_dir}/config.json") as f:
+            projections = projection_shapes(json.load(f))
+
+        def rank_parts(module: str) -> list[tuple[int, int]]:
+            return shard_parts(module, shard.head_rows(d), shard.kv_head_rows(d), shard.intermediate_rows(),
+                               spec.num_heads * d, spec.num_kv_heads * d, spec.intermediate_size)
+
+        reader = AdapterReader(config.max_rank, projections, spec.num_layers, rank_parts, self.dtype)
+        return LoRASlots([layer.lora for layer in self.model.layers], config.max_loras, config.max_rank, reader,
+                         config.max_cpu_loras, self.device, self.dtype)
+
+    def apply_lora_step(self, msg: LoRAStep) -> None:
+        """The LoRA changes of the step whose SchedulerOutput comes next: adapter reads start now
+        (in the background), the slots change in that step's ``execute``, before its forward."""
+        if self.lora is None:
+            raise StepContractError(f"LoRAStep {msg.step} for a worker started without --enable-lora")
+        self.lora.receive(msg)
 
     # ------------------------------------------------------------------ description
 
@@ -184,7 +217,8 @@ class ModelRunner:
         """The step's hidden states (its output rows': ``ForwardBatch.output_rows``): replayed from
         a graph where one was captured for its shape."""
         for graphs in (self.decode_graphs, self.verify_graphs):
-            size = graphs.size_for(batch) if graphs is not None else None
+            # a step with adapter tokens runs eagerly: the graphs were captured without LoRA's deltas
+            size = graphs.size_for(batch) if graphs is not None and batch.lora is None else None
             if size:
                 hidden = graphs.forward(batch, size)
                 return hidden if batch.output_rows is None else hidden[batch.output_rows.rows]
@@ -209,9 +243,13 @@ class ModelRunner:
             if self.draft is not None:
                 self.draft.note_block_ops(out)
             scheduled, host = self._prepared(out)
+            if self.lora is not None:  # once the step's finished requests are gone: their slots are free
+                self.lora.apply(out, self._requests, scheduled[:len(out.new_requests)])
             if scheduled:
                 batch = upload_batch(host, cache.block_size, self.device, batched_decodes=self.device.type == "cpu",
                                      workspace=self._gather_workspace, prune_last_layer=self.prune_last_layer)
+                if self.lora is not None:
+                    batch.lora = self.lora.batch(scheduled, host.num_scheduled)
                 # Before either path: a graph replays rotary's table lookups without Python
                 self.model.rotary.check_positions(*batch.position_range)
                 hidden = self._forward(batch, cache.device_cache)

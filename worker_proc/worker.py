@@ -28,6 +28,7 @@ from pagedserve.protocol.worker_link import SchedulerLink
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 from pagedserve.worker_proc.attention import SOFTCAP_ON_CPU
 from pagedserve.worker_proc.env_switch import env_switch
+from pagedserve.worker_proc.models.lora_linear import LoRAConfig, path_description
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -126,12 +127,17 @@ class Worker:
 
             torch.set_num_threads(threads)
         group = _init_distributed(cfg)
+        lora = LoRAConfig(cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras) if cfg.enable_lora else None
         self.runner = ModelRunner(cfg.model, device=_device_for_rank(cfg), dtype=cfg.dtype,
                                   tp_rank=cfg.rank, tp_size=cfg.tensor_parallel_size, tp_group=group,
                                   cuda_graphs=not cfg.enforce_eager,
                                   speculative=parse_speculative_config(cfg.speculative_config),
-                                  quantization=cfg.quantization, model_impl=cfg.model_impl)
+                                  quantization=cfg.quantization, model_impl=cfg.model_impl, lora=lora)
         log.info("model implementation: %s", self.runner.model_impl)
+        if self.runner.lora is not None:
+            slots = self.runner.lora
+            log.info("LoRA: %d slots of rank %d (%.1f MiB), %d adapters in host memory; deltas: %s", slots.max_loras,
+                     slots.max_rank, slots.slot_bytes / 2**20, slots.host.capacity, path_description(self.runner.device))
         # Peek at the next step while this one samples (ModelRunner._prepare_ahead): on CUDA, where the
         # device works meanwhile; a CPU has nothing to overlap (bench/log/2026-11-28.md), but the switch may ask.
         ahead = env_switch(PREPARE_AHEAD_ENV)
@@ -178,6 +184,7 @@ class Worker:
         self.results.send(self.hello())
         last_step = 0
         said_ahead = False
+        lora_error: Optional[Exception] = None
         sent_at = time.perf_counter()
         while True:
             msg = self._next if self._next is not None else self._receive()
@@ -199,8 +206,16 @@ class Worker:
                                                        rank=self.cfg.rank, pid=os.getpid()))
                 sent_at = time.perf_counter()
                 continue
+            if isinstance(msg, m.LoRAStep):  # the adapter changes of the step that comes next
+                try:
+                    self.runner.apply_lora_step(msg)
+                except Exception as exc:  # that step answers with it
+                    lora_error = exc
+                continue
             idle = time.perf_counter() - sent_at
             try:
+                if lora_error is not None:
+                    raise lora_error
                 if msg.step <= last_step:  # a replayed or duplicated frame: never run a step twice
                     raise StepOrderError(f"step {msg.step} arrived after step {last_step}")
                 last_step = msg.step
@@ -212,6 +227,7 @@ class Worker:
                 log.error("step %d failed:\n%s", msg.step, traceback.format_exc())
                 result = m.StepResult(step=msg.step, rank=self.cfg.rank, req_ids=[], sampled_token_ids=[],
                                       error=f"{type(exc).__name__}: {exc}")
+            lora_error = None
             result.idle_time_s = idle
             self.results.send(result)
             sent_at = time.perf_counter()
@@ -232,6 +248,8 @@ class Worker:
     def close(self) -> None:
         for s in (self.inputs, self.results, self.to_supervisor):
             s.close()
+        if self.runner.lora is not None:
+            self.runner.lora.close()
         if self.cfg.tensor_parallel_size > 1:
             _leave_distributed()
 

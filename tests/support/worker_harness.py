@@ -4,7 +4,8 @@ TrivialScheduler plays a minimal scheduler: blocks come from a free list (freed 
 are reused, so they hold stale data and are listed in new_block_ids_to_zero), a request
 is sent in full once and then as diffs (a plain one-token decode in the step's DecodeBatch
 unless ``decode_batch=False``), prompts may be split into chunks, and requests may arrive
-at later steps so prefills and decodes of different lengths share a batch.
+at later steps so prefills and decodes of different lengths share a batch. With LoRA, a request may
+name a slot and adapters may be loaded at a step: the step's LoRAStep goes to the runner first.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Callable, Optional
 import torch
 
 from pagedserve.protocol.messages import (
-    CachedRequestData, DecodeBatch, NewRequestData, SamplingParams, SchedulerOutput, StepResult, WorkerInit,
+    CachedRequestData, DecodeBatch, LoRAAdapter, LoRASlot, LoRAStep, NewRequestData, SamplingParams,
+    SchedulerOutput, StepResult, WorkerInit,
 )
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0)
@@ -35,6 +37,7 @@ class _Request:
     num_tokens_sent: int = 0  # how many of prompt + outputs the worker has been told
     preemption: Optional[tuple[str, int, int]] = None  # (mode "swap" | "recompute", at step, resume step)
     host_block_ids: list[int] = field(default_factory=list)
+    lora_slot: int = -1  # the LoRA slot it is computed by (-1: the base model)
 
     @property
     def done(self) -> bool:
@@ -60,11 +63,16 @@ class TrivialScheduler:
         # Tensor-parallel ranks other than 0 sample nothing; this hook gives them rank 0's tokens.
         self.share_tokens = share_tokens
         self.results: list[StepResult] = []
+        self.lora_loads: dict[int, list[LoRASlot]] = {}  # step -> the adapters loaded before it
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams = GREEDY,
-            prefill_chunks: Optional[list[int]] = None, arrival_step: int = 0) -> None:
+            prefill_chunks: Optional[list[int]] = None, arrival_step: int = 0, lora_slot: int = -1) -> None:
         self.requests.append(_Request(req_id, list(prompt), max_tokens, sampling,
-                                      list(prefill_chunks or []), arrival_step))
+                                      list(prefill_chunks or []), arrival_step, lora_slot=lora_slot))
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter, at_step: int = 0) -> None:
+        """Load ``adapter`` into ``slot`` before step ``at_step`` (no request may use the slot then)."""
+        self.lora_loads.setdefault(at_step, []).append(LoRASlot(slot=slot, adapter=adapter))
 
     def preempt(self, req_id: str, mode: str, at_step: int, resume_step: int) -> None:
         """Preempt ``req_id`` by swap or recompute at ``at_step``; it resumes at ``resume_step``."""
@@ -146,6 +154,12 @@ class TrivialScheduler:
     def step_once(self) -> StepResult:
         out, batch = self.build_step()
         self.finished = []
+        held = {r.req_id: r for r in batch}
+        request_slots = {new.req_id: held[new.req_id].lora_slot for new in out.new_requests
+                         if held[new.req_id].lora_slot >= 0}
+        loads = self.lora_loads.pop(out.step, [])
+        if loads or request_slots:
+            self.runner.apply_lora_step(LoRAStep(step=out.step, loads=loads, request_slots=request_slots))
         result = self.runner.execute(out)
         self.results.append(result)
         expected = [r.req_id for r in batch if r.num_computed == len(r.prompt) + len(r.outputs)]

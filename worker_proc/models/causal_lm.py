@@ -13,6 +13,7 @@ copy (lm_head's a copy beside the embeddings), an [in, out] copy, or both.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.elementwise import Elementwise, TorchElementwise
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.linear import LinearWeight, linear, weight_layout
+from pagedserve.worker_proc.models.lora_linear import LoRAConfig
 from pagedserve.worker_proc.rotary import RotaryTables
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -29,7 +31,9 @@ from pagedserve.worker_proc.weights import WeightSource
 
 class CausalLM:
     def __init__(self, model_dir: str, spec: ModelSpec, shard: TensorParallelShard,
-                 device: torch.device, dtype: torch.dtype, elementwise: Elementwise = TorchElementwise()):
+                 device: torch.device, dtype: torch.dtype, elementwise: Elementwise = TorchElementwise(),
+                 lora: Optional[LoRAConfig] = None):
+        """``lora``: every layer allocates its adapter slots (models/lora_linear.py)."""
         self.spec, self.shard, self.device, self.dtype = spec, shard, device, dtype
         self.elementwise = elementwise
         source = WeightSource(model_dir)
@@ -45,7 +49,8 @@ class CausalLM:
             self.rotary = RotaryTables(spec.hf_config, spec.head_dim, spec.max_position_embeddings, device, dtype,
                                        rope_types)
             layer = spec.family.layer or DecoderLayer
-            self.layers = [layer(spec, shard, i, source, device, dtype, layout, self.rotary[rope_types[i]])
+            with_lora = {} if lora is None else {"lora": lora}
+            self.layers = [layer(spec, shard, i, source, device, dtype, layout, self.rotary[rope_types[i]], **with_lora)
                            for i in range(spec.num_layers)]
         finally:
             source.close()

@@ -8,7 +8,10 @@ projections are quantized layers (worker_proc/quantization.py). Norms, residual 
 the SiLU gate go through an Elementwise (elementwise.py): transformers' op sequence, so float32
 greedy tokens equal transformers', or fused kernels; where the matmuls are native (CPU), the SiLU
 gate is part of gate_up's call (models/linear.py silu_gate). Each layer's residual add is deferred
-to the next layer, where the fused path does it in the same op as that layer's first norm.
+to the next layer, where the fused path does it in the same op as that layer's first norm. With
+``--enable-lora`` each projection's output takes its tokens' adapter deltas (models/lora_linear.py)
+before anything reads it: q/k/v's before the norms and rotary, gate/up's before the gate, o's and
+down's before the all-reduce.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.input_batch import ForwardBatch, OutputRows
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
+from pagedserve.worker_proc.models.lora_linear import LayerLoRA, LoRABatch, LoRAConfig, layer_lora
 from pagedserve.worker_proc.quantization import load_projection
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
@@ -45,10 +49,11 @@ class DecoderLayer:
     def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int,
                  source: WeightSource, device: torch.device, dtype: torch.dtype,
                  layout: WeightLayout = WeightLayout(), rotary: Optional[RotaryEmbedding] = None,
-                 dense_mlp: bool = True):
+                 dense_mlp: bool = True, lora: Optional[LoRAConfig] = None):
         """``layout``: whether to keep [in, out] copies of the projections too (models/linear.py).
         ``rotary``: this layer's table (models/causal_lm.py). ``dense_mlp``: False for a family's
-        layer class that brings its own MLP (``_mlp``; models/moe.py): none is loaded here."""
+        layer class that brings its own MLP (``_mlp``; models/moe.py): none is loaded here.
+        ``lora``: allocate this layer's adapter slots (models/lora_linear.py)."""
         p = f"model.layers.{layer}."
         names = spec.family.names
         d = spec.head_dim
@@ -103,15 +108,20 @@ class DecoderLayer:
                                              norm(names.k_norm).expand(shard.num_kv_heads, d)])
         elif spec.qk_norm == "projection":  # over all of q and all of k (one rank holds every head)
             self.q_norm_weight, self.k_norm_weight = norm(names.q_norm), norm(names.k_norm)
+        self.lora: Optional[LayerLoRA] = None if lora is None else layer_lora(
+            names.qkv, names.gate_up if dense_mlp else None, names.o_proj, names.down if dense_mlp else None,
+            spec.hidden_size, self.q_size, self.kv_size, shard.intermediate_size, lora, dtype, device)
         if not dense_mlp:
             self.down_bias = None
             return
         inter_parts, inter_sizes = (inter, inter), (spec.intermediate_size,) * 2
         gate_up_bias = (load(_rows(source, tuple(p + n for n in names.gate_up), ".bias", inter_parts, inter_sizes))
                         if spec.mlp_bias else None)
-        # A GeLU gate multiplies through linear(): no panels interleaved for silu_gate
+        # A GeLU gate multiplies through linear(): no panels interleaved for silu_gate. Nor with LoRA where the
+        # native panels would interleave them: an adapter's delta joins gate and up before the gate.
+        fused_gate = not self.gelu and not (lora is not None and layout.native)
         self.gate_up = projection(names.gate_up, 0, inter_parts, inter_sizes, gate_up_bias,
-                                  gate_size=0 if self.gelu else shard.intermediate_size)
+                                  gate_size=shard.intermediate_size if fused_gate else 0)
         self.down = projection((names.down,), 1, (inter,), (), None)
         self.down_bias = load(source.get(p + names.down + ".bias")) if spec.mlp_bias else None
 
@@ -150,16 +160,25 @@ class DecoderLayer:
                 qk = ew.rms_norm(qk, self.qk_norm_weight, self.eps)
         return ew.rotary(self.rotary, qk, positions)
 
-    def _mlp(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, ew: Elementwise, lora: Optional[LoRABatch] = None,
+             ops: Optional[ModuleType] = None) -> torch.Tensor:
         """This rank's part of the MLP's output (before the all-reduce): a family's layer class may
-        compute another MLP here (models/moe.py)."""
-        return linear(self._gated(x, ew), self.down)
+        compute another MLP here (models/moe.py). ``lora``: the step's adapter tokens, or None."""
+        gated = self._gated(x, ew, lora, ops)
+        out = linear(gated, self.down)
+        return out if lora is None else self.lora.down.add_delta(gated, out, lora, ops)
 
-    def _gated(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+    def _gated(self, x: torch.Tensor, ew: Elementwise, lora: Optional[LoRABatch],
+               ops: Optional[ModuleType]) -> torch.Tensor:
         """The MLP's input to down_proj: act(gate) * up."""
-        if not self.gelu:
+        if lora is None and self.gate_up.gate_size:
             return silu_gate(x, self.gate_up, ew)
-        gate, up = linear(x, self.gate_up).split(self.intermediate, dim=-1)
+        gate_up = linear(x, self.gate_up)
+        if lora is not None:
+            self.lora.gate_up.add_delta(x, gate_up, lora, ops)
+        if not self.gelu:
+            return ew.silu_mul(gate_up, self.intermediate)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return F.gelu(gate, approximate="tanh").mul_(up)
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch,
@@ -175,7 +194,10 @@ class DecoderLayer:
             x = hidden if self.pre_attention_norm is None else ew.rms_norm(hidden, self.pre_attention_norm, self.eps)
         else:
             x, residual = self._join(hidden, residual, self.pre_attention_norm, ew)
+        lora = batch.lora if self.lora is not None else None
         qkv = linear(x, self.qkv)
+        if lora is not None:
+            self.lora.qkv.add_delta(x, qkv, lora, ops)
         qk = self._qk(qkv, batch.positions, ew)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -191,7 +213,12 @@ class DecoderLayer:
             attn = attend(ops, q[rows], k[rows], v[rows], k_cache, v_cache, output_rows.block_tables,
                           output_rows.query_start_loc, output_rows.seq_lens, self.scale, self.sliding_window,
                           output_rows.attention_plan, self.softcap)
-        out = self._finish(linear(attn.reshape(num_tokens, self.q_size), self.o_proj), self.o_bias,
-                           self.post_attention_norm, ew)
+            lora = lora.rows(rows) if lora is not None else None
+        attn = attn.reshape(num_tokens, self.q_size)
+        out = linear(attn, self.o_proj)
+        if lora is not None:
+            self.lora.o.add_delta(attn, out, lora, ops)
+        out = self._finish(out, self.o_bias, self.post_attention_norm, ew)
         x, residual = self._join(out, residual, self.pre_mlp_norm, ew)
-        return self._finish(self._mlp(x, ew), self.down_bias, self.post_mlp_norm, ew), residual
+        mlp = self._mlp(x, ew) if lora is None else self._mlp(x, ew, lora, ops)
+        return self._finish(mlp, self.down_bias, self.post_mlp_norm, ew), residual

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -43,6 +44,7 @@ from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
+from pagedserve.worker_proc.models.lora_linear import LoRABatch, LoRAConfig
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -163,13 +165,15 @@ class MoeDecoderLayer(DecoderLayer):
 
     def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int, source: WeightSource,
                  device: torch.device, dtype: torch.dtype, layout: WeightLayout = WeightLayout(),
-                 rotary: Optional[RotaryEmbedding] = None):
+                 rotary: Optional[RotaryEmbedding] = None, lora: Optional[LoRAConfig] = None):
         sparse = spec.moe.sparse_layers[layer]
-        super().__init__(spec, shard, layer, source, device, dtype, layout, rotary, dense_mlp=not sparse)
+        super().__init__(spec, shard, layer, source, device, dtype, layout, rotary, dense_mlp=not sparse, lora=lora)
         self.moe = SparseMoeBlock(spec, shard, layer, source, device, dtype, layout) if sparse else None
 
-    def _mlp(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
-        return super()._mlp(x, ew) if self.moe is None else self.moe.forward(x, ew)
+    def _mlp(self, x: torch.Tensor, ew: Elementwise, lora: Optional[LoRABatch] = None,
+             ops: Optional[ModuleType] = None) -> torch.Tensor:
+        """A sparse layer's experts take no adapter (protocol/lora_adapter.py refuses them)."""
+        return super()._mlp(x, ew, lora, ops) if self.moe is None else self.moe.forward(x, ew)
 
 
 def grouped_experts(x: torch.Tensor, experts: list[tuple[LinearWeight, LinearWeight]], weights: torch.Tensor,
