@@ -3,8 +3,8 @@
 
 A ``LoRAProjection`` holds every slot's A and B of the projections that share one input and write one
 fused output (q/k/v into qkv; gate/up into gate_up; o and down alone): A as ``[slots, modules, rank,
-in]``, so one matmul shrinks all of a group's modules, and each module's B as ``[out, slots, rank]``,
-whose ``[out, slots * rank]`` view expands every slot at once. The scaling is folded into B at load;
+in]``, so one matmul shrinks all of a group's modules, and each module's B as ``[slots, rank, out]``,
+whose ``[slots * rank, out]`` view expands every slot at once. The scaling is folded into B at load;
 an adapter of lower rank than the slots' is zero-padded, and a module it does not target is zeros.
 
 A step's ``LoRABatch`` (built once, shared by every layer) says which path computes the deltas:
@@ -37,6 +37,8 @@ import torch.nn.functional as F
 # shape (8 slots of rank 16, all seven projections, 2 threads of a Zen 5; tests/unit/test_lora_worker.py's
 # bench_lora_paths): see bench/log and the worker's log line.
 DENSE_MAX_TOKENS = 16
+# Segments in batch order (no gather of rows by slot, no scatter back) when the runs average this many tokens.
+MIN_MEAN_RUN = 16
 # CUDA: up to this many tokens one slot index per token (BGMV), above it sorted segments (SGMV).
 # Not measured on a GPU yet: vLLM's punica wrapper draws the same line between decode and prefill.
 BGMV_MAX_TOKENS = 128
@@ -101,7 +103,9 @@ class LoRABatch:
                 if values[start] >= 0:
                     runs.append((values[start], start, i))
                 start = i
-        if len({slot for slot, _, _ in runs}) == len(runs) and device.type != "cuda":
+        # Runs of a prompt chunk each are long: computed in place, no gather and scatter of the rows
+        if device.type != "cuda" and (len({slot for slot, _, _ in runs}) == len(runs)
+                                      or len(values) >= MIN_MEAN_RUN * len(runs)):
             self.segments = runs
             return
         order = torch.argsort(host, stable=True)
@@ -151,7 +155,7 @@ class LoRAProjection:
         self.columns = [(start, start + size) for _, start, size in modules]
         self.in_features, self.max_rank = in_features, max_rank
         self.a = torch.zeros(max_loras, len(modules), max_rank, in_features, dtype=dtype, device=device)
-        self.b = [torch.zeros(size, max_loras, max_rank, dtype=dtype, device=device) for _, _, size in modules]
+        self.b = [torch.zeros(max_loras, max_rank, size, dtype=dtype, device=device) for _, _, size in modules]
         # which modules each slot's adapter targets; how many slots target each module (0: skipped)
         self.slot_targets: list[tuple[bool, ...]] = [(False,) * len(modules)] * max_loras
         self.num_targeting = [0] * len(modules)
@@ -173,7 +177,7 @@ class LoRAProjection:
                 a, b = pair
                 rank = a.shape[0]
                 self.a[slot, j, :rank].copy_(a, non_blocking=True)
-                self.b[j][:, slot, :rank].copy_(b, non_blocking=True)
+                self.b[j][slot, :rank].copy_(b.t(), non_blocking=True)
                 self.num_targeting[j] += 1
         self.slot_targets[slot] = tuple(targets)
 
@@ -182,7 +186,7 @@ class LoRAProjection:
             if targeted:
                 self.num_targeting[j] -= 1
                 self.a[slot, j].zero_()
-                self.b[j][:, slot].zero_()
+                self.b[j][slot].zero_()
         self.slot_targets[slot] = (False,) * len(self.names)
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, lora: Optional[LoRABatch],
@@ -207,7 +211,7 @@ class LoRAProjection:
         for j, (start, end) in enumerate(self.columns):
             if self.num_targeting[j]:
                 sj = s[:, :, j].reshape(tokens, slots * rank)
-                out[:, start:end] += F.linear(sj, self.b[j].view(end - start, slots * rank))
+                out[:, start:end] += sj @ self.b[j].view(slots * rank, end - start)
 
     def _segments(self, x: torch.Tensor, out: torch.Tensor, lora: LoRABatch) -> None:
         modules, rank = self.a.shape[1], self.max_rank
@@ -220,7 +224,7 @@ class LoRAProjection:
             s = F.linear(xs[first:last], self.a[slot].view(modules * rank, self.in_features))
             for j, (start, end) in enumerate(self.columns):
                 if targets[j]:
-                    target[first:last, start:end] += F.linear(s[:, j * rank:j * rank + r], self.b[j][:, slot, :r])
+                    target[first:last, start:end] += s[:, j * rank:j * rank + r] @ self.b[j][slot, :r]
         if lora.order is not None:
             out.index_add_(0, lora.order, target)
 
@@ -232,7 +236,7 @@ class LoRAProjection:
             ops.lora_shrink(x, a, lora.token_slots, s)
             for j, (start, end) in enumerate(self.columns):
                 if self.num_targeting[j]:
-                    ops.lora_expand(s[:, j * rank:(j + 1) * rank], self.b[j].permute(1, 0, 2), lora.token_slots,
+                    ops.lora_expand(s[:, j * rank:(j + 1) * rank], self.b[j], lora.token_slots,
                                     out[:, start:end])
             return
         xs = x.index_select(0, lora.order)
@@ -241,7 +245,7 @@ class LoRAProjection:
         delta = out.new_zeros(xs.shape[0], out.shape[1])
         for j, (start, end) in enumerate(self.columns):
             if self.num_targeting[j]:
-                ops.lora_expand_segments(s[:, j * rank:(j + 1) * rank], self.b[j].permute(1, 0, 2), lora.seg_starts,
+                ops.lora_expand_segments(s[:, j * rank:(j + 1) * rank], self.b[j], lora.seg_starts,
                                          lora.seg_slots, delta[:, start:end])
         out.index_add_(0, lora.order, delta)
 
