@@ -44,6 +44,7 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_decode_attention_half.c"): (),
            Path(__file__).with_name("cpu_linear.c"): (),
            Path(__file__).with_name("cpu_gemv.c"): (),
+           Path(__file__).with_name("cpu_lora.c"): (),
            Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary_half.c"): ("-ffp-contract=off",),
@@ -68,6 +69,8 @@ _SIGNATURES = {
        for suffix in ("f32", "bf16", "f16")},
     "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
+    "lora_shrink": [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I],
+    "lora_expand": [_P, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_int],
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int,
@@ -458,3 +461,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
         x.numel() // d if d else 0, d, eps)
     return out
+
+
+_LORA_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_lora.c's ``half``
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
+                ranks: torch.Tensor, max_rank: int, s: torch.Tensor) -> None:
+    """s[t] = a[slot] @ x[t] for the tokens of each segment (kernels/cpu_lora.c): x [T, K] float32
+    (rows may be strided), a [slots, N, K] contiguous (float32 or half), ``tokens`` the rows in segment
+    order, segment i ``tokens[starts[i]:starts[i + 1]]`` on slot ``slots[i]``, ``ranks`` [slots] each
+    slot's adapter rank (row n of a slot is rank n % max_rank); s [T, N] float32, rows may be strided.
+    Index tensors int64. Rows of tokens in no segment are left as they are."""
+    k, n = x.shape[1], a.shape[1]
+    if (x.dtype != torch.float32 or s.dtype != torch.float32 or a.shape[2] != k or s.shape[1] < n
+            or x.stride(1) != 1 or s.stride(1) != 1 or not a.is_contiguous()):
+        raise ValueError("lora_shrink: x, a and s do not match")
+    library().lora_shrink(x.data_ptr(), x.stride(0), k, a.data_ptr(), _LORA_KIND[a.dtype], n, max_rank,
+                          tokens.data_ptr(), starts.data_ptr(), slots.data_ptr(), ranks.data_ptr(), slots.shape[0],
+                          s.data_ptr(), s.stride(0))
+
+
+def lora_expand(s: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
+                ranks: torch.Tensor, y: torch.Tensor) -> None:
+    """y[t] += s[t, :rank] @ b[slot, :rank] in place, for the tokens of each segment (as lora_shrink):
+    s [T, >= R] float32 (this module's R columns first), b [slots, R, out] contiguous, y [T, out]
+    float32 or half, rows may be strided (a fused output's columns); one rounding per element."""
+    r_max, out = b.shape[1], b.shape[2]
+    if (s.dtype != torch.float32 or y.shape[1] != out or s.stride(1) != 1 or y.stride(1) != 1
+            or not b.is_contiguous() or y.dtype not in _LORA_KIND):
+        raise ValueError("lora_expand: s, b and y do not match")
+    library().lora_expand(s.data_ptr(), s.stride(0), b.data_ptr(), _LORA_KIND[b.dtype], r_max, out,
+                          tokens.data_ptr(), starts.data_ptr(), slots.data_ptr(), ranks.data_ptr(), slots.shape[0],
+                          y.data_ptr(), y.stride(0), _LORA_KIND[y.dtype])
+
+
+def supports_lora() -> bool:
+    return library() is not None

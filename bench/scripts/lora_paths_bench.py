@@ -1,9 +1,10 @@
-"""LoRA's two CPU delta paths (worker_proc/models/lora_linear.py) on one 0.5B layer, per token count:
-the dense masked matmuls over every slot against one matmul pair per adapter segment, beside the
+"""LoRA's CPU delta paths (worker_proc/models/lora_linear.py) on one 0.5B layer, per token count: the
+native grouped kernel (kernels/cpu_lora.c), the dense masked matmuls over every slot and one matmul
+pair per adapter segment, beside the
 layer's base projections (F.linear) for scale. Every slot holds an adapter on all seven projections;
 a step's tokens are spread over the slots in turn (decodes: each token its own request) or, with
 ``--runs``, as one run of tokens per slot (prompt chunks). Prints ms per layer (median of --repeat).
-``DENSE_MAX_TOKENS`` is the crossover this measures.
+``NATIVE_MAX_TOKENS`` and ``DENSE_MAX_TOKENS`` are the crossovers this measures.
 
     python bench/scripts/lora_paths_bench.py [--tokens 1,4,8,16,32,64,128,256] [--dtype bfloat16] [--slots 8]
 """
@@ -16,6 +17,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels import cpu_native
 from pagedserve.worker_proc.models.lora_linear import LoRABatch, LoRAConfig, layer_lora
 
 from step_phases import timed_runs
@@ -53,8 +55,9 @@ def main() -> None:
             "gate_up": torch.randn(2 * INTER, HIDDEN, dtype=dtype), "down": torch.randn(HIDDEN, INTER, dtype=dtype)}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {ns.dtype}, {ns.slots} slots of rank "
           f"{ns.rank}, tokens {'in one run per slot' if ns.runs else 'spread over the slots in turn'}")
-    print("| tokens | base projections ms | dense ms | segments ms | dense / base | segments / base |")
-    print("|---|---|---|---|---|---|")
+    paths = ("native", "dense", "segments") if cpu_native.supports_lora() else ("dense", "segments")
+    print("| tokens | base projections ms | " + " | ".join(f"{p} ms (/ base)" for p in paths) + " |")
+    print("|---|---|" + "---|" * len(paths))
     for tokens in map(int, ns.tokens.split(",")):
         if ns.runs:
             slots = torch.arange(tokens) * ns.slots // tokens
@@ -64,24 +67,24 @@ def main() -> None:
               "gate_up": torch.randn(tokens, HIDDEN, dtype=dtype), "down": torch.randn(tokens, INTER, dtype=dtype)}
         outs = {name: F.linear(xs[name], w) for name, w in base.items()}
         ranks = (ns.rank,) * ns.slots
-        results = []
-        for dense in (None, True, False):
+
+        def base_step():
+            for name, w in base.items():
+                F.linear(xs[name], w)
+
+        b = 1e3 * statistics.median(timed_runs(base_step, ns.repeat, warmup=2))
+        cells = []
+        for path in paths:
             # built once per step (every layer shares it): outside the timed layer
-            batch = LoRABatch(slots, ns.slots, ns.rank, dtype, True, ranks)
-            if dense is False:
-                batch.dense = False
-                batch._group(slots, torch.device("cpu"))
+            batch = LoRABatch.build(slots, torch.device("cpu"), ns.slots, ns.rank, dtype, ranks, path)
 
             def step():
-                if dense is None:
-                    for name, w in base.items():
-                        F.linear(xs[name], w)
-                    return
                 for name in ("qkv", "o", "gate_up", "down"):
                     getattr(layer, name).add_delta(xs[name], outs[name], batch)
-            results.append(1e3 * statistics.median(timed_runs(step, ns.repeat, warmup=2)))
-        b, d, s = results
-        print(f"| {tokens} | {b:.3f} | {d:.3f} | {s:.3f} | {d / b:.2f} | {s / b:.2f} |", flush=True)
+
+            ms = 1e3 * statistics.median(timed_runs(step, ns.repeat, warmup=2))
+            cells.append(f"{ms:.3f} ({ms / b:.2f})")
+        print(f"| {tokens} | {b:.3f} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

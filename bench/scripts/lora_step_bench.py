@@ -5,7 +5,7 @@ two kinds of step alternate (base, adapters, base, ...) so a noisy machine slows
 the median ms per decode step of each and their ratio, and with ``--profile`` torch's profiler table
 of one adapter step.
 
-    python bench/scripts/lora_step_bench.py [--seqs 32] [--adapters 8] [--dtype bfloat16] [--dense-max 16]
+    python bench/scripts/lora_step_bench.py [--seqs 32] [--adapters 8] [--dtype bfloat16] [--path native]
 """
 
 from __future__ import annotations
@@ -59,18 +59,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--dense-max", type=int, default=None, help="override DENSE_MAX_TOKENS")
+    p.add_argument("--path", choices=lora_linear.PATHS, default=None, help="every step's path (default: by its size)")
     p.add_argument("--profile", action="store_true")
     ns = p.parse_args()
-    if ns.dense_max is not None:
-        lora_linear.DENSE_MAX_TOKENS = ns.dense_max
+    if ns.path is not None:
+        lora_linear.choose_path = lambda device, num_tokens: ns.path
     model = ensure_shape_model(SHAPES["0.5b-bf16"])
     adapter_dir = shape_cache_dir() / "0.5b-bf16-lora-r16"
     adapters = [adapter_message(f"a{i}", str(adapter_dir / f"a{i}"), i + 1) for i in range(ns.adapters)]
     runner = ModelRunner(str(model), dtype=ns.dtype, lora=LoRAConfig(max_loras=ns.adapters, max_rank=16))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {ns.dtype}, {ns.seqs} sequences, "
-          f"{ns.adapters} adapters of rank 16 on all seven projections; dense path up to "
-          f"{lora_linear.DENSE_MAX_TOKENS} tokens", flush=True)
+          f"{ns.adapters} adapters of rank 16 on all seven projections; deltas: "
+          f"{ns.path or lora_linear.path_description(runner.device)}", flush=True)
     base, lora = [], []
     for _ in range(ns.rounds):
         base += decode_steps(runner, ns.seqs, [], ns.steps, ns.prompt_len)

@@ -62,10 +62,10 @@ def _runner(model_dir, max_loras: int = 4) -> ModelRunner:
     return ModelRunner(str(model_dir), lora=LoRAConfig(max_loras=max_loras, max_rank=8))
 
 
-@pytest.mark.parametrize("path", ["by step size", "dense", "segments"])
+@pytest.mark.parametrize("path", ["by step size", "native", "dense", "segments"])
 def test_a_batch_mixing_four_adapters_and_the_base_model_decodes_what_peft_decodes(adapted, path, monkeypatch):
     if path != "by step size":  # every step through one path: decodes through segments, prompts dense
-        monkeypatch.setattr(lora_linear, "DENSE_MAX_TOKENS", 1 << 20 if path == "dense" else 0)
+        monkeypatch.setattr(lora_linear, "choose_path", lambda device, num_tokens: path)
     model_dir, adapters = adapted
     prompts = random_prompts([7, 19, 4, 11, 25, 9], vocab_size=512, seed=3)
     slots = [0, 1, 2, 3, -1, 1]  # two requests share adapter 1; one is the base model

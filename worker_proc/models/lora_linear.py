@@ -3,24 +3,24 @@
 
 A ``LoRAProjection`` holds every slot's A and B of the projections that share one input and write one
 fused output (q/k/v into qkv; gate/up into gate_up; o and down alone): A as ``[slots, modules, rank,
-in]``, so one matmul shrinks all of a group's modules, and each module's B as ``[slots, rank, out]``,
+in]``, so one product shrinks all of a group's modules, and each module's B as ``[slots, rank, out]``,
 whose ``[slots * rank, out]`` view expands every slot at once. The scaling is folded into B at load;
 an adapter of lower rank than the slots' is zero-padded, and a module it does not target is zeros.
 
-A step's ``LoRABatch`` (built once, shared by every layer) says which path computes the deltas:
+A step's ``LoRABatch`` (built once, shared by every layer) names the path that computes the deltas:
 
-- **dense** (few tokens: decodes): ``s = x @ A_all.T`` over every slot, a mask keeping each token's
-  own slot's columns, then ``s @ B_all.T``: two matmuls per projection however many adapters the step
-  mixes, at ``slots``-fold the FLOPs of the token's own adapter, which is nothing beside the base
-  weight's at a few rows;
-- **segments** (many tokens: prefill): the adapter tokens grouped by slot (a step's prompt chunks are
-  runs already; otherwise sorted once), one shrink and one expand per segment at the adapter's own
-  rank, no FLOPs on other slots;
-- on CUDA, the Triton kernels (kernels/lora.py): BGMV (one slot per token) up to ``BGMV_MAX_TOKENS``,
-  SGMV over the sorted segments above.
+- **native** (CPU, few tokens: decodes): kernels/cpu_lora.c over the tokens grouped by slot, each token
+  multiplied by its own slot's weights only, the batch read and written in place by index;
+- **dense** (CPU without the native library, few tokens): ``s = x @ A_all.T`` over every slot, a mask
+  keeping each token's own slot's columns, then ``s @ B_all``: two matmuls per projection however many
+  adapters the step mixes, at ``slots``-fold the FLOPs of the token's own adapter;
+- **segments** (CPU, many tokens: prefill): one shrink and one expand matmul per slot's segment at the
+  adapter's own rank (a prompt chunk is a run of its batch already; otherwise the tokens sorted once);
+- **bgmv** / **sgmv** (CUDA): the Triton kernels (kernels/lora.py), one slot index per token up to
+  ``BGMV_MAX_TOKENS``, the sorted segments above.
 
-Under tensor parallelism the slots hold this rank's part (worker_proc/lora_adapters.py slices it):
-column-parallel projections a full A and B's rows, row-parallel ones A's columns and a full B, and
+Under tensor parallelism the slots hold this rank's part (worker_proc/lora_adapters.py cuts it):
+column-parallel projections a full A and B's columns, row-parallel ones A's columns and a full B, and
 their delta joins the partial output before the all-reduce.
 """
 
@@ -33,15 +33,19 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-# Up to this many tokens a CPU step takes the dense path, above it the segments. Measured on the 0.5B
-# shape (8 slots of rank 16, all seven projections, 2 threads of a Zen 5; tests/unit/test_lora_worker.py's
-# bench_lora_paths): see bench/log and the worker's log line.
+from pagedserve.kernels import cpu_native
+
+# CPU, up to this many tokens a step: kernels/cpu_lora.c (where the native library is built), else the dense
+# masked matmuls up to DENSE_MAX_TOKENS; the segments' matmul pairs above. Measured on the 0.5B shape, 8
+# slots of rank 16 on all seven projections, 2 threads of a Zen 5 (bench/scripts/lora_paths_bench.py).
+NATIVE_MAX_TOKENS = 64
 DENSE_MAX_TOKENS = 16
 # Segments in batch order (no gather of rows by slot, no scatter back) when the runs average this many tokens.
 MIN_MEAN_RUN = 16
 # CUDA: up to this many tokens one slot index per token (BGMV), above it sorted segments (SGMV).
 # Not measured on a GPU yet: vLLM's punica wrapper draws the same line between decode and prefill.
 BGMV_MAX_TOKENS = 128
+PATHS = ("native", "dense", "segments", "bgmv", "sgmv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,48 +57,60 @@ class LoRAConfig:
     max_cpu_loras: Optional[int] = None
 
 
+def choose_path(device: torch.device, num_tokens: int) -> str:
+    """The path a step of ``num_tokens`` tokens takes (PATHS)."""
+    if device.type == "cuda":
+        return "bgmv" if num_tokens <= BGMV_MAX_TOKENS else "sgmv"
+    if cpu_native.supports_lora():
+        return "native" if num_tokens <= NATIVE_MAX_TOKENS else "segments"
+    return "dense" if num_tokens <= DENSE_MAX_TOKENS else "segments"
+
+
 def path_description(device: torch.device) -> str:
     """The delta's kernels, for the worker's log."""
     if device.type == "cuda":
         return f"Triton BGMV up to {BGMV_MAX_TOKENS} tokens a step, SGMV segments above"
-    return (f"dense masked matmuls over every slot up to {DENSE_MAX_TOKENS} tokens a step, "
-            f"one matmul pair per adapter segment above")
+    if cpu_native.supports_lora():
+        return (f"native grouped shrink and expand (cpu_lora.c) up to {NATIVE_MAX_TOKENS} tokens a step, "
+                "a matmul pair per adapter segment above")
+    return f"dense masked matmuls over every slot up to {DENSE_MAX_TOKENS} tokens a step, a matmul pair per segment above"
 
 
 @dataclass(slots=True)
 class LoRABatch:
-    """One step's token -> slot map, and what each path needs of it, built once for every layer."""
+    """One step's token -> slot map, and what its path needs of it, built once for every layer."""
 
     token_slots: torch.Tensor  # [T] long on the device: each token's slot, -1 for the base model
     max_loras: int
     max_rank: int
     dtype: torch.dtype
-    dense: bool  # the dense path (CPU) or BGMV (CUDA); else segments
+    path: str  # one of PATHS
     slot_ranks: tuple[int, ...]  # the rank of the adapter in each slot (0: empty)
-    # segments: tokens ordered by slot (None: already grouped in batch order) and (slot, start, end)
+    # the adapter tokens ordered by slot (segments: None where computed in batch order), and (slot, start, end)
     order: Optional[torch.Tensor] = None
     segments: list[tuple[int, int, int]] = field(default_factory=list)
-    seg_starts: Optional[torch.Tensor] = None  # CUDA SGMV: [S + 1] int32 over the ordered tokens
-    seg_slots: Optional[torch.Tensor] = None  # [S] int32
+    seg_starts: Optional[torch.Tensor] = None  # native (int64), sgmv (int32): [S + 1] over ``order``
+    seg_slots: Optional[torch.Tensor] = None  # [S]
+    ranks: Optional[torch.Tensor] = None  # native: slot_ranks, int64
     _masks: dict = field(default_factory=dict)
-    _rows: Optional[tuple[torch.Tensor, "LoRABatch"]] = None
+    _rows: Optional[tuple[torch.Tensor, Optional["LoRABatch"]]] = None
 
     @classmethod
     def build(cls, token_slots_host: torch.Tensor, device: torch.device, max_loras: int, max_rank: int,
-              dtype: torch.dtype, slot_ranks: tuple[int, ...]) -> "LoRABatch":
-        """``token_slots_host``: [T] long on the host."""
-        num_tokens = token_slots_host.shape[0]
-        cuda = device.type == "cuda"
-        dense = num_tokens <= (BGMV_MAX_TOKENS if cuda else DENSE_MAX_TOKENS)
-        slots = token_slots_host.to(device, non_blocking=True) if cuda else token_slots_host
-        batch = cls(slots, max_loras, max_rank, dtype, dense, slot_ranks)
-        if not dense:
-            batch._group(token_slots_host, device)
+              dtype: torch.dtype, slot_ranks: tuple[int, ...], path: Optional[str] = None) -> "LoRABatch":
+        """``token_slots_host``: [T] long on the host. ``path``: the step size's (choose_path) unless given."""
+        path = path or choose_path(device, token_slots_host.shape[0])
+        slots = token_slots_host.to(device, non_blocking=True) if device.type == "cuda" else token_slots_host
+        batch = cls(slots, max_loras, max_rank, dtype, path, slot_ranks)
+        if path == "segments":
+            batch._runs_or_sorted(token_slots_host)
+        elif path in ("native", "sgmv"):
+            batch._sorted(token_slots_host, device, torch.int64 if path == "native" else torch.int32)
         return batch
 
-    def _group(self, host: torch.Tensor, device: torch.device) -> None:
-        """The segments of adapter tokens by slot: the batch's own runs where each slot is one run
-        (prompt chunks), else the adapter tokens sorted by slot."""
+    def _runs_or_sorted(self, host: torch.Tensor) -> None:
+        """The batch's own runs where each slot is one run or the runs are long (prompt chunks: computed
+        in place, no gather and scatter of rows), else the tokens sorted by slot."""
         values = host.tolist()
         runs: list[tuple[int, int, int]] = []
         start = 0
@@ -103,26 +119,28 @@ class LoRABatch:
                 if values[start] >= 0:
                     runs.append((values[start], start, i))
                 start = i
-        # Runs of a prompt chunk each are long: computed in place, no gather and scatter of the rows
-        if device.type != "cuda" and (len({slot for slot, _, _ in runs}) == len(runs)
-                                      or len(values) >= MIN_MEAN_RUN * len(runs)):
+        if len({slot for slot, _, _ in runs}) == len(runs) or len(values) >= MIN_MEAN_RUN * len(runs):
             self.segments = runs
-            return
+        else:
+            self._sorted(host, host.device, torch.int64)
+
+    def _sorted(self, host: torch.Tensor, device: torch.device, index_dtype: torch.dtype) -> None:
         order = torch.argsort(host, stable=True)
-        first = int((host < 0).sum())
-        order = order[first:]
+        order = order[int((host < 0).sum()):]  # the base model's tokens (-1) sort first: none of them
         counts = torch.bincount(host[order], minlength=self.max_loras).tolist()
         offset = 0
         for slot, count in enumerate(counts):
             if count:
                 self.segments.append((slot, offset, offset + count))
                 offset += count
-        self.order = order.to(device)
+        starts = torch.tensor([first for _, first, _ in self.segments] + [offset], dtype=index_dtype)
+        slots = torch.tensor([slot for slot, _, _ in self.segments], dtype=index_dtype)
         if device.type == "cuda":
-            starts = [s for _, s, _ in self.segments] + [offset]
-            self.seg_starts = torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True)
-            self.seg_slots = torch.tensor([s for s, _, _ in self.segments], dtype=torch.int32).to(
-                device, non_blocking=True)
+            self.order, self.seg_starts, self.seg_slots = (t.to(device, non_blocking=True)
+                                                           for t in (order, starts, slots))
+        else:
+            self.order, self.seg_starts, self.seg_slots = order, starts, slots
+            self.ranks = torch.tensor(self.slot_ranks, dtype=torch.int64)
 
     def mask(self, width: int) -> torch.Tensor:
         """[T, slots * width] of 1 where a column belongs to the token's slot (dense path)."""
@@ -137,9 +155,10 @@ class LoRABatch:
         if self._rows is None or self._rows[0] is not rows:
             slots = self.token_slots[rows]
             if slots.device.type == "cuda":  # BGMV over the rows: no host round trip
-                sub = LoRABatch(slots, self.max_loras, self.max_rank, self.dtype, True, self.slot_ranks)
+                sub = LoRABatch(slots, self.max_loras, self.max_rank, self.dtype, "bgmv", self.slot_ranks)
             else:
-                sub = (LoRABatch.build(slots, slots.device, self.max_loras, self.max_rank, self.dtype, self.slot_ranks)
+                sub = (LoRABatch.build(slots, slots.device, self.max_loras, self.max_rank, self.dtype,
+                                       self.slot_ranks, _rows_path(self.path, slots.shape[0]))
                        if bool((slots >= 0).any()) else None)
             self._rows = (rows, sub)
         return self._rows[1]
@@ -194,13 +213,24 @@ class LoRAProjection:
         """``out`` (x's base product, [T, fused out]) plus each token's adapter delta, in place."""
         if lora is None or not any(self.num_targeting):
             return out
-        if x.device.type == "cuda" and ops is not None and hasattr(ops, "lora_shrink"):
+        if lora.path in ("bgmv", "sgmv"):
             self._triton(x, out, lora, ops)
-        elif lora.dense:
+        elif lora.path == "native":
+            self._native(x, out, lora)
+        elif lora.path == "dense":
             self._dense(x, out, lora)
         else:
             self._segments(x, out, lora)
         return out
+
+    def _native(self, x: torch.Tensor, out: torch.Tensor, lora: LoRABatch) -> None:
+        slots, modules, rank = self.a.shape[0], self.a.shape[1], self.max_rank
+        s = torch.empty(x.shape[0], modules * rank, dtype=torch.float32)  # rows of base tokens: never read
+        grouping = (lora.order, lora.seg_starts, lora.seg_slots, lora.ranks)
+        cpu_native.lora_shrink(x.float(), self.a.view(slots, modules * rank, self.in_features), *grouping, rank, s)
+        for j, (start, end) in enumerate(self.columns):
+            if self.num_targeting[j]:
+                cpu_native.lora_expand(s[:, j * rank:], self.b[j], *grouping, out[:, start:end])
 
     def _dense(self, x: torch.Tensor, out: torch.Tensor, lora: LoRABatch) -> None:
         slots, modules, rank = self.a.shape[0], self.a.shape[1], self.max_rank
@@ -231,7 +261,7 @@ class LoRAProjection:
     def _triton(self, x: torch.Tensor, out: torch.Tensor, lora: LoRABatch, ops: ModuleType) -> None:
         slots, modules, rank = self.a.shape[0], self.a.shape[1], self.max_rank
         a = self.a.view(slots, modules * rank, self.in_features)
-        if lora.dense:  # BGMV: one slot per token, straight into out
+        if lora.path == "bgmv":  # one slot per token, straight into out
             s = torch.zeros(x.shape[0], modules * rank, dtype=torch.float32, device=x.device)
             ops.lora_shrink(x, a, lora.token_slots, s)
             for j, (start, end) in enumerate(self.columns):
@@ -266,6 +296,11 @@ class LayerLoRA:
     def modules(self) -> dict[str, LoRAProjection]:
         """The projection that holds each module name of this layer."""
         return {name: p for p in self.projections for name in p.names}
+
+
+def _rows_path(path: str, num_rows: int) -> str:
+    """The last layer's rows take the step's CPU path, or a smaller step's where theirs is one."""
+    return path if path != "segments" else choose_path(torch.device("cpu"), num_rows)
 
 
 def _short(name: str) -> str:
