@@ -118,3 +118,40 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[starts[b] : starts[b + 1]] = torch.matmul(probs, vh).transpose(0, 1).to(query.dtype)
     return out
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, s: torch.Tensor) -> None:
+    """s[t] = a[token_slots[t]] @ x[t] (float32 sums) for each token with a slot (>= 0); others untouched."""
+    for slot in token_slots.unique().tolist():
+        if slot >= 0:
+            rows = (token_slots == slot).nonzero().flatten()
+            s[rows] = x[rows].float() @ a[slot].float().t()
+
+
+def lora_expand(s: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor) -> None:
+    """y[t] += s[t, :R] @ b[token_slots[t]] in place (float32 sums, rounded once) for each token with a slot."""
+    rank = b.shape[1]
+    for slot in token_slots.unique().tolist():
+        if slot >= 0:
+            rows = (token_slots == slot).nonzero().flatten()
+            y[rows] = (y[rows].float() + s[rows, :rank].float() @ b[slot].float()).to(y.dtype)
+
+
+def _segment_slots(seg_starts: torch.Tensor, seg_slots: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each sorted row's slot (-1 past the last segment)."""
+    slots = torch.full((rows,), -1, dtype=torch.long, device=seg_slots.device)
+    for i, slot in enumerate(seg_slots.tolist()):
+        slots[int(seg_starts[i]):int(seg_starts[i + 1])] = slot
+    return slots
+
+
+def lora_shrink_segments(x: torch.Tensor, a: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor,
+                         s: torch.Tensor, max_segment: int = 0) -> None:
+    """lora_shrink over rows sorted by slot: rows [seg_starts[i], seg_starts[i + 1]) take slot seg_slots[i]."""
+    lora_shrink(x, a, _segment_slots(seg_starts, seg_slots, x.shape[0]), s)
+
+
+def lora_expand_segments(s: torch.Tensor, b: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor,
+                         y: torch.Tensor, max_segment: int = 0) -> None:
+    """lora_expand over rows sorted by slot (as lora_shrink_segments)."""
+    lora_expand(s, b, _segment_slots(seg_starts, seg_slots, y.shape[0]), y)

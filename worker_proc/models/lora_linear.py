@@ -270,13 +270,14 @@ class LoRAProjection:
                                     out[:, start:end])
             return
         xs = x.index_select(0, lora.order)
+        longest = max(last - first for _, first, last in lora.segments)
         s = torch.zeros(xs.shape[0], modules * rank, dtype=torch.float32, device=x.device)
-        ops.lora_shrink_segments(xs, a, lora.seg_starts, lora.seg_slots, s)
+        ops.lora_shrink_segments(xs, a, lora.seg_starts, lora.seg_slots, s, longest)
         delta = out.new_zeros(xs.shape[0], out.shape[1])
         for j, (start, end) in enumerate(self.columns):
             if self.num_targeting[j]:
                 ops.lora_expand_segments(s[:, j * rank:(j + 1) * rank], self.b[j], lora.seg_starts,
-                                         lora.seg_slots, delta[:, start:end])
+                                         lora.seg_slots, delta[:, start:end], longest)
         out.index_add_(0, lora.order, delta)
 
 
