@@ -181,3 +181,22 @@ def test_a_re_registered_name_with_other_files_is_read_again(llama):
     first = host.get(adapter_message("same", adapters[0]))
     again = host.get(LoRAAdapter(name="same", lora_id=1, path=adapters[1], digest=adapter_message("x", adapters[1]).digest))
     assert first.spec.path != again.spec.path and again.spec.rank == 4
+
+
+def test_adapters_on_a_quantized_checkpoint_decode_what_peft_decodes_on_its_dequantized_weights(tmp_path):
+    """The delta is the adapter's whatever the base layer's format: added to the int4 layer's output."""
+    from pagedserve.tools.quantized_model import build_quantized_model_dir, dequantized_model_dir
+
+    model_dir = build_quantized_model_dir(tmp_path / "q", "w4a16", "llama")
+    floats = dequantized_model_dir(model_dir, tmp_path / "f")
+    adapter = make_adapter(floats, tmp_path / "a", 8, 16, ALL_TARGETS, seed=3)
+    prompts = random_prompts([6, 13], vocab_size=512, seed=4)
+    sched = TrivialScheduler(_runner(model_dir))
+    assert sched.runner.model.layers[0].qkv.quantized is not None
+    sched.load_lora(0, adapter_message("a", adapter))
+    sched.add("adapted", prompts[0], NEW_TOKENS, lora_slot=0)
+    sched.add("base", prompts[1], NEW_TOKENS, arrival_step=1)
+    ours = sched.run()
+    for name, with_adapter, prompt in (("adapted", adapter, prompts[0]), ("base", None, prompts[1])):
+        theirs = peft_greedy(floats, with_adapter, [prompt], NEW_TOKENS)[0]  # generate() stops at EOS
+        assert ours[name][:len(theirs)] == theirs and len(theirs) >= 4
