@@ -5,7 +5,7 @@
  * A decode step's few tokens per adapter would spend most of a GEMM call on its setup, and a dense
  * product over every slot's weights multiplies each token by every other slot's zeros too. Here a
  * weight row (shrink) or a block of B (expand) is widened to float32 once per segment and every token
- * of the segment is multiplied by it from the cache; the sums are float32.
+ * of the segment is multiplied by it from the cache; the sums are float32, four vectors' chains at once.
  *
  *   shrink: s[t, n] = sum_k x[t, k] * a[slot, n, k]        x float32, a [slots, N, K], s float32
  *   expand: y[t, o] += sum_r s[t, r] * b[slot, r, o]        b [slots, R, out], y float32 or half, once rounded
@@ -18,90 +18,151 @@
 
 #include "cpu_half.h"
 
-#define LANES 16  /* independent partial sums: the loops vectorize without reassociating */
 #define OUT_BLOCK 256  /* expand: output columns per work item (R x OUT_BLOCK float32 stays in L1) */
+#define CHUNK (4 * HALF_VW)  /* expand: output columns summed in four registers over the ranks */
+
+/* weight[at .. at + HALF_VW) as float32 */
+static inline hvec load_weight(const void *w, int64_t at, int half) {
+    if (half == 0) return load_f32((const float *)w + at);
+    return load_half((const uint16_t *)w + at, half == 1);
+}
+
+static inline float weight_scalar(const void *w, int64_t at, int half) {
+    if (half == 0) return ((const float *)w)[at];
+    return half_to_f32(((const uint16_t *)w)[at], half == 1);
+}
+
+/* x (float32) . w[at .. at + k) (weights of kind ``half``), four FMA chains */
+static inline float dot(const float *restrict x, const void *w, int64_t at, int64_t k, int half) {
+    hvec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t i = 0;
+    for (; i + 4 * HALF_VW <= k; i += 4 * HALF_VW) {
+        a0 += load_f32(x + i) * load_weight(w, at + i, half);
+        a1 += load_f32(x + i + HALF_VW) * load_weight(w, at + i + HALF_VW, half);
+        a2 += load_f32(x + i + 2 * HALF_VW) * load_weight(w, at + i + 2 * HALF_VW, half);
+        a3 += load_f32(x + i + 3 * HALF_VW) * load_weight(w, at + i + 3 * HALF_VW, half);
+    }
+    for (; i + HALF_VW <= k; i += HALF_VW) a0 += load_f32(x + i) * load_weight(w, at + i, half);
+    float sum = hsum((a0 + a1) + (a2 + a3));
+    for (; i < k; i++) sum += x[i] * weight_scalar(w, at + i, half);
+    return sum;
+}
 
 static void widen_row(const void *w, int64_t start, int64_t count, int half, float *out) {
-    if (half == 0) {
-        memcpy(out, (const float *)w + start, count * sizeof(float));
-    } else if (half == 1) {
-        const uint16_t *p = (const uint16_t *)w + start;
-        for (int64_t i = 0; i < count; i++) out[i] = bf16_to_f32(p[i]);
-    } else {
-        const uint16_t *p = (const uint16_t *)w + start;
-        for (int64_t i = 0; i < count; i++) out[i] = f16_to_f32(p[i]);
+    int64_t i = 0;
+    for (; i + HALF_VW <= count; i += HALF_VW) *(hvec_unaligned *)(out + i) = load_weight(w, start + i, half);
+    for (; i < count; i++) out[i] = weight_scalar(w, start + i, half);
+}
+
+/* y[0 .. width) += acc, rounded once to y's kind */
+static inline void add_into(void *y, int64_t at, const float *acc, int64_t width, int y_half) {
+    int64_t o = 0;
+    if (y_half == 0) {
+        float *yt = (float *)y + at;
+        for (; o + HALF_VW <= width; o += HALF_VW) *(hvec_unaligned *)(yt + o) = load_f32(yt + o) + load_f32(acc + o);
+        for (; o < width; o++) yt[o] += acc[o];
+        return;
+    }
+    uint16_t *yt = (uint16_t *)y + at;
+    for (; o + HALF_VW <= width; o += HALF_VW)
+        store_half(yt + o, load_half(yt + o, y_half == 1) + load_f32(acc + o), y_half == 1);
+    for (; o < width; o++) yt[o] = f32_to_half(half_to_f32(yt[o], y_half == 1) + acc[o], y_half == 1);
+}
+
+/* One thread's share of the shrink (inside a parallel region): work items are (segment, row of A). */
+static void shrink_items(const float *x, int64_t ldx, int64_t k, const void *a, int half, int64_t n, int64_t r_max,
+                         const int64_t *tokens, const int64_t *starts, const int64_t *slots, const int64_t *ranks,
+                         int64_t num_segments, float *s, int64_t lds) {
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t seg = 0; seg < num_segments; seg++) {
+        for (int64_t r = 0; r < n; r++) {
+            const int64_t slot = slots[seg];
+            const int zero = r % r_max >= ranks[slot];
+            for (int64_t i = starts[seg]; i < starts[seg + 1]; i++) {
+                const int64_t t = tokens[i];
+                s[t * lds + r] = zero ? 0.0f : dot(x + t * ldx, a, (slot * n + r) * k, k, half);
+            }
+        }
     }
 }
 
-static inline float dot(const float *restrict x, const float *restrict w, int64_t k) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= k; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += x[i + j] * w[i + j];
-    float sum = 0.0f;
-    for (; i < k; i++) sum += x[i] * w[i];
-    for (int j = 0; j < LANES; j++) sum += acc[j];
-    return sum;
+/* One thread's share of an expand: work items are (segment, block of OUT_BLOCK output columns). */
+static void expand_items(const float *s, int64_t lds, const void *b, int half, int64_t r_max, int64_t out,
+                         const int64_t *tokens, const int64_t *starts, const int64_t *slots, const int64_t *ranks,
+                         int64_t num_segments, void *y, int64_t ldy, int y_half, float *weights, float *acc) {
+    const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
+#pragma omp for collapse(2) schedule(static) nowait
+    for (int64_t seg = 0; seg < num_segments; seg++) {
+        for (int64_t block = 0; block < blocks; block++) {
+            const int64_t slot = slots[seg], rank = ranks[slot];
+            const int64_t o0 = block * OUT_BLOCK, width = out - o0 < OUT_BLOCK ? out - o0 : OUT_BLOCK;
+            for (int64_t r = 0; r < rank; r++)
+                widen_row(b, (slot * r_max + r) * out + o0, width, half, weights + r * OUT_BLOCK);
+            for (int64_t i = starts[seg]; i < starts[seg + 1]; i++) {
+                const int64_t t = tokens[i];
+                const float *st = s + t * lds;
+                int64_t c = 0;
+                for (; c + CHUNK <= width; c += CHUNK) {
+                    hvec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    for (int64_t r = 0; r < rank; r++) {
+                        const hvec sv = hbroadcast(st[r]);
+                        const float *w = weights + r * OUT_BLOCK + c;
+                        a0 += sv * load_f32(w);
+                        a1 += sv * load_f32(w + HALF_VW);
+                        a2 += sv * load_f32(w + 2 * HALF_VW);
+                        a3 += sv * load_f32(w + 3 * HALF_VW);
+                    }
+                    *(hvec_unaligned *)(acc + c) = a0;
+                    *(hvec_unaligned *)(acc + c + HALF_VW) = a1;
+                    *(hvec_unaligned *)(acc + c + 2 * HALF_VW) = a2;
+                    *(hvec_unaligned *)(acc + c + 3 * HALF_VW) = a3;
+                }
+                for (int64_t o = c; o < width; o++) {
+                    float sum = 0.0f;
+                    for (int64_t r = 0; r < rank; r++) sum += st[r] * weights[r * OUT_BLOCK + o];
+                    acc[o] = sum;
+                }
+                add_into(y, t * ldy + o0, acc, width, y_half);
+            }
+        }
+    }
 }
 
 void lora_shrink(const float *x, int64_t ldx, int64_t k, const void *a, int half, int64_t n, int64_t r_max,
                  const int64_t *tokens, const int64_t *starts, const int64_t *slots, const int64_t *ranks,
                  int64_t num_segments, float *s, int64_t lds) {
 #pragma omp parallel
-    {
-        float row[k];
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t seg = 0; seg < num_segments; seg++) {
-            for (int64_t r = 0; r < n; r++) {
-                const int64_t slot = slots[seg];
-                if (r % r_max >= ranks[slot]) {
-                    for (int64_t i = starts[seg]; i < starts[seg + 1]; i++) s[tokens[i] * lds + r] = 0.0f;
-                    continue;
-                }
-                widen_row(a, (slot * n + r) * k, k, half, row);
-                for (int64_t i = starts[seg]; i < starts[seg + 1]; i++) {
-                    const int64_t t = tokens[i];
-                    s[t * lds + r] = dot(x + t * ldx, row, k);
-                }
-            }
-        }
-    }
+    shrink_items(x, ldx, k, a, half, n, r_max, tokens, starts, slots, ranks, num_segments, s, lds);
 }
 
 void lora_expand(const float *s, int64_t lds, const void *b, int half, int64_t r_max, int64_t out,
                  const int64_t *tokens, const int64_t *starts, const int64_t *slots, const int64_t *ranks,
                  int64_t num_segments, void *y, int64_t ldy, int y_half) {
-    const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
 #pragma omp parallel
     {
-        float weights[r_max * OUT_BLOCK];
-        float acc[OUT_BLOCK];
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t seg = 0; seg < num_segments; seg++) {
-            for (int64_t block = 0; block < blocks; block++) {
-                const int64_t slot = slots[seg], rank = ranks[slot];
-                const int64_t o0 = block * OUT_BLOCK, width = out - o0 < OUT_BLOCK ? out - o0 : OUT_BLOCK;
-                for (int64_t r = 0; r < rank; r++)
-                    widen_row(b, (slot * r_max + r) * out + o0, width, half, weights + r * OUT_BLOCK);
-                for (int64_t i = starts[seg]; i < starts[seg + 1]; i++) {
-                    const int64_t t = tokens[i];
-                    const float *st = s + t * lds;
-                    for (int64_t o = 0; o < width; o++) acc[o] = 0.0f;
-                    for (int64_t r = 0; r < rank; r++) {
-                        const float sv = st[r];
-                        const float *w = weights + r * OUT_BLOCK;
-                        for (int64_t o = 0; o < width; o++) acc[o] += sv * w[o];
-                    }
-                    if (y_half == 0) {
-                        float *yt = (float *)y + t * ldy + o0;
-                        for (int64_t o = 0; o < width; o++) yt[o] += acc[o];
-                    } else {
-                        uint16_t *yt = (uint16_t *)y + t * ldy + o0;
-                        for (int64_t o = 0; o < width; o++)
-                            yt[o] = f32_to_half(half_to_f32(yt[o], y_half == 1) + acc[o], y_half == 1);
-                    }
-                }
-            }
-        }
+        float weights[r_max * OUT_BLOCK], acc[OUT_BLOCK];
+        expand_items(s, lds, b, half, r_max, out, tokens, starts, slots, ranks, num_segments, y, ldy, y_half,
+                     weights, acc);
+    }
+}
+
+/* A projection group in one parallel region (one fork and join where a shrink and its expands would
+ * take one each): the shrink of its modules' A at once into s, then each module's expand (``bs[j]``
+ * [slots, R, outs[j]]) from s's columns j * R into ``ys[j]`` (rows ldy apart), the modules whose
+ * ``expand[j]`` is 0 skipped. A step's hundreds of joins cost more than their work where the cores
+ * are shared, so one per group. */
+void lora_shrink_expand(const float *x, int64_t ldx, int64_t k, const void *a, int half, int64_t modules,
+                        int64_t r_max, const int64_t *tokens, const int64_t *starts, const int64_t *slots,
+                        const int64_t *ranks, int64_t num_segments, float *s, int64_t lds, const int64_t *bs,
+                        const int64_t *outs, const int64_t *ys, const int64_t *expand, int64_t ldy, int y_half) {
+#pragma omp parallel
+    {
+        float weights[r_max * OUT_BLOCK], acc[OUT_BLOCK];
+        shrink_items(x, ldx, k, a, half, modules * r_max, r_max, tokens, starts, slots, ranks, num_segments, s,
+                     lds);  /* its omp for ends with a barrier: s is complete below */
+        for (int64_t j = 0; j < modules; j++)
+            if (expand[j])
+                expand_items(s + j * r_max, lds, (const void *)bs[j], half, r_max, outs[j], tokens, starts, slots,
+                             ranks, num_segments, (void *)ys[j], ldy, y_half, weights, acc);
     }
 }

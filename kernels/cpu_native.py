@@ -71,6 +71,8 @@ _SIGNATURES = {
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
     "lora_shrink": [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I],
     "lora_expand": [_P, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_int],
+    "lora_shrink_expand": [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _I,
+                           ctypes.c_int],
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int,
@@ -494,6 +496,27 @@ def lora_expand(s: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, starts: 
     library().lora_expand(s.data_ptr(), s.stride(0), b.data_ptr(), _LORA_KIND[b.dtype], r_max, out,
                           tokens.data_ptr(), starts.data_ptr(), slots.data_ptr(), ranks.data_ptr(), slots.shape[0],
                           y.data_ptr(), y.stride(0), _LORA_KIND[y.dtype])
+
+
+def lora_shrink_expand(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor,
+                       slots: torch.Tensor, ranks: torch.Tensor, s: torch.Tensor, bs: list[torch.Tensor],
+                       ys: list[torch.Tensor], expand: list[bool]) -> None:
+    """lora_shrink of a projection group's modules (a [slots, modules * R, K]) into s [T, modules * R], then
+    lora_expand of each module j with ``expand[j]`` from s's columns j * R by bs[j] into ys[j], in one call
+    (one parallel region). ys: column slices of one output (the same row stride)."""
+    modules, r_max = len(bs), bs[0].shape[1]
+    k = x.shape[1]
+    if (x.dtype != torch.float32 or s.dtype != torch.float32 or a.shape[1] != modules * r_max or a.shape[2] != k
+            or s.shape[1] != modules * r_max or x.stride(1) != 1 or not s.is_contiguous() or not a.is_contiguous()
+            or any(not b.is_contiguous() or b.dtype != a.dtype or b.shape[2] != y.shape[1] for b, y in zip(bs, ys))
+            or len({y.stride() for y in ys}) != 1 or ys[0].stride(1) != 1 or ys[0].dtype not in _LORA_KIND):
+        raise ValueError("lora_shrink_expand: x, a, s, bs and ys do not match")
+    array = ctypes.c_int64 * modules
+    library().lora_shrink_expand(
+        x.data_ptr(), x.stride(0), k, a.data_ptr(), _LORA_KIND[a.dtype], modules, r_max, tokens.data_ptr(),
+        starts.data_ptr(), slots.data_ptr(), ranks.data_ptr(), slots.shape[0], s.data_ptr(), s.stride(0),
+        array(*(b.data_ptr() for b in bs)), array(*(b.shape[2] for b in bs)), array(*(y.data_ptr() for y in ys)),
+        array(*map(int, expand)), ys[0].stride(0), _LORA_KIND[ys[0].dtype])
 
 
 def supports_lora() -> bool:
