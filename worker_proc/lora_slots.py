@@ -88,6 +88,11 @@ class LoRASlots:
                                         "which holds no adapter")
             state.lora_slot = slot
 
+    def discard_pending(self) -> None:
+        """A WorkerInit starts over: LoRASteps received for steps that will never come are dropped (the
+        slots keep their adapters; the scheduler's first LoRAStep loads every occupied slot again)."""
+        self._pending.clear()
+
     def _check_free(self, slot: int, in_use: set[int], what: str) -> None:
         # The scheduler never reassigns a slot a held request uses (protocol/messages.py LoRAStep).
         assert slot not in in_use, f"{what}: slot {slot} holds {self.adapters[slot]} for a running request"

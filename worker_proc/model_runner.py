@@ -189,6 +189,8 @@ class ModelRunner:
                     self.verify_graphs = None
         self._requests.clear()
         self._ahead = None
+        if self.lora is not None:
+            self.lora.discard_pending()
         self._seed = init.seed
         torch.manual_seed(init.seed)
 
