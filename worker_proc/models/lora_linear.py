@@ -36,10 +36,13 @@ import torch.nn.functional as F
 from pagedserve.kernels import cpu_native
 
 # CPU, up to this many tokens a step: kernels/cpu_lora.c (where the native library is built), else the dense
-# masked matmuls up to DENSE_MAX_TOKENS; the segments' matmul pairs above. Measured on the 0.5B shape, 8
-# slots of rank 16 on all seven projections, 2 threads of a Zen 5 (bench/scripts/lora_paths_bench.py).
-NATIVE_MAX_TOKENS = 64
-DENSE_MAX_TOKENS = 16
+# masked matmuls up to DENSE_MAX_TOKENS; the segments' matmul pairs above. Measured on one 0.5B layer, 8 slots
+# of rank 16 on all seven projections, bfloat16, 2 threads of a shared Zen 5 (bench/scripts/lora_paths_bench.py,
+# bench/log/2026-12-07.md): at 32 tokens native 0.28 ms, dense 0.63, segments 2.1 (its ~90 small GEMMs); the
+# segments catch up at 512 tokens and win at 1024 (9.6 against 17.4 ms); dense beats segments up to ~256 tokens
+# and costs slots-fold FLOPs from there.
+NATIVE_MAX_TOKENS = 256
+DENSE_MAX_TOKENS = 128
 # Segments in batch order (no gather of rows by slot, no scatter back) when the runs average this many tokens.
 MIN_MEAN_RUN = 16
 # CUDA: up to this many tokens one slot index per token (BGMV), above it sorted segments (SGMV).
