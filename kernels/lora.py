@@ -53,12 +53,18 @@ def _expand_bgmv(s_ptr, b_ptr, slots_ptr, y_ptr, R, O, stride_st, stride_bl, str
 
 
 @triton.jit
-def _shrink_sgmv(x_ptr, a_ptr, starts_ptr, slots_ptr, s_ptr, K, N, stride_xt, stride_al, stride_an, stride_st,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _segment_tile(starts_ptr, slots_ptr, BLOCK_M: tl.constexpr):
+    """This program's segment: its rows' end, slot, and the tile of its rows (axis 1 of the grid)."""
     seg = tl.program_id(0)
     start, end = tl.load(starts_ptr + seg), tl.load(starts_ptr + seg + 1)
-    slot = tl.load(slots_ptr + seg).to(tl.int64)
     rows = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return end, tl.load(slots_ptr + seg).to(tl.int64), rows
+
+
+@triton.jit
+def _shrink_sgmv(x_ptr, a_ptr, starts_ptr, slots_ptr, s_ptr, K, N, stride_xt, stride_al, stride_an, stride_st,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    end, slot, rows = _segment_tile(starts_ptr, slots_ptr, BLOCK_M)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -75,10 +81,7 @@ def _shrink_sgmv(x_ptr, a_ptr, starts_ptr, slots_ptr, s_ptr, K, N, stride_xt, st
 @triton.jit
 def _expand_sgmv(s_ptr, b_ptr, starts_ptr, slots_ptr, y_ptr, R, O, stride_st, stride_bl, stride_br, stride_yt,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr):
-    seg = tl.program_id(0)
-    start, end = tl.load(starts_ptr + seg), tl.load(starts_ptr + seg + 1)
-    slot = tl.load(slots_ptr + seg).to(tl.int64)
-    rows = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    end, slot, rows = _segment_tile(starts_ptr, slots_ptr, BLOCK_M)
     offs_o = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)
     offs_r = tl.arange(0, BLOCK_R)
     s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_st + offs_r[None, :],

@@ -62,6 +62,14 @@ def _runner(model_dir, max_loras: int = 4) -> ModelRunner:
     return ModelRunner(str(model_dir), lora=LoRAConfig(max_loras=max_loras, max_rank=8))
 
 
+def _on_slot_0(runner: ModelRunner, adapter: LoRAAdapter, max_tokens: int = 2) -> TrivialScheduler:
+    """A scheduler whose first step loads ``adapter`` into slot 0 for its one request."""
+    sched = TrivialScheduler(runner)
+    sched.load_lora(0, adapter)
+    sched.add("r", [5, 6, 7], max_tokens, lora_slot=0)
+    return sched
+
+
 @pytest.mark.parametrize("path", ["by step size", "native", "dense", "segments"])
 def test_a_batch_mixing_four_adapters_and_the_base_model_decodes_what_peft_decodes(adapted, path, monkeypatch):
     if path != "by step size":  # every step through one path: decodes through segments, prompts dense
@@ -102,18 +110,14 @@ def test_an_adapter_whose_files_changed_since_it_was_registered_is_refused(llama
     registered = adapter_message("edited", str(copy))
     weights = safetensors.torch.load_file(copy / "adapter_model.safetensors")
     safetensors.torch.save_file({k: v * 2 for k, v in weights.items()}, copy / "adapter_model.safetensors")
-    sched = TrivialScheduler(_runner(model_dir))
-    sched.load_lora(0, registered)
-    sched.add("r", [5, 6, 7], 2, lora_slot=0)
+    sched = _on_slot_0(_runner(model_dir), registered)
     with pytest.raises(LoRAAdapterError, match="files changed since it was registered"):
         sched.step_once()
 
 
 def test_loading_over_the_slot_of_a_running_request_is_a_broken_contract(llama):
     model_dir, adapters = llama
-    sched = TrivialScheduler(_runner(model_dir))
-    sched.load_lora(0, adapter_message("a0", adapters[0], 1))
-    sched.add("r", [5, 6, 7], 4, lora_slot=0)
+    sched = _on_slot_0(_runner(model_dir), adapter_message("a0", adapters[0], 1), max_tokens=4)
     sched.step_once()
     sched.load_lora(0, adapter_message("a1", adapters[1], 2), at_step=sched.step)
     with pytest.raises(AssertionError, match="running request"):
@@ -148,9 +152,7 @@ def test_the_transformers_backend_refuses_lora_in_one_line(llama):
 def test_an_adapter_above_the_slots_rank_is_refused_naming_the_limit(llama):
     model_dir, adapters = llama
     runner = ModelRunner(str(model_dir), lora=LoRAConfig(max_loras=2, max_rank=4))
-    sched = TrivialScheduler(runner)
-    sched.load_lora(0, adapter_message("a0", adapters[0], 1))
-    sched.add("r", [5, 6, 7], 2, lora_slot=0)
+    sched = _on_slot_0(runner, adapter_message("a0", adapters[0], 1))
     with pytest.raises(LoRAAdapterError, match="rank 8 exceeds --max-lora-rank 4"):
         sched.step_once()
 
