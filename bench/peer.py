@@ -163,15 +163,16 @@ def _http_client():
 
 
 async def drive(url: str, engine: str, model: str, prompts: list, output_len: int, concurrency: int,
-                sampling: Optional[dict] = None) -> dict:
+                sampling: Optional[dict] = None, models: Optional[list[str]] = None) -> dict:
     """The workload against one server; ``summarize``'s result plus the pagedserve worker idle share.
-    ``sampling``: temperature, top_p and top_k of every request (default greedy)."""
+    ``sampling``: temperature, top_p and top_k of every request (default greedy). ``models``: the
+    model field of each prompt (LoRA adapters by name), else the server's first model for all."""
     sampling = sampling or {}
     import openai
 
     clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, http_client=_http_client())
                for _ in range(-(-concurrency // CONNECTIONS_PER_CLIENT))]
-    if engine != "transformers":  # transformers serve answers to its FORCE_MODEL argument, as given
+    if engine != "transformers" and models is None:  # transformers serve answers to its FORCE_MODEL argument
         model = (await clients[0].models.list()).data[0].id
     gate = asyncio.Semaphore(concurrency)
     records = [RequestRecord(i, -1, output_len) for i in range(len(prompts))]
@@ -185,7 +186,8 @@ async def drive(url: str, engine: str, model: str, prompts: list, output_len: in
 
     async def limited(rec: RequestRecord, prompt) -> None:
         async with gate:
-            await _one(clients[rec.index % len(clients)], engine, model, prompt, output_len, rec, sampling)
+            await _one(clients[rec.index % len(clients)], engine, model if models is None else models[rec.index],
+                       prompt, output_len, rec, sampling)
 
     before, ttft_before = await scrape()
     t0 = time.perf_counter()
