@@ -80,7 +80,7 @@ async def serve(config: FrontendConfig, adapters: Optional[AdapterRegistry] = No
                       model_aliases=config.model_aliases, scheduling_policy=config.scheduling_policy,
                       tenant_header=config.tenant_header,
                       reasoning_parser=(get_reasoning_parser(config.reasoning_parser)
-                                        if config.reasoning_parser else None))
+                                        if config.reasoning_parser else None), adapters=adapters)
     embeddings = EmbeddingServing(config.task, config.model, config.served_model_names, serving.accepted_model_names,
                                   config.max_model_len, engine, tokenizer, config.pooler, metrics)
     app = build_app(serving, router, metrics, config.api_key, embeddings)

@@ -96,7 +96,7 @@ def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
         add_embedding_routes(app, embeddings, authorized)
 
     add_utility_routes(app, serving, authorized, started)
-    if serving.engine.adapters is not None and runtime_updating_allowed():
+    if serving.adapters is not None and runtime_updating_allowed():
         add_lora_routes(app, serving.engine, authorized)
     # Outermost but for Starlette's error handler: a 429 under a flood skips routing and the body's
     # validation (early_shed.py).

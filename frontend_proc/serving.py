@@ -31,6 +31,7 @@ from pagedserve.frontend_proc.tenant import tenant_of
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig, plan_tool_calls
 from pagedserve.client.detokenizer import Decodes, TextDecoder
 from pagedserve.client.generation_defaults import GenerationDefaults
+from pagedserve.client.lora_adapters import AdapterRegistry
 from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import AddRequest, SamplingParams, StructuredOutputs
 from pagedserve.protocol.priority import priority_refusal
@@ -68,7 +69,7 @@ class Serving:
                  tool_calling: ToolCallingConfig = ToolCallingConfig(),
                  defaults: GenerationDefaults = GenerationDefaults(), model_aliases: Sequence[str] = (),
                  scheduling_policy: str = "fcfs", tenant_header: Optional[str] = None,
-                 reasoning_parser: Optional[ReasoningParser] = None):
+                 reasoning_parser: Optional[ReasoningParser] = None, adapters: Optional[AdapterRegistry] = None):
         self.served_model_names = list(served_model_names)  # what /v1/models lists
         self.served_model_name = self.served_model_names[0]  # what responses name
         # what a request may name the model: the served names, or the path as given (vLLM's name)
@@ -84,6 +85,7 @@ class Serving:
         self.scheduling_policy = scheduling_policy
         self.tenant_header = tenant_header  # --tenant-header (tenant.py)
         self.reasoning_parser = reasoning_parser  # --reasoning-parser: None leaves chat output whole
+        self.adapters = adapters  # --enable-lora: the engine client's registry, read here (None: LoRA off)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         await check_grammars_off_loop(body)
@@ -143,7 +145,7 @@ class Serving:
         none); an InvalidRequest for a name served neither as the model nor as an adapter."""
         if model is None or model in self.accepted_model_names:
             return ""
-        adapters = self.engine.adapters
+        adapters = self.adapters
         if adapters is not None and model in adapters:
             return model
         raise InvalidRequest(f"model {model!r} is not served here; use one of {self.model_names()}",
@@ -151,7 +153,7 @@ class Serving:
 
     def model_names(self) -> list[str]:
         """What /v1/models lists: the served names, then each LoRA adapter's."""
-        return self.served_model_names + [a.name for a in self.engine.adapters or ()]
+        return self.served_model_names + [a.name for a in self.adapters or ()]
 
     def response_model_name(self, model: Optional[str]) -> str:
         """The ``model`` a response names: the adapter that computed it, else the first served name."""

@@ -61,7 +61,7 @@ class DetokenizeRequest(_Strict):
 
 def _model_card(serving: Serving, name: str, created: int) -> dict:
     """vLLM's card: an adapter's ``root`` is its directory and its ``parent`` the base model's served name."""
-    adapter = serving.engine.adapters.get(name) if serving.engine.adapters is not None else None
+    adapter = serving.adapters.get(name) if serving.adapters is not None else None
     root, parent = (adapter.path, serving.served_model_name) if adapter is not None else (name, None)
     return {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
             "root": root, "parent": parent, "max_model_len": serving.max_model_len}
