@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,7 +22,7 @@ from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.routing_policy import RoutingPolicy
 from pagedserve.protocol.block_hash import adapter_seed, prefix_block_hashes
 from pagedserve.protocol.messages import (AddRequest, FrontendStarted, FrontendToScheduler, LoadLoRA, PrefixCacheEvents,
-                                          SamplingParams, SchedulerStats, UnloadLoRA)
+                                          RequestDelta, RequestOutputs, SamplingParams, SchedulerStats, UnloadLoRA)
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 from support.lora_files import write_adapter
 
@@ -189,3 +191,191 @@ def test_lora_metrics_are_vllms_info_gauge_and_counters_per_adapter():
     [count] = samples(metrics, "pagedserve_lora_requests_total")
     assert count.labels == {"model_name": "base", "lora_name": "sql"} and count.value == 2
     assert samples(FrontendMetrics(router, "base"), "vllm:lora_requests_info") == []  # LoRA off: no series
+
+
+# ------------------------------------------------------------------ the HTTP routes, in process
+
+
+class LoRAFrontend:
+    """The real app and engine client over real sockets in a private run dir, one replica played
+    here: what the frontend sends it is read from its socket, answers are written back by hand."""
+
+    def __init__(self, tmp_path, model_dir: str, registry):
+        from pagedserve.client.tokenization import PromptTokenizer
+        from pagedserve.frontend_proc.app import build_app
+        from pagedserve.frontend_proc.serving import Serving
+
+        self.endpoints = Endpoints(make_run_dir(str(tmp_path)))
+        self.ctx = zmq.Context()
+        self.scheduler = Receiver(self.ctx, self.endpoints.scheduler_inputs(0), FrontendToScheduler)
+        self.router = Router(1, timeout_s=60.0)
+        self.engine = EngineClient(self.endpoints, self.router, adapters=registry)
+        metrics = FrontendMetrics(self.router, "base", lora_enabled=registry is not None)
+        serving = Serving(["base"], 128, self.engine, PromptTokenizer(Path(model_dir)), metrics, adapters=registry)
+        self.app = build_app(serving, self.router, metrics, None)
+        self.outputs = Sender(self.ctx, self.endpoints.frontend_outputs())
+        self.step = 0
+
+    async def __aenter__(self) -> "LoRAFrontend":
+        self.engine.start()
+        self.outputs.send(SchedulerStats(replica=0, state="ready", pid=100))
+        await poll(lambda: self.router.any_live())
+        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(self.app), base_url="http://t")
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.aclose()
+        self.outputs.close()
+        await self.engine.close()
+        self.scheduler.close()
+        self.ctx.term()
+
+    async def next_frame(self, kind: type):
+        """The next frame of ``kind`` the replica received (others before it are skipped)."""
+        while True:
+            msg = await asyncio.to_thread(self.scheduler.recv, 5000)
+            assert msg is not None, f"no {kind.__name__} arrived"
+            if isinstance(msg, kind):
+                return msg
+
+    async def answered(self, request) -> tuple[httpx.Response, AddRequest]:
+        """``request`` (a coroutine) answered with one token, and the AddRequest it sent."""
+        task = asyncio.create_task(request)
+        add = await self.next_frame(AddRequest)
+        self.finish(add)
+        return await task, add
+
+    def finish(self, add: AddRequest) -> None:
+        self.step += 1
+        self.outputs.send(RequestOutputs(0, self.step, [RequestDelta(add.request_id, 0, [7], "length",
+                                                                     num_prompt_tokens=len(add.prompt_token_ids))]))
+
+
+def lora_frontend(tmp_path, model_dir, registry, scenario):
+    async def run():
+        async with LoRAFrontend(tmp_path, model_dir, registry) as frontend:
+            await scenario(frontend, frontend.http)
+    asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def llama(model_factory) -> str:
+    return model_factory("llama")
+
+
+@pytest.fixture
+def llama_registry(llama, tmp_path):
+    registry = AdapterRegistry(llama, 16, ["base"])
+    path = write_adapter(tmp_path / "sql", llama)
+    registry.add("sql", registry.read("sql", path))
+    return registry
+
+
+def test_the_model_field_picks_the_adapter_and_models_lists_it_under_its_parent(tmp_path, llama, llama_registry):
+    async def scenario(frontend: LoRAFrontend, http: httpx.AsyncClient):
+        listed = (await http.get("/v1/models")).json()["data"]
+        assert [(m["id"], m["parent"], m["root"]) for m in listed] == [
+            ("base", None, "base"), ("sql", "base", llama_registry.get("sql").path)]
+        assert (await http.get("/v1/models/sql")).json()["parent"] == "base"
+        for model, lora_name in (("sql", "sql"), ("base", ""), (None, "")):
+            body = {"prompt": "hello", "max_tokens": 1, **({"model": model} if model else {})}
+            answer, add = await frontend.answered(http.post("/v1/completions", json=body))
+            assert answer.status_code == 200 and add.lora_name == lora_name
+            assert answer.json()["model"] == (lora_name or "base")  # vLLM names the adapter that answered
+        chat = {"model": "sql", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        answer, add = await frontend.answered(http.post("/v1/chat/completions", json=chat))
+        assert answer.status_code == 200 and add.lora_name == "sql" and answer.json()["model"] == "sql"
+        unknown = await http.post("/v1/completions", json={"model": "nope", "prompt": "hello", "max_tokens": 1})
+        assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "model_not_found"
+        assert "'nope' is not served here" in unknown.json()["error"]["message"]
+        assert (await http.post("/tokenize", json={"model": "sql", "prompt": "hi"})).status_code == 200
+
+    lora_frontend(tmp_path, llama, llama_registry, scenario)
+
+
+@pytest.mark.parametrize("flag, value, routed", [
+    (None, None, False), ("PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING", "1", True),
+    ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", " True ", True), ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0", False)])
+def test_the_runtime_routes_exist_only_when_allowed(tmp_path, llama, llama_registry, monkeypatch, flag, value, routed):
+    for name in ("PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        monkeypatch.delenv(name, raising=False)
+    if flag:
+        monkeypatch.setenv(flag, value)
+
+    async def scenario(frontend, http):
+        answer = await http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert answer.status_code == (200 if routed else 404)
+
+    lora_frontend(tmp_path, llama, llama_registry, scenario)
+
+
+def test_without_enable_lora_the_runtime_routes_do_not_exist_whatever_the_flag(tmp_path, llama, monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+
+    async def scenario(frontend, http):
+        assert (await http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})).status_code == 404
+        assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["base"]
+
+    lora_frontend(tmp_path, llama, None, scenario)
+
+
+def test_load_and_unload_answer_vllms_texts_and_a_4xx_naming_each_refusal(tmp_path, llama, llama_registry, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    chat_path = write_adapter(tmp_path / "chat", llama, seed=3)
+    big = write_adapter(tmp_path / "big", llama, r=32)
+
+    async def scenario(frontend: LoRAFrontend, http: httpx.AsyncClient):
+        async def load(**body):
+            return await http.post("/v1/load_lora_adapter", json=body)
+
+        answer = await load(lora_name="chat", lora_path=chat_path)
+        assert (answer.status_code, answer.text) == (200, "Success: LoRA adapter 'chat' added successfully.")
+        loaded = await frontend.next_frame(LoadLoRA)
+        while loaded.adapter.name != "chat":  # the registry's own first
+            loaded = await frontend.next_frame(LoadLoRA)
+        assert (loaded.adapter.lora_id, loaded.adapter.path) == (2, chat_path)
+        assert "chat" in [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+
+        refusals = [
+            (dict(lora_name="chat", lora_path=chat_path), 400, "The lora adapter 'chat' has already been loaded."),
+            (dict(lora_name="base", lora_path=chat_path), 400, "'base' is the base model's served name"),
+            (dict(lora_name="x", lora_path=str(tmp_path / "missing")), 400, "missing: does not exist"),
+            (dict(lora_name="x", lora_path=big), 400, "rank 32 exceeds --max-lora-rank 16"),
+            (dict(lora_name="", lora_path=chat_path), 400, "Both 'lora_name' and 'lora_path' must be provided."),
+            (dict(lora_name="x"), 400, "lora_path"),
+            (dict(lora_name="x", lora_path=chat_path, rank=8), 400, "rank"),
+            (dict(lora_name=3, lora_path=chat_path), 400, "lora_name"),
+        ]
+        for body, status, words in refusals:
+            answer = await load(**body)
+            assert answer.status_code == status and words in answer.json()["error"]["message"], (body, answer.text)
+        not_json = await http.post("/v1/load_lora_adapter", content=b"{", headers={"content-type": "application/json"})
+        assert not_json.status_code == 400
+
+        gone = await http.post("/v1/unload_lora_adapter", json={"lora_name": "nope"})
+        assert gone.status_code == 404 and gone.json()["error"]["message"] == "The lora adapter 'nope' cannot be found."
+        wrong_id = await http.post("/v1/unload_lora_adapter", json={"lora_name": "chat", "lora_int_id": 9})
+        assert wrong_id.status_code == 400 and "its id is 2" in wrong_id.json()["error"]["message"]
+
+        # in use: refused while a request computed by it is in flight, accepted once it finished
+        task = asyncio.create_task(http.post("/v1/completions", json={"model": "chat", "prompt": "hi", "max_tokens": 1}))
+        add = await frontend.next_frame(AddRequest)
+        busy = await http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
+        assert busy.status_code == 409 and "in use by 1 request(s) in flight" in busy.json()["error"]["message"]
+        replaced = await load(lora_name="chat", lora_path=chat_path, load_inplace=True)
+        assert replaced.status_code == 409
+        frontend.finish(add)
+        assert (await task).status_code == 200
+        answer = await http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
+        assert (answer.status_code, answer.text) == (200, "Success: LoRA adapter 'chat' removed successfully.")
+        assert await frontend.next_frame(UnloadLoRA) == UnloadLoRA("chat")
+        gone = await http.post("/v1/completions", json={"model": "chat", "prompt": "hi", "max_tokens": 1})
+        assert gone.status_code == 400 and gone.json()["error"]["code"] == "model_not_found"
+
+        other = write_adapter(tmp_path / "sql2", llama, seed=5)
+        replaced = await load(lora_name="sql", lora_path=other, load_inplace=True)
+        assert replaced.status_code == 200
+        frame = await frontend.next_frame(LoadLoRA)
+        assert (frame.adapter.name, frame.adapter.lora_id, frame.adapter.path) == ("sql", 1, other)
+
+    lora_frontend(tmp_path, llama, llama_registry, scenario)
