@@ -23,8 +23,8 @@ import httpx
 import zmq
 
 from pagedserve.protocol.messages import (
-    AbortRequest, AddRequest, FrontendToScheduler, RequestDelta, RequestOutputs,
-    SchedulerStats, ToSupervisor)
+    AbortRequest, AddRequest, FrontendToScheduler, LoadLoRA, RequestDelta, RequestOutputs,
+    SchedulerStats, ToSupervisor, UnloadLoRA)
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender
 from support.server import free_port
 
@@ -44,6 +44,8 @@ class FakeReplica:
         self.heartbeat = True
         self.added: list[AddRequest] = []
         self.aborted: list[str] = []
+        self.lora_frames: list = []  # LoadLoRA / UnloadLoRA, in arrival order
+        self.stats_sent = 0  # heartbeats so far: one sent after a change of stats_fields carries it
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._ctx = zmq.Context()
@@ -73,6 +75,9 @@ class FakeReplica:
                 self._outputs.send(SchedulerStats(replica=self.replica,
                                                   **{"state": "ready", **self.stats_fields}))
                 next_stats = time.monotonic() + STATS_PERIOD_S
+                with self._cond:
+                    self.stats_sent += 1
+                    self._cond.notify_all()
             msg = self._inputs.recv(timeout_ms=20)
             if msg is None:
                 continue
@@ -81,6 +86,8 @@ class FakeReplica:
                     self.added.append(msg)
                 elif isinstance(msg, AbortRequest):
                     self.aborted.extend(msg.request_ids)
+                elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
+                    self.lora_frames.append(msg)
                 self._cond.notify_all()
             if isinstance(msg, AddRequest):
                 self._answer(msg)
