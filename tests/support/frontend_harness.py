@@ -10,6 +10,7 @@ sent it is recorded; tests wait on those records through a condition variable.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -31,6 +32,15 @@ from support.server import free_port
 API_KEY = "test-key"
 MAX_MODEL_LEN = 64
 STATS_PERIOD_S = 0.1
+
+
+async def poll(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait on this event loop until ``condition()`` holds (the frontend's own tasks run meanwhile)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 class FakeReplica:

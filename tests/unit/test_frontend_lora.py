@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,7 @@ from pagedserve.protocol.block_hash import adapter_seed, prefix_block_hashes
 from pagedserve.protocol.messages import (AddRequest, FrontendStarted, FrontendToScheduler, LoadLoRA, PrefixCacheEvents,
                                           RequestDelta, RequestOutputs, SamplingParams, SchedulerStats, UnloadLoRA)
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
+from support.frontend_harness import poll
 from support.lora_files import write_adapter
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256, "hidden_size": 32,
@@ -52,12 +54,36 @@ def add(request_id: str, lora_name: str = "", prompt=(5, 6)) -> AddRequest:
                       eos_token_ids=[2], lora_name=lora_name)
 
 
-async def poll(condition, timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+@contextmanager
+def played_replicas(tmp_path, num_replicas: int):
+    """A private run dir and the input socket of each of ``num_replicas`` schedulers, played here."""
+    endpoints = Endpoints(make_run_dir(str(tmp_path)))
+    ctx = zmq.Context()
+    schedulers = [Receiver(ctx, endpoints.scheduler_inputs(r), FrontendToScheduler) for r in range(num_replicas)]
+    try:
+        yield endpoints, ctx, schedulers
+    finally:
+        for rx in schedulers:
+            rx.close()
+        ctx.term()
+
+
+@asynccontextmanager
+async def engine_client(endpoints, ctx, registry, pids: list[int]):
+    """A started EngineClient, every replica live (one heartbeat each, from ``pids``): yields
+    (router, client, the heartbeats' socket)."""
+    router = Router(len(pids), timeout_s=60.0)
+    client = EngineClient(endpoints, router, adapters=registry)
+    client.start()
+    heartbeats = Sender(ctx, endpoints.frontend_outputs())
+    try:
+        for replica, pid in enumerate(pids):
+            heartbeats.send(SchedulerStats(replica=replica, state="ready", pid=pid))
+        await poll(lambda: all(r.stats is not None for r in router.replicas))
+        yield router, client, heartbeats
+    finally:
+        heartbeats.close()
+        await client.close()
 
 
 def received(scheduler: Receiver) -> list:
@@ -69,21 +95,11 @@ def received(scheduler: Receiver) -> list:
 
 def test_adapters_reach_every_replica_first_again_after_a_restart_and_never_leave_while_in_use(
         tmp_path, registry_factory):
-    endpoints = Endpoints(make_run_dir(str(tmp_path)))
-    ctx = zmq.Context()
-    schedulers = [Receiver(ctx, endpoints.scheduler_inputs(r), FrontendToScheduler) for r in range(2)]
     registry = registry_factory("sql")
     sql = registry.get("sql")
 
-    async def scenario():
-        router = Router(2, timeout_s=30.0)
-        client = EngineClient(endpoints, router, adapters=registry)
-        client.start()
-        heartbeats = Sender(ctx, endpoints.frontend_outputs())
-        try:
-            for replica in range(2):
-                heartbeats.send(SchedulerStats(replica=replica, state="ready", pid=100 + replica))
-            await poll(lambda: all(r.stats is not None for r in router.replicas))
+    async def scenario(endpoints, ctx):
+        async with engine_client(endpoints, ctx, registry, [100, 101]) as (router, client, heartbeats):
             chat = client.load_adapter("chat", registry.read("chat", registry_factory.paths[1]))
             handle = client.submit(add("a", "chat"))
             with pytest.raises(Conflict, match="'chat' is in use by 1 request"):
@@ -95,59 +111,36 @@ def test_adapters_reach_every_replica_first_again_after_a_restart_and_never_leav
             heartbeats.send(SchedulerStats(replica=1, state="ready", pid=201))  # replica 1 restarted
             await poll(lambda: router.replicas[1].stats.pid == 201)
             return handle.replica, chat
-        finally:
-            heartbeats.close()
-            await client.close()
 
-    try:
-        replica, chat = asyncio.run(scenario())
+    with played_replicas(tmp_path, 2) as (endpoints, ctx, schedulers):
+        replica, chat = asyncio.run(scenario(endpoints, ctx))
         got = [received(s) for s in schedulers]
-        for r, messages in enumerate(got):
-            kinds = [type(m).__name__ for m in messages]
-            start = ["FrontendStarted", "LoadLoRA", "LoadLoRA", "UnloadLoRA"]
-            if r == replica:
-                assert kinds[:6] == [*start[:3], "AddRequest", "UnloadLoRA", "AbortRequest"]
-                assert messages[3].lora_name == "chat" and messages[4] == UnloadLoRA("sql")
-            assert [m for m in messages if isinstance(m, (LoadLoRA, UnloadLoRA))][:4] == [
-                LoadLoRA(sql), LoadLoRA(chat), UnloadLoRA("sql"), UnloadLoRA("chat")]
-            assert isinstance(messages[0], FrontendStarted)
-        # the restarted replica is sent what is registered now: nothing (both were unloaded)
-        assert [type(m).__name__ for m in got[1]].count("LoadLoRA") == 2
-    finally:
-        for rx in schedulers:
-            rx.close()
-        ctx.term()
+    for r, messages in enumerate(got):
+        kinds = [type(m).__name__ for m in messages]
+        if r == replica:
+            assert kinds[:6] == ["FrontendStarted", "LoadLoRA", "LoadLoRA", "AddRequest", "UnloadLoRA", "AbortRequest"]
+            assert messages[3].lora_name == "chat" and messages[4] == UnloadLoRA("sql")
+        assert [m for m in messages if isinstance(m, (LoadLoRA, UnloadLoRA))][:4] == [
+            LoadLoRA(sql), LoadLoRA(chat), UnloadLoRA("sql"), UnloadLoRA("chat")]
+        assert isinstance(messages[0], FrontendStarted)
+    # the restarted replica is sent what is registered now: nothing (both were unloaded)
+    assert [type(m).__name__ for m in got[1]].count("LoadLoRA") == 2
 
 
 def test_a_restarted_scheduler_is_sent_every_registered_adapter_before_any_new_request(tmp_path, registry_factory):
-    endpoints = Endpoints(make_run_dir(str(tmp_path)))
-    ctx = zmq.Context()
-    scheduler = Receiver(ctx, endpoints.scheduler_inputs(0), FrontendToScheduler)
     registry = registry_factory("sql", "chat")
 
-    async def scenario():
-        router = Router(1, timeout_s=30.0)
-        client = EngineClient(endpoints, router, adapters=registry)
-        client.start()
-        heartbeats = Sender(ctx, endpoints.frontend_outputs())
-        try:
-            heartbeats.send(SchedulerStats(replica=0, state="ready", pid=100))
-            await poll(lambda: router.replicas[0].stats is not None)
+    async def scenario(endpoints, ctx):
+        async with engine_client(endpoints, ctx, registry, [100]) as (router, client, heartbeats):
             heartbeats.send(SchedulerStats(replica=0, state="ready", pid=101))
             await poll(lambda: router.replicas[0].stats.pid == 101)
             client.submit(add("after", "sql"))
-        finally:
-            heartbeats.close()
-            await client.close()
 
-    try:
-        asyncio.run(scenario())
+    with played_replicas(tmp_path, 1) as (endpoints, ctx, [scheduler]):
+        asyncio.run(scenario(endpoints, ctx))
         kinds = [(type(m).__name__, getattr(getattr(m, "adapter", None), "name", None)) for m in received(scheduler)]
-        assert kinds == [("FrontendStarted", None), ("LoadLoRA", "sql"), ("LoadLoRA", "chat"),
-                         ("LoadLoRA", "sql"), ("LoadLoRA", "chat"), ("AddRequest", None)]
-    finally:
-        scheduler.close()
-        ctx.term()
+    assert kinds == [("FrontendStarted", None), ("LoadLoRA", "sql"), ("LoadLoRA", "chat"),
+                     ("LoadLoRA", "sql"), ("LoadLoRA", "chat"), ("AddRequest", None)]
 
 
 def test_an_adapters_request_goes_where_that_adapters_blocks_are_cached_not_the_base_models(registry_factory):
@@ -200,35 +193,24 @@ class LoRAFrontend:
     """The real app and engine client over real sockets in a private run dir, one replica played
     here: what the frontend sends it is read from its socket, answers are written back by hand."""
 
-    def __init__(self, tmp_path, model_dir: str, registry):
+    def __init__(self, endpoints, ctx, scheduler: Receiver, model_dir: str, registry):
+        self.endpoints, self.ctx, self.scheduler = endpoints, ctx, scheduler
+        self.model_dir, self.registry = model_dir, registry
+        self.step = 0
+
+    async def run(self, scenario) -> None:
         from pagedserve.client.tokenization import PromptTokenizer
         from pagedserve.frontend_proc.app import build_app
         from pagedserve.frontend_proc.serving import Serving
 
-        self.endpoints = Endpoints(make_run_dir(str(tmp_path)))
-        self.ctx = zmq.Context()
-        self.scheduler = Receiver(self.ctx, self.endpoints.scheduler_inputs(0), FrontendToScheduler)
-        self.router = Router(1, timeout_s=60.0)
-        self.engine = EngineClient(self.endpoints, self.router, adapters=registry)
-        metrics = FrontendMetrics(self.router, "base", lora_enabled=registry is not None)
-        serving = Serving(["base"], 128, self.engine, PromptTokenizer(Path(model_dir)), metrics, adapters=registry)
-        self.app = build_app(serving, self.router, metrics, None)
-        self.outputs = Sender(self.ctx, self.endpoints.frontend_outputs())
-        self.step = 0
-
-    async def __aenter__(self) -> "LoRAFrontend":
-        self.engine.start()
-        self.outputs.send(SchedulerStats(replica=0, state="ready", pid=100))
-        await poll(lambda: self.router.any_live())
-        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(self.app), base_url="http://t")
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.http.aclose()
-        self.outputs.close()
-        await self.engine.close()
-        self.scheduler.close()
-        self.ctx.term()
+        async with engine_client(self.endpoints, self.ctx, self.registry, [100]) as (router, engine, outputs):
+            self.outputs = outputs
+            metrics = FrontendMetrics(router, "base", lora_enabled=self.registry is not None)
+            serving = Serving(["base"], 128, engine, PromptTokenizer(Path(self.model_dir)), metrics,
+                              adapters=self.registry)
+            app = build_app(serving, router, metrics, None)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
+                await scenario(self, http)
 
     async def next_frame(self, kind: type):
         """The next frame of ``kind`` the replica received (others before it are skipped)."""
@@ -252,10 +234,8 @@ class LoRAFrontend:
 
 
 def lora_frontend(tmp_path, model_dir, registry, scenario):
-    async def run():
-        async with LoRAFrontend(tmp_path, model_dir, registry) as frontend:
-            await scenario(frontend, frontend.http)
-    asyncio.run(run())
+    with played_replicas(tmp_path, 1) as (endpoints, ctx, [scheduler]):
+        asyncio.run(LoRAFrontend(endpoints, ctx, scheduler, model_dir, registry).run(scenario))
 
 
 @pytest.fixture(scope="module")
