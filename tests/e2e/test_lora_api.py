@@ -134,3 +134,13 @@ def test_serve_refuses_lora_settings_that_could_not_work_in_one_line_before_any_
         llama, adapters, tmp_path, args, words):
     line = refused_serve(llama, tmp_path, *(a.format(**adapters) for a in args))
     assert words.format(**adapters) in line
+
+
+def test_the_offline_llm_refuses_a_lora_request_without_enable_lora_before_sending_anything(shared_llm, adapters):
+    from pagedserve.offline import LoRARequest
+
+    for call in (lambda r: shared_llm.generate(["hello"], lora_request=r),
+                 lambda r: shared_llm.chat([{"role": "user", "content": "hi"}], lora_request=[r])):
+        with pytest.raises(ValueError, match=r"^Got lora_request LoRARequest\(lora_name='sql'.* but LoRA is not enabled!$"):
+            call(LoRARequest("sql", 1, adapters["sql"]))
+    assert shared_llm.generate(["hello"], lora_request=None)[0].outputs[0].finish_reason is not None
