@@ -265,6 +265,10 @@ def test_the_model_field_picks_the_adapter_and_models_lists_it_under_its_parent(
         chat = {"model": "sql", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         answer, add = await frontend.answered(http.post("/v1/chat/completions", json=chat))
         assert answer.status_code == 200 and add.lora_name == "sql" and answer.json()["model"] == "sql"
+        for path, body in (("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+                           ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})):
+            answer, add = await frontend.answered(http.post(path, json={"model": "sql", **body}))
+            assert answer.status_code == 200 and add.lora_name == "sql" and answer.json()["model"] == "sql", path
         unknown = await http.post("/v1/completions", json={"model": "nope", "prompt": "hello", "max_tokens": 1})
         assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "model_not_found"
         assert "'nope' is not served here" in unknown.json()["error"]["message"]
