@@ -13,6 +13,7 @@ from pagedserve.protocol import messages as m
 from pagedserve.protocol.block_hash import adapter_seed, prefix_block_hashes
 from pagedserve.protocol.codec import Decoder, encode
 from pagedserve.protocol.messages import LoRAAdapter, LoRAStep, SchedulerOutput
+from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.protocol.trace import TraceWriter
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.engine_config import EngineConfig
@@ -100,10 +101,10 @@ class SlotModel:
 class LoRARun:
     """A Scheduler, the simulated worker and the slot model, stepped as the engine does."""
 
-    def __init__(self, ahead: bool = False, adapters=("a", "b", "c", "d", "e", "f"), **overrides):
+    def __init__(self, ahead: bool = False, adapters=("a", "b", "c", "d", "e", "f"), proposer=None, **overrides):
         self.config = config(**overrides)
         self.turn = 0
-        self.sched = Scheduler(self.config, clock=lambda: float(self.turn))
+        self.sched = Scheduler(self.config, clock=lambda: float(self.turn), proposer=proposer)
         self.adapter_of: dict[str, str] = {}
         self.model = SlotModel(self.adapter_of)
         worker = SimWorker(self.config, counting_tokens())
@@ -274,6 +275,20 @@ def test_a_referenced_slot_is_never_reloaded_under_preemption(mode, seed):
     if mode == "swap":
         moved = {seq_id: h for seq_id, h in run.model.slot_history.items() if len(set(h)) > 1}
         assert not moved, f"swapped sequences came back to another slot: {moved}"
+
+
+def test_speculative_decoding_runs_on_each_requests_adapter_with_the_slots_held():
+    """Prompt-lookup proposals are verified by the request's own adapter: the slot rules hold."""
+    class RightGuess:  # proposes the simulated worker's next tokens
+        def propose(self, tokens, max_tokens: int) -> list[int]:
+            return [1000 + len(tokens) + j for j in range(max_tokens)]
+
+    run = LoRARun(ahead=True, max_loras=2, speculative=SpeculativeConfig("ngram", 3, 4, 1), proposer=RightGuess())
+    for i, name in enumerate(["a", "b", "c", "", "a", "c"]):
+        run.add(f"r{i}", name, max_tokens=12)
+    run.run_until_done()
+    assert len(run.finished) == 6
+    assert run.sched.stats()["spec_decode_num_drafts"] > 0
 
 
 # ---------------------------------------------------------------- the prefix cache
@@ -481,3 +496,73 @@ def test_a_replay_names_a_lora_step_that_differs_from_the_recorded_one(tmp_path)
 def _records(path: str):
     from pagedserve.protocol.trace import read_trace
     return read_trace(path).records
+
+
+# ---------------------------------------------------------------- the engine loop
+
+
+def test_the_engine_sends_each_lora_step_right_before_its_step_and_records_both(tmp_path):
+    """The real engine loop over real sockets in one process, a simulated worker on a thread: a
+    LoRAStep reaches the worker just before the SchedulerOutput of its step (async scheduling on),
+    and the recorded trace replays byte for byte."""
+    import os
+    import threading
+
+    import zmq
+
+    from pagedserve.protocol.worker_link import SchedulerLink
+    from pagedserve.protocol.zmq_io import Endpoints, Receiver, make_run_dir
+    from pagedserve.scheduler_proc.engine import EngineLoop
+
+    ctx, run_dir, trace = zmq.Context(), make_run_dir(str(tmp_path)), str(tmp_path / "engine.trace")
+    endpoints = Endpoints(run_dir)
+    frontend = Receiver(ctx, endpoints.frontend_outputs(), m.SchedulerToFrontend)
+    engine = EngineLoop(EngineConfig(run_dir=run_dir, enable_lora=True, max_loras=2, max_num_seqs=4, block_size=4,
+                                     max_model_len=128, swap_space=0, debug_invariants=True, record_trace=trace), ctx)
+    link = SchedulerLink(ctx, endpoints, replica=0, rank=0)
+    frames, stop, failures = [], threading.Event(), []
+
+    def worker() -> None:
+        try:
+            link.send(m.WorkerHello(0, os.getpid(), "cpu", "model", 2, 4096, 64))
+            init = link.recv(timeout_ms=10_000)
+            link.send(m.WorkerReady(0, init.num_gpu_blocks, init.num_cpu_blocks))
+            sim = SimWorker(SchedulerConfig(block_size=4, num_gpu_blocks=init.num_gpu_blocks), counting_tokens())
+            while not stop.is_set():
+                msg = link.recv(timeout_ms=50)
+                if msg is not None:
+                    frames.append(msg)
+                    if isinstance(msg, SchedulerOutput):
+                        link.send(sim.step(msg))
+        except Exception as exc:  # reported by the test, not lost in the thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        engine.connect_workers()
+        for name in ("a", "b", "c"):
+            engine._handle_input(m.LoadLoRA(adapter(name)))
+        for i, name in enumerate(["a", "b", "", "c", "a", "b"]):
+            engine._handle_input(lora_request(f"r{i}", [20 + i, 21, 22, 23, 24, 25], name, max_tokens=5 + i,
+                                              ignore_eos=True))
+        while engine.scheduler.has_unfinished() or engine.pending:
+            engine.step()
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        engine.close()
+        link.close()
+        frontend.close()
+        ctx.term()
+    assert not failures, failures
+    lora_steps = [(i, f) for i, f in enumerate(frames) if isinstance(f, LoRAStep)]
+    assert lora_steps and any(f.loads for _, f in lora_steps)
+    for i, lora_step in lora_steps:
+        after = frames[i + 1]
+        assert isinstance(after, SchedulerOutput) and after.step == lora_step.step
+    seen_slots = {rid for _, f in lora_steps for rid in f.request_slots}
+    assert seen_slots == {"r0", "r1", "r3", "r4", "r5"}
+    report = replay_scheduler(trace)
+    assert report.ok, report.mismatch
+    assert report.steps == sum(isinstance(f, SchedulerOutput) for f in frames)
