@@ -21,6 +21,8 @@ SAMPLES = {
         m.AbortRequest(["r1", "r2"]),
         m.Drain(),
         m.FrontendStarted(),
+        m.LoadLoRA(m.LoRAAdapter("sql", 1, "/adapters/sql", "ab" * 32)),
+        m.UnloadLoRA("sql"),
     ],
     m.SchedulerToFrontend: [
         m.RequestOutputs(0, 3, [m.RequestDelta("r1", 1, [4, 5], "stop", None, None, 3, 1, [-0.5, -0.1], 5)]),
@@ -42,6 +44,9 @@ SAMPLES = {
             decodes=m.DecodeBatch(["d", "e"], [30, 5], [11, 12], [(1, 9)]),
             finished_req_ids=["c"], blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(2, 3)],
             blocks_to_copy=[(4, 5)], new_block_ids_to_zero=[7, 8], total_num_scheduled_tokens=3),
+        m.LoRAStep(5, loads=[m.LoRASlot(1, m.LoRAAdapter("sql", 1, "/adapters/sql", "ab" * 32))],
+                   prefetch=[m.LoRAAdapter("chat", 2, "/adapters/chat", "cd" * 32)], forget=["old"],
+                   request_slots={"a": 1}),
     ],
     m.WorkerToScheduler: [
         m.WorkerHello(0, 123, "cpu", "Qwen2ForCausalLM:abcd", 2, 4096, 1000, "node-1"),
