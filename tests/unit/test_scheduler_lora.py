@@ -248,6 +248,24 @@ def test_a_base_model_request_behind_one_waiting_for_a_slot_starts_at_once():
     assert run.started["a0"] < run.started["b0"] < run.started["a1"]  # a1 after b0, who waited first
 
 
+def test_the_adapter_drained_for_a_waiting_one_is_the_least_recently_admitted_never_the_one_just_loaded():
+    run = LoRARun(max_loras=2, max_num_seqs=16)
+    run.add("a0", "a", max_tokens=4)
+    run.add("b0", "b", max_tokens=30)
+    run.add("b1", "b", max_tokens=30)  # b holds more references than c will
+    run.step()
+    run.add("c0", "c", max_tokens=30)  # waits: a, admitted first, drains and frees first
+    run.add("d0", "d", max_tokens=30)  # waits behind c
+    while "c0" not in run.started:
+        run.step()
+    run.add("c1", "c", max_tokens=4)  # c was just loaded: b drains for d, c keeps starting requests
+    run.step()
+    assert "c1" in run.started and "d0" not in run.started
+    assert run.sched.lora.slot_adapter[run.sched.lora.draining] == adapter("b")
+    run.run_until_done()
+    assert run.started["d0"] <= run.started["c0"] + 30 + 2
+
+
 # ---------------------------------------------------------------- preemption
 
 
