@@ -459,8 +459,10 @@ class Scheduler:
         rest, except a waiting one whose LoRA adapter must wait for a slot: it and its adapter's
         other waiting sequences are set aside for this step (the policy sees the queue without
         them), so base-model and resident adapters' requests behind it are not held up by it."""
+        if self.seats_free() <= 0:  # nothing can start (and the waiting need not be walked for set-asides)
+            return
         held: set[LoRAAdapter] = set()
-        waiting = self.waiting
+        waiting: deque | WaitingWithout = self.waiting
         while True:
             seq = self.policy.next_to_start(self.swapped, waiting)
             if seq is None:
@@ -471,8 +473,9 @@ class Scheduler:
                 return
             if self.lora_must_wait(seq):
                 self.lora.hold_back(seq.request.lora)
+                if not held:
+                    waiting = WaitingWithout(self.waiting, held)  # sees ``held`` grow
                 held.add(seq.request.lora)
-                waiting = WaitingWithout(self.waiting, held)
                 continue
             if seq.status == SWAPPED:
                 num_tokens = admission.tokens_to_resume(seq, self.bm, batch.budget, self.config.enable_chunked_prefill)
@@ -566,23 +569,35 @@ def _started(request: Request) -> bool:
 
 class WaitingWithout:
     """The waiting queue as a policy sees it while the sequences of ``held`` adapters are set aside
-    for a step: what ``next_to_start`` reads of a queue (truth, ``[0]``, iteration), in order."""
+    for the rest of an admission pass: what ``next_to_start`` reads of a queue (truth, ``[0]``,
+    iteration), in order. During a pass the queue only loses the sequences admitted from it, so a
+    snapshot with a cursor past the head's set-aside ones costs O(waiting) per pass, not per admission."""
 
-    __slots__ = ("queue", "held")
+    __slots__ = ("seqs", "held", "start")
 
     def __init__(self, queue: deque, held: set):
-        self.queue, self.held = queue, held
+        self.seqs, self.held, self.start = list(queue), held, 0
+
+    def _visible(self, seq: Sequence) -> bool:
+        return seq.status == WAITING and seq.request.lora not in self.held
 
     def __iter__(self):
-        held = self.held
-        return (seq for seq in self.queue if seq.request.lora not in held)
+        seqs, visible = self.seqs, self._visible
+        return (seqs[i] for i in range(self.start, len(seqs)) if visible(seqs[i]))
 
     def __getitem__(self, index: int) -> Sequence:
         if index != 0:
             raise IndexError("only the head of the waiting queue is read")
-        for seq in self:
-            return seq
-        raise IndexError("no waiting sequence is left")
+        seqs, visible = self.seqs, self._visible
+        while self.start < len(seqs) and not visible(seqs[self.start]):
+            self.start += 1
+        if self.start == len(seqs):
+            raise IndexError("no waiting sequence is left")
+        return seqs[self.start]
 
     def __bool__(self) -> bool:
-        return any(True for _ in self)
+        try:
+            self[0]
+        except IndexError:
+            return False
+        return True
