@@ -352,7 +352,9 @@ class EngineLoop:
                 for msg in self.grammar_gate.admit(self.inputs.recv_nowait() if busy else self._wait_input()):
                     self._handle_input(msg)
                 self._answer_rejected_requests()
-                if self.scheduler.has_unfinished() or self.pending:
+                # Adapter changes with nothing to compute go out in an empty step: the workers read a
+                # registered adapter ahead of its first request, and drop an unloaded one.
+                if self.scheduler.has_unfinished() or self.pending or self.scheduler.has_lora_changes():
                     self.step(back_to_back=busy)
                 elif not busy:
                     self._check_worker_pids()  # a worker that dies while idle is replaced at once

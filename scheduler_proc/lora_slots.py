@@ -197,6 +197,9 @@ class LoRASlots:
         """The slots of the step's new requests that use an adapter (StepPlan.request_slots)."""
         self._request_slots = request_slots
 
+    def has_changes(self) -> bool:
+        return bool(self._loads or self._prefetch or self._forget)
+
     def take_step(self, step: int) -> Optional[LoRAStep]:
         """The changes since the last LoRAStep, for step ``step``; None when there are none."""
         if not (self._loads or self._prefetch or self._forget or self._request_slots):

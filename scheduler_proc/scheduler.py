@@ -144,6 +144,10 @@ class Scheduler:
         """The registered adapters, in registration order (for a scheduler that replaces this one)."""
         return list(self.lora.registered.values()) if self.lora is not None else []
 
+    def has_lora_changes(self) -> bool:
+        """Whether the workers have adapter changes to hear of (registered, unloaded) before any step."""
+        return self.lora is not None and self.lora.has_changes()
+
     def take_lora_step(self) -> Optional[LoRAStep]:
         """The LoRA changes of the step ``schedule()`` just returned, to send right before it; None
         when it has none (always, without --enable-lora: the workers get exactly the frames they did)."""

@@ -372,7 +372,7 @@ def test_unloading_ends_the_waiting_requests_of_it_finishes_the_running_then_the
         run.step()
         forgets = [name for s in run.model.applied for name in s.forget]
         assert not forgets or "running" in run.finished  # told to forget only after the last one ended
-    run.add("next", "")  # the engine steps only with work to do: the next step carries the forget
+    assert run.sched.has_lora_changes()  # the engine steps for it, idle or not
     run.step()
     assert [name for s in run.model.applied for name in s.forget] == ["a"]
     assert run.sched.lora.slot_adapter == [None]
@@ -522,7 +522,7 @@ def _records(path: str):
 def test_the_engine_sends_each_lora_step_right_before_its_step_and_records_both(tmp_path):
     """The real engine loop over real sockets in one process, a simulated worker on a thread: a
     LoRAStep reaches the worker just before the SchedulerOutput of its step (async scheduling on),
-    and the recorded trace replays byte for byte."""
+    adapters registered while idle go out at once, and the recorded trace replays byte for byte."""
     import os
     import threading
 
@@ -561,6 +561,8 @@ def test_the_engine_sends_each_lora_step_right_before_its_step_and_records_both(
         engine.connect_workers()
         for name in ("a", "b", "c"):
             engine._handle_input(m.LoadLoRA(adapter(name)))
+        assert engine.scheduler.has_lora_changes()  # what the loop asks: an idle engine still sends them
+        engine.step()
         for i, name in enumerate(["a", "b", "", "c", "a", "b"]):
             engine._handle_input(lora_request(f"r{i}", [20 + i, 21, 22, 23, 24, 25], name, max_tokens=5 + i,
                                               ignore_eos=True))
@@ -574,6 +576,8 @@ def test_the_engine_sends_each_lora_step_right_before_its_step_and_records_both(
         frontend.close()
         ctx.term()
     assert not failures, failures
+    prefetch, empty = frames[:2]  # read ahead of the first request, in a step that computes nothing
+    assert [a.name for a in prefetch.prefetch] == ["a", "b", "c"] and empty.total_num_scheduled_tokens == 0
     lora_steps = [(i, f) for i, f in enumerate(frames) if isinstance(f, LoRAStep)]
     assert lora_steps and any(f.loads for _, f in lora_steps)
     for i, lora_step in lora_steps:
