@@ -282,13 +282,15 @@ def test_a_referenced_slot_is_never_reloaded_under_preemption(mode, seed):
     for i in range(24):
         name = rng.choice(["", "a", "b", "c", "d"])
         n = rng.choice([1, 1, 2])
-        run.add(f"r{i}", name, prompt=[rng.randrange(20, 90) for _ in range(rng.randrange(3, 14))],
+        run.add(f"r{i}", name, prompt=[rng.randrange(20, 90) for _ in range(rng.randrange(3, 40))],  # some chunked
                 max_tokens=rng.randrange(4, 24), n=n)
         if i % 3 == 2:
             run.step()
     run.run_until_done()
     stats = run.sched.stats()
     assert stats[f"num_preemptions_{mode}"] > 0, stats
+    assert any(r.num_computed_tokens + r.num_scheduled_tokens < len(r.token_ids) - 1
+               for out in run.steps for r in out.new_requests), "no prompt was chunked"
     assert len(run.finished) == 24
     if mode == "swap":
         moved = {seq_id: h for seq_id, h in run.model.slot_history.items() if len(set(h)) > 1}
