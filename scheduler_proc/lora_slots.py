@@ -18,8 +18,9 @@ one is the least recently admitted adapter: the one with the least demand, and n
 loaded (draining the adapter with the fewest references instead picked the newcomer, which had one,
 and cut every residency short: 161 of 256 seats ran, against 252, in
 bench/scripts/lora_scheduler_bench.py). The choice holds until a load, so the wait is bounded by
-that adapter's longest running generation. The queue is taken in the policy's order, so the oldest (FCFS) waiting request takes
-the slot that frees: first come, first served within the limit.
+that adapter's longest running generation. The queue is taken in the policy's order, so the
+oldest (FCFS) waiting request takes the slot that frees: first come, first served within the limit.
+A slot is never a reason to preempt (policy.py): a victim's blocks would not start the waiting one.
 
 Registry. ``LoadLoRA`` registers (or, with another digest, replaces) an adapter under its name;
 a request binds the adapter registered at its arrival. ``UnloadLoRA`` forgets the name at once

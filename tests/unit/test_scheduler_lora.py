@@ -56,7 +56,6 @@ class SlotModel:
         self.held: dict[str, int] = {}  # sequence id -> slot, while the workers hold it
         self.steps: dict[int, LoRAStep] = {}  # scheduled, not yet applied
         self.applied: list[LoRAStep] = []
-        self.registered: dict[str, LoRAAdapter] = {}
         self.slot_history: dict[str, list[int]] = {}  # sequence id -> the slot of each arrival
 
     def scheduled(self, sched: Scheduler, out: SchedulerOutput) -> None:
@@ -77,10 +76,6 @@ class SlotModel:
                 users = [s for s, slot in self.held.items() if slot == load.slot]
                 assert not users, f"step {out.step}: slot {load.slot} reloaded while {users} compute with it"
                 self.slots[load.slot] = load.adapter
-            for a in lora_step.prefetch:
-                self.registered[a.name] = a
-            for name in lora_step.forget:
-                self.registered.pop(name, None)
             new_ids = {r.req_id for r in out.new_requests}
             assert set(lora_step.request_slots) <= new_ids, f"step {out.step}: slots for requests not new"
         request_slots = lora_step.request_slots if lora_step is not None else {}
