@@ -70,9 +70,9 @@ class Scheduler:
         self.speculator = speculator_for(config.speculative, proposer)  # None: no speculative decoding
         # The registered LoRA adapters and the slots they occupy; they outlive fail_all (None: LoRA off).
         self.lora = LoRASlots(config.max_loras) if config.enable_lora else None
+        self._reset_state()
         for adapter in lora_adapters:  # a predecessor's, when the engine replaces this scheduler
             self.register_lora(adapter)
-        self._reset_state()
 
     def _reset_state(self) -> None:
         self.bm = BlockManager(self.config)
