@@ -1,5 +1,5 @@
 """Mixtures of experts: greedy tokens from ModelRunner equal transformers' generate(do_sample=False),
-float32, CPU, for tiny random Mixtral, Qwen2-MoE and Qwen3-MoE models saved as safetensors and
+float32, CPU, for tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss models saved as safetensors and
 loaded through the real path; chunked prefills and decodes of different lengths share steps, so
 an expert's rows mix tokens of several requests."""
 
@@ -31,6 +31,11 @@ CASES = {
                                      norm_topk_prob=True, seed=2),
     "qwen3_moe_every_second_layer_sparse": dict(arch="qwen3_moe", num_experts=6, num_experts_per_tok=2,
                                                 moe_intermediate_size=32, decoder_sparse_step=2, seed=3),
+    # attention sinks, biases on q/k/v/o, router and experts drawn at random; layers 0 and 2 slide a
+    # window of 8 (shorter than the prompts), layer 1 sees everything; YaRN; the clamped SwiGLU's limit
+    # low enough that random products reach it; 4 experts, top 2 by a softmax over the top logits
+    "gpt_oss_sinks_windows_yarn_clamped_swiglu": dict(arch="gpt_oss", num_layers=3, intermediate_size=48,
+                                                      swiglu_limit=1.5, seed=4),
 }
 
 
@@ -135,3 +140,88 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_experts_is_refused_in_o
     with pytest.raises(UnsupportedModelError, match=r"^tensor-parallel size 4 does not divide moe_intermediate_size=50;"
                                                     r" pick a tp_size that does$"):
         ModelRunner(str(model_dir), tp_rank=0, tp_size=4)
+
+
+def test_gpt_oss_experts_from_the_interleaved_checkpoint_equal_transformers_experts(tmp_path):
+    """The checkpoint's gate_up [E, H, 2I] with gate and up columns interleaved, laid out by the
+    family's loader, through the torch reference and the CPU grouped path (biases, clamped SwiGLU, a
+    tensor-parallel half each): transformers' own GptOssExperts on the same tensors, and the limit binds."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
+
+    from pagedserve.kernels import moe_reference
+    from pagedserve.kernels.moe_routing import RoutingRule, route
+    from pagedserve.worker_proc.elementwise import TorchElementwise
+    from pagedserve.worker_proc.models.gpt_oss import read_experts
+    from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout
+    from pagedserve.worker_proc.models.moe import grouped_experts
+    from pagedserve.worker_proc.weights import WeightSource
+    from safetensors.torch import save_file
+
+    config = GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                          swiglu_limit=1.0)
+    config._experts_implementation = "eager"
+    experts, router = GptOssExperts(config), GptOssTopKRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in [*experts.parameters(), *router.parameters()]:
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    x = torch.randn(9, 32, generator=generator)
+    with torch.no_grad():
+        _, scores, ids = router(x)
+        theirs = experts(x, ids, scores)
+        gate_up = x @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
+    assert (gate_up[:, ::2] > 1.0).any() and (gate_up[:, 1::2].abs() > 1.0).any()  # the clamps bind
+    weights, ours_ids = route(torch.nn.functional.linear(x, router.weight, router.bias),
+                              RoutingRule(2, softmax_after_topk=True))
+    assert torch.equal(ours_ids, ids) and torch.allclose(weights, scores)
+    block = "model.layers.0.mlp."
+    save_file({block + "experts." + n: p.detach().contiguous() for n, p in experts.named_parameters()},
+              str(tmp_path / "model.safetensors"))
+    source = WeightSource(str(tmp_path))
+    activation = moe_reference.ClampedSwiglu(config.swiglu_alpha, config.swiglu_limit)
+    whole = read_experts(source, block, (0, 24))
+    reference = moe_reference.fused_moe(x, torch.stack(whole.gate_ups), torch.stack(whole.downs), weights, ids,
+                                        torch.stack(whole.gate_up_biases), torch.stack(whole.down_biases), activation)
+    torch.testing.assert_close(reference, theirs, rtol=1e-5, atol=1e-5)
+    halves = []  # two tensor-parallel ranks: down's bias on the first only
+    for rank, part in enumerate([(0, 12), (12, 24)]):
+        t = read_experts(source, block, part)
+        pairs = [(LinearWeight.of(gu.contiguous(), gub, WeightLayout()),
+                  LinearWeight.of(d.contiguous(), db if rank == 0 else None, WeightLayout()))
+                 for gu, d, gub, db in zip(t.gate_ups, t.downs, t.gate_up_biases, t.down_biases)]
+        halves.append(grouped_experts(x, pairs, weights, ids, TorchElementwise(), activation))
+    torch.testing.assert_close(halves[0] + halves[1], theirs, rtol=1e-5, atol=1e-5)
+    source.close()
+
+
+def test_yarn_rotary_tables_equal_transformers_gpt_oss_rotary_embedding(tmp_path):
+    """worker_proc/rotary.py's YaRN table (inverse frequencies and the attention factor on cos/sin)
+    against GptOssRotaryEmbedding's forward at every position."""
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from pagedserve.worker_proc.rotary import RotaryEmbedding
+
+    model_dir = build_model_dir(tmp_path / "m", **CASES["gpt_oss_sinks_windows_yarn_clamped_swiglu"])
+    config = AutoConfig.from_pretrained(str(model_dir))
+    assert config.rope_parameters["rope_type"] == "yarn"
+    ours = RotaryEmbedding(config, config.head_dim, 512, torch.device("cpu"), torch.float32)
+    theirs = GptOssRotaryEmbedding(config)
+    cos, sin = theirs(torch.zeros(1), torch.arange(512)[None])
+    assert ours.scaling > 1.0  # YaRN's attention factor scales cos and sin
+    assert torch.equal(ours.cos, cos[0]) and torch.equal(ours.sin, sin[0])
+
+
+def test_a_gpt_oss_layer_runs_its_attention_sinks_and_windows(tmp_path):
+    """Every layer holds its heads' sinks; the sliding layers their window, the full ones none; the
+    experts' log line names the grouped path; zeroed sinks (a model without them) change the tokens."""
+    model_dir = build_model_dir(tmp_path / "m", **CASES["gpt_oss_sinks_windows_yarn_clamped_swiglu"])
+    runner = ModelRunner(str(model_dir))
+    assert [layer.sliding_window for layer in runner.model.layers] == [8, None, 8]
+    assert all(layer.sinks is not None and layer.sinks.shape == (4,) for layer in runner.model.layers)
+    prompts = random_prompts([21, 30], vocab_size=512, seed=5)
+    with_sinks = run(runner, prompts)
+    for layer in runner.model.layers:
+        layer.sinks = torch.full_like(layer.sinks, float("-inf"))  # exp(-inf) = 0: no sink at all
+    assert run(runner, prompts) != with_sinks

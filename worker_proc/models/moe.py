@@ -120,8 +120,8 @@ class SparseMoeBlock:
         else:
             fused = False
 
-        def load(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=device, dtype=dtype).contiguous()
+        def load(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
 
         router = p + moe.names.router
         self.router = load(source.get(router + ".weight"))  # [E, H], on every rank
