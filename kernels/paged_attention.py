@@ -124,11 +124,11 @@ def _paged_attention_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if SINKS:  # the sink as a first key: its score (in log2 units) is the max so far, exp2(0) = 1 the sum
-        sink_here = row_valid
+        m_i = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")).to(tl.float32) * 1.4426950408889634
         if NUM_SPLITS > 1:
-            sink_here = sink_here & (tl.program_id(2) == 0)
-        m_i = tl.load(sinks_ptr + head, mask=sink_here, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        l_i = tl.where(sink_here, 1.0, 0.0)
+            if tl.program_id(2) != 0:  # the first part alone counts it
+                m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros((BLOCK_M, DIM_PAD), dtype=tl.float32)
     for kv_tile_start in range(kv_start, kv_end, BLOCK_N):
         k_pos = kv_tile_start + tl.arange(0, BLOCK_N)
