@@ -106,13 +106,14 @@ def test_a_config_routing_to_more_experts_than_it_has_is_refused_at_start_in_one
         ModelRunner(str(model_dir))
 
 
-def test_bfloat16_experts_stay_close_to_transformers_bfloat16_logits(tmp_path):
+@pytest.mark.parametrize("case", ["qwen3_moe_norm_topk_prob", "gpt_oss_sinks_windows_yarn_clamped_swiglu"])
+def test_bfloat16_experts_stay_close_to_transformers_bfloat16_logits(tmp_path, case):
     """bfloat16 takes the dense layers' bf16 path per expert (oneDNN's packed weights on
     AVX512-BF16); its logits stay within the dense model's bf16 tolerance of transformers' (over
-    our own tokens: teacher forcing)."""
+    our own tokens: teacher forcing). gpt-oss: its sinks, biases and clamped SwiGLU in bfloat16 too."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = build_model_dir(tmp_path / "m", **CASES["qwen3_moe_norm_topk_prob"])
+    model_dir = build_model_dir(tmp_path / "m", **CASES[case])
     runner = ModelRunner(str(model_dir), dtype="bfloat16")
     step_logits = []
     compute_logits = runner.model.compute_logits
