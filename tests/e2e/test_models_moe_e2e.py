@@ -46,7 +46,9 @@ def test_a_mixture_of_experts_serves_transformers_greedy_tokens(arch, overrides,
     try:
         assert_equal_to_transformers(model, prompts, greedy_completions(srv, prompts, 16), 16)
         # the worker log names how the experts run (here: grouped by expert, in the dense layers' CPU layout)
-        assert f"mixture of experts: {experts} experts, top 2; grouped by expert: " in srv.log_path.read_text()
+        log = srv.log_path.read_text()
+        assert f"mixture of experts: {experts} experts, top 2; grouped by expert: " in log
+        assert "model implementation: native (" in log  # --model-impl auto takes the family file
     finally:
         srv.stop()
 

@@ -1,6 +1,6 @@
 """One decoder layer over the paged cache, for every dense family (models/family.py says how they differ).
 
-Attention (grouped-query, optional q/k norm, rotary, soft-capping, a sliding window per layer) and a
+Attention (grouped-query, optional q/k norm, rotary, soft-capping, sinks, a sliding window per layer) and a
 gated MLP, each between the norms its family declares: before it (Llama), before and after (Gemma),
 after only (OLMo 2). Weights are plain tensors, fused at load: q/k/v into one matmul and gate/up
 into one, whether the checkpoint keeps them apart or fused (Phi-3); a quantized checkpoint's
