@@ -226,3 +226,65 @@ def test_a_gpt_oss_layer_runs_its_attention_sinks_and_windows(tmp_path):
     for layer in runner.model.layers:
         layer.sinks = torch.full_like(layer.sinks, float("-inf"))  # exp(-inf) = 0: no sink at all
     assert run(runner, prompts) != with_sinks
+
+
+def mxfp4_checkpoint(path, seed: int = 0):
+    """A gpt-oss model whose experts are stored as the hub stores them: MXFP4 blocks and scales, with
+    its quantization_config (attention, router, embeddings and head left in float32)."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = build_model_dir(path, "gpt_oss", num_layers=3, intermediate_size=64, swiglu_limit=1.5, seed=4)
+    state = load_file(str(model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = state.pop(name).shape
+        state[name + "_blocks"] = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=generator,
+                                                dtype=torch.uint8)
+        state[name + "_scales"] = torch.randint(122, 126, (experts, outputs, inputs // 32), generator=generator,
+                                                dtype=torch.uint8)
+    save_file(state, str(model_dir / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def test_gpt_oss_experts_in_mxfp4_as_the_hub_ships_them_give_transformers_tokens(tmp_path):
+    """Dequantized at load as transformers' Mxfp4Config(dequantize=True) does (the same values, bit for
+    bit), then greedy tokens equal transformers' on that checkpoint."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pagedserve.worker_proc.models.gpt_oss import dequantize_mxfp4
+
+    from pagedserve.deploy.serve_config import ServeConfig
+
+    model_dir = mxfp4_checkpoint(tmp_path / "m")
+    assert ServeConfig(model=str(model_dir)).model_impl == "auto"  # serve's check before any process starts
+    state = load_file(str(model_dir / "model.safetensors"))
+    blocks, scales = (state["model.layers.0.mlp.experts.down_proj_" + k] for k in ("blocks", "scales"))
+    assert torch.equal(dequantize_mxfp4(blocks, scales), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=512, seed=11)
+    ours = run(ModelRunner(str(model_dir)), prompts)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                              quantization_config=Mxfp4Config(dequantize=True))
+    with torch.inference_mode():
+        for prompt, tokens in zip(prompts, ours):
+            ids = torch.tensor([prompt])
+            theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+            assert len(theirs) >= 12 and tokens[:len(theirs)] == theirs
+
+
+def test_mxfp4_is_refused_in_one_line_for_an_architecture_that_does_not_dequantize_it(tmp_path):
+    from pagedserve.protocol.quantization import QuantizationConfigError, parse_quantization_config
+
+    mxfp4 = {"quantization_config": {"quant_method": "mxfp4"}}
+    assert parse_quantization_config({**mxfp4, "architectures": ["GptOssForCausalLM"]}) is None
+    with pytest.raises(QuantizationConfigError, match=r"^quantization_config: quant_method 'mxfp4' is served for "
+                                                      r"GptOssForCausalLM only \(its experts are dequantized at load\)$"):
+        parse_quantization_config({**mxfp4, "architectures": ["MixtralForCausalLM"]})
+    with pytest.raises(QuantizationConfigError, match="^--quantization compressed-tensors does not match"):
+        parse_quantization_config({**mxfp4, "architectures": ["GptOssForCausalLM"]}, "compressed-tensors")

@@ -11,9 +11,10 @@ init) and biases on q/k/v/o.
   and down as [E, I, H]: ``read_experts`` lays them out as the shared MoE block's [gate; up] rows
   and [H, I], each rank its slice of the intermediate features.
 
-The hub's checkpoints keep the experts in MXFP4 (``quantization_config.quant_method: mxfp4``), which
-``pagedserve serve`` refuses in one line (protocol/quantization.py); a bfloat16 or float32 copy
-(transformers' dequantized save) serves.
+The hub's checkpoints keep the experts in MXFP4 (``quantization_config.quant_method: mxfp4``:
+``*_blocks``, two e2m1 codes a byte, and ``*_scales``, a power of two per 32 inputs): they are
+dequantized here at load, exactly (every value is representable in bfloat16), as transformers does
+with ``Mxfp4Config(dequantize=True)``, and the experts then compute in the model's dtype.
 """
 
 from __future__ import annotations
@@ -29,13 +30,34 @@ from pagedserve.worker_proc.models.moe import ExpertNames, ExpertTensors, MoeDec
 from pagedserve.worker_proc.weights import WeightSource
 
 
+# e2m1's sixteen values by code (the sign is the high bit)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [E, out, G, 16] uint8 (codes of 32 inputs a group, the low nibble first) and scales
+    [E, out, G] uint8 (2 ** (scale - 127)) -> float32 [E, G * 32, out]: the unquantized checkpoint's
+    [E, in, out] layout."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [E, out, G, 16, 2]
+    values = torch.tensor(FP4_VALUES)[codes].reshape(*scales.shape, 32)
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:2], -1).transpose(1, 2)
+
+
+def _expert_weight(source: WeightSource, name: str) -> torch.Tensor:
+    """An experts' [E, in, out] tensor, as the checkpoint keeps it or dequantized from MXFP4."""
+    if name in source:
+        return source.get(name)
+    return dequantize_mxfp4(source.get(name + "_blocks"), source.get(name + "_scales"))
+
+
 def read_experts(source: WeightSource, block: str, part: tuple[int, int]) -> ExpertTensors:
     """A layer's experts from gpt-oss's checkpoint: rows [a, b) of each expert's gate and up (its
     interleaved columns), as [gate; up] [2s, H]; columns [a, b) of down as [H, s]; their biases."""
     a, b = part
-    gate_up = source.get(block + "experts.gate_up_proj")  # [E, H, 2I]: gate, up, gate, up, ...
+    gate_up = _expert_weight(source, block + "experts.gate_up_proj")  # [E, H, 2I]: gate, up, gate, up, ...
     gate_up_bias = source.get(block + "experts.gate_up_proj_bias")  # [E, 2I], interleaved alike
-    down = source.get(block + "experts.down_proj")  # [E, I, H]
+    down = _expert_weight(source, block + "experts.down_proj")  # [E, I, H]
     return ExpertTensors(
         gate_ups=[torch.cat([w[:, 0::2][:, a:b].t(), w[:, 1::2][:, a:b].t()]) for w in gate_up],
         downs=[w[a:b].t() for w in down],
