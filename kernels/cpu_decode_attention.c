@@ -224,9 +224,15 @@ void paged_decode_attention_f32(const float *q, const float *k, const float *v, 
             const int32_t *table = tables + b * table_stride;
             float *ob = out + b * hq * d;
             switch (d) {
-            case 32: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 32, row, bs, scale, sinks); break;
-            case 64: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 64, row, bs, scale, sinks); break;
-            case 128: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 128, row, bs, scale, sinks); break;
+            case 32:
+                attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 32, row, bs, scale, sinks);
+                break;
+            case 64:
+                attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 64, row, bs, scale, sinks);
+                break;
+            case 128:
+                attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 128, row, bs, scale, sinks);
+                break;
             default: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, d, row, bs, scale, sinks);
             }
         }

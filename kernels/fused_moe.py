@@ -10,10 +10,11 @@ Three launches a layer: gate_up for every pair (input row = pair // top_k), the 
 (kernels/fused_silu_mul.py, which rounds the SiLU to the model's dtype as transformers does), and
 down with each pair's routing weight applied to the float32 accumulator; the top_k rows of a token
 are then summed. gpt-oss's experts add a bias per expert to both products (HAS_BIAS: into the
-float32 accumulator, before the routing weight) and take the clamped SwiGLU in place of SiLU. The layout is computed with torch ops on the device, sized for the worst case
-(pairs + experts * (BLOCK_M - 1) rows) so nothing is read back to the host: a CUDA graph can
-capture it. Padding rows carry the id ``pairs`` (masked out); blocks past the used ones return at
-once.
+float32 accumulator, before the routing weight) and take the clamped SwiGLU in place of SiLU.
+
+The layout is computed with torch ops on the device, sized for the worst case (pairs + experts *
+(BLOCK_M - 1) rows) so nothing is read back to the host: a CUDA graph can capture it. Padding rows
+carry the id ``pairs`` (masked out); blocks past the used ones return at once.
 """
 
 from __future__ import annotations

@@ -75,7 +75,8 @@ def _paged_attention_kernel(
     cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     block_size, head_dim, group_size,
     short_len, part_ptr, part_ml_ptr, num_tokens, num_q_heads,
-    SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, SERVES: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, SERVES: tl.constexpr,
+    BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, DOT_IN_FP32: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -265,8 +266,8 @@ def _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, softcap, 
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1], head_dim, num_q_heads // num_kv_heads, short_len, part, part_ml, num_tokens, num_q_heads,
-        SLIDING_WINDOW=sliding_window or 0, SOFTCAP=softcap is not None, SINKS=sinks is not None, SERVES=serves, BLOCK_Q=block_q,
-        GROUP_PAD=group_pad,
+        SLIDING_WINDOW=sliding_window or 0, SOFTCAP=softcap is not None, SINKS=sinks is not None, SERVES=serves,
+        BLOCK_Q=block_q, GROUP_PAD=group_pad,
         BLOCK_N=keys, DIM_PAD=dim_pad, DOT_IN_FP32=_INTERPRETED and k_cache.dtype == torch.bfloat16,
         NUM_SPLITS=splits, num_warps=num_warps, num_stages=num_stages,
     )

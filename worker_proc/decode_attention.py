@@ -186,7 +186,8 @@ def decode_attention(
         # The query heads that share a KV head (consecutive, as HF's repeat_kv pairs them) go
         # in as that head's queries: plain multi-head attention with group-size queries,
         # which CPU SDPA runs ~3x faster than one query per head with enable_gqa.
-        keys, values, bias = keys.view(shape).float().transpose(1, 2), values.view(shape).float().transpose(1, 2), g.bias
+        keys, values, bias = (keys.view(shape).float().transpose(1, 2), values.view(shape).float().transpose(1, 2),
+                              g.bias)
         if sinks is not None:
             keys, values, bias = with_sink_key(keys, values, bias, sinks.view(1, num_kv_heads, group, 1))
         out[g.start:g.end] = F.scaled_dot_product_attention(queries[g.start:g.end], keys, values, attn_mask=bias,

@@ -97,8 +97,9 @@ class DecoderLayer:
         self.o_proj = projection((names.o_proj,), 1, (heads,), (), None)
         self.o_bias = load(source.get(p + names.o_proj + ".bias")) if spec.o_bias else None
         # gpt-oss's attention sinks: this rank's heads' logits, float32 as the kernels read them
-        self.sinks = (None if names.sinks is None else
-                      source.get(p + names.sinks, dim=0, part=shard.head_rows(1)).to(device, torch.float32).contiguous())
+        self.sinks = None if names.sinks is None else source.get(p + names.sinks, dim=0, part=shard.head_rows(1))
+        if self.sinks is not None:
+            self.sinks = self.sinks.to(device, torch.float32).contiguous()
         self.qk_norm, self.q_norm_weight, self.k_norm_weight = spec.qk_norm, None, None
         if spec.qk_norm == "head":
             # One [q_heads + kv_heads, dim] weight lets a single norm call cover every head of q and k.

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +83,7 @@ class MoeSpec:
     # A family's own checkpoint layout (gpt-oss): (source, the layer's block prefix, this rank's
     # intermediate slice) -> per expert [2s, H] gate_up (gate rows first), [H, s] down, and their
     # biases ([2s] and [H]) or None. None: the per-expert or transformers' fused names below.
-    read_experts: Optional[Callable[[Any, str, tuple[int, int]], "ExpertTensors"]] = None
+    read_experts: Optional[Callable[[WeightSource, str, tuple[int, int]], "ExpertTensors"]] = None
 
     def layer_params(self, hidden_size: int) -> int:
         """Weights of one sparse layer's MLP: every expert, the shared one, the routers."""
