@@ -24,7 +24,7 @@ from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.linear import LinearWeight, linear, weight_layout
 from pagedserve.worker_proc.rotary import RotaryTables
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
-from pagedserve.worker_proc.weights import WeightSource
+from pagedserve.worker_proc.weights import open_weights
 
 
 class CausalLM:
@@ -32,7 +32,7 @@ class CausalLM:
                  device: torch.device, dtype: torch.dtype, elementwise: Elementwise = TorchElementwise()):
         self.spec, self.shard, self.device, self.dtype = spec, shard, device, dtype
         self.elementwise = elementwise
-        source = WeightSource(model_dir)
+        source = open_weights(model_dir)
         try:
             self.embed_tokens = source.get("model.embed_tokens.weight").to(device, dtype)
             tied = spec.tie_word_embeddings or "lm_head.weight" not in source
