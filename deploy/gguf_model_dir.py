@@ -81,6 +81,20 @@ def gguf_model_dir(gguf: Path, tokenizer: Optional[str] = None) -> Path:
     return target
 
 
+def _check_shapes(summary: GGUFSummary, config) -> None:
+    """The query rows the config implies are the file's: transformers' loader reads no head size for
+    some architectures (Qwen3 takes its config class's 128), and a file that differs would fail in
+    every worker."""
+    from pagedserve.protocol.gguf_file import open_gguf
+
+    q = next((t for t in open_gguf(summary.path).tensors if t.name == "blk.0.attn_q.weight"), None)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if q is not None and int(q.shape[1]) != heads * head_dim:
+        raise ValueError(f"{summary.path.name}: blk.0.attn_q.weight has {int(q.shape[1])} rows, but the metadata "
+                         f"as transformers reads it gives {heads} heads of {head_dim}")
+
+
 def _make(summary: GGUFSummary, tokenizer_dir: Optional[Path], out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -92,6 +106,7 @@ def _make(summary: GGUFSummary, tokenizer_dir: Optional[Path], out: Path) -> Non
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"{gguf.name}: transformers cannot read its metadata: {str(exc).splitlines()[0][:200]}") \
             from None
+    _check_shapes(summary, config)
     config.architectures = [summary.architecture]
     config.dtype = _serving_dtype(summary)
     config.pagedserve_gguf = {"file": gguf.name, "sha256": _content_hash(gguf)}

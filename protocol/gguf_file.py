@@ -61,9 +61,11 @@ def find_gguf(model: str, load_format: str = "auto") -> Optional[Path]:
         return None
     found = sorted(path.glob("*.gguf"))
     if len(found) != 1:
-        what = "no config.json and no .gguf file" if not found else \
-            f"{len(found)} .gguf files ({', '.join(p.name for p in found[:4])}{', ...' if len(found) > 4 else ''})"
-        raise GGUFFileError(f"{model} holds {what}: give the .gguf file itself, or a directory with exactly one")
+        what = f"{len(found)} .gguf files ({', '.join(p.name for p in found[:4])}{', ...' if len(found) > 4 else ''})"
+        if not found:
+            what = "no .gguf file" if (path / "config.json").exists() else "no config.json and no .gguf file"
+        flag = "--load-format gguf: " if load_format == "gguf" else ""
+        raise GGUFFileError(f"{flag}{model} holds {what}: give the .gguf file itself, or a directory with exactly one")
     return found[0].resolve()
 
 

@@ -1,6 +1,6 @@
 """GGUF files of small random models, written by the ``gguf`` package itself (its writer and quantizer).
 
-A model directory from ``demo_model.build_model_dir`` (Llama, Mistral or Qwen2) becomes one ``.gguf`` as
+A model directory from ``demo_model.build_model_dir`` (Llama, Mistral, Qwen2 or Qwen3) becomes one ``.gguf`` as
 llama.cpp's ``convert_hf_to_gguf.py`` lays it out: the hyperparameters under the architecture's keys,
 the byte-level BPE tokenizer as ``tokenizer.ggml.*`` (tokens, types, merges, special ids, chat
 template), tensors under GGUF's names (``gguf.get_tensor_name_map``), Llama's q/k rows permuted for
@@ -20,7 +20,7 @@ from typing import Any
 # The matrix types this writer makes (gguf.quants.quantize has them all).
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 # config.json model_type -> GGUF general.architecture (Mistral is "llama" to llama.cpp, named by general.name)
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def _llama_permute(weights: Any, n_head: int) -> Any:
@@ -93,6 +93,9 @@ def write_gguf(model_dir: str | Path, path: str | Path, tensor_type: str = "Q8_0
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0))
+    if arch != "qwen2":  # transformers reads head_dim from here (Qwen2's is hidden / heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
         writer.add_vocab_size(config["vocab_size"])
