@@ -36,7 +36,10 @@ SPECIAL = {"served_model_name": ["alias-a", "alias-b"], "chat_template": "{{ mes
            "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
            # must name the checkpoint's own method, and this one is not quantized (its own tests:
            # tests/unit/test_quantized_models.py, down to the worker's command line)
-           "quantization": None}
+           "quantization": None,
+           # this model is an HF directory: a GGUF's tokenizer option is refused for it (its own tests:
+           # tests/unit/test_gguf_models.py)
+           "load_format": "safetensors", "tokenizer": None}
 NEEDS_ANOTHER_POLICY = ("tenant_weights",)
 AT_DEFAULT = (*NEEDS_ANOTHER_POLICY, "task", "pooling_type", "pooler_config", "disable_log_requests", "quantization")
 KV_BUDGETS = ("gpu_memory_utilization", "kv_cache_memory_gib")  # exclude each other: one at a time
