@@ -18,6 +18,7 @@ from pagedserve.protocol.model_identity import config_identity
 from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.tools.gguf_model import build_gguf_model, write_gguf
 from pagedserve.worker_proc.model_runner import ModelRunner
+from pagedserve.worker_proc.models import quantized_linear as ql
 from support.worker_harness import TrivialScheduler, hf_greedy, random_prompts
 
 gguf = pytest.importorskip("gguf")
@@ -69,7 +70,8 @@ def test_transformers_reads_each_written_type_back_to_the_weights_it_was_written
 # ---------------------------------------------------------------- the integer layers hold the file's blocks
 
 
-@pytest.mark.parametrize("tensor_type, kind", [("Q8_0", "int8_grouped"), ("Q4_0", "int4")])
+@pytest.mark.parametrize("tensor_type, kind", [("Q8_0", "int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped"),
+                                               ("Q4_0", "int4")])
 def test_q8_0_and_q4_0_run_as_integer_layers_of_groups_of_32_whose_weights_are_the_loaders(tmp_path, tensor_type, kind):
     path = build_gguf_model(tmp_path / "m.gguf", tensor_type, "llama", **SHAPE)
     runner = ModelRunner(_served_dir(path), dtype="float32")
