@@ -231,3 +231,17 @@ def test_a_tensor_parallel_slice_that_cuts_a_block_of_32_is_refused(tmp_path):
     message = _refusal(str(path), tensor_parallel_size=2)
     assert "down_proj's 96 inputs split 2 ways cut a group (32 values)" in message
     assert ServeConfig(model=str(path), device="cpu", tensor_parallel_size=1).model  # one rank holds whole blocks
+
+
+def test_in_bfloat16_a_q8_0_lm_head_is_an_integer_layer_giving_the_float_heads_logits(tmp_path):
+    """The tied Q8_0 embeddings serve as lm_head without a float copy of the head; its logits are the
+    dequantized head's within bfloat16's rounding."""
+    path = build_gguf_model(tmp_path / "m.gguf", "Q8_0", "qwen2", tie_word_embeddings=True, **SHAPE)
+    model = ModelRunner(_served_dir(path), dtype="bfloat16").model
+    head = model.lm_head.quantized
+    assert head is not None and head.kind == ("int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped")
+    assert torch.equal(head.dequantized(torch.bfloat16), model.embed_tokens)  # the same rounding of q * scale
+    hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(0)).bfloat16()
+    want = torch.nn.functional.linear(model.final_norm(hidden).float(), model.embed_tokens.float())
+    got = model.compute_logits(hidden)
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
