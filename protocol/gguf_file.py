@@ -29,9 +29,11 @@ MISTRAL = "MistralForCausalLM"
 # Tensor types with a native kernel: (weight bits, block of inputs sharing a scale); symmetric, the
 # integer weight-only layers of worker_proc/models/quantized_linear.py
 NATIVE_TYPES = {"Q8_0": (8, 32), "Q4_0": (4, 32)}
-# Tensor types computed in the serving dtype (F32 / F16 / BF16 as stored, the k-quants dequantized at load)
+# Tensor types computed in the serving dtype (F32 / F16 / BF16 as stored, the k-quants and the older block
+# types dequantized at load by gguf.quants); the i-quants and the ternary and fp4 types are refused
 FLOAT_TYPES = ("F32", "F16", "BF16")
-DEQUANTIZED_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+# (llama-quantize's K presets put Q5_0 / Q8_0 where a row's inputs are no multiple of 256: Qwen2.5-0.5B's 896)
+DEQUANTIZED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1")
 SUPPORTED_TYPES = (*FLOAT_TYPES, *NATIVE_TYPES, *DEQUANTIZED_TYPES)
 LOAD_FORMATS = ("auto", "safetensors", "gguf")  # --load-format (vLLM's names)
 SOURCE_FILE = "gguf_source.json"  # in a model directory made of a GGUF: the file its weights are read from

@@ -199,9 +199,9 @@ def test_bad_gguf_files_are_refused_in_one_line(tmp_path):
     assert "truncated or corrupt" in _refusal(str(tmp_path / "header.gguf"))
     unknown = _retyped(path, tmp_path / "unknown.gguf", "blk.0.ffn_down.weight", 77)
     assert ("tensor blk.0.ffn_down.weight has type number 77, which is not a GGUF tensor type; supported types: "
-            "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K") in _refusal(str(unknown))
-    unsupported = _retyped(path, tmp_path / "q5_1.gguf", "blk.0.ffn_down.weight", gguf.GGMLQuantizationType.Q5_1.value)
-    assert "tensor types Q5_1 are not supported" in _refusal(str(unsupported))
+            "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, Q4_1, Q5_0, Q5_1") in _refusal(str(unknown))
+    unsupported = _retyped(path, tmp_path / "iq.gguf", "blk.0.ffn_down.weight", gguf.GGMLQuantizationType.IQ2_XXS.value)
+    assert "tensor types IQ2_XXS are not supported" in _refusal(str(unsupported))
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "holds no config.json and no .gguf file" in _refusal(str(empty))
