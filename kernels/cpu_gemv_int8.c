@@ -104,14 +104,20 @@ DEFINE_INT8_M(1) DEFINE_INT8_M(2) DEFINE_INT8_M(3) DEFINE_INT8_M(4)
 DEFINE_INT8_M(5) DEFINE_INT8_M(6) DEFINE_INT8_M(7) DEFINE_INT8_M(8)
 
 /* x [m, k] float32 (row stride ldx), q [n, k] int8 contiguous, scales [n, k / g] float32 contiguous, out [m, n]
- * (row stride ldo) float32 (out_kind 0), bfloat16 (1) or float16 (2). Returns -1 (nothing written) unless
- * 1 <= m <= 8, g is a multiple of the vector width and k of g. */
+ * (row stride ldo) float32 (out_kind 0), bfloat16 (1) or float16 (2). More than 8 rows (a short prefill chunk)
+ * go 8 at a time, each pass streaming the weight again: up to a few tens of rows that still beats making the
+ * dequantized weight for F.linear (the caller's crossover). Returns -1 (nothing written) unless m >= 1, g is a
+ * multiple of the vector width and k of g. */
 int gemv_int8_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, const int8_t *q, const float *scales,
                      int64_t g, int64_t n, void *out, int64_t ldo, int out_kind) {
     static void (*const by_rows[INT8_GEMV_MAX_ROWS + 1])(const float *, int64_t, int64_t, const int8_t *,
                                                          const float *, int64_t, int64_t, void *, int64_t, int) = {
         NULL, gemv_int8_1, gemv_int8_2, gemv_int8_3, gemv_int8_4, gemv_int8_5, gemv_int8_6, gemv_int8_7, gemv_int8_8};
-    if (m < 1 || m > INT8_GEMV_MAX_ROWS || g < HALF_VW || g % HALF_VW || k % g) return -1;
-    by_rows[m](x, ldx, k, q, scales, g, n, out, ldo, out_kind);
+    if (m < 1 || g < HALF_VW || g % HALF_VW || k % g) return -1;
+    const int64_t size = out_kind == 0 ? 4 : 2;
+    for (int64_t i = 0; i < m; i += INT8_GEMV_MAX_ROWS) {
+        const int64_t rows = m - i < INT8_GEMV_MAX_ROWS ? m - i : INT8_GEMV_MAX_ROWS;
+        by_rows[rows](x + i * ldx, ldx, k, q, scales, g, n, (char *)out + i * ldo * size, ldo, out_kind);
+    }
     return 0;
 }

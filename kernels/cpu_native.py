@@ -438,13 +438,13 @@ def gemv_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: 
 
 def gemv_int8_blocks(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
                      out_dtype: Optional[torch.dtype] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """x [M, K] (1 <= M <= GEMV_MAX_ROWS; float32, bfloat16 or float16) @ (q [N, K] int8 * scales [N, K / block]
-    float32, one per block of inputs).T: [M, N] in ``out_dtype`` (default x's), float32 sums (kernels/cpu_gemv_int8.c).
-    ``block`` a multiple of the vector width (16 suffices everywhere) dividing K."""
+    """x [M, K] (M >= 1, GEMV_MAX_ROWS at a time; float32, bfloat16 or float16) @ (q [N, K] int8 * scales
+    [N, K / block] float32, one per block of inputs).T: [M, N] in ``out_dtype`` (default x's), float32 sums
+    (kernels/cpu_gemv_int8.c). ``block`` a multiple of the vector width (16 suffices everywhere) dividing K."""
     rows, k = x.shape
     n = q.shape[0]
     if (q.dtype != torch.int8 or q.shape != (n, k) or scales.dtype != torch.float32 or block % 16
-            or k % block or scales.shape != (n, k // block) or not 1 <= rows <= GEMV_MAX_ROWS):
+            or k % block or scales.shape != (n, k // block) or rows < 1):
         raise ValueError("gemv_int8_blocks: x, the weight and its scales do not match")
     xf = x.float().contiguous()
     out = torch.empty(rows, n, dtype=out_dtype or x.dtype)
