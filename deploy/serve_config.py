@@ -119,14 +119,16 @@ class _ServeConfigRules:
     def _serve_gguf(self) -> None:
         """A GGUF file (or a directory of one) is served from the model directory made of it
         (deploy/gguf_model_dir.py): every child reads that one; the file's name is the listed model."""
+        if read_source(self.model) is not None:  # the directory made of one already (a replace() of this config)
+            return
         try:
             gguf = find_gguf(self.model, self.load_format)
         except GGUFFileError as exc:
             raise ConfigError(str(exc)) from None
         if gguf is None:
-            if self.load_format == "gguf" and read_source(self.model) is None:
+            if self.load_format == "gguf":
                 raise ConfigError(f"--load-format gguf: {self.model} is not a .gguf file or a directory holding one")
-            if self.tokenizer is not None and read_source(self.model) is None:
+            if self.tokenizer is not None:
                 raise ConfigError("--tokenizer replaces a GGUF file's tokenizer; a model directory's own is served")
             return
         if self.model_impl == "transformers":

@@ -5,6 +5,7 @@ file refused by ``serve``'s config in one line, before any process starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -150,6 +151,10 @@ def test_a_gguf_is_served_under_its_file_name_from_a_directory_made_of_its_metad
     text = "Hello, world! The quick brown fox 東京 🙂"
     assert ours(text).input_ids == theirs(text).input_ids and ours.chat_template == theirs.chat_template
     assert ServeConfig(model=str(tmp_path), device="cpu").model == cfg.model  # a directory holding it
+    again = dataclasses.replace(cfg, max_num_seqs=3)  # a config made again from its own fields keeps them
+    assert (again.model, again.served_model_name, again.model_aliases) == (cfg.model, cfg.served_model_name,
+                                                                           cfg.model_aliases)
+    assert dataclasses.replace(ServeConfig(model=str(path), device="cpu", load_format="gguf")).model == cfg.model
     # the same weights in another type are another model (its identity, a trace's fingerprint)
     other = build_gguf_model(tmp_path / "other" / "tiny-F16.gguf", "F16", "qwen2", **SHAPE)
     assert config_identity(made / "config.json") != config_identity(Path(_served_dir(other)) / "config.json")
