@@ -20,7 +20,8 @@ from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.tools.gguf_model import build_gguf_model, write_gguf
 from pagedserve.worker_proc.model_runner import ModelRunner
 from pagedserve.worker_proc.models import quantized_linear as ql
-from support.worker_harness import TrivialScheduler, hf_greedy, random_prompts
+from support.oracle import hf_greedy, hf_model
+from support.worker_harness import TrivialScheduler, random_prompts
 
 gguf = pytest.importorskip("gguf")
 
@@ -33,12 +34,6 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2
 def private_cache(tmp_path, monkeypatch):
     """Made model directories go to this test's own cache, not the user's."""
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
-
-
-def _hf_gguf_model(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
 
 
 def _served_dir(path: Path, **options) -> str:
@@ -56,7 +51,7 @@ def test_transformers_reads_each_written_type_back_to_the_weights_it_was_written
     source = build_model_dir(tmp_path / "hf", "llama", **SHAPE)
     path = write_gguf(source, tmp_path / "m.gguf", tensor_type)
     original = load_file(str(source / "model.safetensors"))
-    loaded = _hf_gguf_model(path).state_dict()
+    loaded = hf_model(str(path)).state_dict()
     for name, weight in original.items():
         if weight.dim() == 1 or tensor_type == "F32":
             expected = weight  # norms stay F32
@@ -76,7 +71,7 @@ def test_transformers_reads_each_written_type_back_to_the_weights_it_was_written
 def test_q8_0_and_q4_0_run_as_integer_layers_of_groups_of_32_whose_weights_are_the_loaders(tmp_path, tensor_type, kind):
     path = build_gguf_model(tmp_path / "m.gguf", tensor_type, "llama", **SHAPE)
     runner = ModelRunner(_served_dir(path), dtype="float32")
-    theirs = _hf_gguf_model(path).state_dict()
+    theirs = hf_model(str(path)).state_dict()
     for i, layer in enumerate(runner.model.layers):
         attn = f"model.layers.{i}.self_attn."
         qkv = torch.cat([theirs[attn + f"{n}_proj.weight"] for n in "qkv"])
@@ -101,15 +96,7 @@ def _greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _hf_gguf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model = _hf_gguf_model(path)
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                       max_new_tokens=NEW_TOKENS)
-            out.append(generated[0, len(prompt):].tolist())
-    return out
+    return [hf_greedy(str(path), prompt, NEW_TOKENS) for prompt in prompts]  # transformers' GGUF loader
 
 
 CASES = {  # tensor type, family, extra model settings
