@@ -103,8 +103,9 @@ def _make(summary: GGUFSummary, tokenizer_dir: Optional[Path], out: Path) -> Non
         config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tokenizer = (AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir is not None
                      else AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
-    except (ValueError, KeyError, OSError) as exc:
-        raise ValueError(f"{gguf.name}: transformers cannot read its metadata: {str(exc).splitlines()[0][:200]}") \
+    except Exception as exc:  # noqa: BLE001 (the loader's errors on metadata it does not expect are of any type)
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise ValueError(f"{gguf.name}: transformers cannot read its metadata: {type(exc).__name__}: {first}") \
             from None
     _check_shapes(summary, config)
     config.architectures = [summary.architecture]

@@ -91,3 +91,21 @@ def test_a_truncated_gguf_is_refused_at_start_in_one_line_and_nothing_is_left_ru
     assert "short.gguf is not a readable GGUF file (truncated or corrupt" in out, out[-3000:]
     assert len([line for line in out.splitlines() if "short.gguf" in line]) == 1
     assert not pagedserve_processes(str(run_parent)) and not list(run_parent.glob("pagedserve-*"))
+
+
+@pytest.mark.parametrize("gguf_type", ["q8_0", "q4_k_m"])
+def test_a_file_written_by_llama_cpps_own_converter_and_quantizer_serves_transformers_tokens(
+        gguf_type, model_factory, tmp_path):
+    """Not only the gguf package's writer: llama.cpp's convert_hf_to_gguf.py (q8_0) and llama-quantize (q4_k_m,
+    which puts Q5_0 where rows of 128 inputs cannot hold a k-quant's 256) through `pagedserve serve`."""
+    from pagedserve.bench import llamacpp
+
+    if not (llamacpp.bin_dir() / llamacpp.QUANTIZE).exists():
+        pytest.skip(f"llama.cpp is not built under {llamacpp.home()} (bench/llamacpp.py ensure_built)")
+    model = model_factory("llama", hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256)
+    path = llamacpp.ensure_gguf(model, gguf_type)
+    srv = Server(str(path), ["--num-gpu-blocks", "64", "--max-model-len", "256", "--dtype", "float32"]).start(tmp_path)
+    try:
+        assert_equal_to_transformers(str(path), PROMPT_IDS, greedy_completions(srv, PROMPT_IDS, 12), 12)
+    finally:
+        srv.stop()
