@@ -75,7 +75,8 @@ class GGUFWeightSource:
     def tensor(self, name: str):
         gguf_name = self._gguf_name(name)
         if gguf_name is None or gguf_name not in self._tensors:
-            raise UnsupportedModelError(f"weight {name!r} ({gguf_name or 'no GGUF name'}) is missing from {self.path.name}")
+            raise UnsupportedModelError(f"weight {name!r} ({gguf_name or 'no GGUF name'}) is missing from "
+                                        f"{self.path.name}")
         return self._tensors[gguf_name]
 
     def __contains__(self, name: str) -> bool:
@@ -158,7 +159,8 @@ class _QuantizedReader:
         if dim == 1 and part is not None:
             start, end = part
             if start % block or end % block:
-                raise UnsupportedModelError(f"{prefix}: this rank's inputs [{start}, {end}) cut a {kind} block of {block}")
+                raise UnsupportedModelError(f"{prefix}: this rank's inputs [{start}, {end}) cut a {kind} block "
+                                            f"of {block}")
             blocks = blocks[:, start // block:end // block]
         scale = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
         payload = np.ascontiguousarray(blocks[..., 2:])

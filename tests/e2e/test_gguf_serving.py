@@ -33,7 +33,8 @@ def private_cache(tmp_path, monkeypatch):
 def test_serve_a_gguf_file_with_its_own_tokenizer_gives_transformers_greedy_text(tmp_path):
     path = build_gguf_model(tmp_path / "tiny-Q8_0.gguf", "Q8_0", "qwen2", seed=11, **SHAPE)
     tok = hf_tokenizer(str(path))  # transformers' tokenizer of the same file
-    prompts = [tok(text).input_ids for text in ("Hello, world! The quick brown fox", "東京は大きい。 🙂 def main():")]
+    texts = ("Hello, world! The quick brown fox", "東京は大きい。 🙂 def main():")
+    prompts = [tok(text).input_ids for text in texts]
     srv = Server(str(path), ["--num-gpu-blocks", "64", "--max-model-len", "256", "--dtype", "float32"]).start(tmp_path)
     try:
         assert [m.id for m in client(srv).models.list().data] == ["tiny-Q8_0.gguf"]
