@@ -63,6 +63,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llamacpp-type", default="bf16",
                    help="the GGUF llama-server runs: a converter type (f32, f16, bf16, q8_0) or a "
                         "llama-quantize type (q4_k_m, q6_k, ...), from the same weights")
+    p.add_argument("--pagedserve-gguf", action="store_true",
+                   help="pagedserve serves llama-server's own GGUF file (--llamacpp-type) instead of the model "
+                        "directory: the same bytes for both engines")
     p.add_argument("--vllm-python", help=f"the python of vLLM's own venv (default: ${VLLM_PYTHON_ENV})")
     p.add_argument("--vllm-memory-utilization", type=float, default=VLLM_MEMORY_UTILIZATION,
                    help="vLLM's --gpu-memory-utilization: on a CPU, the share of RAM it reserves")
@@ -230,8 +233,9 @@ def _servers(ns: argparse.Namespace, model: str, device: str, concurrency: int) 
     """Per engine, what BenchServer needs: the command for a port, and how it is started."""
     dtype = ("--dtype", ns.dtype) if ns.dtype != "auto" else ()
     slot = ns.input_len[1] + ns.output_len + 16  # llama-server splits its context over its slots
+    ours = str(ns.gguf) if ns.pagedserve_gguf else model
     return {"pagedserve": dict(command=lambda port: pagedserve_command(
-                model, port, ("--device", device, *dtype, *shlex.split(ns.pagedserve_args)))),
+                ours, port, ("--device", device, *dtype, *shlex.split(ns.pagedserve_args)))),
             "transformers": dict(command=lambda port: transformers_command(model, port, device, ns.dtype)),
             "vllm": dict(command=lambda port: vllm_command(ns.vllm_python, model, port, ns.dtype,
                                                            ns.vllm_memory_utilization),
@@ -245,6 +249,8 @@ def main(ns: argparse.Namespace) -> int:
     sampling = bench_sampling(ns, engines)
     model = ns.model or str(ensure_shape_model(SHAPES[ns.shape]) if ns.shape else ensure_llama_model())
     device = resolve_device(ns.device)
+    if ns.pagedserve_gguf and "llamacpp" not in engines:
+        raise SystemExit("--pagedserve-gguf serves llama-server's file: add llamacpp to --engines")
     if "llamacpp" in engines:
         llamacpp.ensure_built()
         ns.gguf = llamacpp.ensure_gguf(model, ns.llamacpp_type)

@@ -20,6 +20,9 @@ from pagedserve.client.lora_adapters import (AdapterNameError, adaptable_project
                                              read_model_adapter)
 from pagedserve.client.pooling import pooler_settings
 from pagedserve.protocol.speculative import SpeculativeConfigError, check_draft_model, parse_speculative_config
+from pagedserve.deploy.gguf_model_dir import gguf_model_dir
+from pagedserve.protocol.gguf_file import NATIVE_TYPES, GGUFFileError, find_gguf, read_source, summarize
+from pagedserve.protocol.gguf_file import quantization_spec as gguf_quantization_spec
 from pagedserve.protocol.quantization import (QuantizationConfigError, check_shapes, parse_quantization_config,
                                               projection_inputs)
 from pagedserve.protocol.options import FRONTEND, ROUTER_KINDS, SCHEDULER, WORKER, resolve_device, resolve_dtype
@@ -44,6 +47,7 @@ class _ServeConfigRules:
     """ServeConfig's rules and child command lines; its fields are protocol/options.py's OPTIONS."""
 
     def __post_init__(self) -> None:
+        self._serve_gguf()
         cfg_path = Path(self.model) / "config.json"
         if not cfg_path.is_file():
             raise ConfigError(f"{self.model} is not a model directory (no config.json)")
@@ -160,6 +164,32 @@ class _ServeConfigRules:
         if self.lora_modules:
             self.lora_modules = modules
 
+    def _serve_gguf(self) -> None:
+        """A GGUF file (or a directory of one) is served from the model directory made of it
+        (deploy/gguf_model_dir.py): every child reads that one; the file's name is the listed model."""
+        if read_source(self.model) is not None:  # the directory made of one already (a replace() of this config)
+            return
+        try:
+            gguf = find_gguf(self.model, self.load_format)
+        except GGUFFileError as exc:
+            raise ConfigError(str(exc)) from None
+        if gguf is None:
+            if self.load_format == "gguf":
+                raise ConfigError(f"--load-format gguf: {self.model} is not a .gguf file or a directory holding one")
+            if self.tokenizer is not None:
+                raise ConfigError("--tokenizer replaces a GGUF file's tokenizer; a model directory's own is served")
+            return
+        if self.model_impl == "transformers":
+            raise ConfigError("--model-impl transformers: a GGUF model runs on the native families only")
+        try:
+            made = gguf_model_dir(gguf, self.tokenizer)
+        except ValueError as exc:  # GGUFFileError among them
+            raise ConfigError(str(exc)) from None
+        if self.model_aliases is None and not self.served_model_name:
+            name = Path(self.model).resolve().name
+            self.served_model_name, self.model_aliases = [name], ([] if self.model == name else [self.model])
+        self.model = str(made)
+
     def _check_quantization(self, model_cfg: dict) -> None:
         """A quantized checkpoint the workers could not load is refused here, before any process starts."""
         try:
@@ -169,8 +199,26 @@ class _ServeConfigRules:
         except (QuantizationConfigError, KeyError, TypeError, ValueError) as exc:
             raise ConfigError(str(exc) if isinstance(exc, QuantizationConfigError)
                               else f"config.json: {exc!r} is missing or malformed") from None
+        gguf_types = self._gguf_native_types()
+        if gguf_types and self.tensor_parallel_size > 1:
+            try:  # a rank's slice of o_proj's / down_proj's inputs must hold whole blocks of 32
+                check_shapes(gguf_quantization_spec(gguf_types[0]), projection_inputs(model_cfg),
+                             self.tensor_parallel_size)
+            except QuantizationConfigError as exc:
+                raise ConfigError(f"GGUF {', '.join(gguf_types)}: {exc}") from None
+        spec = spec or (gguf_quantization_spec(gguf_types[0]) if gguf_types else None)
         if spec is not None and self.device != "cpu":
             raise ConfigError(f"quantized checkpoints ({spec.name}) run on CPU only: --device cpu")
+
+    def _gguf_native_types(self) -> list[str]:
+        """The integer types (Q8_0, Q4_0) of the GGUF this model directory was made of, if any."""
+        source = read_source(self.model)
+        if source is None:
+            return []
+        try:
+            return [t for t in summarize(source.path).tensor_types if t in NATIVE_TYPES]
+        except GGUFFileError as exc:
+            raise ConfigError(str(exc)) from None
 
     def _check_max_model_len(self, limit: int, exact: Optional[int] = None) -> None:
         """``exact``: the longest sequence the workers compute exactly (a longrope model's original

@@ -44,6 +44,7 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_decode_attention_half.c"): (),
            Path(__file__).with_name("cpu_linear.c"): (),
            Path(__file__).with_name("cpu_gemv.c"): (),
+           Path(__file__).with_name("cpu_gemv_int8.c"): (),
            Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary_half.c"): ("-ffp-contract=off",),
@@ -68,11 +69,13 @@ _SIGNATURES = {
     **{f"gemv_{suffix}": [_P, _I, _I, _I, _P, _I, _I, _P, ctypes.c_int, _P, _I, ctypes.c_int]
        for suffix in ("f32", "bf16", "f16")},
     "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
+    "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
+             "gemv_int8_blocks": ctypes.c_int,
              **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -446,6 +449,25 @@ def gemv_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: 
     (lib or library()).gemv_panels_bf16(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), out_features,
                                         None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
                                         _GEMV_OUT[out_dtype])
+    return out
+
+
+def gemv_int8_blocks(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                     out_dtype: Optional[torch.dtype] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """x [M, K] (M >= 1, GEMV_MAX_ROWS at a time; float32, bfloat16 or float16) @ (q [N, K] int8 * scales
+    [N, K / block] float32, one per block of inputs).T: [M, N] in ``out_dtype`` (default x's), float32 sums
+    (kernels/cpu_gemv_int8.c). ``block`` a multiple of the vector width (16 suffices everywhere) dividing K."""
+    rows, k = x.shape
+    n = q.shape[0]
+    if (q.dtype != torch.int8 or q.shape != (n, k) or scales.dtype != torch.float32 or block % 16
+            or k % block or scales.shape != (n, k // block) or rows < 1):
+        raise ValueError("gemv_int8_blocks: x, the weight and its scales do not match")
+    xf = x.float().contiguous()
+    out = torch.empty(rows, n, dtype=out_dtype or x.dtype)
+    if (lib or library()).gemv_int8_blocks(xf.data_ptr(), k, rows, k, q.contiguous().data_ptr(),
+                                           scales.contiguous().data_ptr(), block, n, out.data_ptr(), n,
+                                           _GEMV_OUT[out.dtype]):
+        raise ValueError("gemv_int8_blocks: the kernel refused the shapes")
     return out
 
 

@@ -82,6 +82,7 @@ class LLM:
     def __init__(self, model: str, *, log_level: str = "WARNING", startup_timeout_s: float = 600.0,
                  **engine_options):
         self.config = offline_config(model, log_level, engine_options)
+        model = self.config.model  # a GGUF file's: the model directory made of it (deploy/gguf_model_dir.py)
         # Two threads' calls would read each other's outputs off the one socket: calls take turns
         self._lock = threading.Lock()
         self.pooler = pooler_settings(self.config.pooling_type, self.config.pooler_config)

@@ -42,7 +42,10 @@ SPECIAL = {"served_model_name": ["alias-a", "alias-b"], "chat_template": "{{ mes
            "quantization": None,
            # LoRA runs on the native families only; host memory holds at least --max-loras adapters;
            # --lora-modules names a real adapter directory (the model fixture writes it)
-           "model_impl": "native", "max_cpu_loras": 16, "lora_modules": None}
+           "model_impl": "native", "max_cpu_loras": 16, "lora_modules": None,
+           # this model is an HF directory: a GGUF's tokenizer option is refused for it (its own tests:
+           # tests/unit/test_gguf_models.py)
+           "load_format": "safetensors", "tokenizer": None}
 NEEDS_ANOTHER_POLICY = ("tenant_weights",)
 AT_DEFAULT = (*NEEDS_ANOTHER_POLICY, "task", "pooling_type", "pooler_config", "disable_log_requests", "quantization")
 KV_BUDGETS = ("gpu_memory_utilization", "kv_cache_memory_gib")  # exclude each other: one at a time
