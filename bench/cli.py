@@ -7,7 +7,8 @@ import logging
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedserve.bench import offline as bench_offline, peer as bench_peer, scenarios as bench_scenarios, serve as bench_serve
+    from pagedserve.bench import (lora as bench_lora, offline as bench_offline, peer as bench_peer,
+                                  scenarios as bench_scenarios, serve as bench_serve)
 
     p = argparse.ArgumentParser(prog="pagedserve bench", description="pagedserve benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)
@@ -25,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "side by side over HTTP")
     bench_peer.add_args(v)
     v.set_defaults(run=bench_peer.main)
+    lo = sub.add_parser("lora", help="many LoRA adapters against the base model alone (and vLLM's --enable-lora)")
+    bench_lora.add_args(lo)
+    lo.set_defaults(run=bench_lora.main)
     return p
 
 

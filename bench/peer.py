@@ -63,6 +63,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llamacpp-type", default="bf16",
                    help="the GGUF llama-server runs: a converter type (f32, f16, bf16, q8_0) or a "
                         "llama-quantize type (q4_k_m, q6_k, ...), from the same weights")
+    p.add_argument("--pagedserve-gguf", action="store_true",
+                   help="pagedserve serves llama-server's own GGUF file (--llamacpp-type) instead of the model "
+                        "directory: the same bytes for both engines")
     p.add_argument("--vllm-python", help=f"the python of vLLM's own venv (default: ${VLLM_PYTHON_ENV})")
     p.add_argument("--vllm-memory-utilization", type=float, default=VLLM_MEMORY_UTILIZATION,
                    help="vLLM's --gpu-memory-utilization: on a CPU, the share of RAM it reserves")
@@ -163,15 +166,16 @@ def _http_client():
 
 
 async def drive(url: str, engine: str, model: str, prompts: list, output_len: int, concurrency: int,
-                sampling: Optional[dict] = None) -> dict:
+                sampling: Optional[dict] = None, models: Optional[list[str]] = None) -> dict:
     """The workload against one server; ``summarize``'s result plus the pagedserve worker idle share.
-    ``sampling``: temperature, top_p and top_k of every request (default greedy)."""
+    ``sampling``: temperature, top_p and top_k of every request (default greedy). ``models``: the
+    model field of each prompt (LoRA adapters by name), else the server's first model for all."""
     sampling = sampling or {}
     import openai
 
     clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, http_client=_http_client())
                for _ in range(-(-concurrency // CONNECTIONS_PER_CLIENT))]
-    if engine != "transformers":  # transformers serve answers to its FORCE_MODEL argument, as given
+    if engine != "transformers" and models is None:  # transformers serve answers to its FORCE_MODEL argument
         model = (await clients[0].models.list()).data[0].id
     gate = asyncio.Semaphore(concurrency)
     records = [RequestRecord(i, -1, output_len) for i in range(len(prompts))]
@@ -185,7 +189,8 @@ async def drive(url: str, engine: str, model: str, prompts: list, output_len: in
 
     async def limited(rec: RequestRecord, prompt) -> None:
         async with gate:
-            await _one(clients[rec.index % len(clients)], engine, model, prompt, output_len, rec, sampling)
+            await _one(clients[rec.index % len(clients)], engine, model if models is None else models[rec.index],
+                       prompt, output_len, rec, sampling)
 
     before, ttft_before = await scrape()
     t0 = time.perf_counter()
@@ -228,8 +233,9 @@ def _servers(ns: argparse.Namespace, model: str, device: str, concurrency: int) 
     """Per engine, what BenchServer needs: the command for a port, and how it is started."""
     dtype = ("--dtype", ns.dtype) if ns.dtype != "auto" else ()
     slot = ns.input_len[1] + ns.output_len + 16  # llama-server splits its context over its slots
+    ours = str(ns.gguf) if ns.pagedserve_gguf else model
     return {"pagedserve": dict(command=lambda port: pagedserve_command(
-                model, port, ("--device", device, *dtype, *shlex.split(ns.pagedserve_args)))),
+                ours, port, ("--device", device, *dtype, *shlex.split(ns.pagedserve_args)))),
             "transformers": dict(command=lambda port: transformers_command(model, port, device, ns.dtype)),
             "vllm": dict(command=lambda port: vllm_command(ns.vllm_python, model, port, ns.dtype,
                                                            ns.vllm_memory_utilization),
@@ -243,6 +249,8 @@ def main(ns: argparse.Namespace) -> int:
     sampling = bench_sampling(ns, engines)
     model = ns.model or str(ensure_shape_model(SHAPES[ns.shape]) if ns.shape else ensure_llama_model())
     device = resolve_device(ns.device)
+    if ns.pagedserve_gguf and "llamacpp" not in engines:
+        raise SystemExit("--pagedserve-gguf serves llama-server's file: add llamacpp to --engines")
     if "llamacpp" in engines:
         llamacpp.ensure_built()
         ns.gguf = llamacpp.ensure_gguf(model, ns.llamacpp_type)

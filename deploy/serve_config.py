@@ -12,10 +12,17 @@ from typing import Optional
 
 from pagedserve.deploy.entry_points import python_module
 from pagedserve.protocol import options as opts
-from pagedserve.protocol.model_architectures import LONGROPE_LIMIT, ModelConfigError, check_model_config, longrope_limit
+from pagedserve.protocol.lora_adapter import LoRAAdapterError
+from pagedserve.protocol.model_architectures import (ARCHITECTURES, LONGROPE_LIMIT, ModelConfigError, check_model_config,
+                                                     longrope_limit)
 from pagedserve.client.generation_defaults import check_generation_config_option
+from pagedserve.client.lora_adapters import (AdapterNameError, adaptable_projections, check_adapter_name,
+                                             read_model_adapter)
 from pagedserve.client.pooling import pooler_settings
 from pagedserve.protocol.speculative import SpeculativeConfigError, check_draft_model, parse_speculative_config
+from pagedserve.deploy.gguf_model_dir import gguf_model_dir
+from pagedserve.protocol.gguf_file import NATIVE_TYPES, GGUFFileError, find_gguf, read_source, summarize
+from pagedserve.protocol.gguf_file import quantization_spec as gguf_quantization_spec
 from pagedserve.protocol.quantization import (QuantizationConfigError, check_shapes, parse_quantization_config,
                                               projection_inputs)
 from pagedserve.protocol.options import FRONTEND, ROUTER_KINDS, SCHEDULER, WORKER, resolve_device, resolve_dtype
@@ -26,6 +33,8 @@ __all__ = ["ConfigError", "ROUTER_KINDS", "ServeConfig", "add_serve_args", "serv
 
 ALLOW_LONG_MAX_MODEL_LEN = "PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
 # Options only the generating path reads; --task embed refuses each at a non-default value.
+# Options only LoRA reads; refused at a non-default value without --enable-lora.
+LORA_ONLY = ("lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
 GENERATION_ONLY = ("reasoning_parser", "enable_auto_tool_choice", "tool_call_parser", "max_logprobs",
                    "speculative_config", "chat_template", "generation_config")
 
@@ -38,6 +47,7 @@ class _ServeConfigRules:
     """ServeConfig's rules and child command lines; its fields are protocol/options.py's OPTIONS."""
 
     def __post_init__(self) -> None:
+        self._serve_gguf()
         cfg_path = Path(self.model) / "config.json"
         if not cfg_path.is_file():
             raise ConfigError(f"{self.model} is not a model directory (no config.json)")
@@ -78,6 +88,7 @@ class _ServeConfigRules:
             self.model_aliases = [] if self.served_model_name or self.model == primary else [self.model]
         if not self.served_model_name:
             self.served_model_name = [Path(self.model).resolve().name]
+        self._check_lora(model_cfg)
         if self.chat_template is not None:
             self.chat_template = str(Path(self.chat_template).resolve()) \
                 if Path(self.chat_template).is_file() else self.chat_template
@@ -112,6 +123,73 @@ class _ServeConfigRules:
                               "--remote-workers / --internal-host")
         self._check_unread_options()
 
+    def _check_lora(self, model_cfg: dict) -> None:
+        """LoRA settings every process would honour, and each --lora-modules adapter read and judged
+        against this model (the frontend reads it again when it registers it)."""
+        if not self.enable_lora:
+            given = [opts.BY_NAME[n].flag for n in LORA_ONLY if getattr(self, n) != opts.BY_NAME[n].default]
+            if given:
+                raise ConfigError(f"{', '.join(given)}: LoRA option(s) that need --enable-lora")
+            return
+        if self.task == "embed":
+            raise ConfigError("--enable-lora: adapters are served for generation only, not by --task embed")
+        arch = next((a for a in model_cfg.get("architectures") or () if a in ARCHITECTURES), None)
+        if self.model_impl == "transformers" or arch is None:
+            raise ConfigError(f"--enable-lora: adapters run on the native model families only, and "
+                              f"{'--model-impl transformers' if arch else 'this architecture'} runs the model "
+                              f"through the transformers backend")
+        try:
+            adaptable_projections(model_cfg)
+        except LoRAAdapterError as exc:
+            raise ConfigError(f"--enable-lora: {exc}") from None
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                              f"({self.max_loras}): every adapter in a slot is also held in host memory")
+        names: list[str] = []
+        modules = []  # each path resolved: every child reads the same directory
+        for item in self.lora_modules or ():
+            name, path = _lora_module(item, self.served_model_name)
+            try:
+                if name in names:
+                    raise AdapterNameError(f"the name {name!r} is given twice")
+                check_adapter_name(name, [*self.served_model_name, *(self.model_aliases or ())])
+                spec = read_model_adapter(path, model_cfg, self.max_lora_rank)
+            except (AdapterNameError, LoRAAdapterError) as exc:
+                raise ConfigError(f"--lora-modules {name}: {exc}") from None
+            names.append(name)
+            if item.lstrip().startswith("{"):
+                modules.append(json.dumps({**json.loads(item), "path": spec.path}))
+            else:
+                modules.append(f"{name}={spec.path}")
+        if self.lora_modules:
+            self.lora_modules = modules
+
+    def _serve_gguf(self) -> None:
+        """A GGUF file (or a directory of one) is served from the model directory made of it
+        (deploy/gguf_model_dir.py): every child reads that one; the file's name is the listed model."""
+        if read_source(self.model) is not None:  # the directory made of one already (a replace() of this config)
+            return
+        try:
+            gguf = find_gguf(self.model, self.load_format)
+        except GGUFFileError as exc:
+            raise ConfigError(str(exc)) from None
+        if gguf is None:
+            if self.load_format == "gguf":
+                raise ConfigError(f"--load-format gguf: {self.model} is not a .gguf file or a directory holding one")
+            if self.tokenizer is not None:
+                raise ConfigError("--tokenizer replaces a GGUF file's tokenizer; a model directory's own is served")
+            return
+        if self.model_impl == "transformers":
+            raise ConfigError("--model-impl transformers: a GGUF model runs on the native families only")
+        try:
+            made = gguf_model_dir(gguf, self.tokenizer)
+        except ValueError as exc:  # GGUFFileError among them
+            raise ConfigError(str(exc)) from None
+        if self.model_aliases is None and not self.served_model_name:
+            name = Path(self.model).resolve().name
+            self.served_model_name, self.model_aliases = [name], ([] if self.model == name else [self.model])
+        self.model = str(made)
+
     def _check_quantization(self, model_cfg: dict) -> None:
         """A quantized checkpoint the workers could not load is refused here, before any process starts."""
         try:
@@ -121,8 +199,26 @@ class _ServeConfigRules:
         except (QuantizationConfigError, KeyError, TypeError, ValueError) as exc:
             raise ConfigError(str(exc) if isinstance(exc, QuantizationConfigError)
                               else f"config.json: {exc!r} is missing or malformed") from None
+        gguf_types = self._gguf_native_types()
+        if gguf_types and self.tensor_parallel_size > 1:
+            try:  # a rank's slice of o_proj's / down_proj's inputs must hold whole blocks of 32
+                check_shapes(gguf_quantization_spec(gguf_types[0]), projection_inputs(model_cfg),
+                             self.tensor_parallel_size)
+            except QuantizationConfigError as exc:
+                raise ConfigError(f"GGUF {', '.join(gguf_types)}: {exc}") from None
+        spec = spec or (gguf_quantization_spec(gguf_types[0]) if gguf_types else None)
         if spec is not None and self.device != "cpu":
             raise ConfigError(f"quantized checkpoints ({spec.name}) run on CPU only: --device cpu")
+
+    def _gguf_native_types(self) -> list[str]:
+        """The integer types (Q8_0, Q4_0) of the GGUF this model directory was made of, if any."""
+        source = read_source(self.model)
+        if source is None:
+            return []
+        try:
+            return [t for t in summarize(source.path).tensor_types if t in NATIVE_TYPES]
+        except GGUFFileError as exc:
+            raise ConfigError(str(exc)) from None
 
     def _check_max_model_len(self, limit: int, exact: Optional[int] = None) -> None:
         """``exact``: the longest sequence the workers compute exactly (a longrope model's original
@@ -264,6 +360,23 @@ class _ServeConfigRules:
                               gpu_memory_utilization=self.worker_memory_utilization()) + [
             "--replica", str(replica), "--rank", str(rank)]
         return cmd + (["--dist-init", dist_init] if dist_init else [])
+
+
+def _lora_module(item: str, served: list[str]) -> tuple[str, str]:
+    """(name, path) of one --lora-modules item; vLLM's JSON may also say the base_model_name, which
+    must be this model's (a JSON key nothing reads is refused)."""
+    name, path = opts.lora_module(item)
+    if item.lstrip().startswith("{"):
+        spec = json.loads(item)
+        unknown = sorted(set(spec) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise ConfigError(f"--lora-modules {name}: unknown key(s) {', '.join(unknown)} (vLLM's keys: name, "
+                              f"path, base_model_name)")
+        base = spec.get("base_model_name")
+        if base is not None and base not in served:
+            raise ConfigError(f"--lora-modules {name}: base_model_name {base!r} is not the served model "
+                              f"({', '.join(served)})")
+    return name, path
 
 
 ServeConfig = opts.make_config(

@@ -17,14 +17,16 @@ UNSUPPORTED_FLAGS = {
     "--kv-cache-dtype": "the KV cache always has the model's --dtype",
     "--speculative-model": "vLLM's old flag: use --speculative-config '{\"method\": \"ngram\", "
                            "\"num_speculative_tokens\": 4}'",
-    "--enable-lora": "LoRA adapters are not supported",
-    "--lora-modules": "LoRA adapters are not supported",
-    "--max-loras": "LoRA adapters are not supported",
-    "--max-lora-rank": "LoRA adapters are not supported",
+    # LoRA: --enable-lora, --lora-modules, --max-loras, --max-lora-rank and --max-cpu-loras are served
+    "--fully-sharded-loras": "adapters are always split over tensor-parallel ranks as their base layer is "
+                             "(B sharded with it, A sharded or replicated)",
+    "--lora-dtype": "adapter weights are computed in the model's --dtype",
+    "--enable-lora-bias": "LoRA biases are not supported",
+    "--lora-extra-vocab-size": "adapters that add tokens (embeddings, lm_head) are not supported",
+    "--long-lora-scaling-factors": "long-context LoRA scaling is not supported",
+    "--default-mm-loras": "multimodal models are not supported",
     "--cpu-offload-gb": "weight offloading is not supported",
-    "--load-format": "weights are always read from safetensors in the model directory",
-    "--tokenizer": "the tokenizer is always the model directory's",
-    "--tokenizer-mode": "the tokenizer is always the model directory's (fast) tokenizer",
+    "--tokenizer-mode": "the tokenizer is always the model directory's (fast) tokenizer, or a GGUF's --tokenizer",
     "--trust-remote-code": "remote code is never run: only built-in model families are served",
     "--revision": "models are local directories; nothing is downloaded",
     "--download-dir": "models are local directories; nothing is downloaded",

@@ -30,6 +30,9 @@ from pagedserve.frontend_proc.reasoning import get_reasoning_parser
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.serving import Serving
 from pagedserve.client.generation_defaults import load_generation_defaults
+from pagedserve.client.lora_adapters import AdapterNameError, AdapterRegistry
+from pagedserve.protocol.lora_adapter import LoRAAdapterError
+from pagedserve.protocol.options import lora_module
 from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import ProcessReady
 from pagedserve.protocol.process_exit import exit_now
@@ -50,19 +53,34 @@ def _announce_ready(endpoints: Endpoints) -> None:
         ctx.term()
 
 
-async def serve(config: FrontendConfig) -> None:
+def startup_adapters(config: FrontendConfig) -> Optional[AdapterRegistry]:
+    """With --enable-lora, the registry holding each --lora-modules adapter (ids 1, 2, ... in the order
+    given); ValueError naming a bad one (serve checked them already: this is a changed file)."""
+    if not config.enable_lora:
+        return None
+    adapters = AdapterRegistry(config.model, config.max_lora_rank, [*config.served_model_names, *config.model_aliases])
+    for item in config.lora_modules or ():
+        name, path = lora_module(item)
+        try:
+            adapters.add(name, adapters.read(name, path))
+        except (AdapterNameError, LoRAAdapterError) as exc:
+            raise ValueError(f"--lora-modules {name}: {exc}") from None
+    return adapters
+
+
+async def serve(config: FrontendConfig, adapters: Optional[AdapterRegistry] = None) -> None:
     endpoints = Endpoints(config.run_dir)
     tokenizer = PromptTokenizer(config.model, config.chat_template)
     router = Router(config.num_replicas, config.replica_timeout_s, config.routing)
-    engine = EngineClient(endpoints, router, config.max_waiting_requests)
-    metrics = FrontendMetrics(router, config.served_model_names[0])
+    engine = EngineClient(endpoints, router, config.max_waiting_requests, adapters)
+    metrics = FrontendMetrics(router, config.served_model_names[0], lora_enabled=adapters is not None)
     serving = Serving(config.served_model_names, config.max_model_len, engine, tokenizer,
                       metrics, config.max_logprobs, config.tool_calling,
                       defaults=load_generation_defaults(config.generation_config, str(config.model)),
                       model_aliases=config.model_aliases, scheduling_policy=config.scheduling_policy,
                       tenant_header=config.tenant_header,
                       reasoning_parser=(get_reasoning_parser(config.reasoning_parser)
-                                        if config.reasoning_parser else None))
+                                        if config.reasoning_parser else None), adapters=adapters)
     embeddings = EmbeddingServing(config.task, config.model, config.served_model_names, serving.accepted_model_names,
                                   config.max_model_len, engine, tokenizer, config.pooler, metrics)
     app = build_app(serving, router, metrics, config.api_key, embeddings)
@@ -112,13 +130,14 @@ def _yield_to_the_scheduler() -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         config = parse_args(argv)
+        adapters = startup_adapters(config)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _yield_to_the_scheduler()
-    _run(serve(config))
+    _run(serve(config, adapters))
     return 0
 
 

@@ -172,12 +172,13 @@ def add_anthropic_routes(app: FastAPI, serving: Serving, authorized: list[Depend
             chat = body.chat(thinks)
             await serving.check_chat_grammars(chat)  # a forced tool's deep schema converts off the loop
             generation = serving.start_chat(chat, request, include_usage=True)
+            model = serving.response_model_name(chat.model)
         except APIError as exc:
             raise in_surface_terms(exc, CHAT_FIELDS, body.origins(), MESSAGE_PARTS) from None
         if not body.stream:
-            return JSONResponse(full_message(await generation.full(), serving.served_model_name))
+            return JSONResponse(full_message(await generation.full(), model))
         await generation.start_stream()
-        return StreamingResponse(stream_events(generation, serving.served_model_name),
+        return StreamingResponse(stream_events(generation, model),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post(PATH_PREFIX + "/count_tokens", dependencies=authorized)

@@ -18,6 +18,7 @@ from pagedserve.frontend_proc.embeddings_api import EmbeddingServing, add_embedd
 from pagedserve.frontend_proc.early_shed import EarlyShed
 from pagedserve.frontend_proc.errors import APIError, InvalidRequest
 from pagedserve.frontend_proc.generation import ClientDisconnected
+from pagedserve.frontend_proc.lora_routes import add_lora_routes, runtime_updating_allowed
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest, CompletionRequest
 from pagedserve.frontend_proc.responses_api import add_responses_routes
@@ -95,6 +96,8 @@ def build_app(serving: Serving, router: Router, metrics: FrontendMetrics,
         add_embedding_routes(app, embeddings, authorized)
 
     add_utility_routes(app, serving, authorized, started)
+    if serving.adapters is not None and runtime_updating_allowed():
+        add_lora_routes(app, serving.engine, authorized)
     # Outermost but for Starlette's error handler: a 429 under a flood skips routing and the body's
     # validation (early_shed.py).
     app.add_middleware(EarlyShed, router=router, limit=serving.engine.max_waiting_requests, shed=metrics.shed,

@@ -6,6 +6,10 @@ queue of its RequestDeltas; a watchdog turns a replica that stops sending stats 
 leaves the ready/draining states) into a ReplicaFailed event for its requests, and so
 does a heartbeat from a new scheduler process (a restarted replica knows none of them).
 The supervisor's ProcessTable arrives on the same socket and only feeds /health.
+
+With --enable-lora it is also the one writer of the deployment's adapters (``AdapterRegistry``):
+each registration or removal goes to every replica, in order with the requests on its socket,
+and a restarted scheduler is sent the whole registry again before any new request.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from typing import Optional, Union
 import zmq
 import zmq.asyncio
 
-from pagedserve.frontend_proc.errors import ServiceUnavailable, TooManyRequests
+from pagedserve.client.lora_adapters import AdapterRegistry
+from pagedserve.protocol.lora_adapter import AdapterSpec
+from pagedserve.frontend_proc.errors import Conflict, ServiceUnavailable, TooManyRequests
 from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.zmq_async import AsyncReceiver
 from pagedserve.protocol.messages import (
-    AbortRequest, AddRequest, FrontendStarted, PrefixCacheEvents, ProcessTable, RequestDelta, RequestOutputs,
-    SchedulerStats, SchedulerToFrontend, iter_deltas)
+    AbortRequest, AddRequest, FrontendStarted, FrontendToScheduler, LoadLoRA, LoRAAdapter, PrefixCacheEvents,
+    ProcessTable, RequestDelta, RequestOutputs, SchedulerStats, SchedulerToFrontend, UnloadLoRA, iter_deltas)
 from pagedserve.protocol.rate_limited_log import RateLimitedLog
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 
@@ -50,6 +56,7 @@ class RequestHandle:
     replica: int
     num_seqs: int
     predicted_hit_tokens: int = 0  # what the router expected the replica to have cached
+    lora_name: str = ""  # the adapter computing it ("": the base model)
     pending: list = field(default_factory=list)
     finished_indexes: set[int] = field(default_factory=set)
     done: bool = False  # the scheduler holds nothing more for it (or we stopped listening)
@@ -74,8 +81,11 @@ class RequestHandle:
 
 
 class EngineClient:
-    def __init__(self, endpoints: Endpoints, router: Router, max_waiting_requests: Optional[int] = None):
+    def __init__(self, endpoints: Endpoints, router: Router, max_waiting_requests: Optional[int] = None,
+                 adapters: Optional[AdapterRegistry] = None):
+        """``adapters``: with --enable-lora, the registry (its --lora-modules already in it); None without."""
         self.router = router
+        self.adapters = adapters
         self.max_waiting_requests = max_waiting_requests  # --max-waiting-requests, per replica
         self._ctx = zmq.asyncio.Context()
         self._outputs: AsyncReceiver[SchedulerToFrontend] = AsyncReceiver(
@@ -90,6 +100,10 @@ class EngineClient:
                         for r in range(len(router.replicas))]
         for sender in self._inputs:  # first on each socket: ahead of every request of this frontend
             sender.try_send(FrontendStarted())
+        # Registry changes not yet on a replica's socket (its queue was full), sent before its next request
+        self._pending_control: list[list[FrontendToScheduler]] = [[] for _ in router.replicas]
+        for replica in range(len(self._inputs)):
+            self._send_registry(replica)
         self._pending_aborts: list[list[str]] = [[] for _ in router.replicas]
         self._requests: dict[str, RequestHandle] = {}
         self._stray_log = RateLimitedLog(log)
@@ -110,20 +124,70 @@ class EngineClient:
         self._send_ctx.term()
 
     def submit(self, request: AddRequest) -> RequestHandle:
-        decision = self.router.choose(request.prompt_token_ids, priority=request.priority)
+        seed = self.adapters.seed(request.lora_name) if self.adapters is not None else 0
+        decision = self.router.choose(request.prompt_token_ids, priority=request.priority, seed=seed)
         if decision is None:
             raise ServiceUnavailable("no scheduler replica is ready; see GET /health")
         replica, predicted = self._shed(decision.replica), decision.predicted_hit_tokens
         if replica != decision.replica:
             predicted = 0
-        handle = RequestHandle(request.request_id, replica, request.sampling.n, predicted)
+        handle = RequestHandle(request.request_id, replica, request.sampling.n, predicted, request.lora_name)
         self._requests[request.request_id] = handle
-        if not self._inputs[replica].try_send(request):
+        if not self._flush_control(replica) or not self._inputs[replica].try_send(request):
             del self._requests[request.request_id]
             raise ServiceUnavailable(f"scheduler replica {replica} is not keeping up (its input queue "
                                      f"is full); retry the request later")
         self.router.assign(replica, request.request_id, handle.num_seqs)
         return handle
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def load_adapter(self, name: str, spec: AdapterSpec, replace: bool = False) -> LoRAAdapter:
+        """Register the adapter ``spec`` (AdapterRegistry.read) under ``name`` with every replica
+        (POST /v1/load_lora_adapter); ``replace``: vLLM's load_inplace, new weights under a name
+        already loaded. Raises AdapterNameError, or Conflict while requests in flight use the old one."""
+        assert self.adapters is not None, "LoRA is off: the route does not exist"
+        if replace and name in self.adapters:
+            self._refuse_in_use(name, "replaced")
+        adapter = self.adapters.add(name, spec, replace=replace)
+        self._broadcast(LoadLoRA(adapter))
+        return adapter
+
+    def unload_adapter(self, name: str) -> LoRAAdapter:
+        """Remove an adapter from every replica (POST /v1/unload_lora_adapter); UnknownAdapter, or
+        Conflict while a request in flight uses it (the scheduler would end it with an error)."""
+        assert self.adapters is not None, "LoRA is off: the route does not exist"
+        if name in self.adapters:
+            self._refuse_in_use(name, "unloaded")
+        adapter = self.adapters.remove(name)
+        self._broadcast(UnloadLoRA(name))
+        return adapter
+
+    def _refuse_in_use(self, name: str, what: str) -> None:
+        using = sum(1 for handle in self._requests.values() if handle.lora_name == name)
+        if using:
+            raise Conflict(f"The lora adapter '{name}' is in use by {using} request(s) in flight and cannot be "
+                           f"{what} now; retry once they finish", param="lora_name")
+
+    def _broadcast(self, msg: FrontendToScheduler) -> None:
+        for replica in range(len(self._inputs)):
+            self._send_control(replica, msg)
+
+    def _send_registry(self, replica: int) -> None:
+        """Every registered adapter to ``replica`` (at start, and to a restarted scheduler)."""
+        for adapter in self.adapters or ():
+            self._send_control(replica, LoadLoRA(adapter))
+
+    def _send_control(self, replica: int, msg: FrontendToScheduler) -> None:
+        self._pending_control[replica].append(msg)
+        self._flush_control(replica)
+
+    def _flush_control(self, replica: int) -> bool:
+        """Send ``replica``'s pending registry changes in order; False while some still wait for room."""
+        pending = self._pending_control[replica]
+        while pending and self._inputs[replica].try_send(pending[0]):
+            pending.pop(0)
+        return not pending
 
     def _shed(self, replica: int) -> int:
         """Where the request goes under --max-waiting-requests: the chosen replica, or when its queue
@@ -204,6 +268,8 @@ class EngineClient:
         if last is not None and last.pid and last.pid != stats.pid:
             self._fail_requests_on(stats.replica, f"scheduler replica {stats.replica} was restarted "
                                                   f"(pid {last.pid} -> {stats.pid})")
+            self._pending_control[stats.replica].clear()  # the whole registry follows: it holds them all
+            self._send_registry(stats.replica)
 
     async def _watchdog_loop(self) -> None:
         period = min(0.25, self.router.timeout_s / 4)
@@ -211,6 +277,7 @@ class EngineClient:
             await asyncio.sleep(period)
             try:
                 for replica, pending in enumerate(self._pending_aborts):
+                    self._flush_control(replica)
                     if pending:
                         self._send_abort(replica, [])
                 for replica in self.router.failed_replicas():

@@ -18,6 +18,13 @@ class NotFound(APIError):
     error_type = "invalid_request_error"
 
 
+class Conflict(APIError):
+    """The request is well formed but the server's state forbids it now (an adapter in use)."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+
+
 class TooManyRequests(APIError):
     """Load shedding (--max-waiting-requests): refused at once, before any byte is streamed;
     retrying after ``Retry-After`` seconds may find room."""

@@ -12,6 +12,7 @@ queries return data.
 from __future__ import annotations
 
 import time
+from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -83,9 +84,10 @@ _COUNTERS = {
 class SchedulerStatsCollector(Collector):
     """Reads the router's latest stats at scrape time."""
 
-    def __init__(self, router: Router, model_name: str):
+    def __init__(self, router: Router, model_name: str, lora_enabled: bool = False):
         self.router = router
         self.model_name = model_name
+        self.lora_enabled = lora_enabled  # --enable-lora: the adapters' series (none without, as vLLM)
 
     def _family(self, kind, name: str, help_text: str, value: float):
         family = kind(name, help_text, labels=["model_name"])
@@ -108,6 +110,30 @@ class SchedulerStatsCollector(Collector):
             yield self._family(CounterMetricFamily, name, help_text, sum(read(r.stats) for r in known))
         yield from self._accepted_per_position(known)
         yield from self._per_replica(now)
+        if self.lora_enabled:
+            yield from self._lora(known, fresh, now)
+
+    def _lora(self, known, fresh, now: float):
+        """vLLM's ``vllm:lora_requests_info``: one series whose labels list the adapters with running and
+        waiting requests (comma-joined, over the live replicas) and whose value is the wall time of the
+        stats it was read from; and the tokens each adapter generated, summed over replicas."""
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                 labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        if known:
+            running = sorted({name for r in fresh for name in r.stats.running_lora_adapters})
+            waiting = sorted({name for r in fresh for name in r.stats.waiting_lora_adapters})
+            max_lora = max(r.stats.max_lora for r in known)
+            updated = time.time() - (now - max(r.last_seen for r in known))
+            info.add_metric([str(max_lora), ",".join(waiting), ",".join(running)], updated)
+        yield info
+        tokens = CounterMetricFamily("pagedserve_lora_generation_tokens_total", "Tokens generated per LoRA adapter",
+                                     labels=["model_name", "lora_name"])
+        totals: Tally[str] = Tally()
+        for r in known:
+            totals.update(r.stats.generation_tokens_by_lora)
+        for name, count in sorted(totals.items()):
+            tokens.add_metric([self.model_name, name], count)
+        yield tokens
 
     def _accepted_per_position(self, known):
         """vLLM's ``spec_decode_num_accepted_tokens_per_pos``: a counter labelled by proposal position."""
@@ -180,10 +206,10 @@ class FrontendMetrics:
     and an embedding input as a request of its own. Counting choices everywhere keeps the counter and the
     histograms' ``_count`` equal, so a dashboard's rate(success) matches rate(e2e_count)."""
 
-    def __init__(self, router: Router, model_name: str):
+    def __init__(self, router: Router, model_name: str, lora_enabled: bool = False):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(SchedulerStatsCollector(router, model_name))
+        self.registry.register(SchedulerStatsCollector(router, model_name, lora_enabled))
         self.registry.register(RouterCollector(router))
         self.shed = ShedCounts()  # 429s answered here (--max-waiting-requests)
         self.registry.register(ClassStatsCollector(router, model_name, self.shed))
@@ -205,16 +231,22 @@ class FrontendMetrics:
                     registry=self.registry).labels  # vLLM spells the label finished_reason
             for name, label in (("pagedserve_request_success", "finish_reason"),
                                 ("vllm:request_success", "finished_reason"))]
+        # per adapter, counted as request_success counts (one per finished sequence)
+        self._lora_requests = Counter("pagedserve_lora_requests", "Finished sequences per LoRA adapter",
+                                      labelnames=["model_name", "lora_name"], registry=self.registry).labels
 
     def observe_token_gap(self, seconds: float) -> None:
         for gaps in self._token_gaps:
             gaps.observe(seconds)
 
     def count_finish(self, finish_reason: str, e2e_seconds: float, decode_seconds: float = 0.0,
-                     num_tokens: int = 0) -> None:
-        """One sequence ended: its success, its e2e latency and, past one token, its mean token gap."""
+                     num_tokens: int = 0, lora_name: str = "") -> None:
+        """One sequence ended: its success, its e2e latency and, past one token, its mean token gap;
+        ``lora_name``: the adapter that computed it ("": the base model)."""
         for labels in self._request_success:
             labels(self.model_name, finish_reason).inc()
+        if lora_name:
+            self._lora_requests(self.model_name, lora_name).inc()
         self.e2e_request_latency.observe(e2e_seconds)
         if num_tokens > 1:
             self._mean_token_gap.observe(decode_seconds / (num_tokens - 1))

@@ -126,7 +126,8 @@ class RequestStream:
         if update.finish_reason is not None:  # once per choice: a finished one returns above
             self._open -= 1
             decode_seconds = 0.0 if choice.first_token_at is None else choice.last_token_at - choice.first_token_at
-            self.metrics.count_finish(update.finish_reason, now - self.arrival, decode_seconds, choice.num_tokens)
+            self.metrics.count_finish(update.finish_reason, now - self.arrival, decode_seconds, choice.num_tokens,
+                                      self.handle.lora_name)
         return update
 
     def abort(self) -> None:

@@ -238,9 +238,9 @@ async def stream_events(builder: ResponseBuilder, generation: Generation) -> Asy
 def add_responses_routes(app: FastAPI, serving: Serving, authorized: list[Depends], task: str = "generate") -> None:
     @app.post("/v1/responses", dependencies=authorized)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        builder = ResponseBuilder(body, serving.served_model_name)
         try:
             task_refusal(task, "generate", "/v1/responses")
+            builder = ResponseBuilder(body, serving.response_model_name(body.model))
             chat = body.chat()
             await serving.check_chat_grammars(chat)  # a deep text.format schema converts off the loop
             generation = serving.start_chat(chat, request, include_usage=True)

@@ -104,10 +104,11 @@ class Router:
         return [r for r in self.replicas if r.is_live(now, self.timeout_s)]
 
     def choose(self, prompt_token_ids=(), now: Optional[float] = None,
-               priority: Optional[int] = None) -> Optional[Decision]:
-        """Where a request with this prompt (and priority) goes (and why), or None when no replica is live."""
+               priority: Optional[int] = None, seed: int = 0) -> Optional[Decision]:
+        """Where a request with this prompt (and priority) goes (and why), or None when no replica is live.
+        ``seed``: its LoRA adapter's ``adapter_seed`` (0: the base model), the first block's parent."""
         live = self._live(now)
-        return self.chooser.choose(live, prompt_token_ids, priority) if live else None
+        return self.chooser.choose(live, prompt_token_ids, priority, seed) if live else None
 
     def pick(self, now: Optional[float] = None) -> Optional[int]:
         """The least-loaded live replica, or None when none is live (no decision is recorded)."""

@@ -76,18 +76,19 @@ class ReplicaChooser:
         return load, self._last_pick[status.replica], kv_usage
 
     def choose(self, live: Sequence["ReplicaStatus"], prompt_token_ids: Sequence[int] = (),
-               priority: Optional[int] = None) -> Decision:
+               priority: Optional[int] = None, seed: int = 0) -> Decision:
         """``live`` must not be empty; ``priority``: the request's, so that only the waiting requests
-        that run before it count as load (replicas report per-priority queues under priority policies)."""
+        that run before it count as load (replicas report per-priority queues under priority policies).
+        ``seed``: the prompt's first block's parent, as the scheduler names an adapter's blocks."""
         self._priority = priority
-        decision = self._decide(live, prompt_token_ids)
+        decision = self._decide(live, prompt_token_ids, seed)
         self._picks += 1
         self._last_pick[decision.replica] = self._picks
         self.decisions[decision.reason] += 1
         self.requests[decision.replica] += 1
         return decision
 
-    def _decide(self, live: Sequence["ReplicaStatus"], prompt_token_ids: Sequence[int]) -> Decision:
+    def _decide(self, live: Sequence["ReplicaStatus"], prompt_token_ids: Sequence[int], seed: int = 0) -> Decision:
         kind = self.policy.kind
         if kind == "round-robin":
             return Decision(min(live, key=lambda r: self._last_pick[r.replica]).replica, "round_robin")
@@ -95,7 +96,7 @@ class ReplicaChooser:
         if kind == "least-loaded" or len(live) == 1:
             return Decision(least.replica, "least_loaded")
         block_size = next((r.stats.block_size for r in live if r.stats.block_size), 0)
-        hashes = prefix_block_hashes(prompt_token_ids, block_size) if block_size and any(
+        hashes = prefix_block_hashes(prompt_token_ids, block_size, seed) if block_size and any(
             len(r.cache) for r in live) else []
         matched = {r.replica: r.cache.cached_prefix_blocks(hashes) for r in live} if hashes else {}
         best_blocks = max(matched.values(), default=0)

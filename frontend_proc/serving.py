@@ -31,6 +31,7 @@ from pagedserve.frontend_proc.tenant import tenant_of
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig, plan_tool_calls
 from pagedserve.client.detokenizer import Decodes, TextDecoder
 from pagedserve.client.generation_defaults import GenerationDefaults
+from pagedserve.client.lora_adapters import AdapterRegistry
 from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import AddRequest, SamplingParams, StructuredOutputs
 from pagedserve.protocol.priority import priority_refusal
@@ -68,7 +69,7 @@ class Serving:
                  tool_calling: ToolCallingConfig = ToolCallingConfig(),
                  defaults: GenerationDefaults = GenerationDefaults(), model_aliases: Sequence[str] = (),
                  scheduling_policy: str = "fcfs", tenant_header: Optional[str] = None,
-                 reasoning_parser: Optional[ReasoningParser] = None):
+                 reasoning_parser: Optional[ReasoningParser] = None, adapters: Optional[AdapterRegistry] = None):
         self.served_model_names = list(served_model_names)  # what /v1/models lists
         self.served_model_name = self.served_model_names[0]  # what responses name
         # what a request may name the model: the served names, or the path as given (vLLM's name)
@@ -84,11 +85,12 @@ class Serving:
         self.scheduling_policy = scheduling_policy
         self.tenant_header = tenant_header  # --tenant-header (tenant.py)
         self.reasoning_parser = reasoning_parser  # --reasoning-parser: None leaves chat output whole
+        self.adapters = adapters  # --enable-lora: the engine client's registry, read here (None: LoRA off)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         await check_grammars_off_loop(body)
         refuse_unsupported_fields(body)
-        self._check_model(body)
+        lora_name = self.lora_name_of(body.model)
         prompts = body.prompts()
         prompt_ids = [self.tokenizer.encode_prompt(p) for p in prompts]
         max_tokens = [self._max_tokens(len(ids), body.max_tokens, default=DEFAULT_COMPLETION_MAX_TOKENS)
@@ -96,8 +98,8 @@ class Serving:
         echo_texts = ([p if isinstance(p, str) else self._decoder(body).decode(p) for p in prompts]
                       if body.echo else None)
         generation = self._start(body, prompt_ids, max_tokens, body.wants_logprobs(),
-                                 CompletionFormat(self.served_model_name), request, echo_texts,
-                                 include_usage=body.include_usage_in_stream())
+                                 CompletionFormat(lora_name or self.served_model_name), request, echo_texts,
+                                 include_usage=body.include_usage_in_stream(), lora_name=lora_name)
         if not isinstance(prompts[0], str):  # token ids are echoed decoded, as the choices' text (a text as given)
             generation.echo_hidden = generation.hidden
         return await self._respond(generation, body.stream)
@@ -122,26 +124,40 @@ class Serving:
         """A chat request checked and submitted; the other chat surfaces (Responses, Anthropic)
         come through here with the request they translated."""
         refuse_unsupported_fields(body)
-        self._check_model(body)
-        fmt = ChatFormat(self.served_model_name)
+        lora_name = self.lora_name_of(body.model)
+        fmt = ChatFormat(lora_name or self.served_model_name)
         chat = prepare_chat(body, self.tokenizer, self.tool_calling, fmt, self.reasoning_parser)
         max_tokens = self._max_tokens(len(chat.prompt_ids), body.requested_max_tokens(), default=None)
         return self._start(body, [chat.prompt_ids], [max_tokens], body.wants_logprobs(), fmt, request,
                            structured_outputs=chat.structured_outputs, choices=chat.choices,
-                           include_usage=body.include_usage_in_stream() if include_usage is None else include_usage)
+                           include_usage=body.include_usage_in_stream() if include_usage is None else include_usage,
+                           lora_name=lora_name)
 
     def count_chat_prompt(self, body: ChatCompletionRequest) -> int:
         """The prompt tokens a chat request would send (Anthropic's count_tokens)."""
         refuse_unsupported_fields(body)
-        self._check_model(body)
+        self.lora_name_of(body.model)
         fmt = ChatFormat(self.served_model_name)
         return len(prepare_chat(body, self.tokenizer, self.tool_calling, fmt, self.reasoning_parser).prompt_ids)
 
-    def _check_model(self, body: SamplingFields) -> None:
-        if body.model is not None and body.model not in self.accepted_model_names:
-            raise InvalidRequest(f"model {body.model!r} is not served here; "
-                                 f"use one of {self.served_model_names}",
-                                 param="model", code="model_not_found")
+    def lora_name_of(self, model: Optional[str]) -> str:
+        """The adapter a request's ``model`` field names ("": the base model, by one of its names or
+        none); an InvalidRequest for a name served neither as the model nor as an adapter."""
+        if model is None or model in self.accepted_model_names:
+            return ""
+        adapters = self.adapters
+        if adapters is not None and model in adapters:
+            return model
+        raise InvalidRequest(f"model {model!r} is not served here; use one of {self.model_names()}",
+                             param="model", code="model_not_found")
+
+    def model_names(self) -> list[str]:
+        """What /v1/models lists: the served names, then each LoRA adapter's."""
+        return self.served_model_names + [a.name for a in self.adapters or ()]
+
+    def response_model_name(self, model: Optional[str]) -> str:
+        """The ``model`` a response names: the adapter that computed it, else the first served name."""
+        return self.lora_name_of(model) or self.served_model_name
 
     def _max_tokens(self, num_prompt: int, requested: Optional[int],
                     default: Optional[int]) -> int:
@@ -221,7 +237,8 @@ class Serving:
 
     def _submit_all(self, body: SamplingFields, prompt_ids: list[list[int]], max_tokens: list[int],
                     logprobs: bool, fmt: CompletionFormat,
-                    structured_outputs: Optional[StructuredOutputs], tenant: str) -> list[RequestStream]:
+                    structured_outputs: Optional[StructuredOutputs], tenant: str,
+                    lora_name: str = "") -> list[RequestStream]:
         """One engine request per prompt, every one checked before any is sent."""
         adds = []
         for i, (ids, limit) in enumerate(zip(prompt_ids, max_tokens)):
@@ -229,7 +246,8 @@ class Serving:
             add = AddRequest(request_id=request_id, prompt_token_ids=ids,
                              sampling=self._sampling(body, limit, logprobs, structured_outputs),
                              eos_token_ids=self.tokenizer.eos_token_ids, priority=body.priority,
-                             max_queue_time_s=body.max_queue_time_s, deadline_s=body.deadline_s, tenant=tenant)
+                             max_queue_time_s=body.max_queue_time_s, deadline_s=body.deadline_s, tenant=tenant,
+                             lora_name=lora_name)
             self._check(add, body)
             adds.append(add)
         streams: list[RequestStream] = []
@@ -255,9 +273,10 @@ class Serving:
                logprobs: bool, fmt: CompletionFormat, request: Request,
                echo_texts: Optional[list[str]] = None,
                structured_outputs: Optional[StructuredOutputs] = None,
-               choices: Optional[ChoiceRenderer] = None, include_usage: bool = False) -> Generation:
+               choices: Optional[ChoiceRenderer] = None, include_usage: bool = False,
+               lora_name: str = "") -> Generation:
         streams = self._submit_all(body, prompt_ids, max_tokens, logprobs, fmt, structured_outputs,
-                                   tenant_of(request.headers, body.user, self.tenant_header))
+                                   tenant_of(request.headers, body.user, self.tenant_header), lora_name)
         stream = CompletionBatch(streams, echo_texts, stop_token_ids=frozenset(body.stop_token_ids or ()),
                                  prompt_ids=prompt_ids, prompt_logprobs=body.prompt_logprobs,
                                  echo_logprobs=body.echo_logprobs())

@@ -60,27 +60,27 @@ class DetokenizeRequest(_Strict):
 
 
 def _model_card(serving: Serving, name: str, created: int) -> dict:
+    """vLLM's card: an adapter's ``root`` is its directory and its ``parent`` the base model's served name."""
+    adapter = serving.adapters.get(name) if serving.adapters is not None else None
+    root, parent = (adapter.path, serving.served_model_name) if adapter is not None else (name, None)
     return {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
-            "root": name, "parent": None, "max_model_len": serving.max_model_len}
+            "root": root, "parent": parent, "max_model_len": serving.max_model_len}
 
 
 def add_utility_routes(app: FastAPI, serving: Serving, authorized: list, created: int) -> None:
-    names = serving.served_model_names
-
-    def check_model(name: Optional[str]) -> None:
-        if name is not None and name not in serving.accepted_model_names:
-            raise InvalidRequest(f"model {name!r} is not served here; use one of {names}",
-                                 param="model", code="model_not_found")
+    check_model = serving.lora_name_of  # tokenizing is the same for the model and its adapters
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict:
-        return {"object": "list", "data": [_model_card(serving, n, created) for n in names]}
+        return {"object": "list", "data": [_model_card(serving, n, created) for n in serving.model_names()]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=authorized)
     async def model(model_id: str) -> dict:
-        if model_id not in serving.accepted_model_names:
-            raise NotFound(f"the model {model_id!r} does not exist; served: {names}",
-                           param="model", code="model_not_found")
+        try:
+            serving.lora_name_of(model_id)
+        except InvalidRequest:
+            raise NotFound(f"the model {model_id!r} does not exist; served: {serving.model_names()}",
+                           param="model", code="model_not_found") from None
         return _model_card(serving, model_id, created)
 
     @app.post("/tokenize", dependencies=authorized)

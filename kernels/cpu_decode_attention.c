@@ -11,6 +11,7 @@
  *   tables   [B, table_stride]     int32 block ids
  *   first    [B] int64             first visible position (sliding window; 0 otherwise)
  *   last     [B] int64             the query's position (seq_len - 1), always visible
+ *   sinks    [Hq] or NULL          a logit per query head in every softmax, weighing no value (gpt-oss)
  *   out      [B, Hq, D]
  * Query head h reads KV head h / (Hq / Hkv), as HF's repeat_kv pairs them.
  * Only visible slots are read, so stale data elsewhere in a block is never touched.
@@ -152,7 +153,8 @@ static inline __attribute__((always_inline)) void values_by_kv_head(
  * the common head sizes get loops of a known length (unrolled, kept in registers). */
 static inline __attribute__((always_inline)) void attend_request(
     const float *qb, const float *k, const float *v, const int32_t *table, int64_t lo, int64_t hi, float *ob,
-    float *scores, int64_t hq, int64_t hkv, int64_t group, const int64_t d, int64_t row, int64_t bs, float scale) {
+    float *scores, int64_t hq, int64_t hkv, int64_t group, const int64_t d, int64_t row, int64_t bs, float scale,
+    const float *sinks) {
     const int64_t n = hi - lo;
     for (int64_t pos = lo; pos < hi;) {
         const int64_t end = (pos / bs + 1) * bs < hi ? (pos / bs + 1) * bs : hi;
@@ -171,7 +173,7 @@ static inline __attribute__((always_inline)) void attend_request(
                     scores[h * n + pos - lo] = dot(qb + h * d, kr + kh * d, d) * scale;
     }
     float inv_sum[hq];
-    for (int64_t h = 0; h < hq; h++) inv_sum[h] = decode_softmax(scores + h * n, n);
+    for (int64_t h = 0; h < hq; h++) inv_sum[h] = decode_softmax(scores + h * n, n, sinks ? sinks[h] : -INFINITY);
 #if VALUES_IN_REGISTERS
     if (d % 16 == 0 && d <= 128)
         values_in_registers(scores, v, table, lo, hi, ob, hkv, group, d, row, bs);
@@ -202,7 +204,8 @@ static inline __attribute__((always_inline)) void attend_request(
 
 void paged_decode_attention_f32(const float *q, const float *k, const float *v, const int32_t *tables,
                                 int64_t table_stride, const int64_t *first, const int64_t *last, float *out,
-                                int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale) {
+                                int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale,
+                                const float *sinks) {
     const int64_t group = hq / hkv;
     const int64_t row = hkv * d; /* floats per cache slot */
 #pragma omp parallel
@@ -221,10 +224,16 @@ void paged_decode_attention_f32(const float *q, const float *k, const float *v, 
             const int32_t *table = tables + b * table_stride;
             float *ob = out + b * hq * d;
             switch (d) {
-            case 32: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 32, row, bs, scale); break;
-            case 64: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 64, row, bs, scale); break;
-            case 128: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 128, row, bs, scale); break;
-            default: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, d, row, bs, scale);
+            case 32:
+                attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 32, row, bs, scale, sinks);
+                break;
+            case 64:
+                attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 64, row, bs, scale, sinks);
+                break;
+            case 128:
+                attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 128, row, bs, scale, sinks);
+                break;
+            default: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, d, row, bs, scale, sinks);
             }
         }
         free(scores);

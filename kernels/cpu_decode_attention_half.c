@@ -9,6 +9,7 @@
  * register tiles of HEAD_TILE query heads x COL_VECS vectors of columns, each value row widened
  * once per tile and used by every head of the tile (the query heads of a KV head share it).
  */
+#include <math.h>
 #include <stdlib.h>
 
 #include "cpu_half.h"
@@ -151,7 +152,7 @@ static void weigh_value_tail(const uint16_t *v, const int32_t *table, int64_t lo
 static inline __attribute__((always_inline)) void attend_request_half(
     const uint16_t *qb, const uint16_t *k, const uint16_t *v, const int32_t *table, int64_t lo, int64_t hi,
     uint16_t *ob, float *scores, float *qf, int64_t hq, int64_t hkv, int64_t group, const int64_t d, int64_t row,
-    int64_t bs, float scale, const int bf16) {
+    int64_t bs, float scale, const float *sinks, const int bf16) {
     const int64_t n = hi - lo;
     for (int64_t i = 0; i < hq * d; i++) qf[i] = half_to_f32(qb[i], bf16);
     for (int64_t pos = lo; pos < hi;) {
@@ -168,7 +169,7 @@ static inline __attribute__((always_inline)) void attend_request_half(
                     scores[h * n + pos - lo] = score_key(qf + h * d, kr + kh * d, d, scale, bf16);
     }
     float inv_sum[hq];
-    for (int64_t h = 0; h < hq; h++) inv_sum[h] = decode_softmax(scores + h * n, n);
+    for (int64_t h = 0; h < hq; h++) inv_sum[h] = decode_softmax(scores + h * n, n, sinks ? sinks[h] : -INFINITY);
     for (int64_t kh = 0; kh < hkv; kh++)
         for (int64_t h0 = kh * group; h0 < (kh + 1) * group; h0 += HEAD_TILE) {
             const int64_t nh = (kh + 1) * group - h0 < HEAD_TILE ? (kh + 1) * group - h0 : HEAD_TILE;
@@ -187,7 +188,7 @@ static inline __attribute__((always_inline)) void attend_request_half(
 #define DEFINE_DECODE(name, BF16)                                                                             \
     void name(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *tables,                 \
               int64_t table_stride, const int64_t *first, const int64_t *last, uint16_t *out, int64_t batch,  \
-              int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale) {                                   \
+              int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, const float *sinks) {               \
         const int64_t group = hq / hkv, row = hkv * d;                                                        \
         _Pragma("omp parallel") {                                                                              \
             float *scores = NULL, *qf = malloc(sizeof(float) * hq * d);                                        \
@@ -204,11 +205,11 @@ static inline __attribute__((always_inline)) void attend_request_half(
                 uint16_t *ob = out + b * hq * d;                                                               \
                 switch (d) {                                                                                   \
                 case 64: attend_request_half(qb, k, v, table, lo, hi, ob, scores, qf, hq, hkv, group, 64, row, \
-                                             bs, scale, BF16); break;                                          \
+                                             bs, scale, sinks, BF16); break;                                   \
                 case 128: attend_request_half(qb, k, v, table, lo, hi, ob, scores, qf, hq, hkv, group, 128,   \
-                                              row, bs, scale, BF16); break;                                    \
+                                              row, bs, scale, sinks, BF16); break;                             \
                 default: attend_request_half(qb, k, v, table, lo, hi, ob, scores, qf, hq, hkv, group, d, row, \
-                                             bs, scale, BF16);                                                 \
+                                             bs, scale, sinks, BF16);                                          \
                 }                                                                                              \
             }                                                                                                  \
             free(scores);                                                                                      \

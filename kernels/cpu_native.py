@@ -44,6 +44,7 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_decode_attention_half.c"): (),
            Path(__file__).with_name("cpu_linear.c"): (),
            Path(__file__).with_name("cpu_gemv.c"): (),
+           Path(__file__).with_name("cpu_gemv_int8.c"): (),
            Path(__file__).with_name("cpu_lora.c"): (),
            Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
@@ -55,12 +56,13 @@ HEADERS = (Path(__file__).with_name("cpu_softmax_exp.h"), Path(__file__).with_na
 # loader resolves to the copy torch already loaded. Without -fopenmp it runs on one thread.
 _FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_DECODE_ARGS = [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]
+_DECODE_ARGS = [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P]
 _ROTARY_ARGS = [_P, _I, _P, _P, _P, _P, _I, _I, _I]
 _SIGNATURES = {
     **{f"paged_decode_attention_{suffix}": _DECODE_ARGS for suffix in ("f32", "bf16", "f16")},
     **{f"rotary_{suffix}": _ROTARY_ARGS for suffix in ("f32", "bf16", "f16")},
-    "prefill_attention_f32": [_P, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float],
+    "prefill_attention_f32": [_P, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float,
+                              _P],
     "cpu_kernel_variant": [],
     **{f"{name}_{suffix}": [_P, _I, _I, _I, _P, _I, _P, _P, _I]
        for name in ("linear", "silu_gate") for suffix in ("f32", "bf16", "f16")},
@@ -68,6 +70,7 @@ _SIGNATURES = {
     **{f"gemv_{suffix}": [_P, _I, _I, _I, _P, _I, _I, _P, ctypes.c_int, _P, _I, ctypes.c_int]
        for suffix in ("f32", "bf16", "f16")},
     "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
+    "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
     "lora_shrink": [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I],
     "lora_expand": [_P, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_int],
@@ -77,6 +80,7 @@ _SIGNATURES = {
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
+             "gemv_int8_blocks": ctypes.c_int,
              **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -212,10 +216,11 @@ def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """query [B, q_heads, dim], one token per request at position last[b], seeing keys
     first[b]..last[b] of its blocks; k/v_cache [N, block_size, kv_heads, dim] (one layer).
-    Returns [B, q_heads, dim] in the query's dtype, float32 arithmetic (supports_decode)."""
+    Returns [B, q_heads, dim] in the query's dtype, float32 arithmetic (supports_decode).
+    ``sinks`` [q_heads]: a logit per head in every softmax that weighs no value (gpt-oss)."""
     batch, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_q_heads % num_kv_heads or block_tables.dtype != torch.int32:
@@ -224,12 +229,22 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         raise ValueError("paged_decode_attention: the cache must be contiguous")
     query, block_tables = query.contiguous(), block_tables.contiguous()
     first, last = first.to(torch.int64).contiguous(), last.to(torch.int64).contiguous()
+    sinks = _sink_logits(sinks, num_q_heads)
     out = torch.empty_like(query)
     getattr(library(), f"paged_decode_attention_{DTYPE_SUFFIXES[query.dtype]}")(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         first.data_ptr(), last.data_ptr(), out.data_ptr(), batch, num_q_heads, num_kv_heads, head_dim,
-        block_size, scale)
+        block_size, scale, None if sinks is None else sinks.data_ptr())
     return out
+
+
+def _sink_logits(sinks: Optional[torch.Tensor], num_q_heads: int) -> Optional[torch.Tensor]:
+    """The attention kernels' sinks: float32 [q_heads], contiguous (the kernel reads one per head)."""
+    if sinks is None:
+        return None
+    if sinks.shape != (num_q_heads,):
+        raise ValueError(f"attention sinks: one per query head ({num_q_heads}), got {tuple(sinks.shape)}")
+    return sinks.to(device="cpu", dtype=torch.float32).contiguous()
 
 
 def supports_rotary(x: torch.Tensor, table: torch.Tensor) -> bool:
@@ -263,7 +278,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                       first: torch.Tensor, length: torch.Tensor, scale: float,
-                      key_first: Optional[torch.Tensor] = None, context: Optional[torch.Tensor] = None) -> None:
+                      key_first: Optional[torch.Tensor] = None, context: Optional[torch.Tensor] = None,
+                      sinks: Optional[torch.Tensor] = None) -> None:
     """Causal attention of prompt chunks: chunk c is rows first[c]..+length[c] of query
     [T, q_heads, dim]; its keys are rows key_first[c]..+context[c]+length[c] of key/value
     [S, kv_heads, dim] (context[c] cached tokens, then its own), and its query i sees keys up to
@@ -271,7 +287,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     value. Writes those rows of out [T, q_heads, dim] (contiguous), in its dtype (supports_prefill).
 
     bfloat16 and float16 run the float32 kernel on widened copies: widening is linear in the rows
-    where the attention is rows x keys, and the float32 tiles already run near the FMA peak."""
+    where the attention is rows x keys, and the float32 tiles already run near the FMA peak.
+    ``sinks`` [q_heads]: paged_decode_attention's."""
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = key.shape[1]
     if (num_q_heads % num_kv_heads or value.shape != key.shape or out.shape != query.shape
@@ -284,10 +301,12 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     first, length = first.to(torch.int64).contiguous(), length.to(torch.int64).contiguous()
     key_first = first if key_first is None else key_first.to(torch.int64).contiguous()
     context = torch.zeros_like(first) if context is None else context.to(torch.int64).contiguous()
+    sinks = _sink_logits(sinks, num_q_heads)
     rc = library().prefill_attention_f32(
         query.data_ptr(), query.stride(0), query.shape[0], key.data_ptr(), key.stride(0), value.data_ptr(),
         value.stride(0), key.shape[0], first.data_ptr(), key_first.data_ptr(), context.data_ptr(),
-        length.data_ptr(), len(first), out.data_ptr(), out.stride(0), num_q_heads, num_kv_heads, head_dim, scale)
+        length.data_ptr(), len(first), out.data_ptr(), out.stride(0), num_q_heads, num_kv_heads, head_dim, scale,
+        None if sinks is None else sinks.data_ptr())
     if rc == -2:  # what torch's indexing would raise, instead of a read out of bounds
         raise IndexError("prefill_attention: a chunk's rows lie outside the query or key tensors")
     if rc != 0:
@@ -435,6 +454,25 @@ def gemv_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: 
     (lib or library()).gemv_panels_bf16(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), out_features,
                                         None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
                                         _GEMV_OUT[out_dtype])
+    return out
+
+
+def gemv_int8_blocks(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                     out_dtype: Optional[torch.dtype] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """x [M, K] (M >= 1, GEMV_MAX_ROWS at a time; float32, bfloat16 or float16) @ (q [N, K] int8 * scales
+    [N, K / block] float32, one per block of inputs).T: [M, N] in ``out_dtype`` (default x's), float32 sums
+    (kernels/cpu_gemv_int8.c). ``block`` a multiple of the vector width (16 suffices everywhere) dividing K."""
+    rows, k = x.shape
+    n = q.shape[0]
+    if (q.dtype != torch.int8 or q.shape != (n, k) or scales.dtype != torch.float32 or block % 16
+            or k % block or scales.shape != (n, k // block) or rows < 1):
+        raise ValueError("gemv_int8_blocks: x, the weight and its scales do not match")
+    xf = x.float().contiguous()
+    out = torch.empty(rows, n, dtype=out_dtype or x.dtype)
+    if (lib or library()).gemv_int8_blocks(xf.data_ptr(), k, rows, k, q.contiguous().data_ptr(),
+                                           scales.contiguous().data_ptr(), block, n, out.data_ptr(), n,
+                                           _GEMV_OUT[out.dtype]):
+        raise ValueError("gemv_int8_blocks: the kernel refused the shapes")
     return out
 
 

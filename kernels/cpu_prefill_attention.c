@@ -15,6 +15,7 @@
  *   qfirst, kfirst, ctx, len  [C] int64: chunk c's queries are rows qfirst[c]..+len[c]-1, its
  *              keys rows kfirst[c]..+ctx[c]+len[c]-1 (ctx[c] cached tokens, then its own), and
  *              its query i sees keys 0..ctx[c]+i
+ *   sinks      [Hq] or NULL: a logit per query head in every row's softmax, weighing no value (gpt-oss)
  *   out        rows of [Hq * D] floats, row stride out_stride; only the chunks' rows are written
  * D must be a multiple of DB and at most MAX_D (cpu_native.supports_prefill checks).
  * Query head h reads KV head h / (Hq / Hkv), as HF's repeat_kv pairs them.
@@ -60,8 +61,9 @@ static inline void store_vec(float *p, vec x) { *(vec_unaligned *)p = x; }
 static inline vec broadcast(float x) { return (vec){0} + x; }
 
 /* Row i of scores (n visible keys, kend in the block) becomes its unnormalized softmax;
- * returns 1 / its sum. Lane-wise max and sum, so the loops vectorize without -ffast-math. */
-static float softmax_row(float *s, int64_t n, int64_t kend) {
+ * returns 1 / its sum. Lane-wise max and sum, so the loops vectorize without -ffast-math. The
+ * head's ``sink`` joins the max and the sum (-INFINITY: none, and no bit changes). */
+static float softmax_row(float *s, int64_t n, int64_t kend, float sink) {
     float mx[LANES], sum[LANES];
     for (int l = 0; l < LANES; l++) { mx[l] = -INFINITY; sum[l] = 0.0f; }
     int64_t j = 0;
@@ -70,21 +72,21 @@ static float softmax_row(float *s, int64_t n, int64_t kend) {
     for (; j < n; j++) mx[0] = s[j] > mx[0] ? s[j] : mx[0];
     for (int w = LANES / 2; w > 0; w /= 2)
         for (int l = 0; l < w; l++) mx[l] = mx[l + w] > mx[l] ? mx[l + w] : mx[l];
-    const float m = mx[0];
+    const float m = sink > mx[0] ? sink : mx[0];
     for (j = 0; j + LANES <= n; j += LANES)
         for (int l = 0; l < LANES; l++) { s[j + l] = softmax_exp(s[j + l] - m); sum[l] += s[j + l]; }
     for (; j < n; j++) { s[j] = softmax_exp(s[j] - m); sum[0] += s[j]; }
     for (; j < kend; j++) s[j] = 0.0f;  /* keys after this query: weight 0 in the block's sum */
     for (int w = LANES / 2; w > 0; w /= 2)
         for (int l = 0; l < w; l++) sum[l] += sum[l + w];
-    return 1.0f / sum[0];
+    return 1.0f / (sum[0] + softmax_exp(sink - m));
 }
 
 /* One query head, queries q0..q0+nq-1 (nq <= QB) of a chunk after ctx cached keys. kt: [D][lpad]
  * transposed keys of its KV head; scores: [QB][lpad] scratch. */
 static void attend_block(const float *q, int64_t q_stride, const float *kt, int64_t lpad,
                          const float *v, int64_t v_stride, float *out, int64_t out_stride,
-                         int64_t ctx, int64_t q0, int64_t nq, int64_t d, float scale, float *scores) {
+                         int64_t ctx, int64_t q0, int64_t nq, int64_t d, float scale, float sink, float *scores) {
     const int64_t kend = ctx + q0 + nq;  /* keys the block's last query sees */
     float qs[QB][MAX_D];
     for (int64_t i = 0; i < QB; i++)
@@ -103,7 +105,7 @@ static void attend_block(const float *q, int64_t q_stride, const float *kt, int6
             for (int t = 0; t < KT / VW; t++) store_vec(scores + i * lpad + j0 + t * VW, acc[i][t]);
     }
     float inv[QB];
-    for (int64_t i = 0; i < nq; i++) inv[i] = softmax_row(scores + i * lpad, ctx + q0 + i + 1, kend);
+    for (int64_t i = 0; i < nq; i++) inv[i] = softmax_row(scores + i * lpad, ctx + q0 + i + 1, kend, sink);
     for (int64_t i = nq; i < QB; i++) memset(scores + i * lpad, 0, (size_t)kend * sizeof(float));
     for (int64_t c0 = 0; c0 < d; c0 += DB) {
         vec o[QB][DB / VW] = {{0}};
@@ -126,7 +128,8 @@ static void attend_block(const float *q, int64_t q_stride, const float *kt, int6
 int prefill_attention_f32(const float *q, int64_t q_stride, int64_t q_rows, const float *k, int64_t k_stride,
                           const float *v, int64_t v_stride, int64_t k_rows, const int64_t *qfirst,
                           const int64_t *kfirst, const int64_t *ctx, const int64_t *len, int64_t num_chunks,
-                          float *out, int64_t out_stride, int64_t hq, int64_t hkv, int64_t d, float scale) {
+                          float *out, int64_t out_stride, int64_t hq, int64_t hkv, int64_t d, float scale,
+                          const float *sinks) {
     const int64_t group = hq / hkv;
     int failed = 0;
     for (int64_t c = 0; c < num_chunks; c++)
@@ -159,7 +162,8 @@ int prefill_attention_f32(const float *q, int64_t q_stride, int64_t q_rows, cons
                     const int64_t q0 = b * QB, kh = h / group;
                     attend_block(q + row0 * q_stride + h * d, q_stride, kt + kh * d * lpad, lpad,
                                  v + key0 * v_stride + kh * d, v_stride, out + row0 * out_stride + h * d,
-                                 out_stride, before, q0, n - q0 < QB ? n - q0 : QB, d, scale, scores);
+                                 out_stride, before, q0, n - q0 < QB ? n - q0 : QB, d, scale,
+                                 sinks ? sinks[h] : -INFINITY, scores);
                 }
             free(scores);
         }

@@ -30,9 +30,11 @@ static inline float softmax_exp(float x) { return x < -87.0f ? 0.0f : exp_normal
 
 /* One decode query's n scores (n >= 1) become exp(s - max); returns 1 / their sum. Max and sum
  * run in SOFTMAX_LANES independent lanes (vectorized, a fixed order), then combine: the same
- * bits on every thread count, for the float32 and the half precision kernels alike. */
+ * bits on every thread count, for the float32 and the half precision kernels alike. ``sink``
+ * (gpt-oss's attention sink, a logit with no value) joins the max and the sum; -INFINITY where the
+ * layer has none: it then changes no bit (max unchanged, exp 0 added to a positive sum). */
 #define SOFTMAX_LANES 16
-static inline float decode_softmax(float *s, int64_t n) {
+static inline float decode_softmax(float *s, int64_t n, float sink) {
     float m = s[0], lane[SOFTMAX_LANES], sum = 0.0f;
     int64_t j = 0;
     for (int l = 0; l < SOFTMAX_LANES; l++) lane[l] = s[0];
@@ -40,6 +42,7 @@ static inline float decode_softmax(float *s, int64_t n) {
         for (int l = 0; l < SOFTMAX_LANES; l++) lane[l] = s[j + l] > lane[l] ? s[j + l] : lane[l];
     for (int l = 0; l < SOFTMAX_LANES; l++) m = lane[l] > m ? lane[l] : m;
     for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    m = sink > m ? sink : m;
     for (j = 0; j < n; j++) s[j] = softmax_exp(s[j] - m);
     for (int l = 0; l < SOFTMAX_LANES; l++) lane[l] = 0.0f;
     for (j = 0; j + SOFTMAX_LANES <= n; j += SOFTMAX_LANES)
@@ -47,7 +50,7 @@ static inline float decode_softmax(float *s, int64_t n) {
     for (; j < n; j++) sum += s[j];
     for (int w = SOFTMAX_LANES / 2; w > 0; w /= 2)
         for (int l = 0; l < w; l++) lane[l] += lane[l + w];
-    return 1.0f / (sum + lane[0]);
+    return 1.0f / (sum + lane[0] + softmax_exp(sink - m));
 }
 
 /* Blocks sit anywhere in the cache, so the hardware's stream prefetcher loses the thread at

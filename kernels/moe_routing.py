@@ -13,8 +13,8 @@ switches:
   the weighted sum and rounded once when added), the Qwen families round them to the model's dtype.
 
 ``softmax_after_topk`` covers the families that take the top-k logits first and softmax only
-those (none of the three here; a rule of its own, since it differs from renormalisation in the
-last bits).
+those (gpt-oss, whose router adds a bias to its logits; a rule of its own, since it differs from
+renormalisation in the last bits).
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ In a step of decodes only, each request's keys can be cut into ``decode_splits``
 program each, whose outputs a second kernel weighs by their softmax sums (flash-decoding): off
 until a GPU session times it (DECODE_SPLITS).
 
+Attention sinks (gpt-oss; ``sinks`` [q_heads], SINKS): each row's running max and sum start from
+its head's sink, as if it were a key before the first with a value of zeros; with splits only the
+first part starts from it, so the combined sum counts it once.
+
 NaN safety: keys past ``seq_len`` are loaded as 0 (K and V), and every masked score is
 replaced with -inf by ``tl.where`` before the softmax, so a stale NaN in an unused slot of
 the last block never reaches the output.
@@ -66,12 +70,13 @@ def _request_of_tile(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.conste
 @triton.jit(do_not_specialize=["num_requests"])
 def _paged_attention_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale_log2, softcap, num_requests,
+    scale_log2, softcap, sinks_ptr, num_requests,
     query_token_stride, query_head_stride, out_token_stride, out_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     block_size, head_dim, group_size,
     short_len, part_ptr, part_ml_ptr, num_tokens, num_q_heads,
-    SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SERVES: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, SERVES: tl.constexpr,
+    BLOCK_Q: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, DOT_IN_FP32: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -119,6 +124,12 @@ def _paged_attention_kernel(
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if SINKS:  # the sink as a first key: its score (in log2 units) is the max so far, exp2(0) = 1 the sum
+        m_i = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        if NUM_SPLITS > 1:
+            if tl.program_id(2) != 0:  # the first part alone counts it
+                m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros((BLOCK_M, DIM_PAD), dtype=tl.float32)
     for kv_tile_start in range(kv_start, kv_end, BLOCK_N):
         k_pos = kv_tile_start + tl.arange(0, BLOCK_N)
@@ -194,6 +205,7 @@ def paged_attention(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     *,
     tiles: Optional[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = None,
     decode_splits: int = DECODE_SPLITS,
@@ -224,7 +236,9 @@ def paged_attention(
             query_start_loc.to(device=device, dtype=torch.int32).contiguous(),
             seq_lens.to(device=device, dtype=torch.int32).contiguous())
     short_len = max(short_tile[0] // group_pad, 1)
-    launch = (out, query, k_cache, v_cache, meta, scale, sliding_window, softcap, group_pad)
+    if sinks is not None:
+        sinks = sinks.to(device=device, dtype=torch.float32).contiguous()
+    launch = (out, query, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks, group_pad)
     if num_tokens > num_requests:  # some request has more than one token
         _launch(*launch, SHORT, short_len, short_tile, 1)
         _launch(*launch, LONG, short_len, long_tile, 1)
@@ -233,8 +247,8 @@ def paged_attention(
     return out
 
 
-def _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, softcap, group_pad, serves, short_len, tile,
-            splits):
+def _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks, group_pad, serves, short_len,
+            tile, splits):
     rows, keys, num_warps, num_stages = tile
     block_tables, query_start_loc, seq_lens = meta
     num_tokens, num_q_heads, head_dim = query.shape
@@ -248,12 +262,12 @@ def _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, softcap, 
     grid = (num_tokens // block_q + num_requests, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale * math.log2(math.e), softcap or 0.0, num_requests,
+        scale * math.log2(math.e), softcap or 0.0, out if sinks is None else sinks, num_requests,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1], head_dim, num_q_heads // num_kv_heads, short_len, part, part_ml, num_tokens, num_q_heads,
-        SLIDING_WINDOW=sliding_window or 0, SOFTCAP=softcap is not None, SERVES=serves, BLOCK_Q=block_q,
-        GROUP_PAD=group_pad,
+        SLIDING_WINDOW=sliding_window or 0, SOFTCAP=softcap is not None, SINKS=sinks is not None, SERVES=serves,
+        BLOCK_Q=block_q, GROUP_PAD=group_pad,
         BLOCK_N=keys, DIM_PAD=dim_pad, DOT_IN_FP32=_INTERPRETED and k_cache.dtype == torch.bfloat16,
         NUM_SPLITS=splits, num_warps=num_warps, num_stages=num_stages,
     )

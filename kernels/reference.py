@@ -74,6 +74,7 @@ def paged_attention(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch of queries over their paged context.
 
@@ -83,7 +84,9 @@ def paged_attention(
     already been written). block_tables: [B, max_blocks] int32. Returns [T, q_heads, dim].
     A key at position p is visible to a query at position i when p <= i and, with a
     sliding window w, i - p < w. ``softcap`` c: each scaled score s becomes c * tanh(s / c)
-    before the softmax (Gemma 2's attention soft-capping).
+    before the softmax (Gemma 2's attention soft-capping). ``sinks`` [q_heads] (gpt-oss's attention
+    sinks): a learned logit per head that joins every query's softmax as one more score, taking its
+    share of the probability but adding no value.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -115,7 +118,11 @@ def paged_attention(
         # Masked positions are dropped with where(), not multiplied by zero, so a stale
         # NaN in an unused slot can never leak into a row.
         scores = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # the sink's column is dropped after the softmax: it weighs no value
+            sink_column = sinks.float()[:, None, None].expand(num_q_heads, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[starts[b] : starts[b + 1]] = torch.matmul(probs, vh).transpose(0, 1).to(query.dtype)
     return out
 

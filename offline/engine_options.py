@@ -17,7 +17,8 @@ from pagedserve.protocol import options as opts
 OFFLINE_READS = frozenset({
     "chat_template", "max_logprobs", "generation_config", "task", "pooling_type", "pooler_config",
     "data_parallel_size", "router", "replica_timeout_s", "scheduler_timeout_s", "max_restarts",
-    "restart_window_s", "run_dir_parent", "max_model_len", "scheduling_policy", "log_level"})
+    "restart_window_s", "run_dir_parent", "max_model_len", "scheduling_policy", "log_level", "lora_modules",
+    "load_format", "tokenizer"})  # a GGUF's: read where ServeConfig makes its model directory
 # Options the offline LLM could pass on or read but refuses, and why.
 REFUSED = {
     "max_waiting_requests": "serve's load shedding: generate() hands the engine its whole batch at once, "

@@ -34,6 +34,7 @@ from pagedserve.offline.embed import (
     EmbeddingFailed, EmbeddingRequestOutput, PendingEmbedding, PoolingParams, PoolingRequestOutput,
     as_pooling_params_list)
 from pagedserve.offline.engine_options import offline_config
+from pagedserve.offline.lora import LoRARequest, LoRARequests, as_lora_list, new_adapters
 from pagedserve.offline.inputs import (
     Prompt, SamplingParams, as_params_list, as_per_prompt, as_priority_list, as_prompt_list, check_engine_limits,
     prompt_text, prompt_token_ids)
@@ -43,14 +44,16 @@ from pagedserve.offline.structured import StructuredOutputsParams
 from pagedserve.protocol import messages as m
 from pagedserve.client.detokenizer import TextDecoder
 from pagedserve.client.generation_defaults import load_generation_defaults
+from pagedserve.client.lora_adapters import AdapterRegistry
 from pagedserve.client.model_files import eos_token_ids, vocab_size
 from pagedserve.client.pooling import Matryoshka, pooler_settings
+from pagedserve.protocol.options import lora_module
 from pagedserve.protocol.priority import priority_refusal
 from pagedserve.protocol.validate import InvalidField, check_request
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineDiedError",
-           "PoolingParams", "EmbeddingRequestOutput", "PoolingRequestOutput"]
+           "PoolingParams", "EmbeddingRequestOutput", "PoolingRequestOutput", "LoRARequest"]
 
 WATCH_INTERVAL_S = 0.5  # how often generate looks at the processes, whatever arrives meanwhile
 
@@ -71,11 +74,15 @@ class LLM:
     ``runner="pooling"``) makes an embedding engine for ``embed()`` and ``encode()``.
     ``router``: least-loaded (default) or round-robin over the replicas; ``replica_timeout_s``,
     ``scheduler_timeout_s``, ``max_restarts`` and ``restart_window_s`` as replicas.py applies them.
+    ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``) serves LoRA adapters:
+    ``generate(..., lora_request=LoRARequest(name, id, path))``; ``lora_modules`` (serve's NAME=PATH
+    items) registers adapters at start, with ids 1, 2, ... in the order given (offline/lora.py).
     """
 
     def __init__(self, model: str, *, log_level: str = "WARNING", startup_timeout_s: float = 600.0,
                  **engine_options):
         self.config = offline_config(model, log_level, engine_options)
+        model = self.config.model  # a GGUF file's: the model directory made of it (deploy/gguf_model_dir.py)
         # Two threads' calls would read each other's outputs off the one socket: calls take turns
         self._lock = threading.Lock()
         self.pooler = pooler_settings(self.config.pooling_type, self.config.pooler_config)
@@ -109,7 +116,13 @@ class LLM:
         self._outputs = Receiver(self._ctx, ep.frontend_outputs(), m.SchedulerToFrontend)
         self._inputs = [Sender(self._ctx, ep.scheduler_inputs(r)) for r in range(self.config.data_parallel_size)]
         self.stats: dict[int, m.SchedulerStats] = {}  # latest per replica
+        # The engine's adapters (offline/lora.py); the --lora-modules ones read before any process starts
+        self.adapters = AdapterRegistry(model, self.config.max_lora_rank) if self.config.enable_lora else None
+        for item in self.config.lora_modules or ():
+            name, path = lora_module(item)
+            self.adapters.add(name, self.adapters.read(name, path))
         self._start(startup_timeout_s)
+        self._send_adapters(list(self.adapters or ()))
         self._replicas = Replicas(self.config, self._launcher)  # after startup: silence counts from ready
 
     # ------------------------------------------------------------------ processes
@@ -126,6 +139,12 @@ class LLM:
             self._launcher.wait_ready(self._launcher.expected(), timeout_s)
         except StartupError as exc:
             raise EngineDiedError(str(exc)) from None
+
+    def _send_adapters(self, adapters: list[m.LoRAAdapter]) -> None:
+        """Registered with every replica, ahead of any request that names them."""
+        for adapter in adapters:
+            for sender in self._inputs:
+                sender.send(m.LoadLoRA(adapter))
 
     @property
     def worker_restarts(self) -> int:
@@ -179,7 +198,7 @@ class LLM:
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  *, use_tqdm: Union[bool, Callable[..., Any]] = True, timeout: Optional[float] = None,
                  priority: Optional[Sequence[int]] = None, max_queue_time_s=None, deadline_s=None,
-                 tenant=None) -> list[RequestOutput]:
+                 tenant=None, lora_request: LoRARequests = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order; returns when all have finished.
 
         Prompts: strings, token-id lists, ``{"prompt": str}`` or ``{"prompt_token_ids": ids}``.
@@ -190,6 +209,9 @@ class LLM:
         first-token limit ends with ``finish_reason="error"`` and its ``error``; one past its
         deadline with ``finish_reason="length"`` and the tokens so far.
         ``use_tqdm``: a progress bar, or a callable that builds one from tqdm's keywords (vLLM's).
+        ``lora_request``: a LoRARequest for every prompt, or a list of one per prompt (None: the base
+        model); needs ``LLM(..., enable_lora=True)``. A new adapter is read and judged first (ValueError
+        naming the reason) and registered with the engine before its requests are sent.
         Raises ValueError (naming the field) before sending anything if any input is out of
         range or past the engine's limits (``max_logprobs``, ``max_num_seqs``), TimeoutError after
         ``timeout`` seconds (what was in flight is aborted; waiting for another thread's call
@@ -200,25 +222,29 @@ class LLM:
                       "max_queue_time_s": as_per_prompt("max_queue_time_s", max_queue_time_s, len(prompts), float),
                       "deadline_s": as_per_prompt("deadline_s", deadline_s, len(prompts), float),
                       "tenant": as_per_prompt("tenant", tenant, len(prompts), str)}
+        loras = as_lora_list(lora_request, len(prompts), self.adapters is not None)
         with self._turn(timeout) as deadline:
             return self._generate(prompts, [prompt_text(p) for p in prompts], sampling_params,
-                                  use_tqdm, deadline, per_prompt)
+                                  use_tqdm, deadline, per_prompt, loras)
 
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              *, use_tqdm: Union[bool, Callable[..., Any]] = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: Optional[dict] = None, timeout: Optional[float] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[dict] = None, timeout: Optional[float] = None,
+             lora_request: LoRARequests = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a
         list of them, rendered by the model's chat template exactly as ``/v1/chat/completions``
         renders it; one RequestOutput per conversation, its ``prompt`` the rendered text.
-        ``chat_template``: this call's; None takes the LLM's (``LLM(chat_template=...)``, else the model's)."""
+        ``chat_template``: this call's; None takes the LLM's (``LLM(chat_template=...)``, else the model's).
+        ``lora_request``: as ``generate``'s, one per conversation."""
         template = self.config.chat_template if chat_template is None else chat_template
         prompt_ids = render_conversations(self._chat_tokenizer(template), messages,
                                           add_generation_prompt, continue_final_message, chat_template_kwargs)
         texts = [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
+        loras = as_lora_list(lora_request, len(prompt_ids), self.adapters is not None)
         with self._turn(timeout) as deadline:
-            return self._generate(prompt_ids, texts, sampling_params, use_tqdm, deadline)
+            return self._generate(prompt_ids, texts, sampling_params, use_tqdm, deadline, loras=loras)
 
     def _chat_tokenizer(self, chat_template: Optional[str]):
         if chat_template not in self._chat_tokenizers:
@@ -280,15 +306,20 @@ class LLM:
         return add
 
     def _generate(self, prompts: list, prompt_texts: list[Optional[str]], sampling_params, use_tqdm,
-                  deadline: Optional[float], per_prompt=None) -> list[RequestOutput]:
+                  deadline: Optional[float], per_prompt=None,
+                  loras: Sequence[Optional[LoRARequest]] = ()) -> list[RequestOutput]:
         if self.config.task == "embed":
             raise ValueError("this LLM computes embeddings (task=\"embed\"): use LLM.embed")
         params = as_params_list(self.get_default_sampling_params() if sampling_params is None else sampling_params,
                                 len(prompts))
         wire = {id(sp): sp.to_protocol() for sp in params}  # checked as they are now, once per object
         per_prompt = per_prompt or {}
-        requests = [self._request(i, prompt, sp, wire[id(sp)], **{k: v[i] for k, v in per_prompt.items()})
+        names = [lora.lora_name if lora is not None else "" for lora in loras] or [""] * len(prompts)
+        requests = [self._request(i, prompt, sp, wire[id(sp)], lora_name=names[i],
+                                  **{k: v[i] for k, v in per_prompt.items()})
                     for i, (prompt, sp) in enumerate(zip(prompts, params))]
+        if self.adapters is not None:
+            self._send_adapters(new_adapters(self.adapters, loras))
         self._watch()
         pending: dict[str, PendingRequest] = {}
         results: list[Optional[RequestOutput]] = [None] * len(prompts)
@@ -306,7 +337,7 @@ class LLM:
 
     def _request(self, index: int, prompt: Prompt, sp: SamplingParams, sampling: m.SamplingParams,
                  priority: int = 0, max_queue_time_s: Optional[float] = None, deadline_s: Optional[float] = None,
-                 tenant: Optional[str] = None) -> m.AddRequest:
+                 tenant: Optional[str] = None, lora_name: str = "") -> m.AddRequest:
         refusal = priority_refusal(self.config.scheduling_policy, priority)
         if refusal is not None:
             raise InvalidField("priority", f"{refusal} (prompt {index})")
@@ -319,7 +350,8 @@ class LLM:
             check_engine_limits(sp, self.config.max_logprobs, self.config.max_num_seqs)
             add = m.AddRequest(request_id=f"offline-{next(self._ids)}", prompt_token_ids=ids,
                                sampling=sampling, eos_token_ids=self.eos_token_ids, priority=priority,
-                               max_queue_time_s=max_queue_time_s, deadline_s=deadline_s, tenant=tenant or "")
+                               max_queue_time_s=max_queue_time_s, deadline_s=deadline_s, tenant=tenant or "",
+                               lora_name=lora_name)
             check_request(add, self.vocab_size)
         except InvalidField as exc:
             raise InvalidField(exc.field, f"{exc.reason} (prompt {index})") from None

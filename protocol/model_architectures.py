@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen_moe",
     "Qwen3MoeForCausalLM": "qwen_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # A mixture of experts' expert count, by the name its family's config.json gives it.
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts")

@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
+from pagedserve.protocol.gguf_file import LOAD_FORMATS
 from pagedserve.protocol.quantization import METHODS as QUANTIZATION_METHODS
 from pagedserve.protocol.priority import MAX_LIMIT_S, SCHEDULING_POLICIES, parse_tenant_weights
 from pagedserve.protocol.speculative import SpeculativeConfigError, parse_speculative_config
@@ -224,6 +225,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("quantization", str, None, "the checkpoint's quantization method, read from its config.json's "
            "quantization_config (compressed-tensors: int4 / int8 weights, W8A8); given, it must match the "
            "checkpoint's (default: the checkpoint's)", choices=QUANTIZATION_METHODS, aliases=("-q",), to=_W),
+    Option("load_format", str, "auto", "the model's format: safetensors (an HF directory), gguf (a .gguf file, or a "
+           "directory holding one: architecture, hyperparameters and tokenizer from its metadata; Q8_0 / Q4_0 "
+           "run as int8 / int4 weights, other quantized types dequantized at load), or auto: gguf for a .gguf "
+           "file or a directory of one without config.json", choices=LOAD_FORMATS),
+    Option("tokenizer", str, None, "a GGUF model's tokenizer: this HF directory's instead of the one in the "
+           "file's metadata", metavar="DIR"),
     Option("max_model_len", int, None, "prompt + output token limit (default: the model's "
            "max_position_embeddings)", (lambda v: v >= 2, "must be at least 2"), to=_S | _F),
     Option("tensor_parallel_size", int, 1, "workers (devices) per replica", _POSITIVE,

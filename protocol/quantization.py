@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 METHODS = ("compressed-tensors",)  # --quantization's choices
+# Formats a family's own loader dequantizes at load (the model then computes in its dtype): gpt-oss's
+# experts in MXFP4 (worker_proc/models/gpt_oss.py), as the hub ships them.
+DEQUANTIZED_AT_LOAD = {"mxfp4": ("GptOssForCausalLM",)}
 PACKED, INT8_FORMATS = "pack-quantized", ("int-quantized", "naive-quantized")
 GROUP_SIZES_INT4 = (32, 64, 128, 256)  # torch's int4 weight op takes these
 
@@ -75,6 +78,19 @@ def _one_scheme(qc: dict) -> tuple[dict, str]:
     return schemes[0], fmt
 
 
+def _dequantized_at_load(model_config: dict, method: str, requested: Optional[str]) -> None:
+    """None (nothing for the linear layers to run quantized) where the model's family dequantizes
+    ``method`` itself; a one-line refusal for any other architecture, or another --quantization."""
+    families = DEQUANTIZED_AT_LOAD[method]
+    if not any(a in families for a in model_config.get("architectures") or []):
+        raise _fail(f"quant_method {method!r} is served for {', '.join(families)} only (its experts are "
+                    f"dequantized at load)")
+    if requested is not None:
+        raise QuantizationConfigError(f"--quantization {requested} does not match the checkpoint's "
+                                      f"quant_method {method!r}")
+    return None
+
+
 def parse_quantization_config(model_config: dict, requested: Optional[str] = None) -> Optional[QuantizationSpec]:
     """The checkpoint's scheme (None: not quantized). ``requested``: ``--quantization``, which must
     name the checkpoint's own method. Raises QuantizationConfigError (one line)."""
@@ -90,6 +106,8 @@ def parse_quantization_config(model_config: dict, requested: Optional[str] = Non
     if not isinstance(qc, dict):
         raise _fail(f"must be an object, got {type(qc).__name__}")
     method = qc.get("quant_method")
+    if method in DEQUANTIZED_AT_LOAD:
+        return _dequantized_at_load(model_config, method, requested)
     if method not in METHODS:
         raise _fail(f"quant_method {method!r} is not supported (supported: {', '.join(METHODS)})")
     if requested is not None and requested != method:

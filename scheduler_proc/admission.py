@@ -21,6 +21,7 @@ from pagedserve.scheduler_proc import prefix_cache
 from pagedserve.scheduler_proc.block_manager import BlockManager
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.grammar_cache import compile_for
+from pagedserve.scheduler_proc.lora_slots import lora_refusal
 from pagedserve.scheduler_proc.request import Sequence
 
 
@@ -81,12 +82,15 @@ class NewRequestVerdict:
                              len(msg.prompt_token_ids)) for i in indices]
 
 
-def judge_new(msg: AddRequest, config: SchedulerConfig, in_use, grammars, num_waiting: int) -> NewRequestVerdict:
-    """Checked in order: what can never be served, an id in use, a grammar that does not compile
-    (all 400s), then load shedding (429)."""
+def judge_new(msg: AddRequest, config: SchedulerConfig, in_use, grammars, num_waiting: int,
+              adapters: dict) -> NewRequestVerdict:
+    """Checked in order: what can never be served, an id in use, a LoRA adapter not registered
+    (``adapters``, by name), a grammar that does not compile (all 400s), then load shedding (429)."""
     reason = rejection_reason(msg, config)
     if reason is None and msg.request_id in in_use:
         reason = f"request id {msg.request_id!r} is already in use"
+    if reason is None:
+        reason = lora_refusal(msg, config.enable_lora, adapters)
     if reason is not None:
         return NewRequestVerdict(reason)
     compiled, reason = compile_for(grammars, msg.sampling.structured_outputs)

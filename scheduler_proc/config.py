@@ -35,9 +35,11 @@ class SchedulerConfig:
     default_deadline_s: Optional[float] = None  # deadline policy: a request without one is ordered by arrival + this
     tenant_weights: Optional[str] = None  # fair policy: NAME=WEIGHT,... (protocol/priority.py); None: all 1
     speculative: Optional[SpeculativeConfig] = None  # --speculative-config (speculation.py); None: off
+    enable_lora: bool = False  # requests may name a registered LoRA adapter (lora_slots.py)
+    max_loras: int = 4  # adapters one step may hold: the workers' device slots
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_loras"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

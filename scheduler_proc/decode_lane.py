@@ -137,7 +137,7 @@ class DecodeLane:
 
     def note_keys(self, pos: int, seq: "Sequence") -> None:
         keys = seq.block_keys
-        self.key_hash[pos] = keys[-1][2] if keys else 0
+        self.key_hash[pos] = keys[-1][2] if keys else seq.request.prefix_seed
         self.num_keyed[pos] = len(keys)
 
     def sync(self, pos: int) -> None:

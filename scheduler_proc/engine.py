@@ -101,6 +101,9 @@ class EngineLoop:
     def _send_next_step(self) -> None:
         """Schedule a step and send it; then the ends the step's clock decided (time limits)."""
         out = self.scheduler.schedule()
+        lora_step = self.scheduler.take_lora_step()
+        if lora_step is not None:  # its adapter changes, applied before its forward (recorded, replayed)
+            self._broadcast(lora_step)
         self.pending.append(out)
         self._broadcast(out)
         self.sent_at[out.step] = time.perf_counter()
@@ -210,8 +213,10 @@ class EngineLoop:
         config = cfg.scheduler_config(num_gpu_blocks, num_cpu_blocks, vocab_size)
         if self.scheduler is None or self.scheduler.config != config:
             # A recovered replica keeps its Scheduler (fail_all left it clean) so step
-            # numbers keep increasing; only a different cache or model needs a new one.
-            self.scheduler = Scheduler(config, grammar_cache_for(self.grammar_loader, vocab_size))
+            # numbers keep increasing; only a different cache or model needs a new one, which
+            # takes over the registered LoRA adapters (and re-sends them to the new workers).
+            old = self.scheduler.lora_adapters() if self.scheduler is not None else ()
+            self.scheduler = Scheduler(config, grammar_cache_for(self.grammar_loader, vocab_size), lora_adapters=old)
             self.grammar_gate.cache = self.scheduler.grammars
         self.state = "draining" if self.draining else "ready"
         log.info("replica %d ready: %d device blocks, %d host blocks of %d tokens",
@@ -347,7 +352,9 @@ class EngineLoop:
                 for msg in self.grammar_gate.admit(self.inputs.recv_nowait() if busy else self._wait_input()):
                     self._handle_input(msg)
                 self._answer_rejected_requests()
-                if self.scheduler.has_unfinished() or self.pending:
+                # Adapter changes with nothing to compute go out in an empty step: the workers read a
+                # registered adapter ahead of its first request, and drop an unloaded one.
+                if self.scheduler.has_unfinished() or self.pending or self.scheduler.has_lora_changes():
                     self.step(back_to_back=busy)
                 elif not busy:
                     self._check_worker_pids()  # a worker that dies while idle is replaced at once

@@ -59,6 +59,7 @@ class _EngineConfigRules:
             max_waiting_requests=self.max_waiting_requests, max_queue_time_s=self.max_queue_time_s,
             default_deadline_s=self.default_deadline_s, tenant_weights=self.tenant_weights,
             speculative=parse_speculative_config(self.speculative_config),
+            enable_lora=self.enable_lora, max_loras=self.max_loras,
         )
 
     def trace_config(self) -> dict:

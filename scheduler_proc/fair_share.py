@@ -166,8 +166,8 @@ class FairPolicy(FcfsPolicy):
         if len(self._live) <= 1 or not len(sched.running):
             return None
         candidate = self.next_to_start(sched.swapped, sched.waiting)
-        if candidate is None or fits_now(sched, candidate):
-            return None
+        if candidate is None or fits_now(sched, candidate) or sched.lora_must_wait(candidate):
+            return None  # (one waiting for a LoRA slot would not start for the blocks a victim frees)
         victim = sched.running.max_by(self._key())  # a scan of the running set: only when one waits
         request, counters = candidate.request, self.counters
         cost = (PROMPT_WEIGHT * request.num_prompt_tokens + OUTPUT_WEIGHT * request.sampling.max_tokens) \

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from pagedserve.protocol import messages as m
+
+log = logging.getLogger("pagedserve.scheduler")
 
 
 def apply_frontend_message(sched, msg, draining: bool) -> tuple[list[m.RequestDelta], bool]:
@@ -14,6 +18,14 @@ def apply_frontend_message(sched, msg, draining: bool) -> tuple[list[m.RequestDe
         return sched.add_request(msg), draining
     if isinstance(msg, m.AbortRequest):
         return sched.abort_requests(msg.request_ids), draining
+    if isinstance(msg, (m.LoadLoRA, m.UnloadLoRA)):
+        if sched.lora is None:  # a frontend started with --enable-lora beside a scheduler without it
+            log.warning("ignoring %s: this scheduler was started without --enable-lora", type(msg).__name__)
+            return [], draining
+        if isinstance(msg, m.LoadLoRA):
+            sched.register_lora(msg.adapter)
+            return [], draining
+        return sched.unregister_lora(msg.name), draining
     if isinstance(msg, m.Drain):
         return [], True
     if isinstance(msg, m.FrontendStarted):

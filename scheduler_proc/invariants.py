@@ -1,4 +1,4 @@
-"""A full consistency check of the scheduler and its block pools, for debug runs and tests.
+"""A full consistency check of the scheduler, its block pools and its LoRA slots, for debug runs and tests.
 
 O(blocks + tokens): run it after every step only with ``debug_invariants``.
 """
@@ -115,6 +115,8 @@ def check(sched: "Scheduler", out: Optional["SchedulerOutput"] = None) -> None:
     if len(ids) != len(set(ids)):
         _fail(f"a sequence id is queued twice: {sorted(i for i in ids if ids.count(i) > 1)}")
     _check_requests(sched, set(ids))
+    if sched.lora is not None:  # slot references = admitted sequences per adapter; running ones' adapters in a slot
+        sched.lora.check([*live, *sched.swapped], live, sched.waiting, _fail)
     _check_fresh_blocks(sched, live, out)
 
 

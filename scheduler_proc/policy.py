@@ -118,8 +118,8 @@ class PriorityPolicy(FcfsPolicy):
             return None
         key = self._key()
         candidate = self.next_to_start(sched.swapped, sched.waiting)
-        if candidate is None or fits_now(sched, candidate):
-            return None
+        if candidate is None or fits_now(sched, candidate) or sched.lora_must_wait(candidate):
+            return None  # (one waiting for a LoRA slot would not start for the blocks a victim frees)
         victim = sched.running.max_by(key)  # a scan of the running set: only when one waits
         return victim if key(victim)[0] > key(candidate)[0] else None
 

@@ -8,6 +8,10 @@ Carrying ``own`` means the next block's parent is read, not recomputed. The cach
 dict on those keys, so equal-hash collisions of different tokens are told apart by
 equality; only a 64-bit collision of two *parent* hashes could alias, as in vLLM.
 
+A request computed by a LoRA adapter starts its chain at ``adapter_seed(digest)`` instead of 0
+(protocol/block_hash.py, as the router does): its KV differs from the base model's for the same
+tokens, so no two adapters (nor an adapter and the base model) ever share a block.
+
 A block is published only after the step that computes its last token has run
 (``register_computed``), so a hit never points at KV that is not yet written.
 """
@@ -30,7 +34,7 @@ def lookup(pool: BlockPool, seq: Sequence, block_size: int) -> tuple[list[int], 
     max_blocks = (len(tokens) - 1) // block_size
     hits: list[int] = []
     keys: list = []
-    parent = 0
+    parent = seq.request.prefix_seed  # 0, or its LoRA adapter's: adapters never share a prompt's blocks
     for i in range(max_blocks):
         key = block_key(parent, tokens[i * block_size:(i + 1) * block_size].tobytes())
         block = pool.lookup(key)
@@ -53,7 +57,7 @@ def register_computed(pool: BlockPool, seq: Sequence, block_size: int) -> None:
         return
     tokens = seq.token_ids
     blocks = seq.block_ids
-    parent = keys[-1][2] if keys else 0
+    parent = keys[-1][2] if keys else seq.request.prefix_seed
     for i in range(len(keys), num_full):
         key = block_key(parent, tokens[i * block_size:(i + 1) * block_size].tobytes())
         keys.append(key)

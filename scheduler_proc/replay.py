@@ -1,7 +1,8 @@
 """Replays a trace's frontend messages and step results into a fresh Scheduler.
 
 The scheduler is deterministic given its arrivals and step results, so every
-SchedulerOutput it builds must equal the recorded one byte for byte. A step recorded before
+SchedulerOutput it builds must equal the recorded one byte for byte, and so must the LoRAStep
+recorded just before it (a step without one must have none here either). A step recorded before
 the previous step's result (async scheduling) is scheduled at the same point here, so the
 replayed scheduler decides ahead exactly where the recorded one did. Run as
 ``python -m pagedserve.scheduler_proc.replay TRACE`` (``pagedserve replay --scheduler-only``).
@@ -90,6 +91,7 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
         raise TraceError(f"{trace_path}: the header's hello is not a valid frame: {exc}") from None
     sched: Optional[Scheduler] = None
     outs: deque[m.SchedulerOutput] = deque()  # replayed steps whose results are not yet applied
+    lora_step: Optional[tuple[m.LoRAStep, bytes]] = None  # recorded ahead of the next SchedulerOutput
     draining = False
     steps = 0
     for index, (direction, payload) in enumerate(trace.records):
@@ -102,7 +104,10 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
                     if model and loader is None and os.path.isdir(model):
                         loader = GrammarBackendLoader(model)
                     sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks),
-                                      grammar_cache_for(loader, vocab_size))
+                                      grammar_cache_for(loader, vocab_size),
+                                      lora_adapters=sched.lora_adapters() if sched is not None else ())
+                elif isinstance(msg, m.LoRAStep):
+                    lora_step = (msg, payload)
                 elif isinstance(msg, m.SchedulerOutput):
                     _require(sched, trace_path, where)
                     out = sched.schedule(msg.now_s)  # the recorded clock: time limits decide alike
@@ -111,6 +116,10 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
                     if encode(out) != payload:
                         return SchedulerReplayReport(steps, f"step {msg.step} ({where}): "
                                                      + first_difference(msg, out))
+                    mismatch = _lora_difference(lora_step, sched.take_lora_step(), msg.step)
+                    lora_step = None
+                    if mismatch:
+                        return SchedulerReplayReport(steps, mismatch)
             elif direction == "from_frontend":
                 _require(sched, trace_path, where)
                 msg = from_frontend.decode(payload)
@@ -140,6 +149,20 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
         except Exception as exc:  # a scheduler bug or an inconsistent trace: report, don't crash
             return SchedulerReplayReport(steps, f"{where}: the scheduler raised {type(exc).__name__}: {exc}")
     return SchedulerReplayReport(steps, torn_tail=trace.torn_tail)
+
+
+def _lora_difference(recorded: Optional[tuple[m.LoRAStep, bytes]], replayed: Optional[m.LoRAStep],
+                     step: int) -> Optional[str]:
+    """How the LoRAStep recorded before step ``step`` differs from the replayed one; None: identical."""
+    if recorded is None and replayed is None:
+        return None
+    if recorded is None:
+        return f"step {step}: replayed a LoRAStep {replayed!r}, none was recorded"
+    if replayed is None:
+        return f"step {step}: recorded a LoRAStep {recorded[0]!r}, none was replayed"
+    if encode(replayed) != recorded[1]:
+        return f"step {step}'s LoRAStep: " + first_difference(recorded[0], replayed)
+    return None
 
 
 def _require(sched: Optional[Scheduler], path: str, where: str) -> None:

@@ -13,6 +13,7 @@ from typing import Iterable
 
 from msgspec.structs import replace
 
+from pagedserve.protocol.block_hash import adapter_seed
 from pagedserve.protocol.messages import AddRequest, SamplingParams
 
 from pagedserve.scheduler_proc.config import MAX_PARALLEL_SAMPLES
@@ -72,10 +73,12 @@ class Request:
         "spec_k",
         "pooling",
         "pooled",
+        "lora",
+        "prefix_seed",
     )
 
     def __init__(self, msg: AddRequest, arrival_number: int, seed: int, len_limit: int,
-                 compiled_grammar=None, arrival_time: float = 0.0, spec_k: int = 0):
+                 compiled_grammar=None, arrival_time: float = 0.0, spec_k: int = 0, lora=None):
         self.request_id = msg.request_id
         self.arrival_number = arrival_number
         self.priority = msg.priority  # lower first, under the priority policy (policy.py)
@@ -110,6 +113,14 @@ class Request:
         self.spec_k = spec_k  # proposals per step its samples may verify (speculation.py); 0: none
         self.pooling = msg.pooling  # an embedding request: computed, pooled, never sampled (pooling.py)
         self.pooled = None  # its pooled chunks so far (pooling.py)
+        self.lora = None  # the LoRAAdapter that computes it (lora_slots.py); None: the base model
+        self.prefix_seed = 0  # its first prefix-cache block's parent: the adapter's (protocol/block_hash.py)
+        self.bind_lora(lora)
+
+    def bind_lora(self, adapter) -> None:
+        """The adapter that computes this request, and so names its prefix-cache blocks."""
+        self.lora = adapter
+        self.prefix_seed = 0 if adapter is None else adapter_seed(adapter.digest)
 
 
 def _fields(params: SamplingParams) -> dict:
@@ -149,6 +160,7 @@ class Sequence:
         "lane_pos",
         "grammar",
         "spec",
+        "lora_slot",
     )
 
     def __init__(self, seq_id: str, request: Request, index: int, token_ids: array,
@@ -185,6 +197,7 @@ class Sequence:
         # Its own matcher (grammar.py) when constrained and sampling; a parent only computes the prompt.
         self.grammar = request.grammar.new_matcher() if request.grammar is not None and not is_parent else None
         self.spec = SpecState() if request.spec_k and not is_parent else None  # speculation.py
+        self.lora_slot = -1  # the LoRA slot it holds a reference on while admitted (lora_slots.py); -1: none
 
     @property
     def target_len(self) -> int:

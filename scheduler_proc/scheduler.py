@@ -13,7 +13,9 @@ Each ``schedule()``:
 2. Only in a step that preempted nothing: swapped sequences resume and waiting ones are admitted
    in the policy's order; the first that does not fit stops admission, so nothing overtakes it.
    (A preempting step's freed blocks must not become swap-in destinations that a copy or zero
-   listed in the same step would touch.)
+   listed in the same step would touch.) A waiting sequence whose LoRA adapter must wait for a
+   slot (lora_slots.py) is set aside instead: the ones behind it may start, and a resident adapter
+   drains until its slot frees for it, so its wait is bounded.
 
 Helpers answer questions and return decisions (admission.py, output_processor.py, policy.py,
 speculation.py); only this class applies them to the queues, sequences, blocks and counters: a
@@ -27,9 +29,9 @@ import random
 import time
 from bisect import insort
 from collections import deque
-from typing import Optional
+from typing import Iterable, Optional
 
-from pagedserve.protocol.messages import AddRequest, RequestDelta, SchedulerOutput, StepResult
+from pagedserve.protocol.messages import AddRequest, LoRAAdapter, LoRAStep, RequestDelta, SchedulerOutput, StepResult
 from pagedserve.protocol.priority import QUEUE_TIMEOUT
 
 from pagedserve.scheduler_proc import admission, invariants, output_processor, prefix_cache
@@ -40,6 +42,7 @@ from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.deadlines import RequestTimes, queue_timeout_message
 from pagedserve.scheduler_proc.decode_lane import lane_kind
 from pagedserve.scheduler_proc.grammar import step_bitmask
+from pagedserve.scheduler_proc.lora_slots import NO_SLOT, LoRASlots, unloaded_message
 from pagedserve.scheduler_proc.policy import policy_for
 from pagedserve.scheduler_proc.request import FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, token_array
 from pagedserve.scheduler_proc.running import RunningSequences, by_order
@@ -49,7 +52,8 @@ from pagedserve.scheduler_proc.step import SchedulerStateError, StepOutputs, Ste
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, grammars=None, policy=None, clock=time.monotonic, proposer=None):
+    def __init__(self, config: SchedulerConfig, grammars=None, policy=None, clock=time.monotonic, proposer=None,
+                 lora_adapters: Iterable[LoRAAdapter] = ()):
         self.config = config
         self.grammars = grammars  # CompiledGrammarCache (grammar_cache.py); None: structured output refused
         self.policy = policy_for(config) if policy is None else policy
@@ -64,7 +68,11 @@ class Scheduler:
         self._arrivals = 0
         self.cache_events = CacheEventLog()  # for the frontend's cache-aware router
         self.speculator = speculator_for(config.speculative, proposer)  # None: no speculative decoding
+        # The registered LoRA adapters and the slots they occupy; they outlive fail_all (None: LoRA off).
+        self.lora = LoRASlots(config.max_loras) if config.enable_lora else None
         self._reset_state()
+        for adapter in lora_adapters:  # a predecessor's, when the engine replaces this scheduler
+            self.register_lora(adapter)
 
     def _reset_state(self) -> None:
         self.bm = BlockManager(self.config)
@@ -78,7 +86,8 @@ class Scheduler:
         self._invariant_blocks = (set(), set())  # the tables' blocks at the last check (invariants.py)
 
     def add_request(self, msg: AddRequest) -> list[RequestDelta]:
-        verdict = admission.judge_new(msg, self.config, self.requests, self.grammars, len(self.waiting))
+        adapters = self.lora.registered if self.lora is not None else {}
+        verdict = admission.judge_new(msg, self.config, self.requests, self.grammars, len(self.waiting), adapters)
         if verdict.reason is not None:
             self.counters.num_requests_shed += verdict.kind == "overloaded"
             self.counters.num_finished += 1
@@ -86,8 +95,11 @@ class Scheduler:
         compiled = verdict.compiled
         seed = self._rng.getrandbits(63) if msg.sampling.seed is None else msg.sampling.seed
         self._arrivals += 1
+        lora = adapters[msg.lora_name] if msg.lora_name else None
         request = Request(msg, self._arrivals, seed, self.len_limit, compiled,
-                          spec_k=spec_k_for(self.speculator, msg, compiled))  # proposals per step
+                          spec_k=spec_k_for(self.speculator, msg, compiled), lora=lora)  # proposals per step
+        if lora is not None:
+            self.lora.bind(lora)
         self.times.arrived(request)
         self.policy.arrived(request)
         self.counters.structured_output_requests += compiled is not None
@@ -105,6 +117,41 @@ class Scheduler:
             if request is not None:
                 deltas.extend(self._end(request, "abort"))
         return deltas
+
+    def register_lora(self, adapter: LoRAAdapter) -> None:
+        """``LoadLoRA``: requests may name ``adapter`` from now on. Replacing a name's adapter (another
+        digest) moves the requests of the old one that have not started to the new one; the started
+        ones finish with the weights they started with."""
+        old = self.lora.register(adapter)
+        if old is None:
+            return
+        for request in self.requests.values():
+            if request.lora == old and not _started(request):
+                self.lora.closed(old)
+                request.bind_lora(adapter)
+                self.lora.bind(adapter)
+
+    def unregister_lora(self, name: str) -> list[RequestDelta]:
+        """``UnloadLoRA``: no new request may name it; its requests that have not started end with an
+        error naming it, and the started ones finish (the workers forget it after the last)."""
+        old = self.lora.unregister(name)
+        if old is None:
+            return []
+        return [delta for request in [r for r in self.requests.values() if r.lora == old and not _started(r)]
+                for delta in self._end(request, "error", unloaded_message(name), "invalid_request")]
+
+    def lora_adapters(self) -> list[LoRAAdapter]:
+        """The registered adapters, in registration order (for a scheduler that replaces this one)."""
+        return list(self.lora.registered.values()) if self.lora is not None else []
+
+    def has_lora_changes(self) -> bool:
+        """Whether the workers have adapter changes to hear of (registered, unloaded) before any step."""
+        return self.lora is not None and self.lora.has_changes()
+
+    def take_lora_step(self) -> Optional[LoRAStep]:
+        """The LoRA changes of the step ``schedule()`` just returned, to send right before it; None
+        when it has none (always, without --enable-lora: the workers get exactly the frames they did)."""
+        return self.lora.take_step(self._step) if self.lora is not None else None
 
     def _end(self, request: Request, finish: str, error=None, error_kind=None) -> list[RequestDelta]:
         for seq in request.sequences:  # wherever they are
@@ -124,6 +171,8 @@ class Scheduler:
         deltas = [d for request in list(self.requests.values())
                   for d in self._end_request(request, "error", reason, "engine")]
         self._reset_state()  # a fresh cache: the new workers hold nothing
+        if self.lora is not None:
+            self.lora.workers_replaced()
         return deltas
 
     def _end_request(self, request: Request, finish: str, error, error_kind) -> list[RequestDelta]:
@@ -137,6 +186,8 @@ class Scheduler:
     def _close(self, request: Request) -> None:
         del self.requests[request.request_id]
         self.policy.closed(request)
+        if request.lora is not None:
+            self.lora.closed(request.lora)
         self.counters.count_closed(request)
         request.sequences = []  # break the request <-> sequence cycle: freed without the collector
         self.counters.num_finished += 1
@@ -152,8 +203,10 @@ class Scheduler:
         self._forget(seq)
 
     def _forget(self, seq: Sequence) -> None:
-        """``seq`` is off every queue: its blocks back, the workers told."""
+        """``seq`` is off every queue: its blocks and LoRA slot back, the workers told."""
         self.bm.free(seq)
+        if seq.lora_slot != NO_SLOT:
+            self.lora.release(seq)
         if seq.worker_knows:
             self.finished_ids.append(seq.seq_id)
             seq.worker_knows = False
@@ -171,6 +224,9 @@ class Scheduler:
         """A running parent that computed prompt[:-1] gives way to its n children, sharing its blocks."""
         children = output_processor.children_of(parent)
         self.bm.fork(parent, children)
+        if parent.lora_slot != NO_SLOT:  # all samples of a request share its adapter
+            for child in children:
+                self.lora.share(child, parent.lora_slot)
         self.running.replace(parent, children)
         self._forget(parent)  # its blocks are the children's now
         parent.request.sequences = children
@@ -385,6 +441,8 @@ class Scheduler:
             return
         seq.recompute_until = max(seq.recompute_until, seq.num_kv_tokens)
         self.bm.free(seq)
+        if seq.lora_slot != NO_SLOT:  # it comes back as a new request, with a slot again
+            self.lora.release(seq)
         seq.num_kv_tokens = 0
         seq.block_keys = []
         seq.shared_tail = False
@@ -395,12 +453,34 @@ class Scheduler:
     def seats_free(self) -> int:
         return self.config.max_num_seqs - self.running.num_seats
 
+    def lora_must_wait(self, seq: Sequence) -> bool:
+        """Whether ``seq`` cannot start for its LoRA adapter (no slot, or being drained): only a
+        waiting one; a swapped one still holds its slot."""
+        return seq.request.lora is not None and seq.status == WAITING and self.lora.must_wait(seq.request.lora)
+
     def _start_swapped_and_waiting(self, batch: StepPlan) -> None:
-        """In the policy's order (FCFS: swapped ones first); the first that does not fit stops the rest."""
+        """In the policy's order (FCFS: swapped ones first); the first that does not fit stops the
+        rest, except a waiting one whose LoRA adapter must wait for a slot: it and its adapter's
+        other waiting sequences are set aside for this step (the policy sees the queue without
+        them), so base-model and resident adapters' requests behind it are not held up by it."""
+        if self.seats_free() <= 0:  # nothing can start (and the waiting need not be walked for set-asides)
+            return
+        held: set[LoRAAdapter] = set()
+        waiting: deque | WaitingWithout = self.waiting
         while True:
-            seq = self.policy.next_to_start(self.swapped, self.waiting)
-            if seq is None or self.seats_free() < admission.seats_needed(seq):
+            seq = self.policy.next_to_start(self.swapped, waiting)
+            if seq is None:
+                if held:
+                    self.lora.pass_complete(held)
                 return
+            if self.seats_free() < admission.seats_needed(seq):
+                return
+            if self.lora_must_wait(seq):
+                self.lora.hold_back(seq.request.lora)
+                if not held:
+                    waiting = WaitingWithout(self.waiting, held)  # sees ``held`` grow
+                held.add(seq.request.lora)
+                continue
             if seq.status == SWAPPED:
                 num_tokens = admission.tokens_to_resume(seq, self.bm, batch.budget, self.config.enable_chunked_prefill)
                 if not num_tokens:
@@ -435,6 +515,8 @@ class Scheduler:
         seq.num_cached_tokens = request.num_cached_tokens
         self.bm.allocate(seq, plan.hits, plan.num_blocks)
         seq.block_keys = plan.keys
+        if request.lora is not None:
+            self.lora.acquire(seq, request.lora)
         seq.num_kv_tokens = plan.num_computed
         self.running.add(seq)
         if plan.num_tokens > 0:
@@ -459,6 +541,8 @@ class Scheduler:
 
     def _finish_step(self, batch: StepPlan) -> SchedulerOutput:
         self._update_after_schedule(batch)
+        if self.lora is not None:
+            self.lora.step_planned(batch.request_slots)
         decodes = self.running.steady_batch()
         zero, copies = self.bm.drain()
         finished, self.finished_ids = self.finished_ids, []
@@ -480,3 +564,44 @@ class Scheduler:
         if self.config.debug_invariants:
             self.check_invariants(out)
         return out
+
+
+def _started(request: Request) -> bool:
+    """Whether any sequence of ``request`` was ever admitted (a fork's children were, at birth)."""
+    return any(seq.status != WAITING or seq.num_preemptions for seq in request.sequences)
+
+
+class WaitingWithout:
+    """The waiting queue as a policy sees it while the sequences of ``held`` adapters are set aside
+    for the rest of an admission pass: what ``next_to_start`` reads of a queue (truth, ``[0]``,
+    iteration), in order. During a pass the queue only loses the sequences admitted from it, so a
+    snapshot with a cursor past the head's set-aside ones costs O(waiting) per pass, not per admission."""
+
+    __slots__ = ("seqs", "held", "start")
+
+    def __init__(self, queue: deque, held: set):
+        self.seqs, self.held, self.start = list(queue), held, 0
+
+    def _visible(self, seq: Sequence) -> bool:
+        return seq.status == WAITING and seq.request.lora not in self.held
+
+    def __iter__(self):
+        seqs, visible = self.seqs, self._visible
+        return (seqs[i] for i in range(self.start, len(seqs)) if visible(seqs[i]))
+
+    def __getitem__(self, index: int) -> Sequence:
+        if index != 0:
+            raise IndexError("only the head of the waiting queue is read")
+        seqs, visible = self.seqs, self._visible
+        while self.start < len(seqs) and not visible(seqs[self.start]):
+            self.start += 1
+        if self.start == len(seqs):
+            raise IndexError("no waiting sequence is left")
+        return seqs[self.start]
+
+    def __bool__(self) -> bool:
+        try:
+            self[0]
+        except IndexError:
+            return False
+        return True

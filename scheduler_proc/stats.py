@@ -31,7 +31,7 @@ COUNTERS = (
 # Counters per priority and per tenant, summed when a request ends (not per token: free at any
 # batch size). Tenants past this many share one key, so a flood of names cannot grow the stats.
 BY_CLASS = ("generation_tokens_by_priority", "generation_tokens_by_tenant",
-            "deadline_misses_by_priority", "deadline_misses_by_tenant")
+            "deadline_misses_by_priority", "deadline_misses_by_tenant", "generation_tokens_by_lora")
 
 
 class SchedulerCounters:
@@ -49,6 +49,10 @@ class SchedulerCounters:
         if tokens:
             _add(self.generation_tokens_by_priority, request.priority, tokens)
             _add(self.generation_tokens_by_tenant, _tenant_key(self.generation_tokens_by_tenant, request), tokens)
+            if request.lora is not None:  # runtime loading could name adapters without end: bounded like tenants
+                by_lora = self.generation_tokens_by_lora
+                name = request.lora.name
+                _add(by_lora, name if name in by_lora or len(by_lora) < MAX_TENANT_KEYS else OTHER_TENANTS, tokens)
 
     def count_miss(self, request, missed_first_token: bool) -> None:
         if missed_first_token:
@@ -102,9 +106,21 @@ def snapshot(sched: "Scheduler") -> dict:
         "num_free_cpu_blocks": host.num_free,
         "kv_cache_usage": device.num_used / device.num_blocks,
         "cache_events_sent": sched.cache_events.num_sent,
+        **_lora_gauges(sched, running),
         **sched.counters.as_dict(),
         **(sched.speculator.stats() if sched.speculator is not None else {}),
     }
+
+
+def _lora_gauges(sched: "Scheduler", running: list) -> dict:
+    """vLLM's ``vllm:lora_requests_info`` labels: the adapters with a running / waiting sequence."""
+    if sched.lora is None:
+        return {}
+    def names(seqs) -> list[str]:
+        return sorted({seq.request.lora.name for seq in seqs if seq.request.lora is not None})
+
+    return {"max_lora": sched.config.max_loras, "running_lora_adapters": names(running),
+            "waiting_lora_adapters": names(sched.waiting)}
 
 
 def _count(seqs, key) -> dict:

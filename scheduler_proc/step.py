@@ -22,7 +22,7 @@ class StepPlan:
     plan once it is built (``Scheduler._update_after_schedule``)."""
 
     __slots__ = ("budget", "new", "cached", "sampling_new", "sampling_cached", "others", "scheduled",
-                 "swap_out", "swap_in", "preempted", "num_recomputed", "drafts")
+                 "swap_out", "swap_in", "preempted", "num_recomputed", "drafts", "request_slots")
 
     def __init__(self, token_budget: int):
         self.budget = token_budget  # tokens still free in this step
@@ -40,6 +40,7 @@ class StepPlan:
         self.preempted = False
         self.num_recomputed = 0  # tokens computed again after a recompute-preemption
         self.drafts: dict[str, list[int]] = {}  # speculative proposals by sequence id (speculation.py)
+        self.request_slots: dict[str, int] = {}  # the LoRA slot of each new entry with an adapter (lora_slots.py)
 
     def add(self, seq: Sequence, num_tokens: int, drafts: list[int] = _NO_BLOCKS) -> None:
         """``seq`` computes ``num_tokens`` tokens from its ``num_kv_tokens`` this step, then its
@@ -61,6 +62,8 @@ class StepPlan:
                 _NO_BLOCKS if blocks_sent == len(blocks) else blocks[blocks_sent:], computed, num_tokens, samples))
             (self.sampling_cached if samples else self.others).append(seq)
         else:
+            if seq.lora_slot >= 0:
+                self.request_slots[seq.seq_id] = seq.lora_slot
             self.new.append(NewRequestData(
                 seq.seq_id, tokens.tolist(), seq.num_prompt_tokens, list(seq.block_ids),
                 computed, num_tokens, prompt_lp.sampling_to_send(seq.request, seq.sampling), samples,

@@ -105,6 +105,14 @@ ARCHS: dict[str, dict[str, Any]] = {
     "mixtral": dict(cls="MixtralConfig", model_type="mixtral"),
     "qwen2_moe": dict(cls="Qwen2MoeConfig", model_type="qwen2_moe"),
     "qwen3_moe": dict(cls="Qwen3MoeConfig", model_type="qwen3_moe"),
+    # head_dim 16, a window of 8 on every other layer, the hub's YaRN over 64 original positions (2048 /
+    # 64 = its factor of 32); biases and
+    # attention sinks drawn at random (``bias_std``), so each one changes the tokens
+    "gpt_oss": dict(cls="GptOssConfig", model_type="gpt_oss", bias_std=0.5,
+                    config=dict(head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
+                                                     beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                     original_max_position_embeddings=64))),
     # no native file: served by the transformers backend (worker_proc/models/transformers_backend.py)
     "stablelm": dict(cls="StableLmConfig", model_type="stablelm"),
     "starcoder2": dict(cls="Starcoder2Config", model_type="starcoder2"),
@@ -194,7 +202,7 @@ def build_model_dir(
     )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     _fill_weights(model, seed, config.initializer_range, config.pad_token_id, norm_std,
-                  ARCHS[arch].get("norm_init", 1.0))
+                  ARCHS[arch].get("norm_init", 1.0), ARCHS[arch].get("bias_std", 0.0))
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path, safe_serialization=True)
@@ -205,18 +213,21 @@ def build_model_dir(
 
 
 def _fill_weights(model: Any, seed: int, std: float, pad_token_id: Optional[int], norm_std: float = 0.0,
-                  norm_init: float = 1.0) -> None:
+                  norm_init: float = 1.0, bias_std: float = 0.0) -> None:
     """Every parameter from our own seeded generator, in name order, with HF's init rules
     (matrices ~ N(0, std), biases 0, norm weights 1, the pad token's embedding 0). The values
     then depend on the seed and the parameter names and shapes only, not on how a transformers
     release initializes (5.24 changed it, and with it every golden trace's model). Norm weights are
-    their init value (1, or 0 where the norm scales by 1 + weight), plus noise of ``norm_std``."""
+    their init value (1, or 0 where the norm scales by 1 + weight), plus noise of ``norm_std``.
+    ``bias_std``: biases and attention sinks ~ N(0, bias_std) instead (gpt-oss)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):  # tied weights appear once
-            if name.endswith("bias"):
+            if bias_std and (name.endswith("bias") or name.endswith("sinks")):
+                param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, bias_std, generator=generator))
+            elif name.endswith("bias"):
                 param.zero_()
             elif param.dim() == 1:
                 param.fill_(norm_init)

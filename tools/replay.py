@@ -145,6 +145,8 @@ class WorkerReplay:
             recorded.append("--enforce-eager")
         if self.cfg.get("speculative_config"):
             recorded += ["--speculative-config", self.cfg["speculative_config"]]
+        if self.cfg.get("enable_lora"):  # the adapters themselves come in the trace's LoRAStep frames
+            recorded += ["--enable-lora", "--max-loras", str(self.cfg.get("max_loras", 4))]
         return python_module("pagedserve.worker_proc", "--run-dir", self.run_dir, "--model", self.model,
                              "--rank", str(rank), "--tensor-parallel-size", str(self.tp), "--device", self.device,
                              "--block-size", str(self.cfg.get("block_size", 16)), "--log-level", "WARNING",

@@ -9,6 +9,10 @@ keys). On other devices, and whenever the step's ops are not the torch reference
 CPU, which is how the tests run the Triton kernel inside a real forward pass), everything goes
 to the kernel. The plan is computed once per step and shared by every layer.
 
+Attention sinks (gpt-oss: a learned logit per query head that joins every softmax and weighs no value)
+are computed by every path here: the native kernels, SDPA (as one more key of zeros whose score the
+mask sets), the reference and the Triton kernel; ``sinks`` is None for every other family.
+
 Attention soft-capping (Gemma 2: each scaled score s becomes c * tanh(s / c)) is in the reference
 and the Triton kernel only: SDPA and the native CPU kernels cannot apply it, so on CPU a soft-capped
 layer takes the reference for its whole batch (a Python loop over requests: slower, exact; the worker
@@ -81,29 +85,30 @@ def plan_cpu_attention(num_scheduled: Sequence[int], query_start_loc: Sequence[i
 def attend(ops: ModuleType, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
            v_cache: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
            scale: float, sliding_window: Optional[int], plan: Optional[CpuAttentionPlan],
-           softcap: Optional[float] = None) -> torch.Tensor:
+           softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """paged_attention's contract: query [T, heads, dim] over the step's ragged batch.
 
-    key/value are this step's rows [T, kv_heads, dim], already written to the cache.
+    key/value are this step's rows [T, kv_heads, dim], already written to the cache; ``sinks``
+    [heads] float32, the layer's attention sinks, or None.
     """
     if plan is None or ops is not reference or softcap is not None:
         return ops.paged_attention(query.contiguous(), k_cache, v_cache, block_tables, query_start_loc,
-                                   seq_lens, scale, sliding_window, softcap)
+                                   seq_lens, scale, sliding_window, softcap, sinks)
     if plan.all_decode:
-        return decode_attention(query, k_cache, v_cache, scale, plan.decode_context(sliding_window))
+        return decode_attention(query, k_cache, v_cache, scale, plan.decode_context(sliding_window), sinks)
     rest, native = plan.chunks, None
     if k_cache.dtype == query.dtype and cpu_native.supports_prefill(query, key):
         native = plan.native_prefill(sliding_window)
         rest = native.rest
     elif plan.decode_rows is None and len(rest) == 1 and rest[0].end - rest[0].start == query.shape[0]:
-        return prefill_attention(query, key, value, k_cache, v_cache, rest[0], scale, sliding_window)
+        return prefill_attention(query, key, value, k_cache, v_cache, rest[0], scale, sliding_window, sinks)
     out = torch.empty(query.shape, dtype=query.dtype)
     if native is not None:
-        native.run(query, key, value, k_cache, v_cache, out, scale)
+        native.run(query, key, value, k_cache, v_cache, out, scale, sinks)
     if plan.decode_rows is not None:
         out[plan.decode_rows] = decode_attention(query[plan.decode_rows], k_cache, v_cache, scale,
-                                                 plan.decode_context(sliding_window))
+                                                 plan.decode_context(sliding_window), sinks)
     for c in rest:
         out[c.start:c.end] = prefill_attention(query[c.start:c.end], key[c.start:c.end], value[c.start:c.end],
-                                               k_cache, v_cache, c, scale, sliding_window)
+                                               k_cache, v_cache, c, scale, sliding_window, sinks)
     return out

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_native
+from pagedserve.worker_proc.prefill_attention import with_sink_key
 
 # Gathered K + V of one group, in bytes of float32: about a core's L2. 0.5B shape and demo
 # shape both measured best between 1 and 2 MiB (4-8x slower per key at 8+ MiB).
@@ -148,16 +149,17 @@ def _plan_groups(context: DecodeContext, row_numel: int) -> DecodePlan:
 
 
 def decode_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, context: DecodeContext
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, context: DecodeContext,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """query: [B, q_heads, dim], one token per request; returns [B, q_heads, dim].
 
     Same contract as kernels.reference.paged_attention restricted to one query per request
-    (float32 arithmetic whatever the cache dtype).
+    (float32 arithmetic whatever the cache dtype); ``sinks`` [q_heads]: the layer's attention sinks.
     """
     if cpu_native.supports_decode(query, k_cache):
         return cpu_native.paged_decode_attention(query, k_cache, v_cache, context.native_tables(k_cache.shape[0]),
-                                                 context.first, context.last, scale)
+                                                 context.first, context.last, scale, sinks)
     batch, num_q_heads, head_dim = query.shape
     num_blocks_total, block_size, num_kv_heads = k_cache.shape[:3]
     row_numel = num_kv_heads * head_dim
@@ -184,9 +186,12 @@ def decode_attention(
         # The query heads that share a KV head (consecutive, as HF's repeat_kv pairs them) go
         # in as that head's queries: plain multi-head attention with group-size queries,
         # which CPU SDPA runs ~3x faster than one query per head with enable_gqa.
-        out[g.start:g.end] = F.scaled_dot_product_attention(
-            queries[g.start:g.end], keys.view(shape).float().transpose(1, 2), values.view(shape).float().transpose(1, 2),
-            attn_mask=g.bias, scale=scale)
+        keys, values, bias = (keys.view(shape).float().transpose(1, 2), values.view(shape).float().transpose(1, 2),
+                              g.bias)
+        if sinks is not None:
+            keys, values, bias = with_sink_key(keys, values, bias, sinks.view(1, num_kv_heads, group, 1))
+        out[g.start:g.end] = F.scaled_dot_product_attention(queries[g.start:g.end], keys, values, attn_mask=bias,
+                                                            scale=scale)
     if plan.order is not None:
         out = torch.empty_like(out).index_copy_(0, plan.order, out)
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)

@@ -14,7 +14,6 @@ forward, and proposes after their samples; its cache takes every block operation
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import zlib
@@ -99,7 +98,7 @@ class ModelRunner:
         self.model = implementation.model_class(model_dir, self.spec, self.shard, self.device, self.dtype,
                                                 select_elementwise(self.ops, self.dtype),
                                                 **({} if lora is None else {"lora": lora}))
-        self.lora = None if lora is None else self._lora_slots(model_dir, lora)
+        self.lora = None if lora is None else self._lora_slots(lora)
         if self.model.spec is not self.spec:  # the transformers backend reads the cache's shape off its model
             self.spec = self.model.spec
             self.shard = TensorParallelShard.for_rank(self.spec, tp_rank, tp_size, tp_group)
@@ -117,10 +116,9 @@ class ModelRunner:
         self._speculative = speculative
         self.prune_last_layer = env_switch(PRUNE_ENV) is not False  # input_batch.OutputRows
 
-    def _lora_slots(self, model_dir: str, config: LoRAConfig) -> LoRASlots:
+    def _lora_slots(self, config: LoRAConfig) -> LoRASlots:
         spec, shard, d = self.spec, self.shard, self.spec.head_dim
-        with open(f"{model_dir}/config.json") as f:
-            projections = projection_shapes(json.load(f))
+        projections = projection_shapes(spec.hf_config.to_dict())  # also a .gguf's, which has no config.json
 
         def rank_parts(module: str) -> list[tuple[int, int]]:
             return shard_parts(module, shard.head_rows(d), shard.kv_head_rows(d), shard.intermediate_rows(),

@@ -32,15 +32,15 @@ class NativePrefill:
     rest: list[PrefillChunk]  # the chunks SDPA takes
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+            v_cache: torch.Tensor, out: torch.Tensor, scale: float, sinks: Optional[torch.Tensor] = None) -> None:
         if self.own is not None:
-            cpu_native.prefill_attention(query, key, value, out, *self.own, scale)
+            cpu_native.prefill_attention(query, key, value, out, *self.own, scale, None, None, sinks)
         if self.after_context is not None:
             first, key_first, context, length, slots = self.after_context
             _, _, num_kv_heads, head_dim = k_cache.shape
             keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)  # this step's rows included
             values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
-            cpu_native.prefill_attention(query, keys, values, out, first, length, scale, key_first, context)
+            cpu_native.prefill_attention(query, keys, values, out, first, length, scale, key_first, context, sinks)
 
 
 def plan_native_prefill(chunks: list[PrefillChunk], sliding_window: Optional[int]) -> NativePrefill:

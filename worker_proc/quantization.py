@@ -52,8 +52,13 @@ def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 
 class _Reader:
+    mixed_as_float = False  # one scheme for the whole model: a fused projection half quantized is refused
+
     def __init__(self, source, spec: QuantizationSpec):
         self.source, self.spec = source, spec
+
+    def spec_of(self, prefix: str) -> Optional[QuantizationSpec]:
+        return self.spec if self.is_quantized(prefix) else None
 
     def is_quantized(self, prefix: str) -> bool:
         if prefix + ".weight_packed" in self.source:
@@ -118,23 +123,34 @@ class _Reader:
         return q, scale.contiguous(), None if zero is None else zero.contiguous()
 
 
+def _reader_of(source):
+    """What reads ``source``'s quantized projections: a GGUF's own (a type per tensor), or config.json's scheme's."""
+    own = getattr(source, "quantized_reader", None)
+    if own is not None:
+        return own
+    spec: Optional[QuantizationSpec] = getattr(source, "quantization", None)
+    return None if spec is None else _Reader(source, spec)
+
+
 def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
                     load: Callable[[torch.Tensor], torch.Tensor], bias: Optional[torch.Tensor], layout: WeightLayout,
                     dtype: torch.dtype, device: torch.device, gate_size: int = 0) -> LinearWeight:
     """One (fused) projection: ``prefixes`` (q, k, v or gate, up, or a single one) stacked on their
     output rows, each sliced along ``dim`` by its entry of ``parts``. Float weights take
-    ``LinearWeight.of``; quantized ones a QuantizedLinear of the checkpoint's scheme."""
-    spec: Optional[QuantizationSpec] = getattr(source, "quantization", None)
-    reader = _Reader(source, spec) if spec is not None else None
-    quantized = [reader is not None and reader.is_quantized(p) for p in prefixes]
-    if not any(quantized):
+    ``LinearWeight.of``; quantized ones a QuantizedLinear of their scheme."""
+    reader = _reader_of(source)
+    specs = [None if reader is None else reader.spec_of(p) for p in prefixes]
+    if any(specs) and len(set(specs)) > 1 and reader.mixed_as_float:
+        specs = [None] * len(prefixes)  # a GGUF's parts of different types: all read in float
+    if not any(specs):
         tensors = [source.get(p + ".weight", dim=dim, part=pt) for p, pt in zip(prefixes, parts)]
         weight = load(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
         return LinearWeight.of(weight, bias, layout, gate_size=gate_size)
-    if not all(quantized):
-        mixed = ", ".join(f"{p.rsplit('.', 1)[-1]} {'quantized' if q else 'float'}" for p, q in zip(prefixes, quantized))
+    if not all(specs):
+        mixed = ", ".join(f"{p.rsplit('.', 1)[-1]} {'quantized' if q else 'float'}" for p, q in zip(prefixes, specs))
         raise UnsupportedModelError(f"{prefixes[0].rsplit('.', 1)[0]}: a fused projection mixes quantized and "
                                     f"float weights ({mixed})")
+    spec = specs[0]
     if device.type != "cpu":
         raise UnsupportedModelError(f"quantized checkpoints ({spec.name}) run on CPU only (--device cpu)")
     pieces = [reader.read(p, dim, pt) for p, pt in zip(prefixes, parts)]

@@ -4,7 +4,8 @@ A sharded checkpoint lists which file holds each tensor in
 ``model.safetensors.index.json``; without an index every ``*.safetensors`` file is
 scanned. Slices are read with ``get_slice`` so a tensor-parallel rank never materialises
 the full weight. ``quantization``: config.json's quantization scheme (worker_proc/quantization.py
-loads the projections it covers).
+loads the projections it covers). A model directory made of a GGUF file reads the file instead
+(``open_weights``; worker_proc/gguf_weights.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,17 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.worker_proc.model_config import UnsupportedModelError
+
+
+def open_weights(model_dir: str | Path):
+    """The weights of ``model_dir``: its safetensors, or the GGUF file it was made of."""
+    from pagedserve.protocol.gguf_file import read_source
+
+    if read_source(model_dir) is not None:
+        from pagedserve.worker_proc.gguf_weights import GGUFWeightSource
+
+        return GGUFWeightSource(model_dir)
+    return WeightSource(model_dir)
 
 
 class WeightSource:

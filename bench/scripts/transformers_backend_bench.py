@@ -1,10 +1,12 @@
 """Decode tokens/s of one model natively and through the transformers backend, in one process.
 
-    python bench/scripts/transformers_backend_bench.py [--shape small-llama] [--batch 1 16] [--rounds 3]
+    python bench/scripts/transformers_backend_bench.py [--shape small-llama] [--arch gpt_oss] [--batch 1 16]
 
 A real Scheduler drives each ModelRunner (``--model-impl native`` and ``transformers``) over the same
 random model and prompts; only steps in which every scheduled request decodes one token are timed, in
-``--rounds`` alternated runs of each, the best kept.
+``--rounds`` alternated runs of each, the best kept. ``--arch`` builds the shape as another family
+(gpt_oss: 8 experts of a third of the shape's intermediate size, top 2, a window of 128 on every
+other layer, head_dim = hidden / heads).
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.worker_proc.model_runner import ModelRunner
+
+# The family's own fields at a shape (besides its hidden size, layers and heads).
+ARCH_FIELDS = {
+    "llama": lambda shape: {},
+    "gpt_oss": lambda shape: dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=128,
+                                  intermediate_size=shape["intermediate_size"] // 3,
+                                  head_dim=shape["hidden_size"] // shape["num_heads"]),
+}
 
 
 def decode_tokens_per_s(runner: ModelRunner, batch: int, prompt_len: int, output_len: int) -> float:
@@ -50,6 +60,7 @@ def decode_tokens_per_s(runner: ModelRunner, batch: int, prompt_len: int, output
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="small-llama", choices=sorted(SHAPES))
+    p.add_argument("--arch", default="llama", choices=sorted(ARCH_FIELDS))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
@@ -59,9 +70,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model_dir(tmp, **{"arch": "llama", **SHAPES[args.shape].model})
+        shape = SHAPES[args.shape].model
+        model = build_model_dir(tmp, **{**shape, "arch": args.arch, **ARCH_FIELDS[args.arch](shape)})
         runners = {impl: ModelRunner(str(model), model_impl=impl) for impl in ("native", "transformers")}
-        print(f"{args.shape}, float32, {torch.get_num_threads()} threads; decode tokens/s")
+        print(f"{args.shape} as {args.arch}, float32, {torch.get_num_threads()} threads; decode tokens/s")
         print(f"{'batch':>5} {'native':>9} {'transformers':>13} {'ratio':>6}")
         for batch in args.batch:
             rates = dict.fromkeys(runners, 0.0)

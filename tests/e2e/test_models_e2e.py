@@ -59,12 +59,13 @@ def prefix_cache_hits(srv: Server) -> float:
                if line.startswith("pagedserve_prefix_cache_hits_total"))
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "gpt_oss"])
 def test_family_serves_transformers_greedy_tokens_with_prefix_caching_and_chunked_prefill(arch, model_factory,
                                                                                            tmp_path):
     """Prompts of 8-token steps (chunked prefill) over blocks of 4, the later ones finding their first
     20 tokens cached. Gemma 2's window (8) is shorter than every prompt: its local layers attend
-    over a window while its global layers see everything, with soft-capped scores and logits."""
+    over a window while its global layers see everything, with soft-capped scores and logits. gpt-oss
+    alternates windows of 8 and full layers alike, each with its attention sinks (native kernels)."""
     model = model_factory(arch, norm_std=0.1, seed=20)
     prompts = prompt_ids_sharing_a_prefix(model)
     srv = Server(model, ["--num-gpu-blocks", "128", "--max-model-len", "256", "--max-num-batched-tokens", "8",

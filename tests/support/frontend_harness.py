@@ -10,6 +10,7 @@ sent it is recorded; tests wait on those records through a condition variable.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -23,14 +24,23 @@ import httpx
 import zmq
 
 from pagedserve.protocol.messages import (
-    AbortRequest, AddRequest, FrontendToScheduler, RequestDelta, RequestOutputs,
-    SchedulerStats, ToSupervisor)
+    AbortRequest, AddRequest, FrontendToScheduler, LoadLoRA, RequestDelta, RequestOutputs,
+    SchedulerStats, ToSupervisor, UnloadLoRA)
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender
 from support.server import free_port
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 64
 STATS_PERIOD_S = 0.1
+
+
+async def poll(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait on this event loop until ``condition()`` holds (the frontend's own tasks run meanwhile)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 class FakeReplica:
@@ -44,6 +54,8 @@ class FakeReplica:
         self.heartbeat = True
         self.added: list[AddRequest] = []
         self.aborted: list[str] = []
+        self.lora_frames: list = []  # LoadLoRA / UnloadLoRA, in arrival order
+        self.stats_sent = 0  # heartbeats so far: one sent after a change of stats_fields carries it
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._ctx = zmq.Context()
@@ -73,6 +85,9 @@ class FakeReplica:
                 self._outputs.send(SchedulerStats(replica=self.replica,
                                                   **{"state": "ready", **self.stats_fields}))
                 next_stats = time.monotonic() + STATS_PERIOD_S
+                with self._cond:
+                    self.stats_sent += 1
+                    self._cond.notify_all()
             msg = self._inputs.recv(timeout_ms=20)
             if msg is None:
                 continue
@@ -81,6 +96,8 @@ class FakeReplica:
                     self.added.append(msg)
                 elif isinstance(msg, AbortRequest):
                     self.aborted.extend(msg.request_ids)
+                elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
+                    self.lora_frames.append(msg)
                 self._cond.notify_all()
             if isinstance(msg, AddRequest):
                 self._answer(msg)

@@ -4,14 +4,19 @@ weights as the engine under test, loaded once per model dir."""
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 
 
 @lru_cache(maxsize=8)
 def hf_model_and_tokenizer(model_dir: str):
+    """``model_dir``: an HF directory, or a ``.gguf`` file (transformers' GGUF loader dequantizes it)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    kwargs = {}
+    if model_dir.endswith(".gguf"):
+        model_dir, kwargs = str(Path(model_dir).parent), {"gguf_file": Path(model_dir).name}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32", **kwargs).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir, **kwargs)
     return model, tok
 
 

@@ -12,19 +12,12 @@ from pagedserve.frontend_proc.router import Router
 from pagedserve.protocol.messages import (AbortRequest, AddRequest, FrontendStarted, FrontendToScheduler,
                                           SamplingParams, SchedulerStats)
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
+from support.frontend_harness import poll
 
 
 def add(request_id: str) -> AddRequest:
     return AddRequest(request_id=request_id, prompt_token_ids=[5, 6], sampling=SamplingParams(max_tokens=4),
                       eos_token_ids=[2])
-
-
-async def poll(condition, timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def test_a_new_scheduler_pid_fails_that_replicas_in_flight_requests_and_aborts_them_there(tmp_path):

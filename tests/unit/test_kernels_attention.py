@@ -137,3 +137,19 @@ def test_zeroing_fresh_blocks_of_a_nan_poisoned_cache_makes_attention_over_them_
 
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("splits, sliding_window", [(1, None), (3, None), (3, 6)])
+def test_attention_sinks_match_the_reference_in_ragged_and_split_decode_steps(splits, sliding_window):
+    """gpt-oss's sinks (a logit per query head in every softmax, weighing no value): a ragged batch
+    (both launches), and decode-only steps with each request's keys split (the sink counted once)."""
+    batch = to_device(*build_batch(RAGGED_BATCH, 4, 2, 2, 16, torch.float32, seed=17))
+    decodes = to_device(*build_batch([(1, 1), (70, 1), (33, 1), (2, 1)], 16, 2, 3, 16, torch.float32, seed=18))
+    for args in (batch, decodes):
+        q_heads = args[0].shape[1]
+        sinks = to_device(torch.randn(q_heads, generator=torch.Generator().manual_seed(q_heads)) * 2.0 + 1.0)[0]
+        out = triton_ops.paged_attention(*args, 0.3, sliding_window, None, sinks, decode_splits=splits)
+        expected = reference.paged_attention(*args, 0.3, sliding_window, None, sinks)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+        assert not torch.allclose(expected, reference.paged_attention(*args, 0.3, sliding_window), atol=1e-3)

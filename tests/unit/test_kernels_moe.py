@@ -34,6 +34,9 @@ def hf_config(family: str, **fields):
     if family == "mixtral":
         return transformers.MixtralConfig(**{**common, **dict(num_local_experts=8, num_experts_per_tok=2,
                                                               intermediate_size=48), **fields})
+    if family == "gpt_oss":
+        return transformers.GptOssConfig(**{**common, **dict(num_local_experts=8, num_experts_per_tok=2,
+                                                             intermediate_size=48, head_dim=16), **fields})
     cls = transformers.Qwen2MoeConfig if family == "qwen2_moe" else transformers.Qwen3MoeConfig
     return cls(**{**common, **dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48), **fields})
 
@@ -44,6 +47,7 @@ ROUTERS = {
     "qwen2_moe_norm_topk_prob": ("Qwen2MoeForCausalLM", "qwen2_moe", "Qwen2MoeTopKRouter", dict(norm_topk_prob=True)),
     "qwen3_moe_norm_topk_prob": ("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeTopKRouter", dict(norm_topk_prob=True)),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeTopKRouter", dict(norm_topk_prob=False)),
+    "gpt_oss": ("GptOssForCausalLM", "gpt_oss", "GptOssTopKRouter", {}),  # a bias; softmax over the top k
 }
 
 
@@ -56,13 +60,17 @@ def test_routing_equals_the_router_module_of_each_family_in_transformers(case, d
     config = hf_config(family, **fields)
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     router = getattr(module, router_cls)(config).to(dtype)
+    bias = getattr(router, "bias", None)
     with torch.no_grad():
         router.weight.copy_(randn(8, 64, seed=1, std=0.5))
+        if bias is not None:
+            bias.copy_(randn(8, seed=5))
     x = randn(37, 64, dtype=dtype, seed=2)
     with torch.no_grad():
         logits, hf_weights, hf_ids = router(x)
-    rule = family_of(arch).read_config(config)["moe"].routing  # the family file's reading of its config
-    weights, ids = route(torch.nn.functional.linear(x, router.weight), rule)
+    moe = family_of(arch).read_config(config)["moe"]  # the family file's reading of its config
+    assert moe.router_bias == (bias is not None)
+    weights, ids = route(torch.nn.functional.linear(x, router.weight, bias), moe.routing)
     assert torch.equal(ids, hf_ids)
     assert weights.dtype == hf_weights.dtype and torch.equal(weights, hf_weights)
 
@@ -120,6 +128,39 @@ def test_the_reference_is_transformers_experts_loop_bit_for_bit(family, dtype):
     assert torch.equal(moe_reference.fused_moe(x, gate_up, down, weights, ids), expected)
 
 
+def gpt_oss_biases(num_experts: int = 8, hidden: int = 64, size: int = 48, dtype=torch.float32, seed: int = 7):
+    """gpt-oss's expert biases, [E, 2I] and [E, H], and its activation with a limit random products reach."""
+    return (randn(num_experts, 2 * size, dtype=dtype, seed=seed, std=0.5), randn(num_experts, hidden, dtype=dtype,
+                                                                                 seed=seed + 1, std=0.5),
+            moe_reference.ClampedSwiglu(alpha=1.702, limit=0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_reference_with_biases_and_clamped_swiglu_is_gpt_oss_experts_loop(dtype):
+    """transformers' GptOssExperts keeps gate_up as [E, H, 2I] with gate and up columns interleaved and
+    down as [E, I, H]; the reference takes them as [gate; up] rows and [H, I] (the family's loader's layout)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = hf_config("gpt_oss", swiglu_limit=0.5)
+    experts = GptOssExperts(config).to(dtype)
+    experts.config = config
+    config._experts_implementation = "eager"
+    x, gate_up, down, weights, ids = experts_case(29, dtype)
+    gate_up_bias, down_bias, activation = gpt_oss_biases(dtype=dtype)
+    interleaved = torch.stack([gate_up[:, :48], gate_up[:, 48:]], dim=2).reshape(8, 96, 64)  # g0 u0 g1 u1 ...
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(interleaved.transpose(1, 2))
+        experts.gate_up_proj_bias.copy_(torch.stack([gate_up_bias[:, :48], gate_up_bias[:, 48:]], dim=2).reshape(8, 96))
+        experts.down_proj.copy_(down.transpose(1, 2))
+        experts.down_proj_bias.copy_(down_bias)
+        expected = experts(x, ids, weights)
+    got = moe_reference.fused_moe(x, gate_up, down, weights, ids, gate_up_bias, down_bias, activation)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+    assert not torch.allclose(got.float(), moe_reference.fused_moe(x, gate_up, down, weights, ids, gate_up_bias,
+                                                                   down_bias).float(), atol=1e-2)
+
+
 # name -> (layout, PAGEDSERVE_CPU_NATIVE_LINEAR)
 CPU_LAYOUTS = {
     "native_panels": (WeightLayout(plain=False, native=True), "1"),
@@ -150,6 +191,13 @@ def test_cpu_grouped_experts_equal_the_reference_in_every_weight_layout(layout_n
     # The dense layers' paths sum in their own orders (W @ x.T, x @ W_t, panels, oneDNN) and in
     # bfloat16 round once where torch rounds twice: within float32 ulps, or a bfloat16 step.
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+    # gpt-oss's experts: biases on both products, the clamped SwiGLU on gate_up's (no silu_gate panels)
+    gate_up_bias, down_bias, activation = gpt_oss_biases(dtype=dtype)
+    experts = [(LinearWeight.of(gate_up[e].contiguous(), gate_up_bias[e], layout),
+                LinearWeight.of(down[e].contiguous(), down_bias[e], layout)) for e in range(8)]
+    got = grouped_experts(x, experts, weights, ids, TorchElementwise(), activation)
+    expected = moe_reference.fused_moe(x, gate_up, down, weights, ids, gate_up_bias, down_bias, activation)
     torch.testing.assert_close(got.float(), expected.float(), **tol)
 
 
@@ -201,6 +249,17 @@ def test_triton_fused_moe_equals_the_reference(dtype, tokens, top_k):
     expected = moe_reference.fused_moe(x, gate_up, down, weights, ids)
     got = fused_moe.fused_moe(*to_device(x, gate_up, down, weights, ids))
     # float32: another summation order; half precision: the weight applied before one rounding
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got.float().cpu(), expected.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_triton_fused_moe_with_gpt_oss_biases_and_clamped_swiglu_equals_the_reference(dtype, tokens):
+    x, gate_up, down, weights, ids = experts_case(tokens, dtype, hidden=48, size=40, seed=tokens)
+    gate_up_bias, down_bias, activation = gpt_oss_biases(hidden=48, size=40, dtype=dtype)
+    expected = moe_reference.fused_moe(x, gate_up, down, weights, ids, gate_up_bias, down_bias, activation)
+    got = fused_moe.fused_moe(*to_device(x, gate_up, down, weights, ids, gate_up_bias, down_bias), activation)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got.float().cpu(), expected.float(), **tol)
 

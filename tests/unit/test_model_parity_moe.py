@@ -1,5 +1,5 @@
 """Mixtures of experts: greedy tokens from ModelRunner equal transformers' generate(do_sample=False),
-float32, CPU, for tiny random Mixtral, Qwen2-MoE and Qwen3-MoE models saved as safetensors and
+float32, CPU, for tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss models saved as safetensors and
 loaded through the real path; chunked prefills and decodes of different lengths share steps, so
 an expert's rows mix tokens of several requests."""
 
@@ -31,6 +31,11 @@ CASES = {
                                      norm_topk_prob=True, seed=2),
     "qwen3_moe_every_second_layer_sparse": dict(arch="qwen3_moe", num_experts=6, num_experts_per_tok=2,
                                                 moe_intermediate_size=32, decoder_sparse_step=2, seed=3),
+    # attention sinks, biases on q/k/v/o, router and experts drawn at random; layers 0 and 2 slide a
+    # window of 8 (shorter than the prompts), layer 1 sees everything; YaRN; the clamped SwiGLU's limit
+    # low enough that random products reach it; 4 experts, top 2 by a softmax over the top logits
+    "gpt_oss_sinks_windows_yarn_clamped_swiglu": dict(arch="gpt_oss", num_layers=3, intermediate_size=48,
+                                                      swiglu_limit=1.5, seed=4),
 }
 
 
@@ -101,13 +106,14 @@ def test_a_config_routing_to_more_experts_than_it_has_is_refused_at_start_in_one
         ModelRunner(str(model_dir))
 
 
-def test_bfloat16_experts_stay_close_to_transformers_bfloat16_logits(tmp_path):
+@pytest.mark.parametrize("case", ["qwen3_moe_norm_topk_prob", "gpt_oss_sinks_windows_yarn_clamped_swiglu"])
+def test_bfloat16_experts_stay_close_to_transformers_bfloat16_logits(tmp_path, case):
     """bfloat16 takes the dense layers' bf16 path per expert (oneDNN's packed weights on
     AVX512-BF16); its logits stay within the dense model's bf16 tolerance of transformers' (over
-    our own tokens: teacher forcing)."""
+    our own tokens: teacher forcing). gpt-oss: its sinks, biases and clamped SwiGLU in bfloat16 too."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = build_model_dir(tmp_path / "m", **CASES["qwen3_moe_norm_topk_prob"])
+    model_dir = build_model_dir(tmp_path / "m", **CASES[case])
     runner = ModelRunner(str(model_dir), dtype="bfloat16")
     step_logits = []
     compute_logits = runner.model.compute_logits
@@ -135,3 +141,150 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_experts_is_refused_in_o
     with pytest.raises(UnsupportedModelError, match=r"^tensor-parallel size 4 does not divide moe_intermediate_size=50;"
                                                     r" pick a tp_size that does$"):
         ModelRunner(str(model_dir), tp_rank=0, tp_size=4)
+
+
+def test_gpt_oss_experts_from_the_interleaved_checkpoint_equal_transformers_experts(tmp_path):
+    """The checkpoint's gate_up [E, H, 2I] with gate and up columns interleaved, laid out by the
+    family's loader, through the torch reference and the CPU grouped path (biases, clamped SwiGLU, a
+    tensor-parallel half each): transformers' own GptOssExperts on the same tensors, and the limit binds."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
+
+    from pagedserve.kernels import moe_reference
+    from pagedserve.kernels.moe_routing import RoutingRule, route
+    from pagedserve.worker_proc.elementwise import TorchElementwise
+    from pagedserve.worker_proc.models.gpt_oss import read_experts
+    from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout
+    from pagedserve.worker_proc.models.moe import grouped_experts
+    from pagedserve.worker_proc.weights import WeightSource
+    from safetensors.torch import save_file
+
+    config = GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                          swiglu_limit=1.0)
+    config._experts_implementation = "eager"
+    experts, router = GptOssExperts(config), GptOssTopKRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in [*experts.parameters(), *router.parameters()]:
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    x = torch.randn(9, 32, generator=generator)
+    with torch.no_grad():
+        _, scores, ids = router(x)
+        theirs = experts(x, ids, scores)
+        gate_up = x @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
+    assert (gate_up[:, ::2] > 1.0).any() and (gate_up[:, 1::2].abs() > 1.0).any()  # the clamps bind
+    weights, ours_ids = route(torch.nn.functional.linear(x, router.weight, router.bias),
+                              RoutingRule(2, softmax_after_topk=True))
+    assert torch.equal(ours_ids, ids) and torch.allclose(weights, scores)
+    block = "model.layers.0.mlp."
+    save_file({block + "experts." + n: p.detach().contiguous() for n, p in experts.named_parameters()},
+              str(tmp_path / "model.safetensors"))
+    source = WeightSource(str(tmp_path))
+    activation = moe_reference.ClampedSwiglu(config.swiglu_alpha, config.swiglu_limit)
+    whole = read_experts(source, block, (0, 24))
+    reference = moe_reference.fused_moe(x, torch.stack(whole.gate_ups), torch.stack(whole.downs), weights, ids,
+                                        torch.stack(whole.gate_up_biases), torch.stack(whole.down_biases), activation)
+    torch.testing.assert_close(reference, theirs, rtol=1e-5, atol=1e-5)
+    halves = []  # two tensor-parallel ranks: down's bias on the first only
+    for rank, part in enumerate([(0, 12), (12, 24)]):
+        t = read_experts(source, block, part)
+        pairs = [(LinearWeight.of(gu.contiguous(), gub, WeightLayout()),
+                  LinearWeight.of(d.contiguous(), db if rank == 0 else None, WeightLayout()))
+                 for gu, d, gub, db in zip(t.gate_ups, t.downs, t.gate_up_biases, t.down_biases)]
+        halves.append(grouped_experts(x, pairs, weights, ids, TorchElementwise(), activation))
+    torch.testing.assert_close(halves[0] + halves[1], theirs, rtol=1e-5, atol=1e-5)
+    source.close()
+
+
+def test_yarn_rotary_tables_equal_transformers_gpt_oss_rotary_embedding(tmp_path):
+    """worker_proc/rotary.py's YaRN table (inverse frequencies and the attention factor on cos/sin)
+    against GptOssRotaryEmbedding's forward at every position."""
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from pagedserve.worker_proc.rotary import RotaryEmbedding
+
+    model_dir = build_model_dir(tmp_path / "m", **CASES["gpt_oss_sinks_windows_yarn_clamped_swiglu"])
+    config = AutoConfig.from_pretrained(str(model_dir))
+    assert config.rope_parameters["rope_type"] == "yarn"
+    ours = RotaryEmbedding(config, config.head_dim, 512, torch.device("cpu"), torch.float32)
+    theirs = GptOssRotaryEmbedding(config)
+    cos, sin = theirs(torch.zeros(1), torch.arange(512)[None])
+    assert ours.scaling > 1.0  # YaRN's attention factor scales cos and sin
+    assert torch.equal(ours.cos, cos[0]) and torch.equal(ours.sin, sin[0])
+
+
+def test_a_gpt_oss_layer_runs_its_attention_sinks_and_windows(tmp_path):
+    """Every layer holds its heads' sinks; the sliding layers their window, the full ones none; the
+    experts' log line names the grouped path; zeroed sinks (a model without them) change the tokens."""
+    model_dir = build_model_dir(tmp_path / "m", **CASES["gpt_oss_sinks_windows_yarn_clamped_swiglu"])
+    runner = ModelRunner(str(model_dir))
+    assert [layer.sliding_window for layer in runner.model.layers] == [8, None, 8]
+    assert all(layer.sinks is not None and layer.sinks.shape == (4,) for layer in runner.model.layers)
+    prompts = random_prompts([21, 30], vocab_size=512, seed=5)
+    with_sinks = run(runner, prompts)
+    for layer in runner.model.layers:
+        layer.sinks = torch.full_like(layer.sinks, float("-inf"))  # exp(-inf) = 0: no sink at all
+    assert run(runner, prompts) != with_sinks
+
+
+def mxfp4_checkpoint(path, seed: int = 0):
+    """A gpt-oss model whose experts are stored as the hub stores them: MXFP4 blocks and scales, with
+    its quantization_config (attention, router, embeddings and head left in float32)."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = build_model_dir(path, "gpt_oss", num_layers=3, intermediate_size=64, swiglu_limit=1.5, seed=4)
+    state = load_file(str(model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = state.pop(name).shape
+        state[name + "_blocks"] = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=generator,
+                                                dtype=torch.uint8)
+        state[name + "_scales"] = torch.randint(122, 126, (experts, outputs, inputs // 32), generator=generator,
+                                                dtype=torch.uint8)
+    save_file(state, str(model_dir / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def test_gpt_oss_experts_in_mxfp4_as_the_hub_ships_them_give_transformers_tokens(tmp_path):
+    """Dequantized at load as transformers' Mxfp4Config(dequantize=True) does (the same values, bit for
+    bit), then greedy tokens equal transformers' on that checkpoint."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pagedserve.worker_proc.models.gpt_oss import dequantize_mxfp4
+
+    from pagedserve.deploy.serve_config import ServeConfig
+
+    model_dir = mxfp4_checkpoint(tmp_path / "m")
+    assert ServeConfig(model=str(model_dir)).model_impl == "auto"  # serve's check before any process starts
+    state = load_file(str(model_dir / "model.safetensors"))
+    blocks, scales = (state["model.layers.0.mlp.experts.down_proj_" + k] for k in ("blocks", "scales"))
+    assert torch.equal(dequantize_mxfp4(blocks, scales), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=512, seed=11)
+    ours = run(ModelRunner(str(model_dir)), prompts)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                              quantization_config=Mxfp4Config(dequantize=True))
+    with torch.inference_mode():
+        for prompt, tokens in zip(prompts, ours):
+            ids = torch.tensor([prompt])
+            theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+            assert len(theirs) >= 12 and tokens[:len(theirs)] == theirs
+
+
+def test_mxfp4_is_refused_in_one_line_for_an_architecture_that_does_not_dequantize_it(tmp_path):
+    from pagedserve.protocol.quantization import QuantizationConfigError, parse_quantization_config
+
+    mxfp4 = {"quantization_config": {"quant_method": "mxfp4"}}
+    assert parse_quantization_config({**mxfp4, "architectures": ["GptOssForCausalLM"]}) is None
+    with pytest.raises(QuantizationConfigError, match=r"^quantization_config: quant_method 'mxfp4' is served for "
+                                                      r"GptOssForCausalLM only \(its experts are dequantized at load\)$"):
+        parse_quantization_config({**mxfp4, "architectures": ["MixtralForCausalLM"]})
+    with pytest.raises(QuantizationConfigError, match="^--quantization compressed-tensors does not match"):
+        parse_quantization_config({**mxfp4, "architectures": ["GptOssForCausalLM"]}, "compressed-tensors")

@@ -8,6 +8,8 @@ import argparse
 import inspect
 import json
 
+from pathlib import Path
+
 import pytest
 
 from pagedserve.deploy.cli import build_parser as serve_cli
@@ -19,6 +21,7 @@ from pagedserve.scheduler_proc.engine_config import EngineConfig
 from pagedserve.worker_proc.__main__ import build_parser as worker_cli
 from pagedserve.worker_proc.worker import WorkerConfig
 from pagedserve.deploy.entry_points import arguments_of
+from support.lora_files import write_adapter
 
 # Values whose generic non-default (below) would break the option's own rule or another's.
 SPECIAL = {"served_model_name": ["alias-a", "alias-b"], "chat_template": "{{ messages }}", "host": "127.0.0.2",
@@ -36,7 +39,13 @@ SPECIAL = {"served_model_name": ["alias-a", "alias-b"], "chat_template": "{{ mes
            "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
            # must name the checkpoint's own method, and this one is not quantized (its own tests:
            # tests/unit/test_quantized_models.py, down to the worker's command line)
-           "quantization": None}
+           "quantization": None,
+           # LoRA runs on the native families only; host memory holds at least --max-loras adapters;
+           # --lora-modules names a real adapter directory (the model fixture writes it)
+           "model_impl": "native", "max_cpu_loras": 16, "lora_modules": None,
+           # this model is an HF directory: a GGUF's tokenizer option is refused for it (its own tests:
+           # tests/unit/test_gguf_models.py)
+           "load_format": "safetensors", "tokenizer": None}
 NEEDS_ANOTHER_POLICY = ("tenant_weights",)
 AT_DEFAULT = (*NEEDS_ANOTHER_POLICY, "task", "pooling_type", "pooler_config", "disable_log_requests", "quantization")
 KV_BUDGETS = ("gpu_memory_utilization", "kv_cache_memory_gib")  # exclude each other: one at a time
@@ -62,7 +71,12 @@ def non_default(option: opts.Option):
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("model")
     (path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"],
-                                                  "max_position_embeddings": 512, "torch_dtype": "float32"}))
+                                                  "max_position_embeddings": 512, "torch_dtype": "float32",
+                                                  "hidden_size": 32, "num_attention_heads": 4,
+                                                  "num_key_value_heads": 2, "intermediate_size": 64,
+                                                  "num_hidden_layers": 2}))
+    adapter = write_adapter(path / "adapter", path, r=8)
+    SPECIAL["lora_modules"] = [f"tiny-adapter={Path(adapter).resolve()}"]  # as ServeConfig resolves it
     return str(path)
 
 

@@ -14,6 +14,7 @@ SP = m.SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=3, seed=7,
                       stop_token_ids=[3], ignore_eos=True, min_tokens=1, logprobs=True)
 
 NO_DECODES = m.DecodeBatch([], [], [], [])
+ADAPTER = m.LoRAAdapter("sql", 3, "/adapters/sql", "ab" * 32)
 
 SAMPLES = {
     m.FrontendToScheduler: [
@@ -21,6 +22,9 @@ SAMPLES = {
         m.AbortRequest(["r1", "r2"]),
         m.Drain(),
         m.FrontendStarted(),
+        m.AddRequest("r2", [4], SP, lora_name="sql"),
+        m.LoadLoRA(ADAPTER),
+        m.UnloadLoRA("sql"),
     ],
     m.SchedulerToFrontend: [
         m.RequestOutputs(0, 3, [m.RequestDelta("r1", 1, [4, 5], "stop", None, None, 3, 1, [-0.5, -0.1], 5)]),
@@ -42,6 +46,7 @@ SAMPLES = {
             decodes=m.DecodeBatch(["d", "e"], [30, 5], [11, 12], [(1, 9)]),
             finished_req_ids=["c"], blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(2, 3)],
             blocks_to_copy=[(4, 5)], new_block_ids_to_zero=[7, 8], total_num_scheduled_tokens=3),
+        m.LoRAStep(4, loads=[m.LoRASlot(1, ADAPTER)], prefetch=[ADAPTER], forget=["old"], request_slots={"a": 1}),
     ],
     m.WorkerToScheduler: [
         m.WorkerHello(0, 123, "cpu", "Qwen2ForCausalLM:abcd", 2, 4096, 1000, "node-1"),

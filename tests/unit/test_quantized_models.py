@@ -131,7 +131,7 @@ MODELS = {  # scheme, arch, the kind every projection runs, oracle from the libr
     "w4a16": ("w4a16", "llama", "int4", False),
     "w4a16_qwen2_bias": ("w4a16", "qwen2", "int4", False),
     "w8a16_per_channel": ("w8a16", "qwen3", "int8", False),
-    "w8a16_g128": ("w8a16_g128", "llama", "int8_grouped", False),
+    "w8a16_g128": ("w8a16_g128", "llama", "int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped", False),
     "w4a16_asym": ("w4a16_asym", "llama", "int4", True),
     "w8a16_asym": ("w8a16_asym", "qwen2", "int8", True),
 }

@@ -84,6 +84,20 @@ def test_the_backend_runs_a_native_family_too_with_the_native_tokens(tmp_path):
     assert run_mixed_schedule(backend, prompts) == run_mixed_schedule(native, prompts)
 
 
+def test_gpt_oss_attention_sinks_run_through_the_backend_with_transformers_tokens(tmp_path):
+    """gpt-oss's sinks (``s_aux``) reach the paged attention from transformers' own modeling code: the
+    backend gives transformers' tokens, and the native family's."""
+    model_dir = build_model_dir(tmp_path / "m", "gpt_oss", num_layers=3, intermediate_size=48, swiglu_limit=1.5,
+                                seed=4)
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=512, seed=6)
+    backend = ModelRunner(str(model_dir), model_impl="transformers")
+    assert backend.model_impl == "transformers backend (GptOssForCausalLM)"
+    got = run_mixed_schedule(backend, prompts)
+    assert got == run_mixed_schedule(ModelRunner(str(model_dir)), prompts)
+    for prompt, ours, theirs in zip(prompts, got, hf_greedy(model_dir, prompts, NEW_TOKENS)):
+        assert ours == theirs, f"prompt of {len(prompt)} tokens diverged"
+
+
 def test_native_refuses_a_family_it_has_no_file_for_and_names_the_ones_it_has(tmp_path):
     model_dir = build_model_dir(tmp_path / "m", "glm4")
     with pytest.raises(UnsupportedModelError, match="Glm4ForCausalLM.*is not supported.*LlamaForCausalLM"):

@@ -55,3 +55,19 @@ def test_gemma2s_soft_capped_windowed_attention_through_the_triton_kernel_equals
     scheduler.add("late", prompts[1], NEW_TOKENS + 4, arrival_step=1)
     outputs = scheduler.run()
     assert [outputs["chunked"], outputs["late"]] == hf_greedy(model_dir, prompts, NEW_TOKENS + 4)
+
+
+def test_gpt_oss_attention_sinks_and_windows_through_the_triton_kernel_equal_transformers(tmp_path, monkeypatch):
+    """Each layer's sinks inside the kernel, on windowed (8) and full layers, prompts past the window
+    (on a GPU the experts take the Triton fused_moe with their biases and clamped SwiGLU as well)."""
+    model_dir = str(build_model_dir(tmp_path / "m", "gpt_oss", num_layers=3, intermediate_size=48, swiglu_limit=1.5,
+                                    seed=4))
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
+    runner = ModelRunner(model_dir, device=str(DEVICE), cuda_graphs=False)
+    assert runner.ops is triton_ops and runner.model.layers[0].sinks is not None
+    prompts = random_prompts([19, 12], vocab_size=512, seed=3)
+    scheduler = TrivialScheduler(runner)
+    scheduler.add("chunked", prompts[0], NEW_TOKENS + 4, prefill_chunks=[9])
+    scheduler.add("late", prompts[1], NEW_TOKENS + 4, arrival_step=1)
+    outputs = scheduler.run()
+    assert [outputs["chunked"], outputs["late"]] == hf_greedy(model_dir, prompts, NEW_TOKENS + 4)

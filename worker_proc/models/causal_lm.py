@@ -23,10 +23,11 @@ from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.elementwise import Elementwise, TorchElementwise
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.linear import LinearWeight, linear, weight_layout
+from pagedserve.worker_proc.quantization import load_projection
 from pagedserve.worker_proc.models.lora_linear import LoRAConfig
 from pagedserve.worker_proc.rotary import RotaryTables
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
-from pagedserve.worker_proc.weights import WeightSource
+from pagedserve.worker_proc.weights import open_weights
 
 
 class CausalLM:
@@ -36,14 +37,13 @@ class CausalLM:
         """``lora``: every layer allocates its adapter slots (models/lora_linear.py)."""
         self.spec, self.shard, self.device, self.dtype = spec, shard, device, dtype
         self.elementwise = elementwise
-        source = WeightSource(model_dir)
+        source = open_weights(model_dir)
         try:
             self.embed_tokens = source.get("model.embed_tokens.weight").to(device, dtype)
             tied = spec.tie_word_embeddings or "lm_head.weight" not in source
             num_params = spec.num_layer_params + self.embed_tokens.numel() * (1 if tied else 2)
             layout = weight_layout(device, num_params * self.embed_tokens.element_size(), dtype)
-            head = self.embed_tokens if tied else source.get("lm_head.weight").to(device, dtype)
-            self.lm_head = LinearWeight.of(head, None, layout)
+            self.lm_head = self._lm_head(source, tied, layout)
             self.norm = (source.get("model.norm.weight").float() + spec.norm_weight_offset).to(device, dtype)
             rope_types = spec.layer_rope_types or (None,) * spec.num_layers
             self.rotary = RotaryTables(spec.hf_config, spec.head_dim, spec.max_position_embeddings, device, dtype,
@@ -57,6 +57,18 @@ class CausalLM:
         # transformers rounds Gemma's sqrt(hidden) to the weights' dtype before multiplying
         self.embedding_scale = (None if spec.embedding_scale == 1.0
                                 else torch.tensor(spec.embedding_scale, dtype=dtype, device=device))
+
+    def _lm_head(self, source, tied: bool, layout) -> LinearWeight:
+        """The embeddings (tied) or lm_head; in half precision a GGUF's Q8_0 / Q4_0 matrix as its integer
+        layer (the largest single read of a small model's decode step; float32 keeps the float matrix, which
+        is q * scale exactly)."""
+        name = "model.embed_tokens" if tied else "lm_head"
+        reader = getattr(source, "quantized_reader", None)
+        if (reader is not None and reader.spec_of(name) is not None and self.device.type == "cpu"
+                and self.dtype != torch.float32):
+            return load_projection(source, [name], 0, [None], lambda t: t, None, layout, self.dtype, self.device)
+        head = self.embed_tokens if tied else source.get("lm_head.weight").to(self.device, self.dtype)
+        return LinearWeight.of(head, None, layout)
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """Hidden states [T, hidden] of every token in the batch (before the final norm); only

@@ -1,6 +1,6 @@
 """One decoder layer over the paged cache, for every dense family (models/family.py says how they differ).
 
-Attention (grouped-query, optional q/k norm, rotary, soft-capping, a sliding window per layer) and a
+Attention (grouped-query, optional q/k norm, rotary, soft-capping, sinks, a sliding window per layer) and a
 gated MLP, each between the norms its family declares: before it (Llama), before and after (Gemma),
 after only (OLMo 2). Weights are plain tensors, fused at load: q/k/v into one matmul and gate/up
 into one, whether the checkpoint keeps them apart or fused (Phi-3); a quantized checkpoint's
@@ -101,6 +101,10 @@ class DecoderLayer:
         # o_proj's and down_proj's biases are added after the all-reduce (once, not per rank)
         self.o_proj = projection((names.o_proj,), 1, (heads,), (), None)
         self.o_bias = load(source.get(p + names.o_proj + ".bias")) if spec.o_bias else None
+        # gpt-oss's attention sinks: this rank's heads' logits, float32 as the kernels read them
+        self.sinks = None if names.sinks is None else source.get(p + names.sinks, dim=0, part=shard.head_rows(1))
+        if self.sinks is not None:
+            self.sinks = self.sinks.to(device, torch.float32).contiguous()
         self.qk_norm, self.q_norm_weight, self.k_norm_weight = spec.qk_norm, None, None
         if spec.qk_norm == "head":
             # One [q_heads + kv_heads, dim] weight lets a single norm call cover every head of q and k.
@@ -204,7 +208,7 @@ class DecoderLayer:
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if output_rows is None:
             attn = attend(ops, q, k, v, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                          self.scale, self.sliding_window, batch.attention_plan, self.softcap)
+                          self.scale, self.sliding_window, batch.attention_plan, self.softcap, self.sinks)
         else:
             rows = output_rows.rows
             num_tokens, residual = rows.shape[0], residual[rows]
@@ -212,7 +216,7 @@ class DecoderLayer:
                 return residual, residual
             attn = attend(ops, q[rows], k[rows], v[rows], k_cache, v_cache, output_rows.block_tables,
                           output_rows.query_start_loc, output_rows.seq_lens, self.scale, self.sliding_window,
-                          output_rows.attention_plan, self.softcap)
+                          output_rows.attention_plan, self.softcap, self.sinks)
             lora = lora.rows(rows) if lora is not None else None
         attn = attn.reshape(num_tokens, self.q_size)
         out = linear(attn, self.o_proj)

@@ -47,6 +47,7 @@ class LayerNames:
     down: str = "mlp.down_proj"
     q_norm: str = "self_attn.q_norm"
     k_norm: str = "self_attn.k_norm"
+    sinks: Optional[str] = None  # attention sinks, one logit per query head (gpt-oss: "self_attn.sinks")
     # The four places a norm may sit; None where the family has none.
     pre_attention_norm: Optional[str] = "input_layernorm"
     post_attention_norm: Optional[str] = None

@@ -1,4 +1,4 @@
-"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE): router, experts, shared expert.
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): router, experts, shared expert.
 
 A family file (mixtral.py, qwen_moe.py) reads its config into a ``MoeSpec`` with its checkpoint's
 ``ExpertNames`` (``ModelSpec.moe``) and gives ``MoeDecoderLayer`` as its layer class: the shared
@@ -21,6 +21,11 @@ How the experts run, chosen once at load and named in the worker log:
 - GPU: kernels/fused_moe.py (Triton; vLLM's moe_align_block_size and grouped GEMM) over the
   experts stacked as [E, 2I, H] and [E, H, I]; the torch reference where the kernels are torch's.
 
+gpt-oss adds biases to the router and to both expert projections, and its experts' clamped SwiGLU
+(kernels/moe_reference.py ``ClampedSwiglu``; ``MoeSpec.activation``): on CPU its experts' gate_up is
+a plain product (with its bias) and the activation torch ops; down's bias is added on rank 0 only,
+so the ranks' sum holds it once. Its checkpoint's layout is its family's loader (``MoeSpec.read_experts``).
+
 Checkpoints: the per-expert names the hub's checkpoints use and transformers 5's save_pretrained
 writes (Mixtral ``block_sparse_moe.experts.N.w1/w3/w2``, Qwen ``mlp.experts.N.gate/up/down_proj``),
 or transformers 5's in-memory fused names (``mlp.experts.gate_up_proj`` [E, 2I, H],
@@ -32,12 +37,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import moe_reference
+from pagedserve.kernels.moe_reference import ClampedSwiglu
 from pagedserve.kernels.moe_routing import RoutingRule, route, sort_by_expert
 from pagedserve.kernels.ops import select_ops
 from pagedserve.worker_proc.elementwise import Elementwise
@@ -59,6 +65,7 @@ class ExpertNames:
     ``{block}shared_expert.{gate_proj|up_proj|down_proj}`` and its gate ``{block}shared_expert_gate``."""
     block: str = "mlp."
     expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    router: str = "gate"  # gpt-oss: "router"
 
 
 FUSED_BLOCK = "mlp."  # transformers 5's module names, where the experts are 3D tensors
@@ -73,11 +80,26 @@ class MoeSpec:
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
     routing: RoutingRule
     names: ExpertNames = ExpertNames()
+    router_bias: bool = False  # the router's linear has a bias (gpt-oss)
+    activation: Optional[ClampedSwiglu] = None  # None: SiLU(gate) * up
+    # A family's own checkpoint layout (gpt-oss): (source, the layer's block prefix, this rank's
+    # intermediate slice) -> per expert [2s, H] gate_up (gate rows first), [H, s] down, and their
+    # biases ([2s] and [H]) or None. None: the per-expert or transformers' fused names below.
+    read_experts: Optional[Callable[[WeightSource, str, tuple[int, int]], "ExpertTensors"]] = None
 
     def layer_params(self, hidden_size: int) -> int:
         """Weights of one sparse layer's MLP: every expert, the shared one, the routers."""
         experts = self.num_experts * 3 * hidden_size * self.expert_intermediate_size
         return experts + 3 * hidden_size * self.shared_expert_intermediate_size + (self.num_experts + 1) * hidden_size
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertTensors:
+    """One rank's slice of a layer's experts, as a family's ``read_experts`` returns them."""
+    gate_ups: list[torch.Tensor]
+    downs: list[torch.Tensor]
+    gate_up_biases: Optional[list[torch.Tensor]] = None
+    down_biases: Optional[list[torch.Tensor]] = None
 
 
 def _slice(size: int, shard: TensorParallelShard, what: str) -> tuple[int, int]:
@@ -100,13 +122,22 @@ class SparseMoeBlock:
         else:
             fused = False
 
-        def load(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=device, dtype=dtype).contiguous()
+        def load(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
 
-        self.router = load(source.get(p + "gate.weight"))  # [E, H], on every rank
+        router = p + moe.names.router
+        self.router = load(source.get(router + ".weight"))  # [E, H], on every rank
+        self.router_bias = load(source.get(router + ".bias")) if moe.router_bias else None
+        self.activation = moe.activation
         a, b = _slice(moe.expert_intermediate_size, shard, "moe_intermediate_size")
         size = b - a
-        if fused:
+        gate_up_biases = down_biases = None
+        if moe.read_experts is not None:
+            tensors = moe.read_experts(source, p, (a, b))
+            gate_ups, downs = tensors.gate_ups, tensors.downs
+            gate_up_biases = tensors.gate_up_biases
+            down_biases = tensors.down_biases if shard.rank == 0 else None  # the ranks' sum holds it once
+        elif fused:
             full_gate_up, full_down = source.get(p + "experts.gate_up_proj"), source.get(p + "experts.down_proj")
             inter = moe.expert_intermediate_size
             gate_ups = [torch.cat([w[a:b], w[inter + a: inter + b]]) for w in full_gate_up]
@@ -116,14 +147,21 @@ class SparseMoeBlock:
             gate_ups = [torch.cat([source.get(e.format(i, gate), dim=0, part=(a, b)),
                                    source.get(e.format(i, up), dim=0, part=(a, b))]) for i in range(self.num_experts)]
             downs = [source.get(e.format(i, down), dim=1, part=(a, b)) for i in range(self.num_experts)]
+        no_biases = [None] * self.num_experts
         if device.type == "cpu":
-            self.experts = [(LinearWeight.of(load(gu), None, layout, gate_size=size),
-                             LinearWeight.of(load(d), None, layout)) for gu, d in zip(gate_ups, downs)]
-            self.gate_up = self.down = None
+            # A clamped SwiGLU multiplies through linear(): no panels interleaved for silu_gate
+            gate_size = 0 if self.activation is not None else size
+            self.experts = [(LinearWeight.of(load(gu), load(gub), layout, gate_size=gate_size),
+                             LinearWeight.of(load(d), load(db), layout))
+                            for gu, d, gub, db in zip(gate_ups, downs, gate_up_biases or no_biases,
+                                                      down_biases or no_biases)]
+            self.gate_up = self.down = self.gate_up_bias = self.down_bias = None
             self.kernel = "grouped by expert: " + _layout_name(self.experts[0][0])
         else:
             self.experts = None
             self.gate_up, self.down = load(torch.stack(gate_ups)), load(torch.stack(downs))
+            self.gate_up_bias = None if gate_up_biases is None else load(torch.stack(gate_up_biases))
+            self.down_bias = None if down_biases is None else load(torch.stack(down_biases))
             self.fused_moe = moe_reference.fused_moe
             self.kernel = "torch reference (per-expert loop)"
             if select_ops(device).__name__.endswith("triton_ops"):
@@ -148,11 +186,12 @@ class SparseMoeBlock:
     def forward(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
         """x [T, H] (after the norm before the MLP) -> this rank's part of the block's output [T, H]:
         the decoder layer sums the ranks' parts, as it does the dense MLP's."""
-        weights, ids = route(F.linear(x, self.router), self.rule)
+        weights, ids = route(F.linear(x, self.router, self.router_bias), self.rule)
         if self.experts is not None:
-            out = grouped_experts(x, self.experts, weights, ids, ew)
+            out = grouped_experts(x, self.experts, weights, ids, ew, self.activation)
         else:
-            out = self.fused_moe(x, self.gate_up, self.down, weights, ids)
+            out = self.fused_moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias, self.down_bias,
+                                 self.activation)
         if self.shared is not None:
             gate_up, down, gate = self.shared
             out = out + torch.sigmoid(F.linear(x, gate)) * linear(silu_gate(x, gate_up, ew), down)
@@ -177,11 +216,12 @@ class MoeDecoderLayer(DecoderLayer):
 
 
 def grouped_experts(x: torch.Tensor, experts: list[tuple[LinearWeight, LinearWeight]], weights: torch.Tensor,
-                    ids: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+                    ids: torch.Tensor, ew: Elementwise, activation: Optional[ClampedSwiglu] = None) -> torch.Tensor:
     """moe_reference.fused_moe's result from per-expert LinearWeights: the pairs sorted by expert,
     one silu_gate and one linear per active expert over its rows, each output row scaled by its
     weight (in the weight's dtype, then rounded to x's, as transformers does) and added into its
-    token's row, a token's experts in ascending order."""
+    token's row, a token's experts in ascending order. ``activation``: gpt-oss's clamped SwiGLU
+    on gate_up's product (with its bias) in place of silu_gate."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     order = sort_by_expert(ids, len(experts))
@@ -190,7 +230,10 @@ def grouped_experts(x: torch.Tensor, experts: list[tuple[LinearWeight, LinearWei
     start = 0
     for (gate_up, down), count in zip(experts, order.counts):
         if count:
-            outs.append(linear(silu_gate(rows[start: start + count], gate_up, ew), down))
+            own = rows[start: start + count]
+            hidden = (silu_gate(own, gate_up, ew) if activation is None
+                      else moe_reference.gated(linear(own, gate_up), gate_up.out_features // 2, activation))
+            outs.append(linear(hidden, down))
             start += count
     scaled = (torch.cat(outs) * weights.reshape(-1)[order.pair, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, order.token_of, scaled)

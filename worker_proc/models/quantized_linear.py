@@ -11,7 +11,11 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
   inputs, every group with the channel's scale.
 - ``int8`` (W8A16 per channel): torch's ``_weight_int8pack_mm``, x @ (q * scale).T; an asymmetric
   weight subtracts rowsum(x) * zero_point * scale after.
-- ``int8_grouped`` (W8A16 in groups): the same op once per group of inputs, summed (torch has no
+- ``int8_blocks`` (W8A16 in groups of a multiple of 16, symmetric: GGUF's Q8_0, compressed-tensors'
+  int8 groups), where the native kernels are built: in half precision kernels/cpu_gemv_int8.c (each
+  block's integers widened and scaled in registers, float32 sums, 8 rows a pass); from 48 rows, and in
+  float32, the dequantized weight.
+- ``int8_grouped`` (W8A16 in groups, elsewhere): the same op once per group of inputs, summed (torch has no
   grouped int8 op).
 - ``w8a8`` (int8 weights per channel, int8 activations per token, both symmetric): each row of x
   scaled to int8 (compressed-tensors' rounding: round half to even, clamp to [-128, 127]), then
@@ -32,7 +36,9 @@ from typing import Optional
 
 import torch
 
-KINDS = ("int4", "int8", "int8_grouped", "w8a8")
+from pagedserve.kernels import cpu_native
+
+KINDS = ("int4", "int8", "int8_blocks", "int8_grouped", "w8a8")
 
 
 @dataclass(slots=True)
@@ -40,9 +46,10 @@ class QuantizedLinear:
     kind: str
     out_features: int
     in_features: int
-    weight: torch.Tensor  # int4: torch's int4pack layout [out, in / 2] uint8; int8: [out, in];
+    weight: torch.Tensor  # int4: torch's int4pack layout [out, in / 2] uint8; int8, int8_blocks: [out, in];
     # int8_grouped: [groups, out, group_size]; w8a8: [in, out] int8 (_int_mm's right operand)
-    scales: torch.Tensor  # int4: [in / group, out, 2] (scale, zero); int8 / w8a8: [out]; int8_grouped: [groups, out]
+    scales: torch.Tensor  # int4: [in / group, out, 2] (scale, zero); int8 / w8a8: [out]; int8_grouped: [groups, out];
+    # int8_blocks: [out, groups] float32
     group_size: int = 0
     zero_correction: Optional[torch.Tensor] = None  # int8 asymmetric: zero_point * scale, [out] or [groups, out]
 
@@ -51,6 +58,8 @@ class QuantizedLinear:
         x = x.contiguous()
         if self.kind != "w8a8" and x.shape[0] >= dequantize_min_rows(self.kind, x.dtype) and self.can_dequantize():
             return torch.nn.functional.linear(x, self.dequantized(x.dtype))
+        if self.kind == "int8_blocks":
+            return cpu_native.gemv_int8_blocks(x, self.weight, self.scales, self.group_size)
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales)
         if self.kind == "int8":
@@ -86,6 +95,9 @@ class QuantizedLinear:
             if zero.any():
                 w.add_(zero.unsqueeze(-1))
             return w.view(n, k)
+        if self.kind == "int8_blocks":  # in float32, then one rounding to dtype
+            w = self.weight.view(n, k // g, g).float().mul_(self.scales.unsqueeze(-1))
+            return w.view(n, k).to(dtype)
         if self.kind == "int8":
             w = self.weight.to(dtype).mul_(self.scales.to(dtype).unsqueeze(-1))
             return w if self.zero_correction is None else w.sub_(self.zero_correction.to(dtype).unsqueeze(-1))
@@ -107,7 +119,9 @@ class QuantizedLinear:
 # 64, 94 / 68 at 256; int8 in groups (an op call per group) 10.9 / 9.1 at 16
 # (bench/scripts/quant_bench.py). float32 has no vectorized int op at all (int8 22 ms at one row,
 # 4.1 s at 256; dequantized 21 ms and 178 ms), so it always dequantizes.
-DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128}
+# int8_blocks: the native kernel, 8 rows a pass, up to 48 rows (one thread, 0.5B, in process: gate_up 9728 x 896
+# at 32 rows 3.8 ms against 18 ms dequantized, at 64 rows 7.7 against 11; down_proj's crossover nearer 32).
+DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48}
 
 
 def dequantize_min_rows(kind: str, dtype: torch.dtype) -> int:
@@ -133,6 +147,12 @@ def _int4_layout_known() -> bool:
         return torch.equal(_unpack_int4pack(packed, *w.shape).to(torch.int32), w)
     except (RuntimeError, AttributeError):
         return False
+
+
+@functools.cache
+def int8_blocks_kernel() -> bool:
+    """Whether kernels/cpu_gemv_int8.c is built here (int8 weights in blocks, symmetric: ``int8_blocks``)."""
+    return cpu_native.library() is not None
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +200,8 @@ def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
     if group_size is None:
         return QuantizedLinear("int8", n, k, q.contiguous(), s.reshape(n).to(dtype).contiguous(), 0,
                                None if correction is None else correction.reshape(n).to(dtype))
+    if zero_point is None and group_size % 16 == 0 and int8_blocks_kernel():
+        return QuantizedLinear("int8_blocks", n, k, q.contiguous(), s.contiguous(), group_size)
     groups = k // group_size
     weight = q.reshape(n, groups, group_size).transpose(0, 1).contiguous()
     return QuantizedLinear("int8_grouped", n, k, weight, s.t().to(dtype).contiguous(), group_size,

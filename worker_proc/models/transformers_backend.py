@@ -15,7 +15,7 @@ packed as one and one by one, through an attention that records every call and a
 sequence. The model is refused, in one line saying why, when its attention does not go through the
 interface, when one sequence's outputs depend on the other's outside attention (recurrent,
 convolutional or state-space layers), when a layer asks for what the kernels cannot do (logit
-soft-capping, sinks, non-causal or cross attention, layers of different head counts), or when the
+soft-capping, non-causal or cross attention, layers of different head counts), or when the
 probe's logits are not the model's own with its own attention. Keys and values of different head
 sizes (latent attention's, or layers of different sizes) share the cache at the largest size, the
 smaller padded with zeros.
@@ -41,6 +41,7 @@ from pagedserve.worker_proc.elementwise import TorchElementwise
 from pagedserve.worker_proc.input_batch import ForwardBatch
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
 from pagedserve.worker_proc.models.family import Family
+from pagedserve.worker_proc.prefill_attention import with_sink_key
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 
 ATTENTION_NAME = "pagedserve_paged"
@@ -172,8 +173,7 @@ class _Probe:
         unsupported = []
         if softcap:
             unsupported.append(f"attention logit soft-capping ({softcap})")
-        if extra.get("s_aux") is not None or isinstance(getattr(module, "sinks", None), torch.Tensor):
-            unsupported.append("attention sinks")
+        sinks = _sinks(module, extra)
         if getattr(module, "is_causal", True) is False:
             unsupported.append("non-causal attention")
         if window is not None and not isinstance(window, int):
@@ -192,10 +192,22 @@ class _Probe:
             if window:
                 visible &= (positions[:, None] - positions[None, :]) < window
             q, k, v = (t[:, :, start:end].float() for t in (query, key, value))
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
+            mask = visible
+            if sinks is not None:
+                bias = torch.zeros(visible.shape, device=query.device).masked_fill_(~visible, float("-inf"))
+                k, v, mask = with_sink_key(k, v, bias, sinks.reshape(1, -1, 1, 1))
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=q.shape[1] != k.shape[1])
             out[0, start:end] = o[0].transpose(0, 1).to(out.dtype)
         return out
+
+
+def _sinks(module: nn.Module, extra: dict) -> Optional[torch.Tensor]:
+    """The layer's attention sinks (gpt-oss passes ``s_aux``), float32 [heads], or None."""
+    sinks = extra.get("s_aux")
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        sinks = module.sinks
+    return None if sinks is None else sinks.detach().float()
 
 
 @functools.cache
@@ -371,7 +383,8 @@ class TransformersCausalLM:
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, heads, dim]
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = attend(ops, q, k, v, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                     scale, window if window is not None else layer.sliding_window, batch.attention_plan)
+                     scale, window if window is not None else layer.sliding_window, batch.attention_plan,
+                     sinks=_sinks(module, extra))
         return out[None, :, :, :layer.value_dim]
 
     def _decoder_hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

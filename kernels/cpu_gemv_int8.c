@@ -1,0 +1,123 @@
+/* Decode-step products on int8 weights in blocks: out[M, N] = x[M, K] @ W^T, M = 1..8, where
+ * W[j, t] = q[j, t] * scale[j, t / G], q int8 [N, K] row-major and scale float32 [N, K / G], one per
+ * block of G inputs (GGUF's Q8_0: G = 32; compressed-tensors' int8 groups). torch has no grouped int8
+ * op: one _weight_int8pack_mm call per block of inputs ran a 0.5B's step 10-20x slower than per-channel
+ * int8 (bench/log), and a dequantized copy per call reads the weight three times over.
+ *
+ * As cpu_gemv.c: a decode step is bound by reading the weights, so each thread takes a contiguous
+ * range of R-row blocks (OpenMP, static), walks R rows of q at once along K (prefetching rows ahead),
+ * and multiplies them by the M rows of x (float32, in L1). Each vector of q is widened to float32
+ * exactly and multiplied by its block's scale, which rounds it to the float32 weight the dequantized
+ * layer holds (q * scale, one rounding); the products are summed in float32, in another order than
+ * F.linear's (tests/unit/test_cpu_gemv_int8.py bounds the difference). x is float32 (the caller widens
+ * bfloat16 / float16 rows once per call); out is float32 or a half dtype, rounded once.
+ */
+#include <stdint.h>
+
+#include "cpu_half.h"
+
+#define INT8_GEMV_MAX_ROWS 8
+#define INT8_PARALLEL_MIN_MACS (1 << 17)
+#define INT8_PREFETCH_ROWS 32
+/* R x M accumulators, R weight vectors and one x vector in the vector registers (32 on AVX-512). */
+#define INT8_ROWS_PER_BLOCK(M) ((M) == 1 ? 8 : (M) == 2 ? 6 : (M) <= 5 ? 4 : 3)
+
+/* HALF_VW int8 values from p, widened to float32 exactly. */
+static inline hvec load_i8(const int8_t *p) {
+#if HALF_VW == 16
+    return (hvec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif HALF_VW == 8
+    return (hvec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    hvec v;
+    for (int i = 0; i < HALF_VW; i++) v[i] = (float)p[i];
+    return v;
+#endif
+}
+
+/* sums[r * M + i] = x[i, :k] . (q[r, :k] * its blocks' scales) for R rows. k % g == 0, g % HALF_VW == 0. */
+static inline __attribute__((always_inline)) void block_i8(const float *restrict x, const int64_t ldx,
+                                                           const int8_t *restrict q, const int64_t ldq,
+                                                           const float *restrict s, const int64_t lds,
+                                                           const int64_t k, const int64_t g, const int M,
+                                                           const int R, float *restrict sums) {
+    hvec acc[8][8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) acc[r][i] = hbroadcast(0.0f);
+    const int8_t *ahead = q + (int64_t)INT8_PREFETCH_ROWS * ldq;
+    for (int64_t kk = 0; kk < k; kk += g) {
+        hvec scale[8];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) scale[r] = hbroadcast(s[r * lds + kk / g]);
+        for (int64_t c = kk; c < kk + g; c += HALF_VW) {
+            hvec wv[8];
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                wv[r] = load_i8(q + r * ldq + c) * scale[r];
+                if ((c & 63) == 0) __builtin_prefetch(ahead + r * ldq + c, 0, 3);
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) {
+                const hvec xv = load_f32(x + i * ldx + c);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) acc[r][i] += xv * wv[r];
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) sums[r * M + i] = hsum(acc[r][i]);
+}
+
+static inline void put_i8(void *out, int64_t ldo, int64_t i, int64_t j, float v, int out_kind) {
+    if (out_kind == 0)
+        ((float *)out)[i * ldo + j] = v;
+    else
+        ((uint16_t *)out)[i * ldo + j] = f32_to_half(v, out_kind == 1);
+}
+
+#define DEFINE_INT8_M(M)                                                                                          \
+    static void gemv_int8_##M(const float *x, int64_t ldx, int64_t k, const int8_t *q, const float *s,            \
+                              int64_t g, int64_t n, void *out, int64_t ldo, int out_kind) {                       \
+        const int R = INT8_ROWS_PER_BLOCK(M);                                                                     \
+        const int64_t lds = k / g, blocks = (n + R - 1) / R, macs = (M) * n * k;                                 \
+        _Pragma("omp parallel for schedule(static) if (macs >= INT8_PARALLEL_MIN_MACS)")                          \
+        for (int64_t b = 0; b < blocks; b++) {                                                                    \
+            float sums[8 * 8];                                                                                    \
+            const int64_t j = b * R;                                                                              \
+            if (j + R <= n) {                                                                                     \
+                block_i8(x, ldx, q + j * k, k, s + j * lds, lds, k, g, M, R, sums);                               \
+                for (int r = 0; r < R; r++)                                                                       \
+                    for (int i = 0; i < (M); i++) put_i8(out, ldo, i, j + r, sums[r * (M) + i], out_kind);        \
+            } else {                                                                                              \
+                for (int64_t jj = j; jj < n; jj++) { /* the last n % R rows, one at a time */                     \
+                    block_i8(x, ldx, q + jj * k, k, s + jj * lds, lds, k, g, M, 1, sums);                         \
+                    for (int i = 0; i < (M); i++) put_i8(out, ldo, i, jj, sums[i], out_kind);                     \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+    }
+DEFINE_INT8_M(1) DEFINE_INT8_M(2) DEFINE_INT8_M(3) DEFINE_INT8_M(4)
+DEFINE_INT8_M(5) DEFINE_INT8_M(6) DEFINE_INT8_M(7) DEFINE_INT8_M(8)
+
+/* x [m, k] float32 (row stride ldx), q [n, k] int8 contiguous, scales [n, k / g] float32 contiguous, out [m, n]
+ * (row stride ldo) float32 (out_kind 0), bfloat16 (1) or float16 (2). More than 8 rows (a short prefill chunk)
+ * go 8 at a time, each pass streaming the weight again: up to a few tens of rows that still beats making the
+ * dequantized weight for F.linear (the caller's crossover). Returns -1 (nothing written) unless m >= 1, g is a
+ * multiple of the vector width and k of g. */
+int gemv_int8_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, const int8_t *q, const float *scales,
+                     int64_t g, int64_t n, void *out, int64_t ldo, int out_kind) {
+    static void (*const by_rows[INT8_GEMV_MAX_ROWS + 1])(const float *, int64_t, int64_t, const int8_t *,
+                                                         const float *, int64_t, int64_t, void *, int64_t, int) = {
+        NULL, gemv_int8_1, gemv_int8_2, gemv_int8_3, gemv_int8_4, gemv_int8_5, gemv_int8_6, gemv_int8_7, gemv_int8_8};
+    if (m < 1 || g < HALF_VW || g % HALF_VW || k % g) return -1;
+    const int64_t size = out_kind == 0 ? 4 : 2;
+    for (int64_t i = 0; i < m; i += INT8_GEMV_MAX_ROWS) {
+        const int64_t rows = m - i < INT8_GEMV_MAX_ROWS ? m - i : INT8_GEMV_MAX_ROWS;
+        by_rows[rows](x + i * ldx, ldx, k, q, scales, g, n, (char *)out + i * ldo * size, ldo, out_kind);
+    }
+    return 0;
+}
