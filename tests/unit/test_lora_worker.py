@@ -202,3 +202,24 @@ def test_adapters_on_a_quantized_checkpoint_decode_what_peft_decodes_on_its_dequ
     for name, with_adapter, prompt in (("adapted", adapter, prompts[0]), ("base", None, prompts[1])):
         theirs = peft_greedy(floats, with_adapter, [prompt], NEW_TOKENS)[0]  # generate() stops at EOS
         assert ours[name][:len(theirs)] == theirs and len(theirs) >= 4
+
+
+def test_the_real_scheduler_drives_more_adapters_than_slots_through_the_runner(llama):
+    """The scheduler's LoRASteps (slot loads, reuse once a slot's requests finish, prefix caching per
+    adapter) applied by the runner: every request decodes what peft decodes with its adapter."""
+    from pagedserve.protocol.messages import SamplingParams
+    from support.in_process_engine import generate
+
+    model_dir, adapters = llama
+    messages = [adapter_message(f"a{i}", path, i + 1) for i, path in enumerate(adapters)]
+    prompt = random_prompts([12], vocab_size=512, seed=11)[0]
+    prompts = [prompt, prompt, prompt[:9] + [7, 8], prompt, prompt, prompt[:5]]  # shared prefixes across adapters
+    names = ["a0", "a1", "", "a2", "a3", "a1"]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    streams, _ = generate(str(model_dir), prompts, [greedy] * len(prompts), lora_adapters=messages,
+                          lora_names=names, runner_options={"lora": LoRAConfig(max_loras=2, max_rank=8)},
+                          max_loras=2, enable_prefix_caching=True)
+    by_name = {m.name: m.path for m in messages}
+    for i, (prompt_i, name) in enumerate(zip(prompts, names)):
+        theirs = peft_greedy(model_dir, by_name.get(name), [prompt_i], NEW_TOKENS)[0]
+        assert streams[(f"r{i}", 0)][:len(theirs)] == theirs, (i, name)
