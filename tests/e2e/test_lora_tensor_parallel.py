@@ -5,16 +5,12 @@ greedy tokens for a batch mixing adapters and the base model equal transformers 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from pagedserve.tools.demo_model import build_model_dir
 from support.lora import ALL_TARGETS, make_adapter, peft_greedy
-from support.server import free_port
-from support.worker_harness import random_prompts
+from support.worker_harness import random_prompts, run_two_ranks
 
 NEW_TOKENS = 8
 
@@ -62,16 +58,6 @@ def test_two_tensor_parallel_ranks_with_adapters_produce_peft_greedy_tokens(tmp_
                 for i, t in enumerate(targets)]
     prompts = random_prompts([7, 13, 4], vocab_size=512, seed=9)
     slots = [0, 1, -1]
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    args = [str(Path(__file__).parents[1]), None, str(free_port()), json.dumps(prompts), json.dumps(slots),
-            str(model_dir), *adapters]
-    ranks = [subprocess.Popen([sys.executable, str(script), *(args[:1] + [str(r)] + args[2:])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    finished = [rank.communicate(timeout=180) for rank in ranks]
-    for rank, (_, stderr) in zip(ranks, finished):
-        assert rank.returncode == 0, stderr[-3000:]
-    rank0, rank1 = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in finished)
-    assert rank0 == rank1
+    rank0 = run_two_ranks(RANK_SCRIPT, tmp_path, [json.dumps(prompts), json.dumps(slots), str(model_dir), *adapters])
     for prompt, slot, ours in zip(prompts, slots, rank0):
         assert ours == peft_greedy(model_dir, adapters[slot] if slot >= 0 else None, [prompt], NEW_TOKENS)[0]

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from pagedserve.tools.demo_model import build_model_dir
 from support.greedy import assert_equal_to_transformers, greedy_completions
 from support.oracle import hf_tokenizer
-from support.server import Server, free_port
-from support.worker_harness import hf_greedy, random_prompts
+from support.server import Server
+from support.worker_harness import hf_greedy, random_prompts, run_two_ranks
 from test_models_e2e import assert_refused_in_one_line_with_nothing_started, refused_serve
 from test_worker_tensor_parallel import NEW_TOKENS, RANK_SCRIPT
 
@@ -63,17 +60,7 @@ def test_two_tensor_parallel_ranks_split_every_expert_and_produce_transformers_g
     else:
         moe = build_model_dir(tmp_path / "moe", "gpt_oss", num_heads=4, num_kv_heads=2, **GPT_OSS)
     prompts = random_prompts([7, 15, 4], vocab_size=512, seed=8)
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    tests_dir = str(Path(__file__).parents[1])
-    port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, str(script), tests_dir, str(r), port, json.dumps(prompts), str(moe)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    finished = [rank.communicate(timeout=120) for rank in ranks]
-    for rank, (_, stderr) in zip(ranks, finished):
-        assert rank.returncode == 0, stderr[-3000:]
-    rank0, rank1 = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in finished)
-    assert rank0 == rank1
+    rank0 = run_two_ranks(RANK_SCRIPT, tmp_path, [json.dumps(prompts), str(moe)], timeout=120)
     *tokens, heads = rank0[0]
     assert heads == [1, 2]
     for ours, theirs in zip(tokens, hf_greedy(moe, prompts, NEW_TOKENS)):

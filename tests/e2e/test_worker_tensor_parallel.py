@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from pagedserve.tools.demo_model import build_model_dir
-from support.server import free_port
-from support.worker_harness import hf_greedy, random_prompts
+from support.worker_harness import hf_greedy, random_prompts, run_two_ranks
 
 NEW_TOKENS = 12
 
@@ -67,17 +63,7 @@ def test_two_tensor_parallel_ranks_produce_transformers_greedy_tokens(tmp_path):
     sandwich = build_model_dir(tmp_path / "gemma2", "gemma2", num_heads=4, num_kv_heads=2, norm_std=0.1, seed=3)
     models = (split_kv, replicated_kv, fused, sandwich)
     prompts = random_prompts([7, 15, 4], vocab_size=512, seed=8)
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    tests_dir = str(Path(__file__).parents[1])
-    args = [tests_dir, None, str(free_port()), json.dumps(prompts), *map(str, models)]
-    ranks = [subprocess.Popen([sys.executable, str(script), *(args[:1] + [str(r)] + args[2:])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    finished = [rank.communicate(timeout=120) for rank in ranks]
-    for rank, (_, stderr) in zip(ranks, finished):
-        assert rank.returncode == 0, stderr[-3000:]
-    rank0, rank1 = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in finished)
-    assert rank0 == rank1  # rank 1 decoded the same stream from the broadcast tokens
+    rank0 = run_two_ranks(RANK_SCRIPT, tmp_path, [json.dumps(prompts), *map(str, models)], timeout=120)
     assert len(rank0) == len(models)
     for model_dir, (*tokens, heads) in zip(models, rank0):
         assert heads == [1, 2]  # one KV head and half the query heads per rank

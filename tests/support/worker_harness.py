@@ -10,7 +10,11 @@ name a slot and adapters may be loaded at a step: the step's LoRAStep goes to th
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -202,3 +206,22 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
                                        max_new_tokens=max_new_tokens)
             outputs.append(generated[0, len(prompt):].tolist())
     return outputs
+
+
+def run_two_ranks(script: str, tmp_path: Path, args: list[str], timeout: float = 180):
+    """``script`` run as two tensor-parallel ranks (its argv: the tests dir, the rank, a free port for gloo,
+    then ``args``), each printing its result as JSON on its last line: rank 0's result, once both ranks
+    exited cleanly and printed the same (rank 1 decodes the tokens rank 0 broadcasts)."""
+    from support.server import free_port
+
+    path = tmp_path / "rank.py"
+    path.write_text(script)
+    common = [str(Path(__file__).parents[1]), str(free_port())]
+    ranks = [subprocess.Popen([sys.executable, str(path), common[0], str(rank), common[1], *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    finished = [rank.communicate(timeout=timeout) for rank in ranks]
+    for rank, (_, stderr) in zip(ranks, finished):
+        assert rank.returncode == 0, stderr[-3000:]
+    rank0, rank1 = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in finished)
+    assert rank0 == rank1
+    return rank0
