@@ -3,9 +3,11 @@
  * read and written in place by index, so the batch is neither gathered nor scattered).
  *
  * A decode step's few tokens per adapter would spend most of a GEMM call on its setup, and a dense
- * product over every slot's weights multiplies each token by every other slot's zeros too. Here a
- * weight row (shrink) or a block of B (expand) is widened to float32 once per segment and every token
- * of the segment is multiplied by it from the cache; the sums are float32, four vectors' chains at once.
+ * product over every slot's weights multiplies each token by every other slot's zeros too. Here a row
+ * of A (shrink) is read once per segment and every token of the segment takes its dot product from the
+ * cache, widened in registers; a block of B (expand) is widened to float32 once per segment, then summed
+ * over the ranks for each token in registers. Sums are float32, four vectors' chains at once, and a
+ * projection group takes one parallel region (lora_shrink_expand).
  *
  *   shrink: s[t, n] = sum_k x[t, k] * a[slot, n, k]        x float32, a [slots, N, K], s float32
  *   expand: y[t, o] += sum_r s[t, r] * b[slot, r, o]        b [slots, R, out], y float32 or half, once rounded
@@ -125,24 +127,6 @@ static void expand_items(const float *s, int64_t lds, const void *b, int half, i
                 add_into(y, t * ldy + o0, acc, width, y_half);
             }
         }
-    }
-}
-
-void lora_shrink(const float *x, int64_t ldx, int64_t k, const void *a, int half, int64_t n, int64_t r_max,
-                 const int64_t *tokens, const int64_t *starts, const int64_t *slots, const int64_t *ranks,
-                 int64_t num_segments, float *s, int64_t lds) {
-#pragma omp parallel
-    shrink_items(x, ldx, k, a, half, n, r_max, tokens, starts, slots, ranks, num_segments, s, lds);
-}
-
-void lora_expand(const float *s, int64_t lds, const void *b, int half, int64_t r_max, int64_t out,
-                 const int64_t *tokens, const int64_t *starts, const int64_t *slots, const int64_t *ranks,
-                 int64_t num_segments, void *y, int64_t ldy, int y_half) {
-#pragma omp parallel
-    {
-        float weights[r_max * OUT_BLOCK], acc[OUT_BLOCK];
-        expand_items(s, lds, b, half, r_max, out, tokens, starts, slots, ranks, num_segments, y, ldy, y_half,
-                     weights, acc);
     }
 }
 

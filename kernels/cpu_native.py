@@ -72,8 +72,6 @@ _SIGNATURES = {
     "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
-    "lora_shrink": [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I],
-    "lora_expand": [_P, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_int],
     "lora_shrink_expand": [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _I,
                            ctypes.c_int],
 }
@@ -506,42 +504,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 _LORA_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_lora.c's ``half``
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
-                ranks: torch.Tensor, max_rank: int, s: torch.Tensor) -> None:
-    """s[t] = a[slot] @ x[t] for the tokens of each segment (kernels/cpu_lora.c): x [T, K] float32
-    (rows may be strided), a [slots, N, K] contiguous (float32 or half), ``tokens`` the rows in segment
-    order, segment i ``tokens[starts[i]:starts[i + 1]]`` on slot ``slots[i]``, ``ranks`` [slots] each
-    slot's adapter rank (row n of a slot is rank n % max_rank); s [T, N] float32, rows may be strided.
-    Index tensors int64. Rows of tokens in no segment are left as they are."""
-    k, n = x.shape[1], a.shape[1]
-    if (x.dtype != torch.float32 or s.dtype != torch.float32 or a.shape[2] != k or s.shape[1] < n
-            or x.stride(1) != 1 or s.stride(1) != 1 or not a.is_contiguous()):
-        raise ValueError("lora_shrink: x, a and s do not match")
-    library().lora_shrink(x.data_ptr(), x.stride(0), k, a.data_ptr(), _LORA_KIND[a.dtype], n, max_rank,
-                          tokens.data_ptr(), starts.data_ptr(), slots.data_ptr(), ranks.data_ptr(), slots.shape[0],
-                          s.data_ptr(), s.stride(0))
-
-
-def lora_expand(s: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor,
-                ranks: torch.Tensor, y: torch.Tensor) -> None:
-    """y[t] += s[t, :rank] @ b[slot, :rank] in place, for the tokens of each segment (as lora_shrink):
-    s [T, >= R] float32 (this module's R columns first), b [slots, R, out] contiguous, y [T, out]
-    float32 or half, rows may be strided (a fused output's columns); one rounding per element."""
-    r_max, out = b.shape[1], b.shape[2]
-    if (s.dtype != torch.float32 or y.shape[1] != out or s.stride(1) != 1 or y.stride(1) != 1
-            or not b.is_contiguous() or y.dtype not in _LORA_KIND):
-        raise ValueError("lora_expand: s, b and y do not match")
-    library().lora_expand(s.data_ptr(), s.stride(0), b.data_ptr(), _LORA_KIND[b.dtype], r_max, out,
-                          tokens.data_ptr(), starts.data_ptr(), slots.data_ptr(), ranks.data_ptr(), slots.shape[0],
-                          y.data_ptr(), y.stride(0), _LORA_KIND[y.dtype])
-
-
 def lora_shrink_expand(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor,
                        slots: torch.Tensor, ranks: torch.Tensor, s: torch.Tensor, bs: list[torch.Tensor],
                        ys: list[torch.Tensor], expand: list[bool]) -> None:
-    """lora_shrink of a projection group's modules (a [slots, modules * R, K]) into s [T, modules * R], then
-    lora_expand of each module j with ``expand[j]`` from s's columns j * R by bs[j] into ys[j], in one call
-    (one parallel region). ys: column slices of one output (the same row stride)."""
+    """LoRA's delta of a projection group for tokens grouped by slot (kernels/cpu_lora.c), in one call:
+    the shrink s[t] = a[slot] @ x[t] of all its modules at once (x [T, K] float32, a [slots, modules * R, K],
+    s [T, modules * R] float32 scratch), then for each module j with ``expand[j]``, ys[j][t] += s[t, jR:jR + rank]
+    @ bs[j][slot, :rank] (bs[j] [slots, R, out_j]; ys: column slices of one output, rounded once). ``tokens``:
+    the adapter tokens' rows in segment order, segment i ``tokens[starts[i]:starts[i + 1]]`` on slot ``slots[i]``;
+    ``ranks`` [slots] each slot's adapter rank (rows past it are zeros, skipped). Index tensors int64."""
     modules, r_max = len(bs), bs[0].shape[1]
     k = x.shape[1]
     if (x.dtype != torch.float32 or s.dtype != torch.float32 or a.shape[1] != modules * r_max or a.shape[2] != k

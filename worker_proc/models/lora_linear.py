@@ -182,11 +182,6 @@ class LoRAProjection:
         self.slot_targets: list[tuple[bool, ...]] = [(False,) * len(modules)] * max_loras
         self.num_targeting = [0] * len(modules)
 
-    def out_shape(self, name: str) -> tuple[int, int]:
-        """(out, in) of module ``name``'s product on this rank."""
-        start, end = self.columns[self.names.index(name)]
-        return end - start, self.in_features
-
     def load(self, slot: int, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot ``slot`` takes an adapter's (A [r, in], B [out, r] scaled) by module name, in place
         (the other modules: zeros)."""
