@@ -20,8 +20,8 @@ A step's ``LoRABatch`` (built once, shared by every layer) names the path that c
   ``BGMV_MAX_TOKENS``, the sorted segments above.
 
 Under tensor parallelism the slots hold this rank's part (worker_proc/lora_adapters.py cuts it):
-column-parallel projections a full A and B's columns, row-parallel ones A's columns and a full B, and
-their delta joins the partial output before the all-reduce.
+column-parallel projections (q, k, v, gate, up) a full A and B for this rank's outputs, row-parallel ones (o,
+down) A for this rank's inputs and a full B, their delta joining the partial output before the all-reduce.
 """
 
 from __future__ import annotations
