@@ -199,9 +199,23 @@ class Admission:
         self.num_behind = num_behind  # leading hits behind the window: counted, never taken
 
 
+def window_growth(config: SchedulerConfig, running) -> int:
+    """Blocks the ``running`` sequences may still take before each holds its window's worth (a
+    parent: one window per sample), where the window bounds them; 0 otherwise. A scan of the
+    running set, paid only when a sequence is about to be admitted."""
+    if not window_bounds_blocks(config):
+        return 0
+    growth = 0
+    for seq in running:
+        samples = seq.request.sampling.n if seq.is_parent else 1
+        growth += max(0, samples * peak_blocks(config, seq.max_len) - (len(seq.block_ids) - seq.num_freed_blocks))
+    return growth
+
+
 def plan_admission(seq: Sequence, bm: BlockManager, config: SchedulerConfig, budget: int,
-                   num_running: int) -> Optional[Admission]:
-    """How ``seq`` (waiting, with a seat free) starts this step, or None if it does not fit."""
+                   num_running: int, growth: int = 0) -> Optional[Admission]:
+    """How ``seq`` (waiting, with a seat free) starts this step, or None if it does not fit.
+    ``growth``: ``window_growth`` of the running sequences, kept free for them."""
     request = seq.request
     block_size = config.block_size
     # A cached block computes nothing, so prompt logprobs need the whole prompt computed (as vLLM),
@@ -221,11 +235,21 @@ def plan_admission(seq: Sequence, bm: BlockManager, config: SchedulerConfig, bud
     if num_tokens > 0 and window_bounds_blocks(config):  # a prompt longer than the cache: chunks that fit
         ref_counts = bm.device.ref_counts
         revived = sum(1 for block in hits[behind:] if ref_counts[block] == 0)
-        spare = bm.device.num_free - revived - admission_reserve(num_running)
+        spare = bm.device.num_free - revived - growth
         num_tokens = min(num_tokens, spare * block_size)
         if num_tokens <= 0:
             return None
         num_blocks = bm.blocks_for(computed + num_tokens)
-    if not bm.can_allocate(hits[behind:], num_blocks - behind + children_blocks + admission_reserve(num_running)):
+    if window_bounds_blocks(config):  # what each will hold is known and small: room for all of it now,
+        # so that no sequence's growth to its window preempts another (FCFS's thrash without it), in
+        # place of the one block per running sequence
+        samples = request.sampling.n if seq.is_parent else 1
+        taken = num_blocks - behind + children_blocks
+        reserve = growth + max(0, samples * peak_blocks(config, seq.max_len) - taken)
+        # n windows that exceed the cache: its samples take turns, but alone it always starts
+        reserve = min(reserve, max(0, usable_blocks(config) - taken))
+    else:
+        reserve = admission_reserve(num_running)
+    if not bm.can_allocate(hits[behind:], num_blocks - behind + children_blocks + reserve):
         return None
     return Admission(seq, hits, keys, lookup, computed, num_blocks, num_tokens, forks_now, behind)

@@ -501,7 +501,8 @@ class Scheduler:
                 continue
             if batch.budget <= 0:
                 return
-            plan = admission.plan_admission(seq, self.bm, self.config, batch.budget, len(self.running))
+            plan = admission.plan_admission(seq, self.bm, self.config, batch.budget, len(self.running),
+                                            admission.window_growth(self.config, self.running))
             if plan is None:
                 return
             self._admit(plan, batch)

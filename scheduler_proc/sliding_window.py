@@ -6,7 +6,7 @@ Qwen2 with the window on all layers) reads, for a query at position ``p``, the k
 kernel all start their key loops there). Queries only move forward, so a block that lies wholly
 before ``p - window`` is dead for good: the block manager gives it back to the pool as the
 sequence advances (vLLM's sliding-window KV manager does the same), and a long generation holds
-about ``window / block_size + 2`` blocks instead of ``length / block_size``.
+``ceil(window / block_size) + 1`` blocks instead of ``length / block_size``.
 
 A freed entry of a block table becomes the *null block*, a device block reserved at start that is
 never handed out, written or zeroed (vLLM's null block): a table sent to the workers after a swap-in
@@ -53,6 +53,8 @@ def blocks_behind(position: int, window: int, block_size: int) -> int:
 
 
 def max_live_blocks(window: int, block_size: int) -> int:
-    """The most blocks a windowed sequence computing one token at a time holds at once: those from
-    ``position - window`` through ``position``, plus one when the newest starts a block."""
-    return -(-window // block_size) + 2
+    """The most blocks a windowed sequence computing one token a step holds: those from the one
+    holding ``position - window`` through the one ``position`` goes into. Freed when it takes a new
+    block, it holds the same count until the next: ``position - window`` crosses a block boundary
+    at most once per block. (A prompt chunk holds its own blocks too, for that step.)"""
+    return -(-window // block_size) + 1

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve.protocol.messages import AddRequest, SamplingParams
 from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 from pagedserve.scheduler_proc.sliding_window import max_live_blocks, window_to_free
 
-from support.scheduler_sim import SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done
+from support.scheduler_sim import (SimWorker, StepDriver, assert_all_blocks_free, counting_tokens, request,
+                                   run_until_done)
 
 BLOCK, WINDOW = 4, 8
 
@@ -65,7 +67,7 @@ def test_a_generation_longer_than_the_cache_holds_a_bounded_number_of_blocks(ahe
     sched = Scheduler(config())  # 11 usable blocks: 44 tokens, the sequence reaches 310
     deltas, peak, _ = run(sched, [request("long", list(range(10, 20)), max_tokens=300)], ahead)
     assert len(outputs(deltas)["long"]) == 300
-    assert peak["blocks"] <= max_live_blocks(WINDOW, BLOCK) == 4
+    assert peak["blocks"] <= max_live_blocks(WINDOW, BLOCK) == 3
     assert sched.stats()["num_preemptions_recompute"] == 0
 
 
@@ -94,15 +96,37 @@ def test_a_prompt_longer_than_the_cache_is_computed_in_chunks_that_fit():
     assert peak["blocks"] <= 11
 
 
+def test_admission_leaves_room_for_each_sequence_to_reach_its_window_so_none_is_preempted():
+    sched = Scheduler(config(num_gpu_blocks=9))  # 8 usable: room for two sequences of 3 blocks
+    deltas, peak, _ = run(sched, [request(f"r{i}", [20 + i] * 2, max_tokens=60) for i in range(4)])
+    assert all(len(t) == 60 for t in outputs(deltas).values())
+    assert peak["running"] == 2 and sched.stats()["num_preemptions_recompute"] == 0
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preempted_sequences_come_back_with_their_window(mode):
-    sched = Scheduler(config(num_gpu_blocks=9, num_cpu_blocks=16, preemption_mode=mode))
-    deltas, _, _ = run(sched, [request(f"r{i}", [20 + i] * 5, max_tokens=40) for i in range(3)])
-    assert all(len(t) == 40 for t in outputs(deltas).values())
+@pytest.mark.parametrize("ahead", [False, True])
+def test_preempted_sequences_come_back_with_their_window(mode, ahead):
+    """Long low-priority sequences fill the cache; an urgent one arriving later preempts one of them,
+    which comes back (by swap: its live blocks only) and still reads only its own window."""
+    sched = Scheduler(config(num_gpu_blocks=10, num_cpu_blocks=16, preemption_mode=mode, scheduling_policy="priority"))
+    for i in range(3):
+        assert sched.add_request(AddRequest(f"low{i}", [20 + i] * 5, SamplingParams(max_tokens=60), priority=1,
+                                            eos_token_ids=[])) == []
+    driver = StepDriver(sched, SimWorker(sched.config, counting_tokens()), ahead)
+    deltas = []
+    for step in range(400):
+        if step == 30:
+            assert sched.add_request(AddRequest("urgent", [9] * 6, SamplingParams(max_tokens=30),
+                                                eos_token_ids=[])) == []
+        if not driver.busy():
+            break
+        deltas += driver.step()[2]
+    assert {k: len(v) for k, v in outputs(deltas).items()} == {"low0": 60, "low1": 60, "low2": 60, "urgent": 30}
     stats = sched.stats()
     assert stats[f"num_preemptions_{mode}"] > 0
     if mode == "swap":  # only the live blocks travel
         assert stats["num_blocks_swapped_out"] <= stats["num_preemptions_swap"] * max_live_blocks(WINDOW, BLOCK)
+    assert_all_blocks_free(sched)
 
 
 def test_forks_share_the_live_blocks_and_prefix_hits_stop_at_what_the_window_needs():
