@@ -8,17 +8,19 @@ table sent after a swap-in) would change the tokens."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
-from support.greedy import assert_equal_to_transformers, greedy_completions
+from support.greedy import assert_equal_to_transformers, client
 from support.oracle import hf_tokenizer
 from support.server import Server, wait_until
 
 pytestmark = pytest.mark.slow
 
-WINDOW, BLOCK, BLOCKS = 8, 4, 12  # 11 usable blocks: 44 tokens, where each sequence reaches 50 or more
-NEW_TOKENS = 48
+WINDOW, BLOCK, BLOCKS = 8, 4, 10  # 9 usable blocks, 36 tokens, where each sequence reaches 50 or more
+LOW_TOKENS, URGENT_TOKENS = 480, 48  # the low ones still decode when the urgent one comes
 
 
 def metric(srv: Server, name: str) -> float:
@@ -29,23 +31,35 @@ def metric(srv: Server, name: str) -> float:
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])
 def test_a_windowed_model_serves_sequences_longer_than_the_cache_at_transformers_parity(
         preemption, model_factory, tmp_path):
+    """Three low-priority sequences hold their windows (3 blocks each: all 9); an urgent one arriving
+    while they decode preempts one, which comes back (by swap: its live blocks, its table naming the
+    null block where blocks were freed) and finishes with transformers' tokens."""
     model = model_factory("mistral", sliding_window=WINDOW)
     tok = hf_tokenizer(model)
-    text = ("The quick brown fox jumps over the lazy dog. A paged attention engine keeps its cache in "
-            "blocks, and a sliding window only looks back so far.")
-    ids = tok(text).input_ids
-    # Short prompts, so all four start at once; as each grows to its window's 3 blocks, 12 do not fit 11.
+    ids = tok("The quick brown fox jumps over the lazy dog. A paged attention engine keeps its cache").input_ids
     prompts = [ids[:4], ids[4:7], ids[8:12], ids[12:14]]
-    assert all(len(p) + NEW_TOKENS > (BLOCKS - 1) * BLOCK for p in prompts)  # none would fit whole
-    srv = Server(model, ["--num-gpu-blocks", str(BLOCKS), "--block-size", str(BLOCK), "--max-model-len", "256",
+    assert all(len(p) + URGENT_TOKENS > (BLOCKS - 1) * BLOCK for p in prompts)  # none would fit whole
+    srv = Server(model, ["--num-gpu-blocks", str(BLOCKS), "--block-size", str(BLOCK), "--max-model-len", "512",
                          "--max-num-batched-tokens", "16", "--max-num-seqs", "4", "--enable-chunked-prefill",
-                         "--preemption-mode", preemption, "--swap-space", "0.01",
+                         "--scheduling-policy", "priority", "--preemption-mode", preemption, "--swap-space", "0.01",
                          "--poison-kv-cache", "--debug-invariants"]).start(tmp_path)
     try:
-        results = greedy_completions(srv, prompts, NEW_TOKENS)
+        c = client(srv)
+        name = c.models.list().data[0].id
+
+        def complete(ids, priority, max_tokens):
+            r = c.completions.create(model=name, prompt=ids, max_tokens=max_tokens, temperature=0,
+                                     extra_body={"ignore_eos": True, "priority": priority})
+            return r.choices[0].text, r.usage.completion_tokens
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            low = [pool.submit(complete, p, 1, LOW_TOKENS) for p in prompts[:3]]
+            assert wait_until(lambda: metric(srv, "pagedserve_num_requests_running") >= 3, 60)
+            urgent = pool.submit(complete, prompts[3], 0, URGENT_TOKENS)
+            low_results, urgent_result = [f.result() for f in low], urgent.result()
+        assert wait_until(lambda: metric(srv, "pagedserve_num_preemptions_total") > 0, 5), srv.log()[-3000:]
         assert f"every layer attends within {WINDOW} positions: KV blocks behind the window are freed" in srv.log()
-        assert_equal_to_transformers(model, prompts, results, NEW_TOKENS)
-        # some gave way (by swap: their live blocks only; by recompute) and came back with their window
-        assert wait_until(lambda: metric(srv, "pagedserve_num_preemptions_total") > 0, 5)
+        assert_equal_to_transformers(model, prompts[:3], low_results, LOW_TOKENS)
+        assert_equal_to_transformers(model, prompts[3:], [urgent_result], URGENT_TOKENS)
     finally:
         srv.stop()
