@@ -8,6 +8,7 @@ table sent after a swap-in) would change the tokens."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -47,14 +48,24 @@ def test_a_windowed_model_serves_sequences_longer_than_the_cache_at_transformers
         c = client(srv)
         name = c.models.list().data[0].id
 
-        def complete(ids, priority, max_tokens):
-            r = c.completions.create(model=name, prompt=ids, max_tokens=max_tokens, temperature=0,
-                                     extra_body={"ignore_eos": True, "priority": priority})
-            return r.choices[0].text, r.usage.completion_tokens
+        started = [threading.Event() for _ in range(3)]
+
+        def complete(ids, priority, max_tokens, started=None):
+            """Streamed, so the test knows when a sequence decodes; (text, completion tokens)."""
+            text, usage = "", None
+            for chunk in c.completions.create(model=name, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
+                                              stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True, "priority": priority}):
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    if started is not None:
+                        started.set()
+                usage = chunk.usage or usage
+            return text, usage.completion_tokens
 
         with ThreadPoolExecutor(len(prompts)) as pool:
-            low = [pool.submit(complete, p, 1, LOW_TOKENS) for p in prompts[:3]]
-            assert wait_until(lambda: metric(srv, "pagedserve_num_requests_running") >= 3, 60)
+            low = [pool.submit(complete, p, 1, LOW_TOKENS, event) for p, event in zip(prompts[:3], started)]
+            assert all(event.wait(60) for event in started)  # all three decode: their windows fill the cache
             urgent = pool.submit(complete, prompts[3], 0, URGENT_TOKENS)
             low_results, urgent_result = [f.result() for f in low], urgent.result()
         assert wait_until(lambda: metric(srv, "pagedserve_num_preemptions_total") > 0, 5), srv.log()[-3000:]
