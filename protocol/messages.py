@@ -213,6 +213,9 @@ class WorkerHello(Msg):
     max_gpu_blocks: int  # what fits in the memory this worker may use
     hostname: str = ""  # where ``pid`` lives: a scheduler watches only pids on its own node
     vocab_size: int = 0  # embedding rows: a token id at or above it is refused at admission; 0: unknown
+    # each layer's attention window (0: the layer reads every position before it); []: not said.
+    # Where all layers have one, the scheduler frees blocks behind it (scheduler_proc/sliding_window.py).
+    layer_windows: list[int] = []
     # how it computes, for a trace's replay to compute the same way ("" / False: not said)
     dtype: str = ""
     enforce_eager: bool = False

@@ -23,15 +23,40 @@ from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.grammar_cache import compile_for
 from pagedserve.scheduler_proc.lora_slots import lora_refusal
 from pagedserve.scheduler_proc.request import Sequence
+from pagedserve.scheduler_proc.sliding_window import blocks_behind, max_live_blocks
+
+
+def usable_blocks(config: SchedulerConfig) -> int:
+    """Device blocks sequences may hold: all but the null block a window reserves (block_manager.py)."""
+    return config.num_gpu_blocks - (config.sliding_window > 0)
+
+
+def window_bounds_blocks(config: SchedulerConfig) -> bool:
+    """Whether a sequence's blocks at any one time are bounded by the window, not its length: blocks
+    behind the window are freed, prompts (and recomputes) go in chunks that shrink to what is free,
+    and the cache holds what a lone sequence needs at once (sliding_window.py)."""
+    return (config.sliding_window > 0 and config.enable_chunked_prefill
+            and usable_blocks(config) >= max_live_blocks(config.sliding_window, config.block_size))
 
 
 def length_limit(config: SchedulerConfig) -> int:
     """Most tokens (prompt + outputs) one sequence may hold.
 
     The model's limit, and the whole device cache plus the one sampled token that is never
-    computed: a lone sequence can always grow to this, so it can never deadlock itself.
+    computed: a lone sequence can always grow to this, so it can never deadlock itself. Where the
+    window bounds a sequence's blocks, only the model's limit.
     """
-    return min(config.max_model_len, config.num_gpu_blocks * config.block_size + 1)
+    if window_bounds_blocks(config):
+        return config.max_model_len
+    return min(config.max_model_len, usable_blocks(config) * config.block_size + 1)
+
+
+def peak_blocks(config: SchedulerConfig, num_tokens: int) -> int:
+    """The most blocks a sequence holding ``num_tokens`` needs at once."""
+    blocks = -(-num_tokens // config.block_size)
+    if window_bounds_blocks(config):
+        return min(blocks, max_live_blocks(config.sliding_window, config.block_size))
+    return blocks
 
 
 def rejection_reason(msg: AddRequest, config: SchedulerConfig) -> Optional[str]:
@@ -54,16 +79,17 @@ def rejection_reason(msg: AddRequest, config: SchedulerConfig) -> Optional[str]:
         return (f"the prompt has {num_prompt} tokens; with at least one generated token that exceeds "
                 f"max_model_len={config.max_model_len}")
     block_size = config.block_size
-    prompt_blocks = -(-num_prompt // block_size)
-    if prompt_blocks > config.num_gpu_blocks:
+    usable = usable_blocks(config)
+    prompt_blocks = peak_blocks(config, num_prompt)
+    if prompt_blocks > usable:
         return (f"the prompt has {num_prompt} tokens and needs {prompt_blocks} KV blocks of "
-                f"{block_size} tokens, but the cache has only {config.num_gpu_blocks} blocks")
+                f"{block_size} tokens, but the cache has only {usable} blocks")
     if sampling.n > 1:
         # The shared prompt[:-1] plus one block per sample for the first token each writes.
-        needed = -(-(num_prompt - 1) // block_size) + sampling.n
-        if needed > config.num_gpu_blocks:
+        needed = peak_blocks(config, num_prompt - 1) + sampling.n
+        if needed > usable:
             return (f"n={sampling.n} samples of a {num_prompt}-token prompt need {needed} KV blocks of "
-                    f"{block_size} tokens at once, but the cache has only {config.num_gpu_blocks} blocks")
+                    f"{block_size} tokens at once, but the cache has only {usable} blocks")
     return None
 
 
@@ -135,6 +161,10 @@ def seats_needed(seq: Sequence) -> int:
 def tokens_to_resume(seq: Sequence, bm: BlockManager, budget: int, chunked_prefill: bool) -> int:
     """Tokens a swapped ``seq`` computes if it comes back this step; 0: it does not fit."""
     num_tokens = chunk_size(seq.target_len - seq.num_kv_tokens, budget, chunked_prefill)
+    if num_tokens > 0 and bm.window and chunked_prefill:  # a window bounds the blocks: a chunk that fits
+        room = (bm.blocks_for(seq.num_kv_tokens) * bm.block_size - seq.num_kv_tokens
+                + (bm.device.num_free - len(seq.host_block_ids)) * bm.block_size)
+        num_tokens = min(num_tokens, room)
     return num_tokens if num_tokens > 0 and bm.can_swap_in(seq, num_tokens) else 0
 
 
@@ -153,10 +183,11 @@ def admission_reserve(num_running: int) -> int:
 class Admission:
     """How a waiting sequence starts: its prefix-cache hits and the blocks and tokens of its first step."""
 
-    __slots__ = ("seq", "hits", "keys", "looked_up", "num_computed", "num_blocks", "num_tokens", "forks_now")
+    __slots__ = ("seq", "hits", "keys", "looked_up", "num_computed", "num_blocks", "num_tokens", "forks_now",
+                 "num_behind")
 
     def __init__(self, seq: Sequence, hits: list[int], keys: list, looked_up: bool, num_computed: int,
-                 num_blocks: int, num_tokens: int, forks_now: bool):
+                 num_blocks: int, num_tokens: int, forks_now: bool, num_behind: int = 0):
         self.seq = seq
         self.hits = hits
         self.keys = keys
@@ -165,11 +196,26 @@ class Admission:
         self.num_blocks = num_blocks
         self.num_tokens = num_tokens  # to compute this step (0 when the parent forks at once)
         self.forks_now = forks_now  # a parent whose prompt[:-1] is all cached: its children sample now
+        self.num_behind = num_behind  # leading hits behind the window: counted, never taken
+
+
+def window_growth(config: SchedulerConfig, running) -> int:
+    """Blocks the ``running`` sequences may still take before each holds its window's worth (a
+    parent: one window per sample), where the window bounds them; 0 otherwise. A scan of the
+    running set, paid only when a sequence is about to be admitted."""
+    if not window_bounds_blocks(config):
+        return 0
+    growth = 0
+    for seq in running:
+        samples = seq.request.sampling.n if seq.is_parent else 1
+        growth += max(0, samples * peak_blocks(config, seq.max_len) - (len(seq.block_ids) - seq.num_freed_blocks))
+    return growth
 
 
 def plan_admission(seq: Sequence, bm: BlockManager, config: SchedulerConfig, budget: int,
-                   num_running: int) -> Optional[Admission]:
-    """How ``seq`` (waiting, with a seat free) starts this step, or None if it does not fit."""
+                   num_running: int, growth: int = 0) -> Optional[Admission]:
+    """How ``seq`` (waiting, with a seat free) starts this step, or None if it does not fit.
+    ``growth``: ``window_growth`` of the running sequences, kept free for them."""
     request = seq.request
     block_size = config.block_size
     # A cached block computes nothing, so prompt logprobs need the whole prompt computed (as vLLM),
@@ -185,6 +231,25 @@ def plan_admission(seq: Sequence, bm: BlockManager, config: SchedulerConfig, bud
     forks_now = seq.is_parent and remaining == 0
     num_blocks = bm.blocks_for(computed + num_tokens)
     children_blocks = request.sampling.n if forks_now else 0  # each child's first token needs a block
-    if not bm.can_allocate(hits, num_blocks + children_blocks + admission_reserve(num_running)):
+    behind = min(blocks_behind(computed, bm.window, block_size), len(hits)) if bm.window else 0
+    if num_tokens > 0 and window_bounds_blocks(config):  # a prompt longer than the cache: chunks that fit
+        ref_counts = bm.device.ref_counts
+        revived = sum(1 for block in hits[behind:] if ref_counts[block] == 0)
+        spare = bm.device.num_free - revived - growth
+        num_tokens = min(num_tokens, spare * block_size)
+        if num_tokens <= 0:
+            return None
+        num_blocks = bm.blocks_for(computed + num_tokens)
+    if window_bounds_blocks(config):  # what each will hold is known and small: room for all of it now,
+        # so that no sequence's growth to its window preempts another (FCFS's thrash without it), in
+        # place of the one block per running sequence
+        samples = request.sampling.n if seq.is_parent else 1
+        taken = num_blocks - behind + children_blocks
+        reserve = growth + max(0, samples * peak_blocks(config, seq.max_len) - taken)
+        # n windows that exceed the cache: its samples take turns, but alone it always starts
+        reserve = min(reserve, max(0, usable_blocks(config) - taken))
+    else:
+        reserve = admission_reserve(num_running)
+    if not bm.can_allocate(hits[behind:], num_blocks - behind + children_blocks + reserve):
         return None
-    return Admission(seq, hits, keys, lookup, computed, num_blocks, num_tokens, forks_now)
+    return Admission(seq, hits, keys, lookup, computed, num_blocks, num_tokens, forks_now, behind)

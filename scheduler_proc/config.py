@@ -37,12 +37,20 @@ class SchedulerConfig:
     speculative: Optional[SpeculativeConfig] = None  # --speculative-config (speculation.py); None: off
     enable_lora: bool = False  # requests may name a registered LoRA adapter (lora_slots.py)
     max_loras: int = 4  # adapters one step may hold: the workers' device slots
+    # Every layer of the model attends this many positions back: blocks behind it are freed
+    # (sliding_window.py); 0: every block is kept until its sequence ends.
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_loras"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be an integer >= 0, got {self.sliding_window!r}")
+        if self.sliding_window and self.speculative is not None and self.speculative.method == "draft_model":
+            raise ValueError("sliding_window frees blocks a draft model's layers may still read: "
+                             "the engine keeps every block with a draft model")
         if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
         if not isinstance(self.max_model_len, int) or self.max_model_len < 2:

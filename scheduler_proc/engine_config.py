@@ -48,7 +48,8 @@ class _EngineConfigRules:
         # here, so validate the policy options with a placeholder one.
         self.scheduler_config(num_gpu_blocks=1 << 20, num_cpu_blocks=int(self.swap_space > 0))
 
-    def scheduler_config(self, num_gpu_blocks: int, num_cpu_blocks: int, vocab_size: int = 0) -> SchedulerConfig:
+    def scheduler_config(self, num_gpu_blocks: int, num_cpu_blocks: int, vocab_size: int = 0,
+                         sliding_window: int = 0) -> SchedulerConfig:
         return SchedulerConfig(
             block_size=self.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -59,8 +60,12 @@ class _EngineConfigRules:
             max_waiting_requests=self.max_waiting_requests, max_queue_time_s=self.max_queue_time_s,
             default_deadline_s=self.default_deadline_s, tenant_weights=self.tenant_weights,
             speculative=parse_speculative_config(self.speculative_config),
-            enable_lora=self.enable_lora, max_loras=self.max_loras,
+            enable_lora=self.enable_lora, max_loras=self.max_loras, sliding_window=sliding_window,
         )
+
+    def speculative_method(self) -> Optional[str]:
+        spec = parse_speculative_config(self.speculative_config)
+        return spec.method if spec is not None else None
 
     def trace_config(self) -> dict:
         """What a replay needs to rebuild this scheduler (paths, timeouts and logging left out)."""

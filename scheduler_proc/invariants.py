@@ -95,20 +95,30 @@ def check(sched: "Scheduler", out: Optional["SchedulerOutput"] = None) -> None:
                 _fail(f"{seq.seq_id} is in {name} with status {seq.status}")
             if sched.requests.get(seq.request.request_id) is not seq.request:
                 _fail(f"{seq.seq_id} is queued but its request is not registered")
-            device_owners.update(seq.block_ids)
+            num_freed = seq.num_freed_blocks
+            if num_freed and (not bm.window or status == WAITING or (
+                    status == RUNNING and seq.block_ids[:num_freed] != [bm.null_block] * num_freed)):
+                _fail(f"{status} {seq.seq_id}: its {num_freed} blocks freed behind the window are not the null block")
+            if num_freed > bm.window_blocks_behind(seq):
+                _fail(f"{seq.seq_id}: {num_freed} blocks freed, but its window reaches into them")
+            device_owners.update(seq.block_ids[num_freed:])
             host_owners.update(seq.host_block_ids)
             expected = bm.blocks_for(seq.num_kv_tokens)
             if status == RUNNING and len(seq.block_ids) != expected:
                 _fail(f"{seq.seq_id}: {len(seq.block_ids)} blocks for {seq.num_kv_tokens} computed tokens")
             if status == WAITING and (seq.block_ids or seq.host_block_ids or seq.num_kv_tokens):
                 _fail(f"waiting {seq.seq_id} holds blocks or computed tokens")
-            if status == SWAPPED and (seq.block_ids or len(seq.host_block_ids) != expected):
+            if status == SWAPPED and (seq.block_ids or len(seq.host_block_ids) != expected - num_freed):
                 _fail(f"swapped {seq.seq_id}: device {seq.block_ids}, host {seq.host_block_ids}")
             if len(seq.block_keys) > seq.num_kv_tokens // bm.block_size:
                 _fail(f"{seq.seq_id} names more blocks than it has computed")
     for block in device_owners:
         if not 0 <= block < bm.device.num_blocks:
             _fail(f"device block {block} is out of range")
+    if bm.window:  # the null block: owned by the manager alone, never in a table's live part
+        if device_owners[bm.null_block]:
+            _fail(f"the null block {bm.null_block} is in a table as a live block")
+        device_owners[bm.null_block] = 1
     check_pool(bm.device, device_owners, "device")
     check_pool(bm.host, host_owners, "host")
     ids = [s.seq_id for s in (*live, *sched.waiting, *sched.swapped)]
@@ -139,7 +149,7 @@ def _check_fresh_blocks(sched: "Scheduler", live: list, out: Optional["Scheduler
     """A block a table gained since the last check holds what it should: it was zeroed, copied or
     swapped into this step, or it already held keys and values (a prefix hit, a fork). Zeroing
     runs after copies and swaps on the worker, so no block may be in both lists."""
-    pairs = {(s.seq_id, b) for s in live for b in s.block_ids}
+    pairs = {(s.seq_id, b) for s in live for b in s.block_ids[s.num_freed_blocks:]}
     held = {b for _, b in pairs} | set(sched.bm.device.evictable)
     old_pairs, old_held = sched._invariant_blocks
     sched._invariant_blocks = (pairs, held)

@@ -132,7 +132,8 @@ def fits_now(sched: "Scheduler", seq: "Sequence") -> bool:
     budget = max(1, config.max_num_batched_tokens - len(sched.running))
     if seq.status == SWAPPED:
         return admission.tokens_to_resume(seq, sched.bm, budget, config.enable_chunked_prefill) > 0
-    return admission.plan_admission(seq, sched.bm, config, budget, len(sched.running)) is not None
+    return admission.plan_admission(seq, sched.bm, config, budget, len(sched.running),
+                                    admission.window_growth(config, sched.running)) is not None
 
 
 class DeadlinePolicy(PriorityPolicy):

@@ -58,14 +58,17 @@ def register_computed(pool: BlockPool, seq: Sequence, block_size: int) -> None:
     tokens = seq.token_ids
     blocks = seq.block_ids
     parent = keys[-1][2] if keys else seq.request.prefix_seed
-    for i in range(len(keys), num_full):
+    num_freed = seq.num_freed_blocks  # freed behind a window before their step's result came: the chain
+    for i in range(len(keys), num_full):  # goes on through their keys, but the pool may have reused them
         key = block_key(parent, tokens[i * block_size:(i + 1) * block_size].tobytes())
         keys.append(key)
-        pool.register(blocks[i], key)
+        if i >= num_freed:
+            pool.register(blocks[i], key)
         parent = key[2]
 
 
 def republish(pool: BlockPool, seq: Sequence) -> None:
     """After a swap-in the sequence's full blocks live in new device blocks: name them again."""
-    for block, key in zip(seq.block_ids, seq.block_keys):
+    num_freed = seq.num_freed_blocks
+    for block, key in zip(seq.block_ids[num_freed:], seq.block_keys[num_freed:]):
         pool.register(block, key)

@@ -31,6 +31,7 @@ from pagedserve.scheduler_proc.frontend_inputs import apply_frontend_message
 from pagedserve.scheduler_proc.grammar_cache import GrammarBackendLoader, grammar_cache_for
 from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.scheduler_proc.sliding_window import window_to_free
 
 
 @dataclass
@@ -86,7 +87,9 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
     to_worker, from_worker = Decoder(m.SchedulerToWorker), Decoder(m.WorkerToScheduler)
     from_frontend = Decoder(m.FrontendToScheduler)
     try:
-        vocab_size = from_worker.decode(trace.hello_frame).vocab_size  # grammar masks' width
+        hello = from_worker.decode(trace.hello_frame)
+        vocab_size = hello.vocab_size  # grammar masks' width
+        window, _ = window_to_free(hello.layer_windows, cfg.speculative_method() == "draft_model")
     except ProtocolError as exc:
         raise TraceError(f"{trace_path}: the header's hello is not a valid frame: {exc}") from None
     sched: Optional[Scheduler] = None
@@ -103,7 +106,7 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
                                                       sched.config.num_gpu_blocks != msg.num_gpu_blocks):
                     if model and loader is None and os.path.isdir(model):
                         loader = GrammarBackendLoader(model)
-                    sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks),
+                    sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks, sliding_window=window),
                                       grammar_cache_for(loader, vocab_size),
                                       lora_adapters=sched.lora_adapters() if sched is not None else ())
                 elif isinstance(msg, m.LoRAStep):

@@ -139,6 +139,7 @@ class Sequence:
         "token_ids",
         "num_kv_tokens",
         "block_ids",
+        "num_freed_blocks",
         "host_block_ids",
         "block_keys",
         "status",
@@ -176,6 +177,8 @@ class Sequence:
         # the wire's num_computed_tokens is the count *before* a step).
         self.num_kv_tokens = 0
         self.block_ids: list[int] = []  # device block table
+        # Leading table entries freed behind a sliding window: the null block (sliding_window.py).
+        self.num_freed_blocks = 0
         self.host_block_ids: list[int] = []  # while swapped out
         self.block_keys: list = []  # prefix-cache keys of the leading full computed blocks
         self.status = WAITING

@@ -128,15 +128,19 @@ class RunningSequences:
 
     # ------------------------------------------------------------------ one step
 
-    def begin_step(self, num_free_blocks: int) -> list[int]:
+    def begin_step(self, num_free_blocks: int, release=None) -> list[int]:
         """The steady decodes (positions) whose next token starts a block, for the scheduler to
         grant (``grant_steady``) when the free blocks cover them all; when not, those leave the
-        batch for the per-object loop, which decides FCFS who gets what."""
+        batch for the per-object loop, which decides FCFS who gets what. ``release(seq, position)``
+        (a sliding window): first gives back the blocks behind each one's next query, how many."""
         if self._num_gone:
             self._queue = [seq for seq in self._queue if seq.status == RUNNING and seq.lane_pos < 0]
             self._num_gone = 0
         lane = self._lane
         needy = lane.needing_blocks()
+        if release is not None:  # only at a block's start: 1/block_size of the steps, no sync needed
+            seqs, computed = lane.seqs, lane.computed
+            num_free_blocks += sum(release(seqs[pos], int(computed[pos])) for pos in needy)
         if len(needy) <= num_free_blocks:
             return needy
         for seq in [lane.seqs[pos] for pos in needy]:

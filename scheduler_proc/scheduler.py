@@ -356,7 +356,8 @@ class Scheduler:
         batch = StepPlan(self.config.max_num_batched_tokens)
         if not self.in_flight:  # no victim while a step out may hold its token (can_schedule_ahead, rule 2)
             self._make_way_for_waiting(batch)
-        if needy := self.running.begin_step(self.bm.device.num_free):
+        release = self.bm.release_behind_window if self.bm.window else None
+        if needy := self.running.begin_step(self.bm.device.num_free, release):
             self.running.grant_steady(needy, self.bm.take_blocks_to_write(len(needy)))
         batch.budget -= self.running.num_steady  # every steady decode runs: its token comes first
         self._schedule_running(batch)
@@ -382,9 +383,12 @@ class Scheduler:
     def _schedule_running(self, batch: StepPlan) -> None:
         queue = self.policy.running_order(self.running.per_object())
         later_decodes = None  # decodes after the current sequence; counted once a prefill needs it
+        windowed = self.bm.window > 0
         for i, seq in enumerate(queue):
             if seq.status != RUNNING:
                 continue  # preempted for an older sequence earlier in this step
+            if windowed:
+                self._release_behind_window(seq)
             if seq.is_decode:
                 if self._make_room(seq, 1, batch):  # its one token's block is free; proposals take what is spare
                     later = len(queue) - i - 1  # a bound on the decodes still to come
@@ -421,6 +425,12 @@ class Scheduler:
             return 0
         return num_tokens
 
+    def _release_behind_window(self, seq: Sequence) -> None:
+        """Blocks behind the window of ``seq``'s next query back to the pool (sliding_window.py);
+        proposals still being verified do not count: a rejection moves the next query back."""
+        position = seq.num_kv_tokens - (len(seq.spec.drafts) if seq.spec is not None else 0)
+        self.bm.release_behind_window(seq, position)
+
     def _preempt(self, seq: Sequence, batch: StepPlan) -> None:
         """Take a running sequence off the device, by swap or by recompute."""
         if batch.holds(seq):  # un-scheduling a victim is not supported (FCFS's newest never is one)
@@ -433,6 +443,8 @@ class Scheduler:
         if seq.worker_knows:
             self.finished_ids.append(seq.seq_id)
             seq.worker_knows = False
+        if self.bm.window:  # only the live blocks are swapped
+            self._release_behind_window(seq)
         if admission.should_swap(seq, self.bm, self.config):
             batch.swap_out.extend(self.bm.swap_out(seq))
             seq.status = SWAPPED
@@ -489,7 +501,8 @@ class Scheduler:
                 continue
             if batch.budget <= 0:
                 return
-            plan = admission.plan_admission(seq, self.bm, self.config, batch.budget, len(self.running))
+            plan = admission.plan_admission(seq, self.bm, self.config, batch.budget, len(self.running),
+                                            admission.window_growth(self.config, self.running))
             if plan is None:
                 return
             self._admit(plan, batch)
@@ -513,7 +526,7 @@ class Scheduler:
             self.policy.admitted(seq)
             request.num_cached_tokens = plan.num_computed
         seq.num_cached_tokens = request.num_cached_tokens
-        self.bm.allocate(seq, plan.hits, plan.num_blocks)
+        self.bm.allocate(seq, plan.hits, plan.num_blocks, plan.num_behind)
         seq.block_keys = plan.keys
         if request.lora is not None:
             self.lora.acquire(seq, request.lora)

@@ -178,7 +178,8 @@ class Worker:
             block_bytes=self.runner.block_bytes(block_size),
             max_gpu_blocks=self.runner.max_gpu_blocks(block_size, budget, self.cfg.gpu_memory_utilization),
             hostname=socket.gethostname(),
-            vocab_size=self.runner.spec.vocab_size, dtype=self.cfg.dtype, enforce_eager=bool(self.cfg.enforce_eager))
+            vocab_size=self.runner.spec.vocab_size, dtype=self.cfg.dtype, enforce_eager=bool(self.cfg.enforce_eager),
+            layer_windows=[w or 0 for w in self.runner.spec.layer_sliding_windows])
 
     def run(self) -> None:
         self.results.send(self.hello())

@@ -78,6 +78,9 @@ def test_family_serves_transformers_greedy_tokens_with_prefix_caching_and_chunke
         assert wait_until(lambda: prefix_cache_hits(srv) >= 2 * 20, 5)
         if arch == "gemma2":
             assert "attention soft-capping runs the torch reference attention on CPU" in srv.log()
+            # its global layers read every block: none is freed behind the local layers' window
+            assert "layers attend within a sliding window, the others to every position: every KV block is kept" \
+                in srv.log()
         assert_equal_to_transformers(model, prompts, first + rest, 16)
     finally:
         srv.stop()

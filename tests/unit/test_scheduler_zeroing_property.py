@@ -1,5 +1,6 @@
 """Property: over random workloads (arrivals, aborts, preemption by swap and recompute,
-n > 1 forks with copy-on-write, prefix hits, chunked prefill), with every step awaited or
+n > 1 forks with copy-on-write, prefix hits, chunked prefill, blocks freed behind a sliding window),
+with every step awaited or
 with the next one scheduled ahead of its result (async scheduling), no sequence ever attends over
 a stale KV slot, zeroing never wipes live KV, every step drains the zero list, the debug
 invariants hold after every call, and at the end every block of both pools is free.
@@ -34,6 +35,7 @@ configs = st.builds(
     enable_chunked_prefill=st.booleans(),
     preemption_mode=st.sampled_from(["auto", "recompute"]),
     debug_invariants=st.just(True),
+    sliding_window=st.sampled_from([0, 0, 1, 3, 8]),  # blocks behind it are freed (sliding_window.py)
 )
 # "swap" preempts by swap whenever the host has room (it needs a host pool).
 configs = configs.map(lambda c: c if not c.num_cpu_blocks or c.enable_prefix_caching
