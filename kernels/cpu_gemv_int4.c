@@ -11,9 +11,14 @@
  * payload), so one 16-byte load widened to 32-bit lanes gives two vectors by a mask and a shift.
  *
  * As cpu_gemv_int8.c: each thread takes a contiguous range of R-row blocks (OpenMP, static), walks R rows
- * of u at once along K (prefetching rows ahead) and multiplies them by the M rows of x (float32, in L1).
- * Each nibble is widened to float32 exactly, less z exactly (small integers), times the scale: one
- * rounding, the float32 weight the dequantized layer holds; the products are summed in float32.
+ * of nibbles at once along K (prefetching rows ahead) and multiplies them by the M rows of x (float32, in L1).
+ * A one-stream step is bound by the nibbles' reads only if a weight costs a few instructions, so:
+ *   AVX-512: a table per row and group of the 16 weights (v - z) * scale, made once a group; vpermps looks a
+ *            nibble up by its low 4 bits: a weight is one shuffle from the float32 value the dequantized
+ *            layer holds (one rounding), then the FMAs;
+ *   else:    (8 lanes: no 16-entry lookup) the nibbles' products with x summed per group, scaled once, and
+ *            z times the group's sum of x taken off at the end: a mask or shift, a conversion, the FMAs.
+ * The products are summed in float32 (tests/e2e/test_kernels_cpu_gemv_int4.py bounds the difference).
  */
 #include <stdint.h>
 
@@ -23,8 +28,8 @@
 #define INT4_PARALLEL_MIN_MACS (1 << 17)
 #define INT4_PREFETCH_ROWS 32
 #define INT4_CHUNK 32 /* inputs in one 16-byte run of nibbles */
-/* R x M accumulators, as many group sums, R weight vectors and one x vector in the 32 vector registers. */
-#define INT4_ROWS_PER_BLOCK(M) ((M) == 1 ? 8 : (M) == 2 ? 6 : (M) == 3 ? 4 : (M) == 4 ? 3 : (M) <= 7 ? 2 : 1)
+/* R x M accumulators (and, the factored form, as many group sums), R weight vectors and an x vector. */
+#define INT4_ROWS_PER_BLOCK(M) ((M) == 1 ? 8 : (M) == 2 ? 6 : (M) <= 5 ? 4 : 3)
 
 /* HALF_VW bytes from p, each widened to a 32-bit lane. */
 static inline hivec load_u8(const uint8_t *p) {
@@ -39,10 +44,9 @@ static inline hivec load_u8(const uint8_t *p) {
 #endif
 }
 
+#if HALF_VW != 16
 /* sums[r * M + i] = x[i, :k] . W[r, :k] for R rows. k % g == 0, g % INT4_CHUNK == 0. zeros NULL: z = 8.
- * xsum[i * lds + group]: the sum of row i of x over the group. Per group, the nibbles' products with x are
- * summed apart and scaled once, and z times the group's sum of x taken off at the end, so a weight costs a
- * mask or shift, a conversion and the FMAs (the decode step is bound by reading it: the fewer the better). */
+ * xsum[i * lds + group]: the sum of row i of x over the group (the factored form above). */
 static inline __attribute__((always_inline)) void block_i4(const float *restrict x, const int64_t ldx,
                                                            const float *restrict xsum, const uint8_t *restrict u,
                                                            const int64_t ldu, const float *restrict s,
@@ -110,6 +114,60 @@ static inline __attribute__((always_inline)) void block_i4(const float *restrict
         }
 }
 
+#else
+/* The same by the tables above (xsum unused). */
+static inline __attribute__((always_inline)) void block_i4(const float *restrict x, const int64_t ldx,
+                                                           const float *restrict xsum, const uint8_t *restrict u,
+                                                           const int64_t ldu, const float *restrict s,
+                                                           const float *restrict z, const int64_t lds,
+                                                           const int64_t k, const int64_t g, const int M,
+                                                           const int R, float *restrict sums) {
+    (void)xsum;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    hvec acc[8][8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) acc[r][i] = hbroadcast(0.0f);
+    const uint8_t *ahead = u + (int64_t)INT4_PREFETCH_ROWS * ldu;
+    for (int64_t kk = 0; kk < k; kk += g) {
+        __m512 table[8];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            table[r] = (__m512)(((hvec)iota - hbroadcast(z ? z[r * lds + kk / g] : 8.0f)) *
+                                hbroadcast(s[r * lds + kk / g]));
+        for (int64_t c = kk; c < kk + g; c += INT4_CHUNK) {
+            const int64_t byte = c / 2;
+            if ((byte & 63) == 0)
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) __builtin_prefetch(ahead + r * ldu + byte, 0, 3);
+            __m512i packed[8];
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+                packed[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u + r * ldu + byte)));
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                hvec wv[8];
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++)
+                    wv[r] = (hvec)_mm512_permutexvar_ps(half ? _mm512_srli_epi32(packed[r], 4) : packed[r],
+                                                        table[r]);
+#pragma GCC unroll 8
+                for (int i = 0; i < M; i++) {
+                    const hvec xv = load_f32(x + i * ldx + c + 16 * half);
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; r++) acc[r][i] += xv * wv[r];
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) sums[r * M + i] = hsum(acc[r][i]);
+}
+#endif
+
 static inline void put_i4(void *out, int64_t ldo, int64_t i, int64_t j, float v, int out_kind) {
     if (out_kind == 0)
         ((float *)out)[i * ldo + j] = v;
@@ -160,7 +218,7 @@ int gemv_int4_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, const ui
     float xsum[INT4_GEMV_MAX_ROWS * groups]; /* a few KB: 8 rows x K / 32 at most */
     for (int64_t i = 0; i < m; i += INT4_GEMV_MAX_ROWS) {
         const int64_t rows = m - i < INT4_GEMV_MAX_ROWS ? m - i : INT4_GEMV_MAX_ROWS;
-        for (int64_t row = 0; row < rows; row++)
+        for (int64_t row = 0; row < (HALF_VW == 16 ? 0 : rows); row++) /* the factored form's group sums of x */
             for (int64_t grp = 0; grp < groups; grp++) {
                 float sum = 0.0f;
                 for (int64_t t = grp * g; t < (grp + 1) * g; t++) sum += x[(i + row) * ldx + t];

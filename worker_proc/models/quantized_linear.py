@@ -167,6 +167,24 @@ def int8_blocks_kernel() -> bool:
     return cpu_native.library() is not None
 
 
+# What each kind multiplies with, for the worker's log: (at the decode's few rows, above DEQUANTIZE_MIN_ROWS)
+_OPS = {"int4": "torch's _weight_int4pack_mm_for_cpu", "int4_blocks": "native int4 GEMV (kernels/cpu_gemv_int4.c)",
+        "int8": "torch's _weight_int8pack_mm", "int8_blocks": "native int8 GEMV (kernels/cpu_gemv_int8.c)",
+        "int8_grouped": "_weight_int8pack_mm per group", "w8a8": "per-token int8 activations, torch._int_mm"}
+
+
+def describe_ops(layers: list) -> Optional[str]:
+    """One line naming the op each quantized kind in these decoder layers runs, and from how many rows a
+    half-precision call dequantizes instead; None where no projection is quantized."""
+    kinds = sorted({w.quantized.kind for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")
+                    if (w := getattr(layer, name, None)) is not None and getattr(w, "quantized", None) is not None})
+    if not kinds:
+        return None
+    return "; ".join(f"{kind}: {_OPS[kind]}" + ("" if kind == "w8a8" else
+                                                 f", dequantized from {DEQUANTIZE_MIN_ROWS[kind]} rows in half "
+                                                 f"precision") for kind in kinds)
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 rows, float32 scale [rows, 1]): symmetric, scale = max|row| / 127, as compressed-tensors'
     dynamic per-token quantization (a zero row gets scale 1)."""
