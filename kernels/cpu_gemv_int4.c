@@ -124,6 +124,7 @@ static inline __attribute__((always_inline)) void block_i4(const float *restrict
                                                            const int R, float *restrict sums) {
     (void)xsum;
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const hvec centered = (hvec)iota - 8.0f; /* symmetric: v - 8, a group's table one multiply (Q4_0: every 32) */
     hvec acc[8][8];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -134,7 +135,7 @@ static inline __attribute__((always_inline)) void block_i4(const float *restrict
         __m512 table[8];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
-            table[r] = (__m512)(((hvec)iota - hbroadcast(z ? z[r * lds + kk / g] : 8.0f)) *
+            table[r] = (__m512)((z ? (hvec)iota - hbroadcast(z[r * lds + kk / g]) : centered) *
                                 hbroadcast(s[r * lds + kk / g]));
         for (int64_t c = kk; c < kk + g; c += INT4_CHUNK) {
             const int64_t byte = c / 2;
