@@ -2,12 +2,14 @@
 and its lm_head (random weights, 0.988 GB in bfloat16), through each path worker_proc/models/linear.py can
 take at 1-8 rows: kernels/cpu_gemv.c's bfloat16 panels and its row-major kernel on the weights as loaded,
 oneDNN's packed weights, F.linear; and ``int4``: the layers as int4 in groups (kernels/cpu_gemv_int4.c, random
-nibbles; ``--int4-group``, symmetric) with lm_head in bfloat16 panels, as a W4A16 checkpoint serves them. In the same run, the memory's read bandwidth over the same bytes (the
-max of each weight viewed as int32, and the sum of one 1 GiB tensor), so every path is given as GB/s and
-% of what this machine reads now. Paths alternate within each repeat; medians and ranges over the repeats.
+nibbles; ``--int4-group``, symmetric) with lm_head in bfloat16 panels, as a W4A16 checkpoint serves them. In
+the same run, the memory's read bandwidth over the bfloat16 bytes (the max of each weight viewed as int32, and
+the sum of one 1 GiB tensor), so every path is given as GB/s of the bytes it reads and % of what this machine
+reads now. Paths alternate within each repeat; medians and ranges over the repeats.
 
     python bench/scripts/gemv_bench.py [--rows 1,2,4,8] [--repeat 7] [--dtype bfloat16] [--threads 2]
     python bench/scripts/gemv_bench.py --threads 1 --cpu-time    # one core, on a loaded machine
+    python bench/scripts/gemv_bench.py --threads 1 --cpu-time --paths panels,int4 --int4-group 32   # Q4_0's groups
 """
 
 from __future__ import annotations

@@ -152,6 +152,7 @@ def test_weight_only_greedy_tokens_equal_transformers_on_the_same_file(tmp_path,
             # nothing float of the weight is kept beside its integers
             assert proj.weight is None and proj.weight_t is None and proj.packed is None and proj.panels is None
     assert runner.model.lm_head.quantized is None  # lm_head is in the config's ignore list
+    assert ql.describe_ops(runner.model.layers).startswith(f"{kind}: ")  # the worker's log names the op
     expected = hf_greedy(str(oracle), prompts, NEW_TOKENS)
     for ours, theirs in zip(got, expected):
         assert len(theirs) >= 12 and ours[: len(theirs)] == theirs

@@ -49,8 +49,8 @@ class QuantizedLinear:
     kind: str
     out_features: int
     in_features: int
-    weight: torch.Tensor  # int4: torch's int4pack layout [out, in / 2] uint8; int4_blocks: cpu_native.pack_int4_blocks
-    # [out, in / 2] uint8; int8, int8_blocks: [out, in];
+    weight: torch.Tensor  # int4: torch's int4pack layout [out, in / 2] uint8; int4_blocks: [out, in / 2] uint8
+    # (cpu_native.pack_int4_blocks); int8, int8_blocks: [out, in];
     # int8_grouped: [groups, out, group_size]; w8a8: [in, out] int8 (_int_mm's right operand)
     scales: torch.Tensor  # int4: [in / group, out, 2] (scale, zero); int8 / w8a8: [out]; int8_grouped: [groups, out];
     # int8_blocks, int4_blocks: [out, groups] float32
@@ -177,14 +177,16 @@ _OPS = {"int4": "torch's _weight_int4pack_mm_for_cpu", "int4_blocks": "native in
 
 def describe_ops(layers: list) -> Optional[str]:
     """One line naming the op each quantized kind in these decoder layers runs, and from how many rows a
-    half-precision call dequantizes instead; None where no projection is quantized."""
+    call dequantizes instead (dequantize_min_rows); None where no projection is quantized."""
     kinds = sorted({w.quantized.kind for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")
                     if (w := getattr(layer, name, None)) is not None and getattr(w, "quantized", None) is not None})
-    if not kinds:
-        return None
-    return "; ".join(f"{kind}: {_OPS[kind]}" + ("" if kind == "w8a8" else
-                                                 f", dequantized from {DEQUANTIZE_MIN_ROWS[kind]} rows in half "
-                                                 f"precision") for kind in kinds)
+
+    def above(kind: str) -> str:
+        if kind == "w8a8":
+            return ""
+        rows = f", dequantized from {DEQUANTIZE_MIN_ROWS[kind]} rows"
+        return rows if dequantize_min_rows(kind, torch.float32) > 1 else rows + " (float32: at every row)"
+    return "; ".join(f"{kind}: {_OPS[kind]}{above(kind)}" for kind in kinds) if kinds else None
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
