@@ -45,6 +45,7 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_linear.c"): (),
            Path(__file__).with_name("cpu_gemv.c"): (),
            Path(__file__).with_name("cpu_gemv_int8.c"): (),
+           Path(__file__).with_name("cpu_gemv_int4.c"): (),
            Path(__file__).with_name("cpu_lora.c"): (),
            Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
@@ -71,6 +72,7 @@ _SIGNATURES = {
        for suffix in ("f32", "bf16", "f16")},
     "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
+    "gemv_int4_blocks": [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
     "lora_shrink_expand": [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _I,
                            ctypes.c_int],
@@ -78,7 +80,7 @@ _SIGNATURES = {
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
-             "gemv_int8_blocks": ctypes.c_int,
+             "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
              **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -471,6 +473,52 @@ def gemv_int8_blocks(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, blo
                                            scales.contiguous().data_ptr(), block, n, out.data_ptr(), n,
                                            _GEMV_OUT[out.dtype]):
         raise ValueError("gemv_int8_blocks: the kernel refused the shapes")
+    return out
+
+
+INT4_CHUNK = 32  # cpu_gemv_int4.c: inputs whose nibbles share one 16-byte run (low: the first 16, high: the next)
+
+
+def pack_int4_blocks(unsigned: torch.Tensor) -> torch.Tensor:
+    """Nibbles [N, K] (0..15, K a multiple of 32) -> gemv_int4_blocks()'s layout [N, K / 2] uint8: per 32
+    inputs, byte i holds input i in its low nibble and input 16 + i in its high one (GGUF Q4_0's payload)."""
+    n, k = unsigned.shape
+    if k % INT4_CHUNK:
+        raise ValueError(f"pack_int4_blocks: {k} inputs are not whole runs of {INT4_CHUNK}")
+    v = unsigned.to(torch.uint8).view(n, k // INT4_CHUNK, 2, INT4_CHUNK // 2)
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4_blocks(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4_blocks' inverse: [N, K] uint8 nibbles."""
+    n, half = packed.shape
+    v = packed.view(n, half // (INT4_CHUNK // 2), 1, INT4_CHUNK // 2)
+    return torch.cat([v & 0xF, v >> 4], dim=2).reshape(n, 2 * half)
+
+
+def gemv_int4_blocks(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                     group: int, out_dtype: Optional[torch.dtype] = None,
+                     lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """x [M, K] (M >= 1, GEMV_MAX_ROWS at a time; float32, bfloat16 or float16) @ W.T, W[j, t] = (nibble -
+    z) * scale per group of ``group`` inputs (a multiple of 32 dividing K): ``packed`` [N, K / 2] uint8
+    (pack_int4_blocks), ``scales`` [N, K / group] float32, ``zeros`` None (z = 8, symmetric) or [N, K / group]
+    float32 (8 + zero point). [M, N] in ``out_dtype`` (default x's), float32 sums (kernels/cpu_gemv_int4.c)."""
+    rows, k = x.shape
+    n = packed.shape[0]
+    if group <= 0 or group % INT4_CHUNK or k % group:
+        raise ValueError(f"gemv_int4_blocks: groups of {group} do not tile {k} inputs in runs of {INT4_CHUNK}")
+    groups = (n, k // group)
+    if (packed.dtype != torch.uint8 or packed.shape != (n, k // 2) or scales.dtype != torch.float32
+            or scales.shape != groups or rows < 1
+            or (zeros is not None and (zeros.dtype != torch.float32 or zeros.shape != groups))):
+        raise ValueError("gemv_int4_blocks: x, the weight and its scales do not match")
+    xf = x.float().contiguous()
+    out = torch.empty(rows, n, dtype=out_dtype or x.dtype)
+    if (lib or library()).gemv_int4_blocks(xf.data_ptr(), k, rows, k, packed.contiguous().data_ptr(),
+                                           scales.contiguous().data_ptr(),
+                                           None if zeros is None else zeros.contiguous().data_ptr(), group, n,
+                                           out.data_ptr(), n, _GEMV_OUT[out.dtype]):
+        raise ValueError("gemv_int4_blocks: the kernel refused the shapes")
     return out
 
 

@@ -20,6 +20,7 @@ import zmq
 
 from pagedserve.kernels import cpu_native, reference
 from pagedserve.worker_proc.models.linear import GEMV_MAX_ROWS, GEMV_PANEL_MAX_ROWS
+from pagedserve.worker_proc.models.quantized_linear import describe_ops
 from pagedserve.protocol import messages as m
 from pagedserve.protocol import options as opts
 from pagedserve.protocol.speculative import parse_speculative_config
@@ -159,6 +160,9 @@ class Worker:
             kernels += " + fused norms, rotary and SiLU gate"
         elif self.runner.model.elementwise.name == "native":
             kernels += " + native residual add and RMSNorm"
+        quantized = describe_ops(getattr(self.runner.model, "layers", []))
+        if quantized is not None:
+            kernels += f"; quantized projections: {quantized}"
         if self.runner.device.type == "cpu":
             kernels += f"; huge pages {huge_pages_state()}"
             if self.runner.spec.attn_logit_softcap is not None and self.runner.ops is reference:

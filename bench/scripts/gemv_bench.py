@@ -1,12 +1,15 @@
 """A one-stream decode step's matmuls, alone: the 0.5B shape's 24 layers of qkv, o, gate_up and down
 and its lm_head (random weights, 0.988 GB in bfloat16), through each path worker_proc/models/linear.py can
 take at 1-8 rows: kernels/cpu_gemv.c's bfloat16 panels and its row-major kernel on the weights as loaded,
-oneDNN's packed weights, F.linear. In the same run, the memory's read bandwidth over the same bytes (the
-max of each weight viewed as int32, and the sum of one 1 GiB tensor), so every path is given as GB/s and
-% of what this machine reads now. Paths alternate within each repeat; medians and ranges over the repeats.
+oneDNN's packed weights, F.linear; and ``int4``: the layers as int4 in groups (kernels/cpu_gemv_int4.c, random
+nibbles; ``--int4-group``, symmetric) with lm_head in bfloat16 panels, as a W4A16 checkpoint serves them. In
+the same run, the memory's read bandwidth over the bfloat16 bytes (the max of each weight viewed as int32, and
+the sum of one 1 GiB tensor), so every path is given as GB/s of the bytes it reads and % of what this machine
+reads now. Paths alternate within each repeat; medians and ranges over the repeats.
 
     python bench/scripts/gemv_bench.py [--rows 1,2,4,8] [--repeat 7] [--dtype bfloat16] [--threads 2]
     python bench/scripts/gemv_bench.py --threads 1 --cpu-time    # one core, on a loaded machine
+    python bench/scripts/gemv_bench.py --threads 1 --cpu-time --paths panels,int4 --int4-group 32   # Q4_0's groups
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--paths", default="panels,gemv,packed,F.linear",
-                   help="panels: cpu_gemv.c's bfloat16 vdpbf16ps panels; gemv: its row-major kernel")
+                   help="panels: cpu_gemv.c's bfloat16 vdpbf16ps panels; gemv: its row-major kernel; int4: "
+                        "cpu_gemv_int4.c on the layers, panels on lm_head")
+    p.add_argument("--int4-group", type=int, default=128)
     p.add_argument("--cpu-time", action="store_true",
                    help="time with this thread's CPU time (robust to other processes' load; use with --threads 1)")
     ns = p.parse_args()
@@ -62,6 +67,16 @@ def main() -> None:
               if "panels" in paths and dtype == torch.bfloat16 and cpu_native.supports_gemv_panels() else None)
     if panels is None and "panels" in paths:
         paths.remove("panels")
+    int4 = None
+    if "int4" in paths:
+        g = ns.int4_group
+        int4 = [(cpu_native.pack_int4_blocks(torch.randint(0, 16, w.shape, dtype=torch.uint8)),
+                 torch.rand(w.shape[0], w.shape[1] // g) * 0.01) for w in weights[:-1]]
+        head_panels = cpu_native.pack_gemv_panels(weights[-1].bfloat16())
+    # the bytes each path reads a step
+    path_bytes = {path: total for path in paths}
+    if int4 is not None:
+        path_bytes["int4"] = sum(q.nbytes + s.nbytes for q, s in int4) + head_panels.nbytes
     big = torch.ones(1 << 28)  # 1 GiB, touched
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, gemv variant {cpu_native.gemv_variant()}, "
           f"{ns.dtype} weights {total / 1e9:.3f} GB ({len(weights)} matrices)")
@@ -73,7 +88,12 @@ def main() -> None:
             x = xs[w.shape[1]]
             if i == len(weights) - 1:
                 head = CLOCK()
-            if path == "panels":
+            if path == "int4":
+                if i == len(weights) - 1:
+                    cpu_native.gemv_panels(x.bfloat16(), head_panels, w.shape[0])
+                else:
+                    cpu_native.gemv_int4_blocks(x, *int4[i], None, ns.int4_group)
+            elif path == "panels":
                 cpu_native.gemv_panels(x, panels[i], w.shape[0])
             elif path == "gemv":
                 cpu_native.gemv(x, w)
@@ -110,8 +130,12 @@ def main() -> None:
     head_bytes = weights[-1].numel() * weights[-1].element_size()
     for (path, rows), (ts, heads) in results.items():
         t, h = statistics.median(ts), statistics.median(heads)
-        print(f"| {rows} | {path} | {1e3 * t:.2f} ({1e3 * min(ts):.2f}-{1e3 * max(ts):.2f}) | {total / t / 1e9:.1f} | "
-              f"{100 * total / t / 1e9 / limit:.0f}% | {1e3 * h:.2f} | {head_bytes / h / 1e9:.1f} |")
+        size = path_bytes[path]
+        print(f"| {rows} | {path} | {1e3 * t:.2f} ({1e3 * min(ts):.2f}-{1e3 * max(ts):.2f}) | {size / t / 1e9:.1f} | "
+              f"{100 * size / t / 1e9 / limit:.0f}% | {1e3 * h:.2f} | {head_bytes / h / 1e9:.1f} |")
+    if int4 is not None:
+        print(f"int4: {path_bytes['int4'] / 1e9:.3f} GB a step (layers int4 g{ns.int4_group} "
+              f"{(path_bytes['int4'] - head_panels.nbytes) / 1e9:.3f} GB, lm_head bfloat16)")
 
 
 if __name__ == "__main__":

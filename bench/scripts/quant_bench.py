@@ -2,7 +2,8 @@
 prefill throughput through the real Scheduler + ModelRunner (one process), and each projection's
 op per row count, side by side: bf16 (oneDNN's packed weight, the float path), W8A16 per channel
 (``_weight_int8pack_mm``), W8A16 in groups of 128 (that op once per group), W4A16 g128
-(``_weight_int4pack_mm_for_cpu``), W8A8 (per-token int8 activations, ``torch._int_mm``).
+(kernels/cpu_gemv_int4.c where the native kernels build, else ``_weight_int4pack_mm_for_cpu``), W8A8
+(per-token int8 activations, ``torch._int_mm``).
 
 The quantized models are the shape's random model quantized by compressed-tensors
 (tools/quantized_model.py), written once beside it (bench/shapes.py's cache).

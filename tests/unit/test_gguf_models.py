@@ -67,7 +67,7 @@ def test_transformers_reads_each_written_type_back_to_the_weights_it_was_written
 
 
 @pytest.mark.parametrize("tensor_type, kind", [("Q8_0", "int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped"),
-                                               ("Q4_0", "int4")])
+                                               ("Q4_0", "int4_blocks" if ql.int8_blocks_kernel() else "int4")])
 def test_q8_0_and_q4_0_run_as_integer_layers_of_groups_of_32_whose_weights_are_the_loaders(tmp_path, tensor_type, kind):
     path = build_gguf_model(tmp_path / "m.gguf", tensor_type, "llama", **SHAPE)
     runner = ModelRunner(_served_dir(path), dtype="float32")

@@ -72,7 +72,8 @@ def test_each_weight_only_op_equals_the_dequantized_weights_matmul(op, dtype, pa
         assert (got.float() - want).abs().max() <= tol * want.abs().max(), op
 
 
-def test_an_int4_weight_whose_rows_are_not_whole_blocks_of_64_keeps_torchs_op():
+def test_an_int4_weight_whose_rows_are_not_whole_blocks_of_64_keeps_torchs_op(monkeypatch):
+    monkeypatch.setattr(ql, "int8_blocks_kernel", lambda: False)  # torch's int4 layout: no native kernel here
     q, scale, _ = _random_q(4, 96, 256, 128, False)
     layer = make_int4(q, scale, None, 128, torch.float32)
     assert not layer.can_dequantize()
@@ -127,12 +128,13 @@ def _greedy(model_dir, prompts, **runner_kwargs):
     return runner, [outputs[f"r{i}"] for i in range(len(prompts))]
 
 
+INT4_KIND = "int4_blocks" if ql.int8_blocks_kernel() else "int4"  # kernels/cpu_gemv_int4.c where it is built
 MODELS = {  # scheme, arch, the kind every projection runs, oracle from the library's decompressor
-    "w4a16": ("w4a16", "llama", "int4", False),
-    "w4a16_qwen2_bias": ("w4a16", "qwen2", "int4", False),
+    "w4a16": ("w4a16", "llama", INT4_KIND, False),
+    "w4a16_qwen2_bias": ("w4a16", "qwen2", INT4_KIND, False),
     "w8a16_per_channel": ("w8a16", "qwen3", "int8", False),
     "w8a16_g128": ("w8a16_g128", "llama", "int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped", False),
-    "w4a16_asym": ("w4a16_asym", "llama", "int4", True),
+    "w4a16_asym": ("w4a16_asym", "llama", INT4_KIND, True),
     "w8a16_asym": ("w8a16_asym", "qwen2", "int8", True),
 }
 
@@ -150,6 +152,7 @@ def test_weight_only_greedy_tokens_equal_transformers_on_the_same_file(tmp_path,
             # nothing float of the weight is kept beside its integers
             assert proj.weight is None and proj.weight_t is None and proj.packed is None and proj.panels is None
     assert runner.model.lm_head.quantized is None  # lm_head is in the config's ignore list
+    assert ql.describe_ops(runner.model.layers).startswith(f"{kind}: ")  # the worker's log names the op
     expected = hf_greedy(str(oracle), prompts, NEW_TOKENS)
     for ours, theirs in zip(got, expected):
         assert len(theirs) >= 12 and ours[: len(theirs)] == theirs

@@ -9,6 +9,9 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
   is its signed value + 8, so ``q - 8`` is the signed value: zero is 0 (symmetric) or
   ``-zero_point * scale``. A per-channel int4 weight takes the largest group that divides its
   inputs, every group with the channel's scale.
+- ``int4_blocks`` (the same weights, groups of a multiple of 32: W4A16, GGUF's Q4_0), where the native kernels
+  are built: kernels/cpu_gemv_int4.c, the nibbles unpacked and scaled in registers, float32 sums, 8 rows a
+  pass, in every dtype (float32 too: no dequantized copy); from 128 rows the dequantized weight.
 - ``int8`` (W8A16 per channel): torch's ``_weight_int8pack_mm``, x @ (q * scale).T; an asymmetric
   weight subtracts rowsum(x) * zero_point * scale after.
 - ``int8_blocks`` (W8A16 in groups of a multiple of 16, symmetric: GGUF's Q8_0, compressed-tensors'
@@ -38,7 +41,7 @@ import torch
 
 from pagedserve.kernels import cpu_native
 
-KINDS = ("int4", "int8", "int8_blocks", "int8_grouped", "w8a8")
+KINDS = ("int4", "int4_blocks", "int8", "int8_blocks", "int8_grouped", "w8a8")
 
 
 @dataclass(slots=True)
@@ -46,12 +49,14 @@ class QuantizedLinear:
     kind: str
     out_features: int
     in_features: int
-    weight: torch.Tensor  # int4: torch's int4pack layout [out, in / 2] uint8; int8, int8_blocks: [out, in];
+    weight: torch.Tensor  # int4: torch's int4pack layout [out, in / 2] uint8; int4_blocks: [out, in / 2] uint8
+    # (cpu_native.pack_int4_blocks); int8, int8_blocks: [out, in];
     # int8_grouped: [groups, out, group_size]; w8a8: [in, out] int8 (_int_mm's right operand)
     scales: torch.Tensor  # int4: [in / group, out, 2] (scale, zero); int8 / w8a8: [out]; int8_grouped: [groups, out];
-    # int8_blocks: [out, groups] float32
+    # int8_blocks, int4_blocks: [out, groups] float32
     group_size: int = 0
     zero_correction: Optional[torch.Tensor] = None  # int8 asymmetric: zero_point * scale, [out] or [groups, out]
+    nibble_zeros: Optional[torch.Tensor] = None  # int4_blocks asymmetric: 8 + zero_point, [out, groups] float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T: [rows, out] in x's dtype."""
@@ -60,6 +65,8 @@ class QuantizedLinear:
             return torch.nn.functional.linear(x, self.dequantized(x.dtype))
         if self.kind == "int8_blocks":
             return cpu_native.gemv_int8_blocks(x, self.weight, self.scales, self.group_size)
+        if self.kind == "int4_blocks":
+            return cpu_native.gemv_int4_blocks(x, self.weight, self.scales, self.nibble_zeros, self.group_size)
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales)
         if self.kind == "int8":
@@ -95,6 +102,10 @@ class QuantizedLinear:
             if zero.any():
                 w.add_(zero.unsqueeze(-1))
             return w.view(n, k)
+        if self.kind == "int4_blocks":  # (nibble - z) * scale in float32, then one rounding to dtype
+            z = 8.0 if self.nibble_zeros is None else self.nibble_zeros.unsqueeze(-1)
+            nibbles = cpu_native.unpack_int4_blocks(self.weight).float().view(n, k // g, g)
+            return nibbles.sub_(z).mul_(self.scales.unsqueeze(-1)).view(n, k).to(dtype)
         if self.kind == "int8_blocks":  # in float32, then one rounding to dtype
             w = self.weight.view(n, k // g, g).float().mul_(self.scales.unsqueeze(-1))
             return w.view(n, k).to(dtype)
@@ -108,7 +119,7 @@ class QuantizedLinear:
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.zero_correction is None else self.zero_correction.nbytes
+        extra = sum(t.nbytes for t in (self.zero_correction, self.nibble_zeros) if t is not None)
         return self.weight.nbytes + self.scales.nbytes + extra
 
 
@@ -121,11 +132,14 @@ class QuantizedLinear:
 # 4.1 s at 256; dequantized 21 ms and 178 ms), so it always dequantizes.
 # int8_blocks: the native kernel, 8 rows a pass, up to 48 rows (one thread, 0.5B, in process: gate_up 9728 x 896
 # at 32 rows 3.8 ms against 18 ms dequantized, at 64 rows 7.7 against 11; down_proj's crossover nearer 32).
-DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48}
+# int4_blocks: kernels/cpu_gemv_int4.c, 8 rows a pass, in every dtype (its float32 sums need no vectorized int op),
+# up to 128 rows (one thread, bfloat16, the layer's four projections, kernel / dequantized: 5.8 / 16 ms at 32 rows,
+# 16 / 26 at 64, 32 / 31 at 128, 50 / 31 at 256; torch's int4 op 8.4 at 32, 94 at 256).
+DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "int4_blocks": 128}
 
 
 def dequantize_min_rows(kind: str, dtype: torch.dtype) -> int:
-    return 1 if dtype == torch.float32 else DEQUANTIZE_MIN_ROWS[kind]
+    return 1 if dtype == torch.float32 and kind != "int4_blocks" else DEQUANTIZE_MIN_ROWS[kind]
 
 
 INT4_BLOCK_N = 64  # torch's CPU int4 layout: blocks of 64 output rows
@@ -151,8 +165,28 @@ def _int4_layout_known() -> bool:
 
 @functools.cache
 def int8_blocks_kernel() -> bool:
-    """Whether kernels/cpu_gemv_int8.c is built here (int8 weights in blocks, symmetric: ``int8_blocks``)."""
+    """Whether kernels/cpu_gemv_int8.c and cpu_gemv_int4.c are built here (``int8_blocks``, ``int4_blocks``)."""
     return cpu_native.library() is not None
+
+
+# What each kind multiplies with, for the worker's log: (at the decode's few rows, above DEQUANTIZE_MIN_ROWS)
+_OPS = {"int4": "torch's _weight_int4pack_mm_for_cpu", "int4_blocks": "native int4 GEMV (kernels/cpu_gemv_int4.c)",
+        "int8": "torch's _weight_int8pack_mm", "int8_blocks": "native int8 GEMV (kernels/cpu_gemv_int8.c)",
+        "int8_grouped": "_weight_int8pack_mm per group", "w8a8": "per-token int8 activations, torch._int_mm"}
+
+
+def describe_ops(layers: list) -> Optional[str]:
+    """One line naming the op each quantized kind in these decoder layers runs, and from how many rows a
+    call dequantizes instead (dequantize_min_rows); None where no projection is quantized."""
+    kinds = sorted({w.quantized.kind for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")
+                    if (w := getattr(layer, name, None)) is not None and getattr(w, "quantized", None) is not None})
+
+    def above(kind: str) -> str:
+        if kind == "w8a8":
+            return ""
+        rows = f", dequantized from {DEQUANTIZE_MIN_ROWS[kind]} rows"
+        return rows if dequantize_min_rows(kind, torch.float32) > 1 else rows + " (float32: at every row)"
+    return "; ".join(f"{kind}: {_OPS[kind]}{above(kind)}" for kind in kinds) if kinds else None
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,6 +218,10 @@ def make_int4(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
         scale = scale.reshape(n, 1).expand(n, k // group_size)
         if zero_point is not None:
             zero_point = zero_point.reshape(n, 1).expand(n, k // group_size)
+    if group_size % cpu_native.INT4_CHUNK == 0 and int8_blocks_kernel():
+        zeros = None if zero_point is None else (8 + zero_point.to(torch.float32)).contiguous()
+        return QuantizedLinear("int4_blocks", n, k, cpu_native.pack_int4_blocks((q + 8).to(torch.uint8)),
+                               scale.to(torch.float32).contiguous(), group_size, nibble_zeros=zeros)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
     s = scale.to(torch.float32)
     zero = torch.zeros_like(s) if zero_point is None else -zero_point.to(torch.float32) * s
