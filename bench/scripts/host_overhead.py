@@ -29,6 +29,7 @@ from pagedserve.bench.serve import _parse_metrics
 from pagedserve.bench.servers import BenchServer, pagedserve_command
 
 ROLES = ("frontend_proc", "scheduler_proc", "worker_proc")
+STATS_PERIOD_S = 0.6  # the scheduler's stats (and the worker counters in /metrics) come every 0.5 s
 
 
 def role_of(proc: psutil.Process) -> str:
@@ -36,16 +37,19 @@ def role_of(proc: psutil.Process) -> str:
     return next((r for r in ROLES if r in cmd), "supervisor/other")
 
 
-def cpu_by_role(root: int) -> dict[str, float]:
-    """user + system seconds of every live process under ``root``, summed per role."""
-    out: dict[str, float] = {}
+def cpu_by_role(root: int) -> dict[str, tuple[float, float]]:
+    """user + system seconds of every live process under ``root``, summed per role: the whole
+    process, and its main thread alone (the rest: ZeroMQ's I/O thread, torch's threads)."""
+    out: dict[str, tuple[float, float]] = {}
     procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
     for p in procs:
         try:
-            t = p.cpu_times()
-            out[role_of(p)] = out.get(role_of(p), 0.0) + t.user + t.system
+            t, role = p.cpu_times(), role_of(p)
+            main = sum(th.user_time + th.system_time for th in p.threads() if th.id == p.pid)
         except psutil.NoSuchProcess:
             continue
+        total, main_total = out.get(role, (0.0, 0.0))
+        out[role] = (total + t.user + t.system, main_total + main)
     return out
 
 
@@ -62,7 +66,7 @@ def wait_for_counters(url: str, before: float) -> tuple[float, float]:
     while fwd == before and time.monotonic() < deadline:
         time.sleep(0.1)  # polling: the counters come with the scheduler's periodic stats
         fwd, idle = worker_seconds(url)
-    time.sleep(0.6)  # one more stats period: the last steps' share
+    time.sleep(STATS_PERIOD_S)  # one more stats period: the last steps' share
     return worker_seconds(url)
 
 
@@ -82,6 +86,7 @@ def main() -> int:
                                                                        *shlex.split(ns.pagedserve_args))),
             logs) as server:
         asyncio.run(drive(server.url, "pagedserve", model, prompts[:1], ns.output_len, 1))  # warm-up
+        time.sleep(2 * STATS_PERIOD_S)  # the warm-up's last steps reach /metrics with the next stats, not in the run's share
         (fwd0, idle0), cpu0, mine0 = worker_seconds(server.url), cpu_by_role(server.proc.pid), me.cpu_times()
         load = os.getloadavg()
         result = asyncio.run(drive(server.url, "pagedserve", model, prompts[1:], ns.output_len, 1))
@@ -98,9 +103,10 @@ def main() -> int:
     print(f"TPOT mean {tpot_ms:.3f} ms; worker forward {forward_ms:.3f} ms/token; "
           f"host (TPOT - forward) {tpot_ms - forward_ms:.3f} ms/token; "
           f"worker idle between steps {1e3 * (idle1 - idle0) / steps:.3f} ms/token")
-    print(f"{'process':<18}{'CPU ms/token':>14}")
+    print(f"{'process':<18}{'CPU ms/token':>14}{'main thread':>14}")
     for role in (*ROLES, "supervisor/other"):
-        print(f"{role:<18}{1e3 * (cpu1.get(role, 0.0) - cpu0.get(role, 0.0)) / tokens:>14.3f}")
+        (total0, main0), (total1, main1) = cpu0.get(role, (0.0, 0.0)), cpu1.get(role, (0.0, 0.0))
+        print(f"{role:<18}{1e3 * (total1 - total0) / tokens:>14.3f}{1e3 * (main1 - main0) / tokens:>14.3f}")
     client = (mine1.user + mine1.system - mine0.user - mine0.system) / tokens
     print(f"{'client (this)':<18}{1e3 * client:>14.3f}")
     return 0
