@@ -22,7 +22,7 @@ import zmq
 
 from pagedserve.frontend_proc.app import build_app
 from pagedserve.frontend_proc.args import FrontendConfig, parse_args
-from pagedserve.frontend_proc.drain import DRAIN_GRACE_S, end_requests_at_drain_deadline
+from pagedserve.frontend_proc.drain import DRAIN_GRACE_S, DrainingServer, end_requests_at_drain_deadline
 from pagedserve.frontend_proc.embeddings_api import EmbeddingServing
 from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.metrics import FrontendMetrics
@@ -84,7 +84,7 @@ async def serve(config: FrontendConfig, adapters: Optional[AdapterRegistry] = No
     embeddings = EmbeddingServing(config.task, config.model, config.served_model_names, serving.accepted_model_names,
                                   config.max_model_len, engine, tokenizer, config.pooler, metrics)
     app = build_app(serving, router, metrics, config.api_key, embeddings)
-    server = uvicorn.Server(uvicorn.Config(
+    server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level,
         access_log=(config.uvicorn_log_level or config.log_level) in ("debug", "trace"),
         timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S))
@@ -97,7 +97,7 @@ async def serve(config: FrontendConfig, adapters: Optional[AdapterRegistry] = No
     preload_in_background()  # structured output's grammar engine
     serve_task = asyncio.create_task(server.serve())
     drain_task = asyncio.create_task(end_requests_at_drain_deadline(
-        lambda: server.should_exit, engine, config.drain_timeout_s))
+        server.exit_requested, engine, config.drain_timeout_s))
     try:
         while not server.started and not serve_task.done():
             await asyncio.sleep(0.02)

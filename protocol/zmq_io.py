@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -214,7 +215,9 @@ def wait_readable(sock: zmq.Socket, deadline: Optional[float], rejections: RateL
     passes (False). While idle, the rate-limited log writes what it held back."""
     while True:
         left_s = IDLE_FLUSH_S if deadline is None else min(IDLE_FLUSH_S, deadline - time.monotonic())
-        if sock.poll(max(0, int(left_s * 1000))):
+        # Rounded up: truncated, the last millisecond before the deadline polled with timeout 0
+        # again and again (~80 polls a wait), a busy spin in every loop that waits with a timeout
+        if sock.poll(max(0, math.ceil(left_s * 1000))):
             return True
         rejections.flush()
         if deadline is not None and time.monotonic() >= deadline:

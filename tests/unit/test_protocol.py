@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import msgspec
 import pytest
 import zmq
 
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.codec import PROTOCOL_VERSION, Decoder, ProtocolError, encode
-from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir
+from pagedserve.protocol.rate_limited_log import RateLimitedLog
+from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir, wait_readable
 
 SP = m.SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=3, seed=7, n=2,
                       stop_token_ids=[3], ignore_eos=True, min_tokens=1, logprobs=True)
@@ -196,3 +200,28 @@ def test_deeply_nested_garbage_is_a_protocol_error():
     for bad in (nested, frame[:2] + b"\x91" * 100_000):
         with pytest.raises(ProtocolError):
             Decoder(m.FrontendToScheduler).decode(bad)
+
+
+class _PollCountingSocket(zmq.Socket):
+    """A real socket that counts its polls: how often a waiting loop woke up."""
+    polls = 0
+
+    def poll(self, timeout=None, flags=zmq.POLLIN):
+        self.polls += 1
+        return super().poll(timeout, flags)
+
+
+def test_a_receive_with_a_timeout_sleeps_until_it_passes_instead_of_spinning(tmp_path):
+    # Every process waits this way (the supervisor 10 times a second, the scheduler while a step
+    # runs): the last millisecond of each wait polled with timeout 0 in a loop, ~80 times, on
+    # cores the forward pass needs.
+    ctx = zmq.Context()
+    sock = _PollCountingSocket(ctx, zmq.PULL)
+    sock.bind(Endpoints(tmp_path).scheduler_inputs(0))
+    try:
+        for _ in range(5):
+            assert not wait_readable(sock, time.monotonic() + 0.02, RateLimitedLog(logging.getLogger(__name__)))
+        assert sock.polls <= 5 * 2
+    finally:
+        sock.close(linger=0)
+        ctx.term()
