@@ -74,7 +74,7 @@ _SIGNATURES = {
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_int4_blocks": [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
-    "lora_shrink_expand": [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _I,
+    "lora_shrink_expand": [_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _I,
                            ctypes.c_int],
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
@@ -556,21 +556,22 @@ def lora_shrink_expand(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, s
                        slots: torch.Tensor, ranks: torch.Tensor, s: torch.Tensor, bs: list[torch.Tensor],
                        ys: list[torch.Tensor], expand: list[bool]) -> None:
     """LoRA's delta of a projection group for tokens grouped by slot (kernels/cpu_lora.c), in one call:
-    the shrink s[t] = a[slot] @ x[t] of all its modules at once (x [T, K] float32, a [slots, modules * R, K],
+    the shrink s[t] = a[slot] @ x[t] of all its modules at once (x [T, K] float32, bfloat16 or float16, read as
+    it is and widened in registers, a [slots, modules * R, K],
     s [T, modules * R] float32 scratch), then for each module j with ``expand[j]``, ys[j][t] += s[t, jR:jR + rank]
     @ bs[j][slot, :rank] (bs[j] [slots, R, out_j]; ys: column slices of one output, rounded once). ``tokens``:
     the adapter tokens' rows in segment order, segment i ``tokens[starts[i]:starts[i + 1]]`` on slot ``slots[i]``;
     ``ranks`` [slots] each slot's adapter rank (rows past it are zeros, skipped). Index tensors int64."""
     modules, r_max = len(bs), bs[0].shape[1]
     k = x.shape[1]
-    if (x.dtype != torch.float32 or s.dtype != torch.float32 or a.shape[1] != modules * r_max or a.shape[2] != k
+    if (x.dtype not in _LORA_KIND or s.dtype != torch.float32 or a.shape[1] != modules * r_max or a.shape[2] != k
             or s.shape[1] != modules * r_max or x.stride(1) != 1 or not s.is_contiguous() or not a.is_contiguous()
             or any(not b.is_contiguous() or b.dtype != a.dtype or b.shape[2] != y.shape[1] for b, y in zip(bs, ys))
             or len({y.stride() for y in ys}) != 1 or ys[0].stride(1) != 1 or ys[0].dtype not in _LORA_KIND):
         raise ValueError("lora_shrink_expand: x, a, s, bs and ys do not match")
     array = ctypes.c_int64 * modules
     library().lora_shrink_expand(
-        x.data_ptr(), x.stride(0), k, a.data_ptr(), _LORA_KIND[a.dtype], modules, r_max, tokens.data_ptr(),
+        x.data_ptr(), _LORA_KIND[x.dtype], x.stride(0), k, a.data_ptr(), _LORA_KIND[a.dtype], modules, r_max, tokens.data_ptr(),
         starts.data_ptr(), slots.data_ptr(), ranks.data_ptr(), slots.shape[0], s.data_ptr(), s.stride(0),
         array(*(b.data_ptr() for b in bs)), array(*(b.shape[2] for b in bs)), array(*(y.data_ptr() for y in ys)),
         array(*map(int, expand)), ys[0].stride(0), _LORA_KIND[ys[0].dtype])

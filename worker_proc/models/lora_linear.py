@@ -224,7 +224,7 @@ class LoRAProjection:
     def _native(self, x: torch.Tensor, out: torch.Tensor, lora: LoRABatch) -> None:
         slots, modules, rank = self.a.shape[0], self.a.shape[1], self.max_rank
         s = torch.empty(x.shape[0], modules * rank, dtype=torch.float32)  # rows of base tokens: never read
-        cpu_native.lora_shrink_expand(x.float(), self.a.view(slots, modules * rank, self.in_features), lora.order,
+        cpu_native.lora_shrink_expand(x, self.a.view(slots, modules * rank, self.in_features), lora.order,
                                       lora.seg_starts, lora.seg_slots, lora.ranks, s, self.b,
                                       [out[:, start:end] for start, end in self.columns],
                                       [bool(n) for n in self.num_targeting])
