@@ -26,17 +26,23 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, size, in_stride, BLOCK: tl.constexpr)
     tl.store(out_ptr + token * size + cols, (silu * up).to(dtype), mask=inside)
 
 
-def silu_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor:
-    """gate_up [T, 2 * size] (gate first, rows contiguous) -> silu(gate) * up, [T, size]."""
+def _gated(kernel, name: str, gate_up: torch.Tensor, size: int, *args) -> torch.Tensor:
+    """``kernel`` over gate_up [T, 2 * size] (gate first, rows contiguous) into [T, size]: one program per
+    token and block of columns; ``args`` after the row stride."""
     num_tokens = gate_up.shape[0]
     if gate_up.shape[1] != 2 * size or gate_up.stride(1) != 1:
-        raise ValueError(f"silu_mul needs [T, {2 * size}] with contiguous rows, got {tuple(gate_up.shape)}")
+        raise ValueError(f"{name} needs [T, {2 * size}] with contiguous rows, got {tuple(gate_up.shape)}")
     out = torch.empty((num_tokens, size), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(size))
-    _silu_mul_kernel[(num_tokens, triton.cdiv(size, block))](gate_up, out, size, gate_up.stride(0), BLOCK=block)
+    kernel[(num_tokens, triton.cdiv(size, block))](gate_up, out, size, gate_up.stride(0), *args, BLOCK=block)
     return out
+
+
+def silu_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor:
+    """gate_up [T, 2 * size] (gate first, rows contiguous) -> silu(gate) * up, [T, size]."""
+    return _gated(_silu_mul_kernel, "silu_mul", gate_up, size)
 
 
 @triton.jit
@@ -58,13 +64,4 @@ def _clamped_swiglu_kernel(gate_up_ptr, out_ptr, size, in_stride, alpha, limit, 
 
 def clamped_swiglu(gate_up: torch.Tensor, size: int, alpha: float, limit: float) -> torch.Tensor:
     """gate_up [T, 2 * size] (gate first, rows contiguous) -> gpt-oss's clamped SwiGLU, [T, size]."""
-    num_tokens = gate_up.shape[0]
-    if gate_up.shape[1] != 2 * size or gate_up.stride(1) != 1:
-        raise ValueError(f"clamped_swiglu needs [T, {2 * size}] with contiguous rows, got {tuple(gate_up.shape)}")
-    out = torch.empty((num_tokens, size), dtype=gate_up.dtype, device=gate_up.device)
-    if num_tokens == 0:
-        return out
-    block = min(1024, triton.next_power_of_2(size))
-    _clamped_swiglu_kernel[(num_tokens, triton.cdiv(size, block))](gate_up, out, size, gate_up.stride(0), alpha, limit,
-                                                                   BLOCK=block)
-    return out
+    return _gated(_clamped_swiglu_kernel, "clamped_swiglu", gate_up, size, alpha, limit)
