@@ -15,7 +15,6 @@ import zmq.asyncio
 from pagedserve.protocol.zmq_io import FrameCheck, apply_security, bounded_socket
 
 T = TypeVar("T")
-_POLLIN = int(zmq.POLLIN)  # the enum's `&` is a Python call; an int's is not
 
 
 class AsyncReceiver(Generic[T]):
@@ -26,9 +25,6 @@ class AsyncReceiver(Generic[T]):
         self.sock = bounded_socket(ctx, zmq.PULL, endpoint)
         self._release = apply_security(ctx, self.sock, endpoint, bind=True)  # CURVE on TCP
         self.sock.bind(endpoint)
-        # The same socket, synchronous: a frame already queued is taken without a future and a
-        # loop callback each (at one stream, a wake per token; the awaited poll is for waiting only)
-        self._ready = zmq.Socket.shadow(self.sock.underlying)
         self.check: FrameCheck[T] = FrameCheck(endpoint, union)
         self.clock = clock
         self._caught_up_at = self.clock()  # the last time no frame waited unread
@@ -40,20 +36,18 @@ class AsyncReceiver(Generic[T]):
     def read_up_to(self) -> float:
         """A time by which every frame sent here had been read: now, unless frames wait unread
         (this process's loop was busy), then the last time none did."""
-        if self._ready.get(zmq.EVENTS) & _POLLIN:
+        if self.sock.get(zmq.EVENTS) & zmq.POLLIN:
             return self._caught_up_at
         return self.clock()
 
     async def recv(self) -> T:
         while True:
-            try:
-                frame = self._ready.recv(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+            if not self.sock.get(zmq.EVENTS) & zmq.POLLIN:
                 self._caught_up_at = self.clock()
-                if not await self.sock.poll(1000):
-                    self.check.log.flush()  # a flood's last summary line, once it is over
+            if not await self.sock.poll(1000):
+                self.check.log.flush()  # a flood's last summary line, once it is over
                 continue
-            msg = self.check.decode(frame)
+            msg = self.check.decode(await self.sock.recv(copy=True))
             if msg is not None:
                 return msg
 

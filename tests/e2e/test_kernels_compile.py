@@ -44,7 +44,14 @@ for dtype in ("bf16", "fp16", "fp32"):
                 continue
             compile_for_h100(paged_attention._paged_attention_kernel, pointers, dict(
                 SLIDING_WINDOW=window, SERVES=serves, BLOCK_Q=max(rows // group_pad, 1), GROUP_PAD=group_pad,
-                BLOCK_N=keys, DIM_PAD=128, DOT_IN_FP32=False, NUM_SPLITS=splits))
+                BLOCK_N=keys, DIM_PAD=128, DOT_IN_FP32=False, NUM_SPLITS=splits, SOFTCAP=False, SINKS=False))
+    # gpt-oss: attention sinks (a float32 logit per head) beside a window, short and split launches
+    for serves, rows, keys, splits in ((1, 16, 64, 1), (1, 16, 64, 4)):
+        if splits > 1 and dtype != "bf16":
+            continue
+        compile_for_h100(paged_attention._paged_attention_kernel, {**pointers, "sinks_ptr": "*fp32"}, dict(
+            SLIDING_WINDOW=128, SERVES=serves, BLOCK_Q=16, GROUP_PAD=1, BLOCK_N=keys, DIM_PAD=128,
+            DOT_IN_FP32=False, NUM_SPLITS=splits, SOFTCAP=False, SINKS=True))
     compile_for_h100(paged_attention._combine_splits_kernel, dict(out_ptr=data, part_ptr="*fp32",
                      part_ml_ptr="*fp32"), dict(NUM_SPLITS=4, SPLITS_PAD=4, DIM_PAD=128))
     compile_for_h100(zero_blocks._zero_blocks_kernel, dict(cache_ptr=data, block_ids_ptr="*i32"), dict(CHUNK=4096))
