@@ -22,7 +22,7 @@
  */
 #include <stdint.h>
 
-#include "cpu_half.h"
+#include "cpu_gemv_rows.h"
 
 #define INT4_GEMV_MAX_ROWS 8
 #define INT4_PARALLEL_MIN_MACS (1 << 17)
@@ -169,36 +169,17 @@ static inline __attribute__((always_inline)) void block_i4(const float *restrict
 }
 #endif
 
-static inline void put_i4(void *out, int64_t ldo, int64_t i, int64_t j, float v, int out_kind) {
-    if (out_kind == 0)
-        ((float *)out)[i * ldo + j] = v;
-    else
-        ((uint16_t *)out)[i * ldo + j] = f32_to_half(v, out_kind == 1);
-}
+/* sums of a block of rows j .. j + rows for GEMV_ROW_BLOCKS (inside gemv_int4_M, whose locals it reads) */
+#define INT4_BLOCK(M, j, rows, sums)                                                                              \
+    block_i4(x, ldx, xsum, u + (j) * ldu, ldu, s + (j) * lds, z ? z + (j) * lds : NULL, lds, k, g, M, rows, sums)
 
 #define DEFINE_INT4_M(M)                                                                                          \
     static void gemv_int4_##M(const float *x, int64_t ldx, const float *xsum, int64_t k, const uint8_t *u,        \
                               const float *s, const float *z, int64_t g, int64_t n, void *out, int64_t ldo,       \
                               int out_kind) {                                                                     \
         const int R = INT4_ROWS_PER_BLOCK(M);                                                                     \
-        const int64_t lds = k / g, ldu = k / 2, blocks = (n + R - 1) / R, macs = (M) * n * k;                    \
-        _Pragma("omp parallel for schedule(static) if (macs >= INT4_PARALLEL_MIN_MACS)")                          \
-        for (int64_t b = 0; b < blocks; b++) {                                                                    \
-            float sums[8 * 8];                                                                                    \
-            const int64_t j = b * R;                                                                              \
-            if (j + R <= n) {                                                                                     \
-                block_i4(x, ldx, xsum, u + j * ldu, ldu, s + j * lds, z ? z + j * lds : NULL, lds, k, g, M, R,    \
-                         sums);                                                                                   \
-                for (int r = 0; r < R; r++)                                                                       \
-                    for (int i = 0; i < (M); i++) put_i4(out, ldo, i, j + r, sums[r * (M) + i], out_kind);        \
-            } else {                                                                                              \
-                for (int64_t jj = j; jj < n; jj++) { /* the last n % R rows, one at a time */                     \
-                    block_i4(x, ldx, xsum, u + jj * ldu, ldu, s + jj * lds, z ? z + jj * lds : NULL, lds, k, g,   \
-                             M, 1, sums);                                                                         \
-                    for (int i = 0; i < (M); i++) put_i4(out, ldo, i, jj, sums[i], out_kind);                     \
-                }                                                                                                 \
-            }                                                                                                     \
-        }                                                                                                         \
+        const int64_t lds = k / g, ldu = k / 2;                                                                   \
+        GEMV_ROW_BLOCKS(M, R, n, (M) * n * k, INT4_PARALLEL_MIN_MACS, out, ldo, out_kind, INT4_BLOCK);            \
     }
 DEFINE_INT4_M(1) DEFINE_INT4_M(2) DEFINE_INT4_M(3) DEFINE_INT4_M(4)
 DEFINE_INT4_M(5) DEFINE_INT4_M(6) DEFINE_INT4_M(7) DEFINE_INT4_M(8)

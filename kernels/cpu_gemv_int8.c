@@ -14,7 +14,7 @@
  */
 #include <stdint.h>
 
-#include "cpu_half.h"
+#include "cpu_gemv_rows.h"
 
 #define INT8_GEMV_MAX_ROWS 8
 #define INT8_PARALLEL_MIN_MACS (1 << 17)
@@ -72,33 +72,15 @@ static inline __attribute__((always_inline)) void block_i8(const float *restrict
         for (int i = 0; i < M; i++) sums[r * M + i] = hsum(acc[r][i]);
 }
 
-static inline void put_i8(void *out, int64_t ldo, int64_t i, int64_t j, float v, int out_kind) {
-    if (out_kind == 0)
-        ((float *)out)[i * ldo + j] = v;
-    else
-        ((uint16_t *)out)[i * ldo + j] = f32_to_half(v, out_kind == 1);
-}
+/* sums of a block of rows j .. j + rows for GEMV_ROW_BLOCKS (inside gemv_int8_M, whose locals it reads) */
+#define INT8_BLOCK(M, j, rows, sums) block_i8(x, ldx, q + (j) * k, k, s + (j) * lds, lds, k, g, M, rows, sums)
 
 #define DEFINE_INT8_M(M)                                                                                          \
     static void gemv_int8_##M(const float *x, int64_t ldx, int64_t k, const int8_t *q, const float *s,            \
                               int64_t g, int64_t n, void *out, int64_t ldo, int out_kind) {                       \
         const int R = INT8_ROWS_PER_BLOCK(M);                                                                     \
-        const int64_t lds = k / g, blocks = (n + R - 1) / R, macs = (M) * n * k;                                 \
-        _Pragma("omp parallel for schedule(static) if (macs >= INT8_PARALLEL_MIN_MACS)")                          \
-        for (int64_t b = 0; b < blocks; b++) {                                                                    \
-            float sums[8 * 8];                                                                                    \
-            const int64_t j = b * R;                                                                              \
-            if (j + R <= n) {                                                                                     \
-                block_i8(x, ldx, q + j * k, k, s + j * lds, lds, k, g, M, R, sums);                               \
-                for (int r = 0; r < R; r++)                                                                       \
-                    for (int i = 0; i < (M); i++) put_i8(out, ldo, i, j + r, sums[r * (M) + i], out_kind);        \
-            } else {                                                                                              \
-                for (int64_t jj = j; jj < n; jj++) { /* the last n % R rows, one at a time */                     \
-                    block_i8(x, ldx, q + jj * k, k, s + jj * lds, lds, k, g, M, 1, sums);                         \
-                    for (int i = 0; i < (M); i++) put_i8(out, ldo, i, jj, sums[i], out_kind);                     \
-                }                                                                                                 \
-            }                                                                                                     \
-        }                                                                                                         \
+        const int64_t lds = k / g;                                                                                \
+        GEMV_ROW_BLOCKS(M, R, n, (M) * n * k, INT8_PARALLEL_MIN_MACS, out, ldo, out_kind, INT8_BLOCK);            \
     }
 DEFINE_INT8_M(1) DEFINE_INT8_M(2) DEFINE_INT8_M(3) DEFINE_INT8_M(4)
 DEFINE_INT8_M(5) DEFINE_INT8_M(6) DEFINE_INT8_M(7) DEFINE_INT8_M(8)

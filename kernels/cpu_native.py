@@ -52,7 +52,8 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_rotary_half.c"): ("-ffp-contract=off",),
            # its loops over keys (softmax) take 512-bit vectors where the CPU has them
            Path(__file__).with_name("cpu_prefill_attention.c"): ("-mprefer-vector-width=512",)}
-HEADERS = (Path(__file__).with_name("cpu_softmax_exp.h"), Path(__file__).with_name("cpu_half.h"))  # hashed too
+HEADERS = (Path(__file__).with_name("cpu_softmax_exp.h"), Path(__file__).with_name("cpu_half.h"),
+           Path(__file__).with_name("cpu_gemv_rows.h"))  # hashed too
 # OpenMP runs the loops on torch's own threads: the library links libgomp.so.1, which the
 # loader resolves to the copy torch already loaded. Without -fopenmp it runs on one thread.
 _FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC")
