@@ -6,6 +6,10 @@ from pagedserve.clean_path import drop_working_directory
 
 drop_working_directory()  # before anything imports transformers (pagedserve/clean_path.py)
 
+from pagedserve.call_trace import record_on_signal  # noqa: E402
+
+record_on_signal("scheduler")  # tools/request_path.py; off by default
+
 import argparse
 import gc
 import logging
