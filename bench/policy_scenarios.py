@@ -2,8 +2,9 @@
 against ``fcfs`` on the same workload, through a server started here (HTTP, warm).
 
 - ``priority``: 64 low-priority streams in a closed loop over ``--max-num-seqs 16``, and one
-  high-priority request a second: its TTFT p50 against its TTFT on an idle server (goal <= 3x), and
-  the scheduler's part of it, from the run's trace (the idle requests count there too).
+  high-priority request a second from a client process of its own: its TTFT p50 against its TTFT
+  on an idle server (goal <= 3x), the scheduler's part of it from the run's trace (the idle
+  requests count there too), and the same requests sent from the streams' own event loop.
 - ``fair``: tenant A keeps 32 streams, B 4 (8x), together four times the machine's 8 seats: B's
   share of generated tokens (goal >= 45%; fcfs about 11%), B's TTFT p50 against B's 4 streams alone
   (goal <= 2x), and A alone under ``fair`` against A alone under ``fcfs`` (goal >= 95%). From each
@@ -110,24 +111,34 @@ def _tokens_in(rows, t0: float, t1: float) -> int:
 # ---------------------------------------------------------------------------------- workloads
 
 async def priority_workload(url: str, policy: str, seconds: float) -> dict:
+    """The high-priority requests go out twice a second, alternately from a client process of their
+    own ("high") and from the 64 low streams' event loop ("high, same loop"): the first measures the
+    server; the second also waits for that loop to parse the streams' thousands of events a second,
+    which is what a single-process bench client adds on a loaded 2-core machine."""
     rng = random.Random(1)
-    high = {"priority": 0} if policy == "fcfs" else {"priority": 0}
+    high = {"priority": 0}
     low = {} if policy == "fcfs" else {"priority": 10}
     async with http_session(url, 80) as client:
         model = await first_model(client)
+        proc = await _start_side_process("probe", url, model)
         run = Run()
         idle = [await stream(client, model, run, "idle", _prompt(rng), 16, high) for _ in range(5)]
         until = time.perf_counter() + seconds
         loops = [asyncio.create_task(closed_loop(client, model, run, "low", until, rng, 64, extra=low))
                  for _ in range(64)]
-        await asyncio.sleep(2.0)  # the 64 streams fill the seats and the queue
+        start = time.perf_counter() + 2.0  # the 64 streams fill the seats and the queue first
+        proc.stdin.write(f"{start!r} {until - 2!r}\n".encode())
+        await proc.stdin.drain()
+        await asyncio.sleep(2.5)  # half a period after the probe process's first request
         highs = []
         while time.perf_counter() < until - 2:
-            highs.append(asyncio.create_task(stream(client, model, run, "high", _prompt(rng), 16, high)))
+            highs.append(asyncio.create_task(stream(client, model, run, "high, same loop", _prompt(rng), 16, high)))
             await asyncio.sleep(1.0)
         await asyncio.gather(*highs, *loops)
+        run.rows += _JSON_ROWS.decode((await proc.communicate())[0])
     return {"idle_ttft_ms": 1e3 * _p50(r["ttft"] for r in idle[1:]),
             "high_ttft_p50_ms": 1e3 * _p50(r["ttft"] for r in run.of("high")),
+            "high_same_loop_ttft_p50_ms": 1e3 * _p50(r["ttft"] for r in run.of("high, same loop")),
             "high_requests": len(run.of("high"))}
 
 
@@ -177,7 +188,7 @@ async def shedding_workload(url: str, policy: str, seconds: float, limit: int, f
     rng = random.Random(4)
     async with http_session(url, 200) as client:
         model = await first_model(client)
-        proc = await _start_flood_process(url, model) if policy != "fcfs" and flood_process else None
+        proc = await _start_side_process("flood", url, model) if policy != "fcfs" and flood_process else None
         run = Run()
         until = time.perf_counter() + seconds
         # the admitted streams: the seats and a queue up to the limit
@@ -211,29 +222,45 @@ async def _flood(client, model: str, run: Run, until: float) -> list:
     return flood
 
 
-async def _start_flood_process(url: str, model: str) -> asyncio.subprocess.Process:
-    """The flood's own client process, once its interpreter and HTTP client are up: a fresh
-    interpreter on a loaded machine (a new venv's cold files) once took past a window fixed before
-    it started, and flooded nothing. JSON over pipes, not multiprocessing: no pickle anywhere."""
+async def _probe(client, model: str, run: Run, until: float) -> list:
+    """One high-priority request a second until ``until``; the tasks, still running."""
+    rng = random.Random(6)
+    probes = []
+    while time.perf_counter() < until:
+        probes.append(asyncio.create_task(stream(client, model, run, "high", _prompt(rng), 16, {"priority": 0})))
+        await asyncio.sleep(1.0)
+    return probes
+
+
+_SIDE_WORKLOADS = {"flood": (_flood, 200), "probe": (_probe, 8)}
+
+
+async def _start_side_process(kind: str, url: str, model: str) -> asyncio.subprocess.Process:
+    """A client process of its own for the flood or the high-priority probes, once its interpreter
+    and HTTP client are up: a fresh interpreter on a loaded machine (a new venv's cold files) once
+    took past a window fixed before it started, and flooded nothing. JSON over pipes, not
+    multiprocessing: no pickle anywhere."""
     pipe = asyncio.subprocess.PIPE
-    proc = await asyncio.create_subprocess_exec(*python_module("pagedserve.bench.policy_scenarios", "flood", url, model),
+    proc = await asyncio.create_subprocess_exec(*python_module("pagedserve.bench.policy_scenarios", kind, url, model),
                                                 stdin=pipe, stdout=pipe)
     if await proc.stdout.readline() != b"ready\n":
-        raise RuntimeError(f"the flood process did not start (exit {await proc.wait()})")
+        raise RuntimeError(f"the {kind} process did not start (exit {await proc.wait()})")
     return proc
 
 
-def _flood_in_process(url: str, model: str) -> list[dict]:
-    """The flood from its own process, in the window its parent writes on stdin once this process
-    said it is ready (perf_counter is the system's monotonic clock on Linux)."""
+def _side_process_main(kind: str, url: str, model: str) -> list[dict]:
+    """The side workload from its own process, in the window its parent writes on stdin once this
+    process said it is ready (perf_counter is the system's monotonic clock on Linux)."""
+    workload, connections = _SIDE_WORKLOADS[kind]
+
     async def main() -> list[dict]:
-        async with http_session(url, 200) as client:
+        async with http_session(url, connections) as client:
             sys.stdout.buffer.write(b"ready\n")
             sys.stdout.buffer.flush()
             start, until = map(float, (await asyncio.to_thread(sys.stdin.readline)).split())
             run = Run()
             await asyncio.sleep(max(0.0, start - time.perf_counter()))
-            await asyncio.gather(*await _flood(client, model, run, until))
+            await asyncio.gather(*await workload(client, model, run, until))
             return run.rows
     return asyncio.run(main())
 
@@ -326,7 +353,8 @@ def run_policy_scenario(ns: argparse.Namespace, model: str) -> dict:
             out[policy] = _serve(model, [*base, "--scheduling-policy", policy], priority_workload, policy, seconds,
                                  trace=_first_token_in_scheduler)
         rows = [("idle TTFT ms", "idle_ttft_ms", "-"), ("high-priority TTFT p50 ms", "high_ttft_p50_ms", "-"),
-                ("  / idle", None, "<= 3x"), ("  in the scheduler (trace) ms", "scheduler_first_token_ms", "-")]
+                ("  / idle", None, "<= 3x"), ("  in the scheduler (trace) ms", "scheduler_first_token_ms", "-"),
+                ("  sent from the streams' loop", "high_same_loop_ttft_p50_ms", "(the client's own lag)")]
         out["goal_ratio"] = out["priority"]["high_ttft_p50_ms"] / out["priority"]["idle_ttft_ms"]
         ratio = {p: out[p]["high_ttft_p50_ms"] / out[p]["idle_ttft_ms"] for p in ("fcfs", "priority")}
     elif name == "fair":
@@ -375,6 +403,6 @@ def run_policy_scenario(ns: argparse.Namespace, model: str) -> dict:
     return out
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["flood"]:  # shedding_workload's flood process
-    url, model = sys.argv[2:4]
-    sys.stdout.buffer.write(_JSON.encode(_flood_in_process(url, model)))
+if __name__ == "__main__" and sys.argv[1:2] in (["flood"], ["probe"]):  # a workload's side process
+    kind, url, model = sys.argv[1:4]
+    sys.stdout.buffer.write(_JSON.encode(_side_process_main(kind, url, model)))
