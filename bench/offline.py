@@ -271,7 +271,7 @@ def format_rows(results: list[dict]) -> str:
 
 def main(ns: argparse.Namespace) -> int:
     from pagedserve.bench.shapes import SHAPES, ensure_shape_model
-    from pagedserve.protocol.options import resolve_device
+    from pagedserve.runtime.options import resolve_device
 
     ns.device = resolve_device(ns.device)
     ns.engines = [e for e in parse_engines(ns.engines) if not (e == "transformers" and ns.peer == "none")]

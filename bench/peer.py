@@ -42,7 +42,7 @@ from pagedserve.bench.servers import (VLLM_MEMORY_UTILIZATION, VLLM_PYTHON_ENV, 
                                              parse_engines, resolve_vllm_python, sampling_label, transformers_command,
                                              vllm_command, vllm_env)
 from pagedserve.bench.shapes import SHAPES, BenchShape, ensure_shape_model, shape_cache_dir
-from pagedserve.protocol.options import resolve_device
+from pagedserve.runtime.options import resolve_device
 
 ENGINES = ("pagedserve", "transformers")  # the default turn order
 LLAMA3 = BenchShape("llama-3layer", dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2,

@@ -50,7 +50,7 @@ import msgspec
 from pagedserve.clean_path import drop_working_directory
 from pagedserve.deploy.entry_points import ENTRY_MODULES, arguments_of, module_of
 from pagedserve.deploy.parent_death import die_with_parent
-from pagedserve.protocol.process_exit import exit_now
+from pagedserve.runtime.process_exit import exit_now
 
 MAX_REQUEST_BYTES = 1 << 20
 STATUS = struct.Struct("<i")
@@ -59,7 +59,7 @@ PRELOAD = ("zmq", "torch", "transformers", "xgrammar", "setproctitle", "pagedser
 
 def preload() -> None:
     """What every child would otherwise load for itself."""
-    from pagedserve.protocol.torch_env import apply_torch_env_defaults
+    from pagedserve.runtime.torch_env import apply_torch_env_defaults
 
     apply_torch_env_defaults()  # libgomp and torch read them when torch loads, here
     # numpy's OpenBLAS starts a thread pool as it loads, and a fork is safe only from one

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagedserve.deploy.entry_points import python_module
-from pagedserve.protocol import options as opts
+from pagedserve.runtime import options as opts
 from pagedserve.protocol.lora_adapter import LoRAAdapterError
 from pagedserve.protocol.model_architectures import (ARCHITECTURES, LONGROPE_LIMIT, ModelConfigError, check_model_config,
                                                      longrope_limit)
@@ -25,7 +25,7 @@ from pagedserve.protocol.gguf_file import NATIVE_TYPES, GGUFFileError, find_gguf
 from pagedserve.protocol.gguf_file import quantization_spec as gguf_quantization_spec
 from pagedserve.protocol.quantization import (QuantizationConfigError, check_shapes, parse_quantization_config,
                                               projection_inputs)
-from pagedserve.protocol.options import FRONTEND, ROUTER_KINDS, SCHEDULER, WORKER, resolve_device, resolve_dtype
+from pagedserve.runtime.options import FRONTEND, ROUTER_KINDS, SCHEDULER, WORKER, resolve_device, resolve_dtype
 from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
 __all__ = ["ConfigError", "ROUTER_KINDS", "ServeConfig", "add_serve_args", "serve_config_from_args"]
@@ -44,7 +44,7 @@ class ConfigError(opts.OptionError):
 
 
 class _ServeConfigRules:
-    """ServeConfig's rules and child command lines; its fields are protocol/options.py's OPTIONS."""
+    """ServeConfig's rules and child command lines; its fields are runtime/options.py's OPTIONS."""
 
     def __post_init__(self) -> None:
         self._serve_gguf()

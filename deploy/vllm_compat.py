@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pagedserve.protocol.options import DTYPE_ALIASES, DTYPE_CHOICES, resolve_dtype  # noqa: F401 (re-exported)
+from pagedserve.runtime.options import DTYPE_ALIASES, DTYPE_CHOICES, resolve_dtype  # noqa: F401 (re-exported)
 
 UNSUPPORTED_FLAGS = {
     "--pipeline-parallel-size": "pipeline parallelism is not supported; use --tensor-parallel-size "

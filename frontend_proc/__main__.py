@@ -36,10 +36,10 @@ from pagedserve.frontend_proc.serving import Serving
 from pagedserve.client.generation_defaults import load_generation_defaults
 from pagedserve.client.lora_adapters import AdapterNameError, AdapterRegistry
 from pagedserve.protocol.lora_adapter import LoRAAdapterError
-from pagedserve.protocol.options import lora_module
+from pagedserve.runtime.options import lora_module
 from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.protocol.messages import ProcessReady
-from pagedserve.protocol.process_exit import exit_now
+from pagedserve.runtime.process_exit import exit_now
 from pagedserve.protocol.structured_outputs import preload_in_background
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 

@@ -1,7 +1,7 @@
 """Command line of the frontend process, parsed once into a validated FrontendConfig.
 
 Its serve options (host, port, routing, limits, ...) are fields generated from
-protocol/options.py, so their flags, defaults and checks are ``pagedserve serve``'s.
+runtime/options.py, so their flags, defaults and checks are ``pagedserve serve``'s.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from pagedserve.frontend_proc.routing_policy import RoutingPolicy, default_router
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
 from pagedserve.client.pooling import PoolerSettings, pooler_settings
-from pagedserve.protocol import options as opts
+from pagedserve.runtime import options as opts
 
 DEFAULT_MAX_MODEL_LEN = 2048  # a model directory that states no max_position_embeddings
 

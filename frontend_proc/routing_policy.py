@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from pagedserve.protocol.block_hash import prefix_block_hashes
-from pagedserve.protocol.options import BY_NAME, ROUTER_KINDS  # noqa: F401 (ROUTER_KINDS re-exported)
+from pagedserve.runtime.options import BY_NAME, ROUTER_KINDS  # noqa: F401 (ROUTER_KINDS re-exported)
 
 if TYPE_CHECKING:
     from pagedserve.frontend_proc.router import ReplicaStatus

@@ -11,7 +11,7 @@ the offline LLM reads it.
 from __future__ import annotations
 
 from pagedserve.deploy.serve_config import ConfigError, ServeConfig
-from pagedserve.protocol import options as opts
+from pagedserve.runtime import options as opts
 
 # Frontend and supervision options the offline LLM reads itself; the rest reach its children.
 OFFLINE_READS = frozenset({

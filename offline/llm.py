@@ -47,7 +47,7 @@ from pagedserve.client.generation_defaults import load_generation_defaults
 from pagedserve.client.lora_adapters import AdapterRegistry
 from pagedserve.client.model_files import eos_token_ids, vocab_size
 from pagedserve.client.pooling import Matryoshka, pooler_settings
-from pagedserve.protocol.options import lora_module
+from pagedserve.runtime.options import lora_module
 from pagedserve.protocol.priority import priority_refusal
 from pagedserve.protocol.validate import InvalidField, check_request
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir

@@ -16,7 +16,7 @@ import logging
 import signal
 import sys
 
-from pagedserve.protocol.process_exit import exit_now
+from pagedserve.runtime.process_exit import exit_now
 from pagedserve.protocol.trace import TraceError
 from pagedserve.scheduler_proc.engine import EngineLoop
 from pagedserve.scheduler_proc.engine_config import EngineConfig

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from pagedserve.protocol.options import PREEMPTION_MODES
+from pagedserve.runtime.options import PREEMPTION_MODES
 from pagedserve.protocol.priority import POLICIES_WITH_PRIORITY, SCHEDULING_POLICIES, parse_tenant_weights
 from pagedserve.protocol.speculative import SpeculativeConfig
 
 # Sequences are ordered by (arrival number, sample index) packed into one int; see request.py.
 MAX_PARALLEL_SAMPLES = 1 << 20
-DEFAULT_DEADLINE_S = 60.0  # --default-deadline-s when not given (protocol/options.py says so)
+DEFAULT_DEADLINE_S = 60.0  # --default-deadline-s when not given (runtime/options.py says so)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """Everything the scheduler process is started with, validated once.
 
 The serve options it takes (block size, budgets, preemption, ...) are fields generated from
-protocol/options.py, so their flags, defaults and checks are ``pagedserve serve``'s; the
+runtime/options.py, so their flags, defaults and checks are ``pagedserve serve``'s; the
 rest is this process's own wiring.
 """
 
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from pagedserve.protocol import options as opts
+from pagedserve.runtime import options as opts
 from pagedserve.protocol.priority import parse_tenant_weights, tenant_weights_text
 from pagedserve.protocol.speculative import parse_speculative_config
 from pagedserve.scheduler_proc.config import SchedulerConfig

@@ -61,7 +61,7 @@ def first_difference(recorded, replayed, path: str = "") -> str:
     return f"{path}: recorded {recorded!r}, replayed {replayed!r}"
 
 
-# Traces recorded before the scheduler took serve's option names (protocol/options.py).
+# Traces recorded before the scheduler took serve's option names (runtime/options.py).
 _RENAMED_CONFIG_KEYS = {"tp_size": "tensor_parallel_size", "swap_space_gib": "swap_space"}
 
 

@@ -18,12 +18,12 @@ import signal
 import sys
 from dataclasses import fields
 
-from pagedserve.protocol.torch_env import apply_torch_env_defaults
+from pagedserve.runtime.torch_env import apply_torch_env_defaults
 
 apply_torch_env_defaults()  # before torch loads, below
 
-from pagedserve.protocol import options as opts
-from pagedserve.protocol.process_exit import exit_now
+from pagedserve.runtime import options as opts
+from pagedserve.runtime.process_exit import exit_now
 from pagedserve.protocol.model_architectures import ModelConfigError
 from pagedserve.worker_proc.host_memory import keep_freed_memory
 from pagedserve.worker_proc.worker import Worker, WorkerConfig
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         worker.close()
-    # The caller ends the process without the interpreter's teardown (protocol/process_exit.py):
+    # The caller ends the process without the interpreter's teardown (runtime/process_exit.py):
     # besides its cost, torch + gloo can abort in C++ static destructors at exit even after
     # destroy_process_group ("terminate called without an active exception").
     return 0

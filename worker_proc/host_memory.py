@@ -48,7 +48,7 @@ _MADV_NOHUGEPAGE = 15  # Linux's number
 def without_huge_pages(address: int, nbytes: int) -> bool:
     """Ask the kernel for 4 KiB pages over [address, address + nbytes); True if it agreed.
 
-    torch's allocator advises huge pages for every large CPU tensor (protocol/torch_env.py),
+    torch's allocator advises huge pages for every large CPU tensor (runtime/torch_env.py),
     which the KV cache does not want: its fresh blocks are written a few at a time, scattered
     over one plane per layer, K and V, so each step's first writes faulted in whole 2 MiB pages
     (the kernel zeroes each) for the few 8 KiB blocks they needed."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.protocol.model_architectures import ARCHITECTURES, ModelConfigError, read_model_config
-from pagedserve.protocol.options import MODEL_IMPLS
+from pagedserve.runtime.options import MODEL_IMPLS
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError, load_model_spec
 
 

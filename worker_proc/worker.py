@@ -22,9 +22,9 @@ from pagedserve.kernels import cpu_native, reference
 from pagedserve.worker_proc.models.linear import GEMV_MAX_ROWS, GEMV_PANEL_MAX_ROWS
 from pagedserve.worker_proc.models.quantized_linear import describe_ops
 from pagedserve.protocol import messages as m
-from pagedserve.protocol import options as opts
+from pagedserve.runtime import options as opts
 from pagedserve.protocol.speculative import parse_speculative_config
-from pagedserve.protocol.torch_env import huge_pages_state
+from pagedserve.runtime.torch_env import huge_pages_state
 from pagedserve.protocol.worker_link import SchedulerLink
 from pagedserve.protocol.zmq_io import Endpoints, Sender
 from pagedserve.worker_proc.attention import SOFTCAP_ON_CPU
@@ -46,7 +46,7 @@ class _WorkerConfigRules:
             self.dtype = opts.DTYPE_ALIASES[self.dtype]
 
 
-# The serve options a worker takes (protocol/options.py), plus how the supervisor wires it.
+# The serve options a worker takes (runtime/options.py), plus how the supervisor wires it.
 WorkerConfig = opts.make_config("WorkerConfig", [
     ("run_dir", str), ("model", str),
     ("replica", int, dataclasses.field(default=0)),

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from pagedserve.protocol.torch_env import apply_torch_env_defaults
+from pagedserve.runtime.torch_env import apply_torch_env_defaults
 
 apply_torch_env_defaults()
 import torch  # noqa: E402

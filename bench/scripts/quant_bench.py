@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from pagedserve.protocol.torch_env import apply_torch_env_defaults
+from pagedserve.runtime.torch_env import apply_torch_env_defaults
 
 apply_torch_env_defaults()  # as a worker does, before torch loads
 import torch  # noqa: E402

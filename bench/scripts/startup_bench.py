@@ -28,7 +28,7 @@ from pagedserve.bench.peer import ensure_llama_model
 from pagedserve.bench.report import cpu_label, median_spread
 from pagedserve.bench.servers import (VLLM_START_TIMEOUT_S, BenchServer, pagedserve_command, parse_engines,
                                              resolve_vllm_python, transformers_command, vllm_command, vllm_env)
-from pagedserve.protocol.options import resolve_device
+from pagedserve.runtime.options import resolve_device
 
 READY_PATHS = {"pagedserve": "/health", "transformers": "/v1/models", "vllm": "/health"}
 

@@ -22,13 +22,13 @@ import statistics
 import time
 from collections import defaultdict, deque
 
-from pagedserve.protocol.torch_env import apply_torch_env_defaults
+from pagedserve.runtime.torch_env import apply_torch_env_defaults
 
 apply_torch_env_defaults()  # as a worker does, before torch loads
 import torch  # noqa: E402
 
 from pagedserve.protocol import messages as m
-from pagedserve.protocol.options import default_step_tokens
+from pagedserve.runtime.options import default_step_tokens
 from pagedserve.protocol.codec import Decoder, encode
 from pagedserve.protocol.messages import AddRequest, SamplingParams, WorkerInit
 from pagedserve.scheduler_proc.config import SchedulerConfig

@@ -50,7 +50,7 @@ def test_greedy_generate_equals_transformers_keeps_input_order_and_close_stops_e
 @pytest.mark.slow
 def test_a_bfloat16_checkpoint_without_onednn_bfloat16_runs_in_float32_and_matches_transformers_there(
         model_factory):
-    from pagedserve.protocol.cpu_dtype import fast_bfloat16_matmuls
+    from pagedserve.runtime.cpu_dtype import fast_bfloat16_matmuls
 
     if fast_bfloat16_matmuls():
         pytest.skip("oneDNN multiplies bfloat16 on this CPU: auto keeps bfloat16 (tests/e2e/test_serve_options.py)")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.deploy.serve_config import ConfigError, ServeConfig
-from pagedserve.protocol import cpu_dtype, options
+from pagedserve.runtime import cpu_dtype, options
 from pagedserve.deploy.entry_points import arguments_of
 
 
@@ -136,7 +136,7 @@ def test_a_chat_template_that_is_neither_a_file_nor_a_template_is_refused(model_
 
 
 def test_tool_calling_flags_reach_the_frontend_and_an_unknown_parser_is_refused(model_dir):
-    from pagedserve.protocol.options import TOOL_CALL_PARSERS
+    from pagedserve.runtime.options import TOOL_CALL_PARSERS
     from pagedserve.frontend_proc.args import parse_args
     from pagedserve.frontend_proc.tool_parsers import TOOL_PARSERS
 
@@ -175,7 +175,7 @@ def test_without_a_gpu_driver_auto_is_cpu_without_importing_torch(model_dir, mon
     # start 1.5-3 s. The check runs in a fresh interpreter, where nothing imported torch yet.
     monkeypatch.setattr(options, "GPU_DEVICE_PATTERNS", (str(tmp_path / "no-such-driver*"),))
     assert ServeConfig(model=model_dir("float32")).device == "cpu"
-    code = ("import sys; from pagedserve.protocol import options; "
+    code = ("import sys; from pagedserve.runtime import options; "
             f"options.GPU_DEVICE_PATTERNS = ({str(tmp_path / 'none*')!r},); "
             "from pagedserve.deploy.serve_config import ServeConfig; "
             f"print(ServeConfig(model={model_dir('float32')!r}).device, 'torch' in sys.modules)")

@@ -1,4 +1,4 @@
-"""torch's large CPU tensors on huge pages in a deployment's processes (protocol/torch_env.py),
+"""torch's large CPU tensors on huge pages in a deployment's processes (runtime/torch_env.py),
 but not the CPU KV cache (worker_proc/kv_cache.py), seen in a fresh interpreter's own memory
 map, as a worker starts."""
 
@@ -16,7 +16,7 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # A fresh interpreter, as a worker starts: the defaults, then torch, then a 64 MiB tensor written
 # through; its process's anonymous huge pages, in kB.
 CHILD = """
-from pagedserve.protocol.torch_env import apply_torch_env_defaults
+from pagedserve.runtime.torch_env import apply_torch_env_defaults
 apply_torch_env_defaults()
 import torch
 x = torch.ones(16 << 20)

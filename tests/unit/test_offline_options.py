@@ -13,7 +13,7 @@ from pagedserve.offline.engine_options import offline_config, unused_options
 from pagedserve.offline.inputs import SamplingParams, as_params_list
 from pagedserve.offline.llm import LLM
 from pagedserve.offline.structured import StructuredOutputsParams
-from pagedserve.protocol import options as opts
+from pagedserve.runtime import options as opts
 
 HTTP_ONLY = dict(api_key="k", host="0.0.0.0", port=1, served_model_name="x", drain_timeout_s=1.0,
                  tenant_header="X-Tenant", uvicorn_log_level="debug", tool_call_parser="hermes",

@@ -1,4 +1,4 @@
-"""Every serve option is defined once (protocol/options.py), and every surface agrees with
+"""Every serve option is defined once (runtime/options.py), and every surface agrees with
 that definition: the ``pagedserve serve`` CLI, ServeConfig and so ``LLM(...)``, and the
 command line and config of each child process (pure objects: nothing is started)."""
 
@@ -16,7 +16,7 @@ from pagedserve.deploy.cli import build_parser as serve_cli
 from pagedserve.offline.llm import LLM
 from pagedserve.deploy.serve_config import ConfigError, ServeConfig
 from pagedserve.frontend_proc.args import FrontendConfig, build_parser as frontend_cli, parse_args as frontend_args
-from pagedserve.protocol import options as opts
+from pagedserve.runtime import options as opts
 from pagedserve.scheduler_proc.engine_config import EngineConfig
 from pagedserve.worker_proc.__main__ import build_parser as worker_cli
 from pagedserve.worker_proc.worker import WorkerConfig

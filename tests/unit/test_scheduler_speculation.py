@@ -266,7 +266,7 @@ def test_the_random_workloads_deliver_every_token_once_in_order_with_speculation
 
 def test_the_flag_takes_vllms_json_and_refuses_what_cannot_run_in_one_line():
     from pagedserve.deploy.vllm_compat import unsupported_flag
-    from pagedserve.protocol import options as opts
+    from pagedserve.runtime import options as opts
     from pagedserve.protocol.speculative import parse_speculative_config
 
     assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}') == \

@@ -144,7 +144,7 @@ def _model(path, vocab_size: int):
 
 
 def test_vllms_draft_model_config_is_read_and_what_cannot_run_is_refused_in_one_line(tmp_path):
-    from pagedserve.protocol import options as opts
+    from pagedserve.runtime import options as opts
 
     target, draft, other = (_model(tmp_path / n, v) for n, v in (("t", 512), ("d", 512), ("o", 1000)))
     spec = parse_speculative_config(json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 3}))

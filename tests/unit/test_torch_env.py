@@ -1,4 +1,4 @@
-"""The environment a deployment's processes set before torch loads (protocol/torch_env.py): torch's
+"""The environment a deployment's processes set before torch loads (runtime/torch_env.py): torch's
 large CPU tensors on huge pages, unless the operator says otherwise."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pagedserve.protocol.torch_env import apply_torch_env_defaults, huge_pages_state
+from pagedserve.runtime.torch_env import apply_torch_env_defaults, huge_pages_state
 
 
 def test_defaults_leave_the_operators_choice(monkeypatch):

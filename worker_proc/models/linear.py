@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_native
-from pagedserve.protocol.cpu_dtype import cpu_flags
+from pagedserve.runtime.cpu_dtype import cpu_flags
 from pagedserve.worker_proc.env_switch import env_switch
 
 if TYPE_CHECKING:

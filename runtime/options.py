@@ -440,7 +440,7 @@ def resolve_device(requested: str) -> str:
 def resolve_dtype(requested: str, model_config: dict, device: str, model_dir: Optional[str] = None,
                   copies: int = 1) -> str:
     """``auto`` takes the model's own dtype, except for a half-precision checkpoint on a CPU:
-    bfloat16 where oneDNN multiplies it, else float32 if it fits (protocol/cpu_dtype.py).
+    bfloat16 where oneDNN multiplies it, else float32 if it fits (runtime/cpu_dtype.py).
     ``model_dir`` (for the checkpoint's size) and ``copies`` (replicas on this host) matter
     only there."""
     if requested != "auto":
@@ -448,7 +448,7 @@ def resolve_dtype(requested: str, model_config: dict, device: str, model_dir: Op
     name = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
     name = DTYPE_ALIASES.get(name.removeprefix("torch."), "float32")
     if name != "float32" and device == "cpu":
-        from pagedserve.protocol.cpu_dtype import cpu_dtype_for_half_checkpoint
+        from pagedserve.runtime.cpu_dtype import cpu_dtype_for_half_checkpoint
 
         return cpu_dtype_for_half_checkpoint(name, model_dir or "", copies)
     return name
