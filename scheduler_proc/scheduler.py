@@ -295,8 +295,8 @@ class Scheduler:
         invariants.check(self, out)  # every step only with debug_invariants; ``out``: the step built
 
     def running_sequences(self) -> list[Sequence]:
-        """Every running sequence, oldest first, with its state synced (for tests and debugging)."""
-        return self.running.all_synced()
+        """Every running sequence, oldest first (for tests and debugging)."""
+        return self.running.in_order()
 
     def stats(self) -> dict:
         return snapshot(self)
