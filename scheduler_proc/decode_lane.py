@@ -12,8 +12,8 @@ A sequence enters after a step that sampled for it, when nothing but decodes lie
 the workers hold it, it is no parent waiting to fork, its last block is its own and it wants
 no logprobs. While it is in the lane these columns are the one store of its progress
 (``num_kv_tokens``, the sent counters) and of its newest tokens (a ring of the last ``RING``
-sampled tokens per sequence, flushed to its token array in turn); the ``Sequence`` reads
-through to them (``Sequence.lane``), and gets them back when it leaves. Its block table stays
+sampled tokens per sequence, flushed to its token array in turn); the sequence, a
+``LaneSequence`` meanwhile, reads through to them and gets them back when it leaves. Its block table stays
 the Sequence's alone: a block granted is appended to it at once (a sequence in 1/block_size of
 the steps).
 
@@ -43,15 +43,42 @@ from pagedserve.protocol.messages import DecodeBatch
 from pagedserve.protocol.step_state import PLACEHOLDER_TOKEN
 
 from pagedserve.scheduler_proc import prefix_cache
+from pagedserve.scheduler_proc.request import Sequence
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_proc.block_pool import BlockPool
-    from pagedserve.scheduler_proc.request import Sequence
 
 RING = 128  # sampled tokens a sequence may hold in the lane before they are flushed to it
 FEW = 4  # positions flushed one by one (numpy's fixed cost per call exceeds the slices' then)
 EMPTY_DECODES = DecodeBatch([], [], [], [])  # never mutated
 _NO_GRANTS = (np.zeros(0, np.int64), [])  # never mutated
+
+
+_own_token_ids = Sequence.token_ids  # the slot behind LaneSequence.token_ids
+
+
+class LaneSequence(Sequence):
+    """A ``Sequence`` while the lane holds it: its class while it is there (a class swap, so the
+    per-object path pays nothing for the view), its progress read from the columns, its token
+    array topped up from the ring when read. Its progress cannot be written: the lane alone
+    advances it, and hands it back to the object when the sequence leaves."""
+
+    __slots__ = ()
+
+    @property
+    def token_ids(self):
+        self.lane.flush(self.lane_pos)
+        return _own_token_ids.__get__(self)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return int(self.lane.computed[self.lane_pos])
+
+    num_tokens_sent = num_kv_tokens  # all but the newest token, which its next batch carries
+
+    @property
+    def num_blocks_sent(self) -> int:
+        return len(self.block_ids)  # each batch carries its grants
 
 
 def lane_kind(seq: "Sequence") -> bool:
@@ -131,7 +158,8 @@ class DecodeLane:
         self.tail_block[pos] = seq.block_ids[-1]
         self.before_tail_block[pos] = seq.block_ids[-2] if len(seq.block_ids) > 1 else -1
         self.note_keys(pos, seq)
-        seq.lane, seq.lane_pos = self, pos  # its progress is read from here now (Sequence)
+        seq.lane, seq.lane_pos = self, pos
+        seq.__class__ = LaneSequence  # its progress is read from the columns from now on
         for token in seq.stop_token_ids:
             self._stop_counts[token] = self._stop_counts.get(token, 0) + 1
             self._stop_dirty = True
@@ -163,7 +191,7 @@ class DecodeLane:
         tokens, firsts, ends = self._unflushed(where)
         seqs = self.seqs
         for pos, first, end in zip(positions, firsts, ends):
-            seqs[pos].append_flushed(tokens[first:end])
+            _own_token_ids.__get__(seqs[pos]).frombytes(tokens[first:end])
         self.since[where] = np.maximum(self.since[where], self.clock)
 
     def flush(self, pos: int) -> None:
@@ -171,8 +199,8 @@ class DecodeLane:
         clock, start = self.clock, int(self.since[pos])
         if clock > start:  # else it entered behind batches still out: nothing of its own yet
             row, first, end = self.ring[pos], start % RING, clock % RING
-            self.seqs[pos].append_flushed(row[first:end].tobytes() if first < end else
-                                          row[first:].tobytes() + row[:end].tobytes())  # == at RING: all, wrapped
+            _own_token_ids.__get__(self.seqs[pos]).frombytes(  # raw int64: no int object per token
+                row[first:end].tobytes() if first < end else row[first:].tobytes() + row[:end].tobytes())
             self.since[pos] = clock
 
     def num_batches_holding(self, pos: int) -> int:
@@ -198,7 +226,11 @@ class DecodeLane:
         last = self.n - 1
         seq = self.seqs[pos]
         self.flush(pos)
-        seq.left_lane(int(self.computed[pos]))
+        computed = int(self.computed[pos])
+        seq.__class__ = Sequence
+        seq.lane, seq.lane_pos = None, -1
+        seq.num_kv_tokens = seq.num_tokens_sent = computed
+        seq.num_blocks_sent = len(seq.block_ids)
         for i, held in enumerate(self.in_flight):
             if isinstance(held, int):
                 if pos >= held:  # this batch holds neither pos nor last (> pos)

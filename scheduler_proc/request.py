@@ -130,9 +130,8 @@ def _fields(params: SamplingParams) -> dict:
 class Sequence:
     """One stream of tokens the workers compute: its tokens, blocks and progress.
 
-    A steady decode's progress and newest tokens have one store, the decode lane's columns
-    (decode_lane.py): while it is there (``lane`` set) ``num_kv_tokens``, the sent counters and
-    ``token_ids`` read through to them, so no reader needs to know where a sequence is."""
+    While it is a steady decode its progress and newest tokens have one store, the decode lane's
+    columns, and it is a ``LaneSequence`` (decode_lane.py), whose fields read through to them."""
 
     __slots__ = (
         "seq_id",
@@ -140,8 +139,8 @@ class Sequence:
         "index",
         "order",
         "sampling",
-        "_token_ids",
-        "_num_kv_tokens",
+        "token_ids",
+        "num_kv_tokens",
         "block_ids",
         "num_freed_blocks",
         "host_block_ids",
@@ -150,8 +149,8 @@ class Sequence:
         "is_parent",
         "shared_tail",
         "worker_knows",
-        "_num_tokens_sent",
-        "_num_blocks_sent",
+        "num_tokens_sent",
+        "num_blocks_sent",
         "recompute_until",
         "num_preemptions",
         # Copies of the request's stop rules, so the per-token path touches one object.
@@ -177,10 +176,10 @@ class Sequence:
         # FCFS key: older requests first; a request's samples in index order.
         self.order = request.arrival_number * MAX_PARALLEL_SAMPLES + index
         self.sampling = sampling
-        self._token_ids = token_ids
+        self.token_ids = token_ids
         # Tokens with KV in the cache once every step scheduled so far has run (this step included;
         # the wire's num_computed_tokens is the count *before* a step).
-        self._num_kv_tokens = 0
+        self.num_kv_tokens = 0
         self.block_ids: list[int] = []  # device block table
         # Leading table entries freed behind a sliding window: the null block (sliding_window.py).
         self.num_freed_blocks = 0
@@ -190,8 +189,8 @@ class Sequence:
         self.is_parent = is_parent  # computes prompt[:-1], then forks into n children
         self.shared_tail = False  # last block may be shared with a sibling: copy before writing
         self.worker_knows = False  # the workers hold this sequence's state
-        self._num_tokens_sent = 0
-        self._num_blocks_sent = 0
+        self.num_tokens_sent = 0
+        self.num_blocks_sent = 0
         self.recompute_until = 0  # tokens computed before a recompute-preemption
         self.num_preemptions = 0
         self.request_id = request.request_id
@@ -201,62 +200,12 @@ class Sequence:
         self.max_len = request.max_len
         self.want_logprobs = request.want_logprobs
         self.num_cached_tokens = 0  # the request's prefix hits at its first admission
-        self.lane = None  # the decode lane holding this sequence's progress and newest tokens, if one does
-        self.lane_pos = -1  # its position there
+        self.lane = None  # the decode lane that holds it (a LaneSequence then), and its position there
+        self.lane_pos = -1
         # Its own matcher (grammar.py) when constrained and sampling; a parent only computes the prompt.
         self.grammar = request.grammar.new_matcher() if request.grammar is not None and not is_parent else None
         self.spec = SpecState() if request.spec_k and not is_parent else None  # speculation.py
         self.lora_slot = -1  # the LoRA slot it holds a reference on while admitted (lora_slots.py); -1: none
-
-    @property
-    def token_ids(self) -> array:
-        if self.lane is not None:
-            self.lane.flush(self.lane_pos)  # its newest tokens, from the lane's ring
-        return self._token_ids
-
-    @property
-    def num_kv_tokens(self) -> int:
-        return self._num_kv_tokens if self.lane is None else int(self.lane.computed[self.lane_pos])
-
-    @num_kv_tokens.setter
-    def num_kv_tokens(self, value: int) -> None:
-        self._outside_lane()
-        self._num_kv_tokens = value
-
-    @property
-    def num_tokens_sent(self) -> int:
-        """Tokens the workers hold (in the lane: all but the newest, which its next batch carries)."""
-        return self._num_tokens_sent if self.lane is None else int(self.lane.computed[self.lane_pos])
-
-    @num_tokens_sent.setter
-    def num_tokens_sent(self, value: int) -> None:
-        self._outside_lane()
-        self._num_tokens_sent = value
-
-    @property
-    def num_blocks_sent(self) -> int:
-        """Block table entries the workers hold (in the lane: all, as each batch carries its grants)."""
-        return self._num_blocks_sent if self.lane is None else len(self.block_ids)
-
-    @num_blocks_sent.setter
-    def num_blocks_sent(self, value: int) -> None:
-        self._outside_lane()
-        self._num_blocks_sent = value
-
-    def _outside_lane(self) -> None:
-        if self.lane is not None:
-            raise RuntimeError(f"{self.seq_id} is in the decode lane, which alone advances its progress")
-
-    def append_flushed(self, tokens: bytes) -> None:
-        """Tokens the lane's ring held, as raw int64 bytes (``array("q")``'s layout: no int objects)."""
-        self._token_ids.frombytes(tokens)
-
-    def left_lane(self, num_kv_tokens: int) -> None:
-        """The lane gave this sequence up (its newest tokens already flushed): its progress is the
-        object's own again, every token but the newest and every block held by the workers."""
-        self.lane, self.lane_pos = None, -1
-        self._num_kv_tokens = self._num_tokens_sent = num_kv_tokens
-        self._num_blocks_sent = len(self.block_ids)
 
     @property
     def target_len(self) -> int:
