@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from pagedserve.scheduler_proc.block_pool import BlockPool
 
 RING = 128  # sampled tokens a sequence may hold in the lane before they are flushed to it
-FEW = 4  # positions flushed one by one (numpy's fixed cost per call exceeds the slices' then)
 EMPTY_DECODES = DecodeBatch([], [], [], [])  # never mutated
 _NO_GRANTS = (np.zeros(0, np.int64), [])  # never mutated
 
@@ -169,38 +168,14 @@ class DecodeLane:
         self.key_hash[pos] = keys[-1][2] if keys else seq.request.prefix_seed
         self.num_keyed[pos] = len(keys)
 
-    def _unflushed(self, where: np.ndarray) -> tuple[bytes, list[int], list[int]]:
-        """The ring slots not yet flushed for ``where``, in order, as raw int64 bytes (array("q")
-        has the same layout, so no int object is made per token), with each one's byte range."""
-        starts = self.since[where]
-        counts = np.maximum(self.clock - starts, 0)  # < 0: entered behind batches still out
-        ends = np.cumsum(counts)
-        firsts = ends - counts
-        slots = (np.arange(int(ends[-1])) - np.repeat(firsts - starts, counts)) % RING
-        tokens = self.ring[np.repeat(where, counts), slots].tobytes()
-        return tokens, (firsts * 8).tolist(), (ends * 8).tolist()
-
-    def flush_many(self, positions: list[int]) -> None:
-        """``flush`` for several positions: a few array operations, then one short loop (for up to
-        ``FEW`` of them, the usual staggered flush, slices of each one's ring row instead)."""
-        if len(positions) <= FEW:
-            for pos in positions:
-                self.flush(pos)
-            return
-        where = np.asarray(positions, np.int64)
-        tokens, firsts, ends = self._unflushed(where)
-        seqs = self.seqs
-        for pos, first, end in zip(positions, firsts, ends):
-            _own_token_ids.__get__(seqs[pos]).frombytes(tokens[first:end])
-        self.since[where] = np.maximum(self.since[where], self.clock)
-
     def flush(self, pos: int) -> None:
         """Move the ring's tokens of the sequence at ``pos`` to its token array (``Sequence.token_ids``)."""
         clock, start = self.clock, int(self.since[pos])
         if clock > start:  # else it entered behind batches still out: nothing of its own yet
             row, first, end = self.ring[pos], start % RING, clock % RING
             _own_token_ids.__get__(self.seqs[pos]).frombytes(  # raw int64: no int object per token
-                row[first:end].tobytes() if first < end else row[first:].tobytes() + row[:end].tobytes())
+                row[first:end].tobytes() if first < end  # first == end: RING tokens, the whole row wrapped
+                else row[first:].tobytes() + row[:end].tobytes())
             self.since[pos] = clock
 
     def num_batches_holding(self, pos: int) -> int:
@@ -333,10 +308,12 @@ class DecodeLane:
         due = clock - self.since[where] >= RING
         if isinstance(where, slice):
             due[(-clock) % RING::RING] = True
-            self.flush_many(due.nonzero()[0].tolist())
+            positions = due.nonzero()[0].tolist()
         else:
             due |= where % RING == (-clock) % RING
-            self.flush_many(where[due].tolist())
+            positions = where[due].tolist()
+        for pos in positions:
+            self.flush(pos)
         self.ring[where, clock % RING] = values
         self.last[where] = values
         self.clock += 1
