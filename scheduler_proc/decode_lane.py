@@ -13,9 +13,9 @@ the workers hold it, it is no parent waiting to fork, its last block is its own 
 no logprobs. While it is in the lane these columns are the one store of its progress
 (``num_kv_tokens``, the sent counters) and of its newest tokens (a ring of the last ``RING``
 sampled tokens per sequence, flushed to its token array in turn); the sequence, a
-``LaneSequence`` meanwhile, reads through to them and gets them back when it leaves. Its block table stays
-the Sequence's alone: a block granted is appended to it at once (a sequence in 1/block_size of
-the steps).
+``LaneSequence`` meanwhile, reads through to them and gets them back when it leaves. Its
+block table stays the Sequence's alone: a block granted is appended to it at once (a
+sequence in 1/block_size of the steps).
 
 Positions are dense (0..n-1) and a removal moves the last sequence into the gap, so lane
 order means nothing; FCFS order stays in ``Sequence.order`` (see ``newest``). Each batch out

@@ -229,7 +229,8 @@ class RunningSequences:
         if not len(lane.seqs) == len(lane.ids) == len(lane.request_ids) == lane.n:
             fail(f"lane holds {lane.n} sequences but lists of {len(lane.seqs)}/{len(lane.ids)}/{len(lane.request_ids)}")
         for pos, seq in enumerate(lane.seqs):
-            if seq.lane is not lane or seq.lane_pos != pos or lane.ids[pos] != seq.seq_id or lane.request_ids[pos] != seq.request_id:
+            if (seq.lane is not lane or seq.lane_pos != pos or lane.ids[pos] != seq.seq_id
+                    or lane.request_ids[pos] != seq.request_id):
                 fail(f"lane position {pos} holds {seq.seq_id} whose lane_pos is {seq.lane_pos}")
             if seq.status != RUNNING:
                 fail(f"{seq.seq_id} ended but is still in the lane")
