@@ -42,7 +42,7 @@ def test_steady_decodes_travel_as_one_decode_batch_and_their_tokens_as_lists():
 
 def test_every_token_arrives_once_and_in_order_through_preemption_swap_forks_and_ring_flushes():
     # Counting tokens: output i of a p-token prompt is 1000 + p + i. A token lost or repeated
-    # by the lane (a ring flush, a sync before preemption, a recompute from lane state) shows.
+    # by the lane (a ring flush, a hand-back before preemption, a recompute from lane state) shows.
     sched, worker = make(block_size=4, num_gpu_blocks=60, num_cpu_blocks=12, max_num_seqs=8,
                          max_num_batched_tokens=32)
     rng = random.Random(5)
