@@ -10,11 +10,12 @@ the exceptions (a filled block, a stop token candidate, the end) touch a Sequenc
 
 A sequence enters after a step that sampled for it, when nothing but decodes lie ahead:
 the workers hold it, it is no parent waiting to fork, its last block is its own and it wants
-no logprobs. While it is in the lane the lane owns its ``num_kv_tokens`` and its newest
-tokens (a ring of the last ``RING`` sampled tokens per sequence); ``sync`` writes them back to
-the Sequence, and every path outside the lane syncs before it reads one. Its block table stays
-the Sequence's alone: a block granted is appended to it at once (a sequence in 1/block_size of
-the steps).
+no logprobs. While it is in the lane these columns are the one store of its progress
+(``num_kv_tokens``, the sent counters) and of its newest tokens (a ring of the last ``RING``
+sampled tokens per sequence, flushed to its token array in turn); the sequence, a
+``LaneSequence`` meanwhile, reads through to them and gets them back when it leaves. Its
+block table stays the Sequence's alone: a block granted is appended to it at once (a
+sequence in 1/block_size of the steps).
 
 Positions are dense (0..n-1) and a removal moves the last sequence into the gap, so lane
 order means nothing; FCFS order stays in ``Sequence.order`` (see ``newest``). Each batch out
@@ -42,15 +43,41 @@ from pagedserve.protocol.messages import DecodeBatch
 from pagedserve.protocol.step_state import PLACEHOLDER_TOKEN
 
 from pagedserve.scheduler_proc import prefix_cache
+from pagedserve.scheduler_proc.request import Sequence
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_proc.block_pool import BlockPool
-    from pagedserve.scheduler_proc.request import Sequence
 
 RING = 128  # sampled tokens a sequence may hold in the lane before they are flushed to it
-FEW = 4  # positions synced one by one (numpy's fixed cost per call exceeds the slices' then)
 EMPTY_DECODES = DecodeBatch([], [], [], [])  # never mutated
 _NO_GRANTS = (np.zeros(0, np.int64), [])  # never mutated
+
+
+_own_token_ids = Sequence.token_ids  # the slot behind LaneSequence.token_ids
+
+
+class LaneSequence(Sequence):
+    """A ``Sequence`` while the lane holds it: its class while it is there (a class swap, so the
+    per-object path pays nothing for the view), its progress read from the columns, its token
+    array topped up from the ring when read. Its progress cannot be written: the lane alone
+    advances it, and hands it back to the object when the sequence leaves."""
+
+    __slots__ = ()
+
+    @property
+    def token_ids(self):
+        self.lane.flush(self.lane_pos)
+        return _own_token_ids.__get__(self)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return int(self.lane.computed[self.lane_pos])
+
+    num_tokens_sent = num_kv_tokens  # all but the newest token, which its next batch carries
+
+    @property
+    def num_blocks_sent(self) -> int:
+        return len(self.block_ids)  # each batch carries its grants
 
 
 def lane_kind(seq: "Sequence") -> bool:
@@ -86,7 +113,7 @@ class DecodeLane:
          self.last,  # the newest token, not yet sent to the workers
          self.since,  # clock value from which this sequence's ring slots are not yet flushed
          self.entered,  # clock value at entry: ring slots from here on are this sequence's tokens
-         # For publishing filled blocks to the prefix cache without a sync:
+         # For publishing filled blocks to the prefix cache without reading the sequence:
          self.tail_block,  # the last block of the table
          self.before_tail_block,  # the one before it: the block that filled when a step ahead took a new one
          self.key_hash,  # own hash of the last prefix-cache key (the next key's parent)
@@ -130,7 +157,8 @@ class DecodeLane:
         self.tail_block[pos] = seq.block_ids[-1]
         self.before_tail_block[pos] = seq.block_ids[-2] if len(seq.block_ids) > 1 else -1
         self.note_keys(pos, seq)
-        seq.lane_pos = pos
+        seq.lane, seq.lane_pos = self, pos
+        seq.__class__ = LaneSequence  # its progress is read from the columns from now on
         for token in seq.stop_token_ids:
             self._stop_counts[token] = self._stop_counts.get(token, 0) + 1
             self._stop_dirty = True
@@ -140,74 +168,44 @@ class DecodeLane:
         self.key_hash[pos] = keys[-1][2] if keys else seq.request.prefix_seed
         self.num_keyed[pos] = len(keys)
 
-    def sync(self, pos: int) -> None:
-        """Write the lane's state of the sequence at ``pos`` back to it (it stays in the lane)."""
-        self.sync_many([pos])
-
-    def _unflushed(self, where: np.ndarray) -> tuple[bytes, list[int], list[int]]:
-        """The ring slots not yet flushed for ``where``, in order, as raw int64 bytes (array("q")
-        has the same layout, so no int object is made per token), with each one's byte range."""
-        starts = self.since[where]
-        counts = np.maximum(self.clock - starts, 0)  # < 0: entered behind batches still out
-        ends = np.cumsum(counts)
-        firsts = ends - counts
-        slots = (np.arange(int(ends[-1])) - np.repeat(firsts - starts, counts)) % RING
-        tokens = self.ring[np.repeat(where, counts), slots].tobytes()
-        return tokens, (firsts * 8).tolist(), (ends * 8).tolist()
-
-    def sync_many(self, positions: list[int]) -> None:
-        """``sync`` for several positions: a few array operations, then one short loop (for up to
-        ``FEW`` of them, the usual staggered flush, slices of each one's ring row instead)."""
-        if len(positions) <= FEW:
-            for pos in positions:
-                self._sync_one(pos)
-            return
-        where = np.asarray(positions, np.int64)
-        tokens, firsts, ends = self._unflushed(where)
-        seqs = self.seqs
-        for pos, computed, first, end in zip(positions, self.computed[where].tolist(), firsts, ends):
-            seq = seqs[pos]
-            seq.num_kv_tokens = seq.num_tokens_sent = computed
-            seq.token_ids.frombytes(tokens[first:end])
-            seq.num_blocks_sent = len(seq.block_ids)
-        self.since[where] = np.maximum(self.since[where], self.clock)
-
-    def _sync_one(self, pos: int) -> None:
-        seq, clock = self.seqs[pos], self.clock
-        seq.num_kv_tokens = seq.num_tokens_sent = int(self.computed[pos])
-        start = int(self.since[pos])
+    def flush(self, pos: int) -> None:
+        """Move the ring's tokens of the sequence at ``pos`` to its token array (``Sequence.token_ids``)."""
+        clock, start = self.clock, int(self.since[pos])
         if clock > start:  # else it entered behind batches still out: nothing of its own yet
             row, first, end = self.ring[pos], start % RING, clock % RING
-            seq.token_ids.frombytes(row[first:end].tobytes() if first < end else
-                                    row[first:].tobytes() + row[:end].tobytes())  # == at RING tokens: all, wrapped
+            _own_token_ids.__get__(self.seqs[pos]).frombytes(  # raw int64: no int object per token
+                row[first:end].tobytes() if first < end  # first == end: RING tokens, the whole row wrapped
+                else row[first:].tobytes() + row[:end].tobytes())
             self.since[pos] = clock
-        seq.num_blocks_sent = len(seq.block_ids)
-
-    def sync_all(self) -> None:
-        self.sync_many(list(range(self.n)))
 
     def num_batches_holding(self, pos: int) -> int:
         """How many batches out compute a token for the sequence now at ``pos``."""
         return sum(pos < held if isinstance(held, int) else bool((held == pos).any()) for held in self.in_flight)
 
     def leave(self, seq: "Sequence") -> None:
-        """Back to the Sequence object: its state synced, its lane position given up."""
+        """Back to the per-object path, its lane position given up."""
         pos = seq.lane_pos
         if self.num_batches_holding(pos):  # its token in flight would be dropped (Scheduler.can_schedule_ahead, rule 2)
             raise RuntimeError(f"{seq.seq_id} left the decode lane while a batch out computes its token")
-        self.sync(pos)
         self._remove(pos)
 
     def drop(self, seq: "Sequence") -> None:
-        """``seq`` ended outside the lane's own step (an abort); synced so its blocks can be freed.
-        A batch out that holds it computes a token that its result then drops."""
-        self.sync(seq.lane_pos)
+        """``seq`` ended outside the lane's own step (an abort). A batch out that holds it computes
+        a token that its result then drops."""
         self._remove(seq.lane_pos)
 
     def _remove(self, pos: int) -> None:
+        """The sequence at ``pos`` leaves: its tokens and progress handed back to it (one store
+        at a time), the last position moved into the gap."""
         self._own_lists()
         last = self.n - 1
         seq = self.seqs[pos]
+        self.flush(pos)
+        computed = int(self.computed[pos])
+        seq.__class__ = Sequence
+        seq.lane, seq.lane_pos = None, -1
+        seq.num_kv_tokens = seq.num_tokens_sent = computed
+        seq.num_blocks_sent = len(seq.block_ids)
         for i, held in enumerate(self.in_flight):
             if isinstance(held, int):
                 if pos >= held:  # this batch holds neither pos nor last (> pos)
@@ -233,7 +231,6 @@ class DecodeLane:
         self.ids.pop()
         self.request_ids.pop()
         self.n = last
-        seq.lane_pos = -1
         for token in seq.stop_token_ids:
             count = self._stop_counts[token] - 1
             if count:
@@ -303,18 +300,20 @@ class DecodeLane:
         else:
             kept = held >= 0
             where, values = held[kept], values[kept]
-        # Every position is synced once per RING updates, a different 1/RING of them each time
-        # (sequences that entered together would otherwise all sync in the same step); a
-        # sequence moved to a position synced before its turn is caught by the first test,
+        # Every position is flushed once per RING updates, a different 1/RING of them each time
+        # (sequences that entered together would otherwise all flush in the same step); a
+        # sequence moved to a position flushed before its turn is caught by the first test,
         # when the slot written next would be its oldest unflushed token.
         clock = self.clock
         due = clock - self.since[where] >= RING
         if isinstance(where, slice):
             due[(-clock) % RING::RING] = True
-            self.sync_many(due.nonzero()[0].tolist())
+            positions = due.nonzero()[0].tolist()
         else:
             due |= where % RING == (-clock) % RING
-            self.sync_many(where[due].tolist())
+            positions = where[due].tolist()
+        for pos in positions:
+            self.flush(pos)
         self.ring[where, clock % RING] = values
         self.last[where] = values
         self.clock += 1
@@ -324,9 +323,9 @@ class DecodeLane:
         """Name, in the prefix cache, the block each sequence at ``positions`` just filled.
 
         When the ring holds all of the block's tokens and every earlier block is named, the
-        key comes from the ring and the key columns, without a sync: a sync writes into the
-        token array and block list, scattered objects that thousands of sequences no longer
-        keep in cache. Otherwise the sequence is synced and named the per-object way.
+        key comes from the ring and the key columns, without touching the sequence's token array,
+        one of the scattered objects that thousands of sequences no longer keep in cache.
+        Otherwise it is named the per-object way (reading it flushes its ring).
         ``ahead``: steps out beyond the one whose result this is (already in ``computed``).
         """
         if not positions:
@@ -337,7 +336,6 @@ class DecodeLane:
         fast = ((self.num_keyed[where] == (self.computed[where] - ahead) // bs - 1)
                 & (self.entered[where] <= first_update) & (bs < RING))
         for pos in where[~fast].tolist():
-            self.sync(pos)
             seq = self.seqs[pos]
             prefix_cache.register_computed(pool, seq, bs)
             self.note_keys(pos, seq)

@@ -128,7 +128,10 @@ def _fields(params: SamplingParams) -> dict:
 
 
 class Sequence:
-    """One stream of tokens the workers compute: its tokens, blocks and progress."""
+    """One stream of tokens the workers compute: its tokens, blocks and progress.
+
+    While it is a steady decode its progress and newest tokens have one store, the decode lane's
+    columns, and it is a ``LaneSequence`` (decode_lane.py), whose fields read through to them."""
 
     __slots__ = (
         "seq_id",
@@ -158,6 +161,7 @@ class Sequence:
         "max_len",
         "want_logprobs",
         "num_cached_tokens",
+        "lane",
         "lane_pos",
         "grammar",
         "spec",
@@ -196,7 +200,8 @@ class Sequence:
         self.max_len = request.max_len
         self.want_logprobs = request.want_logprobs
         self.num_cached_tokens = 0  # the request's prefix hits at its first admission
-        self.lane_pos = -1  # position in the decode lane, which then owns num_kv_tokens and new tokens
+        self.lane = None  # the decode lane that holds it (a LaneSequence then), and its position there
+        self.lane_pos = -1
         # Its own matcher (grammar.py) when constrained and sampling; a parent only computes the prompt.
         self.grammar = request.grammar.new_matcher() if request.grammar is not None and not is_parent else None
         self.spec = SpecState() if request.spec_k and not is_parent else None  # speculation.py

@@ -74,14 +74,12 @@ class RunningSequences:
         return max(self, key=key)
 
     def __iter__(self):
-        """Every running sequence, in no order, the steady ones not synced (for what the request
-        holds, such as its priority)."""
+        """Every running sequence, in no order."""
         return iter([*self.per_object(), *self._lane.seqs])
 
-    def all_synced(self) -> list[Sequence]:
-        """Every running sequence, oldest first, with its state synced (tests, debugging)."""
-        self._lane.sync_all()
-        return sorted(self.per_object() + [s for s in self._lane.seqs if s.status == RUNNING], key=by_order)
+    def in_order(self) -> list[Sequence]:
+        """Every running sequence, oldest first (tests, debugging)."""
+        return sorted(self, key=by_order)
 
     # ------------------------------------------------------------------ membership
 
@@ -96,7 +94,7 @@ class RunningSequences:
             insort(queue, seq, key=by_order)
 
     def discard(self, seq: Sequence) -> None:
-        """``seq`` ended (finished or aborted) between steps; synced, so its blocks can be freed."""
+        """``seq`` ended (finished or aborted) between steps."""
         if seq.lane_pos >= 0:
             self._lane.drop(seq)
             return
@@ -138,7 +136,7 @@ class RunningSequences:
             self._num_gone = 0
         lane = self._lane
         needy = lane.needing_blocks()
-        if release is not None:  # only at a block's start: 1/block_size of the steps, no sync needed
+        if release is not None:  # only at a block's start: 1/block_size of the steps, read from the columns
             seqs, computed = lane.seqs, lane.computed
             num_free_blocks += sum(release(seqs[pos], int(computed[pos])) for pos in needy)
         if len(needy) <= num_free_blocks:
@@ -197,7 +195,6 @@ class RunningSequences:
             ids = lane.request_ids
             return StepOutputs(deltas, [ids[pos] for pos in where.tolist()], lane.index[where].tolist(), tokens), [], m
         gone_positions = gone if in_order else where[gone].tolist()
-        lane.sync_many(gone_positions)  # blocks to free
         keep = np.ones(m, bool)
         ended_positions, ended = [], []
         seqs = lane.seqs
@@ -223,17 +220,17 @@ class RunningSequences:
     # ------------------------------------------------------------------ debugging
 
     def check(self, fail) -> tuple[list[Sequence], list[Sequence]]:
-        """Whether the two representations agree (synced first); the live per-object and steady ones."""
+        """Whether the per-object list and the lane agree; the live per-object and steady ones."""
         queue = self._queue
         per_object = [s for s in queue if s.status == RUNNING and s.lane_pos < 0]
         if len(per_object) != len(queue) - self._num_gone:
             fail(f"{self._num_gone} running entries counted gone but {len(queue) - len(per_object)} are")
         lane = self._lane
-        lane.sync_all()
         if not len(lane.seqs) == len(lane.ids) == len(lane.request_ids) == lane.n:
             fail(f"lane holds {lane.n} sequences but lists of {len(lane.seqs)}/{len(lane.ids)}/{len(lane.request_ids)}")
         for pos, seq in enumerate(lane.seqs):
-            if seq.lane_pos != pos or lane.ids[pos] != seq.seq_id or lane.request_ids[pos] != seq.request_id:
+            if (seq.lane is not lane or seq.lane_pos != pos or lane.ids[pos] != seq.seq_id
+                    or lane.request_ids[pos] != seq.request_id):
                 fail(f"lane position {pos} holds {seq.seq_id} whose lane_pos is {seq.lane_pos}")
             if seq.status != RUNNING:
                 fail(f"{seq.seq_id} ended but is still in the lane")

@@ -48,7 +48,11 @@ from pagedserve.scheduler_proc.request import FINISHED, RUNNING, SWAPPED, WAITIN
 from pagedserve.scheduler_proc.running import RunningSequences, by_order
 from pagedserve.scheduler_proc.speculation import spec_k_for, speculator_for
 from pagedserve.scheduler_proc.stats import SchedulerCounters, snapshot
-from pagedserve.scheduler_proc.step import SchedulerStateError, StepOutputs, StepPlan
+from pagedserve.scheduler_proc.step import StepOutputs, StepPlan
+
+
+class SchedulerStateError(RuntimeError):
+    """The engine loop called the scheduler out of order (e.g. two schedules without an update)."""
 
 
 class Scheduler:
@@ -295,8 +299,8 @@ class Scheduler:
         invariants.check(self, out)  # every step only with debug_invariants; ``out``: the step built
 
     def running_sequences(self) -> list[Sequence]:
-        """Every running sequence, oldest first, with its state synced (for tests and debugging)."""
-        return self.running.all_synced()
+        """Every running sequence, oldest first (for tests and debugging)."""
+        return self.running.in_order()
 
     def stats(self) -> dict:
         return snapshot(self)

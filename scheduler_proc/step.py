@@ -12,10 +12,6 @@ from pagedserve.scheduler_proc.request import Sequence
 _NO_BLOCKS: list[int] = []  # shared by every CachedRequestData without new blocks (and no drafts); never mutated
 
 
-class SchedulerStateError(RuntimeError):
-    """The engine loop called the scheduler out of order (e.g. two schedules without an update)."""
-
-
 class StepPlan:
     """The batch one ``schedule()`` builds, as a record: what each sequence computes, the wire
     entries for it, and the cache moves. Planning changes no sequence: the scheduler applies the

@@ -42,7 +42,7 @@ def test_steady_decodes_travel_as_one_decode_batch_and_their_tokens_as_lists():
 
 def test_every_token_arrives_once_and_in_order_through_preemption_swap_forks_and_ring_flushes():
     # Counting tokens: output i of a p-token prompt is 1000 + p + i. A token lost or repeated
-    # by the lane (a ring flush, a sync before preemption, a recompute from lane state) shows.
+    # by the lane (a ring flush, a hand-back before preemption, a recompute from lane state) shows.
     sched, worker = make(block_size=4, num_gpu_blocks=60, num_cpu_blocks=12, max_num_seqs=8,
                          max_num_batched_tokens=32)
     rng = random.Random(5)
@@ -60,6 +60,22 @@ def test_every_token_arrives_once_and_in_order_through_preemption_swap_forks_and
         p = len(prompts[request_id])
         assert tokens == [1000 + p + i for i in range(RING + 40)], request_id
     assert_all_blocks_free(sched)
+
+
+def test_a_steady_decode_read_between_steps_shows_every_token_and_its_progress_without_a_sync():
+    # Its newest tokens sit in the lane's ring, not yet flushed, and its progress in the columns:
+    # the Sequence reads through to them, so any reader (stats, policies, tests) sees the truth.
+    sched, worker = make(block_size=4, num_gpu_blocks=64)
+    sched.add_request(request("r", [7, 8, 9], max_tokens=RING + 8, ignore_eos=True))
+    for _ in range(6):
+        out = sched.schedule()
+        sched.update_from_output(out, worker.step(out))
+    [seq] = sched.running_sequences()
+    assert list(seq.token_ids) == [7, 8, 9] + [1003 + i for i in range(6)]
+    assert seq.num_kv_tokens == len(seq.token_ids) - 1 == seq.num_tokens_sent
+    assert seq.num_blocks_sent == len(seq.block_ids)
+    out = sched.schedule()
+    assert out.decodes.req_ids == ["r"] and out.decodes.num_computed_tokens == [8]
 
 
 def test_an_abort_while_a_step_is_out_drops_only_that_sequence():
