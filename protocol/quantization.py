@@ -284,8 +284,8 @@ def check_shapes(spec: QuantizationSpec, in_features: dict[str, int], tp_size: i
         if spec.group_size and k % spec.group_size:
             raise _fail(f"{name} has {k} inputs, not a multiple of group_size {spec.group_size}")
         if name in ("o_proj", "down_proj") and tp_size > 1 and (k % tp_size or (k // tp_size) % unit):
-            raise _fail(f"{name}'s {k} inputs split {tp_size} ways cut a "
-                        f"{'group' if spec.group_size else 'packed word' if spec.bits == 8 else 'block'} ({unit} values); pick another "
+            cut = "group" if spec.group_size else "packed word" if spec.bits == 8 else "block"
+            raise _fail(f"{name}'s {k} inputs split {tp_size} ways cut a {cut} ({unit} values); pick another "
                         f"--tensor-parallel-size")
 
 

@@ -226,7 +226,7 @@ def _config(**weights):
 
 BAD_CONFIGS = {
     "not_an_object": ({"quantization_config": "w4a16"}, "must be an object"),
-    "another_method": ({"quantization_config": {"quant_method": "awq"}}, "quant_method 'awq'"),
+    "another_method": ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method 'bitsandbytes'"),
     "no_groups": ({"quantization_config": {"quant_method": "compressed-tensors"}}, "config_groups"),
     "three_bits": (_config(num_bits=3), "3-bit"),
     "float_weights": (_config(type="float", num_bits=8), "type 'float'"),
@@ -250,6 +250,8 @@ def test_quantization_option_must_match_the_checkpoint():
     with pytest.raises(QuantizationConfigError, match="not quantized"):
         parse_quantization_config({}, "compressed-tensors")
     with pytest.raises(QuantizationConfigError, match="not supported"):
+        parse_quantization_config(_config(), "fp8")
+    with pytest.raises(QuantizationConfigError, match="does not match the checkpoint's quant_method 'compressed"):
         parse_quantization_config(_config(), "awq")
 
 
