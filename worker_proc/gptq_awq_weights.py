@@ -88,6 +88,12 @@ class _PackedReader:
         if got != shape:
             raise UnsupportedModelError(f"{name} has shape {list(got)}, not {list(shape)}")
 
+    def _words(self, prefix: str) -> None:
+        """qweight and qzeros hold int32 words (the shifts below read nothing else)."""
+        for name in (prefix + ".qweight", prefix + ".qzeros"):
+            if self.source.dtype_name(name) != "I32":
+                raise UnsupportedModelError(f"{name} is {self.source.dtype_name(name)}, not int32 words")
+
     def _group_rows(self, prefix: str, dim: int, part: Part, groups: int) -> Part:
         """The scales' / zeros' rows a slice of the inputs reads (None: all)."""
         if dim != 1 or part is None:
@@ -142,6 +148,7 @@ class GPTQReader(_PackedReader):
     def read(self, prefix: str, dim: int, part: Part) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         bits, src = self.spec.bits, self.source
         per_word = 32 // bits
+        self._words(prefix)
         n, k = self._shape(prefix)
         groups = self._groups(prefix, k)
         part = _sliced(part, n if dim == 0 else k)
@@ -171,6 +178,7 @@ class GPTQReader(_PackedReader):
 class AWQReader(_PackedReader):
     def read(self, prefix: str, dim: int, part: Part) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         src = self.source
+        self._words(prefix)
         k, words = src.shape(prefix + ".qweight")
         n = src.shape(prefix + ".scales")[-1]
         if words * 8 != n:

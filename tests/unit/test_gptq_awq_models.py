@@ -253,7 +253,7 @@ def test_shapes_that_cut_groups_or_words_and_activation_order_across_ranks_are_r
         check_shapes(desc_act, projection_inputs(llama_1b), 2)
 
 
-def test_serve_refuses_activation_order_across_ranks_before_starting(tmp_path):
+def test_serve_refuses_activation_order_across_ranks_and_the_transformers_backend_before_starting(tmp_path):
     from pagedserve.deploy.serve_config import ConfigError, ServeConfig
 
     model_dir = build_gptq_awq_model_dir(tmp_path / "m", arch="llama", hidden_size=256, intermediate_size=512,
@@ -266,6 +266,8 @@ def test_serve_refuses_activation_order_across_ranks_before_starting(tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="does not match"):
         ServeConfig(model=str(model_dir), device="cpu", quantization="awq")
+    with pytest.raises(ConfigError, match="--model-impl transformers runs the model through the transformers"):
+        ServeConfig(model=str(model_dir), device="cpu", model_impl="transformers")
 
 
 def _rewrite(model_dir, change):
@@ -296,11 +298,17 @@ def _zeros_short_of_outputs(tensors):
     tensors[name] = tensors[name][:, :-1].contiguous()
 
 
+def _qweight_as_int64(tensors):
+    name = "model.layers.0.mlp.gate_proj.qweight"
+    tensors[name] = tensors[name].long()
+
+
 CORRUPT = {  # a change to a good checkpoint's tensors -> the worker's one line
     "scales_of_the_wrong_shape": (_one_scale_row, "down_proj.scales has shape [1, 128], not [8, 128]"),
     "g_idx_with_a_lopsided_group": (_lopsided_group, "o_proj.g_idx does not give each group 32 inputs"),
     "q_and_k_ordered_differently": (_k_ordered_apart, "q_proj, k_proj, v_proj order their inputs differently"),
     "qzeros_short_of_outputs": (_zeros_short_of_outputs, "q_proj.qzeros has shape [4, 15], not [4, 16]"),
+    "qweight_in_int64": (_qweight_as_int64, "gate_proj.qweight is I64, not int32 words"),
 }
 
 
