@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pagedserve.tools.demo_model import build_model_dir
+from pagedserve.tools.quantized_model import save_model_dir
 
 PROJECTIONS = {  # the checkpoint name of each projection -> the inputs it reads (one desc_act order each)
     "self_attn.q_proj": "attention", "self_attn.k_proj": "attention", "self_attn.v_proj": "attention",
@@ -120,10 +121,9 @@ def quantize_model_dir(source: str | Path, path: str | Path, method: str, bits: 
     """``source`` (a float model directory) as a ``method`` ("gptq" or "awq") checkpoint in ``path``; the
     embeddings, norms, biases and lm_head stay float. ``group_size`` None: one group a row (-1)."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     source, path = Path(source), Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     tensors = load_file(str(source / "model.safetensors"))
     generator = torch.Generator().manual_seed(seed)
     out, orders = {}, {}
@@ -148,15 +148,10 @@ def quantize_model_dir(source: str | Path, path: str | Path, method: str, bits: 
         else:
             packed = pack_awq(unsigned, scale, zero)
         out.update({f"{stem}.{part}": t for part, t in packed.items()})
-    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = (gptq_config(bits, group_size or -1, sym, desc_act, checkpoint_format)
                                      if method == "gptq" else awq_config(group_size or -1))
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    for file in source.iterdir():  # tokenizer, generation config, demo marker
-        if not (path / file.name).exists():
-            shutil.copy(file, path / file.name)
-    return path
+    return save_model_dir(path, out, config, source)
 
 
 def build_gptq_awq_model_dir(path: str | Path, method: str = "gptq", arch: str = "qwen2", *, bits: int = 4,

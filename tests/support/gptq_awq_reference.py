@@ -9,10 +9,11 @@ float32 (the libraries multiply in the scales' fp16; the engine, like this oracl
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
+
+from pagedserve.tools.quantized_model import save_model_dir
 
 
 def gptq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
@@ -86,10 +87,9 @@ def dequantize(tensors: dict[str, torch.Tensor], prefix: str, quantization_confi
 def dequantized_model_dir(quantized: str | Path, path: str | Path) -> Path:
     """The float32 model these references make of a GPTQ / AWQ directory (``weight`` for each ``qweight``,
     no quantization_config), in ``path``; returns it."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     quantized, path = Path(quantized), Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = json.loads((quantized / "config.json").read_text())
     qc = config.pop("quantization_config")
     tensors = load_file(str(quantized / "model.safetensors"))
@@ -97,9 +97,4 @@ def dequantized_model_dir(quantized: str | Path, path: str | Path) -> Path:
     out = {name: t for name, t in tensors.items() if name.rsplit(".", 1)[0] not in prefixes}
     out.update({prefix + ".weight": dequantize(tensors, prefix, qc) for prefix in sorted(prefixes)})
     out.update({name: t for name, t in tensors.items() if name.endswith(".bias")})
-    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    for file in quantized.iterdir():
-        if not (path / file.name).exists():
-            shutil.copy(file, path / file.name)
-    return path
+    return save_model_dir(path, out, config, quantized)
