@@ -12,7 +12,9 @@ Three methods are read (vLLM's ``--quantization`` names), all onto the same inte
 - ``awq`` (AutoAWQ's ``version: gemm`` packing, as the hub ships it): 4-bit weights in groups with zero
   points; ``gemv``, ``gemv_fast``, ``marlin``, ``exllama``, llm-awq's own backend and AWQ without zero
   points are refused.
-- ``compressed-tensors`` (llm-compressor's format). Its weight schemes here: integer weights of 4 or 8 bits, per output channel or
+- ``compressed-tensors`` (llm-compressor's format), below.
+
+compressed-tensors' weight schemes here: integer weights of 4 or 8 bits, per output channel or
 in groups along the input, symmetric or (4-bit, 8-bit weight-only) asymmetric, stored
 ``pack-quantized`` (int32 words) or ``int-quantized`` / ``naive-quantized`` (int8); activations
 unquantized (weight-only, W4A16 / W8A16) or int8 per token, dynamic and symmetric, on int8

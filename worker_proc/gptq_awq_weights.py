@@ -94,14 +94,12 @@ class _PackedReader:
             if self.source.dtype_name(name) != "I32":
                 raise UnsupportedModelError(f"{name} is {self.source.dtype_name(name)}, not int32 words")
 
-    def _group_rows(self, prefix: str, dim: int, part: Part, groups: int) -> Part:
-        """The scales' / zeros' rows a slice of the inputs reads (None: all)."""
-        if dim != 1 or part is None:
-            return None
+    def _group_rows(self, prefix: str, dim: int, part: Part) -> Part:
+        """The scales' / zeros' rows a slice of the inputs reads (None: all; per channel, the one row serves all)."""
         group = self.spec.group_size
+        if dim != 1 or part is None or group is None:
+            return None
         start, end = part
-        if group is None:
-            raise UnsupportedModelError(f"{prefix}: one group a row (group_size -1) cannot be split across ranks")
         if start % group or end % group:
             raise UnsupportedModelError(f"{prefix}: this rank's inputs [{start}, {end}) cut a group of {group}")
         return start // group, end // group
@@ -154,7 +152,7 @@ class GPTQReader(_PackedReader):
         part = _sliced(part, n if dim == 0 else k)
         self._shaped(prefix + ".scales", (groups, n))
         self._shaped(prefix + ".qzeros", (groups, -(-n // per_word)))
-        rows = self._group_rows(prefix, dim, part, groups)
+        rows = self._group_rows(prefix, dim, part)
         if dim == 1 and part is not None:
             start, end = part
             if start % per_word or end % per_word:
@@ -187,7 +185,7 @@ class AWQReader(_PackedReader):
         part = _sliced(part, n if dim == 0 else k)
         self._shaped(prefix + ".scales", (groups, n))
         self._shaped(prefix + ".qzeros", (groups, words))
-        rows = self._group_rows(prefix, dim, part, groups)
+        rows = self._group_rows(prefix, dim, part)
         scales = src.get(prefix + ".scales", dim=0, part=rows)
         zero_words = src.get(prefix + ".qzeros", dim=0, part=rows)
         if dim == 0 and part is not None:  # the words holding this rank's outputs, unpacked, then trimmed

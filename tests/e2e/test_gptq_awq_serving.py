@@ -22,6 +22,7 @@ CHECKPOINTS = {  # build_gptq_awq_model_dir's arguments, tensor-parallel size
     "gptq_w4_g128": (dict(method="gptq"), 2),
     "gptq_v2_w8_g64_asym": (dict(method="gptq", bits=8, group_size=64, sym=False, checkpoint_format="gptq_v2"), 2),
     "awq_w4_g64": (dict(method="awq", group_size=64), 2),
+    "gptq_w4_per_channel_asym": (dict(method="gptq", group_size=None, sym=False), 2),
 }
 
 

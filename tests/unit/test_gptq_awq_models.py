@@ -97,6 +97,7 @@ def test_the_engine_reads_each_slice_as_the_libraries_dequantize_it(tmp_path):
         "gptq": (dict(method="gptq", bits=4, group_size=64, sym=False), inputs_in_groups_of_64),
         "gptq8": (dict(method="gptq", bits=8, group_size=128, checkpoint_format="gptq_v2"),
                   (("mlp.down_proj", 1, (128, 256)),)),
+        "gptq_per_channel": (dict(method="gptq", bits=4, group_size=None, sym=False), inputs_in_groups_of_64),
         "awq": (dict(method="awq", group_size=64), (("mlp.up_proj", 0, (3, 21)), *inputs_in_groups_of_64)),
     }
     for case, (kwargs, slices) in cases.items():
