@@ -129,11 +129,13 @@ def test_activation_order_puts_the_weights_inputs_in_group_order_and_the_layer_g
     theirs = gptq_dequantize(*(source.get(f"{prefix}.{t}") for t in ("qweight", "qzeros", "scales", "g_idx")),
                              4, "gptq")
     for make in (make_int4, make_int8):
-        layer = make(q, scale, zero, 32, torch.float32, order)
-        for rows in (1, 3, 9, 200):  # the kernels' rows, and a prefill's dequantized product
-            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
-            want = x @ theirs.t()
-            assert (layer.forward(x) - want).abs().max() <= 1e-4 * want.abs().max()
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):  # bfloat16: inputs and output rounded
+            layer = make(q, scale, zero, 32, dtype, order)
+            for rows in (1, 3, 9, 200):  # the kernels' rows, and a prefill's dequantized product
+                x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+                want = x.float() @ theirs.t()
+                got = layer.forward(x)
+                assert got.dtype == dtype and (got.float() - want).abs().max() <= tol * want.abs().max()
 
 
 INT4_KIND = "int4_blocks" if ql.int8_blocks_kernel() else "int4"
