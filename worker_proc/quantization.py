@@ -172,7 +172,12 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
     pieces = [reader.read(p, dim, pt) for p, pt in zip(prefixes, parts)]
 
     def fused(i: int) -> Optional[torch.Tensor]:
-        return pieces[0][i] if len(pieces) == 1 or pieces[0][i] is None else torch.cat([p[i] for p in pieces])
+        tensors = [p[i] for p in pieces]
+        if all(t is None for t in tensors):
+            return None
+        if i == 2:  # a part without zero points (GPTQ's at the midpoint) beside one with: its zero points are 0
+            tensors = [torch.zeros(p[1].shape) if t is None else t.float() for p, t in zip(pieces, tensors)]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
     q, scale, zero = fused(0), fused(1), fused(2)
     order = _input_order(reader, prefixes, dim, parts)

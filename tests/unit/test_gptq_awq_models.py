@@ -324,6 +324,24 @@ def test_the_worker_refuses_a_corrupt_tensor_in_one_line_naming_it(tmp_path, cas
     assert "\n" not in str(err.value)
 
 
+def test_a_fused_projection_whose_parts_differ_in_zero_points_keeps_each_parts(tmp_path):
+    """A part whose zero points are all the midpoint is read as symmetric (no zero points); fused with a part
+    that has others, its rows keep zero point 0 and the others theirs."""
+    model_dir = build_gptq_awq_model_dir(tmp_path / "m", arch="llama", sym=False, seed=5)
+
+    def q_proj_at_the_midpoint(tensors):
+        name = "model.layers.0.self_attn.q_proj.qzeros"
+        tensors[name] = torch.full_like(tensors[name], 0x77777777)  # v1: 8 stored as 7, every nibble
+    _rewrite(model_dir, q_proj_at_the_midpoint)
+    oracle = dequantized_model_dir(model_dir, tmp_path / "oracle")
+    runner = ModelRunner(str(model_dir))
+    assert runner.model.layers[0].qkv.quantized.nibble_zeros is not None
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=512, seed=5)
+    outputs = staggered_greedy(runner, prompts, NEW_TOKENS)
+    for i, prompt in enumerate(prompts):
+        assert outputs[i] == hf_greedy(str(oracle), prompt, NEW_TOKENS), i
+
+
 def test_a_layer_left_in_float_keeps_the_float_path(tmp_path):
     """AWQ's modules_to_not_convert (GPTQ's modules_in_block_to_quantize) leave projections in float."""
     from safetensors.torch import load_file
