@@ -206,6 +206,12 @@ class _ServeConfigRules:
                              self.tensor_parallel_size)
             except QuantizationConfigError as exc:
                 raise ConfigError(f"GGUF {', '.join(gguf_types)}: {exc}") from None
+        arch = next((a for a in model_cfg.get("architectures") or () if a in ARCHITECTURES), None)
+        if spec is not None and (self.model_impl == "transformers" or arch is None):
+            # the worker refuses it too (model_runner.py): transformers would decompress every weight
+            raise ConfigError(f"quantized checkpoints ({spec.name}) run on the native model families only, and "
+                              f"{'--model-impl transformers' if arch else 'this architecture'} runs the model "
+                              f"through the transformers backend")
         spec = spec or (gguf_quantization_spec(gguf_types[0]) if gguf_types else None)
         if spec is not None and self.device != "cpu":
             raise ConfigError(f"quantized checkpoints ({spec.name}) run on CPU only: --device cpu")

@@ -1,8 +1,20 @@
 """A checkpoint's quantization, read once from config.json's ``quantization_config``: what the
 serve command refuses at start (before any process runs) and what the worker loads by.
 
-compressed-tensors (llm-compressor's format, vLLM's ``--quantization compressed-tensors``) is the
-one method read. Its weight schemes here: integer weights of 4 or 8 bits, per output channel or
+Three methods are read (vLLM's ``--quantization`` names), all onto the same integer layers:
+
+- ``gptq`` (AutoGPTQ / GPTQModel): 4- or 8-bit weights in groups (or one per output channel,
+  ``group_size: -1``), symmetric or not, ``desc_act`` (activation order, a ``g_idx`` per input) or not,
+  in ``checkpoint_format`` ``gptq`` (v1: zero points stored less one) or ``gptq_v2``; the other
+  checkpoint formats (marlin, bitblas, ...), a quantized lm_head, per-module overrides (``dynamic``) and
+  packing words other than int32 are refused. Activation order under tensor parallelism is refused: a
+  rank's slice of o_proj's / down_proj's inputs would hold parts of many groups.
+- ``awq`` (AutoAWQ's ``version: gemm`` packing, as the hub ships it): 4-bit weights in groups with zero
+  points; ``gemv``, ``gemv_fast``, ``marlin``, ``exllama``, llm-awq's own backend and AWQ without zero
+  points are refused.
+- ``compressed-tensors`` (llm-compressor's format), below.
+
+compressed-tensors' weight schemes here: integer weights of 4 or 8 bits, per output channel or
 in groups along the input, symmetric or (4-bit, 8-bit weight-only) asymmetric, stored
 ``pack-quantized`` (int32 words) or ``int-quantized`` / ``naive-quantized`` (int8); activations
 unquantized (weight-only, W4A16 / W8A16) or int8 per token, dynamic and symmetric, on int8
@@ -18,12 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-METHODS = ("compressed-tensors",)  # --quantization's choices
+METHODS = ("compressed-tensors", "gptq", "awq")  # --quantization's choices
 # Formats a family's own loader dequantizes at load (the model then computes in its dtype): gpt-oss's
 # experts in MXFP4 (worker_proc/models/gpt_oss.py), as the hub ships them.
 DEQUANTIZED_AT_LOAD = {"mxfp4": ("GptOssForCausalLM",)}
 PACKED, INT8_FORMATS = "pack-quantized", ("int-quantized", "naive-quantized")
 GROUP_SIZES_INT4 = (32, 64, 128, 256)  # torch's int4 weight op takes these
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point less one (AutoGPTQ's historical offset); v2 as is
+AWQ_GEMM = "gemm"
 
 
 class QuantizationConfigError(ValueError):
@@ -34,17 +48,25 @@ class QuantizationConfigError(ValueError):
 class QuantizationSpec:
     """One scheme for every quantized linear layer of the model (those ``ignore`` names stay float)."""
     method: str
-    format: str  # pack-quantized | int-quantized | naive-quantized
+    format: str  # pack-quantized | int-quantized | naive-quantized; gptq | gptq_v2; gemm (awq)
     bits: int  # weight bits: 4 or 8
     group_size: Optional[int]  # None: one scale per output channel
     symmetric: bool
     dynamic_int8_activations: bool  # W8A8: int8 x int8 -> int32, activations scaled per token
+    act_order: bool = False  # GPTQ's desc_act: groups follow a g_idx per input, not the inputs' order
 
     @property
     def name(self) -> str:
         act = "A8" if self.dynamic_int8_activations else "A16"
         group = f"g{self.group_size}" if self.group_size else "per-channel"
-        return f"{self.method} W{self.bits}{act} {group}{'' if self.symmetric else ' asymmetric'} ({self.format})"
+        order = " desc_act" if self.act_order else ""
+        return (f"{self.method} W{self.bits}{act} {group}{'' if self.symmetric else ' asymmetric'}{order} "
+                f"({self.format})")
+
+    @property
+    def inputs_packed(self) -> bool:
+        """Whether the inputs of a row are packed into int32 words (a rank's slice of them must hold whole words)."""
+        return self.format == PACKED or self.method == "gptq"
 
 
 def _fail(message: str) -> QuantizationConfigError:
@@ -113,6 +135,15 @@ def parse_quantization_config(model_config: dict, requested: Optional[str] = Non
     if requested is not None and requested != method:
         raise QuantizationConfigError(f"--quantization {requested} does not match the checkpoint's "
                                       f"quant_method {method!r}")
+    if method == "gptq":
+        return _gptq_spec(qc)
+    if method == "awq":
+        return _awq_spec(qc)
+    return _compressed_tensors_spec(qc)
+
+
+def _compressed_tensors_spec(qc: dict) -> QuantizationSpec:
+    method = qc["quant_method"]
     for key, what in (("sparsity_config", "sparsity"), ("transform_config", "transforms"),
                       ("kv_cache_scheme", "a quantized KV cache")):
         if qc.get(key):
@@ -167,19 +198,96 @@ def parse_quantization_config(model_config: dict, requested: Optional[str] = Non
     return QuantizationSpec(method, fmt, bits, group if strategy == "group" else None, symmetric, dynamic)
 
 
+def _field(qc: dict, key: str, kind: type, default, *aliases: str):
+    """``qc[key]`` (or the first alias present, an older writer's name), of ``kind`` (bool is no int)."""
+    present = [k for k in (key, *aliases) if k in qc and qc[k] is not None]
+    if not present:
+        return default
+    value = qc[present[0]]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _fail(f"{present[0]} must be {'true or false' if kind is bool else kind.__name__}, got {value!r}")
+    return value
+
+
+def _group_size(qc: dict, bits: int, *aliases: str) -> Optional[int]:
+    """``group_size`` (None: -1, one group a row, a scale per output channel)."""
+    group = _field(qc, "group_size", int, None, *aliases)
+    if group is None:
+        raise _fail("no group_size")
+    if group == -1:
+        return None
+    if group < 1:
+        raise _fail(f"group_size must be positive or -1, got {group}")
+    if bits == 4 and group not in GROUP_SIZES_INT4:
+        raise _fail(f"int4 groups of {group} are not supported (torch's int4 op takes "
+                    f"{', '.join(map(str, GROUP_SIZES_INT4))}, or -1)")
+    return group
+
+
+def _gptq_spec(qc: dict) -> QuantizationSpec:
+    """AutoGPTQ's / GPTQModel's config: what changes how the tensors are read is checked; the rest
+    (damp_percent, true_sequential, ...) only said how the weights were found."""
+    bits = _field(qc, "bits", int, None)
+    if bits not in (4, 8):
+        raise _fail(f"{bits!r}-bit GPTQ weights are not supported (4 or 8)")
+    group = _group_size(qc, bits)
+    formats = {k: qc[k] for k in ("checkpoint_format", "format") if qc.get(k) is not None}
+    if len(set(map(str, formats.values()))) > 1:
+        raise _fail(f"checkpoint_format {formats['checkpoint_format']!r} and format {formats['format']!r} disagree")
+    fmt = next(iter(formats.values()), "gptq")
+    if _field(qc, "is_marlin_format", bool, False):
+        fmt = "marlin"
+    if fmt not in GPTQ_FORMATS:
+        raise _fail(f"GPTQ checkpoint_format {fmt!r} is not supported ({', '.join(GPTQ_FORMATS)}: the int32 packing)")
+    if _field(qc, "lm_head", bool, False):
+        raise _fail("lm_head: true (a quantized lm_head) is not supported")
+    if _field(qc, "pack_dtype", str, "int32") != "int32":
+        raise _fail(f"pack_dtype {qc['pack_dtype']!r} is not supported (int32)")
+    if qc.get("dynamic"):
+        raise _fail("dynamic: per-module GPTQ overrides are not supported")
+    desc_act, static_groups = _field(qc, "desc_act", bool, False), _field(qc, "static_groups", bool, False)
+    # static groups are fixed in the inputs' own order before the columns are visited by activation order
+    return QuantizationSpec("gptq", fmt, bits, group, _field(qc, "sym", bool, True), False,
+                            act_order=desc_act and not static_groups and group is not None)
+
+
+def _awq_spec(qc: dict) -> QuantizationSpec:
+    """AutoAWQ's config (transformers' AwqConfig names; AutoAWQ's w_bit / q_group_size too)."""
+    bits = _field(qc, "bits", int, None, "w_bit")
+    if bits != 4:
+        raise _fail(f"{bits!r}-bit AWQ weights are not supported (4)")
+    version = _field(qc, "version", str, AWQ_GEMM).lower()
+    if version != AWQ_GEMM:
+        raise _fail(f"AWQ version {version!r} is not supported ({AWQ_GEMM}: AutoAWQ's GEMM packing)")
+    backend = _field(qc, "backend", str, "autoawq").lower()
+    if backend != "autoawq":
+        raise _fail(f"AWQ backend {backend!r} is not supported (autoawq's packing)")
+    if not _field(qc, "zero_point", bool, True):
+        raise _fail("zero_point: false (AWQ without zero points) is not supported")
+    not_converted = qc.get("modules_to_not_convert")
+    if not_converted is not None and not (isinstance(not_converted, list) and all(isinstance(m, str)
+                                                                                  for m in not_converted)):
+        raise _fail(f"modules_to_not_convert must be a list of names, got {not_converted!r}")
+    return QuantizationSpec("awq", AWQ_GEMM, bits, _group_size(qc, bits, "q_group_size"), False, False)
+
+
 def check_shapes(spec: QuantizationSpec, in_features: dict[str, int], tp_size: int) -> None:
     """Each quantized projection's inputs (by name) divide into whole groups, and so does each
     rank's slice of a row-parallel one (o_proj, down_proj: their inputs are split ``tp_size``
     ways). Raises QuantizationConfigError naming the first that does not."""
-    unit = spec.group_size or (32 // spec.bits if spec.format == PACKED else 1)
+    if spec.act_order and tp_size > 1:
+        raise _fail("desc_act (activation order) with --tensor-parallel-size > 1 is not supported: a rank's "
+                    "slice of o_proj's and down_proj's inputs would hold parts of many groups")
+    # per channel, a rank's int4 inputs still divide into the kernels' groups of 32 (quantized_linear._pick_group)
+    unit = spec.group_size or (32 if spec.bits == 4 else 4 if spec.inputs_packed else 1)
     for name, k in in_features.items():
         if spec.bits == 4 and spec.group_size is None and k % 32:
             raise _fail(f"{name} has {k} inputs: per-channel int4 takes multiples of 32")
         if spec.group_size and k % spec.group_size:
             raise _fail(f"{name} has {k} inputs, not a multiple of group_size {spec.group_size}")
         if name in ("o_proj", "down_proj") and tp_size > 1 and (k % tp_size or (k // tp_size) % unit):
-            raise _fail(f"{name}'s {k} inputs split {tp_size} ways cut a "
-                        f"{'group' if spec.group_size else 'packed word'} ({unit} values); pick another "
+            cut = "group" if spec.group_size else "packed word" if spec.bits == 8 else "block"
+            raise _fail(f"{name}'s {k} inputs split {tp_size} ways cut a {cut} ({unit} values); pick another "
                         f"--tensor-parallel-size")
 
 

@@ -14,6 +14,7 @@ makes of a file, for transformers to load instead. Needs the ``compressed-tensor
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -106,15 +107,12 @@ def dequantized_model_dir(quantized: str | Path, path: str | Path) -> Path:
     """The float32 model compressed-tensors' decompressor makes of ``quantized`` (its
     ``weight_packed`` / int8 ``weight``, scales and zero points -> ``weight``), without a
     quantization_config, in ``path``; returns it."""
-    import json
-
     import torch
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     quantized, path = Path(quantized), Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = json.loads((quantized / "config.json").read_text())
     qc = QuantizationConfig.model_validate(config.pop("quantization_config"))
     scheme = next(iter(qc.config_groups.values()))
@@ -125,9 +123,18 @@ def dequantized_model_dir(quantized: str | Path, path: str | Path) -> Path:
     for prefix in sorted(prefixes):
         local = {name.rsplit(".", 1)[1]: t for name, t in tensors.items() if name.rsplit(".", 1)[0] == prefix}
         out[prefix + ".weight"] = compressor.decompress(local, scheme)["weight"].to(torch.float32).contiguous()
-    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return save_model_dir(path, out, config, quantized)
+
+
+def save_model_dir(path: Path, tensors: dict, config: dict, beside: Path) -> Path:
+    """``tensors`` and ``config`` as a model directory in ``path``, with ``beside``'s other files (tokenizer,
+    generation config, demo marker); returns it."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    for file in quantized.iterdir():
+    for file in beside.iterdir():
         if not (path / file.name).exists():
             shutil.copy(file, path / file.name)
     return path

@@ -1,4 +1,5 @@
-"""Loads a compressed-tensors checkpoint's projections as quantized layers (models/quantized_linear.py).
+"""Loads a quantized checkpoint's projections as quantized layers (models/quantized_linear.py): a
+compressed-tensors checkpoint's read here, GPTQ's and AWQ's by gptq_awq_weights.py, a GGUF's by gguf_weights.py.
 
 A layer is quantized when the checkpoint holds its ``weight_packed`` (pack-quantized: the signed
 integers + 2^(bits-1), packed little-endian from bit 0 of each int32 word, a zero point packed the
@@ -23,6 +24,7 @@ import torch
 
 from pagedserve.protocol.quantization import (PACKED, QuantizationConfigError, QuantizationSpec,
                                               parse_quantization_config)
+from pagedserve.worker_proc.gptq_awq_weights import packed_reader
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout
 from pagedserve.worker_proc.models.quantized_linear import make_int4, make_int8, make_w8a8
@@ -124,12 +126,26 @@ class _Reader:
 
 
 def _reader_of(source):
-    """What reads ``source``'s quantized projections: a GGUF's own (a type per tensor), or config.json's scheme's."""
+    """What reads ``source``'s quantized projections: a GGUF's own (a type per tensor), or config.json's
+    method's (GPTQ's and AWQ's in gptq_awq_weights.py, compressed-tensors' here)."""
     own = getattr(source, "quantized_reader", None)
     if own is not None:
         return own
     spec: Optional[QuantizationSpec] = getattr(source, "quantization", None)
-    return None if spec is None else _Reader(source, spec)
+    return None if spec is None else packed_reader(source, spec) or _Reader(source, spec)
+
+
+def _input_order(reader, prefixes: list[str], dim: int, parts: list[Part]) -> Optional[torch.Tensor]:
+    """The one order a fused projection's layer reads its inputs in (GPTQ's activation order), or None."""
+    if not hasattr(reader, "input_order"):
+        return None
+    orders = [reader.input_order(p, dim, pt) for p, pt in zip(prefixes, parts)]
+    first = orders[0]
+    if not all(o is first or (o is not None and first is not None and torch.equal(o, first)) for o in orders):
+        names = ", ".join(p.rsplit(".", 1)[-1] for p in prefixes)
+        raise UnsupportedModelError(f"{prefixes[0].rsplit('.', 1)[0]}: {names} order their inputs differently "
+                                    f"(g_idx), so they cannot be fused into one layer")
+    return orders[0]
 
 
 def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
@@ -156,13 +172,19 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
     pieces = [reader.read(p, dim, pt) for p, pt in zip(prefixes, parts)]
 
     def fused(i: int) -> Optional[torch.Tensor]:
-        return pieces[0][i] if len(pieces) == 1 or pieces[0][i] is None else torch.cat([p[i] for p in pieces])
+        tensors = [p[i] for p in pieces]
+        if all(t is None for t in tensors):
+            return None
+        if i == 2:  # a part without zero points (GPTQ's at the midpoint) beside one with: its zero points are 0
+            tensors = [torch.zeros(p[1].shape) if t is None else t.float() for p, t in zip(pieces, tensors)]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
     q, scale, zero = fused(0), fused(1), fused(2)
+    order = _input_order(reader, prefixes, dim, parts)
     if spec.dynamic_int8_activations:
         layer = make_w8a8(q, scale)
     elif spec.bits == 4:
-        layer = make_int4(q, scale, zero, spec.group_size, dtype)
+        layer = make_int4(q, scale, zero, spec.group_size, dtype, order)
     else:
-        layer = make_int8(q, scale, zero, spec.group_size, dtype)
+        layer = make_int8(q, scale, zero, spec.group_size, dtype, order)
     return LinearWeight(None, bias, out_features=layer.out_features, gate_size=gate_size, quantized=layer)

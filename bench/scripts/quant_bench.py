@@ -6,11 +6,13 @@ op per row count, side by side: bf16 (oneDNN's packed weight, the float path), W
 (per-token int8 activations, ``torch._int_mm``).
 
 The quantized models are the shape's random model quantized by compressed-tensors
-(tools/quantized_model.py), written once beside it (bench/shapes.py's cache).
+(tools/quantized_model.py), or written as GPTQ / AWQ checkpoints (tools/gptq_awq_model.py: GPTQ 4-bit g128,
+the same in activation order, AWQ GEMM g128), once beside it (bench/shapes.py's cache).
 
     python bench/scripts/quant_bench.py --shape 0.5b --dtype bfloat16
     python bench/scripts/quant_bench.py --ops-only --threads 1
     python bench/scripts/quant_bench.py --build-only   # quantize the shape's model (no timing)
+    python bench/scripts/quant_bench.py --models-only --schemes gptq_w4_g128 awq_w4_g128
 """
 
 from __future__ import annotations
@@ -34,23 +36,32 @@ from pagedserve.worker_proc.model_runner import ModelRunner  # noqa: E402
 from pagedserve.worker_proc.models import quantized_linear as ql  # noqa: E402
 from step_phases import timed_runs  # noqa: E402
 
-SCHEMES = ("w8a16", "w8a16_g128", "w4a16", "w8a8")
+GPTQ_AWQ = {  # tools/gptq_awq_model.quantize_model_dir's arguments
+    "gptq_w4_g128": dict(method="gptq"), "gptq_w4_g128_desc_act": dict(method="gptq", desc_act=True),
+    "awq_w4_g128": dict(method="awq"),
+}
+SCHEMES = ("w8a16", "w8a16_g128", "w4a16", "w8a8", *GPTQ_AWQ)
 
 
 def ensure_quantized(shape: str, scheme: str) -> Path:
-    from pagedserve.tools.quantized_model import quantize_model_dir
+    from pagedserve.tools import gptq_awq_model, quantized_model
 
     path = shape_cache_dir() / f"{shape}-{scheme}"
     if not (path / "config.json").exists():
         print(f"quantizing {shape} by {scheme} into {path} (once)", flush=True)
         partial = path.with_name(path.name + ".partial")
-        quantize_model_dir(ensure_shape_model(SHAPES[shape]), partial, scheme)
+        source = ensure_shape_model(SHAPES[shape])
+        if scheme in GPTQ_AWQ:
+            gptq_awq_model.quantize_model_dir(source, partial, **GPTQ_AWQ[scheme])
+        else:
+            quantized_model.quantize_model_dir(source, partial, scheme)
         partial.rename(path)
     return path
 
 
-def time_model(model_dir: Path, dtype: str, prefill_tokens: int, decode_steps: int, repeats: int) -> dict:
-    """Median ms of a decode step (one stream) and prefill tokens/s of one prompt in one step."""
+def time_model(model_dir: Path, dtype: str, prefill_tokens: int, decode_steps: int, repeats: int,
+               clock=time.perf_counter) -> dict:
+    """Median ms of a decode step (one stream) and prefill tokens/s of one prompt in one step, by ``clock``."""
     runner = ModelRunner(str(model_dir), dtype=dtype)
     block = 16
     cfg = SchedulerConfig(block_size=block, num_gpu_blocks=4096, max_num_seqs=8,
@@ -65,9 +76,9 @@ def time_model(model_dir: Path, dtype: str, prefill_tokens: int, decode_steps: i
         sched.add_request(AddRequest(request_id=f"r{r}", prompt_token_ids=prompt, sampling=sampling))
         while sched.has_unfinished():
             out = sched.schedule()
-            t0 = time.perf_counter()
+            t0 = clock()
             result = runner.execute(out)
-            ms = 1e3 * (time.perf_counter() - t0)
+            ms = 1e3 * (clock() - t0)
             sched.update_from_output(out, result)
             (prefill_ms if out.total_num_scheduled_tokens > 1 else decode_ms).append(ms)
     weights = sum(layer.nbytes for layer in _quantized_layers(runner))
@@ -137,7 +148,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES[:4]), choices=SCHEMES)
     p.add_argument("--prefill-tokens", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
@@ -145,6 +156,8 @@ def main() -> None:
     p.add_argument("--op-repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; on a shared "
                    "machine 1 keeps the timings from waiting on a descheduled thread)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="the models' steps timed by the wall "
+                   "clock or by this thread's CPU time (robust to other processes' load; with --threads 1)")
     p.add_argument("--ops-only", action="store_true")
     p.add_argument("--models-only", action="store_true")
     p.add_argument("--build-only", action="store_true")
@@ -160,11 +173,12 @@ def main() -> None:
     if ns.ops_only:
         return
     dirs = {"float": ensure_shape_model(SHAPES[ns.shape])} | {s: ensure_quantized(ns.shape, s) for s in ns.schemes}
-    print(f"{ns.shape}, {ns.dtype}, threads {torch.get_num_threads()}: decode at 1 stream (median ms/step, "
-          f"min-max), prefill of {ns.prefill_tokens} tokens in one step")
+    print(f"{ns.shape}, {ns.dtype}, threads {torch.get_num_threads()}, {ns.clock} clock: decode at 1 stream "
+          f"(median ms/step, min-max), prefill of {ns.prefill_tokens} tokens in one step")
     print(f"{'model':<12} {'decode ms':>10} {'(min-max)':>16} {'prefill tok/s':>14} {'layer weights MiB':>18}")
     for name, model_dir in dirs.items():
-        r = time_model(model_dir, ns.dtype, ns.prefill_tokens, ns.decode_steps, ns.repeats)
+        r = time_model(model_dir, ns.dtype, ns.prefill_tokens, ns.decode_steps, ns.repeats,
+                       time.thread_time if ns.clock == "cpu" else time.perf_counter)
         lo, hi = r["decode_spread"]
         mib = f"{r['qbytes'] / 2**20:.0f}" if r["qbytes"] else "-"
         print(f"{name:<12} {r['decode']:>10.2f} {f'({lo:.1f}-{hi:.1f})':>16} {r['prefill']:>14.0f} {mib:>18}",

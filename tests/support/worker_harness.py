@@ -188,6 +188,18 @@ class TrivialScheduler:
         return {r.req_id: r.outputs for r in self.requests}
 
 
+def staggered_greedy(runner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Four prompts' greedy tokens, two prefilled in chunks and two arriving at later steps, so prefill
+    chunks and decodes of different lengths share steps."""
+    scheduler = TrivialScheduler(runner, block_size=4)
+    scheduler.add("r0", prompts[0], new_tokens)
+    scheduler.add("r1", prompts[1], new_tokens, prefill_chunks=[7])
+    scheduler.add("r2", prompts[2], new_tokens, arrival_step=2, prefill_chunks=[10, 11])
+    scheduler.add("r3", prompts[3], new_tokens, arrival_step=5)
+    outputs = scheduler.run()
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
 def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]

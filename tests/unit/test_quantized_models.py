@@ -23,7 +23,7 @@ from pagedserve.worker_proc.model_runner import ModelRunner
 from pagedserve.worker_proc.models import quantized_linear as ql
 from pagedserve.worker_proc.models.quantized_linear import (make_int4, make_int8, make_w8a8, quantize_per_token,
                                                             reference)
-from support.worker_harness import TrivialScheduler, hf_greedy, random_prompts
+from support.worker_harness import TrivialScheduler, hf_greedy, random_prompts, staggered_greedy
 
 pytest.importorskip("compressed_tensors")
 from pagedserve.tools.quantized_model import build_quantized_model_dir, dequantized_model_dir  # noqa: E402
@@ -119,13 +119,7 @@ def test_w8a8_sums_int8_products_exactly_in_int32_then_scales_them():
 
 def _greedy(model_dir, prompts, **runner_kwargs):
     runner = ModelRunner(str(model_dir), **runner_kwargs)
-    scheduler = TrivialScheduler(runner, block_size=4)
-    scheduler.add("r0", prompts[0], NEW_TOKENS)
-    scheduler.add("r1", prompts[1], NEW_TOKENS, prefill_chunks=[7])
-    scheduler.add("r2", prompts[2], NEW_TOKENS, arrival_step=2, prefill_chunks=[10, 11])
-    scheduler.add("r3", prompts[3], NEW_TOKENS, arrival_step=5)
-    outputs = scheduler.run()
-    return runner, [outputs[f"r{i}"] for i in range(len(prompts))]
+    return runner, staggered_greedy(runner, prompts, NEW_TOKENS)
 
 
 INT4_KIND = "int4_blocks" if ql.int8_blocks_kernel() else "int4"  # kernels/cpu_gemv_int4.c where it is built
@@ -226,7 +220,7 @@ def _config(**weights):
 
 BAD_CONFIGS = {
     "not_an_object": ({"quantization_config": "w4a16"}, "must be an object"),
-    "another_method": ({"quantization_config": {"quant_method": "awq"}}, "quant_method 'awq'"),
+    "another_method": ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method 'bitsandbytes'"),
     "no_groups": ({"quantization_config": {"quant_method": "compressed-tensors"}}, "config_groups"),
     "three_bits": (_config(num_bits=3), "3-bit"),
     "float_weights": (_config(type="float", num_bits=8), "type 'float'"),
@@ -250,6 +244,8 @@ def test_quantization_option_must_match_the_checkpoint():
     with pytest.raises(QuantizationConfigError, match="not quantized"):
         parse_quantization_config({}, "compressed-tensors")
     with pytest.raises(QuantizationConfigError, match="not supported"):
+        parse_quantization_config(_config(), "fp8")
+    with pytest.raises(QuantizationConfigError, match="does not match the checkpoint's quant_method 'compressed"):
         parse_quantization_config(_config(), "awq")
 
 

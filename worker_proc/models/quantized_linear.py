@@ -29,6 +29,10 @@ where torch's int ops have no vectorized path) a weight-only layer instead multi
 of its weight made for the call and freed after it (F.linear: oneDNN or oneMKL GEMM), since torch's
 int ops above run a row at a time. At most one layer's weight is ever held in float, for one call.
 Each has its plain-torch reference (``reference``), the test oracle.
+
+A GPTQ checkpoint in activation order (``desc_act``) has its weight's inputs put in group order at load
+(worker_proc/gptq_awq_weights.py); its layer keeps that order (``input_order``) and gathers each call's
+activations in it first, whichever kind runs: the product is the same sum, over the inputs reordered.
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ class QuantizedLinear:
     group_size: int = 0
     zero_correction: Optional[torch.Tensor] = None  # int8 asymmetric: zero_point * scale, [out] or [groups, out]
     nibble_zeros: Optional[torch.Tensor] = None  # int4_blocks asymmetric: 8 + zero_point, [out, groups] float32
+    input_order: Optional[torch.Tensor] = None  # [in] int64: the checkpoint's input of each weight column (desc_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T: [rows, out] in x's dtype."""
-        x = x.contiguous()
+        x = x.contiguous() if self.input_order is None else x.index_select(-1, self.input_order)
         if self.kind != "w8a8" and x.shape[0] >= dequantize_min_rows(self.kind, x.dtype) and self.can_dequantize():
             return torch.nn.functional.linear(x, self.dequantized(x.dtype))
         if self.kind == "int8_blocks":
@@ -119,7 +124,7 @@ class QuantizedLinear:
 
     @property
     def nbytes(self) -> int:
-        extra = sum(t.nbytes for t in (self.zero_correction, self.nibble_zeros) if t is not None)
+        extra = sum(t.nbytes for t in (self.zero_correction, self.nibble_zeros, self.input_order) if t is not None)
         return self.weight.nbytes + self.scales.nbytes + extra
 
 
@@ -209,9 +214,9 @@ def _pick_group(in_features: int) -> int:
 
 
 def make_int4(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group_size: Optional[int],
-              dtype: torch.dtype) -> QuantizedLinear:
+              dtype: torch.dtype, input_order: Optional[torch.Tensor] = None) -> QuantizedLinear:
     """``q`` [out, in] int8 in [-8, 7]; ``scale`` / ``zero_point`` [out, in / group] (or [out, 1]
-    per channel, ``group_size`` None)."""
+    per channel, ``group_size`` None); ``input_order``: q's columns are these inputs (QuantizedLinear's)."""
     n, k = q.shape
     if group_size is None:
         group_size = _pick_group(k)
@@ -221,29 +226,31 @@ def make_int4(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
     if group_size % cpu_native.INT4_CHUNK == 0 and int8_blocks_kernel():
         zeros = None if zero_point is None else (8 + zero_point.to(torch.float32)).contiguous()
         return QuantizedLinear("int4_blocks", n, k, cpu_native.pack_int4_blocks((q + 8).to(torch.uint8)),
-                               scale.to(torch.float32).contiguous(), group_size, nibble_zeros=zeros)
+                               scale.to(torch.float32).contiguous(), group_size, nibble_zeros=zeros,
+                               input_order=input_order)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
     s = scale.to(torch.float32)
     zero = torch.zeros_like(s) if zero_point is None else -zero_point.to(torch.float32) * s
     scales_and_zeros = torch.stack([s.t(), zero.t()], dim=-1).to(dtype).contiguous()
-    return QuantizedLinear("int4", n, k, packed, scales_and_zeros, group_size)
+    return QuantizedLinear("int4", n, k, packed, scales_and_zeros, group_size, input_order=input_order)
 
 
 def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group_size: Optional[int],
-              dtype: torch.dtype) -> QuantizedLinear:
-    """``q`` [out, in] int8; ``scale`` / ``zero_point`` [out, in / group] or [out, 1]."""
+              dtype: torch.dtype, input_order: Optional[torch.Tensor] = None) -> QuantizedLinear:
+    """``q`` [out, in] int8; ``scale`` / ``zero_point`` [out, in / group] or [out, 1]; ``input_order`` as make_int4's."""
     n, k = q.shape
     s = scale.to(torch.float32)
     correction = None if zero_point is None else (zero_point.to(torch.float32) * s)
     if group_size is None:
         return QuantizedLinear("int8", n, k, q.contiguous(), s.reshape(n).to(dtype).contiguous(), 0,
-                               None if correction is None else correction.reshape(n).to(dtype))
+                               None if correction is None else correction.reshape(n).to(dtype), input_order=input_order)
     if zero_point is None and group_size % 16 == 0 and int8_blocks_kernel():
-        return QuantizedLinear("int8_blocks", n, k, q.contiguous(), s.contiguous(), group_size)
+        return QuantizedLinear("int8_blocks", n, k, q.contiguous(), s.contiguous(), group_size, input_order=input_order)
     groups = k // group_size
     weight = q.reshape(n, groups, group_size).transpose(0, 1).contiguous()
     return QuantizedLinear("int8_grouped", n, k, weight, s.t().to(dtype).contiguous(), group_size,
-                           None if correction is None else correction.t().to(dtype).contiguous())
+                           None if correction is None else correction.t().to(dtype).contiguous(),
+                           input_order=input_order)
 
 
 def make_w8a8(q: torch.Tensor, scale: torch.Tensor) -> QuantizedLinear:
