@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from pagedserve.protocol.model_architectures import ModelConfigError, check_model_config
 from pagedserve.protocol.model_identity import config_identity
+from pagedserve.worker_proc.kv_cache import KVCacheSpec
 
 
 class UnsupportedModelError(ModelConfigError):
@@ -60,6 +61,9 @@ class ModelSpec:
     norm_weight_offset: float = 0.0  # Gemma's norms scale by (1 + weight): 1.0, added at load
     layer_rope_types: Optional[tuple[str, ...]] = None  # per layer, the key of its rope parameters (Gemma 3)
     moe: Any = None  # a mixture of experts' models/moe.py MoeSpec; None: every layer's MLP is dense
+    # Multi-head latent attention (DeepSeek): the cache keeps one latent row of this width per token and
+    # layer, replicated on every rank (kv_cache.py KVCacheSpec.latent); 0: per-head K and V
+    latent_cache_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.attention_scale == 0.0:
@@ -69,6 +73,12 @@ class ModelSpec:
                                         f"{', '.join(GATED_ACTIVATIONS)})")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm {self.qk_norm!r}: one of {QK_NORMS}")
+
+    def cache_spec(self, kv_heads_on_rank: int) -> KVCacheSpec:
+        """What the paged cache keeps per token and layer on a rank holding ``kv_heads_on_rank`` KV heads."""
+        if self.latent_cache_dim:
+            return KVCacheSpec.latent(self.latent_cache_dim)
+        return KVCacheSpec.per_head(kv_heads_on_rank, self.head_dim)
 
     @property
     def num_layer_params(self) -> int:
