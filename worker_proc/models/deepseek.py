@@ -49,9 +49,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.moe_routing import GroupedRouting
-from pagedserve.worker_proc.attention import attend
 from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.input_batch import ForwardBatch, OutputRows
+from pagedserve.worker_proc.latent_attention import latent_attention
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.family import Family, LayerNames
@@ -261,13 +261,9 @@ class MlaDecoderLayer(DecoderLayer):
             q_nope, q_pe, cache_row = q_nope[rows], q_pe[rows], cache_row[rows]
             tables, starts, seq_lens = output_rows.block_tables, output_rows.query_start_loc, output_rows.seq_lens
             plan = output_rows.attention_plan
-        # absorbed: each head's q_nope through its W_UK, so it scores the latent rows directly
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
-        query = torch.cat([q_latent, q_pe], dim=-1)
-        attn = attend(ops, query, cache_row, cache_row, k_cache, v_cache, tables, starts, seq_lens, self.scale,
-                      None, plan)
-        values = torch.bmm(attn[..., :latent].transpose(0, 1), self.w_uv)  # [heads, T, v]
-        out = linear(values.transpose(0, 1).reshape(num_tokens, self.num_heads * self.v_dim), self.o_proj)
+        values = latent_attention(ops, q_nope, q_pe, cache_row, self.w_uk, self.w_uv, k_cache, tables, starts,
+                                  seq_lens, self.scale, plan)
+        out = linear(values.reshape(num_tokens, self.num_heads * self.v_dim), self.o_proj)
         out = self._finish(out, None, None, ew)
         x, residual = self._join(out, residual, self.pre_mlp_norm, ew)
         return self._finish(self._mlp(x, ew), None, None, ew), residual
