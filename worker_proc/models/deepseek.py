@@ -5,22 +5,20 @@ Attention. Each token's keys and values are compressed into one latent row: ``kv
 gives kv_lora_rank dims (then ``kv_a_layernorm``) and qk_rope_head_dim dims that are rotated and
 shared by every head. The paged cache keeps only that row, kv_lora_rank + qk_rope_head_dim per
 token and layer (kv_cache.py ``KVCacheSpec.latent``: one kind, one head, the same on every rank),
-not per-head K and V: 576 numbers a token against 2 x 128 heads x 192 for DeepSeek-V3 expanded.
+not per-head K and V: DeepSeek-V3 keeps 576 numbers a token where 128 heads' K (192) and V (128) are 40960.
 
 Queries absorb the key up-projection, as DeepSeek's paper describes: ``kv_b_proj`` holds per head
 W_UK [qk_nope, L] and W_UV [v_head, L], and q_nope . (W_UK c) = (q_nope W_UK) . c, so each head's
 query becomes (q_nope W_UK, q_rope) over the latent rows (c, k_rope): multi-query attention with
 one "KV head" of width L + R, keys and values both read from the latent (the value is its first L
-dims; the kernels read the whole row as V and its last R output dims are dropped, R / (L + R) = 11%
-more value reads than a V-only read). The attention output per head then goes through W_UV and
-o_proj. Decodes and prompt chunks (prefix-cached context, chunked prefill) take this one form, so
-every attention path the other families use computes it unchanged (worker_proc/attention.py: the
-native CPU decode and prefill kernels, SDPA, the Triton kernel), and the step writes only the
-latent. The expanded form (per-head K and V from the latent, what transformers computes) is
-``kernels/reference.py``'s ``mla_attention``, the oracle of tests/unit/test_kernels_mla.py. Decoding
-reads L + R numbers a key for every head where the expanded form would read 2 x 128 x 192 per key
-once expanded; prefill does more arithmetic in this form (a score is an L + R product, not
-qk_nope + R), which is where vLLM expands instead: not measured here.
+dims; the shared CPU kernels read the whole row as V and drop its last R output dims, R / (L + R) = 11%
+more value arithmetic than a V-only read). The attention output per head then goes through W_UV and
+o_proj. Decodes and prompt chunks (prefix-cached context, chunked prefill) take this one form
+(worker_proc/latent_attention.py): on CPU through the attention paths every family uses (the native
+decode and prefill kernels, SDPA), on Triton ops through kernels/mla_attention.py; the step writes
+only the latent. The expanded form (per-head K and V from the latent, what transformers computes)
+is the oracle of tests/unit/test_kernels_mla.py. Prefill does more arithmetic in the absorbed form
+(a score is an L + R product, not qk_nope + R), which is where vLLM expands instead: not measured.
 
 Rotary embedding on the qk_rope_head_dim part: V2 multiplies complex pairs (``apply_rotary_emb``:
 interleaved (x0, x1), (x2, x3) ...), done here with the same complex ops; V3 with ``rope_interleave``
@@ -42,6 +40,7 @@ dense and expert MLPs split their intermediate features as the other families do
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
 from typing import Any, Optional
 
@@ -62,31 +61,18 @@ from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
 
+log = logging.getLogger("pagedserve.worker")
+
 # The latent projections' own norms: transformers builds them with RMSNorm's default eps, not the config's.
 LATENT_NORM_EPS = 1e-6
 ROPE_COMPLEX, ROPE_INTERLEAVED, ROPE_HALVES = "complex", "interleaved", "halves"
 
 
 def _routing(config: Any, v3: bool) -> GroupedRouting:
-    top_k, experts = config.num_experts_per_tok, config.n_routed_experts
-    groups, topk_groups = config.n_group or 1, config.topk_group or 1
-    if v3 or config.topk_method == "group_limited_greedy":
-        if experts % groups or not 1 <= topk_groups <= groups:
-            raise UnsupportedModelError(f"config.json: n_routed_experts={experts} in n_group={groups} groups, "
-                                        f"topk_group={topk_groups}: the groups must split the experts evenly and "
-                                        "topk_group be between 1 and n_group")
-        if top_k > topk_groups * (experts // groups):
-            raise UnsupportedModelError(f"config.json: num_experts_per_tok={top_k} is more than the {topk_groups} "
-                                        f"chosen groups of {experts // groups} experts hold")
-        if v3 and experts // groups < 2:
-            raise UnsupportedModelError(f"config.json: DeepSeek-V3 scores a group by its two best experts; "
-                                        f"n_group={groups} leaves {experts // groups} per group")
-    elif config.topk_method != "greedy":
-        raise UnsupportedModelError(f"config.json: topk_method {config.topk_method!r} is not supported "
-                                    "(greedy, group_limited_greedy)")
-    else:
-        groups = topk_groups = 1
-    return GroupedRouting(top_k, sigmoid=v3, num_groups=groups, topk_groups=topk_groups,
+    """The router's rule; protocol/model_architectures.py has refused groups that contradict themselves."""
+    grouped = v3 or config.topk_method == "group_limited_greedy"
+    groups, topk_groups = (config.n_group or 1, config.topk_group or 1) if grouped else (1, 1)
+    return GroupedRouting(config.num_experts_per_tok, sigmoid=v3, num_groups=groups, topk_groups=topk_groups,
                           group_score_top=2 if v3 else 1, renormalize=v3 and bool(config.norm_topk_prob),
                           scaling=float(config.routed_scaling_factor))
 
@@ -202,6 +188,9 @@ class MlaDecoderLayer(DecoderLayer):
         self.w_uk = kv_b[:, :self.nope].contiguous()  # [heads, nope, L]: q_nope -> the latent's space
         self.w_uv = kv_b[:, self.nope:].transpose(1, 2).contiguous()  # [heads, L, v]: the latent -> values
         self.o_proj = weight("self_attn.o_proj", 1, shard.head_rows(self.v_dim))
+        if layer == 0:
+            log.info("multi-head latent attention: the cache keeps one latent row of %d a token and layer "
+                     "(kv_lora_rank %d + rope %d), queries absorb W_UK", self.latent + self.rope, self.latent, self.rope)
         self.moe = None
         if spec.moe is not None and spec.moe.sparse_layers[layer]:
             self.moe = DeepseekMoeBlock(spec, shard, layer, source, device, dtype, layout)
