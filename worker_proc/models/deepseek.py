@@ -190,7 +190,8 @@ class MlaDecoderLayer(DecoderLayer):
         self.o_proj = weight("self_attn.o_proj", 1, shard.head_rows(self.v_dim))
         if layer == 0:
             log.info("multi-head latent attention: the cache keeps one latent row of %d a token and layer "
-                     "(kv_lora_rank %d + rope %d), queries absorb W_UK", self.latent + self.rope, self.latent, self.rope)
+                     "(kv_lora_rank %d + rope %d), queries absorb W_UK", self.latent + self.rope, self.latent,
+                     self.rope)
         self.moe = None
         if spec.moe is not None and spec.moe.sparse_layers[layer]:
             self.moe = DeepseekMoeBlock(spec, shard, layer, source, device, dtype, layout)
