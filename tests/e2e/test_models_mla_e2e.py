@@ -93,3 +93,33 @@ def test_more_experts_per_token_than_routed_experts_is_refused_before_any_proces
     (model / "config.json").write_text(json.dumps(config))
     line = assert_refused_in_one_line_with_nothing_started(refused_serve(model, tmp_path), tmp_path)
     assert line.endswith("num_experts_per_tok=9 needs between 1 and n_routed_experts=8 experts to pick from"), line
+
+
+def test_a_deepseek_trace_replays_exactly_both_ways(model_factory, tmp_path):
+    """Recorded through the server (prefix caching, chunks, a sampled request beside greedy ones): fresh
+    workers return every recorded step's tokens bit for bit, and the scheduler alone rebuilds every step."""
+    from pathlib import Path
+
+    import httpx
+
+    from pagedserve.protocol.trace import read_trace
+    from pagedserve.scheduler_proc.replay import replay_scheduler
+    from pagedserve.tools.replay import replay_workers
+
+    model = model_factory("deepseek_v2", **MODELS["deepseek_v2"])
+    path = tmp_path / "mla.trace"
+    srv = Server(model, ["--num-gpu-blocks", "64", "--num-threads", "1", "--block-size", "4",
+                         "--max-num-batched-tokens", "8", "--max-num-seqs", "4",
+                         "--enable-prefix-caching", "--enable-chunked-prefill", "--record-trace", str(path)]).start(tmp_path)
+    try:
+        for prompt, temperature in (("Hello, world! Hello, world!", 0.0), ("Hello, world! The lazy dog.", 0.8)):
+            body = {"model": Path(model).name, "prompt": prompt, "max_tokens": 8, "temperature": temperature,
+                    "seed": 5, "ignore_eos": True}
+            assert httpx.post(srv.url + "/v1/completions", json=body, timeout=120).status_code == 200
+    finally:
+        srv.stop()
+    assert read_trace(str(path)).meta["model_id"].startswith("DeepseekV2ForCausalLM:")
+    report = replay_scheduler(str(path))
+    assert report.ok, report.mismatch
+    steps, tokens = replay_workers(str(path), model, "cpu", num_threads=1)
+    assert steps == report.steps and tokens >= 16
