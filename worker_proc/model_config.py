@@ -64,6 +64,7 @@ class ModelSpec:
     # Multi-head latent attention (DeepSeek): the cache keeps one latent row of this width per token and
     # layer, replicated on every rank (kv_cache.py KVCacheSpec.latent); 0: per-head K and V
     latent_cache_dim: int = 0
+    attention_params: int = 0  # one layer's attention weights where they are not q/k/v/o of heads (MLA); 0: those
 
     def __post_init__(self) -> None:
         if self.attention_scale == 0.0:
@@ -86,6 +87,8 @@ class ModelSpec:
         (of a mixture of experts, every expert's weights: what memory holds)."""
         q_and_o = 2 * self.hidden_size * self.num_heads * self.head_dim
         k_and_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        if self.attention_params:
+            q_and_o, k_and_v = self.attention_params, 0
         dense_mlp = 3 * self.hidden_size * self.intermediate_size
         sparse = sum(self.moe.sparse_layers) if self.moe else 0
         sparse_mlp = self.moe.layer_params(self.hidden_size) if self.moe else 0

@@ -93,7 +93,12 @@ def _read_config(config: Any, v3: bool) -> dict:
     if any(sparse):
         moe = MoeSpec(experts, config.moe_intermediate_size, 0, sparse, _routing(config, v3))
     qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-    return dict(num_kv_heads=1, moe=moe, latent_cache_dim=config.kv_lora_rank + config.qk_rope_head_dim,
+    hidden, heads, latent = config.hidden_size, config.num_attention_heads, config.kv_lora_rank
+    q_rank = config.q_lora_rank
+    queries = hidden * heads * qk_head_dim if q_rank is None else q_rank * (hidden + heads * qk_head_dim)
+    attention = (queries + hidden * (latent + config.qk_rope_head_dim)
+                 + latent * heads * (config.qk_nope_head_dim + config.v_head_dim) + heads * config.v_head_dim * hidden)
+    return dict(num_kv_heads=1, moe=moe, latent_cache_dim=latent + config.qk_rope_head_dim, attention_params=attention,
                 attention_scale=yarn_apply_mscale(config.rope_parameters, qk_head_dim ** -0.5))
 
 
