@@ -160,6 +160,8 @@ class ModelRunner:
         element = torch.empty((), dtype=self.dtype).element_size()
         spec, shard = self.spec, self.shard
         per_token = 4 * spec.hidden_size + 3 * shard.num_heads * spec.head_dim + 3 * shard.intermediate_size
+        # latent attention's absorbed queries and their outputs: every head as wide as the latent row
+        per_token += 2 * shard.num_heads * spec.latent_cache_dim
         headroom = HEADROOM_TOKENS * per_token * element + HEADROOM_LOGIT_ROWS * spec.vocab_size * 4 * 4
         blocks = self.block_bytes(block_size)
         scratch = 0 if self.draft is None else -(-self.draft.scratch_blocks(block_size)

@@ -166,6 +166,9 @@ class MlaDecoderLayer(DecoderLayer):
         self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.latent = c.kv_lora_rank
         self.rope_form = _rope_form(c, spec.architecture == "DeepseekV3ForCausalLM")
+        # V2's complex rotation computes its angles per step, as transformers does: its frequencies on the
+        # device (a host copy inside a captured CUDA graph is not allowed)
+        self.inv_freq = None if rotary is None else rotary.inv_freq.to(device)
 
         def load(name: str, dim: int = 0, part: Optional[tuple[int, int]] = None) -> torch.Tensor:
             return source.get(p + name, dim=dim, part=part).to(device, dtype).contiguous()
@@ -217,7 +220,7 @@ class MlaDecoderLayer(DecoderLayer):
         """q_pe [T, heads, R] and k_pe [T, R] rotated as transformers rotates them, as one [T, heads + 1, R]."""
         qk = torch.cat([q_pe, k_pe[:, None]], dim=1)
         if self.rope_form == ROPE_COMPLEX:  # DeepseekV2's apply_rotary_emb, op for op
-            freqs = positions[:, None].float() * self.rotary.inv_freq.to(positions.device)
+            freqs = positions[:, None].float() * self.inv_freq
             freqs_cis = torch.polar(torch.ones_like(freqs), freqs) * self.rotary.scaling
             pairs = torch.view_as_complex(qk.float().reshape(*qk.shape[:-1], -1, 2))
             return torch.view_as_real(pairs * freqs_cis[:, None]).flatten(2).type_as(qk)
