@@ -2,9 +2,9 @@
 from the cached latent by W_UK and W_UV, float64, as transformers computes them. Each path the
 worker takes with absorbed queries (worker_proc/latent_attention.py) meets it on a NaN-poisoned
 latent cache holding only the requests' rows, in a ragged step mixing decodes and prompt chunks
-over cached context: the torch reference, every CPU path (the native decode kernel, the gathered
-SDPA decode, the native prefill kernel, SDPA prompt chunks) and the Triton MLA kernel (interpreted
-on CPU, or on a GPU: support/kernel_device.py)."""
+over cached context: the torch reference, every CPU path (absorbed decodes through the native
+decode kernel or the gathered SDPA, expanded prompt chunks through SDPA) and the Triton MLA kernel
+(interpreted on CPU, or on a GPU: support/kernel_device.py)."""
 
 from support.kernel_device import MARKS, to_device  # first: it decides TRITON_INTERPRET before triton loads
 
@@ -79,23 +79,16 @@ def test_the_reference_with_absorbed_queries_equals_the_expanded_attention(laten
 
 
 @pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler on this machine")
-@pytest.mark.parametrize("native", [True, False], ids=["native kernels", "SDPA"])
+@pytest.mark.parametrize("native", [True, False], ids=["native decode kernel", "SDPA decodes"])
 @pytest.mark.parametrize("latent, rope", [(28, 4), (20, 4), (512, 64)])
-def test_every_cpu_path_of_the_absorbed_attention_equals_the_expanded_attention(latent, rope, native, monkeypatch):
-    """(28, 4): a width of 32, which the native prefill kernel tiles; (20, 4) one it does not (SDPA
-    prompts beside native decodes); (512, 64): DeepSeek-V3's own latent."""
+def test_every_cpu_path_of_latent_attention_equals_the_expanded_attention(latent, rope, native, monkeypatch):
+    """Decodes absorbed (the native kernel, or gathered SDPA), prompt chunks expanded (SDPA), in one
+    step; (512, 64): DeepSeek-V3's own latent."""
     if not native:
         monkeypatch.setattr(cpu_native, "supports_decode", lambda *a: False)
-        monkeypatch.setattr(cpu_native, "supports_prefill", lambda *a: False)
-    calls = {"decode": 0, "prefill": 0}
-    for kind, name in (("decode", "paged_decode_attention"), ("prefill", "prefill_attention")):
-        kernel = getattr(cpu_native, name)
-
-        def counted(*args, _kernel=kernel, _kind=kind, **kwargs):
-            calls[_kind] += 1
-            return _kernel(*args, **kwargs)
-
-        monkeypatch.setattr(cpu_native, name, counted)
+    calls = []
+    kernel = cpu_native.paged_decode_attention
+    monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *a, **kw: calls.append(a) or kernel(*a, **kw))
     generator = torch.Generator().manual_seed(latent + rope)
     heads = 16 if latent == 512 else 6
     step = ragged_step(heads, latent, rope, generator)
@@ -104,8 +97,15 @@ def test_every_cpu_path_of_the_absorbed_attention_equals_the_expanded_attention(
     ours = latent_attention(reference, q_nope, q_rope, rows, w_uk, w_uv.contiguous(), cache, tables, starts,
                             seq_lens, 0.3, plan)
     torch.testing.assert_close(ours.double(), expected(step, 0.3), rtol=1e-4, atol=1e-4)
-    assert calls["decode"] == (1 if native else 0)
-    assert bool(calls["prefill"]) == (native and latent + rope == 32)
+    assert len(calls) == (1 if native else 0)
+    # a step of decodes only: the absorbed form alone
+    decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    rows_of = starts[decodes]
+    sub = (q_nope[rows_of], q_rope[rows_of], rows[rows_of], w_uk, w_uv, cache, tables[decodes],
+           torch.arange(len(decodes) + 1), seq_lens[decodes], [1] * len(decodes))
+    plan = plan_cpu_attention(sub[-1], sub[7].tolist(), sub[8].tolist(), sub[6], BLOCK)
+    ours = latent_attention(reference, *sub[:5], cache, sub[6], sub[7], sub[8], 0.3, plan)
+    torch.testing.assert_close(ours.double(), expected(sub, 0.3), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

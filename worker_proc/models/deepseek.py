@@ -13,12 +13,11 @@ query becomes (q_nope W_UK, q_rope) over the latent rows (c, k_rope): multi-quer
 one "KV head" of width L + R, keys and values both read from the latent (the value is its first L
 dims; the shared CPU kernels read the whole row as V and drop its last R output dims, R / (L + R) = 11%
 more value arithmetic than a V-only read). The attention output per head then goes through W_UV and
-o_proj. Decodes and prompt chunks (prefix-cached context, chunked prefill) take this one form
-(worker_proc/latent_attention.py): on CPU through the attention paths every family uses (the native
-decode and prefill kernels, SDPA), on Triton ops through kernels/mla_attention.py; the step writes
-only the latent. The expanded form (per-head K and V from the latent, what transformers computes)
-is the oracle of tests/unit/test_kernels_mla.py. Prefill does more arithmetic in the absorbed form
-(a score is an L + R product, not qk_nope + R), which is where vLLM expands instead: not measured.
+o_proj. Decodes take this form (worker_proc/latent_attention.py): on CPU through the native decode
+kernel every family uses, on Triton ops through kernels/mla_attention.py (prompts too). Prompt chunks
+on CPU are expanded instead, as transformers computes them (each head's K and V made from the visible
+latent rows, SDPA): a score is then a qk_nope + R product rather than an L + R one, 1.3-1.8x faster
+(bench/scripts/mla_attention_bench.py). Either way a step writes only the latent rows.
 
 Rotary embedding on the qk_rope_head_dim part: V2 multiplies complex pairs (``apply_rotary_emb``:
 interleaved (x0, x1), (x2, x3) ...), done here with the same complex ops; V3 with ``rope_interleave``
