@@ -23,15 +23,16 @@ from test_model_parity import PROMPT_LENGTHS, assert_equal_to_oracle, run_mixed_
 
 HEADS = dict(num_heads=4, num_kv_heads=4)  # transformers' MLA repeats no KV heads: the two counts agree
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=256,
-            beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
+            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.707)  # both the cos/sin and the softmax scaled
 
 CASES = {
     # q_proj (no q_lora_rank), complex-pair rotary, softmax routing limited to 2 of 4 groups, a shared
     # expert; layer 0 dense
     "v2_group_limited_greedy": dict(arch="deepseek_v2", num_layers=3, seed=11),
-    # q_a / q_b with its norm, greedy routing over every expert, two shared experts, every layer sparse
-    "v2_greedy_q_lora": dict(arch="deepseek_v2", num_layers=2, q_lora_rank=24, topk_method="greedy",
-                             n_shared_experts=2, first_k_dense_replace=0, seed=2),
+    # q_a / q_b with its norm, greedy routing over every expert, two shared experts, every layer sparse,
+    # YaRN (DeepSeek-V2's released configs use it): its attention factor on the complex pairs, its mscale
+    "v2_greedy_q_lora_yarn": dict(arch="deepseek_v2", num_layers=2, q_lora_rank=24, topk_method="greedy",
+                                  n_shared_experts=2, first_k_dense_replace=0, rope_parameters=YARN, seed=2),
     # interleaved rotary, sigmoid scores with a random correction bias, grouped by their two best,
     # norm_topk_prob, routed_scaling_factor
     "v3_default": dict(arch="deepseek_v3", num_layers=3, seed=3),
