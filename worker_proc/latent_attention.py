@@ -40,12 +40,12 @@ def latent_attention(ops: ModuleType, q_nope: torch.Tensor, q_rope: torch.Tensor
     if ops is reference and plan is not None and plan.chunks:  # CPU, prompt chunks in the step
         out = torch.empty(*q_nope.shape[:2], w_uv.shape[2], dtype=q_nope.dtype)
         if plan.decode_rows is not None:
-            rows = plan.decode_rows
-            out[rows] = _absorbed(ops, q_nope[rows], q_rope[rows], w_uk, w_uv, latent_cache, block_tables,
-                                  query_start_loc, seq_lens, scale, plan)
+            decodes = plan.decode_rows  # the plan's decode context knows their blocks and lengths
+            out[decodes] = _absorbed(ops, q_nope[decodes], q_rope[decodes], w_uk, w_uv, latent_cache, block_tables,
+                                     query_start_loc, seq_lens, scale, plan)
         for c in plan.chunks:
-            out[c.start:c.end] = expanded_chunk(q_nope[c.start:c.end], q_rope[c.start:c.end], latent_rows[c.start:c.end],
-                                                latent_cache, c, w_uk, w_uv, scale)
+            own = slice(c.start, c.end)
+            out[own] = expanded_chunk(q_nope[own], q_rope[own], latent_rows[own], latent_cache, c, w_uk, w_uv, scale)
         return out
     return _absorbed(ops, q_nope, q_rope, w_uk, w_uv, latent_cache, block_tables, query_start_loc, seq_lens, scale,
                      plan)

@@ -51,8 +51,8 @@ def main() -> None:
         plan = plan_cpu_attention([1] * decodes, starts.tolist(), lens.tolist(), tables, BLOCK_SIZE)
         rows = query  # this step's latent rows: already in the cache for the kernel; only their shape is read
         # the same blocks and lengths, each token's K and V per head
-        k_cache, v_cache = (torch.randn(cache.shape[0], BLOCK_SIZE, heads, NOPE + ROPE, generator=generator).to(ns.dtype)
-                            for _ in range(2))
+        shape = (cache.shape[0], BLOCK_SIZE, heads, NOPE + ROPE)
+        k_cache, v_cache = (torch.randn(shape, generator=generator).to(ns.dtype) for _ in range(2))
         head_query = torch.randn(decodes, heads, NOPE + ROPE, generator=generator).to(ns.dtype)
         context = da.build_decode_context(lens, tables, BLOCK_SIZE, None)
         scale = (NOPE + ROPE) ** -0.5
