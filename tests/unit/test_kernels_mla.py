@@ -109,9 +109,10 @@ def test_every_cpu_path_of_latent_attention_equals_the_expanded_attention(latent
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, latent, rope", [(6, 28, 4), (20, 20, 4), (16, 64, 32)])
+@pytest.mark.parametrize("heads, latent, rope", [(6, 28, 4), (20, 20, 4), (16, 64, 32), (16, 512, 64)])
 def test_the_triton_mla_kernel_equals_the_expanded_attention(heads, latent, rope, dtype):
-    """20 heads: a block of 16 and a partial one; widths that are not powers of two."""
+    """20 heads: a block of 16 and a partial one; widths that are not powers of two; (512, 64):
+    DeepSeek-V3's latent, 16 heads (one rank of eight)."""
     for mark in MARKS:  # slow and GPU marks where PAGEDSERVE_TEST_DEVICE=cuda (support/kernel_device.py)
         if mark.name == "skipif" and mark.args[0]:
             pytest.skip(mark.kwargs["reason"])
