@@ -35,6 +35,6 @@ def copy_blocks(kv_cache: torch.Tensor, mapping: torch.Tensor) -> None:
     block_numel = check_kv_cache(kv_cache)
     pairs = to_device_indices(mapping.reshape(-1, 2), kv_cache.device)
     chunk = min(triton.next_power_of_2(block_numel), MAX_CHUNK)
-    grid = (pairs.shape[0], kv_cache.shape[0] * 2, triton.cdiv(block_numel, chunk))
+    grid = (pairs.shape[0], kv_cache.shape[0] * kv_cache.shape[1], triton.cdiv(block_numel, chunk))
     layer_kind_stride = kv_cache.shape[2] * block_numel
     _copy_blocks_kernel[grid](kv_cache, pairs, layer_kind_stride, block_numel, CHUNK=chunk)

@@ -127,6 +127,21 @@ def paged_attention(
     return out
 
 
+def mla_attention(query: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, latent_dim: int) -> torch.Tensor:
+    """Multi-head latent attention with absorbed queries (DeepSeek-V2/V3; worker_proc/latent_attention.py).
+
+    query [T, heads, L + R]: each head's q_nope through its W_UK (L dims), then its rotated q_pe (R);
+    latent_cache [blocks, block_size, 1, L + R]: every token's latent row, c (L) then the rotated
+    k_pe (R). A score is query . row over all L + R dims, the value is the row's first L dims: the
+    output [T, heads, L] is attention in the latent space (W_UV then takes it to each head's values).
+    Causal and ragged as ``paged_attention``; float32 arithmetic."""
+    out = torch.empty(*query.shape[:2], latent_dim, dtype=query.dtype, device=query.device)
+    rows = paged_attention(query, latent_cache, latent_cache, block_tables, query_start_loc, seq_lens, scale)
+    out.copy_(rows[..., :latent_dim])
+    return out
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, s: torch.Tensor) -> None:
     """s[t] = a[token_slots[t]] @ x[t] (float32 sums) for each token with a slot (>= 0); others untouched."""
     for slot in token_slots.unique().tolist():

@@ -34,7 +34,7 @@ def zero_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
         return
     block_numel = check_kv_cache(kv_cache)
     ids = to_device_indices(block_ids.reshape(-1), kv_cache.device)
-    num_layer_kinds = kv_cache.shape[0] * 2
+    num_layer_kinds = kv_cache.shape[0] * kv_cache.shape[1]
     chunk = min(triton.next_power_of_2(block_numel), MAX_CHUNK)
     grid = (ids.numel(), num_layer_kinds, triton.cdiv(block_numel, chunk))
     layer_kind_stride = kv_cache.shape[2] * block_numel

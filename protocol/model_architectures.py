@@ -33,9 +33,11 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen_moe",
     "Qwen3MoeForCausalLM": "qwen_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",
 }
 # A mixture of experts' expert count, by the name its family's config.json gives it.
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts")
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 LONGROPE_LIMIT = ("longrope rotary scaling: sequences up to original_max_position_embeddings ({limit}) are computed "
@@ -125,6 +127,7 @@ def check_model_config(model_dir: str | Path, model_impl: str = "native") -> str
     if window is None and layer_types is not None and "sliding_attention" in layer_types:
         raise ModelConfigError("config.json: layer_types has sliding_attention layers but no sliding_window")
     _check_experts(config)
+    _check_expert_groups(config)
     return arch
 
 
@@ -149,3 +152,31 @@ def _check_experts(config: dict[str, Any]) -> None:
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ModelConfigError(f"config.json: num_experts_per_tok={top_k!r} needs between 1 and "
                                f"{key}={experts} experts to pick from")
+
+
+def _check_expert_groups(config: dict[str, Any]) -> None:
+    """DeepSeek's grouped top-k (V3 always; V2 with topk_method group_limited_greedy): ``n_group``
+    groups split the experts evenly, the ``topk_group`` best of them hold at least the top k, and V3,
+    which scores a group by its two best experts, has two in each."""
+    model_type, method = config.get("model_type"), config.get("topk_method", "greedy")
+    if model_type not in ("deepseek_v2", "deepseek_v3") or not config.get("n_routed_experts"):
+        return
+    if model_type == "deepseek_v2":
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ModelConfigError(f"config.json: topk_method {method!r} is not supported (greedy, "
+                                   "group_limited_greedy)")
+        if method == "greedy":
+            return
+    experts, top_k = config["n_routed_experts"], config.get("num_experts_per_tok") or 0
+    groups = _positive_int(config, "n_group") or 1
+    chosen = _positive_int(config, "topk_group") or 1
+    if experts % groups or chosen > groups:
+        raise ModelConfigError(f"config.json: n_routed_experts={experts} in n_group={groups} groups with "
+                               f"topk_group={chosen}: the groups must split the experts evenly and topk_group be "
+                               "at most n_group")
+    if top_k > chosen * (experts // groups):
+        raise ModelConfigError(f"config.json: num_experts_per_tok={top_k} is more than the topk_group={chosen} "
+                               f"groups of {experts // groups} experts hold")
+    if model_type == "deepseek_v3" and experts // groups < 2:
+        raise ModelConfigError(f"config.json: DeepSeek-V3 scores a group by its two best experts; n_group={groups} "
+                               f"leaves {experts // groups} in each")

@@ -113,6 +113,19 @@ ARCHS: dict[str, dict[str, Any]] = {
                                 rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
                                                      beta_fast=32.0, beta_slow=1.0, truncate=False,
                                                      original_max_position_embeddings=64))),
+    # multi-head latent attention (worker_proc/models/deepseek.py): a latent of 28 + 4 rope dims (32, a width
+    # the native prefill kernel tiles), q_lora_rank set in V3 and None in V2; 8 experts in 4 groups, 2 picked
+    # from 2 of them, a shared expert, layer 0 dense; V3's correction bias drawn at random (``bias_std``)
+    "deepseek_v2": dict(cls="DeepseekV2Config", model_type="deepseek_v2",
+                        config=dict(kv_lora_rank=28, q_lora_rank=None, qk_nope_head_dim=12, qk_rope_head_dim=4,
+                                    v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                    topk_group=2, topk_method="group_limited_greedy", moe_intermediate_size=32,
+                                    n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.5)),
+    "deepseek_v3": dict(cls="DeepseekV3Config", model_type="deepseek_v3", bias_std=0.5,
+                        config=dict(kv_lora_rank=28, q_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=4,
+                                    v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                    topk_group=2, moe_intermediate_size=32, n_shared_experts=1,
+                                    first_k_dense_replace=1, routed_scaling_factor=2.5)),
     # no native file: served by the transformers backend (worker_proc/models/transformers_backend.py)
     "stablelm": dict(cls="StableLmConfig", model_type="stablelm"),
     "starcoder2": dict(cls="Starcoder2Config", model_type="starcoder2"),
@@ -224,7 +237,9 @@ def _fill_weights(model: Any, seed: int, std: float, pad_token_id: Optional[int]
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):  # tied weights appear once
+        # DeepSeek-V3's e_score_correction_bias is a buffer the checkpoint holds: drawn with the biases
+        buffers = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+        for name, param in sorted([*model.named_parameters(), *buffers]):  # tied weights appear once
             if bias_std and (name.endswith("bias") or name.endswith("sinks")):
                 param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, bias_std, generator=generator))
             elif name.endswith("bias"):

@@ -42,7 +42,7 @@ from pagedserve.protocol.step_state import HeldRequest
 from pagedserve.worker_proc.decode_attention import GatherWorkspace
 from pagedserve.worker_proc.elementwise import select_elementwise
 from pagedserve.worker_proc.input_batch import ForwardBatch, build_forward_batch, gather_decodes, upload_batch
-from pagedserve.worker_proc.kv_cache import KVCache, block_bytes
+from pagedserve.worker_proc.kv_cache import KVCache, KVCacheSpec, block_bytes
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError, load_model_spec
 from pagedserve.worker_proc.models import MODEL_CLASSES
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
@@ -76,8 +76,12 @@ class DraftModel:
     def num_params(self) -> int:
         return self.spec.num_layer_params + 2 * self.spec.vocab_size * self.spec.hidden_size
 
+    @property
+    def cache_spec(self) -> KVCacheSpec:
+        return self.spec.cache_spec(self.spec.num_kv_heads)
+
     def block_bytes(self, block_size: int) -> int:
-        return block_bytes(self.spec.num_layers, block_size, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+        return block_bytes(self.spec.num_layers, block_size, self.cache_spec, self.dtype)
 
     def scratch_blocks(self, block_size: int) -> int:
         """Positions p .. p+k-1 of an entry span at most this many blocks, whatever p is."""
@@ -86,8 +90,7 @@ class DraftModel:
     def init_cache(self, init: WorkerInit) -> None:
         self.scratch_start = init.num_gpu_blocks
         self.cache = KVCache(self.spec.num_layers, init.num_gpu_blocks + self.scratch_blocks(init.block_size),
-                             init.num_cpu_blocks, init.block_size, self.spec.num_kv_heads, self.spec.head_dim,
-                             self.dtype, self.device, self.ops)
+                             init.num_cpu_blocks, init.block_size, self.cache_spec, self.dtype, self.device, self.ops)
         self.model.rotary.ensure_positions(init.max_model_len + self.k)
         self.filled, self.host_filled = [0] * init.num_gpu_blocks, [0] * init.num_cpu_blocks
         self.valid_end = {}

@@ -1,13 +1,18 @@
 """The worker's KV-cache memory: a device cache, a host (swap) cache, and the block operations.
 
-Layout (shared with kernels/): ``[num_layers, 2 (K, V), num_blocks, block_size,
-kv_heads_on_this_rank, head_dim]``. Block operations run in the order the design fixes
-— swap out, swap in, copy, zero — on the current stream, before the forward pass.
+Layout (shared with kernels/): ``[num_layers, kinds, num_blocks, block_size, heads, head_dim]``, as
+the model's ``KVCacheSpec`` declares it: two kinds (K and V) of this rank's KV heads, or, for
+multi-head latent attention (DeepSeek-V2/V3), one kind of one head, the compressed latent row
+(kv_lora_rank + rope dims) that keys and values are both read from, the same on every rank. The
+scheduler counts blocks in tokens and never sees the difference: the worker sizes a block from
+the spec (``block_bytes``) and reports how many fit. Block operations run in the order the design
+fixes — swap out, swap in, copy, zero — on the current stream, before the forward pass.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Optional
 
@@ -21,10 +26,27 @@ CPU_DEFAULT_BUDGET_BYTES = 1 << 30
 GPU_MEMORY_FRACTION = 0.9
 
 
-def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one block: every layer, K and V, this rank's KV heads."""
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """What one layer keeps per token in this rank's cache (compare vLLM's ``KVCacheSpec``)."""
+    kinds: int  # 2: K and V; 1: a latent that keys and values are both read from
+    heads: int
+    head_dim: int
+
+    @classmethod
+    def per_head(cls, num_kv_heads: int, head_dim: int) -> "KVCacheSpec":
+        return cls(2, num_kv_heads, head_dim)
+
+    @classmethod
+    def latent(cls, width: int) -> "KVCacheSpec":
+        """Multi-head latent attention's one row per token (kv_lora_rank + qk_rope_head_dim)."""
+        return cls(1, 1, width)
+
+
+def block_bytes(num_layers: int, block_size: int, spec: KVCacheSpec, dtype: torch.dtype) -> int:
+    """Bytes of one block: every layer, each kind the spec keeps."""
     element_bytes = torch.empty((), dtype=dtype).element_size()
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * element_bytes
+    return num_layers * spec.kinds * block_size * spec.heads * spec.head_dim * element_bytes
 
 
 def max_num_blocks(bytes_per_block: int, device: torch.device, memory_bytes: Optional[int],
@@ -71,10 +93,10 @@ def _pairs(pairs: list[tuple[int, int]] | list[list[int]]) -> torch.Tensor:
 
 class KVCache:
     def __init__(self, num_layers: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, ops: ModuleType):
+                 spec: KVCacheSpec, dtype: torch.dtype, device: torch.device, ops: ModuleType):
         self.block_size, self.device, self.ops = block_size, device, ops
-        shape = (num_layers, 2)
-        tail = (block_size, num_kv_heads, head_dim)
+        shape = (num_layers, spec.kinds)
+        tail = (block_size, spec.heads, spec.head_dim)
         # Not zeroed here: the scheduler zeroes every block before its first write (the
         # design's zeroing rule, poisoned-cache tests), and the host cache is only read where a
         # swap-out wrote it. Writing zeros over the default 1 GiB + 1 GiB on a CPU took 1-3.5 s

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from pagedserve.protocol.model_architectures import ModelConfigError, check_model_config
 from pagedserve.protocol.model_identity import config_identity
+from pagedserve.worker_proc.kv_cache import KVCacheSpec
 
 
 class UnsupportedModelError(ModelConfigError):
@@ -60,6 +61,10 @@ class ModelSpec:
     norm_weight_offset: float = 0.0  # Gemma's norms scale by (1 + weight): 1.0, added at load
     layer_rope_types: Optional[tuple[str, ...]] = None  # per layer, the key of its rope parameters (Gemma 3)
     moe: Any = None  # a mixture of experts' models/moe.py MoeSpec; None: every layer's MLP is dense
+    # Multi-head latent attention (DeepSeek): the cache keeps one latent row of this width per token and
+    # layer, replicated on every rank (kv_cache.py KVCacheSpec.latent); 0: per-head K and V
+    latent_cache_dim: int = 0
+    attention_params: int = 0  # one layer's attention weights where they are not q/k/v/o of heads (MLA); 0: those
 
     def __post_init__(self) -> None:
         if self.attention_scale == 0.0:
@@ -70,12 +75,20 @@ class ModelSpec:
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm {self.qk_norm!r}: one of {QK_NORMS}")
 
+    def cache_spec(self, kv_heads_on_rank: int) -> KVCacheSpec:
+        """What the paged cache keeps per token and layer on a rank holding ``kv_heads_on_rank`` KV heads."""
+        if self.latent_cache_dim:
+            return KVCacheSpec.latent(self.latent_cache_dim)
+        return KVCacheSpec.per_head(kv_heads_on_rank, self.head_dim)
+
     @property
     def num_layer_params(self) -> int:
         """Weights in the decoder layers (not embeddings): about the FLOPs of one token / 2
         (of a mixture of experts, every expert's weights: what memory holds)."""
         q_and_o = 2 * self.hidden_size * self.num_heads * self.head_dim
         k_and_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        if self.attention_params:
+            q_and_o, k_and_v = self.attention_params, 0
         dense_mlp = 3 * self.hidden_size * self.intermediate_size
         sparse = sum(self.moe.sparse_layers) if self.moe else 0
         sparse_mlp = self.moe.layer_params(self.hidden_size) if self.moe else 0

@@ -36,7 +36,7 @@ from pagedserve.worker_proc.env_switch import env_switch
 from pagedserve.worker_proc.grammar_mask import apply_grammar_bitmask
 from pagedserve.worker_proc.input_batch import (BatchError, HostBatch, gather_batch, resolve_placeholders,
                                                 upload_batch)
-from pagedserve.worker_proc.kv_cache import KVCache, block_bytes, max_num_blocks
+from pagedserve.worker_proc.kv_cache import KVCache, KVCacheSpec, block_bytes, max_num_blocks
 from pagedserve.worker_proc.lora_adapters import AdapterReader, shard_parts
 from pagedserve.worker_proc.lora_slots import LoRASlots
 from pagedserve.worker_proc.model_config import UnsupportedModelError
@@ -148,14 +148,20 @@ class ModelRunner:
     def block_bytes(self, block_size: int) -> int:
         """A block's bytes in every cache it indexes (the draft's too)."""
         draft = self.draft.block_bytes(block_size) if self.draft is not None else 0
-        return draft + block_bytes(self.spec.num_layers, block_size, self.shard.num_kv_heads, self.spec.head_dim,
-                                   self.dtype)
+        return draft + block_bytes(self.spec.num_layers, block_size, self.cache_spec, self.dtype)
+
+    @property
+    def cache_spec(self) -> KVCacheSpec:
+        """What this rank's cache keeps per token and layer: its family declares it (model_config.py)."""
+        return self.spec.cache_spec(self.shard.num_kv_heads)
 
     def max_gpu_blocks(self, block_size: int, memory_bytes: Optional[int] = None,
                        memory_utilization: Optional[float] = None) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
         spec, shard = self.spec, self.shard
         per_token = 4 * spec.hidden_size + 3 * shard.num_heads * spec.head_dim + 3 * shard.intermediate_size
+        # latent attention's absorbed queries and their outputs: every head as wide as the latent row
+        per_token += 2 * shard.num_heads * spec.latent_cache_dim
         headroom = HEADROOM_TOKENS * per_token * element + HEADROOM_LOGIT_ROWS * spec.vocab_size * 4 * 4
         blocks = self.block_bytes(block_size)
         scratch = 0 if self.draft is None else -(-self.draft.scratch_blocks(block_size)
@@ -166,7 +172,7 @@ class ModelRunner:
 
     def init_cache(self, init: WorkerInit) -> None:
         self._cache = KVCache(self.spec.num_layers, init.num_gpu_blocks, init.num_cpu_blocks, init.block_size,
-                              self.shard.num_kv_heads, self.spec.head_dim, self.dtype, self.device, self.ops)
+                              self.cache_spec, self.dtype, self.device, self.ops)
         self.model.rotary.ensure_positions(init.max_model_len)
         if self.draft is not None:
             self.draft.init_cache(init)

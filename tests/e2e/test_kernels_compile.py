@@ -1,4 +1,4 @@
-"""Every Triton kernel, the fused elementwise ones too, compiles to a cubin for an H100 (sm_90)
+"""Every Triton kernel, the fused elementwise ones and the MLA one too, compiles to a cubin for an H100 (sm_90)
 without a GPU present.
 
 The interpreter tests check the maths; this catches what only the real compiler rejects
@@ -18,7 +18,8 @@ COMPILE_EVERY_KERNEL = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pagedserve.kernels import copy_blocks, fused_norm, fused_rotary, fused_silu_mul, paged_attention, write_kv, zero_blocks
+from pagedserve.kernels import (copy_blocks, fused_norm, fused_rotary, fused_silu_mul, mla_attention, paged_attention,
+                               write_kv, zero_blocks)
 
 def compile_for_h100(kernel, pointer_types, constexprs):
     signature = {}
@@ -54,6 +55,14 @@ for dtype in ("bf16", "fp16", "fp32"):
             DOT_IN_FP32=False, NUM_SPLITS=splits, SOFTCAP=False, SINKS=True))
     compile_for_h100(paged_attention._combine_splits_kernel, dict(out_ptr=data, part_ptr="*fp32",
                      part_ml_ptr="*fp32"), dict(NUM_SPLITS=4, SPLITS_PAD=4, DIM_PAD=128))
+    # DeepSeek's latent attention: V3's latent (512 + 64), and a narrow one
+    for latent, rope in ((512, 64), (28, 4)):
+        compile_for_h100(mla_attention._mla_attention_kernel, dict(
+            out_ptr=data, query_ptr=data, cache_ptr=data, block_tables_ptr="*i32", query_start_loc_ptr="*i32",
+            seq_lens_ptr="*i32", scale_log2="fp32"), dict(
+            LATENT=latent, ROPE=rope, LATENT_PAD=max(triton.next_power_of_2(latent), 16),
+            ROPE_PAD=max(triton.next_power_of_2(rope), 16), BLOCK_H=mla_attention.BLOCK_H,
+            BLOCK_N=mla_attention.BLOCK_N, DOT_IN_FP32=False))
     compile_for_h100(zero_blocks._zero_blocks_kernel, dict(cache_ptr=data, block_ids_ptr="*i32"), dict(CHUNK=4096))
     compile_for_h100(copy_blocks._copy_blocks_kernel, dict(cache_ptr=data, mapping_ptr="*i32"), dict(CHUNK=4096))
     compile_for_h100(write_kv._write_kv_kernel, dict(key_ptr=data, value_ptr=data, k_cache_ptr=data,

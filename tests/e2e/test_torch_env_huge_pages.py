@@ -27,8 +27,8 @@ print(next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if l
 # The same, with the worker's CPU KV cache (64 MiB) written through in place of the tensor.
 KV_CHILD = CHILD.replace("x = torch.ones(16 << 20)", """
 from pagedserve.kernels import reference
-from pagedserve.worker_proc.kv_cache import KVCache
-cache = KVCache(4, 256, 1, 16, 4, 64, torch.float32, torch.device("cpu"), reference)
+from pagedserve.worker_proc.kv_cache import KVCache, KVCacheSpec
+cache = KVCache(4, 256, 1, 16, KVCacheSpec.per_head(4, 64), torch.float32, torch.device("cpu"), reference)
 cache.device_cache.fill_(1.0)
 """)
 

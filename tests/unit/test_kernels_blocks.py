@@ -193,3 +193,21 @@ def test_select_ops_refuses_triton_on_cpu_without_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set only for the CPU run
     with pytest.raises(ops.KernelSelectionError, match="TRITON_INTERPRET=1"):
         ops.select_ops("cpu")
+
+
+def test_a_latent_cache_of_one_kind_is_zeroed_copied_and_swapped_as_the_reference_does():
+    """Multi-head latent attention's cache keeps one row a token, no V (worker_proc/kv_cache.py
+    ``KVCacheSpec.latent``): [layers, 1, blocks, slot, 1, L + R]."""
+    generator = torch.Generator().manual_seed(7)
+    cache = torch.randn(3, 1, 9, 4, 1, 36, generator=generator)
+    cache[:, :, 6] = float("nan")
+    host = host_memory(torch.full((3, 1, 5, 4, 1, 36), float("nan")))
+    cache, zero, copy = to_device(cache, torch.tensor([6, 2]), torch.tensor([[0, 6], [3, 8]]))
+    expected = cache.clone()
+    triton_ops.zero_blocks(cache, zero)
+    reference.zero_blocks(expected, zero)
+    triton_ops.copy_blocks(cache, copy)
+    reference.copy_blocks(expected, copy)
+    assert torch.equal(bits(cache), bits(expected)) and not cache.isnan().any()
+    triton_ops.swap_blocks(cache, host, torch.tensor([[8, 4], [1, 0]]))
+    assert torch.equal(bits(host[:, :, [4, 0]]), bits(expected[:, :, [8, 1]].cpu()))

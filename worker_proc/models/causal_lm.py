@@ -78,7 +78,8 @@ class CausalLM:
             hidden = hidden * self.embedding_scale
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer.forward(hidden, residual, batch, kv_cache[i, 0], kv_cache[i, 1],
+            # V is the last kind: with one (a latent cache, kv_cache.py) keys and values read the same rows
+            hidden, residual = layer.forward(hidden, residual, batch, kv_cache[i, 0], kv_cache[i, -1],
                                              ops, self.elementwise, batch.output_rows if i == last else None)
         return hidden.add_(residual)
 
