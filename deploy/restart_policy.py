@@ -4,7 +4,8 @@ A unit may restart ``max_restarts`` times within any ``window_s`` seconds; the n
 crash inside the window means it is broken (bad weights, a device gone, a bug that
 fires on every start), and restarting it again would only flap. The first restart
 is immediate; later ones in the same window wait 0.5 s, 1 s, 2 s, ... up to 10 s.
-``RestartSchedule`` holds the units waiting out their backoff (the offline LLM's workers).
+``RestartSchedule`` holds the units waiting out their backoff: the supervisor's replicas, the offline
+LLM's workers (it plays the supervisor there).
 """
 
 from __future__ import annotations

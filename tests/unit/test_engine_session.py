@@ -1,7 +1,6 @@
 """The engine session's decisions, as pure functions of what the replicas sent and the time: the
 request table, replica choice, liveness and loss that the HTTP frontend and the offline LLM share
-(client/engine_session.py), and the restart schedule the offline LLM keeps as serve's supervisor
-(deploy/restart_policy.py). No sockets, no processes."""
+(client/engine_session.py). No sockets, no processes."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import pytest
 from pagedserve.client.engine_session import EngineSession, InFlight
 from pagedserve.client.router import Router
 from pagedserve.client.routing_policy import RoutingPolicy
-from pagedserve.deploy.restart_policy import RestartBudget, RestartSchedule
 from pagedserve.protocol.block_hash import prefix_block_hashes
 from pagedserve.protocol.messages import PrefixCacheEvents, RequestDelta, SchedulerStats
 
@@ -177,18 +175,3 @@ def test_the_drain_deadline_ends_every_request_on_every_replica():
     lost = s.lose_all("the server is shutting down")
     assert lost.requests == requests and all(r.done for r in requests) and len(s) == 0
     assert s.lose_all("again") is None
-
-
-# ------------------------------------------------------------------ restarting workers (the offline LLM)
-
-
-def test_restarts_are_at_once_then_backed_off_and_refused_once_the_budget_is_spent():
-    schedule = RestartSchedule(RestartBudget(max_restarts=2, window_s=60.0))
-    assert schedule.schedule(0, now=1.0) == 0.0 and 0 in schedule
-    assert schedule.take_due(1.0) == [0] and 0 not in schedule
-    assert schedule.schedule(0, now=2.0) == 0.5
-    assert schedule.take_due(2.4) == [] and schedule.take_due(2.5) == [0]
-    assert schedule.schedule(0, now=3.0) is None  # a third death within the window: give up
-    assert schedule.schedule(1, now=3.0) == 0.0  # each replica has its own budget
-    assert schedule.num_restarts == 3
-    assert schedule.schedule(0, now=61.5) == 0.5  # the first death has left the window, not the second
