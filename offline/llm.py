@@ -197,7 +197,9 @@ class LLM:
 
     @contextmanager
     def _turn(self, timeout: Optional[float]) -> Iterator[Optional[float]]:
-        """Holds the LLM for one public call; yields its deadline (the wait for the turn counts)."""
+        """Holds the LLM for one public call; yields its deadline (the wait for the turn counts). What
+        the call leaves in flight (it raised, or timed out) is aborted, so the next call's session
+        holds only its own requests."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
             raise TimeoutError(f"another call held this LLM for the whole timeout ({timeout:g}s)")
@@ -206,6 +208,9 @@ class LLM:
                 raise RuntimeError("this LLM is closed")
             yield deadline
         finally:
+            abandoned = self._session.lose_all("abandoned by its call")
+            if abandoned is not None and self._finalizer.alive:
+                self._abort(abandoned.requests)  # the engine frees what it still holds for them
             self._lock.release()
 
     # ------------------------------------------------------------------ generate
@@ -411,9 +416,6 @@ class LLM:
                     session.on_cache_events(msg)
         finally:
             bar.close()
-            if len(session):  # interrupted: free what the engine still holds for them
-                lost = session.lose_all("interrupted")
-                self._abort(lost.requests)
 
     def _deliver(self, request, delta: m.RequestDelta, results: list, bar) -> int:
         """Applies one delta to its request; returns the tokens it added."""
