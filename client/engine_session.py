@@ -21,7 +21,7 @@ Restarting dead workers is the supervisor's, or the offline LLM's that plays it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 from pagedserve.client.routing_policy import Decision
 from pagedserve.client.router import Router
@@ -58,13 +58,10 @@ class Lost:
 class EngineSession:
     def __init__(self, router: Router):
         self.router = router
-        self.requests: dict[str, InFlight] = {}
+        self._requests: dict[str, InFlight] = {}  # written here only, as the router's in-flight counts
 
     def __len__(self) -> int:
-        return len(self.requests)
-
-    def __iter__(self) -> Iterator[InFlight]:
-        return iter(list(self.requests.values()))
+        return len(self._requests)
 
     # ------------------------------------------------------------------ placing requests
 
@@ -77,7 +74,7 @@ class EngineSession:
 
     def track(self, request: InFlight) -> None:
         """``request`` was sent to ``request.replica``: its deltas are now expected."""
-        self.requests[request.request_id] = request
+        self._requests[request.request_id] = request
         self.router.assign(request.replica, request.request_id, request.num_seqs)
 
     def forget(self, request: InFlight, now: Optional[float] = None) -> None:
@@ -85,19 +82,19 @@ class EngineSession:
         if request.done:
             return
         request.done = True
-        self.requests.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
         self.router.release(request.replica, request.request_id, request.num_seqs, now)
 
     def using_adapter(self, lora_name: str) -> int:
         """How many requests in flight an adapter computes."""
-        return sum(1 for request in self.requests.values() if request.lora_name == lora_name)
+        return sum(1 for request in self._requests.values() if request.lora_name == lora_name)
 
     # ------------------------------------------------------------------ what the replicas send
 
     def on_delta(self, delta: RequestDelta) -> Optional[InFlight]:
         """The request ``delta`` is for, or None (unknown, or already over). Once every sequence
         finished the request is forgotten, and a normal finish scores the router's prediction."""
-        request = self.requests.get(delta.request_id)
+        request = self._requests.get(delta.request_id)
         if request is None or delta.finish_reason is None:
             return request
         request.finished_indexes.add(delta.index)
@@ -153,7 +150,7 @@ class EngineSession:
     def lose_all(self, reason: str) -> Optional[Lost]:
         """Every request in flight, on whichever replica (the drain deadline): forgotten, returned
         as one ``Lost`` whose ``replica`` is -1 (each request keeps its own)."""
-        requests = list(self.requests.values())
+        requests = list(self._requests.values())
         for request in requests:
             self.forget(request)
         return Lost(-1, reason, requests) if requests else None
@@ -161,7 +158,7 @@ class EngineSession:
     def _lose(self, replica: int, reason: str, now: Optional[float], restarted: bool = False) -> Optional[Lost]:
         requests = []
         for request_id in sorted(self.router.replicas[replica].request_ids):
-            request = self.requests.get(request_id)
+            request = self._requests.get(request_id)
             if request is None:  # assigned on the router alone: nothing else to undo
                 self.router.release(replica, request_id, 0, now)
                 continue
