@@ -4,6 +4,8 @@ A unit may restart ``max_restarts`` times within any ``window_s`` seconds; the n
 crash inside the window means it is broken (bad weights, a device gone, a bug that
 fires on every start), and restarting it again would only flap. The first restart
 is immediate; later ones in the same window wait 0.5 s, 1 s, 2 s, ... up to 10 s.
+``RestartSchedule`` holds the units waiting out their backoff: the supervisor's replicas, the offline
+LLM's workers (it plays the supervisor there).
 """
 
 from __future__ import annotations
@@ -36,3 +38,32 @@ class RestartBudget:
             return None
         self._times[unit].append(now)
         return 0.0 if used == 0 else min(0.5 * 2 ** (used - 1), MAX_BACKOFF_S)
+
+
+class RestartSchedule:
+    """Units waiting to restart, each until its backoff ends: what to do about a crash (restart
+    at once, later, or never: the budget is spent), apart from doing it."""
+
+    def __init__(self, budget: RestartBudget):
+        self.budget = budget
+        self.num_restarts = 0  # restarts decided, over the whole run
+        self._due: dict[Hashable, float] = {}
+
+    def __contains__(self, unit: Hashable) -> bool:
+        return unit in self._due
+
+    def schedule(self, unit: Hashable, now: float) -> Optional[float]:
+        """Seconds until ``unit`` restarts (the restart counted in its budget), or None when the
+        budget is spent."""
+        delay = self.budget.next_delay(unit, now)
+        if delay is not None:
+            self._due[unit] = now + delay
+            self.num_restarts += 1
+        return delay
+
+    def take_due(self, now: float) -> list[Hashable]:
+        """The units whose backoff has ended: restart them now (they are no longer waiting)."""
+        due = [unit for unit, when in self._due.items() if now >= when]
+        for unit in due:
+            del self._due[unit]
+        return due

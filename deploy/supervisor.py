@@ -20,7 +20,7 @@ import zmq
 
 from pagedserve.deploy.children import Child
 from pagedserve.deploy.launcher import Launcher, StartupError, dist_init_address
-from pagedserve.deploy.restart_policy import RestartBudget
+from pagedserve.deploy.restart_policy import RestartBudget, RestartSchedule
 from pagedserve.deploy.serve_config import ServeConfig
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.rate_limited_log import RateLimitedLog
@@ -53,7 +53,7 @@ class Supervisor:
         self.schedulers = self.launcher.schedulers
         self.workers = self.launcher.workers
         self.budget = RestartBudget(cfg.max_restarts, cfg.restart_window_s)
-        self.pending_restart: dict[int, float] = {}  # replica -> when to respawn
+        self.pending_restart = RestartSchedule(self.budget)  # replicas waiting out their backoff
         self.restart_what: dict[int, str] = {}  # replica -> "workers" | "replica"
         self.failed: set[int] = set()
         self.last_heartbeat: dict[int, float] = {}  # replica -> when its scheduler last said so
@@ -116,8 +116,7 @@ class Supervisor:
         if replica in self.failed or replica in self.pending_restart:
             return
         self.launcher.forget_dead_workers(replica)
-        now = time.monotonic()
-        delay = self.budget.next_delay(replica, now)
+        delay = self.pending_restart.schedule(replica, time.monotonic())
         if delay is None:
             log.error("replica %d failed %d times within %.0fs (%s); marking it failed",
                       replica, self.cfg.max_restarts + 1, self.cfg.restart_window_s, reason)
@@ -128,7 +127,6 @@ class Supervisor:
             self.last_publish = 0.0  # tell the frontend now, not at the next tick
             return
         log.warning("replica %d: restarting %s in %.1fs (%s)", replica, what, delay, reason)
-        self.pending_restart[replica] = now + delay
         self.restart_what[replica] = what
         for child in self.workers.get(replica, []):
             child.kill()
@@ -136,11 +134,7 @@ class Supervisor:
             self.schedulers[replica].kill()
 
     def _do_pending_restarts(self) -> None:
-        now = time.monotonic()
-        for replica, when in list(self.pending_restart.items()):
-            if now < when:
-                continue
-            del self.pending_restart[replica]
+        for replica in self.pending_restart.take_due(time.monotonic()):
             if self.restart_what.get(replica) == "replica":
                 self._keep_trace(replica)
                 self._spawn_replica(replica)

@@ -31,7 +31,7 @@ from pagedserve.frontend_proc.embeddings_api import EmbeddingServing
 from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.reasoning import get_reasoning_parser
-from pagedserve.frontend_proc.router import Router
+from pagedserve.client.router import Router
 from pagedserve.frontend_proc.serving import Serving
 from pagedserve.client.generation_defaults import load_generation_defaults
 from pagedserve.client.lora_adapters import AdapterNameError, AdapterRegistry

@@ -22,7 +22,7 @@ from pagedserve.frontend_proc.lora_routes import add_lora_routes, runtime_updati
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.openai_schema import ChatCompletionRequest, CompletionRequest
 from pagedserve.frontend_proc.responses_api import add_responses_routes
-from pagedserve.frontend_proc.router import Router
+from pagedserve.client.router import Router
 from pagedserve.frontend_proc.serving import Serving, error_response
 from pagedserve.frontend_proc.utility_routes import add_utility_routes
 

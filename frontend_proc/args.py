@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pagedserve.frontend_proc.routing_policy import RoutingPolicy, default_router
+from pagedserve.client.routing_policy import RoutingPolicy, default_router
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
 from pagedserve.client.pooling import PoolerSettings, pooler_settings
 from pagedserve.runtime import options as opts

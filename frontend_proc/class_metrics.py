@@ -14,7 +14,7 @@ import time
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pagedserve.frontend_proc.router import Router
+from pagedserve.client.router import Router
 from pagedserve.protocol.priority import MAX_TENANT_KEYS, OTHER_TENANTS
 
 # family name -> (help, SchedulerStats field, label); gauges of live replicas

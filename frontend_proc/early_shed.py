@@ -30,7 +30,7 @@ from pagedserve.frontend_proc.auth import key_matches
 from pagedserve.frontend_proc.class_metrics import ShedCounts
 from pagedserve.frontend_proc.engine_client import overloaded
 from pagedserve.frontend_proc.errors import APIError
-from pagedserve.frontend_proc.router import Router
+from pagedserve.client.router import Router
 from pagedserve.frontend_proc.tenant import tenant_of
 from pagedserve.protocol.priority import PRIORITY_MAX, PRIORITY_MIN
 

@@ -1,11 +1,14 @@
-"""The frontend's side of the scheduler replicas: submit, abort, and deltas per request.
+"""The frontend's side of the scheduler replicas: the asyncio sockets around the engine session.
 
-One PULL socket receives every replica's RequestOutputs and SchedulerStats; one PUSH
-socket per replica carries AddRequest / AbortRequest. Each submitted request gets a
-queue of its RequestDeltas; a watchdog turns a replica that stops sending stats (or
-leaves the ready/draining states) into a ReplicaFailed event for its requests, and so
-does a heartbeat from a new scheduler process (a restarted replica knows none of them).
-The supervisor's ProcessTable arrives on the same socket and only feeds /health.
+The decisions are ``client/engine_session.py``'s (the request table, replica choice, liveness and
+loss, shared with the offline LLM); this module does the I/O around them and keeps it thin. One
+PULL socket receives every replica's RequestOutputs, SchedulerStats and PrefixCacheEvents (read
+asynchronously: a replica's stream of frames must never starve the loop, or a killed scheduler's
+requests would never be failed); one PUSH socket per replica carries AddRequest / AbortRequest.
+Each submitted request gets an inbox of its RequestDeltas; a watchdog hands what the session
+finds lost (a replica silent, out of the ready/draining states, or a new scheduler process) to
+the requests' inboxes as ReplicaFailed. The supervisor's ProcessTable arrives on the same socket
+and only feeds /health.
 
 With --enable-lora it is also the one writer of the deployment's adapters (``AdapterRegistry``):
 each registration or removal goes to every replica, in order with the requests on its socket,
@@ -16,17 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import zmq
 import zmq.asyncio
 
+from pagedserve.client.engine_session import EngineSession, InFlight, Lost
 from pagedserve.client.lora_adapters import AdapterRegistry
+from pagedserve.client.router import Router
 from pagedserve.protocol.lora_adapter import AdapterSpec
 from pagedserve.frontend_proc.errors import Conflict, ServiceUnavailable, TooManyRequests
-from pagedserve.frontend_proc.router import Router
 from pagedserve.frontend_proc.zmq_async import AsyncReceiver
 from pagedserve.protocol.messages import (
     AbortRequest, AddRequest, FrontendStarted, FrontendToScheduler, LoadLoRA, LoRAAdapter, PrefixCacheEvents,
@@ -46,20 +49,13 @@ class ReplicaFailed:
 Event = Union[RequestDelta, ReplicaFailed]
 
 
-@dataclass(slots=True)
-class RequestHandle:
+@dataclass(slots=True, eq=False)
+class RequestHandle(InFlight):
     """A request's inbox. Its task takes everything that arrived since it last looked in one
     go (``take``), so a task that wakes once per step handles that step's events together,
     and one that fell behind catches up in one pass instead of one wake-up per token."""
 
-    request_id: str
-    replica: int
-    num_seqs: int
-    predicted_hit_tokens: int = 0  # what the router expected the replica to have cached
-    lora_name: str = ""  # the adapter computing it ("": the base model)
     pending: list = field(default_factory=list)
-    finished_indexes: set[int] = field(default_factory=set)
-    done: bool = False  # the scheduler holds nothing more for it (or we stopped listening)
     waiter: Optional[asyncio.Future] = None
 
     def push(self, event: Event) -> None:
@@ -85,6 +81,7 @@ class EngineClient:
                  adapters: Optional[AdapterRegistry] = None):
         """``adapters``: with --enable-lora, the registry (its --lora-modules already in it); None without."""
         self.router = router
+        self.session = EngineSession(router)
         self.adapters = adapters
         self.max_waiting_requests = max_waiting_requests  # --max-waiting-requests, per replica
         self._ctx = zmq.asyncio.Context()
@@ -105,7 +102,6 @@ class EngineClient:
         for replica in range(len(self._inputs)):
             self._send_registry(replica)
         self._pending_aborts: list[list[str]] = [[] for _ in router.replicas]
-        self._requests: dict[str, RequestHandle] = {}
         self._stray_log = RateLimitedLog(log)
         self._tasks: list[asyncio.Task] = []
 
@@ -125,19 +121,17 @@ class EngineClient:
 
     def submit(self, request: AddRequest) -> RequestHandle:
         seed = self.adapters.seed(request.lora_name) if self.adapters is not None else 0
-        decision = self.router.choose(request.prompt_token_ids, priority=request.priority, seed=seed)
+        decision = self.session.choose(request.prompt_token_ids, priority=request.priority, seed=seed)
         if decision is None:
             raise ServiceUnavailable("no scheduler replica is ready; see GET /health")
         replica, predicted = self._shed(decision.replica), decision.predicted_hit_tokens
         if replica != decision.replica:
             predicted = 0
-        handle = RequestHandle(request.request_id, replica, request.sampling.n, predicted, request.lora_name)
-        self._requests[request.request_id] = handle
         if not self._flush_control(replica) or not self._inputs[replica].try_send(request):
-            del self._requests[request.request_id]
             raise ServiceUnavailable(f"scheduler replica {replica} is not keeping up (its input queue "
                                      f"is full); retry the request later")
-        self.router.assign(replica, request.request_id, handle.num_seqs)
+        handle = RequestHandle(request.request_id, replica, request.sampling.n, predicted, request.lora_name)
+        self.session.track(handle)
         return handle
 
     # ------------------------------------------------------------------ LoRA adapters
@@ -164,7 +158,7 @@ class EngineClient:
         return adapter
 
     def _refuse_in_use(self, name: str, what: str) -> None:
-        using = sum(1 for handle in self._requests.values() if handle.lora_name == name)
+        using = self.session.using_adapter(name)
         if using:
             raise Conflict(f"The lora adapter '{name}' is in use by {using} request(s) in flight and cannot be "
                            f"{what} now; retry once they finish", param="lora_name")
@@ -206,7 +200,7 @@ class EngineClient:
         """Stop a request the client no longer needs; the scheduler frees its blocks."""
         if handle.done:
             return
-        self._forget(handle)
+        self.session.forget(handle)
         self._send_abort(handle.replica, [handle.request_id])
 
     def _send_abort(self, replica: int, request_ids: list[str]) -> None:
@@ -217,59 +211,36 @@ class EngineClient:
 
     def end_all_for_shutdown(self, reason: str) -> int:
         """End every request in flight with ``reason`` (the drain deadline); returns how many."""
-        handles = list(self._requests.values())
-        for handle in handles:
+        lost = self.session.lose_all(reason)
+        for handle in lost.requests if lost is not None else ():
             handle.push(ReplicaFailed(reason, shutting_down=True))
-            self._forget(handle)
             self._send_abort(handle.replica, [handle.request_id])
-        return len(handles)
-
-    def _forget(self, handle: RequestHandle) -> None:
-        handle.done = True
-        self._requests.pop(handle.request_id, None)
-        self.router.release(handle.replica, handle.request_id, handle.num_seqs)
+        return len(lost.requests) if lost is not None else 0
 
     async def _receive_loop(self) -> None:
+        session = self.session
         while True:
             msg = await self._outputs.recv()
             try:
-                if isinstance(msg, SchedulerStats):
-                    self._check_restarted(msg)
-                    if not self.router.update(msg):
+                if isinstance(msg, RequestOutputs):
+                    for delta in iter_deltas(msg):
+                        handle = session.on_delta(delta)
+                        if handle is not None:
+                            handle.push(delta)
+                        else:
+                            log.debug("delta for unknown or finished request %s dropped", delta.request_id)
+                elif isinstance(msg, SchedulerStats):
+                    if not session.knows(msg.replica):
                         self._stray_log.warning("stats from an unknown replica ignored", "replica %d", msg.replica)
+                    lost = session.on_stats(msg)
+                    if lost is not None:
+                        self._fail(lost)
                 elif isinstance(msg, PrefixCacheEvents):
-                    self.router.apply_cache_events(msg)
+                    session.on_cache_events(msg)
                 elif isinstance(msg, ProcessTable):
                     self.router.processes = msg
-                elif isinstance(msg, RequestOutputs):
-                    for delta in iter_deltas(msg):
-                        self._dispatch(delta)
             except Exception:  # one bad message must not stop every request's output
                 log.exception("failed to handle %s", type(msg).__name__)
-
-    def _dispatch(self, delta: RequestDelta) -> None:
-        handle = self._requests.get(delta.request_id)
-        if handle is None:
-            log.debug("delta for unknown or finished request %s dropped", delta.request_id)
-            return
-        handle.push(delta)
-        if delta.finish_reason is not None:
-            handle.finished_indexes.add(delta.index)
-            if len(handle.finished_indexes) >= handle.num_seqs:
-                if delta.error is None:  # prediction vs the hits the replica reports
-                    self.router.chooser.record_finished(handle.replica, handle.predicted_hit_tokens,
-                                                        delta.num_cached_tokens)
-                self._forget(handle)
-
-    def _check_restarted(self, stats: SchedulerStats) -> None:
-        if not 0 <= stats.replica < len(self.router.replicas) or not stats.pid:
-            return
-        last = self.router.replicas[stats.replica].stats
-        if last is not None and last.pid and last.pid != stats.pid:
-            self._fail_requests_on(stats.replica, f"scheduler replica {stats.replica} was restarted "
-                                                  f"(pid {last.pid} -> {stats.pid})")
-            self._pending_control[stats.replica].clear()  # the whole registry follows: it holds them all
-            self._send_registry(stats.replica)
 
     async def _watchdog_loop(self) -> None:
         period = min(0.25, self.router.timeout_s / 4)
@@ -280,35 +251,26 @@ class EngineClient:
                     self._flush_control(replica)
                     if pending:
                         self._send_abort(replica, [])
-                for replica in self.router.failed_replicas():
-                    self._fail_requests_on(replica.replica)
+                for lost in self.session.failed():
+                    self._fail(lost)
             except Exception:  # the watchdog must outlive any one failure
                 log.exception("replica watchdog check failed")
 
-    def _fail_requests_on(self, replica: int, reason: Optional[str] = None) -> None:
-        status = self.router.replicas[replica]
-        state = status.stats.state if status.stats else "unknown"
-        if reason is None and status.is_fresh(self.router.clock(), self.router.timeout_s):
-            reason = f"scheduler replica {replica} went to state {state!r}"
-        elif reason is None:
-            reason = (f"scheduler replica {replica} sent no stats for "
-                      f"{self.router.timeout_s:g} s")
-        request_ids = sorted(status.request_ids)
-        if not request_ids:
+    def _fail(self, lost: Lost) -> None:
+        """End the requests the session found lost; a new scheduler process gets the registry again."""
+        if lost.restarted:
+            self._pending_control[lost.replica].clear()  # the whole registry follows: it holds them all
+            self._send_registry(lost.replica)
+        if not lost.requests:
             return
-        log.error("%s; failing %d in-flight request(s)", reason, len(request_ids))
-        for request_id in request_ids:
-            handle = self._requests.get(request_id)
-            if handle is None:
-                self.router.release(replica, request_id, 0)
-                continue
-            handle.push(ReplicaFailed(f"{reason}; the request was lost, retry it"))
-            self._forget(handle)
+        log.error("%s; failing %d in-flight request(s)", lost.reason, len(lost.requests))
+        for handle in lost.requests:
+            handle.push(ReplicaFailed(f"{lost.reason}; the request was lost, retry it"))
         # Fire-and-forget: if the replica comes back it frees whatever it still holds.
-        self._send_abort(replica, request_ids)
+        self._send_abort(lost.replica, lost.request_ids)
 
     def num_in_flight(self) -> int:
-        return len(self._requests)
+        return len(self.session)
 
 
 def overloaded(router: Router, limit: int) -> TooManyRequests:

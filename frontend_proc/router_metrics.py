@@ -5,8 +5,8 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pagedserve.frontend_proc.router import Router
-from pagedserve.frontend_proc.routing_policy import REASONS
+from pagedserve.client.router import Router
+from pagedserve.client.routing_policy import REASONS
 
 
 class RouterCollector(Collector):

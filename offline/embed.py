@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
+from pagedserve.client.engine_session import InFlight
 from pagedserve.client.pooling import Matryoshka, finish_embedding
+from pagedserve.client.routing_policy import Decision
 from pagedserve.protocol import messages as m
 from pagedserve.protocol.validate import InvalidField
 
@@ -86,15 +88,14 @@ def as_pooling_params_list(params: Union[PoolingParams, Sequence[PoolingParams],
     return items
 
 
-class PendingEmbedding:
+class PendingEmbedding(InFlight):
     """An embedding request sent and not finished (the collector's interface of PendingRequest)."""
 
     ended_by_stop_string = False
 
-    def __init__(self, index: int, add: m.AddRequest, replica: int, params: PoolingParams, normalize: bool):
+    def __init__(self, index: int, add: m.AddRequest, placed: Decision, params: PoolingParams, normalize: bool):
+        super().__init__(add.request_id, placed.replica, 1, placed.predicted_hit_tokens)
         self.index = index
-        self.replica = replica
-        self.request_id = add.request_id
         self.prompt_token_ids = list(add.prompt_token_ids)
         self.dimensions = params.dimensions
         self.normalize = normalize if params.normalize is None else params.normalize

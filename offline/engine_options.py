@@ -2,8 +2,7 @@
 
 The LLM hands the scheduler's and workers' options to those processes and itself plays the
 frontend and the supervisor, reading the few of their options it has a use for (OFFLINE_READS).
-Any other serve option (the HTTP server's, the cache-aware router's tuning, the multi-node and
-Ray layouts) would be accepted and do nothing, so a value other than its default is refused,
+Any other serve option (the HTTP server's, the multi-node and Ray layouts) would be accepted and do nothing, so a value other than its default is refused,
 in one error naming each, before any process starts. A new serve option is refused here until
 the offline LLM reads it.
 """
@@ -16,7 +15,7 @@ from pagedserve.runtime import options as opts
 # Frontend and supervision options the offline LLM reads itself; the rest reach its children.
 OFFLINE_READS = frozenset({
     "chat_template", "max_logprobs", "generation_config", "task", "pooling_type", "pooler_config",
-    "data_parallel_size", "router", "replica_timeout_s", "scheduler_timeout_s", "max_restarts",
+    "data_parallel_size", "router", "router_balance_abs", "router_balance_rel", "replica_timeout_s", "scheduler_timeout_s", "max_restarts",
     "restart_window_s", "run_dir_parent", "max_model_len", "scheduling_policy", "log_level", "lora_modules",
     "load_format", "tokenizer"})  # a GGUF's: read where ServeConfig makes its model directory
 # Options the offline LLM could pass on or read but refuses, and why.
@@ -26,7 +25,6 @@ REFUSED = {
     "reasoning_parser": "the offline LLM returns the whole output as text, and its grammars "
                         "(structured_outputs) cannot start after the thinking as serve's chat path does",
 }
-OFFLINE_ROUTERS = ("least-loaded", "round-robin")
 
 
 def unused_options() -> list[str]:
@@ -48,10 +46,7 @@ def offline_config(model: str, log_level: str, engine_options: dict) -> ServeCon
     if reasons:
         raise ConfigError(f"the offline LLM does not use these options, so they would do nothing here: "
                           f"{'; '.join(reasons)}. Drop them, or serve the model with `pagedserve serve`")
-    router = options.get("router")
-    if router is not None and router not in OFFLINE_ROUTERS:
-        raise ConfigError(f"router: the offline LLM spreads requests over its replicas "
-                          f"{' or '.join(OFFLINE_ROUTERS)}, got {router!r} (the cache-aware router is "
-                          f"the HTTP frontend's)")
-    options["router"] = router or "least-loaded"
+    # The HTTP frontend's router (client/engine_session.py), least-loaded unless asked: a generate()
+    # batch is placed before any of its blocks is cached, so cache-aware pays only across calls
+    options["router"] = options.get("router") or "least-loaded"
     return ServeConfig(model=str(model), log_level=log_level, **options)

@@ -7,10 +7,11 @@ output socket, pushes AddRequests to the schedulers and collects RequestDeltas u
 request finished; text follows the HTTP frontend's rules (offline/outputs.py).
 
 It never waits without end: every input is checked before anything is sent
-(offline/inputs.py), a dead or hung scheduler raises EngineDiedError, the requests of a
-replica that falls silent end with finish_reason "error", dead workers are replaced as
-``serve`` replaces them (offline/replicas.py), and ``generate`` takes a timeout. Calls from
-several threads take turns.
+(offline/inputs.py), a dead or hung scheduler raises EngineDiedError, dead workers are
+replaced as ``serve`` replaces them (offline/supervision.py), and ``generate`` takes a timeout.
+Replica choice (``router``, cache-aware included) and a silent replica's lost requests (they end
+with finish_reason "error") are the HTTP frontend's, from the same engine session
+(client/engine_session.py). Calls from several threads take turns.
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ from pagedserve.offline.inputs import (
     Prompt, SamplingParams, as_params_list, as_per_prompt, as_priority_list, as_prompt_list, check_engine_limits,
     prompt_text, prompt_token_ids)
 from pagedserve.offline.outputs import CompletionOutput, PendingRequest, RequestOutput, progress_bar
-from pagedserve.offline.replicas import EngineDiedError, Replicas
+from pagedserve.offline.supervision import EngineDiedError, Supervision
 from pagedserve.offline.structured import StructuredOutputsParams
 from pagedserve.protocol import messages as m
 from pagedserve.client.detokenizer import TextDecoder
+from pagedserve.client.engine_session import EngineSession, InFlight, Lost
+from pagedserve.client.router import Router
+from pagedserve.client.routing_policy import Decision, RoutingPolicy
 from pagedserve.client.generation_defaults import load_generation_defaults
 from pagedserve.client.lora_adapters import AdapterRegistry
 from pagedserve.client.model_files import eos_token_ids, vocab_size
@@ -72,8 +76,9 @@ class LLM:
     max_num_seqs, max_num_batched_tokens, block_size, preemption_mode, data_parallel_size, ...;
     those only ``serve`` uses are refused (offline/engine_options.py). ``task="embed"`` (or vLLM's
     ``runner="pooling"``) makes an embedding engine for ``embed()`` and ``encode()``.
-    ``router``: least-loaded (default) or round-robin over the replicas; ``replica_timeout_s``,
-    ``scheduler_timeout_s``, ``max_restarts`` and ``restart_window_s`` as replicas.py applies them.
+    ``router``: least-loaded (default), round-robin or cache-aware (with ``router_balance_abs`` /
+    ``_rel``) over the replicas, as ``serve``'s frontend routes; ``replica_timeout_s`` as it applies it;
+    ``scheduler_timeout_s``, ``max_restarts`` and ``restart_window_s`` as supervision.py applies them.
     ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``) serves LoRA adapters:
     ``generate(..., lora_request=LoRARequest(name, id, path))``; ``lora_modules`` (serve's NAME=PATH
     items) registers adapters at start, with ids 1, 2, ... in the order given (offline/lora.py).
@@ -115,7 +120,11 @@ class LLM:
         ep = Endpoints(self.run_dir)
         self._outputs = Receiver(self._ctx, ep.frontend_outputs(), m.SchedulerToFrontend)
         self._inputs = [Sender(self._ctx, ep.scheduler_inputs(r)) for r in range(self.config.data_parallel_size)]
-        self.stats: dict[int, m.SchedulerStats] = {}  # latest per replica
+        # Patient: it replaces dead workers itself, so a recovering replica keeps its requests
+        self._session = EngineSession(Router(
+            self.config.data_parallel_size, self.config.replica_timeout_s,
+            RoutingPolicy(self.config.router, self.config.router_balance_abs, self.config.router_balance_rel),
+            patient=True))
         # The engine's adapters (offline/lora.py); the --lora-modules ones read before any process starts
         self.adapters = AdapterRegistry(model, self.config.max_lora_rank) if self.config.enable_lora else None
         for item in self.config.lora_modules or ():
@@ -123,7 +132,10 @@ class LLM:
             self.adapters.add(name, self.adapters.read(name, path))
         self._start(startup_timeout_s)
         self._send_adapters(list(self.adapters or ()))
-        self._replicas = Replicas(self.config, self._launcher)  # after startup: silence counts from ready
+        ready_at = time.monotonic()  # silence counts from ready
+        for replica in range(self.config.data_parallel_size):
+            self._session.heard(replica, ready_at)
+        self._supervision = Supervision(self.config, self._launcher, self._session)
 
     # ------------------------------------------------------------------ processes
 
@@ -148,11 +160,27 @@ class LLM:
 
     @property
     def worker_restarts(self) -> int:
-        return self._replicas.worker_restarts
+        return self._supervision.worker_restarts
+
+    @property
+    def stats(self) -> dict[int, m.SchedulerStats]:
+        """The latest SchedulerStats of each replica heard from."""
+        return {r.replica: r.stats for r in self._session.router.replicas if r.stats is not None}
 
     def _watch(self) -> None:
         """A dead or hung scheduler ends the LLM; dead workers are replaced (asked or not)."""
-        self._replicas.watch(self._ready.recv_nowait(), time.monotonic())
+        self._supervision.watch(self._ready.recv_nowait(), time.monotonic())
+
+    def _place(self, add: m.AddRequest) -> Decision:
+        """The replica ``add`` goes to, by the LLM's ``router``; with every replica silent, one of
+        them all the same (its requests are lost once it has been silent ``replica_timeout_s``)."""
+        seed = self.adapters.seed(add.lora_name) if self.adapters is not None else 0
+        return self._session.choose(add.prompt_token_ids, time.monotonic(), add.priority, seed,  # type: ignore[return-value]
+                                    even_if_none_live=True)
+
+    def _send(self, request: InFlight, add: m.AddRequest) -> None:
+        self._inputs[request.replica].send(add)
+        self._session.track(request)
 
     def pids(self) -> list[int]:
         return [c.popen.pid for c in self._children]
@@ -169,7 +197,9 @@ class LLM:
 
     @contextmanager
     def _turn(self, timeout: Optional[float]) -> Iterator[Optional[float]]:
-        """Holds the LLM for one public call; yields its deadline (the wait for the turn counts)."""
+        """Holds the LLM for one public call; yields its deadline (the wait for the turn counts). What
+        the call leaves in flight (it raised, or timed out) is aborted, so the next call's session
+        holds only its own requests."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
             raise TimeoutError(f"another call held this LLM for the whole timeout ({timeout:g}s)")
@@ -178,6 +208,9 @@ class LLM:
                 raise RuntimeError("this LLM is closed")
             yield deadline
         finally:
+            abandoned = self._session.lose_all("abandoned by its call")
+            if abandoned is not None and self._finalizer.alive:
+                self._abort(abandoned.requests)  # the engine frees what it still holds for them
             self._lock.release()
 
     # ------------------------------------------------------------------ generate
@@ -266,14 +299,12 @@ class LLM:
         with self._turn(timeout) as deadline:
             adds = [self._pooling_request(i, prompt) for i, prompt in enumerate(prompts)]
             self._watch()
-            pending: dict[str, PendingEmbedding] = {}
+            requests = []
             for i, (add, p) in enumerate(zip(adds, params)):
-                replica = self._replicas.pick(time.monotonic())
-                pending[add.request_id] = PendingEmbedding(i, add, replica, p, self.pooler.normalize)
-                self._inputs[replica].send(add)
-            requests = list(pending.values())
+                requests.append(PendingEmbedding(i, add, self._place(add), p, self.pooler.normalize))
+                self._send(requests[-1], add)
             results: list[Optional[EmbeddingRequestOutput]] = [None] * len(prompts)
-            self._collect(pending, results, use_tqdm, deadline)  # type: ignore[arg-type]
+            self._collect(results, use_tqdm, deadline)
         for request in requests:
             if request.error is not None:
                 raise EmbeddingFailed(f"prompt {request.index}: {request.error}")
@@ -321,18 +352,15 @@ class LLM:
         if self.adapters is not None:
             self._send_adapters(new_adapters(self.adapters, loras))
         self._watch()
-        pending: dict[str, PendingRequest] = {}
         results: list[Optional[RequestOutput]] = [None] * len(prompts)
         for i, (add, sp) in enumerate(zip(requests, params)):
             out = RequestOutput(add.request_id, add.prompt_token_ids,
                                 [CompletionOutput(k, "", [], None) for k in range(sp.n)],
                                 arrival_time=time.perf_counter(), prompt=prompt_texts[i])
-            replica = self._replicas.pick(time.monotonic())
             decoder = self._decoders[sp.skip_special_tokens]
-            pending[add.request_id] = PendingRequest(i, out, replica, decoder, sp.stop, sp.stop_token_ids,
-                                                     sp.min_tokens)
-            self._inputs[replica].send(add)
-        self._collect(pending, results, use_tqdm, deadline)
+            self._send(PendingRequest(i, out, self._place(add), decoder, sp.stop, sp.stop_token_ids, sp.min_tokens,
+                                      add.lora_name), add)
+        self._collect(results, use_tqdm, deadline)
         return results  # type: ignore[return-value]
 
     def _request(self, index: int, prompt: Prompt, sp: SamplingParams, sampling: m.SamplingParams,
@@ -357,57 +385,63 @@ class LLM:
             raise InvalidField(exc.field, f"{exc.reason} (prompt {index})") from None
         return add
 
-    def _collect(self, pending: dict[str, PendingRequest], results: list, use_tqdm,
-                 deadline: Optional[float]) -> None:
-        bar = progress_bar(use_tqdm, len(pending), "generate")
+    def _collect(self, results: list, use_tqdm, deadline: Optional[float]) -> None:
+        """Every request in the session (this call's: calls take turns) to its result in ``results``."""
+        session = self._session
+        bar = progress_bar(use_tqdm, len(session), "generate")
         generated, started, next_watch = 0, time.perf_counter(), time.monotonic() + WATCH_INTERVAL_S
         try:
-            while pending:
+            while len(session):
                 if time.monotonic() >= next_watch:
                     self._watch()
-                    lost = self._replicas.lost(pending, time.monotonic())
-                    self._abort({rid: pending[rid] for rid in lost})  # in case the replica comes back
-                    for delta in lost.values():
-                        self._deliver(delta, pending, results, bar)
+                    for lost in session.failed(time.monotonic()):
+                        self._end_lost(lost, results, bar)
                     next_watch = time.monotonic() + WATCH_INTERVAL_S
                 if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"generate timed out with {len(pending)} request(s) unfinished")
+                    raise TimeoutError(f"generate timed out with {len(session)} request(s) unfinished")
                 msg = self._outputs.recv(timeout_ms=100)
-                if isinstance(msg, (m.SchedulerStats, m.RequestOutputs)):
-                    self._replicas.heard(msg.replica, time.monotonic())
-                if isinstance(msg, m.SchedulerStats):
-                    self.stats[msg.replica] = msg
-                if not isinstance(msg, m.RequestOutputs):
-                    continue
-                for delta in m.iter_deltas(msg):
-                    generated += self._deliver(delta, pending, results, bar)
-                bar.set_postfix_str(f"{generated / max(time.perf_counter() - started, 1e-9):.0f} tok/s", refresh=False)
+                if isinstance(msg, m.RequestOutputs):
+                    session.heard(msg.replica, time.monotonic())
+                    for delta in m.iter_deltas(msg):
+                        request = session.on_delta(delta)
+                        if request is not None:
+                            generated += self._deliver(request, delta, results, bar)
+                    bar.set_postfix_str(f"{generated / max(time.perf_counter() - started, 1e-9):.0f} tok/s",
+                                        refresh=False)
+                elif isinstance(msg, m.SchedulerStats):
+                    lost = session.on_stats(msg, time.monotonic())
+                    if lost is not None:  # a new scheduler process: never one this LLM started, but said so
+                        self._end_lost(lost, results, bar)
+                elif isinstance(msg, m.PrefixCacheEvents):
+                    session.on_cache_events(msg)
         finally:
             bar.close()
-            if pending:  # interrupted: free what the engine still holds for them
-                for request in pending.values():
-                    self._replicas.in_flight[request.replica] -= 1
-                self._abort(pending)
 
-    def _deliver(self, delta: m.RequestDelta, pending: dict, results: list, bar) -> int:
-        """Applies one delta to its request (if still pending); returns the tokens it added."""
-        request = pending.get(delta.request_id)
-        if request is None:
-            return 0
+    def _deliver(self, request, delta: m.RequestDelta, results: list, bar) -> int:
+        """Applies one delta to its request; returns the tokens it added."""
         added = request.apply(delta, time.perf_counter())
         if request.finished:
-            if request.ended_by_stop_string:
+            if request.ended_by_stop_string:  # the scheduler still runs it
                 self._inputs[request.replica].send(m.AbortRequest([delta.request_id]))
+            self._session.forget(request)  # if it has not (an error for sample 0 alone ends every sample)
             results[request.index] = request.output
-            del pending[delta.request_id]
-            self._replicas.in_flight[request.replica] -= 1
             bar.update(1)
         return added
 
-    def _abort(self, pending: dict) -> None:
+    def _end_lost(self, lost: Lost, results: list, bar) -> None:
+        """End ``lost``'s requests with finish_reason "error", as the HTTP frontend ends them, and abort
+        them in case the replica comes back."""
+        self._abort(lost.requests)
+        for request in lost.requests:
+            request.apply(m.RequestDelta(request.request_id, 0, [], "error", error_kind="engine",
+                                         error=f"{lost.reason}; the request was lost"), time.perf_counter())
+            results[request.index] = request.output
+            bar.update(1)
+
+    def _abort(self, requests: Sequence[InFlight]) -> None:
         by_replica: dict[int, list[str]] = {}
-        for rid, request in pending.items():
-            by_replica.setdefault(request.replica, []).append(rid)
+        for request in requests:
+            by_replica.setdefault(request.replica, []).append(request.request_id)
         for replica, ids in by_replica.items():
             self._inputs[replica].send(m.AbortRequest(ids))
 
@@ -418,7 +452,6 @@ class LLM:
             while len(fresh) < len(self._inputs) and time.monotonic() < deadline:
                 msg = self._outputs.recv(timeout_ms=100)
                 if isinstance(msg, m.SchedulerStats):
-                    self._replicas.heard(msg.replica, time.monotonic())
-                    self.stats[msg.replica] = msg
+                    self._session.on_stats(msg, time.monotonic())
                     fresh.add(msg.replica)
         return self.stats

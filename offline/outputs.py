@@ -12,6 +12,8 @@ from typing import Any, Collection, Optional, Union
 
 import msgspec
 
+from pagedserve.client.engine_session import InFlight
+from pagedserve.client.routing_policy import Decision
 from pagedserve.protocol import messages as m
 from pagedserve.client.detokenizer import TextDecoder
 from pagedserve.client.prompt_logprobs import prompt_logprob_tables
@@ -86,15 +88,18 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-class PendingRequest:
-    """A request sent and not finished: where its result goes and each sample's text so far."""
+class PendingRequest(InFlight):
+    """A request sent and not finished (the engine session's record of it): where its result goes
+    and each sample's text so far."""
 
-    def __init__(self, index: int, output: RequestOutput, replica: int, decoder: TextDecoder,
-                 stop_strings: list[str], stop_token_ids: Collection[int] = (), min_tokens: int = 0):
+    def __init__(self, index: int, output: RequestOutput, placed: Decision, decoder: TextDecoder,
+                 stop_strings: list[str], stop_token_ids: Collection[int] = (), min_tokens: int = 0,
+                 lora_name: str = ""):
+        super().__init__(output.request_id, placed.replica, len(output.outputs), placed.predicted_hit_tokens,
+                         lora_name)
         self.index = index  # in the caller's list of prompts
         self.stop_token_ids = frozenset(stop_token_ids)
         self.output = output
-        self.replica = replica
         # Without stop strings, the text is decoded once at the end: the same text (the
         # detokenizer decodes its whole window), without a decode per token.
         self.streaming = bool(stop_strings)
@@ -104,6 +109,7 @@ class PendingRequest:
 
     @property
     def finished(self) -> bool:
+        """Every sample ended here (a stop string may end one before the scheduler does)."""
         return self.output.finished
 
     @property

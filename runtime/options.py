@@ -31,7 +31,7 @@ SCHEDULER, WORKER, FRONTEND = "scheduler", "worker", "frontend"
 DTYPE_ALIASES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
                  "float16": "float16", "half": "float16"}
 DTYPE_CHOICES = ("auto", *DTYPE_ALIASES)
-ROUTER_KINDS = ("cache-aware", "least-loaded", "round-robin")  # frontend_proc/routing_policy.py
+ROUTER_KINDS = ("cache-aware", "least-loaded", "round-robin")  # client/routing_policy.py
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "qwen3_coder")  # frontend_proc/tool_parsers/ (a test checks)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # frontend_proc/reasoning/__init__.py (a test checks)

@@ -20,7 +20,7 @@ from pagedserve.deploy.cli import ensure_demo_model
 from pagedserve.frontend_proc.app import build_app
 from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.metrics import FrontendMetrics
-from pagedserve.frontend_proc.router import Router
+from pagedserve.client.router import Router
 from pagedserve.frontend_proc.serving import Serving
 from pagedserve.protocol.messages import SchedulerStats
 from pagedserve.protocol.zmq_io import Endpoints, make_run_dir

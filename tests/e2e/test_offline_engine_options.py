@@ -105,3 +105,18 @@ def test_a_silent_replica_loses_its_requests_then_ends_the_llm_as_hung(model):
             scheduler.popen.kill()  # a stuck call (the bug) sees it exit and returns
         calls.shutdown(wait=True)
         llm.close()
+
+
+def test_cache_aware_routing_sends_each_next_request_to_the_replica_that_cached_its_prefix(model):
+    """The HTTP frontend's router, in the offline LLM: one request at a time would alternate between
+    two idle replicas under least-loaded; cache-aware keeps a shared prefix where it is cached."""
+    system = list(range(5, 69))  # 64 tokens: whole blocks at any block size up to 64
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with LLM(model, data_parallel_size=2, router="cache-aware", enable_prefix_caching=True, **SMALL) as llm:
+        for turn in range(5):
+            assert llm.generate([system + [70 + turn]], greedy, use_tqdm=False, timeout=60)[0].finish_reason \
+                == "length"
+        stats = llm.refresh_stats(timeout_s=30)
+    assert sorted(s.num_finished for s in stats.values()) == [0, 5]
+    holder = next(s for s in stats.values() if s.num_finished == 5)
+    assert holder.prefix_cache_hits >= 4 * 48  # each later turn found (most of) the prefix cached

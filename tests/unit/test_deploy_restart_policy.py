@@ -1,10 +1,11 @@
-"""Bounded restarts: immediate first, then doubling backoff, and a unit that crashes too often fails."""
+"""Bounded restarts: immediate first, then doubling backoff, and a unit that crashes too often fails;
+the schedule of units waiting out their backoff (the supervisor's replicas, the offline LLM's workers)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedserve.deploy.restart_policy import MAX_BACKOFF_S, RestartBudget
+from pagedserve.deploy.restart_policy import MAX_BACKOFF_S, RestartBudget, RestartSchedule
 
 
 def test_restarts_back_off_doubling_up_to_the_cap_then_the_budget_is_spent():
@@ -33,3 +34,15 @@ def test_a_budget_of_no_restarts_fails_at_the_first_crash_and_bad_settings_are_r
     assert RestartBudget(max_restarts=0, window_s=1.0).next_delay("r", now=0.0) is None
     with pytest.raises(ValueError, match="window"):
         RestartBudget(max_restarts=1, window_s=0)
+
+
+def test_restarts_are_at_once_then_backed_off_and_refused_once_the_budget_is_spent():
+    schedule = RestartSchedule(RestartBudget(max_restarts=2, window_s=60.0))
+    assert schedule.schedule(0, now=1.0) == 0.0 and 0 in schedule
+    assert schedule.take_due(1.0) == [0] and 0 not in schedule
+    assert schedule.schedule(0, now=2.0) == 0.5
+    assert schedule.take_due(2.4) == [] and schedule.take_due(2.5) == [0]
+    assert schedule.schedule(0, now=3.0) is None  # a third death within the window: give up
+    assert schedule.schedule(1, now=3.0) == 0.0  # each replica has its own budget
+    assert schedule.num_restarts == 3
+    assert schedule.schedule(0, now=61.5) == 0.5  # the first death has left the window, not the second

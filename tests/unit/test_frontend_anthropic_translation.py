@@ -18,7 +18,7 @@ from pagedserve.frontend_proc.app import build_app
 from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.metrics import FrontendMetrics
 from pagedserve.frontend_proc.reasoning import get_reasoning_parser
-from pagedserve.frontend_proc.router import Router
+from pagedserve.client.router import Router
 from pagedserve.frontend_proc.serving import Serving
 from pagedserve.frontend_proc.tool_choice import ToolCallingConfig
 from pagedserve.protocol.messages import SchedulerStats

@@ -4,7 +4,7 @@ and the 429s the frontend answered itself (pure objects: no process)."""
 from __future__ import annotations
 
 from pagedserve.frontend_proc.metrics import FrontendMetrics
-from pagedserve.frontend_proc.router import Router
+from pagedserve.client.router import Router
 from pagedserve.protocol.messages import SchedulerStats
 
 

@@ -16,7 +16,7 @@ from pagedserve.frontend_proc.class_metrics import ShedCounts
 from pagedserve.frontend_proc.early_shed import EarlyShed
 from pagedserve.frontend_proc.engine_client import EngineClient, overloaded
 from pagedserve.frontend_proc.metrics import FrontendMetrics
-from pagedserve.frontend_proc.router import Router
+from pagedserve.client.router import Router
 from pagedserve.frontend_proc.serving import Serving
 from pagedserve.protocol.messages import SchedulerStats
 from pagedserve.protocol.zmq_io import Endpoints, make_run_dir

@@ -19,8 +19,8 @@ from pagedserve.client.lora_adapters import AdapterRegistry
 from pagedserve.frontend_proc.engine_client import EngineClient
 from pagedserve.frontend_proc.errors import Conflict
 from pagedserve.frontend_proc.metrics import FrontendMetrics
-from pagedserve.frontend_proc.router import Router
-from pagedserve.frontend_proc.routing_policy import RoutingPolicy
+from pagedserve.client.router import Router
+from pagedserve.client.routing_policy import RoutingPolicy
 from pagedserve.protocol.block_hash import adapter_seed, prefix_block_hashes
 from pagedserve.protocol.messages import (AddRequest, FrontendStarted, FrontendToScheduler, LoadLoRA, PrefixCacheEvents,
                                           RequestDelta, RequestOutputs, SamplingParams, SchedulerStats, UnloadLoRA)

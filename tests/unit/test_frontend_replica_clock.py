@@ -7,7 +7,7 @@ import asyncio
 import zmq
 import zmq.asyncio
 
-from pagedserve.frontend_proc.router import Router
+from pagedserve.client.router import Router
 from pagedserve.frontend_proc.zmq_async import AsyncReceiver
 from pagedserve.protocol.messages import SchedulerStats, SchedulerToFrontend
 from pagedserve.protocol.zmq_io import Sender

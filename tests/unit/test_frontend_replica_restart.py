@@ -8,7 +8,7 @@ import asyncio
 import zmq
 
 from pagedserve.frontend_proc.engine_client import EngineClient, ReplicaFailed
-from pagedserve.frontend_proc.router import Router
+from pagedserve.client.router import Router
 from pagedserve.protocol.messages import (AbortRequest, AddRequest, FrontendStarted, FrontendToScheduler,
                                           SamplingParams, SchedulerStats)
 from pagedserve.protocol.zmq_io import Endpoints, Receiver, Sender, make_run_dir

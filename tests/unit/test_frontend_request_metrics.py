@@ -19,7 +19,7 @@ from pagedserve.frontend_proc.app import build_app
 from pagedserve.frontend_proc.embeddings_api import EmbeddingServing
 from pagedserve.frontend_proc.engine_client import RequestHandle
 from pagedserve.frontend_proc.metrics import FrontendMetrics
-from pagedserve.frontend_proc.router import Router
+from pagedserve.client.router import Router
 from pagedserve.frontend_proc.serving import Serving
 from pagedserve.protocol.messages import AddRequest, RequestDelta
 

@@ -8,7 +8,7 @@ import pytest
 
 from pagedserve.tools.demo_model import build_tokenizer
 from pagedserve.frontend_proc.request_stream import ChoiceState
-from pagedserve.frontend_proc.router import Router
+from pagedserve.client.router import Router
 from pagedserve.client.tokenization import PromptTokenizer
 from pagedserve.client.detokenizer import REPLACEMENT_CHAR, StreamDetokenizer, WindowDetokenizer
 from pagedserve.client.stop_strings import StopStringMatcher

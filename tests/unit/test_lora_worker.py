@@ -208,7 +208,7 @@ def test_the_real_scheduler_drives_more_adapters_than_slots_through_the_runner(l
     """The scheduler's LoRASteps (slot loads, reuse once a slot's requests finish, prefix caching per
     adapter) applied by the runner: every request decodes what peft decodes with its adapter."""
     from pagedserve.protocol.messages import SamplingParams
-    from support.in_process_engine import generate
+    from pagedserve.tools.in_process_engine import generate
 
     model_dir, adapters = llama
     messages = [adapter_message(f"a{i}", path, i + 1) for i, path in enumerate(adapters)]

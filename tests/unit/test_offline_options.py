@@ -35,8 +35,8 @@ def test_serve_only_options_are_refused_in_one_error_naming_each_before_anything
     for name in [*HTTP_ONLY, "max_waiting_requests", "reasoning_parser"]:
         assert name in message, name
     assert "whole batch" in message and "thinking" in message  # the two refusals say why
-    for name in ("ray_address", "internal_host", "remote_workers", "router_balance_abs", "disable_log_requests"):
-        assert name in unused_options()  # supervisor-only and router tuning too: nothing offline reads them
+    for name in ("ray_address", "internal_host", "remote_workers", "disable_log_requests"):
+        assert name in unused_options()  # supervisor-only: nothing offline reads them
 
 
 def test_a_serve_only_option_at_its_default_and_the_options_offline_reads_are_accepted(model):
@@ -49,11 +49,16 @@ def test_a_serve_only_option_at_its_default_and_the_options_offline_reads_are_ac
     assert config.task == "embed" and config.router == "least-loaded"
 
 
-def test_router_is_least_loaded_or_round_robin_and_cache_aware_is_refused(model):
+def test_router_is_serves_with_least_loaded_the_default_and_cache_aware_needs_the_prefix_cache(model):
     assert offline_config(model, "WARNING", dict(router="round-robin", data_parallel_size=2)).router == "round-robin"
     assert offline_config(model, "WARNING", dict(data_parallel_size=2)).router == "least-loaded"  # not serve's
-    with pytest.raises(ValueError, match="^router: .*cache-aware"):
+    tuned = offline_config(model, "WARNING", dict(router="cache-aware", router_balance_abs=3, data_parallel_size=2,
+                                                  enable_prefix_caching=True))
+    assert (tuned.router, tuned.router_balance_abs) == ("cache-aware", 3)
+    with pytest.raises(ValueError, match="cache-aware .*needs --enable-prefix-caching"):
         LLM(model, router="cache-aware", data_parallel_size=2)
+    with pytest.raises(ValueError, match="router-balance-abs.*tune the cache-aware router"):
+        LLM(model, router_balance_abs=3, data_parallel_size=2)
 
 
 def test_fields_set_after_construction_are_checked_and_normalised_as_the_constructors():

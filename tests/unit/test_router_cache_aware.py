@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from pagedserve.frontend_proc.cache_index import ReplicaCacheIndex
-from pagedserve.frontend_proc.router import Router
-from pagedserve.frontend_proc.routing_policy import RoutingPolicy
+from pagedserve.client.cache_index import ReplicaCacheIndex
+from pagedserve.client.router import Router
+from pagedserve.client.routing_policy import RoutingPolicy
 from pagedserve.protocol.block_hash import prefix_block_hashes
 from pagedserve.protocol.messages import PrefixCacheEvents, SchedulerStats
 from pagedserve.scheduler_proc.config import SchedulerConfig

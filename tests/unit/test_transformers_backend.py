@@ -11,7 +11,7 @@ from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.model_impl import select_implementation
 from pagedserve.worker_proc.model_runner import ModelRunner
-from support.in_process_engine import generate
+from pagedserve.tools.in_process_engine import generate
 from support.worker_harness import TrivialScheduler, hf_greedy, random_prompts
 
 NEW_TOKENS = 12

@@ -12,7 +12,7 @@ from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.model_runner import ModelRunner
 
-from support.in_process_engine import generate
+from pagedserve.tools.in_process_engine import generate
 from support.oracle import hf_greedy
 
 PROMPTS = [[11, 12, 13, 14, 15] * 3, [5] * 6, [7, 8, 9, 10, 11, 12, 13, 7, 8]]

@@ -16,7 +16,7 @@ from pagedserve.protocol.step_state import HeldRequest
 from pagedserve.worker_proc.sampler import sample
 from pagedserve.worker_proc.spec_verify import accept, draft_rows
 
-from support.in_process_engine import generate
+from pagedserve.tools.in_process_engine import generate
 from support.oracle import hf_greedy
 
 NGRAM = SpeculativeConfig("ngram", 4, 3, 1)

@@ -1,4 +1,5 @@
-"""Replica health from SchedulerStats heartbeats, and routing across replicas.
+"""Replica health from SchedulerStats heartbeats, and routing across replicas (the engine
+session's, ``engine_session.py``: the HTTP frontend's and the offline LLM's).
 
 Each replica also has the router's view of its prefix cache (``cache_index.py``, kept by
 ``PrefixCacheEvents``); ``routing_policy.py`` decides between the live replicas.
@@ -17,19 +18,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from pagedserve.frontend_proc.cache_index import ReplicaCacheIndex
-from pagedserve.frontend_proc.routing_policy import Decision, ReplicaChooser, RoutingPolicy
+from pagedserve.client.cache_index import ReplicaCacheIndex
+from pagedserve.client.routing_policy import Decision, ReplicaChooser, RoutingPolicy
 from pagedserve.protocol.messages import PrefixCacheEvents, ProcessTable, SchedulerStats
 
 ROUTABLE_STATES = ("ready",)
 SERVING_STATES = ("ready", "draining")  # in-flight requests may continue in these
+# A client that replaces dead workers itself and waits for them (the offline LLM, with no other
+# frontend to drain it) sends to a replica while its workers start, and its requests wait there.
+PATIENT_STATES = ("starting", "ready", "recovering")
 
 
 @dataclass(slots=True)
 class ReplicaStatus:
     replica: int
     stats: Optional[SchedulerStats] = None
-    last_seen: float = 0.0  # monotonic time of the last stats
+    last_seen: float = float("-inf")  # monotonic time it was last heard from (its stats, or what its client counts)
     released_at: float = 0.0  # monotonic time a request here last finished
     in_flight: int = 0  # sequences this frontend sent and has not seen finish
     request_ids: set[str] = field(default_factory=set)
@@ -39,13 +43,14 @@ class ReplicaStatus:
         self.cache = ReplicaCacheIndex(self.replica)
 
     def is_fresh(self, now: float, timeout_s: float) -> bool:
-        return self.stats is not None and now - self.last_seen < timeout_s
+        return now - self.last_seen < timeout_s
 
-    def is_live(self, now: float, timeout_s: float) -> bool:
-        return self.is_fresh(now, timeout_s) and self.stats.state in ROUTABLE_STATES
+    def is_live(self, now: float, timeout_s: float, states: tuple[str, ...] = ROUTABLE_STATES) -> bool:
+        # Heard from but no stats yet (the offline LLM's replicas just after ProcessReady): ready
+        return self.is_fresh(now, timeout_s) and (self.stats is None or self.stats.state in states)
 
-    def is_serving(self, now: float, timeout_s: float) -> bool:
-        return self.is_fresh(now, timeout_s) and self.stats.state in SERVING_STATES
+    def is_serving(self, now: float, timeout_s: float, states: tuple[str, ...] = SERVING_STATES) -> bool:
+        return self.is_live(now, timeout_s, states)
 
     def num_waiting(self) -> int:
         """Requests waiting for a seat here: the stats' count, plus the requests sent since those
@@ -60,6 +65,8 @@ class ReplicaStatus:
         """``priority``: of the request to place; under a policy that orders by priority, waiting
         requests of a worse priority are not ahead of it and do not count."""
         s = self.stats
+        if s is None:  # only what was sent from here
+            return self.in_flight, 0.0, self.replica
         # Stats older than a finish still count it: on a uniform workload trusting them
         # regardless sent 36 of 64 one-at-a-time requests to one replica.
         running = s.num_running if self.last_seen >= self.released_at else 0
@@ -72,8 +79,12 @@ class ReplicaStatus:
 
 
 class Router:
-    def __init__(self, num_replicas: int, timeout_s: float, policy: Optional[RoutingPolicy] = None):
+    def __init__(self, num_replicas: int, timeout_s: float, policy: Optional[RoutingPolicy] = None,
+                 patient: bool = False):
+        """``patient``: routes to and keeps requests on replicas in PATIENT_STATES (the offline LLM)."""
         self.timeout_s = timeout_s
+        self.routable_states = PATIENT_STATES if patient else ROUTABLE_STATES
+        self.serving_states = PATIENT_STATES if patient else SERVING_STATES
         # What "now" is for a replica's freshness: the frontend's receiver sets the last time it
         # had read every stats frame sent to it, so a stall of this process's own loop (a long
         # request's preparation) never makes a replica that kept sending look silent.
@@ -92,6 +103,12 @@ class Router:
         status.cache.check(stats)
         return True
 
+    def heard(self, replica: int, now: float) -> None:
+        """A sign of life other than stats (the offline LLM counts its outputs and the supervisor
+        channel's heartbeats); ignored for a replica index out of range."""
+        if 0 <= replica < len(self.replicas):
+            self.replicas[replica].last_seen = now
+
     def apply_cache_events(self, events: PrefixCacheEvents) -> bool:
         """Update a replica's cache view; False (and ignored) for a replica index out of range."""
         if not 0 <= events.replica < len(self.replicas):
@@ -101,13 +118,14 @@ class Router:
 
     def _live(self, now: Optional[float]) -> list[ReplicaStatus]:
         now = self.clock() if now is None else now
-        return [r for r in self.replicas if r.is_live(now, self.timeout_s)]
+        return [r for r in self.replicas if r.is_live(now, self.timeout_s, self.routable_states)]
 
     def choose(self, prompt_token_ids=(), now: Optional[float] = None,
-               priority: Optional[int] = None, seed: int = 0) -> Optional[Decision]:
+               priority: Optional[int] = None, seed: int = 0, even_if_none_live: bool = False) -> Optional[Decision]:
         """Where a request with this prompt (and priority) goes (and why), or None when no replica is live.
-        ``seed``: its LoRA adapter's ``adapter_seed`` (0: the base model), the first block's parent."""
-        live = self._live(now)
+        ``seed``: its LoRA adapter's ``adapter_seed`` (0: the base model), the first block's parent.
+        ``even_if_none_live``: then among every replica (a client with nowhere else to send)."""
+        live = self._live(now) or (self.replicas if even_if_none_live else [])
         return self.chooser.choose(live, prompt_token_ids, priority, seed) if live else None
 
     def pick(self, now: Optional[float] = None) -> Optional[int]:
@@ -130,7 +148,7 @@ class Router:
         now = self.clock() if now is None else now
         live = False
         for r in self.replicas:
-            if r.is_live(now, self.timeout_s):
+            if r.is_live(now, self.timeout_s, self.routable_states):
                 if r.num_waiting() < limit:
                     return False
                 live = True
@@ -152,7 +170,7 @@ class Router:
         """Replicas with requests in flight that can no longer serve them."""
         now = self.clock() if now is None else now
         return [r for r in self.replicas
-                if r.request_ids and not r.is_serving(now, self.timeout_s)]
+                if r.request_ids and not r.is_serving(now, self.timeout_s, self.serving_states)]
 
     def any_live(self, now: Optional[float] = None) -> bool:
         return bool(self._live(now))
@@ -164,11 +182,11 @@ class Router:
         out = []
         for r in self.replicas:
             s = r.stats
-            fresh = r.is_fresh(now, self.timeout_s)
+            fresh = s is not None and r.is_fresh(now, self.timeout_s)
             out.append({
                 "replica": r.replica,
                 "state": (s.state if fresh else "unresponsive") if s else "unknown",
-                "live": r.is_live(now, self.timeout_s),
+                "live": r.is_live(now, self.timeout_s, self.routable_states),
                 "num_running": s.num_running if s else 0,
                 "num_waiting": s.num_waiting if s else 0,
                 "num_swapped": s.num_swapped if s else 0,

@@ -26,7 +26,7 @@ from pagedserve.protocol.block_hash import prefix_block_hashes
 from pagedserve.runtime.options import BY_NAME, ROUTER_KINDS  # noqa: F401 (ROUTER_KINDS re-exported)
 
 if TYPE_CHECKING:
-    from pagedserve.frontend_proc.router import ReplicaStatus
+    from pagedserve.client.router import ReplicaStatus
 
 # Why a replica was chosen (the reason label of pagedserve_router_decisions_total).
 REASONS = ("cache_hit", "no_hit", "load_bound", "least_loaded", "round_robin")
@@ -95,7 +95,7 @@ class ReplicaChooser:
         least = min(live, key=self._load_key)
         if kind == "least-loaded" or len(live) == 1:
             return Decision(least.replica, "least_loaded")
-        block_size = next((r.stats.block_size for r in live if r.stats.block_size), 0)
+        block_size = next((r.stats.block_size for r in live if r.stats is not None and r.stats.block_size), 0)
         hashes = prefix_block_hashes(prompt_token_ids, block_size, seed) if block_size and any(
             len(r.cache) for r in live) else []
         matched = {r.replica: r.cache.cached_prefix_blocks(hashes) for r in live} if hashes else {}
