@@ -7,10 +7,20 @@ only ``adapter_config.json`` and the safetensors header (no tensor is read), so 
 enough for a request path.
 
 What is served: ``peft_type`` LORA on the attention and MLP projections of the decoder
-layers, rank at most ``--max-lora-rank``, ``lora_alpha`` with or without rsLoRA. What is
-refused, by name: DoRA, ``modules_to_save``, embedding or lm_head adapters, per-module
-``rank_pattern`` / ``alpha_pattern``, LoRA biases, ``layers_to_transform``, and adapters on a
-mixture-of-experts layer's experts.
+layers, a mixture of experts' shared expert (``mlp.shared_expert.*``) and its routed experts,
+rank at most ``--max-lora-rank``, ``lora_alpha`` with or without rsLoRA. What is refused, by
+name: DoRA, ``modules_to_save``, embedding or lm_head adapters, per-module ``rank_pattern`` /
+``alpha_pattern``, LoRA biases, ``layers_to_transform``, per-expert modules (transformers 4's
+``experts.N.*`` layout) and ``target_parameters`` other than the experts' two.
+
+The routed experts are transformers 5's fused 3-D parameters (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``mlp.experts.down_proj`` [E, H, I]; gpt-oss keeps them [E, in, out]), which PEFT reaches with
+``LoraConfig(target_parameters=[...])`` (its ``ParamWrapper``): one A of ``[r * E, in]`` (expert e's
+rows ``e * r : (e + 1) * r``) and one B of ``[out, r * E]`` (expert e's columns ``e::E``), rank r and
+the scaling per expert as for a linear. Two targeted parameters of one module nest two wrappers,
+saved as ``mlp.experts.base_layer.lora_A`` (the one wrapped first) and ``mlp.experts.lora_A``;
+PEFT wraps a module's parameters in the order the module registers them, gate_up_proj before
+down_proj in every transformers 5 experts class (``EXPERT_PARAMETERS``).
 """
 
 from __future__ import annotations
@@ -32,8 +42,14 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
+# A mixture of experts' shared expert: plain linears under mlp.shared_expert. (Qwen2-MoE)
+SHARED_EXPERT_MODULES = tuple(f"shared_expert.{m}" for m in ("gate_proj", "up_proj", "down_proj"))
+# The routed experts' fused parameters, in the order their modules register them (PEFT's nesting order)
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+EXPERT_MODULES = tuple(f"experts.{p}" for p in EXPERT_PARAMETERS)
 
-_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.([\w.]+?)\.lora_([AB])\.weight$")
+_EXPERTS = re.compile(r"experts((?:\.base_layer)*)$")
 _SAFETENSORS_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 _MAX_HEADER_BYTES = 100 * 2**20
 
@@ -49,9 +65,12 @@ class AdapterSpec:
     path: str  # the resolved directory
     rank: int
     scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA: folded into B at load
-    target_modules: tuple[str, ...]  # sorted short names that have tensors, e.g. ("k_proj", "q_proj")
+    # sorted short names that have tensors, e.g. ("k_proj", "q_proj"); a mixture of experts' as
+    # "shared_expert.gate_proj" and "experts.gate_up_proj" / "experts.down_proj"
+    target_modules: tuple[str, ...]
     num_layers: int  # 1 + the highest layer index with a tensor
-    # (layer, module, "A" | "B") -> (safetensors dtype, shape): A is [r, in], B is [out, r]
+    # (layer, module, "A" | "B") -> (safetensors dtype, shape): A is [r, in], B is [out, r]; the routed
+    # experts' A is [r * E, in] and B [out, r * E] (PEFT's layout: module docstring)
     tensors: dict[tuple[int, str, str], tuple[str, tuple[int, ...]]]
     tensor_names: dict[tuple[int, str, str], str]  # the same keys -> the name in the file
     digest: str  # sha256 over the config's and the weights' bytes: a replay loads the same adapter
@@ -100,6 +119,41 @@ def _check_config(path: Path, cfg: dict, max_rank: int) -> tuple[int, float]:
     return rank, float(scaling)
 
 
+def expert_parameters(path: Path, cfg: dict) -> tuple[str, ...]:
+    """The experts' parameters the config's ``target_parameters`` names (EXPERT_PARAMETERS' order);
+    refuses any other parameter it names."""
+    named = cfg.get("target_parameters") or ()
+    if isinstance(named, str) or not isinstance(named, (list, tuple)):
+        raise _refuse(path, f"target_parameters={named!r} is not a list of parameter names")
+    found = set()
+    for entry in named:
+        short = entry.rsplit(".", 2)[-2:] if isinstance(entry, str) else ()
+        if len(short) != 2 or short[0] != "experts" or short[1] not in EXPERT_PARAMETERS:
+            raise _refuse(path, f"target_parameters entry {entry!r} is not served (only the mixture-of-experts "
+                                f"parameters experts.{' and experts.'.join(EXPERT_PARAMETERS)})")
+        found.add(short[1])
+    return tuple(p for p in EXPERT_PARAMETERS if p in found)
+
+
+def _module(path: Path, name: str, where: str, targeted: tuple[str, ...]) -> str:
+    """The served module a tensor's module path names (``q_proj``, ``shared_expert.up_proj``,
+    ``experts.down_proj``): the experts' by the depth of PEFT's nested wrappers."""
+    experts = _EXPERTS.fullmatch(where)
+    if experts is not None:
+        depth = experts.group(1).count(".base_layer")
+        if depth >= len(targeted):
+            raise _refuse(path, f"tensor {name} adapts the experts, but target_parameters names "
+                                f"{len(targeted) or 'none'} of their parameters")
+        return f"experts.{targeted[len(targeted) - 1 - depth]}"  # the outermost wrapper: the last wrapped
+    if where.startswith("experts."):
+        raise _refuse(path, f"tensor {name}: adapters on single experts' modules (transformers 4's experts.N.*) "
+                            "are not supported; target the fused experts with target_parameters")
+    if where not in SUPPORTED_MODULES + SHARED_EXPERT_MODULES:
+        raise _refuse(path, f"module {where!r} is not supported (supported: {', '.join(SUPPORTED_MODULES)}, "
+                            f"{', '.join(SHARED_EXPERT_MODULES)}, {', '.join(EXPERT_MODULES)})")
+    return where
+
+
 def _header(path: Path) -> tuple[dict, int]:
     """The safetensors header of the weights file, and the file's size: every tensor's bytes
     must lie inside the file, so a truncated download is refused here, not at load."""
@@ -126,7 +180,7 @@ def _header(path: Path) -> tuple[dict, int]:
     return header, size - 8 - n
 
 
-def _tensors(path: Path, header: dict, data_bytes: int) -> tuple[dict, dict]:
+def _tensors(path: Path, header: dict, data_bytes: int, targeted: tuple[str, ...]) -> tuple[dict, dict]:
     tensors, names = {}, {}
     for name, info in header.items():
         if not isinstance(info, dict) or info.get("dtype") not in _SAFETENSORS_DTYPES:
@@ -139,14 +193,11 @@ def _tensors(path: Path, header: dict, data_bytes: int) -> tuple[dict, dict]:
             raise _refuse(path, f"{WEIGHTS_FILE} is truncated or corrupt (tensor {name})")
         if "lora_embedding" in name or "embed_tokens" in name or "lm_head" in name:
             raise _refuse(path, f"adapters on embeddings or lm_head are not supported ({name})")
-        if ".experts." in name:
-            raise _refuse(path, f"adapters on mixture-of-experts experts are not supported ({name})")
         match = _TENSOR.search(name)
         if match is None:
             raise _refuse(path, f"tensor {name} is not a LoRA A/B weight of a decoder layer's projection")
-        layer, _, module, side = match.groups()
-        if module not in SUPPORTED_MODULES:
-            raise _refuse(path, f"module {module!r} is not supported (supported: {', '.join(SUPPORTED_MODULES)})")
+        layer, _, where, side = match.groups()
+        module = _module(path, name, where, targeted)
         if len(shape) != 2:
             raise _refuse(path, f"tensor {name} has shape {list(shape)}, not a matrix")
         key = (int(layer), module, side)
@@ -169,11 +220,12 @@ def _digest(path: Path) -> str:
 
 
 def read_adapter(path: str, max_rank: int, projections: Optional[dict[str, tuple[int, int]]] = None,
-                 num_layers: Optional[int] = None) -> AdapterSpec:
+                 num_layers: Optional[int] = None, num_experts: Optional[int] = None) -> AdapterSpec:
     """Read and judge the adapter at ``path``; raises LoRAAdapterError naming the reason.
 
-    ``projections`` (module -> (in, out) of the base model, unsharded; ``projection_shapes``)
-    and ``num_layers``, when given, check the tensors' shapes against the model they adapt.
+    ``projections`` (module -> (in, out) of the base model, unsharded; ``projection_shapes``;
+    an expert module's per expert), ``num_layers`` and ``num_experts`` (``expert_count``), when
+    given, check the tensors' shapes against the model they adapt.
     """
     where = Path(path).expanduser()
     if not where.is_dir():
@@ -181,13 +233,17 @@ def read_adapter(path: str, max_rank: int, projections: Optional[dict[str, tuple
     where = where.resolve()
     cfg = _config(where)
     rank, scaling = _check_config(where, cfg, max_rank)
+    targeted = expert_parameters(where, cfg)
     header, data_bytes = _header(where)
-    tensors, names = _tensors(where, header, data_bytes)
+    tensors, names = _tensors(where, header, data_bytes, targeted)
     for (layer, module, side), (_, shape) in tensors.items():
         if num_layers is not None and layer >= num_layers:
             raise _refuse(where, f"layer {layer} does not exist in the base model ({num_layers} layers)")
         want_r = shape[0] if side == "A" else shape[1]
-        if want_r != rank:
+        if module in EXPERT_MODULES:
+            _check_experts(where, layer, module, side, want_r, rank, num_experts,
+                           tensors[(layer, module, "B" if side == "A" else "A")][1])
+        elif want_r != rank:
             raise _refuse(where, f"layer {layer} {module} lora_{side} has rank {want_r}, the config says r={rank}")
         if projections is not None:
             if module not in projections:
@@ -201,8 +257,33 @@ def read_adapter(path: str, max_rank: int, projections: Optional[dict[str, tuple
                        1 + max(layer for layer, _, _ in tensors), tensors, names, _digest(where))
 
 
+def _check_experts(path: Path, layer: int, module: str, side: str, rows: int, rank: int,
+                   num_experts: Optional[int], pair: tuple[int, ...]) -> None:
+    """An expert module's A rows (B columns) are r per expert, and its pair's match them."""
+    if rows % rank or rows != (pair[1] if side == "A" else pair[0]):
+        raise _refuse(path, f"layer {layer} {module} lora_{side} has {rows} rank rows, not r={rank} for each "
+                            "expert as its pair's")
+    if num_experts is not None and rows != rank * num_experts:
+        raise _refuse(path, f"layer {layer} {module} lora_{side} has {rows // rank} experts of r={rank}; "
+                            f"the base model has {num_experts}")
+
+
+def _moe_sizes(text: dict) -> tuple[int, int, int]:
+    """(routed experts, each one's intermediate size, the shared expert's) of a config's text part:
+    Mixtral's and gpt-oss's names, or Qwen-MoE's."""
+    experts = int(text.get("num_local_experts") or text.get("num_experts") or 0)
+    inter = int(text.get("moe_intermediate_size") or text.get("intermediate_size") or 0)
+    return experts, inter, int(text.get("shared_expert_intermediate_size") or 0)
+
+
+def expert_count(model_cfg: dict) -> int:
+    """The routed experts of each sparse layer of ``model_cfg`` (0: a dense model)."""
+    return _moe_sizes(model_cfg.get("text_config") or model_cfg)[0]
+
+
 def projection_shapes(model_cfg: dict) -> dict[str, tuple[int, int]]:
-    """(in, out) of each adaptable projection of a decoder of ``model_cfg`` (a config.json dict)."""
+    """(in, out) of each adaptable projection of a decoder of ``model_cfg`` (a config.json dict);
+    of a routed expert's one expert."""
     text = model_cfg.get("text_config") or model_cfg
     hidden = int(text["hidden_size"])
     heads = int(text["num_attention_heads"])
@@ -215,4 +296,10 @@ def projection_shapes(model_cfg: dict) -> dict[str, tuple[int, int]]:
     if "Phi3" in "".join(model_cfg.get("architectures") or ()):
         shapes = {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden),
                   "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
+    experts, expert_inter, shared = _moe_sizes(text)
+    if experts:
+        shapes.update({"experts.gate_up_proj": (hidden, 2 * expert_inter), "experts.down_proj": (expert_inter, hidden)})
+    if shared:
+        shapes.update({"shared_expert.gate_proj": (hidden, shared), "shared_expert.up_proj": (hidden, shared),
+                       "shared_expert.down_proj": (shared, hidden)})
     return shapes
