@@ -239,6 +239,9 @@ def read_adapter(path: str, max_rank: int, projections: Optional[dict[str, tuple
     for (layer, module, side), (_, shape) in tensors.items():
         if num_layers is not None and layer >= num_layers:
             raise _refuse(where, f"layer {layer} does not exist in the base model ({num_layers} layers)")
+        if projections is not None and module not in projections:
+            raise _refuse(where, f"module {module!r} is not a projection of this model "
+                                 f"(it has {', '.join(sorted(projections))})")
         want_r = shape[0] if side == "A" else shape[1]
         if module in EXPERT_MODULES:
             _check_experts(where, layer, module, side, want_r, rank, num_experts,
@@ -246,9 +249,6 @@ def read_adapter(path: str, max_rank: int, projections: Optional[dict[str, tuple
         elif want_r != rank:
             raise _refuse(where, f"layer {layer} {module} lora_{side} has rank {want_r}, the config says r={rank}")
         if projections is not None:
-            if module not in projections:
-                raise _refuse(where, f"module {module!r} is not a projection of this model "
-                                     f"(it has {', '.join(sorted(projections))})")
             d_in, d_out = projections[module]
             if (side == "A" and shape[1] != d_in) or (side == "B" and shape[0] != d_out):
                 raise _refuse(where, f"layer {layer} {module} lora_{side} has shape {list(shape)}, "
