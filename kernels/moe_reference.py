@@ -53,24 +53,24 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
               deltas: Optional[Any] = None) -> torch.Tensor:
     """x [T, H], routing ``weights`` / ``ids`` [T, top_k] (moe_routing.route) -> [T, H] in x's dtype.
     ``gate_up_bias`` [E, 2I] / ``down_bias`` [E, H]: each expert's biases (gpt-oss); ``activation``:
-    None for SiLU. ``deltas``: ``groups(tokens)`` of an expert's rows, then ``add(0 | 1, expert,
-    input, product, groups)`` adds adapters' deltas to its gate_up (0) and down (1) products."""
+    None for SiLU. ``deltas``: ``mask(tokens)`` of an expert's rows (None: no adapter), then ``add(0 | 1,
+    expert, input, product, mask)`` adds adapters' deltas to its gate_up (0) and down (1) products."""
     out = torch.zeros_like(x)
     num_experts, size = gate_up.shape[0], gate_up.shape[1] // 2
     for expert in torch.unique(ids).tolist():
         if not 0 <= expert < num_experts:
             raise IndexError(f"fused_moe: expert {expert} is not one of {num_experts}")
         slot, token = torch.where(ids.t() == expert)  # transformers' row order: by slot, then token
-        groups = None if deltas is None else deltas.groups(token)
+        mask = None if deltas is None else deltas.mask(token)
         products = F.linear(x[token], gate_up[expert])
-        if groups:
-            deltas.add(0, expert, x[token], products, groups)
+        if mask is not None:
+            deltas.add(0, expert, x[token], products, mask)
         if gate_up_bias is not None:
             products = products + gate_up_bias[expert]
         hidden = gated(products, size, activation)
         h = F.linear(hidden, down[expert])
-        if groups:
-            deltas.add(1, expert, hidden, h, groups)
+        if mask is not None:
+            deltas.add(1, expert, hidden, h, mask)
         if down_bias is not None:
             h = h + down_bias[expert]
         h = h * weights[token, slot, None]

@@ -70,14 +70,14 @@ def _read(adapter: str, model: str):
     return read_adapter(adapter, 16, projection_shapes(cfg), cfg["num_hidden_layers"], expert_count(cfg))
 
 
-@pytest.mark.parametrize("arch", list(MODELS))
-def test_a_batch_mixing_expert_adapters_and_the_base_model_decodes_what_peft_decodes(arch, tmp_path_factory):
-    model, adapters = _adapted(arch, tmp_path_factory.mktemp(arch))
-    sched = TrivialScheduler(ModelRunner(model, lora=LoRAConfig(max_loras=4, max_rank=8)))
+def _assert_mix_decodes_what_peft_decodes(runner: ModelRunner, model: str, adapters: list[str]) -> None:
+    """Six requests over the adapters' slots (two sharing slots 0 and 1) and the base model, prompts
+    arriving over steps, one prefilled in chunks: each request's tokens are peft's with its adapter."""
+    sched = TrivialScheduler(runner)
     for slot, path in enumerate(adapters):
         sched.load_lora(slot, adapter_message(f"a{slot}", path, slot + 1))
     prompts = random_prompts([7, 19, 4, 11, 9, 13], vocab_size=512, seed=3)
-    slots = [0, 1, -1, 0, len(adapters) - 1, 1]  # requests share slots 0 and 1; one is the base model
+    slots = [0, 1, -1, 0, len(adapters) - 1, 1]
     for i, prompt in enumerate(prompts):
         sched.add(f"r{i}", prompt, NEW_TOKENS, lora_slot=slots[i], arrival_step=i // 2,
                   prefill_chunks=[5] if i == 1 else None)
@@ -87,6 +87,30 @@ def test_a_batch_mixing_expert_adapters_and_the_base_model_decodes_what_peft_dec
     assert {i: ours[f"r{i}"] for i in expected} == expected
     base = {i: peft_greedy(model, None, [prompts[i]], NEW_TOKENS)[0] for i in expected}
     assert all(expected[i] != base[i] for i, s in enumerate(slots) if s >= 0)  # every adapter changes tokens
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_a_batch_mixing_expert_adapters_and_the_base_model_decodes_what_peft_decodes(arch, tmp_path_factory):
+    model, adapters = _adapted(arch, tmp_path_factory.mktemp(arch))
+    _assert_mix_decodes_what_peft_decodes(ModelRunner(model, lora=LoRAConfig(max_loras=4, max_rank=8)), model, adapters)
+
+
+def test_expert_adapters_on_native_panels_decode_what_peft_decodes(tmp_path_factory, monkeypatch):
+    """Where the experts take cpu_linear.c's panels (AVX2 without AVX-512, or the switch): with LoRA no
+    gate_up is packed for the fused SiLU gate, so a delta joins gate and up before the gate."""
+    from pagedserve.kernels import cpu_native
+    from pagedserve.worker_proc.models import linear
+
+    if not cpu_native.supports_linear():
+        pytest.skip("no native linear kernel here (it needs AVX2 and FMA, and a C compiler)")
+    monkeypatch.setenv(linear.NATIVE_ENV, "1")
+    monkeypatch.setattr(linear, "CACHE_RESIDENT_MAX_BYTES", 0)
+    model, adapters = _adapted("qwen2_moe", tmp_path_factory.mktemp("qwen2_moe"))
+    runner = ModelRunner(model, lora=LoRAConfig(max_loras=4, max_rank=8))
+    block = runner.model.layers[0].moe
+    assert block.experts[0][0].panels is not None and block.experts[0][0].gate_size == 0
+    assert block.shared[0].panels is not None and block.shared[0].gate_size == 0
+    _assert_mix_decodes_what_peft_decodes(runner, model, adapters)
 
 
 def test_peft_expert_adapters_are_read_as_peft_writes_them(qwen3):
@@ -152,16 +176,21 @@ def _merged(w: torch.Tensor, pair) -> torch.Tensor:
     return w if pair is None else w + pair[1] @ pair[0]
 
 
-def test_the_reference_loop_adds_the_deltas_the_grouped_cpu_path_adds_and_both_equal_merged_weights():
+MIXED = [0, 1, -1, 2, 0, 1, 1, -1, 0, 2, 2, 0]
+
+
+@pytest.mark.parametrize("token_slots", [MIXED, [1] * 12, [-1] * 6 + [1] * 6, [-1] * 12],
+                         ids=["slots mixed in each expert", "one slot of rank 2 of 4", "base and one slot", "base"])
+def test_the_reference_loop_adds_the_deltas_the_grouped_cpu_path_adds_and_both_equal_merged_weights(token_slots):
     """Each token through its routed experts with W + scaling * B @ A of its own slot (PEFT's merged
-    weights, float64): the CPU grouped path and the reference loop (a GPU step's) alike."""
+    weights, float64): the CPU grouped path and the reference loop (a GPU step's) alike, whether an
+    expert's rows mix slots (masked), are one slot's (that slot's weights alone) or the base model's."""
     g = torch.Generator().manual_seed(0)
     tokens, hidden, inter, num_experts, top_k, max_rank = 12, 16, 8, 4, 2, 4
     gate_up, down = _weights(num_experts, 2 * inter, hidden, generator=g), _weights(num_experts, hidden, inter, generator=g)
     x = _weights(tokens, hidden, generator=g)
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=g, dtype=torch.float64)
-    token_slots = torch.tensor([0, 1, -1, 2, 0, 1, 1, -1, 0, 2, 2, 0])
     lora = ExpertLoRA(num_experts, hidden, inter, LoRAConfig(max_loras=3, max_rank=max_rank), torch.float64,
                       torch.device("cpu"))
     ranks = (4, 2, 3)
@@ -176,12 +205,13 @@ def test_the_reference_loop_adds_the_deltas_the_grouped_cpu_path_adds_and_both_e
         lora.load(slot, targets)
         merged[slot] = (_merged(gate_up, targets.get("experts.gate_up_proj")),
                         _merged(down, targets.get("experts.down_proj")))
-    batch = LoRABatch.build(token_slots, torch.device("cpu"), 3, max_rank, torch.float64, ranks, path="segments")
+    batch = LoRABatch.build(torch.tensor(token_slots), torch.device("cpu"), 3, max_rank, torch.float64, ranks,
+                            path="segments")
     deltas = lora.deltas(batch)
 
     expected = torch.zeros_like(x)
     for t in range(tokens):
-        gu, dn = merged[int(token_slots[t])] if token_slots[t] >= 0 else (gate_up, down)
+        gu, dn = merged[token_slots[t]] if token_slots[t] >= 0 else (gate_up, down)
         for k in range(top_k):
             e = int(ids[t, k])
             gate, up = (gu[e] @ x[t]).split(inter)
@@ -194,4 +224,4 @@ def test_the_reference_loop_adds_the_deltas_the_grouped_cpu_path_adds_and_both_e
     torch.testing.assert_close(reference, expected, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(grouped, expected, rtol=1e-10, atol=1e-10)
     base = moe_reference.fused_moe(x, gate_up, down, weights, ids)
-    assert not torch.allclose(base, expected)
+    assert torch.allclose(base, expected) == (max(token_slots) < 0)

@@ -2,15 +2,14 @@
 
 PEFT adapts transformers 5's fused expert parameters (protocol/lora_adapter.py): per expert e an A
 ``[r, in]`` and a B ``[out, r]`` on ``gate_up`` and on ``down``. An ``ExpertLoRA`` holds every slot's
-of one sparse layer, as ``[slots, experts, rank, in]`` and ``[slots, experts, rank, out]`` (B
+of one sparse layer, as ``[experts, slots, rank, in]`` and ``[experts, slots, rank, out]`` (B
 transposed, as models/lora_linear.py keeps it), this rank's part (worker_proc/lora_adapters.py cuts
 it: gate_up's output rows, down's input columns, as the base experts are split).
 
-The base experts run as before (models/moe.py); for each active expert, its rows (token, expert pairs)
-are grouped by their tokens' slots and each group adds ``(x @ A.T) @ B`` to gate_up's product before the
-activation and to down's product before the routing weight: one shrink and one expand matmul per
-(expert, slot) pair the step routes to, at the adapter's own rank, as vLLM's fused-MoE LoRA adds its
-deltas into the same two intermediate products. Tokens of the base model (slot -1) and slots whose
+The base experts run as before (models/moe.py); for each active expert, each of its rows (token, expert
+pairs) adds ``(x @ A.T) @ B`` of its token's slot to gate_up's product before the activation and to down's
+product before the routing weight (``ExpertDeltas``), as vLLM's fused-MoE LoRA adds its deltas into the
+same two intermediate products. Tokens of the base model (slot -1) and slots whose
 adapter leaves the experts alone take none. Under tensor parallelism each rank's down delta is its
 part of the sum, joining the layer's one all-reduce.
 
@@ -21,7 +20,7 @@ A shared expert (Qwen2-MoE) is three plain linears: ``LoRAProjection``s like a d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -38,8 +37,9 @@ class ExpertLoRA:
                  dtype: torch.dtype, device: torch.device):
         """``intermediate``: this rank's part of each expert's intermediate features."""
         self.names = EXPERT_MODULES
-        shape = (config.max_loras, num_experts, config.max_rank)
-        # per module: A [slots, experts, rank, in], B [slots, experts, rank, out]
+        shape = (num_experts, config.max_loras, config.max_rank)
+        # per module, expert-major (one expert's slots are one [slots * rank, features] matrix):
+        # A [experts, slots, rank, in], B [experts, slots, rank, out]
         self.a = [torch.zeros(*shape, hidden, dtype=dtype, device=device),
                   torch.zeros(*shape, intermediate, dtype=dtype, device=device)]
         self.b = [torch.zeros(*shape, 2 * intermediate, dtype=dtype, device=device),
@@ -59,15 +59,15 @@ class ExpertLoRA:
             if pair is not None:
                 a, b = pair
                 rank = a.shape[1]
-                self.a[j][slot, :, :rank].copy_(a, non_blocking=True)
-                self.b[j][slot, :, :rank].copy_(b.transpose(1, 2), non_blocking=True)
+                self.a[j][:, slot, :rank].copy_(a, non_blocking=True)
+                self.b[j][:, slot, :rank].copy_(b.transpose(1, 2), non_blocking=True)
         self.slot_targets[slot] = (targets[0], targets[1])
 
     def clear(self, slot: int) -> None:
         for j, targeted in enumerate(self.slot_targets[slot]):
             if targeted:
-                self.a[j][slot].zero_()
-                self.b[j][slot].zero_()
+                self.a[j][:, slot].zero_()
+                self.b[j][:, slot].zero_()
         self.slot_targets[slot] = (False, False)
 
     def deltas(self, lora: Optional[LoRABatch]) -> Optional["ExpertDeltas"]:
@@ -79,32 +79,71 @@ class ExpertLoRA:
 
 class ExpertDeltas:
     """One forward's adapter deltas on a layer's experts: the interface models/moe.py's grouped experts
-    and kernels/moe_reference.py's loop call per active expert (``groups`` once, then ``add`` twice)."""
+    and kernels/moe_reference.py's loop call per active expert (``mask`` once, then ``add`` twice).
+
+    Per expert and module, two matmuls whatever the slots its rows mix: ``s = x @ A_e.T`` over every
+    slot's A (``[slots * rank, in]``), masked to the columns of each row's own slot, then ``s @ B_e`` (the
+    dense path of models/lora_linear.py, per expert); an expert whose rows are all one slot's (a single
+    stream, a prompt chunk) reads only that slot's A and B at its own rank. The mask costs slots-fold the
+    rank's FLOPs, small beside the expert's own product; a loop over each expert's (slot) groups cost a
+    few small ops per group, which at decode sizes was most of the step: on one 2-layer Qwen3-MoE-like
+    block, 32 tokens over 4 adapters, 3.5x the base step against 1.3-1.6x masked (noisy, shared machine).
+    bench/scripts/moe_cpu_bench.py ``--lora-slots`` times it."""
 
     def __init__(self, weights: ExpertLoRA, lora: LoRABatch):
-        self.weights, self.token_slots, self.ranks = weights, lora.token_slots, lora.slot_ranks
+        self.weights, self.token_slots, self.dtype = weights, lora.token_slots, weights.a[0].dtype
+        self.ranks = lora.slot_ranks
+        _, slots, rank, _ = weights.a[0].shape
+        self.column_slot = torch.arange(slots, device=lora.token_slots.device).repeat_interleave(rank)
+        self.targeted = [any(t[j] for t in weights.slot_targets) for j in (GATE_UP, DOWN)]
 
-    def groups(self, tokens: torch.Tensor) -> list[tuple[int, Optional[torch.Tensor]]]:
-        """An expert's rows (``tokens``: each row's token) by the slot of an adapter on the experts:
-        (slot, its rows, or None for all of them)."""
+    def mask(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """[rows, slots * rank]: 1 where a column is the row's token's slot's; None when no row's token
+        has an adapter (``tokens``: each of an expert's rows' token)."""
         slots = self.token_slots[tokens]
-        present = [s for s in torch.unique(slots).tolist() if s >= 0 and any(self.weights.slot_targets[s])]
-        if len(present) == 1 and bool((slots == present[0]).all()):
-            return [(present[0], None)]
-        return [(s, (slots == s).nonzero().squeeze(1)) for s in present]
+        if not bool((slots >= 0).any()):
+            return None
+        return (slots[:, None] == self.column_slot[None, :]).to(self.dtype)
+
+    def masks(self, tokens: torch.Tensor, counts: list[int]) -> list[Union[None, int, torch.Tensor]]:
+        """``mask`` of each expert's run of rows, made at once for rows sorted by expert (``tokens``: each
+        row's token; ``counts``: each expert's rows): a handful of ops a layer, not a handful an expert.
+        An expert whose rows are all one slot's gets that slot (``add`` reads only its weights)."""
+        slots = self.token_slots[tokens]
+        experts = torch.repeat_interleave(torch.arange(len(counts), device=slots.device),
+                                          torch.tensor(counts, device=slots.device))
+        per_expert = torch.zeros(3, len(counts), dtype=torch.int64, device=slots.device)
+        per_expert[0].index_add_(0, experts, (slots >= 0).long())  # rows with an adapter
+        per_expert[1].scatter_reduce_(0, experts, slots, "amin", include_self=False)
+        per_expert[2].scatter_reduce_(0, experts, slots, "amax", include_self=False)
+        every = None
+        masks: list[Union[None, int, torch.Tensor]] = []
+        start = 0
+        for count, (adapted, lowest, highest) in zip(counts, zip(*per_expert.tolist())):
+            if not adapted:
+                masks.append(None)
+            elif adapted == count and lowest == highest:
+                masks.append(lowest)
+            else:
+                if every is None:
+                    every = (slots[:, None] == self.column_slot[None, :]).to(self.dtype)
+                masks.append(every[start: start + count])
+            start += count
+        return masks
 
     def add(self, module: int, expert: int, x: torch.Tensor, out: torch.Tensor,
-            groups: list[tuple[int, Optional[torch.Tensor]]]) -> None:
-        """``out`` (the expert's ``module`` product of ``x``, GATE_UP or DOWN) plus each group's delta, in place."""
-        a, b = self.weights.a[module], self.weights.b[module]
-        for slot, rows in groups:
-            if not self.weights.slot_targets[slot][module]:
-                continue
-            r = self.ranks[slot]
-            if rows is None:
-                out += (x @ a[slot, expert, :r].t()) @ b[slot, expert, :r]
-            else:
-                out.index_add_(0, rows, (x[rows] @ a[slot, expert, :r].t()) @ b[slot, expert, :r])
+            mask: Union[int, torch.Tensor]) -> None:
+        """``out`` (the expert's ``module`` product of ``x``, GATE_UP or DOWN) plus each row's delta, in
+        place; ``mask``: ``mask``'s, or the one slot of every row."""
+        if not self.targeted[module]:
+            return
+        a, b = self.weights.a[module][expert], self.weights.b[module][expert]  # [slots, rank, in | out]
+        if isinstance(mask, int):
+            rank = self.ranks[mask]
+            out.addmm_(x @ a[mask, :rank].t(), b[mask, :rank])
+            return
+        shrunk = (x @ a.view(-1, a.shape[-1]).t()).mul_(mask)
+        out.addmm_(shrunk, b.view(-1, b.shape[-1]))
 
 
 @dataclass(slots=True)

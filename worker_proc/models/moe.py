@@ -296,22 +296,22 @@ def grouped_experts(x: torch.Tensor, experts: list[tuple[LinearWeight, LinearWei
     rows = x[order.token_of]
     outs = []
     start = 0
-    for expert, ((gate_up, down), count) in enumerate(zip(experts, order.counts)):
+    masks = [None] * len(experts) if deltas is None else deltas.masks(order.token_of, order.counts)
+    for expert, ((gate_up, down), count, mask) in enumerate(zip(experts, order.counts, masks)):
         if count:
             own = rows[start: start + count]
-            groups = None if deltas is None else deltas.groups(order.token_of[start: start + count])
             size = gate_up.out_features // 2
-            if not groups and activation is None and gate_up.gate_size:
+            if mask is None and activation is None and gate_up.gate_size:
                 hidden = silu_gate(own, gate_up, ew)
             else:
                 products = linear(own, gate_up)
-                if groups:
-                    deltas.add(GATE_UP, expert, own, products, groups)
+                if mask is not None:
+                    deltas.add(GATE_UP, expert, own, products, mask)
                 hidden = (ew.silu_mul(products, size) if activation is None
                           else moe_reference.gated(products, size, activation))
             out = linear(hidden, down)
-            if groups:
-                deltas.add(DOWN, expert, hidden, out, groups)
+            if mask is not None:
+                deltas.add(DOWN, expert, hidden, out, mask)
             outs.append(out)
             start += count
     scaled = (torch.cat(outs) * weights.reshape(-1)[order.pair, None]).to(x.dtype)
