@@ -297,6 +297,9 @@ def projection_shapes(model_cfg: dict) -> dict[str, tuple[int, int]]:
         shapes = {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden),
                   "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
     experts, expert_inter, shared = _moe_sizes(text)
+    if experts and not text.get("mlp_only_layers") and int(text.get("decoder_sparse_step") or 1) == 1:
+        # every layer's MLP is the experts' block: no dense gate/up/down to adapt
+        shapes = {m: shape for m, shape in shapes.items() if m not in MLP_MODULES}
     if experts:
         shapes.update({"experts.gate_up_proj": (hidden, 2 * expert_inter), "experts.down_proj": (expert_inter, hidden)})
     if shared:

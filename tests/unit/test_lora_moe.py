@@ -167,6 +167,17 @@ def test_an_expert_adapter_of_another_model_is_refused(qwen3, model_factory):
         _read(both, dense)
 
 
+def test_a_dense_mlp_adapter_on_a_model_whose_every_mlp_is_experts_is_refused_before_it_loads(model_factory,
+                                                                                            tmp_path):
+    """Mixtral has no dense gate/up/down: a Mistral adapter on them is refused where it is read."""
+    mistral = model_factory("mistral")
+    adapter = make_adapter(mistral, str(tmp_path / "mistral"), r=4, alpha=8, targets=("q_proj", "gate_proj"))
+    mixtral = model_factory("mixtral", **MODELS["mixtral"])
+    with pytest.raises(LoRAAdapterError, match=r"module 'gate_proj' is not a projection of this model"):
+        _read(adapter, mixtral)
+    assert _read(adapter, mistral).target_modules == ("gate_proj", "q_proj")
+
+
 def _weights(*shape: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=generator, dtype=torch.float64) * 0.3
 
