@@ -7,8 +7,8 @@ carries: files changed since the frontend accepted them are refused, not served 
 The tensors are loaded from those same bytes (safetensors, no pickle), B is scaled (``lora_alpha / r``,
 rsLoRA's ``/ sqrt(r)``), both are cast to the model's dtype and cut to this tensor-parallel rank's part,
 so loading a slot later is a plain copy. The routed experts' A ``[r * E, in]`` and B ``[out, r * E]``
-(PEFT's layout, protocol/lora_adapter.py) become ``[E, r, in]`` and ``[E, out, r]``. ``prefetch`` reads on a background thread; ``get`` of an
-adapter not yet read reads it at once.
+(PEFT's layout, protocol/lora_adapter.py) become ``[E, r, in]`` and ``[E, out, r]``. ``prefetch`` reads
+on a background thread; ``get`` of an adapter not yet read reads it at once.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The worker's LoRA adapter slots (``--max-loras``): which adapter each holds, and a step's changes.
 
 Every slot's weights are allocated at start, for every adaptable projection of every layer
-(models/lora_linear.py's ``LoRAProjection``; a mixture of experts' routed experts: models/lora_experts.py); a load copies an adapter's tensors from the host cache
-(worker_proc/lora_adapters.py) into its slot in place, on the stream that runs the model, before the
-step's forward. The scheduler decides everything (protocol/messages.py ``LoRAStep``): the worker
-applies a step's ``forget``, then its ``loads``, then gives each new request its slot, and reads
-``prefetch`` into the host cache in the background. It never reassigns a slot a held request uses;
-the check here only stops a broken scheduler from computing a request with another adapter.
+(models/lora_linear.py's ``LoRAProjection``; a mixture of experts' routed experts: models/lora_experts.py);
+a load copies an adapter's tensors from the host cache (worker_proc/lora_adapters.py) into its slot in
+place, on the stream that runs the model, before the step's forward. The scheduler decides everything
+(protocol/messages.py ``LoRAStep``): the worker applies a step's ``forget``, then its ``loads``, then
+gives each new request its slot, and reads ``prefetch`` into the host cache in the background. It never
+reassigns a slot a held request uses; the check here only stops a broken scheduler from computing a
+request with another adapter.
 """
 
 from __future__ import annotations

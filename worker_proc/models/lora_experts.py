@@ -85,10 +85,10 @@ class ExpertDeltas:
     slot's A (``[slots * rank, in]``), masked to the columns of each row's own slot, then ``s @ B_e`` (the
     dense path of models/lora_linear.py, per expert); an expert whose rows are all one slot's (a single
     stream, a prompt chunk) reads only that slot's A and B at its own rank. The mask costs slots-fold the
-    rank's FLOPs, small beside the expert's own product; a loop over each expert's (slot) groups cost a
-    few small ops per group, which at decode sizes was most of the step: on one 2-layer Qwen3-MoE-like
-    block, 32 tokens over 4 adapters, 3.5x the base step against 1.3-1.6x masked (noisy, shared machine).
-    bench/scripts/moe_cpu_bench.py ``--lora-slots`` times it."""
+    rank's FLOPs, small beside the expert's own product. A loop over each expert's slot groups instead
+    cost a few small ops per group, most of a decode step at 32 sequences over 4 adapters (3.5x the base
+    step's time, against 1.3-1.6x masked, on a shared Zen 5). bench/scripts/moe_cpu_bench.py
+    ``--lora-slots`` times the experts with and without adapters."""
 
     def __init__(self, weights: ExpertLoRA, lora: LoRABatch):
         self.weights, self.token_slots, self.dtype = weights, lora.token_slots, weights.a[0].dtype
@@ -139,6 +139,8 @@ class ExpertDeltas:
             return
         a, b = self.weights.a[module][expert], self.weights.b[module][expert]  # [slots, rank, in | out]
         if isinstance(mask, int):
+            if not self.weights.slot_targets[mask][module]:
+                return
             rank = self.ranks[mask]
             out.addmm_(x @ a[mask, :rank].t(), b[mask, :rank])
             return
