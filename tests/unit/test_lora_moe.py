@@ -29,31 +29,36 @@ from support.worker_harness import TrivialScheduler, random_prompts
 
 NEW_TOKENS = 8
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-MODELS = {
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-                      shared_expert_intermediate_size=96),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "gpt_oss": dict(intermediate_size=48, swiglu_limit=1.5, seed=4),  # gate_up's columns interleaved
+MODELS = {  # case -> (architecture, its config)
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    shared_expert_intermediate_size=96)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "gpt_oss": ("gpt_oss", dict(intermediate_size=48, swiglu_limit=1.5, seed=4)),  # gate_up's columns interleaved
+    # layer 0 a dense MLP, layer 1 the experts
+    "qwen3_moe_dense_layer": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                                decoder_sparse_step=2, seed=1)),
 }
 # (rank, alpha, target_modules, target_parameters, rsLoRA): the experts alone; attention and down only
 ADAPTERS = [(8, 16, (), EXPERTS, False), (4, 8, ("q_proj", "o_proj"), EXPERTS[1:], True)]
-SHARED_EXPERT = (4, 8, ("gate_proj", "up_proj", "down_proj"), EXPERTS[:1], False)  # Qwen2-MoE's
+# Qwen2-MoE's shared expert; a dense layer's MLP beside the experts of the sparse one
+MLP = (4, 8, ("gate_proj", "up_proj", "down_proj"), EXPERTS[:1], False)
 
 _BUILT: dict = {}
 
 
-def _adapted(arch: str, root: Path) -> tuple[str, list[str]]:
-    """A two-layer model of ``arch`` and its adapters (Qwen2-MoE: one more, on its shared expert), once."""
-    if arch not in _BUILT:
+def _adapted(case: str, root: Path) -> tuple[str, list[str]]:
+    """A two-layer model of ``case`` and its adapters (one more on the MLP where it has linears), once."""
+    if case not in _BUILT:
         from pagedserve.tools.demo_model import build_model_dir
 
-        model = str(build_model_dir(root / "model", arch, num_layers=2, **MODELS[arch]))
-        specs = ADAPTERS + ([SHARED_EXPERT] if arch == "qwen2_moe" else [])
-        _BUILT[arch] = model, [make_adapter(model, str(root / f"a{i}"), r, alpha, targets, seed=10 + i,
+        arch, config = MODELS[case]
+        model = str(build_model_dir(root / "model", arch, num_layers=2, **config))
+        specs = ADAPTERS + ([MLP] if case in ("qwen2_moe", "qwen3_moe_dense_layer") else [])
+        _BUILT[case] = model, [make_adapter(model, str(root / f"a{i}"), r, alpha, targets, seed=10 + i,
                                             rslora=rslora, parameters=params)
                                for i, (r, alpha, targets, params, rslora) in enumerate(specs)]
-    return _BUILT[arch]
+    return _BUILT[case]
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +94,9 @@ def _assert_mix_decodes_what_peft_decodes(runner: ModelRunner, model: str, adapt
     assert all(expected[i] != base[i] for i, s in enumerate(slots) if s >= 0)  # every adapter changes tokens
 
 
-@pytest.mark.parametrize("arch", list(MODELS))
-def test_a_batch_mixing_expert_adapters_and_the_base_model_decodes_what_peft_decodes(arch, tmp_path_factory):
-    model, adapters = _adapted(arch, tmp_path_factory.mktemp(arch))
+@pytest.mark.parametrize("case", list(MODELS))
+def test_a_batch_mixing_expert_adapters_and_the_base_model_decodes_what_peft_decodes(case, tmp_path_factory):
+    model, adapters = _adapted(case, tmp_path_factory.mktemp(case))
     _assert_mix_decodes_what_peft_decodes(ModelRunner(model, lora=LoRAConfig(max_loras=4, max_rank=8)), model, adapters)
 
 
@@ -172,7 +177,7 @@ def test_a_dense_mlp_adapter_on_a_model_whose_every_mlp_is_experts_is_refused_be
     """Mixtral has no dense gate/up/down: a Mistral adapter on them is refused where it is read."""
     mistral = model_factory("mistral")
     adapter = make_adapter(mistral, str(tmp_path / "mistral"), r=4, alpha=8, targets=("q_proj", "gate_proj"))
-    mixtral = model_factory("mixtral", **MODELS["mixtral"])
+    mixtral = model_factory("mixtral", **MODELS["mixtral"][1])
     with pytest.raises(LoRAAdapterError, match=r"module 'gate_proj' is not a projection of this model"):
         _read(adapter, mixtral)
     assert _read(adapter, mistral).target_modules == ("gate_proj", "q_proj")
