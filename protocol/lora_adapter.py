@@ -9,9 +9,9 @@ enough for a request path.
 What is served: ``peft_type`` LORA on the attention and MLP projections of the decoder
 layers, a mixture of experts' shared expert (``mlp.shared_expert.*``) and its routed experts,
 rank at most ``--max-lora-rank``, ``lora_alpha`` with or without rsLoRA. What is refused, by
-name: DoRA, ``modules_to_save``, embedding or lm_head adapters, per-module ``rank_pattern`` /
-``alpha_pattern``, LoRA biases, ``layers_to_transform``, per-expert modules (transformers 4's
-``experts.N.*`` layout) and ``target_parameters`` other than the experts' two.
+name: DoRA, ``modules_to_save``, embedding or lm_head adapters, ``rank_pattern`` / ``alpha_pattern``
+on anything but the routed experts, LoRA biases, ``layers_to_transform``, per-expert modules
+(transformers 4's ``experts.N.*`` layout) and ``target_parameters`` other than the experts' two.
 
 The routed experts are transformers 5's fused 3-D parameters (``mlp.experts.gate_up_proj`` [E, 2I, H],
 ``mlp.experts.down_proj`` [E, H, I]; gpt-oss keeps them [E, in, out]), which PEFT reaches with
@@ -20,7 +20,11 @@ rows ``e * r : (e + 1) * r``) and one B of ``[out, r * E]`` (expert e's columns 
 the scaling per expert as for a linear. Two targeted parameters of one module nest two wrappers,
 saved as ``mlp.experts.base_layer.lora_A`` (the one wrapped first) and ``mlp.experts.lora_A``;
 PEFT wraps a module's parameters in the order the module registers them, gate_up_proj before
-down_proj in every transformers 5 experts class (``EXPERT_PARAMETERS``).
+down_proj in every transformers 5 experts class (``EXPERT_PARAMETERS``). An adapter made with
+``target_modules`` naming Mixtral's or Qwen3-MoE's expert projections (``w1``/``w3``/``w2``,
+``gate_proj``/``up_proj``/``down_proj``, or ``all-linear``) is converted by PEFT to these parameters,
+gate and up fused at twice the rank and alpha: it saves ``rank_pattern`` / ``alpha_pattern`` entries
+(``.*\.gate_up_proj``), read here as PEFT reads them (``_pattern``) and served on the experts.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class AdapterSpec:
     """What one adapter directory holds, as read from its config and its tensors' header."""
 
     path: str  # the resolved directory
-    rank: int
+    rank: int  # the largest of its modules' (the config's r, or a rank_pattern's on the experts)
     scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA: folded into B at load
     # sorted short names that have tensors, e.g. ("k_proj", "q_proj"); a mixture of experts' as
     # "shared_expert.gate_proj" and "experts.gate_up_proj" / "experts.down_proj"
@@ -74,6 +78,8 @@ class AdapterSpec:
     tensors: dict[tuple[int, str, str], tuple[str, tuple[int, ...]]]
     tensor_names: dict[tuple[int, str, str], str]  # the same keys -> the name in the file
     digest: str  # sha256 over the config's and the weights' bytes: a replay loads the same adapter
+    # (layer, module) -> (rank, scaling): the config's, or its rank / alpha pattern's for that module
+    modules: dict[tuple[int, str], tuple[int, float]]
 
 
 def _refuse(path: Path, why: str) -> LoRAAdapterError:
@@ -100,8 +106,9 @@ def _check_config(path: Path, cfg: dict, max_rank: int) -> tuple[int, float]:
         raise _refuse(path, "DoRA (use_dora) is not supported")
     if cfg.get("modules_to_save"):
         raise _refuse(path, f"modules_to_save {cfg['modules_to_save']} is not supported")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise _refuse(path, "per-module rank_pattern / alpha_pattern is not supported")
+    for name in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(cfg.get(name) or {}, dict):
+            raise _refuse(path, f"{name}={cfg[name]!r} is not a mapping of module patterns")
     if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
         raise _refuse(path, "LoRA biases (bias / lora_bias) are not supported")
     if cfg.get("layers_to_transform") is not None:
@@ -126,12 +133,12 @@ def expert_parameters(path: Path, cfg: dict) -> tuple[str, ...]:
     if isinstance(named, str) or not isinstance(named, (list, tuple)):
         raise _refuse(path, f"target_parameters={named!r} is not a list of parameter names")
     found = set()
-    for entry in named:
+    for entry in named:  # "mlp.experts.down_proj", or PEFT's conversion's bare "down_proj"
         short = entry.rsplit(".", 2)[-2:] if isinstance(entry, str) else ()
-        if len(short) != 2 or short[0] != "experts" or short[1] not in EXPERT_PARAMETERS:
+        if not short or short[-1] not in EXPERT_PARAMETERS or (len(short) == 2 and short[0] != "experts"):
             raise _refuse(path, f"target_parameters entry {entry!r} is not served (only the mixture-of-experts "
                                 f"parameters experts.{' and experts.'.join(EXPERT_PARAMETERS)})")
-        found.add(short[1])
+        found.add(short[-1])
     return tuple(p for p in EXPERT_PARAMETERS if p in found)
 
 
@@ -152,6 +159,44 @@ def _module(path: Path, name: str, where: str, targeted: tuple[str, ...]) -> str
         raise _refuse(path, f"module {where!r} is not supported (supported: {', '.join(SUPPORTED_MODULES)}, "
                             f"{', '.join(SHARED_EXPERT_MODULES)}, {', '.join(EXPERT_MODULES)})")
     return where
+
+
+def _pattern(path: Path, cfg: dict, name: str, key: str) -> Optional[tuple[str, object]]:
+    """(pattern, value) of the first ``cfg[name]`` entry that names ``key`` as PEFT matches them
+    (``peft.utils.other.get_pattern_key``: the pattern is the key's end, after a dot), or None."""
+    for pattern, value in (cfg.get(name) or {}).items():
+        try:
+            if re.match(rf"(.*\.)?({pattern})$", key):
+                return pattern, value
+        except re.error:
+            raise _refuse(path, f"{name} key {pattern!r} is not a regular expression") from None
+    return None
+
+
+def _module_settings(path: Path, cfg: dict, key: str, module: str, max_rank: int) -> tuple[int, float]:
+    """(rank, scaling) of the module PEFT names ``key`` (``model.layers.0.mlp.experts.gate_up_proj``):
+    the config's, or its ``rank_pattern`` / ``alpha_pattern`` entries' (served on the experts only)."""
+    rank, alpha = cfg["r"], cfg["lora_alpha"]
+    for name in ("rank_pattern", "alpha_pattern"):
+        found = _pattern(path, cfg, name, key)
+        if found is None:
+            continue
+        pattern, value = found
+        if module not in EXPERT_MODULES:
+            raise _refuse(path, f"{name} {pattern!r} on {module} is not supported (only on the experts' "
+                                "parameters, as PEFT's conversion of MoE targets writes it)")
+        ok = (isinstance(value, int) and value >= 1) if name == "rank_pattern" else \
+            (isinstance(value, (int, float)) and math.isfinite(value))
+        if isinstance(value, bool) or not ok:
+            what = "rank" if name == "rank_pattern" else "number"
+            raise _refuse(path, f"{name} {pattern!r}: {value!r} is not a {what}")
+        if name == "rank_pattern":
+            rank = value
+        else:
+            alpha = value
+    if rank > max_rank:
+        raise _refuse(path, f"rank {rank} of {module} exceeds --max-lora-rank {max_rank}")
+    return rank, float(alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank)
 
 
 def _header(path: Path) -> tuple[dict, int]:
@@ -180,8 +225,10 @@ def _header(path: Path) -> tuple[dict, int]:
     return header, size - 8 - n
 
 
-def _tensors(path: Path, header: dict, data_bytes: int, targeted: tuple[str, ...]) -> tuple[dict, dict]:
-    tensors, names = {}, {}
+def _tensors(path: Path, header: dict, data_bytes: int, targeted: tuple[str, ...]) -> tuple[dict, dict, dict]:
+    """(layer, module, side) -> (dtype, shape) and -> its name; (layer, module) -> the name PEFT gives
+    the module it adapts (``model.layers.0.mlp.experts.gate_up_proj``: what rank_pattern matches)."""
+    tensors, names, keys = {}, {}, {}
     for name, info in header.items():
         if not isinstance(info, dict) or info.get("dtype") not in _SAFETENSORS_DTYPES:
             raise _refuse(path, f"tensor {name}: dtype {info.get('dtype') if isinstance(info, dict) else info!r} "
@@ -202,12 +249,13 @@ def _tensors(path: Path, header: dict, data_bytes: int, targeted: tuple[str, ...
             raise _refuse(path, f"tensor {name} has shape {list(shape)}, not a matrix")
         key = (int(layer), module, side)
         tensors[key], names[key] = (info["dtype"], shape), name
+        keys[(int(layer), module)] = name[:match.start(3)].removeprefix("base_model.model.") + module
     if not tensors:
         raise _refuse(path, f"{WEIGHTS_FILE} holds no LoRA weights")
     for layer, module, side in tensors:
         if (layer, module, "B" if side == "A" else "A") not in tensors:
             raise _refuse(path, f"layer {layer} {module} has lora_{side} but not its pair")
-    return tensors, names
+    return tensors, names, keys
 
 
 def _digest(path: Path) -> str:
@@ -232,29 +280,33 @@ def read_adapter(path: str, max_rank: int, projections: Optional[dict[str, tuple
         raise _refuse(where, "not a directory" if where.exists() else "does not exist")
     where = where.resolve()
     cfg = _config(where)
-    rank, scaling = _check_config(where, cfg, max_rank)
+    _, scaling = _check_config(where, cfg, max_rank)
     targeted = expert_parameters(where, cfg)
     header, data_bytes = _header(where)
-    tensors, names = _tensors(where, header, data_bytes, targeted)
+    tensors, names, keys = _tensors(where, header, data_bytes, targeted)
+    settings = {(layer, module): _module_settings(where, cfg, key, module, max_rank)
+                for (layer, module), key in keys.items()}
     for (layer, module, side), (_, shape) in tensors.items():
         if num_layers is not None and layer >= num_layers:
             raise _refuse(where, f"layer {layer} does not exist in the base model ({num_layers} layers)")
         if projections is not None and module not in projections:
             raise _refuse(where, f"module {module!r} is not a projection of this model "
                                  f"(it has {', '.join(sorted(projections))})")
-        want_r = shape[0] if side == "A" else shape[1]
+        want_r, module_rank = shape[0] if side == "A" else shape[1], settings[(layer, module)][0]
         if module in EXPERT_MODULES:
-            _check_experts(where, layer, module, side, want_r, rank, num_experts,
+            _check_experts(where, layer, module, side, want_r, module_rank, num_experts,
                            tensors[(layer, module, "B" if side == "A" else "A")][1])
-        elif want_r != rank:
-            raise _refuse(where, f"layer {layer} {module} lora_{side} has rank {want_r}, the config says r={rank}")
+        elif want_r != module_rank:
+            raise _refuse(where, f"layer {layer} {module} lora_{side} has rank {want_r}, "
+                                 f"the config says r={module_rank}")
         if projections is not None:
             d_in, d_out = projections[module]
             if (side == "A" and shape[1] != d_in) or (side == "B" and shape[0] != d_out):
                 raise _refuse(where, f"layer {layer} {module} lora_{side} has shape {list(shape)}, "
                                      f"which does not fit the base model's {d_in} -> {d_out} projection")
-    return AdapterSpec(str(where), rank, scaling, tuple(sorted({m for _, m, _ in tensors})),
-                       1 + max(layer for layer, _, _ in tensors), tensors, names, _digest(where))
+    return AdapterSpec(str(where), max(r for r, _ in settings.values()), scaling,
+                       tuple(sorted({m for _, m, _ in tensors})), 1 + max(layer for layer, _, _ in tensors), tensors,
+                       names, _digest(where), settings)
 
 
 def _check_experts(path: Path, layer: int, module: str, side: str, rows: int, rank: int,

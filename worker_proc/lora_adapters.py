@@ -5,8 +5,8 @@ An adapter is read as the frontend judged it: ``read_adapter`` again (against th
 shapes and layer count), then its files' bytes, whose sha256 must be the digest the LoRAAdapter
 carries: files changed since the frontend accepted them are refused, not served as another adapter.
 The tensors are loaded from those same bytes (safetensors, no pickle), B is scaled (``lora_alpha / r``,
-rsLoRA's ``/ sqrt(r)``), both are cast to the model's dtype and cut to this tensor-parallel rank's part,
-so loading a slot later is a plain copy. The routed experts' A ``[r * E, in]`` and B ``[out, r * E]``
+rsLoRA's ``/ sqrt(r)``, each module's own where a rank / alpha pattern sets it), both are cast to the
+model's dtype and cut to this tensor-parallel rank's part, so loading a slot later is a plain copy. The routed experts' A ``[r * E, in]`` and B ``[out, r * E]``
 (PEFT's layout, protocol/lora_adapter.py) become ``[E, r, in]`` and ``[E, out, r]``. ``prefetch`` reads
 on a background thread; ``get`` of an adapter not yet read reads it at once.
 """
@@ -67,10 +67,11 @@ class AdapterReader:
         for (layer, module, side), name in spec.tensor_names.items():
             if side != "A":
                 continue
+            rank, scaling = spec.modules[(layer, module)]
             a = tensors[name].float()
-            b = tensors[spec.tensor_names[(layer, module, "B")]].float() * spec.scaling
+            b = tensors[spec.tensor_names[(layer, module, "B")]].float() * scaling
             if module in EXPERT_MODULES:
-                a, b = self._experts(module, a, b, spec.rank)
+                a, b = self._experts(module, a, b, rank)
                 layers.setdefault(layer, {})[module] = (a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous())
                 continue
             parts = self.rank_parts(module)

@@ -41,8 +41,12 @@ MODELS = {  # case -> (architecture, its config)
 }
 # (rank, alpha, target_modules, target_parameters, rsLoRA): the experts alone; attention and down only
 ADAPTERS = [(8, 16, (), EXPERTS, False), (4, 8, ("q_proj", "o_proj"), EXPERTS[1:], True)]
-# Qwen2-MoE's shared expert; a dense layer's MLP beside the experts of the sparse one
-MLP = (4, 8, ("gate_proj", "up_proj", "down_proj"), EXPERTS[:1], False)
+# One more adapter on a case's MLP linears: Qwen2-MoE's shared expert (and its experts' gate_up). Mixtral's and
+# Qwen3-MoE's expert projections named as target_modules, which PEFT converts to the fused parameters,
+# gate_up at twice the rank and alpha (a rank_pattern and an alpha_pattern in the saved config).
+MLP = {"qwen2_moe": (4, 8, ("gate_proj", "up_proj", "down_proj"), EXPERTS[:1], False),
+       "qwen3_moe_dense_layer": (4, 8, ("gate_proj", "up_proj", "down_proj"), (), False),
+       "mixtral": (4, 8, ("w1", "w3", "w2"), (), False)}
 
 _BUILT: dict = {}
 
@@ -54,7 +58,7 @@ def _adapted(case: str, root: Path) -> tuple[str, list[str]]:
 
         arch, config = MODELS[case]
         model = str(build_model_dir(root / "model", arch, num_layers=2, **config))
-        specs = ADAPTERS + ([MLP] if case in ("qwen2_moe", "qwen3_moe_dense_layer") else [])
+        specs = ADAPTERS + ([MLP[case]] if case in MLP else [])
         _BUILT[case] = model, [make_adapter(model, str(root / f"a{i}"), r, alpha, targets, seed=10 + i,
                                             rslora=rslora, parameters=params)
                                for i, (r, alpha, targets, params, rslora) in enumerate(specs)]
@@ -134,6 +138,18 @@ def test_peft_expert_adapters_are_read_as_peft_writes_them(qwen3):
     assert alone.scaling == pytest.approx(8 / 4 ** 0.5)  # rsLoRA, per expert's rank
 
 
+def test_peft_s_conversion_of_expert_target_modules_is_read_as_peft_applies_it(tmp_path_factory):
+    """target_modules w1 / w3 / w2 on Mixtral: PEFT targets the fused parameters instead, gate_up at
+    rank 2r and alpha 2 alpha (its saved rank_pattern / alpha_pattern), down at r."""
+    model, adapters = _adapted("mixtral", tmp_path_factory.mktemp("mixtral"))
+    config = json.loads((Path(adapters[2]) / "adapter_config.json").read_text())
+    assert config["rank_pattern"] == {r".*\.gate_up_proj": 8} and config["alpha_pattern"] == {r".*\.gate_up_proj": 16}
+    spec = _read(adapters[2], model)
+    assert spec.target_modules == ("experts.down_proj", "experts.gate_up_proj") and spec.rank == 8
+    assert spec.modules[(0, "experts.gate_up_proj")] == (8, 2.0) and spec.modules[(0, "experts.down_proj")] == (4, 2.0)
+    assert _read(adapters[2], model).tensors[(1, "experts.gate_up_proj", "A")][1] == (8 * 4, 64)
+
+
 def _edited(adapter: str, tmp_path: Path, config: dict = None, rename: tuple[str, str] = None) -> str:
     out = tmp_path / "edited"
     shutil.copytree(adapter, out)
@@ -155,11 +171,19 @@ def _edited(adapter: str, tmp_path: Path, config: dict = None, rename: tuple[str
     ({"target_parameters": ["mlp.experts.down_proj"]}, None, "adapts the experts, but target_parameters names 1"),
     (None, ("experts.base_layer.", "experts.0.gate_proj."), "single experts' modules (transformers 4's experts.N.*)"),
     (None, ("mlp.experts.base_layer.", "mlp.gate."), "module 'gate' is not supported"),
+    ({"rank_pattern": {r".*\.gate_up_proj": 4}}, None, "experts.gate_up_proj lora_A has 16 experts of r=4; the base model has 8"),
 ])
 def test_expert_adapters_that_cannot_be_served_are_refused_by_name(qwen3, tmp_path, config, rename, reason):
     model, (both, _) = qwen3
     with pytest.raises(LoRAAdapterError, match=re.escape(reason)):
         _read(_edited(both, tmp_path, config, rename), model)
+
+
+def test_a_rank_pattern_beyond_the_experts_is_refused_and_one_that_names_no_module_is_harmless(qwen3, tmp_path):
+    model, (both, down_only) = qwen3
+    with pytest.raises(LoRAAdapterError, match=re.escape("rank_pattern 'q_proj' on q_proj is not supported (only on")):
+        _read(_edited(down_only, tmp_path, {"rank_pattern": {"q_proj": 2}}), model)
+    assert _read(_edited(both, tmp_path / "both", {"rank_pattern": {"q_proj": 2}}), model).rank == 8
 
 
 def test_an_expert_adapter_of_another_model_is_refused(qwen3, model_factory):
