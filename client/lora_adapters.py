@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from pagedserve.protocol.block_hash import adapter_seed
-from pagedserve.protocol.lora_adapter import AdapterSpec, LoRAAdapterError, projection_shapes, read_adapter
+from pagedserve.protocol.lora_adapter import (AdapterSpec, LoRAAdapterError, expert_count, projection_shapes,
+                                              read_adapter)
 from pagedserve.protocol.messages import MAX_LORA_NAME_CHARS, LoRAAdapter
 
 
@@ -44,7 +45,7 @@ def adaptable_projections(model_cfg: dict) -> tuple[dict[str, tuple[int, int]], 
 def read_model_adapter(path: str, model_cfg: dict, max_rank: int) -> AdapterSpec:
     """The adapter at ``path`` judged against the base model of config.json ``model_cfg``."""
     projections, num_layers = adaptable_projections(model_cfg)
-    return read_adapter(path, max_rank, projections, num_layers)
+    return read_adapter(path, max_rank, projections, num_layers, expert_count(model_cfg) or None)
 
 
 def check_adapter_name(name: str, reserved: Sequence[str]) -> None:

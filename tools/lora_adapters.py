@@ -12,17 +12,18 @@ ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 def make_adapters(model_dir: str, out_dirs: Sequence[str], r: int = 8, alpha: float = 16,
                   targets: Sequence[str] = ALL_PROJECTIONS, seeds: Sequence[int] = (), rslora: bool = False,
-                  scale: float = 1.0) -> list[str]:
+                  scale: float = 1.0, parameters: Sequence[str] = ()) -> list[str]:
     """Write one adapter per ``out_dirs`` entry for the model at ``model_dir`` (loaded once);
     returns the directories. ``scale`` multiplies B, so a bench's adapters can be as small as a
-    trained one's are relative to the base weights."""
+    trained one's are relative to the base weights. ``parameters``: PEFT's ``target_parameters``
+    (a mixture of experts' ``EXPERT_PARAMETERS``), beside the modules ``targets``."""
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
 
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
-                        use_rslora=rslora)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets) or None, init_lora_weights=False,
+                        use_rslora=rslora, target_parameters=list(parameters) or None)
     model = get_peft_model(base, config)
     written = []
     for i, out in enumerate(out_dirs):
@@ -40,5 +41,6 @@ def make_adapters(model_dir: str, out_dirs: Sequence[str], r: int = 8, alpha: fl
 
 
 def make_adapter(model_dir: str, out_dir: str, r: int = 8, alpha: float = 16,
-                 targets: Sequence[str] = ALL_PROJECTIONS, seed: int = 0, rslora: bool = False) -> str:
-    return make_adapters(model_dir, [out_dir], r, alpha, targets, [seed], rslora)[0]
+                 targets: Sequence[str] = ALL_PROJECTIONS, seed: int = 0, rslora: bool = False,
+                 parameters: Sequence[str] = ()) -> str:
+    return make_adapters(model_dir, [out_dir], r, alpha, targets, [seed], rslora, parameters=parameters)[0]

@@ -1,12 +1,13 @@
 """The worker's LoRA adapter slots (``--max-loras``): which adapter each holds, and a step's changes.
 
 Every slot's weights are allocated at start, for every adaptable projection of every layer
-(models/lora_linear.py's ``LoRAProjection``); a load copies an adapter's tensors from the host cache
-(worker_proc/lora_adapters.py) into its slot in place, on the stream that runs the model, before the
-step's forward. The scheduler decides everything (protocol/messages.py ``LoRAStep``): the worker
-applies a step's ``forget``, then its ``loads``, then gives each new request its slot, and reads
-``prefetch`` into the host cache in the background. It never reassigns a slot a held request uses;
-the check here only stops a broken scheduler from computing a request with another adapter.
+(models/lora_linear.py's ``LoRAProjection``; a mixture of experts' routed experts: models/lora_experts.py);
+a load copies an adapter's tensors from the host cache (worker_proc/lora_adapters.py) into its slot in
+place, on the stream that runs the model, before the step's forward. The scheduler decides everything
+(protocol/messages.py ``LoRAStep``): the worker applies a step's ``forget``, then its ``loads``, then
+gives each new request its slot, and reads ``prefetch`` into the host cache in the background. It never
+reassigns a slot a held request uses; the check here only stops a broken scheduler from computing a
+request with another adapter.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagedserve.protocol.lora_adapter import LoRAAdapterError
 from pagedserve.protocol.messages import LoRAAdapter, LoRAStep, SchedulerOutput
 from pagedserve.protocol.step_state import HeldRequest, StepContractError
 from pagedserve.worker_proc.lora_adapters import AdapterReader, HostAdapter, HostAdapterCache
+from pagedserve.worker_proc.models.lora_experts import ExpertLoRA
 from pagedserve.worker_proc.models.lora_linear import LayerLoRA, LoRABatch
 
 log = logging.getLogger("pagedserve.worker")
@@ -40,7 +42,7 @@ class LoRASlots:
     def slot_bytes(self) -> int:
         """Device bytes of every slot's weights."""
         return sum(t.numel() * t.element_size() for layer in self.layers for p in layer.projections
-                   for t in (p.a, *p.b))
+                   for t in (p.weights() if isinstance(p, ExpertLoRA) else (p.a, *p.b)))
 
     # ------------------------------------------------------------------ a step's changes
 

@@ -24,7 +24,7 @@ import torch
 
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.ops import select_ops
-from pagedserve.protocol.lora_adapter import projection_shapes
+from pagedserve.protocol.lora_adapter import SHARED_EXPERT_MODULES, projection_shapes
 from pagedserve.protocol.messages import LoRAStep, SchedulerOutput, StepResult, WorkerInit
 from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output, note_accepted, note_samples
@@ -42,6 +42,7 @@ from pagedserve.worker_proc.lora_slots import LoRASlots
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.model_impl import select_implementation
 from pagedserve.worker_proc.models.lora_linear import LoRAConfig
+from pagedserve.worker_proc.models.moe import moe_rank_parts
 from pagedserve.worker_proc.pooling import pool_chunks
 from pagedserve.worker_proc.quantization import checkpoint_quantization
 from pagedserve.worker_proc.prompt_logprobs import compute_prompt_logprobs
@@ -120,11 +121,16 @@ class ModelRunner:
         spec, shard, d = self.spec, self.shard, self.spec.head_dim
         projections = projection_shapes(spec.hf_config.to_dict())  # also a .gguf's, which has no config.json
 
+        shared_parts, expert_rows = moe_rank_parts(spec.moe, shard) if spec.moe is not None else (None, None)
+
         def rank_parts(module: str) -> list[tuple[int, int]]:
+            if module in SHARED_EXPERT_MODULES and shared_parts is not None:
+                return shared_parts(module)
             return shard_parts(module, shard.head_rows(d), shard.kv_head_rows(d), shard.intermediate_rows(),
                                spec.num_heads * d, spec.num_kv_heads * d, spec.intermediate_size)
 
-        reader = AdapterReader(config.max_rank, projections, spec.num_layers, rank_parts, self.dtype)
+        reader = AdapterReader(config.max_rank, projections, spec.num_layers, rank_parts, self.dtype,
+                               spec.moe.num_experts if spec.moe is not None else None, expert_rows)
         return LoRASlots([layer.lora for layer in self.model.layers], config.max_loras, config.max_rank, reader,
                          config.max_cpu_loras, self.device, self.dtype)
 

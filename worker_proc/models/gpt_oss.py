@@ -69,7 +69,8 @@ def _gpt_oss(config: Any) -> dict:
     routing = RoutingRule(config.num_experts_per_tok, softmax_after_topk=True)
     moe = MoeSpec(config.num_local_experts, config.intermediate_size, 0, (True,) * config.num_hidden_layers, routing,
                   ExpertNames(router="router"), router_bias=True,
-                  activation=ClampedSwiglu(config.swiglu_alpha, config.swiglu_limit), read_experts=read_experts)
+                  activation=ClampedSwiglu(config.swiglu_alpha, config.swiglu_limit), read_experts=read_experts,
+                  gate_up_interleaved=True)
     return dict(moe=moe)
 
 

@@ -26,6 +26,13 @@ gpt-oss adds biases to the router and to both expert projections, and its expert
 a plain product (with its bias) and the activation torch ops; down's bias is added on rank 0 only,
 so the ranks' sum holds it once. Its checkpoint's layout is its family's loader (``MoeSpec.read_experts``).
 
+With ``--enable-lora`` a sparse layer's adapter slots (models/lora_experts.py ``MoeLayerLoRA``) hold the
+routed experts' and the shared expert's adapters: ``grouped_experts`` adds each token's delta to the
+products of the experts it is routed to; on a GPU a step with expert adapters takes the torch
+reference (kernels/moe_reference.py, with the same deltas), as the Triton kernel adds none. With
+LoRA, no expert's gate_up is packed for the fused SiLU gate (as a dense layer's: a delta joins gate
+and up before the gate).
+
 Checkpoints: the per-expert names the hub's checkpoints use and transformers 5's save_pretrained
 writes (Mixtral ``block_sparse_moe.experts.N.w1/w3/w2``, Qwen ``mlp.experts.N.gate/up/down_proj``),
 or transformers 5's in-memory fused names (``mlp.experts.gate_up_proj`` [E, 2I, H],
@@ -50,7 +57,9 @@ from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
-from pagedserve.worker_proc.models.lora_linear import LoRABatch, LoRAConfig
+from pagedserve.worker_proc.models.lora_experts import (DOWN, GATE_UP, ExpertDeltas, ExpertLoRA, MoeLayerLoRA,
+                                                        expert_rows, shared_expert_lora)
+from pagedserve.worker_proc.models.lora_linear import LayerLoRA, LoRABatch, LoRAConfig
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -82,6 +91,8 @@ class MoeSpec:
     names: ExpertNames = ExpertNames()
     router_bias: bool = False  # the router's linear has a bias (gpt-oss)
     activation: Optional[ClampedSwiglu] = None  # None: SiLU(gate) * up
+    # transformers' gate_up parameter alternates gate and up outputs (gpt-oss): an adapter's B rows too
+    gate_up_interleaved: bool = False
     # A family's own checkpoint layout (gpt-oss): (source, the layer's block prefix, this rank's
     # intermediate slice) -> per expert [2s, H] gate_up (gate rows first), [H, s] down, and their
     # biases ([2s] and [H]) or None. None: the per-expert or transformers' fused names below.
@@ -102,7 +113,8 @@ class ExpertTensors:
     down_biases: Optional[list[torch.Tensor]] = None
 
 
-def _slice(size: int, shard: TensorParallelShard, what: str) -> tuple[int, int]:
+def intermediate_part(size: int, shard: TensorParallelShard, what: str) -> tuple[int, int]:
+    """This rank's [start, end) of ``size`` intermediate features (``what``: the config's name)."""
     if size % shard.size:
         raise UnsupportedModelError(f"tensor-parallel size {shard.size} does not divide {what}={size}; "
                                     "pick a tp_size that does")
@@ -112,7 +124,9 @@ def _slice(size: int, shard: TensorParallelShard, what: str) -> tuple[int, int]:
 
 class SparseMoeBlock:
     def __init__(self, spec: ModelSpec, shard: TensorParallelShard, layer: int, source: WeightSource,
-                 device: torch.device, dtype: torch.dtype, layout: WeightLayout = WeightLayout()):
+                 device: torch.device, dtype: torch.dtype, layout: WeightLayout = WeightLayout(),
+                 lora: bool = False):
+        """``lora``: adapters may add to the experts' products (no gate_up packed for the fused gate)."""
         moe = spec.moe
         self.rule, self.num_experts = moe.routing, moe.num_experts
         gate, up, down = moe.names.expert
@@ -129,7 +143,7 @@ class SparseMoeBlock:
         self.router = load(source.get(router + ".weight"))  # [E, H], on every rank
         self.router_bias = load(source.get(router + ".bias")) if moe.router_bias else None
         self.activation = moe.activation
-        a, b = _slice(moe.expert_intermediate_size, shard, "moe_intermediate_size")
+        a, b = intermediate_part(moe.expert_intermediate_size, shard, "moe_intermediate_size")
         size = b - a
         gate_up_biases = down_biases = None
         if moe.read_experts is not None:
@@ -149,8 +163,9 @@ class SparseMoeBlock:
             downs = [source.get(e.format(i, down), dim=1, part=(a, b)) for i in range(self.num_experts)]
         no_biases = [None] * self.num_experts
         if device.type == "cpu":
-            # A clamped SwiGLU multiplies through linear(): no panels interleaved for silu_gate
-            gate_size = 0 if self.activation is not None else size
+            # A clamped SwiGLU multiplies through linear(): no panels interleaved for silu_gate. Nor with LoRA
+            # where the native panels would interleave them.
+            gate_size = 0 if self.activation is not None or (lora and layout.native) else size
             self.experts = [(LinearWeight.of(load(gu), load(gub), layout, gate_size=gate_size),
                              LinearWeight.of(load(d), load(db), layout))
                             for gu, d, gub, db in zip(gate_ups, downs, gate_up_biases or no_biases,
@@ -172,30 +187,51 @@ class SparseMoeBlock:
         del gate_ups, downs
         self.shared: Optional[tuple[LinearWeight, LinearWeight, torch.Tensor]] = None
         if moe.shared_expert_intermediate_size:  # Qwen2-MoE's, under the same names in either form
-            sa, sb = _slice(moe.shared_expert_intermediate_size, shard, "shared_expert_intermediate_size")
+            sa, sb = intermediate_part(moe.shared_expert_intermediate_size, shard, "shared_expert_intermediate_size")
             shared = p + "shared_expert."
             shared_gate_up = load(torch.cat([source.get(shared + "gate_proj.weight", dim=0, part=(sa, sb)),
                                              source.get(shared + "up_proj.weight", dim=0, part=(sa, sb))]))
             shared_down = load(source.get(shared + "down_proj.weight", dim=1, part=(sa, sb)))
-            self.shared = (LinearWeight.of(shared_gate_up, None, layout, gate_size=sb - sa),
+            shared_gate = 0 if lora and layout.native else sb - sa
+            self.shared = (LinearWeight.of(shared_gate_up, None, layout, gate_size=shared_gate),
                            LinearWeight.of(shared_down, None, layout),
                            load(source.get(p + "shared_expert_gate.weight")))  # [1, H], on every rank
         if layer == spec.moe.sparse_layers.index(True):
             log.info("mixture of experts: %d experts, top %d; %s", self.num_experts, self.rule.top_k, self.kernel)
 
-    def forward(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ew: Elementwise, lora: Optional[LoRABatch] = None,
+                slots: Optional[MoeLayerLoRA] = None, ops: Optional[ModuleType] = None) -> torch.Tensor:
         """x [T, H] (after the norm before the MLP) -> this rank's part of the block's output [T, H]:
-        the decoder layer sums the ranks' parts, as it does the dense MLP's."""
+        the decoder layer sums the ranks' parts, as it does the dense MLP's. ``lora``: the step's adapter
+        tokens, ``slots`` this layer's adapter weights (or None)."""
         weights, ids = route(F.linear(x, self.router, self.router_bias), self.rule)
+        deltas = slots.experts.deltas(lora) if slots is not None and slots.experts is not None else None
         if self.experts is not None:
-            out = grouped_experts(x, self.experts, weights, ids, ew, self.activation)
+            out = grouped_experts(x, self.experts, weights, ids, ew, self.activation, deltas)
+        elif deltas is not None:  # the Triton kernel adds no adapter: the reference loop does
+            out = moe_reference.fused_moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias,
+                                          self.down_bias, self.activation, deltas)
         else:
             out = self.fused_moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias, self.down_bias,
                                  self.activation)
         if self.shared is not None:
             gate_up, down, gate = self.shared
-            out = out + torch.sigmoid(F.linear(x, gate)) * linear(silu_gate(x, gate_up, ew), down)
+            out = out + torch.sigmoid(F.linear(x, gate)) * self._shared(x, gate_up, down, ew, lora, slots, ops)
         return out
+
+    @staticmethod
+    def _shared(x: torch.Tensor, gate_up: LinearWeight, down: LinearWeight, ew: Elementwise,
+                lora: Optional[LoRABatch], slots: Optional[MoeLayerLoRA], ops: Optional[ModuleType]) -> torch.Tensor:
+        """The shared expert's output before its gate, with its adapter deltas as a dense MLP's."""
+        adapted = lora is not None and slots is not None and slots.gate_up is not None
+        if not adapted and gate_up.gate_size:
+            return linear(silu_gate(x, gate_up, ew), down)
+        products = linear(x, gate_up)
+        if adapted:
+            slots.gate_up.add_delta(x, products, lora, ops)
+        hidden = ew.silu_mul(products, products.shape[1] // 2)
+        out = linear(hidden, down)
+        return slots.down.add_delta(hidden, out, lora, ops) if adapted else out
 
 
 class MoeDecoderLayer(DecoderLayer):
@@ -207,33 +243,76 @@ class MoeDecoderLayer(DecoderLayer):
                  rotary: Optional[RotaryEmbedding] = None, lora: Optional[LoRAConfig] = None):
         sparse = spec.moe.sparse_layers[layer]
         super().__init__(spec, shard, layer, source, device, dtype, layout, rotary, dense_mlp=not sparse, lora=lora)
-        self.moe = SparseMoeBlock(spec, shard, layer, source, device, dtype, layout) if sparse else None
+        self.moe = (SparseMoeBlock(spec, shard, layer, source, device, dtype, layout, lora is not None)
+                    if sparse else None)
+        if sparse and lora is not None:
+            self.lora = _sparse_layer_lora(self.lora, spec, shard, lora, dtype, device)
 
     def _mlp(self, x: torch.Tensor, ew: Elementwise, lora: Optional[LoRABatch] = None,
              ops: Optional[ModuleType] = None) -> torch.Tensor:
-        """A sparse layer's experts take no adapter (protocol/lora_adapter.py refuses them)."""
-        return super()._mlp(x, ew, lora, ops) if self.moe is None else self.moe.forward(x, ew)
+        if self.moe is None:
+            return super()._mlp(x, ew, lora, ops)
+        return self.moe.forward(x, ew, lora, self.lora, ops)
+
+
+def _sparse_layer_lora(dense: LayerLoRA, spec: ModelSpec, shard: TensorParallelShard, config: LoRAConfig,
+                       dtype: torch.dtype, device: torch.device) -> MoeLayerLoRA:
+    """A sparse layer's slots: attention's (the shared layer's), the shared expert's, the routed experts'."""
+    moe = spec.moe
+    a, b = intermediate_part(moe.expert_intermediate_size, shard, "moe_intermediate_size")
+    experts = ExpertLoRA(moe.num_experts, spec.hidden_size, b - a, config, dtype, device)
+    gate_up = down = None
+    if moe.shared_expert_intermediate_size:
+        sa, sb = intermediate_part(moe.shared_expert_intermediate_size, shard, "shared_expert_intermediate_size")
+        gate_up, down = shared_expert_lora(spec.hidden_size, sb - sa, config, dtype, device)
+    return MoeLayerLoRA(dense.qkv, dense.o, gate_up, down, experts)
+
+
+def moe_rank_parts(moe: MoeSpec, shard: TensorParallelShard) -> tuple[Callable[[str], list[tuple[int, int]]],
+                                                                      Callable[[str], torch.Tensor]]:
+    """How this rank cuts an adapter of a mixture of experts (worker_proc/lora_adapters.py's AdapterReader):
+    a shared expert module's intermediate range, and a routed expert module's rows (lora_experts.expert_rows)."""
+    def shared_parts(module: str) -> list[tuple[int, int]]:
+        return [intermediate_part(moe.shared_expert_intermediate_size, shard, "shared_expert_intermediate_size")]
+
+    def rows(module: str) -> torch.Tensor:
+        part = intermediate_part(moe.expert_intermediate_size, shard, "moe_intermediate_size")
+        return expert_rows(module, part, moe.expert_intermediate_size, moe.gate_up_interleaved)
+    return shared_parts, rows
 
 
 def grouped_experts(x: torch.Tensor, experts: list[tuple[LinearWeight, LinearWeight]], weights: torch.Tensor,
-                    ids: torch.Tensor, ew: Elementwise, activation: Optional[ClampedSwiglu] = None) -> torch.Tensor:
+                    ids: torch.Tensor, ew: Elementwise, activation: Optional[ClampedSwiglu] = None,
+                    deltas: Optional[ExpertDeltas] = None) -> torch.Tensor:
     """moe_reference.fused_moe's result from per-expert LinearWeights: the pairs sorted by expert,
     one silu_gate and one linear per active expert over its rows, each output row scaled by its
     weight (in the weight's dtype, then rounded to x's, as transformers does) and added into its
     token's row, a token's experts in ascending order. ``activation``: gpt-oss's clamped SwiGLU
-    on gate_up's product (with its bias) in place of silu_gate."""
+    on gate_up's product (with its bias) in place of silu_gate. ``deltas``: adapters' deltas added
+    to each expert's two products (models/lora_experts.py)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     order = sort_by_expert(ids, len(experts))
     rows = x[order.token_of]
     outs = []
     start = 0
-    for (gate_up, down), count in zip(experts, order.counts):
+    masks = [None] * len(experts) if deltas is None else deltas.masks(order.token_of, order.counts)
+    for expert, ((gate_up, down), count, mask) in enumerate(zip(experts, order.counts, masks)):
         if count:
             own = rows[start: start + count]
-            hidden = (silu_gate(own, gate_up, ew) if activation is None
-                      else moe_reference.gated(linear(own, gate_up), gate_up.out_features // 2, activation))
-            outs.append(linear(hidden, down))
+            size = gate_up.out_features // 2
+            if mask is None and activation is None and gate_up.gate_size:
+                hidden = silu_gate(own, gate_up, ew)
+            else:
+                products = linear(own, gate_up)
+                if mask is not None:
+                    deltas.add(GATE_UP, expert, own, products, mask)
+                hidden = (ew.silu_mul(products, size) if activation is None
+                          else moe_reference.gated(products, size, activation))
+            out = linear(hidden, down)
+            if mask is not None:
+                deltas.add(DOWN, expert, hidden, out, mask)
+            outs.append(out)
             start += count
     scaled = (torch.cat(outs) * weights.reshape(-1)[order.pair, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, order.token_of, scaled)
