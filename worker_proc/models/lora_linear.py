@@ -181,6 +181,7 @@ class LoRAProjection:
         # which modules each slot's adapter targets; how many slots target each module (0: skipped)
         self.slot_targets: list[tuple[bool, ...]] = [(False,) * len(modules)] * max_loras
         self.num_targeting = [0] * len(modules)
+        self._kernel: Optional[cpu_native.LoRAGroupKernel] = None  # the native path's call, built on first use
 
     def load(self, slot: int, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot ``slot`` takes an adapter's (A [r, in], B [out, r] scaled) by module name, in place
@@ -197,6 +198,7 @@ class LoRAProjection:
                 self.b[j][slot, :rank].copy_(b.t(), non_blocking=True)
                 self.num_targeting[j] += 1
         self.slot_targets[slot] = tuple(targets)
+        self._kernel = None
 
     def clear(self, slot: int) -> None:
         for j, targeted in enumerate(self.slot_targets[slot]):
@@ -205,6 +207,7 @@ class LoRAProjection:
                 self.a[slot, j].zero_()
                 self.b[j][slot].zero_()
         self.slot_targets[slot] = (False,) * len(self.names)
+        self._kernel = None
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, lora: Optional[LoRABatch],
                   ops: Optional[ModuleType] = None) -> torch.Tensor:
@@ -222,12 +225,12 @@ class LoRAProjection:
         return out
 
     def _native(self, x: torch.Tensor, out: torch.Tensor, lora: LoRABatch) -> None:
-        slots, modules, rank = self.a.shape[0], self.a.shape[1], self.max_rank
-        s = torch.empty(x.shape[0], modules * rank, dtype=torch.float32)  # rows of base tokens: never read
-        cpu_native.lora_shrink_expand(x, self.a.view(slots, modules * rank, self.in_features), lora.order,
-                                      lora.seg_starts, lora.seg_slots, lora.ranks, s, self.b,
-                                      [out[:, start:end] for start, end in self.columns],
-                                      [bool(n) for n in self.num_targeting])
+        if self._kernel is None:  # until a slot's adapter changes which modules are targeted
+            slots, modules = self.a.shape[0], self.a.shape[1]
+            self._kernel = cpu_native.LoRAGroupKernel(
+                self.a.view(slots, modules * self.max_rank, self.in_features), self.b,
+                [start for start, _ in self.columns], [bool(n) for n in self.num_targeting])
+        self._kernel(x, out, lora.order, lora.seg_starts, lora.seg_slots, lora.ranks)
 
     def _dense(self, x: torch.Tensor, out: torch.Tensor, lora: LoRABatch) -> None:
         slots, modules, rank = self.a.shape[0], self.a.shape[1], self.max_rank
