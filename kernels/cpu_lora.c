@@ -27,12 +27,20 @@
 #define TOKENS 4  /* tokens that share each load of a weight */
 #define VECS 4  /* expand: column vectors a token sums in registers (with TOKENS: 16 accumulators) */
 #define TOKEN_BLOCK 64  /* tokens of one segment per work item */
+#ifndef LONG_BLOCK
+#define LONG_BLOCK 16  /* a block of this many tokens takes the shrink four rows of A at a time (bfloat16) */
+#endif
 #define OUT_BLOCK 256  /* expand: output columns per work item */
 /* How far ahead the weights are prefetched: the shrink a row of A's elements ahead, the expand (whose tiles
  * step through B's R rows 64 columns at a time: R streams) bytes ahead in each row. A cold decode step's
  * deltas (24 layers of the 0.5B shape, 8 slots, one thread) took 14.9 ms without and 8.3 ms with them. */
 #define SHRINK_PREFETCH 4096
 #define EXPAND_PREFETCH 512
+/* and y's rows, bytes ahead: a prompt chunk's outputs are past the caches (512 tokens over 8 slots, one
+ * thread: the gate/up expands' 73 ms went to 36) */
+#ifndef Y_PREFETCH
+#define Y_PREFETCH 512
+#endif
 
 static inline __attribute__((always_inline)) hvec load_kind(const void *p, int64_t at, const int kind) {
     if (kind == 0) return load_f32((const float *)p + at);
@@ -96,6 +104,26 @@ static inline __attribute__((always_inline)) void dots_bf16(const uint16_t *x, c
     }
     for (int j = 0; j < TOKENS; j++) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][j], acc[1][j]));
 }
+
+/* out[q * TOKENS + j] = x[xoff[j] ..] . w[q * k ..] for ROWS4 rows of w: a prompt chunk's shrink, where the x rows
+ * (from L2) are what a row at a time reads most; 16 sums in registers, half the loads a product. */
+#define ROWS4 4
+static inline void dots_bf16_rows4(const uint16_t *x, const int64_t *xoff, const uint16_t *w, int64_t k, float *out) {
+    __m512 acc[ROWS4][TOKENS];
+    for (int q = 0; q < ROWS4; q++)
+        for (int j = 0; j < TOKENS; j++) acc[q][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 32) {
+        const __mmask32 mask = k - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (k - i)) - 1);
+        __m512bh wv[ROWS4];
+        for (int q = 0; q < ROWS4; q++) wv[q] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + q * k + i);
+        for (int j = 0; j < TOKENS; j++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + xoff[j] + i);
+            for (int q = 0; q < ROWS4; q++) acc[q][j] = _mm512_dpbf16_ps(acc[q][j], xv, wv[q]);
+        }
+    }
+    for (int q = 0; q < ROWS4; q++)
+        for (int j = 0; j < TOKENS; j++) out[q * TOKENS + j] = _mm512_reduce_add_ps(acc[q][j]);
+}
 #endif
 
 /* out[j] = x[xoff[j] ..] . a[at .. at + k), with the kinds as constants where they are one. */
@@ -120,14 +148,20 @@ static void dots(const void *x, int x_kind, const int64_t *xoff, const void *a, 
 /* s[i, row] for a segment's tokens i0 .. i1 (positions in ``tokens``, rows of s): row ``row`` of its slot's A
  * (from element ``at``) by TOKENS tokens at a time. */
 static void shrink_block(const void *x, int x_kind, int64_t ldx, int64_t k, const void *a, int a_kind, int64_t at,
-                         const int64_t *tokens, int64_t i0, int64_t i1, float *s, int64_t lds, int64_t row) {
+                         const int64_t *tokens, int64_t i0, int64_t i1, float *s, int64_t lds, int64_t row, int rows) {
     for (int64_t i = i0; i < i1; i += TOKENS) {
         const int cnt = i1 - i < TOKENS ? (int)(i1 - i) : TOKENS;
         int64_t xoff[TOKENS];
         for (int j = 0; j < TOKENS; j++) xoff[j] = tokens[i + (j < cnt ? j : 0)] * ldx;  /* past cnt: repeats, dropped */
-        float out[TOKENS];
-        dots(x, x_kind, xoff, a, a_kind, at, k, out);
-        for (int j = 0; j < cnt; j++) s[(i + j) * lds + row] = out[j];
+        float out[4 * TOKENS];
+#ifdef SHRINK_DPBF16
+        if (rows == ROWS4)
+            dots_bf16_rows4((const uint16_t *)x, xoff, (const uint16_t *)a + at, k, out);
+        else
+#endif
+            dots(x, x_kind, xoff, a, a_kind, at, k, out);
+        for (int q = 0; q < rows; q++)
+            for (int j = 0; j < cnt; j++) s[(i + j) * lds + row + q] = out[q * TOKENS + j];
     }
 }
 
@@ -182,6 +216,11 @@ static inline __attribute__((always_inline)) void expand_block(const float *s, i
         hvec acc[TOKENS][VECS];
         int64_t c = 0;
         for (; c + VECS * HALF_VW <= width; c += VECS * HALF_VW) {
+            for (int t = 0; t < cnt; t++) {  /* y's rows: a prompt chunk's are past the caches */
+                const char *ahead = (const char *)y + (yrow[t] + o0 + c) * (y_kind == 0 ? 4 : 2) + Y_PREFETCH;
+                __builtin_prefetch(ahead, 1, 3);
+                __builtin_prefetch(ahead + 64, 1, 3);
+            }
             expand_tile(st, b, at + o0 + c, ldb, rank, VECS, B, acc);
             for (int t = 0; t < cnt; t++) add_into(y, yrow[t] + o0 + c, acc[t], VECS, y_kind);
         }
@@ -241,7 +280,15 @@ int lora_shrink_expand(const void *x, int x_kind, int64_t ldx, int64_t k, const 
                 const token_block tb = blocks[blk];
                 const int64_t slot = slots[tb.seg];
                 if (row % r_max >= ranks[slot]) continue;  /* past the adapter's rank: zeros, and no expand reads them */
-                shrink_block(x, x_kind, ldx, k, a, kind, (slot * n + row) * k, tokens, tb.first, tb.last, s, lds, row);
+                int rows = 1;
+#ifdef SHRINK_DPBF16
+                if (x_kind == 1 && kind == 1 && tb.last - tb.first >= LONG_BLOCK && n % ROWS4 == 0) {
+                    if (row % ROWS4) continue;  /* a long block's rows four at a time, by the item of the first */
+                    rows = ROWS4;
+                }
+#endif
+                shrink_block(x, x_kind, ldx, k, a, kind, (slot * n + row) * k, tokens, tb.first, tb.last, s, lds, row,
+                             rows);
             }
         }  /* the omp for ends with a barrier: s is complete below */
         for (int64_t j = 0; j < modules; j++) {

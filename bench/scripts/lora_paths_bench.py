@@ -4,7 +4,7 @@ pair per adapter segment, beside the
 layer's base projections (F.linear) for scale. Every slot holds an adapter on all seven projections;
 a step's tokens are spread over the slots in turn (decodes: each token its own request) or, with
 ``--runs``, as one run of tokens per slot (prompt chunks). Prints ms per layer (median of --repeat).
-``NATIVE_MAX_TOKENS`` and ``DENSE_MAX_TOKENS`` are the crossovers this measures.
+``DENSE_MAX_TOKENS`` is the crossover this measures (where the native library is not built).
 
     python bench/scripts/lora_paths_bench.py [--tokens 1,4,8,16,32,64,128,256] [--dtype bfloat16] [--slots 8]
 """

@@ -6,6 +6,7 @@ the median ms per decode step of each and their ratio, and with ``--profile`` to
 of one adapter step.
 
     python bench/scripts/lora_step_bench.py [--seqs 32] [--adapters 8] [--dtype bfloat16] [--path native]
+    python bench/scripts/lora_step_bench.py --threads 1 --cpu-time    # on cores other work shares: one thread's work
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--path", choices=lora_linear.PATHS, default=None, help="every step's path (default: by its size)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--threads", type=int, default=0, help="torch's (and the kernels') threads (default: torch's own)")
     p.add_argument("--cpu-time", action="store_true", help="the process's CPU time (all threads), not wall time: "
                    "where other work shares the cores, what the steps cost rather than how long they waited")
     ns = p.parse_args()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
     if ns.path is not None:
         lora_linear.choose_path = lambda device, num_tokens: ns.path
     model = ensure_shape_model(SHAPES["0.5b-bf16"])
