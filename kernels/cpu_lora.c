@@ -8,12 +8,13 @@
  * A decode step is a read of the adapters' weights (the 0.5B shape, 8 slots of rank 16 on all seven
  * projections: 141 MB a step beside the base's 0.99 GB), with a few tokens per slot to multiply them by.
  * So each vector of a weight is loaded once per four tokens and used by all four in registers: the
- * shrink takes two rows of A by four tokens (bfloat16 x and A with AVX512-BF16: vdpbf16ps, 32
- * products an instruction and no widening; otherwise widened to float32 and FMA), the expand one
- * vector of B, widened, by four tokens' rank sums over 64 columns, added into y where they end (no
- * delta tensor, y rounded once). A long segment (a prompt chunk) is cut into blocks of TOKEN_BLOCK
- * tokens, so the x rows a block of the shrink reads again for every row of A stay in L2. Sums are
- * float32; a projection group takes one parallel region (lora_shrink_expand).
+ * shrink takes a row of A by four tokens (bfloat16 x and A with AVX512-BF16: vdpbf16ps, 32 products an
+ * instruction and no widening; otherwise widened to float32 and FMA), the expand one vector of B,
+ * widened, by four tokens' rank sums over 64 columns, added into y where they end (no delta tensor, y
+ * rounded once). Both prefetch their weight streams (and the expand y's rows), which the hardware's
+ * prefetchers leave to memory latency. A prompt chunk's long segment is cut into blocks of TOKEN_BLOCK
+ * tokens, whose x rows the shrink reads again for each row of A from L2, four rows of A at a time in
+ * bfloat16. Sums are float32; a projection group takes one parallel region (lora_shrink_expand).
  *
  * Weights are bfloat16, float16 or float32 (``kind``: 0 float32, 1 bfloat16, 2 float16). Rows of a
  * slot past its adapter's rank (``ranks``) are zeros and skipped: shrink row n is rank n % R.
@@ -27,9 +28,7 @@
 #define TOKENS 4  /* tokens that share each load of a weight */
 #define VECS 4  /* expand: column vectors a token sums in registers (with TOKENS: 16 accumulators) */
 #define TOKEN_BLOCK 64  /* tokens of one segment per work item */
-#ifndef LONG_BLOCK
 #define LONG_BLOCK 16  /* a block of this many tokens takes the shrink four rows of A at a time (bfloat16) */
-#endif
 #define OUT_BLOCK 256  /* expand: output columns per work item */
 /* How far ahead the weights are prefetched: the shrink a row of A's elements ahead, the expand (whose tiles
  * step through B's R rows 64 columns at a time: R streams) bytes ahead in each row. A cold decode step's
@@ -38,9 +37,7 @@
 #define EXPAND_PREFETCH 512
 /* and y's rows, bytes ahead: a prompt chunk's outputs are past the caches (512 tokens over 8 slots, one
  * thread: the gate/up expands' 73 ms went to 36) */
-#ifndef Y_PREFETCH
 #define Y_PREFETCH 512
-#endif
 
 static inline __attribute__((always_inline)) hvec load_kind(const void *p, int64_t at, const int kind) {
     if (kind == 0) return load_f32((const float *)p + at);
@@ -282,8 +279,10 @@ int lora_shrink_expand(const void *x, int x_kind, int64_t ldx, int64_t k, const 
                 if (row % r_max >= ranks[slot]) continue;  /* past the adapter's rank: zeros, and no expand reads them */
                 int rows = 1;
 #ifdef SHRINK_DPBF16
-                if (x_kind == 1 && kind == 1 && tb.last - tb.first >= LONG_BLOCK && n % ROWS4 == 0) {
-                    if (row % ROWS4) continue;  /* a long block's rows four at a time, by the item of the first */
+                if (x_kind == 1 && kind == 1 && tb.last - tb.first >= LONG_BLOCK && r_max % ROWS4 == 0) {
+                    /* a long block's rows four at a time (of one module: those past the rank skipped together), by
+                     * the item of the first */
+                    if (row % ROWS4) continue;
                     rows = ROWS4;
                 }
 #endif

@@ -584,7 +584,7 @@ class LoRAGroupKernel:
         if (x.dtype not in _LORA_KIND or y.dtype not in _LORA_KIND or x.dim() != 2 or x.shape[1] != self.in_features
                 or x.stride(1) != 1 or y.dim() != 2 or y.stride(1) != 1 or y.shape[0] != x.shape[0]
                 or y.shape[1] < self.width):
-            raise ValueError("lora_shrink_expand: x and y do not match the group's weights")
+            raise ValueError("LoRAGroupKernel: x and y do not match the group's weights")
         if library().lora_shrink_expand(
                 x.data_ptr(), _LORA_KIND[x.dtype], x.stride(0), self.in_features, *self._args, tokens.data_ptr(),
                 starts.data_ptr(), slots.data_ptr(), ranks.data_ptr(), slots.shape[0], y.data_ptr(), y.stride(0),

@@ -14,8 +14,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 RANKS = (8, 3, 5, 0)
 # (K, each module's output columns, the slots' rank R): K around a vector of bfloat16 (32) and the shrink's
 # 64-element steps, outputs short of a vector, one vector, past a 64-column tile; R = 8 gives a long block's
-# four rows of A at a time, R = 5 (15 rows in all) not
-SHAPES = ((40, (37, 16, 16), 8), (97, (64, 5, 70), 5), (200, (130,), 8))
+# four rows of A at a time, R = 5 and R = 6 (a group of four rows would span two modules) not
+SHAPES = ((40, (37, 16, 16), 8), (97, (64, 5, 70), 5), (200, (130,), 8), (64, (33, 48), 6))
 
 
 def token_slots(count: int, runs: bool, seed: int) -> torch.Tensor:
