@@ -75,14 +75,14 @@ _SIGNATURES = {
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_int4_blocks": [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
-    "lora_shrink_expand": [_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _I,
-                           ctypes.c_int],
+    "lora_shrink_expand": [_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_int,
+                           _P, _P, _P, _P],
 }
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
              "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
-             **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}}
+             **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "lora_shrink_expand": ctypes.c_int}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D
@@ -550,32 +550,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
-_LORA_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_lora.c's ``half``
+_LORA_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_lora.c's ``kind``
 
 
-def lora_shrink_expand(x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor,
-                       slots: torch.Tensor, ranks: torch.Tensor, s: torch.Tensor, bs: list[torch.Tensor],
-                       ys: list[torch.Tensor], expand: list[bool]) -> None:
-    """LoRA's delta of a projection group for tokens grouped by slot (kernels/cpu_lora.c), in one call:
-    the shrink s[t] = a[slot] @ x[t] of all its modules at once (x [T, K] float32, bfloat16 or float16, read as
-    it is and widened in registers, a [slots, modules * R, K],
-    s [T, modules * R] float32 scratch), then for each module j with ``expand[j]``, ys[j][t] += s[t, jR:jR + rank]
-    @ bs[j][slot, :rank] (bs[j] [slots, R, out_j]; ys: column slices of one output, rounded once). ``tokens``:
-    the adapter tokens' rows in segment order, segment i ``tokens[starts[i]:starts[i + 1]]`` on slot ``slots[i]``;
-    ``ranks`` [slots] each slot's adapter rank (rows past it are zeros, skipped). Index tensors int64."""
-    modules, r_max = len(bs), bs[0].shape[1]
-    k = x.shape[1]
-    if (x.dtype not in _LORA_KIND or s.dtype != torch.float32 or a.shape[1] != modules * r_max or a.shape[2] != k
-            or s.shape[1] != modules * r_max or x.stride(1) != 1 or not s.is_contiguous() or not a.is_contiguous()
-            or any(not b.is_contiguous() or b.dtype != a.dtype or b.shape[2] != y.shape[1] for b, y in zip(bs, ys))
-            or len({y.stride() for y in ys}) != 1 or ys[0].stride(1) != 1 or ys[0].dtype not in _LORA_KIND):
-        raise ValueError("lora_shrink_expand: x, a, s, bs and ys do not match")
-    array = ctypes.c_int64 * modules
-    library().lora_shrink_expand(
-        x.data_ptr(), _LORA_KIND[x.dtype], x.stride(0), k, a.data_ptr(), _LORA_KIND[a.dtype], modules, r_max, tokens.data_ptr(),
-        starts.data_ptr(), slots.data_ptr(), ranks.data_ptr(), slots.shape[0], s.data_ptr(), s.stride(0),
-        array(*(b.data_ptr() for b in bs)), array(*(b.shape[2] for b in bs)), array(*(y.data_ptr() for y in ys)),
-        array(*map(int, expand)), ys[0].stride(0), _LORA_KIND[ys[0].dtype])
+class LoRAGroupKernel:
+    """LoRA's delta of a projection group for tokens grouped by slot (kernels/cpu_lora.c), its weights checked
+    and turned into the call's arguments once: a decode step makes ~100 of these calls, and building and
+    checking them each time cost as much as a small group's kernel.
+
+    ``a`` [slots, modules * R, K] (every module's A of a slot stacked: one shrink for the group), ``bs[j]``
+    [slots, R, out_j], module j's delta added to the output's columns ``columns[j]`` .. + out_j, the modules
+    whose ``expand[j]`` is False skipped. All contiguous, of one dtype (float32, bfloat16 or float16)."""
+
+    def __init__(self, a: torch.Tensor, bs: list[torch.Tensor], columns: list[int], expand: list[bool]):
+        modules, r_max = len(bs), bs[0].shape[1]
+        if (a.dtype not in _LORA_KIND or a.dim() != 3 or a.shape[1] != modules * r_max or not a.is_contiguous()
+                or len(columns) != modules or len(expand) != modules
+                or any(not b.is_contiguous() or b.dtype != a.dtype or b.shape[:2] != (a.shape[0], r_max) for b in bs)):
+            raise ValueError("LoRAGroupKernel: a and bs do not match")
+        self._weights = (a, bs)  # the pointers below stay valid while these live
+        self.in_features, self.width = a.shape[2], max(c + b.shape[2] for c, b in zip(columns, bs))
+        array = ctypes.c_int64 * modules
+        self._args = (a.data_ptr(), _LORA_KIND[a.dtype], modules, r_max)
+        self._modules = (array(*(b.data_ptr() for b in bs)), array(*(b.shape[2] for b in bs)), array(*columns),
+                         array(*map(int, expand)))
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor,
+                 slots: torch.Tensor, ranks: torch.Tensor) -> None:
+        """y[t] += each module's (x[t] @ A_j[slot].T) @ B_j[slot] in its columns, in place, rounded once to y's dtype;
+        x [T, K] of any of the three dtypes (widened as read), rows strided. ``tokens``: the adapter tokens' rows
+        in segment order, segment i ``tokens[starts[i]:starts[i + 1]]`` on slot ``slots[i]``; ``ranks`` [slots]
+        each slot's adapter rank (rows past it are zeros, skipped). Index tensors int64, contiguous."""
+        if (x.dtype not in _LORA_KIND or y.dtype not in _LORA_KIND or x.dim() != 2 or x.shape[1] != self.in_features
+                or x.stride(1) != 1 or y.dim() != 2 or y.stride(1) != 1 or y.shape[0] != x.shape[0]
+                or y.shape[1] < self.width):
+            raise ValueError("LoRAGroupKernel: x and y do not match the group's weights")
+        if library().lora_shrink_expand(
+                x.data_ptr(), _LORA_KIND[x.dtype], x.stride(0), self.in_features, *self._args, tokens.data_ptr(),
+                starts.data_ptr(), slots.data_ptr(), ranks.data_ptr(), slots.shape[0], y.data_ptr(), y.stride(0),
+                _LORA_KIND[y.dtype], *self._modules):
+            raise MemoryError("lora_shrink_expand: no memory for its scratch")
 
 
 def supports_lora() -> bool:

@@ -9,13 +9,13 @@ an adapter of lower rank than the slots' is zero-padded, and a module it does no
 
 A step's ``LoRABatch`` (built once, shared by every layer) names the path that computes the deltas:
 
-- **native** (CPU, few tokens: decodes): kernels/cpu_lora.c over the tokens grouped by slot, each token
+- **native** (CPU, every step size): kernels/cpu_lora.c over the tokens grouped by slot, each token
   multiplied by its own slot's weights only, the batch read and written in place by index;
 - **dense** (CPU without the native library, few tokens): ``s = x @ A_all.T`` over every slot, a mask
   keeping each token's own slot's columns, then ``s @ B_all``: two matmuls per projection however many
   adapters the step mixes, at ``slots``-fold the FLOPs of the token's own adapter;
-- **segments** (CPU, many tokens: prefill): one shrink and one expand matmul per slot's segment at the
-  adapter's own rank (a prompt chunk is a run of its batch already; otherwise the tokens sorted once);
+- **segments** (CPU without the native library, many tokens): one shrink and one expand matmul per slot's
+  segment at the adapter's own rank (a prompt chunk is a run of its batch already; otherwise the tokens sorted once);
 - **bgmv** / **sgmv** (CUDA): the Triton kernels (kernels/lora.py), one slot index per token up to
   ``BGMV_MAX_TOKENS``, the sorted segments above.
 
@@ -35,13 +35,12 @@ import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_native
 
-# CPU, up to this many tokens a step: kernels/cpu_lora.c (where the native library is built), else the dense
-# masked matmuls up to DENSE_MAX_TOKENS; the segments' matmul pairs above. Measured on one 0.5B layer, 8 slots
-# of rank 16 on all seven projections, bfloat16, 2 threads of a shared Zen 5 (bench/scripts/lora_paths_bench.py,
-# bench/log/2026-12-07.md): at 32 tokens native 0.28 ms, dense 0.63, segments 2.1 (its ~90 small GEMMs); the
-# segments catch up at 512 tokens and win at 1024 (9.6 against 17.4 ms); dense beats segments up to ~256 tokens
-# and costs slots-fold FLOPs from there.
-NATIVE_MAX_TOKENS = 256
+# CPU: kernels/cpu_lora.c at every step size where the native library is built, else the dense masked matmuls
+# up to DENSE_MAX_TOKENS and the segments' matmul pairs above. Measured on the 0.5B shape's 24 layers, 8 slots of
+# rank 16 on all seven projections, bfloat16, the weights cold, one thread of a shared Zen 5 (its CPU time,
+# bench/log/2026-12-07.md): the native kernel 7.6 ms at 32 decode tokens (the one before it 14.3), 149 ms at 1024
+# prompt tokens in runs of 128 a slot against the segments' 244; the dense path beats the segments up to ~256
+# tokens and costs slots-fold FLOPs from there.
 DENSE_MAX_TOKENS = 128
 # Segments in batch order (no gather of rows by slot, no scatter back) when the runs average this many tokens.
 MIN_MEAN_RUN = 16
@@ -65,7 +64,7 @@ def choose_path(device: torch.device, num_tokens: int) -> str:
     if device.type == "cuda":
         return "bgmv" if num_tokens <= BGMV_MAX_TOKENS else "sgmv"
     if cpu_native.supports_lora():
-        return "native" if num_tokens <= NATIVE_MAX_TOKENS else "segments"
+        return "native"
     return "dense" if num_tokens <= DENSE_MAX_TOKENS else "segments"
 
 
@@ -74,8 +73,7 @@ def path_description(device: torch.device) -> str:
     if device.type == "cuda":
         return f"Triton BGMV up to {BGMV_MAX_TOKENS} tokens a step, SGMV segments above"
     if cpu_native.supports_lora():
-        return (f"native grouped shrink and expand (cpu_lora.c) up to {NATIVE_MAX_TOKENS} tokens a step, "
-                "a matmul pair per adapter segment above")
+        return "native grouped shrink and expand (cpu_lora.c) at every step size"
     return f"dense masked matmuls over every slot up to {DENSE_MAX_TOKENS} tokens a step, a matmul pair per segment above"
 
 
@@ -181,6 +179,7 @@ class LoRAProjection:
         # which modules each slot's adapter targets; how many slots target each module (0: skipped)
         self.slot_targets: list[tuple[bool, ...]] = [(False,) * len(modules)] * max_loras
         self.num_targeting = [0] * len(modules)
+        self._kernel: Optional[cpu_native.LoRAGroupKernel] = None  # the native path's call, built on first use
 
     def load(self, slot: int, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot ``slot`` takes an adapter's (A [r, in], B [out, r] scaled) by module name, in place
@@ -197,6 +196,7 @@ class LoRAProjection:
                 self.b[j][slot, :rank].copy_(b.t(), non_blocking=True)
                 self.num_targeting[j] += 1
         self.slot_targets[slot] = tuple(targets)
+        self._kernel = None
 
     def clear(self, slot: int) -> None:
         for j, targeted in enumerate(self.slot_targets[slot]):
@@ -205,6 +205,7 @@ class LoRAProjection:
                 self.a[slot, j].zero_()
                 self.b[j][slot].zero_()
         self.slot_targets[slot] = (False,) * len(self.names)
+        self._kernel = None
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, lora: Optional[LoRABatch],
                   ops: Optional[ModuleType] = None) -> torch.Tensor:
@@ -222,12 +223,12 @@ class LoRAProjection:
         return out
 
     def _native(self, x: torch.Tensor, out: torch.Tensor, lora: LoRABatch) -> None:
-        slots, modules, rank = self.a.shape[0], self.a.shape[1], self.max_rank
-        s = torch.empty(x.shape[0], modules * rank, dtype=torch.float32)  # rows of base tokens: never read
-        cpu_native.lora_shrink_expand(x, self.a.view(slots, modules * rank, self.in_features), lora.order,
-                                      lora.seg_starts, lora.seg_slots, lora.ranks, s, self.b,
-                                      [out[:, start:end] for start, end in self.columns],
-                                      [bool(n) for n in self.num_targeting])
+        if self._kernel is None:  # until a slot's adapter changes which modules are targeted
+            slots, modules = self.a.shape[0], self.a.shape[1]
+            self._kernel = cpu_native.LoRAGroupKernel(
+                self.a.view(slots, modules * self.max_rank, self.in_features), self.b,
+                [start for start, _ in self.columns], [bool(n) for n in self.num_targeting])
+        self._kernel(x, out, lora.order, lora.seg_starts, lora.seg_slots, lora.ranks)
 
     def _dense(self, x: torch.Tensor, out: torch.Tensor, lora: LoRABatch) -> None:
         slots, modules, rank = self.a.shape[0], self.a.shape[1], self.max_rank
