@@ -23,6 +23,7 @@ from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.elementwise import Elementwise, TorchElementwise
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.linear import LinearWeight, linear, weight_layout
+from pagedserve.worker_proc.models.quantized_linear import dequantize_min_rows
 from pagedserve.worker_proc.quantization import load_projection, stored_quantized
 from pagedserve.worker_proc.models.lora_linear import LoRAConfig
 from pagedserve.worker_proc.rotary import RotaryTables
@@ -73,12 +74,14 @@ class CausalLM:
     def _lm_head(self, source, tied: bool, layout) -> LinearWeight:
         """The embeddings (tied) or lm_head, as the checkpoint stores it: a quantized one as its integer layer
         (models/quantized_linear.py; the decode step's largest read), so the logits of the sampled rows run on
-        the int4 / int8 GEMV. Only a GGUF's Q8_0 / Q4_0 matrix may be read in float, q * scale exactly: on a GPU,
-        and in float32, where its integer layer would dequantize it at every call."""
+        the int4 / int8 GEMV. Only a GGUF's Q8_0 / Q4_0 matrix may be read in float instead, q * scale exactly:
+        on a GPU, and where its layer would dequantize it at every call (float32, but for the int4 GEMV)."""
         name = "model.embed_tokens" if tied else "lm_head"
-        in_float = _is_gguf(source) and (self.device.type != "cpu" or self.dtype == torch.float32)
-        if stored_quantized(source, name) is not None and not in_float:
-            return load_projection(source, [name], 0, [None], lambda t: t, None, layout, self.dtype, self.device)
+        gguf = _is_gguf(source)
+        if stored_quantized(source, name) is not None and (self.device.type == "cpu" or not gguf):
+            head = load_projection(source, [name], 0, [None], lambda t: t, None, layout, self.dtype, self.device)
+            if not (gguf and dequantize_min_rows(head.quantized.kind, self.dtype) == 1):
+                return head
         head = self.embed_tokens if tied else source.get("lm_head.weight").to(self.device, self.dtype)
         return LinearWeight.of(head, None, layout)
 
