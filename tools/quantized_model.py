@@ -6,11 +6,12 @@ saved by ``compressed_tensors``' ``ModelCompressor`` exactly as llm-compressor s
 ``weight_packed`` (pack-quantized) or an int8 ``weight`` (int-quantized), ``weight_scale``,
 ``weight_zero_point`` when asymmetric, and ``quantization_config`` in config.json. lm_head stays
 in float, as llm-compressor's recipes usually leave it (``ignore: ["lm_head"]``), unless
-``quantize_lm_head`` asks for the recipe without that line, which quantizes it too. transformers loads the result (it decompresses
-it), which is the oracle of the engine's quantized paths. transformers 5.25 cannot load an
-asymmetric pack-quantized file (its zero points are packed down the rows, and the loader expects
-them unpacked), so ``dequantized_model_dir`` writes the float model the library's own decompressor
-makes of a file, for transformers to load instead. Needs the ``compressed-tensors`` package.
+``quantize_lm_head`` asks for the recipe without that line, which quantizes it too. transformers
+loads the result (it decompresses it), which is the oracle of the engine's quantized paths.
+transformers 5.25 cannot load an asymmetric pack-quantized file (its zero points are packed down
+the rows, and the loader expects them unpacked), so ``dequantized_model_dir`` writes the float
+model the library's own decompressor makes of a file, for transformers to load instead. Needs the
+``compressed-tensors`` package.
 """
 
 from __future__ import annotations
