@@ -292,6 +292,18 @@ def test_a_bad_quantization_config_is_refused_in_one_line(case):
     assert "\n" not in str(err.value)
 
 
+def test_targets_that_name_lm_head_are_read_and_other_modules_refused():
+    """A recipe may list its targets by name (``re:`` patterns of projections, ``lm_head``); anything else it
+    names (an embedding, a norm) is no Linear layer this engine quantizes."""
+    config = _config()
+    scheme = config["quantization_config"]["config_groups"]["group_0"]
+    scheme["targets"] = ["re:.*proj$", "lm_head"]
+    assert parse_quantization_config(config).bits == 4
+    scheme["targets"] = ["re:.*proj$", "model.embed_tokens"]
+    with pytest.raises(QuantizationConfigError, match="targets .* are not supported"):
+        parse_quantization_config(config)
+
+
 def test_quantization_option_must_match_the_checkpoint():
     assert parse_quantization_config(_config(), "compressed-tensors").bits == 4
     with pytest.raises(QuantizationConfigError, match="not quantized"):
