@@ -6,13 +6,16 @@ Three methods are read (vLLM's ``--quantization`` names), all onto the same inte
 - ``gptq`` (AutoGPTQ / GPTQModel): 4- or 8-bit weights in groups (or one per output channel,
   ``group_size: -1``), symmetric or not, ``desc_act`` (activation order, a ``g_idx`` per input) or not,
   in ``checkpoint_format`` ``gptq`` (v1: zero points stored less one) or ``gptq_v2``; the other
-  checkpoint formats (marlin, bitblas, ...), a quantized lm_head, per-module overrides (``dynamic``) and
+  checkpoint formats (marlin, bitblas, ...), per-module overrides (``dynamic``) and
   packing words other than int32 are refused. Activation order under tensor parallelism is refused: a
   rank's slice of o_proj's / down_proj's inputs would hold parts of many groups.
 - ``awq`` (AutoAWQ's ``version: gemm`` packing, as the hub ships it): 4-bit weights in groups with zero
   points; ``gemv``, ``gemv_fast``, ``marlin``, ``exllama``, llm-awq's own backend and AWQ without zero
   points are refused.
 - ``compressed-tensors`` (llm-compressor's format), below.
+
+A quantized lm_head (GPTQ's ``lm_head: true``, compressed-tensors' targets without ``ignore: ["lm_head"]``)
+is read from its tensors like any projection (worker_proc/models/causal_lm.py).
 
 compressed-tensors' weight schemes here: integer weights of 4 or 8 bits, per output channel or
 in groups along the input, symmetric or (4-bit, 8-bit weight-only) asymmetric, stored
@@ -92,7 +95,7 @@ def _one_scheme(qc: dict) -> tuple[dict, str]:
         targets = scheme.get("targets")
         if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
             raise _fail("each scheme's targets must be a list of names")
-        if any(t != "Linear" and "proj" not in t for t in targets):
+        if any(t != "Linear" and "proj" not in t and "lm_head" not in t for t in targets):
             raise _fail(f"targets {targets} are not supported (only Linear layers)")
     fmt = schemes[0].get("format") or qc.get("format")
     if not isinstance(fmt, str):
@@ -239,8 +242,7 @@ def _gptq_spec(qc: dict) -> QuantizationSpec:
         fmt = "marlin"
     if fmt not in GPTQ_FORMATS:
         raise _fail(f"GPTQ checkpoint_format {fmt!r} is not supported ({', '.join(GPTQ_FORMATS)}: the int32 packing)")
-    if _field(qc, "lm_head", bool, False):
-        raise _fail("lm_head: true (a quantized lm_head) is not supported")
+    _field(qc, "lm_head", bool, False)  # true: lm_head.qweight is read like any projection (models/causal_lm.py)
     if _field(qc, "pack_dtype", str, "int32") != "int32":
         raise _fail(f"pack_dtype {qc['pack_dtype']!r} is not supported (int32)")
     if qc.get("dynamic"):

@@ -35,10 +35,11 @@ PROJECTIONS = {  # the checkpoint name of each projection -> the inputs it reads
 AWQ_NIBBLE_OUTPUTS = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's AWQ_ORDER: the output in each nibble, lowest first
 
 
-def gptq_config(bits: int, group_size: int, sym: bool, desc_act: bool, checkpoint_format: str) -> dict:
+def gptq_config(bits: int, group_size: int, sym: bool, desc_act: bool, checkpoint_format: str,
+                lm_head: bool = False) -> dict:
     """config.json's quantization_config as GPTQModel writes it (the fields that change the tensors' reading)."""
     return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-            "checkpoint_format": checkpoint_format, "lm_head": False, "static_groups": False,
+            "checkpoint_format": checkpoint_format, "lm_head": lm_head, "static_groups": False,
             "true_sequential": True, "damp_percent": 0.01, "pack_dtype": "int32"}
 
 
@@ -117,9 +118,10 @@ def pack_awq(unsigned: Any, scale: Any, zero: Any) -> dict:
 
 def quantize_model_dir(source: str | Path, path: str | Path, method: str, bits: int = 4,
                        group_size: Optional[int] = 128, sym: bool = True, desc_act: bool = False,
-                       checkpoint_format: str = "gptq", seed: int = 0) -> Path:
+                       checkpoint_format: str = "gptq", seed: int = 0, lm_head: bool = False) -> Path:
     """``source`` (a float model directory) as a ``method`` ("gptq" or "awq") checkpoint in ``path``; the
-    embeddings, norms, biases and lm_head stay float. ``group_size`` None: one group a row (-1)."""
+    embeddings, norms, biases and lm_head stay float (lm_head is quantized too with ``lm_head``, GPTQModel's
+    ``lm_head: true``; an untied one). ``group_size`` None: one group a row (-1)."""
     import torch
     from safetensors.torch import load_file
 
@@ -130,11 +132,12 @@ def quantize_model_dir(source: str | Path, path: str | Path, method: str, bits: 
     for name, tensor in tensors.items():
         stem, _, kind = name.rpartition(".")
         layer, _, projection = stem.partition(".layers.")[2].partition(".")
-        if kind != "weight" or projection not in PROJECTIONS:
+        quantized_head = lm_head and method == "gptq" and stem == "lm_head"
+        if kind != "weight" or (projection not in PROJECTIONS and not quantized_head):
             out[name] = tensor
             continue
         k = tensor.shape[1]
-        key = (layer, PROJECTIONS[projection])
+        key = ("", "lm_head") if quantized_head else (layer, PROJECTIONS[projection])
         if key not in orders:
             orders[key] = torch.randperm(k, generator=generator) if desc_act else torch.arange(k)
         order = orders[key]
@@ -149,20 +152,22 @@ def quantize_model_dir(source: str | Path, path: str | Path, method: str, bits: 
             packed = pack_awq(unsigned, scale, zero)
         out.update({f"{stem}.{part}": t for part, t in packed.items()})
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = (gptq_config(bits, group_size or -1, sym, desc_act, checkpoint_format)
+    if lm_head and "lm_head.weight" not in tensors:
+        raise ValueError("lm_head: the model ties lm_head to its embeddings (no lm_head.weight to quantize)")
+    config["quantization_config"] = (gptq_config(bits, group_size or -1, sym, desc_act, checkpoint_format, lm_head)
                                      if method == "gptq" else awq_config(group_size or -1))
     return save_model_dir(path, out, config, source)
 
 
 def build_gptq_awq_model_dir(path: str | Path, method: str = "gptq", arch: str = "qwen2", *, bits: int = 4,
                              group_size: Optional[int] = 128, sym: bool = True, desc_act: bool = False,
-                             checkpoint_format: str = "gptq", **model_kwargs: Any) -> Path:
+                             checkpoint_format: str = "gptq", lm_head: bool = False, **model_kwargs: Any) -> Path:
     """A random ``arch`` model (``demo_model.build_model_dir``'s arguments; the defaults give every
     projection 128 or 256 inputs, whole groups of 128) as a ``method`` checkpoint in ``path``; returns it."""
     path = Path(path)
     kwargs = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256) | model_kwargs
     source = build_model_dir(path.with_name(path.name + "-float"), arch, **kwargs)
     quantize_model_dir(source, path, method, bits, group_size, sym, desc_act, checkpoint_format,
-                       seed=kwargs.get("seed", 0))
+                       seed=kwargs.get("seed", 0), lm_head=lm_head)
     shutil.rmtree(source)
     return path

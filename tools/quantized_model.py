@@ -5,11 +5,13 @@ group, channel or tensor, ``compressed_tensors``' own ``calculate_qparams``), th
 saved by ``compressed_tensors``' ``ModelCompressor`` exactly as llm-compressor saves a checkpoint:
 ``weight_packed`` (pack-quantized) or an int8 ``weight`` (int-quantized), ``weight_scale``,
 ``weight_zero_point`` when asymmetric, and ``quantization_config`` in config.json. lm_head stays
-in float, as llm-compressor's recipes leave it. transformers loads the result (it decompresses
-it), which is the oracle of the engine's quantized paths. transformers 5.25 cannot load an
-asymmetric pack-quantized file (its zero points are packed down the rows, and the loader expects
-them unpacked), so ``dequantized_model_dir`` writes the float model the library's own decompressor
-makes of a file, for transformers to load instead. Needs the ``compressed-tensors`` package.
+in float, as llm-compressor's recipes usually leave it (``ignore: ["lm_head"]``), unless
+``quantize_lm_head`` asks for the recipe without that line, which quantizes it too. transformers
+loads the result (it decompresses it), which is the oracle of the engine's quantized paths.
+transformers 5.25 cannot load an asymmetric pack-quantized file (its zero points are packed down
+the rows, and the loader expects them unpacked), so ``dequantized_model_dir`` writes the float
+model the library's own decompressor makes of a file, for transformers to load instead. Needs the
+``compressed-tensors`` package.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ SCHEMES: dict[str, tuple[int, Optional[int], bool, bool]] = {
 }
 
 
-def quantization_config(scheme: str) -> Any:
+def quantization_config(scheme: str, quantize_lm_head: bool = False) -> Any:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     bits, group, symmetric, dynamic = SCHEMES[scheme]
@@ -43,7 +45,7 @@ def quantization_config(scheme: str) -> Any:
     return QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights,
                                                      input_activations=activations)},
-        ignore=["lm_head"])
+        ignore=[] if quantize_lm_head else ["lm_head"])
 
 
 def _round_to_nearest(model: Any) -> None:
@@ -70,20 +72,21 @@ def _round_to_nearest(model: Any) -> None:
 
 
 def build_quantized_model_dir(path: str | Path, scheme: str = "w4a16", arch: str = "llama",
-                              **model_kwargs: Any) -> Path:
+                              quantize_lm_head: bool = False, **model_kwargs: Any) -> Path:
     """A random ``arch`` model (``demo_model.build_model_dir``'s arguments; the defaults give
     every projection 128 or 256 inputs, whole groups of 128) quantized by ``scheme`` (SCHEMES),
-    saved compressed into ``path``; returns it."""
+    lm_head too with ``quantize_lm_head``, saved compressed into ``path``; returns it."""
     path = Path(path)
     kwargs = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256) | model_kwargs
     source = build_model_dir(path.with_name(path.name + "-float"), arch, **kwargs)
-    quantize_model_dir(source, path, scheme)
+    quantize_model_dir(source, path, scheme, quantize_lm_head)
     shutil.rmtree(source)
     return path
 
 
-def quantize_model_dir(source: str | Path, path: str | Path, scheme: str) -> Path:
-    """``source`` (a float model directory) quantized by ``scheme`` into ``path``; returns it."""
+def quantize_model_dir(source: str | Path, path: str | Path, scheme: str, quantize_lm_head: bool = False) -> Path:
+    """``source`` (a float model directory) quantized by ``scheme`` (lm_head too with ``quantize_lm_head``)
+    into ``path``; returns it."""
     import torch
     import transformers
     from compressed_tensors.compressors import ModelCompressor
@@ -91,7 +94,7 @@ def quantize_model_dir(source: str | Path, path: str | Path, scheme: str) -> Pat
 
     source, path = Path(source), Path(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
-    apply_quantization_config(model, quantization_config(scheme))
+    apply_quantization_config(model, quantization_config(scheme, quantize_lm_head))
     _round_to_nearest(model)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)

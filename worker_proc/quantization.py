@@ -135,6 +135,12 @@ def _reader_of(source):
     return None if spec is None else packed_reader(source, spec) or _Reader(source, spec)
 
 
+def stored_quantized(source, prefix: str) -> Optional[QuantizationSpec]:
+    """The scheme ``prefix``'s weight is stored in (None: float), as its reader sees the tensors."""
+    reader = _reader_of(source)
+    return None if reader is None else reader.spec_of(prefix)
+
+
 def _input_order(reader, prefixes: list[str], dim: int, parts: list[Part]) -> Optional[torch.Tensor]:
     """The one order a fused projection's layer reads its inputs in (GPTQ's activation order), or None."""
     if not hasattr(reader, "input_order"):

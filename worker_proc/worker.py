@@ -163,6 +163,9 @@ class Worker:
         quantized = describe_ops(getattr(self.runner.model, "layers", []))
         if quantized is not None:
             kernels += f"; quantized projections: {quantized}"
+        head = getattr(self.runner.model.lm_head, "quantized", None)
+        if head is not None:  # the checkpoint's own quantized lm_head (models/causal_lm.py)
+            kernels += f"; lm_head quantized: {head.kind}"
         if self.runner.device.type == "cpu":
             kernels += f"; huge pages {huge_pages_state()}"
             if self.runner.spec.attn_logit_softcap is not None and self.runner.ops is reference:

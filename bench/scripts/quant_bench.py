@@ -3,7 +3,8 @@ prefill throughput through the real Scheduler + ModelRunner (one process), and e
 op per row count, side by side: bf16 (oneDNN's packed weight, the float path), W8A16 per channel
 (``_weight_int8pack_mm``), W8A16 in groups of 128 (that op once per group), W4A16 g128
 (kernels/cpu_gemv_int4.c where the native kernels build, else ``_weight_int4pack_mm_for_cpu``), W8A8
-(per-token int8 activations, ``torch._int_mm``).
+(per-token int8 activations, ``torch._int_mm``); ``w4a16_lm_head``: W4A16 with lm_head quantized too (the recipe
+without ``ignore: ["lm_head"]``; the tied shape untied as llm-compressor does, the embeddings float).
 
 The quantized models are the shape's random model quantized by compressed-tensors
 (tools/quantized_model.py), or written as GPTQ / AWQ checkpoints (tools/gptq_awq_model.py: GPTQ 4-bit g128,
@@ -40,7 +41,8 @@ GPTQ_AWQ = {  # tools/gptq_awq_model.quantize_model_dir's arguments
     "gptq_w4_g128": dict(method="gptq"), "gptq_w4_g128_desc_act": dict(method="gptq", desc_act=True),
     "awq_w4_g128": dict(method="awq"),
 }
-SCHEMES = ("w8a16", "w8a16_g128", "w4a16", "w8a8", *GPTQ_AWQ)
+WITH_LM_HEAD = {"w4a16_lm_head": "w4a16"}  # compressed-tensors' scheme, lm_head quantized too
+SCHEMES = ("w8a16", "w8a16_g128", "w4a16", "w8a8", *GPTQ_AWQ, *WITH_LM_HEAD)
 
 
 def ensure_quantized(shape: str, scheme: str) -> Path:
@@ -54,7 +56,8 @@ def ensure_quantized(shape: str, scheme: str) -> Path:
         if scheme in GPTQ_AWQ:
             gptq_awq_model.quantize_model_dir(source, partial, **GPTQ_AWQ[scheme])
         else:
-            quantized_model.quantize_model_dir(source, partial, scheme)
+            quantized_model.quantize_model_dir(source, partial, WITH_LM_HEAD.get(scheme, scheme),
+                                               quantize_lm_head=scheme in WITH_LM_HEAD)
         partial.rename(path)
     return path
 
@@ -84,14 +87,39 @@ def time_model(model_dir: Path, dtype: str, prefill_tokens: int, decode_steps: i
     weights = sum(layer.nbytes for layer in _quantized_layers(runner))
     return dict(decode=statistics.median(decode_ms), decode_spread=(min(decode_ms), max(decode_ms)),
                 prefill=prefill_tokens / statistics.median(prefill_ms) * 1e3,
-                prefill_ms=statistics.median(prefill_ms), qbytes=weights)
+                prefill_ms=statistics.median(prefill_ms), qbytes=weights, step_bytes=decode_step_bytes(runner))
+
+
+def _projections(runner: ModelRunner):
+    for layer in runner.model.layers:
+        yield from (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    yield runner.model.lm_head
 
 
 def _quantized_layers(runner: ModelRunner):
-    for layer in runner.model.layers:
-        for proj in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-            if proj.quantized is not None:
-                yield proj.quantized
+    for proj in _projections(runner):
+        if proj.quantized is not None:
+            yield proj.quantized
+
+
+def decode_step_bytes(runner: ModelRunner) -> int:
+    """The weight bytes a one-stream decode step reads: every projection and lm_head once (a float one's
+    smallest copy: the step reads one of its layouts), the integers and scales of a quantized one."""
+    total = 0
+    for proj in _projections(runner):
+        if proj.quantized is not None:
+            total += proj.quantized.nbytes
+        else:
+            total += min(t.nbytes for t in (proj.weight, proj.weight_t, proj.packed, proj.panels, proj.gemv_panels)
+                         if t is not None)
+    return total
+
+
+def read_bandwidth_gbs(clock, mib: int = 1024) -> float:
+    """This machine's read bandwidth at torch's threads: the best of a few sums over ``mib`` MiB, by ``clock``."""
+    x = torch.ones(mib * 2**20 // 4)
+    best = min(timed_runs(lambda: x.sum(), 5, warmup=1, clock=clock))
+    return x.nbytes / best / 1e9
 
 
 def _min_median_ms(fn, repeats: int) -> tuple[float, float]:
@@ -175,14 +203,17 @@ def main() -> None:
     dirs = {"float": ensure_shape_model(SHAPES[ns.shape])} | {s: ensure_quantized(ns.shape, s) for s in ns.schemes}
     print(f"{ns.shape}, {ns.dtype}, threads {torch.get_num_threads()}, {ns.clock} clock: decode at 1 stream "
           f"(median ms/step, min-max), prefill of {ns.prefill_tokens} tokens in one step")
-    print(f"{'model':<12} {'decode ms':>10} {'(min-max)':>16} {'prefill tok/s':>14} {'layer weights MiB':>18}")
+    clock = time.thread_time if ns.clock == "cpu" else time.perf_counter
+    print(f"read bandwidth at {torch.get_num_threads()} threads: {read_bandwidth_gbs(clock):.1f} GB/s (a sum over "
+          f"1 GiB, {ns.clock} clock; the weights' GB/s below are the bytes a decode step reads / its time)")
+    print(f"{'model':<14} {'decode ms':>10} {'(min-max)':>16} {'prefill tok/s':>14} {'quantized MiB':>18} "
+          f"{'step MiB':>9} {'GB/s':>6}")
     for name, model_dir in dirs.items():
-        r = time_model(model_dir, ns.dtype, ns.prefill_tokens, ns.decode_steps, ns.repeats,
-                       time.thread_time if ns.clock == "cpu" else time.perf_counter)
+        r = time_model(model_dir, ns.dtype, ns.prefill_tokens, ns.decode_steps, ns.repeats, clock)
         lo, hi = r["decode_spread"]
         mib = f"{r['qbytes'] / 2**20:.0f}" if r["qbytes"] else "-"
-        print(f"{name:<12} {r['decode']:>10.2f} {f'({lo:.1f}-{hi:.1f})':>16} {r['prefill']:>14.0f} {mib:>18}",
-              flush=True)
+        print(f"{name:<14} {r['decode']:>10.2f} {f'({lo:.1f}-{hi:.1f})':>16} {r['prefill']:>14.0f} {mib:>18} "
+              f"{r['step_bytes'] / 2**20:>9.0f} {r['step_bytes'] / r['decode'] / 1e6:>6.1f}", flush=True)
 
 
 if __name__ == "__main__":

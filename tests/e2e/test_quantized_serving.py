@@ -19,12 +19,13 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7, 8, 9], [11, 400, 3, 77, 12, 90, 18, 240, 33], [101]]
 
 
-@pytest.mark.parametrize("scheme, tp", [("w4a16", 1), ("w4a16", 2), ("w8a16", 2)])
-def test_offline_greedy_tokens_of_a_quantized_checkpoint_equal_transformers(tmp_path, scheme, tp):
+@pytest.mark.parametrize("scheme, tp, quantized_lm_head", [("w4a16", 1, False), ("w4a16", 2, False),
+                                                           ("w8a16", 2, False), ("w4a16", 1, True), ("w4a16", 2, True)])
+def test_offline_greedy_tokens_of_a_quantized_checkpoint_equal_transformers(tmp_path, scheme, tp, quantized_lm_head):
     # hidden 256, intermediate 512: o_proj's and down_proj's inputs split into whole groups of 128
-    # (int4), whole int32 words (int8 per channel)
-    model = build_quantized_model_dir(tmp_path / scheme, scheme, "qwen2", hidden_size=256,
-                                      intermediate_size=512, num_heads=4, num_kv_heads=2, seed=3)
+    # (int4), whole int32 words (int8 per channel); lm_head, quantized or not, is whole on every rank
+    model = build_quantized_model_dir(tmp_path / scheme, scheme, "qwen2", quantize_lm_head=quantized_lm_head,
+                                      hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, seed=3)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with LLM(str(model), num_gpu_blocks=64, max_model_len=256, tensor_parallel_size=tp,
              quantization="compressed-tensors") as llm:

@@ -225,6 +225,19 @@ def test_a_tensor_parallel_slice_that_cuts_a_block_of_32_is_refused(tmp_path):
     assert ServeConfig(model=str(path), device="cpu", tensor_parallel_size=1).model  # one rank holds whole blocks
 
 
+def test_in_float32_a_q4_0_output_runs_on_the_int4_gemv_and_a_q8_0_one_keeps_its_exact_float_matrix(tmp_path):
+    """The int4 GEMV sums in float32 at every decode size, so a Q4_0 lm_head stays integers in float32 too; Q8_0's
+    layer would dequantize at every float32 call, so its head is read in float (q * scale, the loader's values)."""
+    for tensor_type in ("Q4_0", "Q8_0"):
+        path = build_gguf_model(tmp_path / f"{tensor_type}.gguf", tensor_type, "llama", **SHAPE)
+        head = ModelRunner(_served_dir(path), dtype="float32").model.lm_head
+        if tensor_type == "Q4_0" and ql.int8_blocks_kernel():
+            assert head.quantized is not None and head.quantized.kind == "int4_blocks" and head.weight is None
+        else:
+            assert head.quantized is None
+            assert torch.equal(head.weight, hf_model(str(path)).state_dict()["lm_head.weight"])
+
+
 def test_in_bfloat16_a_q8_0_lm_head_is_an_integer_layer_giving_the_float_heads_logits(tmp_path):
     """The tied Q8_0 embeddings serve as lm_head without a float copy of the head; its logits are the
     dequantized head's within bfloat16's rounding."""

@@ -172,6 +172,21 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(tmp_path, c
         assert outputs[i] == hf_greedy(str(oracle), prompt, NEW_TOKENS), i
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_gptq_lm_head_true_checkpoint_runs_its_lm_head_on_the_integer_layer(tmp_path, bits):
+    """GPTQModel's ``lm_head: true`` stores lm_head.qweight: read like a projection, its tokens are
+    transformers' on the dequantized weights (lm_head's included)."""
+    model_dir = build_gptq_awq_model_dir(tmp_path / "m", arch="llama", bits=bits, lm_head=True, seed=bits)
+    oracle = dequantized_model_dir(model_dir, tmp_path / "oracle")
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=512, seed=bits)
+    runner = ModelRunner(str(model_dir))
+    head = runner.model.lm_head.quantized
+    assert head is not None and head.kind == MODELS[f"gptq_w{bits}_g128"][1] and runner.model.lm_head.weight is None
+    outputs = staggered_greedy(runner, prompts, NEW_TOKENS)
+    for i, prompt in enumerate(prompts):
+        assert outputs[i] == hf_greedy(str(oracle), prompt, NEW_TOKENS), i
+
+
 # ---------------------------------------------------------------- refusals, each one line
 
 
@@ -191,7 +206,6 @@ BAD_CONFIGS = {
     "gptq_marlin": (_gptq(checkpoint_format="marlin"), "checkpoint_format 'marlin' is not supported"),
     "gptq_is_marlin_format": (_gptq(is_marlin_format=True), "checkpoint_format 'marlin'"),
     "gptq_formats_disagree": (_gptq(format="gptq_v2"), "disagree"),
-    "gptq_quantized_lm_head": (_gptq(lm_head=True), "quantized lm_head"),
     "gptq_int16_words": (_gptq(pack_dtype="int16"), "pack_dtype 'int16'"),
     "gptq_dynamic": (_gptq(dynamic={".*down.*": {"bits": 8}}), "dynamic"),
     "gptq_desc_act_not_bool": (_gptq(desc_act="yes"), "desc_act must be true or false"),

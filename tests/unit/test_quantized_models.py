@@ -172,6 +172,59 @@ def test_a_layer_the_config_ignores_keeps_its_float_weight(tmp_path):
     assert got == [e for e in hf_greedy(str(float_dir), prompts, NEW_TOKENS)]
 
 
+HEAD_KINDS = {"w4a16": INT4_KIND, "w8a16_g128": "int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped"}
+
+
+@pytest.mark.parametrize("scheme", list(HEAD_KINDS))
+def test_a_quantized_lm_head_runs_as_its_integer_layer_and_greedy_tokens_equal_transformers(tmp_path, scheme):
+    """A recipe without ``ignore: ["lm_head"]`` stores lm_head.weight_packed (or an int8 weight): the logits
+    of the sampled rows come from its integers, and the tokens are transformers' on the same file."""
+    model_dir = build_quantized_model_dir(tmp_path / scheme, scheme, "llama", quantize_lm_head=True, seed=7)
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=512, seed=7)
+    runner, got = _greedy(model_dir, prompts)
+    head = runner.model.lm_head
+    assert head.quantized is not None and head.quantized.kind == HEAD_KINDS[scheme]
+    assert head.weight is None and head.weight_t is None and head.packed is None and head.panels is None
+    expected = hf_greedy(str(model_dir), prompts, NEW_TOKENS)
+    for ours, theirs in zip(got, expected):
+        assert len(theirs) >= 12 and ours[: len(theirs)] == theirs
+
+
+def test_a_tied_models_quantized_lm_head_is_its_own_and_the_embeddings_stay_float(tmp_path):
+    """llm-compressor unties a tied pair to quantize lm_head: the file holds lm_head.weight_packed beside the
+    float embeddings, under ``tie_word_embeddings: true``. The engine serves both as stored: the lookup from
+    the float rows, the logits from the integers. transformers cannot load that file tied, so the oracle is
+    the same tensors under an untied config."""
+    model_dir = build_quantized_model_dir(tmp_path / "m", "w4a16", "llama", quantize_lm_head=True,
+                                          tie_word_embeddings=True, seed=8)
+    oracle = tmp_path / "untied"
+    shutil.copytree(model_dir, oracle)
+    config = json.loads((oracle / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    (oracle / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=512, seed=8)
+    runner, got = _greedy(model_dir, prompts)
+    assert runner.model.lm_head.quantized is not None and runner.model.embed_tokens.dtype == torch.float32
+    expected = hf_greedy(str(oracle), prompts, NEW_TOKENS)
+    for ours, theirs in zip(got, expected):
+        assert len(theirs) >= 12 and ours[: len(theirs)] == theirs
+
+
+def test_a_quantized_lm_head_in_bfloat16_stays_close_to_the_float32_logits(tmp_path):
+    """In half precision the same integer layer runs the decode rows (the int4 GEMV): its logits track
+    the float32 engine's within bfloat16's rounding of the activations."""
+    model_dir = build_quantized_model_dir(tmp_path / "m", "w4a16", "llama", quantize_lm_head=True, seed=9)
+    hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(9))
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        model = ModelRunner(str(model_dir), dtype=dtype).model
+        assert model.lm_head.quantized.kind == INT4_KIND
+        logits[dtype] = model.compute_logits(hidden.to(getattr(torch, dtype)))
+    error = (logits["bfloat16"] - logits["float32"]).abs().max() / logits["float32"].abs().max()
+    print("bfloat16 quantized lm_head: max logit error / max logit", error.item())
+    assert error < 0.02
+
+
 W8A8_MIN_COSINE = 0.999
 
 
@@ -237,6 +290,18 @@ def test_a_bad_quantization_config_is_refused_in_one_line(case):
     with pytest.raises(QuantizationConfigError, match=words) as err:
         parse_quantization_config(config)
     assert "\n" not in str(err.value)
+
+
+def test_targets_that_name_lm_head_are_read_and_other_modules_refused():
+    """A recipe may list its targets by name (``re:`` patterns of projections, ``lm_head``); anything else it
+    names (an embedding, a norm) is no Linear layer this engine quantizes."""
+    config = _config()
+    scheme = config["quantization_config"]["config_groups"]["group_0"]
+    scheme["targets"] = ["re:.*proj$", "lm_head"]
+    assert parse_quantization_config(config).bits == 4
+    scheme["targets"] = ["re:.*proj$", "model.embed_tokens"]
+    with pytest.raises(QuantizationConfigError, match="targets .* are not supported"):
+        parse_quantization_config(config)
 
 
 def test_quantization_option_must_match_the_checkpoint():

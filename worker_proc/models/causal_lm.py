@@ -23,11 +23,23 @@ from pagedserve.worker_proc.model_config import ModelSpec
 from pagedserve.worker_proc.elementwise import Elementwise, TorchElementwise
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.linear import LinearWeight, linear, weight_layout
-from pagedserve.worker_proc.quantization import load_projection
+from pagedserve.worker_proc.models.quantized_linear import dequantize_min_rows
+from pagedserve.worker_proc.quantization import load_projection, stored_quantized
 from pagedserve.worker_proc.models.lora_linear import LoRAConfig
 from pagedserve.worker_proc.rotary import RotaryTables
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import open_weights
+
+
+def _is_gguf(source) -> bool:
+    return getattr(source, "quantized_reader", None) is not None
+
+
+def _stores_own_quantized_lm_head(source) -> bool:
+    """A compressed-tensors or GPTQ checkpoint whose lm_head has quantized tensors: that is its lm_head, even
+    under ``tie_word_embeddings`` (llm-compressor unties the pair to quantize lm_head; the embeddings, which
+    stay float, are still what the lookup reads). A GGUF's ``output`` is read by the config's tie as before."""
+    return not _is_gguf(source) and stored_quantized(source, "lm_head") is not None
 
 
 class CausalLM:
@@ -40,7 +52,8 @@ class CausalLM:
         source = open_weights(model_dir)
         try:
             self.embed_tokens = source.get("model.embed_tokens.weight").to(device, dtype)
-            tied = spec.tie_word_embeddings or "lm_head.weight" not in source
+            tied = not _stores_own_quantized_lm_head(source) and (spec.tie_word_embeddings
+                                                                  or "lm_head.weight" not in source)
             num_params = spec.num_layer_params + self.embed_tokens.numel() * (1 if tied else 2)
             layout = weight_layout(device, num_params * self.embed_tokens.element_size(), dtype)
             self.lm_head = self._lm_head(source, tied, layout)
@@ -59,14 +72,16 @@ class CausalLM:
                                 else torch.tensor(spec.embedding_scale, dtype=dtype, device=device))
 
     def _lm_head(self, source, tied: bool, layout) -> LinearWeight:
-        """The embeddings (tied) or lm_head; in half precision a GGUF's Q8_0 / Q4_0 matrix as its integer
-        layer (the largest single read of a small model's decode step; float32 keeps the float matrix, which
-        is q * scale exactly)."""
+        """The embeddings (tied) or lm_head, as the checkpoint stores it: a quantized one as its integer layer
+        (models/quantized_linear.py; the decode step's largest read), so the logits of the sampled rows run on
+        the int4 / int8 GEMV. Only a GGUF's Q8_0 / Q4_0 matrix may be read in float instead, q * scale exactly:
+        on a GPU, and where its layer would dequantize it at every call (float32, but for the int4 GEMV)."""
         name = "model.embed_tokens" if tied else "lm_head"
-        reader = getattr(source, "quantized_reader", None)
-        if (reader is not None and reader.spec_of(name) is not None and self.device.type == "cpu"
-                and self.dtype != torch.float32):
-            return load_projection(source, [name], 0, [None], lambda t: t, None, layout, self.dtype, self.device)
+        gguf = _is_gguf(source)
+        if stored_quantized(source, name) is not None and (self.device.type == "cpu" or not gguf):
+            head = load_projection(source, [name], 0, [None], lambda t: t, None, layout, self.dtype, self.device)
+            if not (gguf and dequantize_min_rows(head.quantized.kind, self.dtype) == 1):
+                return head
         head = self.embed_tokens if tied else source.get("lm_head.weight").to(self.device, self.dtype)
         return LinearWeight.of(head, None, layout)
 
