@@ -55,7 +55,7 @@ from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.family import Family, LayerNames
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
 from pagedserve.worker_proc.models.lora_linear import LoRABatch, LoRAConfig
-from pagedserve.worker_proc.models.moe import MoeSpec, SparseMoeBlock, _slice, grouped_experts
+from pagedserve.worker_proc.models.moe import MoeSpec, SparseMoeBlock, grouped_experts, intermediate_part
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -122,7 +122,7 @@ class DeepseekMoeBlock(SparseMoeBlock):
         shared = config.moe_intermediate_size * (config.n_shared_experts or 0)
         self.shared_experts: Optional[tuple[LinearWeight, LinearWeight]] = None
         if shared:
-            a, b = _slice(shared, shard, "moe_intermediate_size * n_shared_experts")
+            a, b = intermediate_part(shared, shard, "moe_intermediate_size * n_shared_experts")
             s = p + "shared_experts."
             gate_up = torch.cat([source.get(s + "gate_proj.weight", dim=0, part=(a, b)),
                                  source.get(s + "up_proj.weight", dim=0, part=(a, b))])
