@@ -79,8 +79,8 @@ def test_two_ranks_each_holding_half_the_experts_whole_give_transformers_tokens_
                 assert ours[: len(theirs)] == theirs and len(theirs) >= 10, (model, all_to_all)
 
 
-SERVER_ARGS = ["--enable-prefix-caching", "--block-size", "4", "--max-num-batched-tokens", "16", "--max-model-len",
-               "256", "--dtype", "float32", "-tp", "2", "--enable-expert-parallel"]
+SERVER_ARGS = ["--enable-prefix-caching", "--block-size", "4", "--max-num-seqs", "8", "--max-num-batched-tokens", "16",
+               "--max-model-len", "256", "--dtype", "float32", "-tp", "2", "--enable-expert-parallel"]
 PROMPTS = [
     "Hello, world! " * 3,
     "The quick brown fox jumps over the lazy dog. A paged attention engine keeps its cache in blocks.",
