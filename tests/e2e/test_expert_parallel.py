@@ -1,6 +1,6 @@
 """``--enable-expert-parallel``: each of two tensor-parallel ranks holds half of the experts whole, and
 greedy tokens in float32 still equal transformers' ``generate(do_sample=False)``: Qwen3-MoE, Mixtral and
-gpt-oss (its biased experts) with either combine (the layer's all-reduce, or the all-to-all exchange of
+gpt-oss (its biased experts), DeepSeek-V3 (grouped routing, shared experts) with either combine (the layer's all-reduce, or the all-to-all exchange of
 ``PAGEDSERVE_EP_ALL_TO_ALL=1``); served over HTTP and through the offline LLM with prefix caching,
 chunked prefill and preemption; the worker log names each rank's experts. The flag on a dense model, or
 a tensor-parallel size that does not divide the experts, is refused in one line before any process starts."""
@@ -26,8 +26,10 @@ MODELS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, seed=5),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, seed=7),
     "gpt_oss": dict(num_layers=3, intermediate_size=48, swiglu_limit=1.5, seed=4),  # biased experts
+    # grouped top-k routing, shared experts (sliced as before), a dense first layer; MLA's KV heads are its heads
+    "deepseek_v3": dict(num_layers=3, seed=3, num_heads=4, num_kv_heads=4),
 }
-EXPERTS = {"qwen3_moe": 8, "mixtral": 4, "gpt_oss": 4}
+EXPERTS = {"qwen3_moe": 8, "mixtral": 4, "gpt_oss": 4, "deepseek_v3": 8}
 
 # Runs in each rank's process. Arguments: tests dir, rank, port, prompts (JSON), model dirs...
 # Each model runs with each combine: the all-reduce (default), then the all-to-all exchange.
@@ -68,7 +70,7 @@ os._exit(0)  # torch + gloo may abort in static destructors at exit
 
 
 def test_two_ranks_each_holding_half_the_experts_whole_give_transformers_tokens_with_either_combine(tmp_path):
-    models = [build_model_dir(tmp_path / arch, arch, num_heads=4, num_kv_heads=2, **MODELS[arch]) for arch in MODELS]
+    models = [build_model_dir(tmp_path / arch, arch, **MODELS[arch]) for arch in MODELS]
     prompts = random_prompts([7, 15, 4], vocab_size=512, seed=8)
     rank0 = run_two_ranks(RANK_SCRIPT, tmp_path, [json.dumps(prompts), *map(str, models)], timeout=300)
     for i, (arch, model) in enumerate(zip(MODELS, models)):
@@ -87,7 +89,7 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_a_server_placing_whole_experts_on_two_ranks_answers_transformers_greedy_tokens(arch, model_factory,
                                                                                         tmp_path):
     """Prompts longer than the step's 16 tokens are chunked; the shared prefix is served from the cache."""
@@ -138,3 +140,11 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_experts_is_refused_befo
     line = assert_refused_in_one_line_with_nothing_started(run, tmp_path)
     assert line.endswith("--enable-expert-parallel: tensor-parallel size 2 does not divide the 3 experts "
                          "(num_local_experts); pick a tp_size that does"), line
+
+
+def test_expert_adapters_with_experts_placed_across_ranks_are_refused_before_any_process_starts(model_factory,
+                                                                                               tmp_path):
+    run = refused_serve(model_factory("qwen3_moe", **MODELS["qwen3_moe"]), tmp_path, "--enable-expert-parallel",
+                        "-tp", "2", "--enable-lora")
+    line = assert_refused_in_one_line_with_nothing_started(run, tmp_path)
+    assert line.endswith("--enable-lora does not run with --enable-expert-parallel at --tensor-parallel-size > 1"), line
