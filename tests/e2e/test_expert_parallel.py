@@ -82,27 +82,31 @@ def test_two_ranks_each_holding_half_the_experts_whole_give_transformers_tokens_
 
 
 SERVER_ARGS = ["--enable-prefix-caching", "--block-size", "4", "--max-num-seqs", "8", "--max-num-batched-tokens", "16",
-               "--max-model-len", "256", "--dtype", "float32", "-tp", "2", "--enable-expert-parallel"]
+               "--max-model-len", "256", "--dtype", "float32", "--enable-expert-parallel"]
 PROMPTS = [
     "Hello, world! " * 3,
     "The quick brown fox jumps over the lazy dog. A paged attention engine keeps its cache in blocks.",
 ]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_a_server_placing_whole_experts_on_two_ranks_answers_transformers_greedy_tokens(arch, model_factory,
+@pytest.mark.parametrize("arch, tp", [("qwen3_moe", 2), ("mixtral", 2), ("gpt_oss", 2), ("qwen3_moe", 1)])
+def test_a_server_placing_whole_experts_on_its_ranks_answers_transformers_greedy_tokens(arch, tp, model_factory,
                                                                                         tmp_path):
-    """Prompts longer than the step's 16 tokens are chunked; the shared prefix is served from the cache."""
+    """Prompts longer than the step's 16 tokens are chunked; the shared prefix is served from the cache.
+    At TP=1 the one rank holds every expert (the plain path, as vLLM's flag is there)."""
     model = model_factory(arch, **MODELS[arch])
     tok = hf_tokenizer(model)
     prompts = [tok(p).input_ids for p in PROMPTS]
     prompts.append(prompts[1][:20] + prompts[0])  # shares the second prompt's first blocks
-    srv = Server(model, SERVER_ARGS).start(tmp_path)
+    srv = Server(model, [*SERVER_ARGS, "-tp", str(tp)]).start(tmp_path)
     try:
         assert_equal_to_transformers(model, prompts[:2], greedy_completions(srv, prompts[:2], 16), 16)
         assert_equal_to_transformers(model, prompts[2:], greedy_completions(srv, prompts[2:], 16), 16)
         log = srv.log_path.read_text()
         half = EXPERTS[arch] // 2
+        if tp == 1:
+            assert "expert parallel: one rank holds every expert" in log
+            return
         assert f"expert parallel: rank 0 of 2 holds experts 0-{half - 1} of {2 * half} whole; all-reduce combine" in log
         assert f"expert parallel: rank 1 of 2 holds experts {half}-{2 * half - 1} of {2 * half} whole" in log
     finally:
