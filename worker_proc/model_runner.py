@@ -93,6 +93,9 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = DTYPES[dtype]
         self.rank = tp_rank
+        if expert_parallel and not implementation.is_native:
+            raise UnsupportedModelError(f"--enable-expert-parallel: experts are placed by the native model families "
+                                        f"only, not the {implementation.description}")
         if expert_parallel and lora is not None and tp_size > 1:
             # an expert adapter's A and B would have to be cut by expert, as the experts are
             raise UnsupportedModelError("--enable-lora does not run with --enable-expert-parallel at "

@@ -1,9 +1,11 @@
 """``--enable-expert-parallel``: each of two tensor-parallel ranks holds half of the experts whole, and
-greedy tokens in float32 still equal transformers' ``generate(do_sample=False)``: Qwen3-MoE, Mixtral and
-gpt-oss (its biased experts), DeepSeek-V3 (grouped routing, shared experts) with either combine (the layer's all-reduce, or the all-to-all exchange of
-``PAGEDSERVE_EP_ALL_TO_ALL=1``); served over HTTP and through the offline LLM with prefix caching,
-chunked prefill and preemption; the worker log names each rank's experts. The flag on a dense model, or
-a tensor-parallel size that does not divide the experts, is refused in one line before any process starts."""
+greedy tokens in float32 still equal transformers' ``generate(do_sample=False)``: Qwen3-MoE, Mixtral,
+gpt-oss (its biased experts), Qwen2-MoE (its shared expert), DeepSeek-V3 (grouped routing, shared
+experts) with either combine (the layer's all-reduce, or the all-to-all exchange of
+``PAGEDSERVE_EP_ALL_TO_ALL=1``); served over HTTP (TP=2, and TP=1 where the one rank holds every expert)
+and through the offline LLM with prefix caching, chunked prefill and preemption; the worker log names
+each rank's experts. The flag on a dense model, a tensor-parallel size that does not divide the experts,
+or LoRA with experts placed across ranks is refused in one line before any process starts."""
 
 from __future__ import annotations
 
@@ -26,10 +28,13 @@ MODELS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, seed=5),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, seed=7),
     "gpt_oss": dict(num_layers=3, intermediate_size=48, swiglu_limit=1.5, seed=4),  # biased experts
+    # a shared expert (still sliced across the ranks), a dense layer between sparse ones
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=96, num_layers=3, mlp_only_layers=[1], seed=2),
     # grouped top-k routing, shared experts (sliced as before), a dense first layer; MLA's KV heads are its heads
     "deepseek_v3": dict(num_layers=3, seed=3, num_heads=4, num_kv_heads=4),
 }
-EXPERTS = {"qwen3_moe": 8, "mixtral": 4, "gpt_oss": 4, "deepseek_v3": 8}
+EXPERTS = {"qwen3_moe": 8, "mixtral": 4, "gpt_oss": 4, "qwen2_moe": 8, "deepseek_v3": 8}
 
 # Runs in each rank's process. Arguments: tests dir, rank, port, prompts (JSON), model dirs...
 # Each model runs with each combine: the all-reduce (default), then the all-to-all exchange.

@@ -85,7 +85,8 @@ class ExpertPlacement:
         receive = received.sum(1).tolist()
         rows = shard.all_to_all(own[pairs // ids.shape[1]], receive, send)
         # each source's rows come sorted by expert: one stable sort groups them all by expert
-        expert_of = torch.repeat_interleave(torch.arange(self.count, device=x.device).repeat(size), received.reshape(-1))
+        sources_experts = torch.arange(self.count, device=x.device).repeat(size)
+        expert_of = torch.repeat_interleave(sources_experts, received.reshape(-1))
         by_expert = torch.argsort(expert_of, stable=True)
         outputs = torch.empty_like(rows)
         outputs[by_expert] = experts(rows[by_expert], received.sum(0).tolist())

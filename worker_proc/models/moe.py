@@ -250,8 +250,9 @@ class SparseMoeBlock:
             return expert_runs(rows, counts, self.experts, ew, self.activation)
         ids = torch.repeat_interleave(torch.arange(len(counts), device=rows.device),
                                       torch.tensor(counts, device=rows.device))[:, None]
-        return self.fused_moe(rows, self.gate_up, self.down, torch.ones(ids.shape, dtype=rows.dtype, device=rows.device),
-                              ids, self.gate_up_bias, self.down_bias, self.activation)
+        unweighted = torch.ones(ids.shape, dtype=rows.dtype, device=rows.device)
+        return self.fused_moe(rows, self.gate_up, self.down, unweighted, ids, self.gate_up_bias, self.down_bias,
+                              self.activation)
 
     @staticmethod
     def _shared(x: torch.Tensor, gate_up: LinearWeight, down: LinearWeight, ew: Elementwise,
