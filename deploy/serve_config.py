@@ -13,8 +13,8 @@ from typing import Optional
 from pagedserve.deploy.entry_points import python_module
 from pagedserve.runtime import options as opts
 from pagedserve.protocol.lora_adapter import LoRAAdapterError
-from pagedserve.protocol.model_architectures import (ARCHITECTURES, LONGROPE_LIMIT, ModelConfigError, check_model_config,
-                                                     longrope_limit)
+from pagedserve.protocol.model_architectures import (ARCHITECTURES, EXPERT_COUNT_KEYS, LONGROPE_LIMIT, ModelConfigError,
+                                                     check_model_config, longrope_limit)
 from pagedserve.client.generation_defaults import check_generation_config_option
 from pagedserve.client.lora_adapters import (AdapterNameError, adaptable_projections, check_adapter_name,
                                              read_model_adapter)
@@ -89,6 +89,7 @@ class _ServeConfigRules:
         if not self.served_model_name:
             self.served_model_name = [Path(self.model).resolve().name]
         self._check_lora(model_cfg)
+        self._check_expert_parallel(model_cfg)
         if self.chat_template is not None:
             self.chat_template = str(Path(self.chat_template).resolve()) \
                 if Path(self.chat_template).is_file() else self.chat_template
@@ -163,6 +164,25 @@ class _ServeConfigRules:
                 modules.append(f"{name}={spec.path}")
         if self.lora_modules:
             self.lora_modules = modules
+
+    def _check_expert_parallel(self, model_cfg: dict) -> None:
+        """``--enable-expert-parallel`` needs routed experts the native family places, a tensor-parallel
+        size that divides them, and no LoRA across ranks (the workers refuse the same, in the same words)."""
+        if not self.enable_expert_parallel:
+            return
+        key = next((k for k in EXPERT_COUNT_KEYS if model_cfg.get(k)), None)
+        arch = next((a for a in model_cfg.get("architectures") or () if a in ARCHITECTURES), None)
+        if key is None or arch is None or self.model_impl == "transformers":
+            name = (model_cfg.get("architectures") or ["this model"])[0]
+            raise ConfigError(f"--enable-expert-parallel: {name} has no mixture of experts to place"
+                              if key is None else "--enable-expert-parallel: experts are placed by the native model "
+                              "families only, not the transformers backend")
+        tp, experts = self.tensor_parallel_size, model_cfg[key]
+        if experts % tp:
+            raise ConfigError(f"--enable-expert-parallel: tensor-parallel size {tp} does not divide the {experts} "
+                              f"experts ({key}); pick a tp_size that does")
+        if self.enable_lora and tp > 1:
+            raise ConfigError("--enable-lora does not run with --enable-expert-parallel at --tensor-parallel-size > 1")
 
     def _serve_gguf(self) -> None:
         """A GGUF file (or a directory of one) is served from the model directory made of it

@@ -30,7 +30,6 @@ UNSUPPORTED_FLAGS = {
     "--trust-remote-code": "remote code is never run: only built-in model families are served",
     "--revision": "models are local directories; nothing is downloaded",
     "--download-dir": "models are local directories; nothing is downloaded",
-    "--enable-expert-parallel": "mixture-of-experts models are not supported",
     "--rope-scaling": "RoPE scaling is read from the model's config.json",
     "--hf-overrides": "the model's config.json is used as it is",
     "--limit-mm-per-prompt": "multimodal models are not supported",

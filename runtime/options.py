@@ -235,6 +235,9 @@ OPTIONS: tuple[Option, ...] = (
            "max_position_embeddings)", (lambda v: v >= 2, "must be at least 2"), to=_S | _F),
     Option("tensor_parallel_size", int, 1, "workers (devices) per replica", _POSITIVE,
            to=_S | _W, aliases=("-tp",)),
+    Option("enable_expert_parallel", bool, False, "a mixture of experts' routed experts placed whole on the "
+           "tensor-parallel ranks (each holds experts/tp of them; --tensor-parallel-size must divide the experts) "
+           "instead of a slice of every expert on each", to=_W),
     Option("data_parallel_size", int, 1, "replicas (a scheduler and its workers each)", _POSITIVE,
            to=_F, aliases=("-dp",)),
     Option("num_threads", int, None, "CPU threads per worker", _POSITIVE, to=_W),

@@ -64,13 +64,14 @@ class ModelRunner:
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
                  tp_rank: int = 0, tp_size: int = 1, tp_group=None, cuda_graphs: bool = True,
                  speculative: Optional[SpeculativeConfig] = None, quantization: Optional[str] = None,
-                 model_impl: str = "auto", lora: Optional[LoRAConfig] = None):
+                 model_impl: str = "auto", lora: Optional[LoRAConfig] = None, expert_parallel: bool = False):
         """``cuda_graphs``: on CUDA, replay decode steps from captured graphs (cuda_graphs.py);
         one GPU per replica only, for now (an all-reduce inside a graph is not yet checked).
         ``speculative``: with method draft_model, the draft is loaded beside the model.
         ``quantization``: ``--quantization``, which must name the checkpoint's own method.
         ``model_impl``: native, transformers or auto (model_impl.py).
-        ``lora``: serve LoRA adapters (``--enable-lora``): the slots are allocated now."""
+        ``lora``: serve LoRA adapters (``--enable-lora``): the slots are allocated now.
+        ``expert_parallel``: a mixture of experts' experts whole on each rank (models/expert_parallel.py)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
         implementation = select_implementation(model_dir, model_impl)
@@ -92,7 +93,14 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = DTYPES[dtype]
         self.rank = tp_rank
-        self.shard = TensorParallelShard.for_rank(self.spec, tp_rank, tp_size, tp_group)
+        if expert_parallel and not implementation.is_native:
+            raise UnsupportedModelError(f"--enable-expert-parallel: experts are placed by the native model families "
+                                        f"only, not the {implementation.description}")
+        if expert_parallel and lora is not None and tp_size > 1:
+            # an expert adapter's A and B would have to be cut by expert, as the experts are
+            raise UnsupportedModelError("--enable-lora does not run with --enable-expert-parallel at "
+                                        "--tensor-parallel-size > 1")
+        self.shard = TensorParallelShard.for_rank(self.spec, tp_rank, tp_size, tp_group, expert_parallel)
         self.ops = select_ops(self.device)
         if self.device.type == "cpu":
             cpu_native.library()  # compiled (once per machine) now, not during the first decode step
@@ -102,7 +110,7 @@ class ModelRunner:
         self.lora = None if lora is None else self._lora_slots(lora)
         if self.model.spec is not self.spec:  # the transformers backend reads the cache's shape off its model
             self.spec = self.model.spec
-            self.shard = TensorParallelShard.for_rank(self.spec, tp_rank, tp_size, tp_group)
+            self.shard = TensorParallelShard.for_rank(self.spec, tp_rank, tp_size, tp_group, expert_parallel)
         self.draft = (DraftModel(speculative, model_dir, self.spec, self.device, self.dtype, self.ops, tp_size)
                       if speculative is not None and speculative.method == "draft_model" else None)
         self._requests: dict[str, HeldRequest] = {}

@@ -4,6 +4,8 @@ q/k/v and gate/up are column-parallel (each rank owns whole attention heads and 
 of the MLP's intermediate features); o_proj and down_proj are row-parallel, and their
 partial outputs are summed with one all-reduce each. When there are fewer KV heads than
 ranks, each rank keeps the one KV head its query heads read (KV heads are replicated).
+With ``--enable-expert-parallel`` a mixture of experts' experts are placed whole instead
+(``expert_parallel``; models/expert_parallel.py), and ``all_to_all`` exchanges their tokens.
 With one rank nothing here ever touches torch.distributed.
 """
 
@@ -27,9 +29,11 @@ class TensorParallelShard:
     first_kv_head: int
     intermediate_size: int  # MLP features on this rank
     group: Optional[Any] = None
+    expert_parallel: bool = False  # whole experts per rank (models/expert_parallel.py), not a slice of each
 
     @classmethod
-    def for_rank(cls, spec: ModelSpec, rank: int, size: int, group: Optional[Any] = None) -> "TensorParallelShard":
+    def for_rank(cls, spec: ModelSpec, rank: int, size: int, group: Optional[Any] = None,
+                 expert_parallel: bool = False) -> "TensorParallelShard":
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"tp_rank {rank} is not a rank of a tensor-parallel group of size {size}")
         if size > 1 and not spec.family.tensor_parallel:
@@ -52,7 +56,9 @@ class TensorParallelShard:
         else:
             kv_heads, first_kv = 1, rank * spec.num_kv_heads // size
         inter = spec.intermediate_size // size
-        return cls(rank, size, heads, kv_heads, rank * heads, first_kv, inter, group)
+        if expert_parallel:
+            check_expert_parallel(spec, size)
+        return cls(rank, size, heads, kv_heads, rank * heads, first_kv, inter, group, expert_parallel)
 
     def head_rows(self, head_dim: int) -> tuple[int, int]:
         return self.first_head * head_dim, (self.first_head + self.num_heads) * head_dim
@@ -70,3 +76,31 @@ class TensorParallelShard:
 
             dist.all_reduce(partial, group=self.group)
         return partial
+
+    def all_to_all(self, rows: torch.Tensor, receive: list[int], send: list[int]) -> torch.Tensor:
+        """Rows ``send[r]`` at a time to rank r, in rank order; the rows every rank sent here
+        (``receive[r]`` from rank r), in rank order."""
+        import torch.distributed as dist
+
+        out = rows.new_empty((sum(receive), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), receive, send, group=self.group)
+        return out
+
+    def all_to_all_equal(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` cut into size equal parts, part r to rank r; the parts every rank sent here."""
+        import torch.distributed as dist
+
+        out = torch.empty_like(values)
+        dist.all_to_all_single(out, values.contiguous(), group=self.group)
+        return out
+
+
+def check_expert_parallel(spec: ModelSpec, size: int) -> None:
+    """``--enable-expert-parallel``'s own refusal, in one line: a model without routed experts, or a
+    tensor-parallel size that does not divide them (deploy/serve_config.py refuses both before start)."""
+    if spec.moe is None or not spec.moe.num_experts:
+        raise UnsupportedModelError(f"--enable-expert-parallel: {spec.architecture} has no mixture of experts "
+                                    "to place")
+    if spec.moe.num_experts % size:
+        raise UnsupportedModelError(f"--enable-expert-parallel: tensor-parallel size {size} does not divide the "
+                                    f"{spec.moe.num_experts} experts; pick a tp_size that does")

@@ -133,7 +133,8 @@ class Worker:
                                   tp_rank=cfg.rank, tp_size=cfg.tensor_parallel_size, tp_group=group,
                                   cuda_graphs=not cfg.enforce_eager,
                                   speculative=parse_speculative_config(cfg.speculative_config),
-                                  quantization=cfg.quantization, model_impl=cfg.model_impl, lora=lora)
+                                  quantization=cfg.quantization, model_impl=cfg.model_impl, lora=lora,
+                                  expert_parallel=cfg.enable_expert_parallel)
         log.info("model implementation: %s", self.runner.model_impl)
         if self.runner.lora is not None:
             slots = self.runner.lora

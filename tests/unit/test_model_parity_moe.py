@@ -143,6 +143,18 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_experts_is_refused_in_o
         ModelRunner(str(model_dir), tp_rank=0, tp_size=4)
 
 
+def test_the_worker_refuses_expert_parallelism_that_cannot_place_the_experts_in_one_line(tmp_path):
+    """serve refuses both first (tests/e2e/test_expert_parallel.py); a worker started by hand says the same."""
+    uneven = build_model_dir(tmp_path / "m", "mixtral", num_local_experts=3, num_experts_per_tok=2)
+    with pytest.raises(UnsupportedModelError, match=r"^--enable-expert-parallel: tensor-parallel size 2 does not "
+                                                    r"divide the 3 experts; pick a tp_size that does$"):
+        ModelRunner(str(uneven), tp_rank=0, tp_size=2, expert_parallel=True)
+    dense = build_model_dir(tmp_path / "d", "qwen2")
+    with pytest.raises(UnsupportedModelError, match=r"^--enable-expert-parallel: Qwen2ForCausalLM has no mixture "
+                                                    r"of experts to place$"):
+        ModelRunner(str(dense), tp_rank=0, tp_size=2, expert_parallel=True)
+
+
 def test_gpt_oss_experts_from_the_interleaved_checkpoint_equal_transformers_experts(tmp_path):
     """The checkpoint's gate_up [E, H, 2I] with gate and up columns interleaved, laid out by the
     family's loader, through the torch reference and the CPU grouped path (biases, clamped SwiGLU, a

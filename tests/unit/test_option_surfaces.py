@@ -45,9 +45,13 @@ SPECIAL = {"served_model_name": ["alias-a", "alias-b"], "chat_template": "{{ mes
            "model_impl": "native", "max_cpu_loras": 16, "lora_modules": None,
            # this model is an HF directory: a GGUF's tokenizer option is refused for it (its own tests:
            # tests/unit/test_gguf_models.py)
-           "load_format": "safetensors", "tokenizer": None}
+           "load_format": "safetensors", "tokenizer": None,
+           # this model is dense: expert parallelism is refused for it (its own tests, down to the
+           # workers' placement: tests/e2e/test_expert_parallel.py)
+           "enable_expert_parallel": False}
 NEEDS_ANOTHER_POLICY = ("tenant_weights",)
-AT_DEFAULT = (*NEEDS_ANOTHER_POLICY, "task", "pooling_type", "pooler_config", "disable_log_requests", "quantization")
+AT_DEFAULT = (*NEEDS_ANOTHER_POLICY, "task", "pooling_type", "pooler_config", "disable_log_requests", "quantization",
+              "enable_expert_parallel")
 KV_BUDGETS = ("gpu_memory_utilization", "kv_cache_memory_gib")  # exclude each other: one at a time
 OFFLINE_DEFAULTS = {"log_level": "WARNING"}  # LLM is quiet unless asked; the only default it changes
 

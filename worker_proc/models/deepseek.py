@@ -55,7 +55,7 @@ from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.family import Family, LayerNames
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
 from pagedserve.worker_proc.models.lora_linear import LoRABatch, LoRAConfig
-from pagedserve.worker_proc.models.moe import MoeSpec, SparseMoeBlock, grouped_experts, intermediate_part
+from pagedserve.worker_proc.models.moe import MoeSpec, SparseMoeBlock, intermediate_part
 from pagedserve.worker_proc.rotary import RotaryEmbedding
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
@@ -131,13 +131,12 @@ class DeepseekMoeBlock(SparseMoeBlock):
                                    LinearWeight.of(source.get(s + "down_proj.weight", dim=1, part=(a, b))
                                                    .to(device, dtype).contiguous(), None, layout))
 
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rule.route(F.linear(x.float(), self.router), self.correction_bias)
+
     def forward(self, x: torch.Tensor, ew: Elementwise) -> torch.Tensor:
         """This rank's part of routed + shared experts (DeepseekV3MoE.forward's sum, in its order)."""
-        weights, ids = self.rule.route(F.linear(x.float(), self.router), self.correction_bias)
-        if self.experts is not None:
-            out = grouped_experts(x, self.experts, weights, ids, ew)
-        else:
-            out = self.fused_moe(x, self.gate_up, self.down, weights, ids)
+        out = self._routed(x, ew)
         if self.shared_experts is not None:
             gate_up, down = self.shared_experts
             out = out + linear(silu_gate(x, gate_up, ew), down)

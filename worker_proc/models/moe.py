@@ -6,7 +6,9 @@ DecoderLayer with this block as the MLP of the layers the spec marks sparse. The
 replicated and computed with F.linear, as transformers does, so the experts picked are
 transformers' (kernels/moe_routing.py routes). Each expert's intermediate features are sharded
 across tensor-parallel ranks, as the dense MLP's are: every rank routes every token, runs its slice
-of each chosen expert, and the layer's one all-reduce sums the block.
+of each chosen expert, and the layer's one all-reduce sums the block. With ``--enable-expert-parallel``
+each rank holds whole experts instead, a tp-th of them (models/expert_parallel.py places them and
+brings their tokens to them); the shared expert stays sliced.
 
 How the experts run, chosen once at load and named in the worker log:
 
@@ -56,6 +58,7 @@ from pagedserve.kernels.ops import select_ops
 from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
+from pagedserve.worker_proc.models.expert_parallel import ExpertPlacement
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
 from pagedserve.worker_proc.models.lora_experts import (DOWN, GATE_UP, ExpertDeltas, ExpertLoRA, MoeLayerLoRA,
                                                         expert_rows, shared_expert_lora)
@@ -143,25 +146,34 @@ class SparseMoeBlock:
         self.router = load(source.get(router + ".weight"))  # [E, H], on every rank
         self.router_bias = load(source.get(router + ".bias")) if moe.router_bias else None
         self.activation = moe.activation
-        a, b = intermediate_part(moe.expert_intermediate_size, shard, "moe_intermediate_size")
+        self.placement = ExpertPlacement.of(shard, moe.num_experts)
+        if self.placement is None:  # every expert, a slice of each
+            a, b = intermediate_part(moe.expert_intermediate_size, shard, "moe_intermediate_size")
+            held = range(self.num_experts)
+        else:  # whole experts, a tp-th of them
+            a, b = 0, moe.expert_intermediate_size
+            held = range(self.placement.first, self.placement.first + self.placement.count)
         size = b - a
         gate_up_biases = down_biases = None
         if moe.read_experts is not None:
             tensors = moe.read_experts(source, p, (a, b))
-            gate_ups, downs = tensors.gate_ups, tensors.downs
-            gate_up_biases = tensors.gate_up_biases
-            down_biases = tensors.down_biases if shard.rank == 0 else None  # the ranks' sum holds it once
+            gate_ups, downs = tensors.gate_ups[held.start: held.stop], tensors.downs[held.start: held.stop]
+            if tensors.gate_up_biases is not None:
+                gate_up_biases = tensors.gate_up_biases[held.start: held.stop]
+            # sliced experts: the ranks' sum holds down's bias once; a whole expert keeps its own
+            if tensors.down_biases is not None and (shard.rank == 0 or self.placement is not None):
+                down_biases = tensors.down_biases[held.start: held.stop]
         elif fused:
             full_gate_up, full_down = source.get(p + "experts.gate_up_proj"), source.get(p + "experts.down_proj")
             inter = moe.expert_intermediate_size
-            gate_ups = [torch.cat([w[a:b], w[inter + a: inter + b]]) for w in full_gate_up]
-            downs = [w[:, a:b] for w in full_down]
+            gate_ups = [torch.cat([w[a:b], w[inter + a: inter + b]]) for w in full_gate_up[held.start: held.stop]]
+            downs = [w[:, a:b] for w in full_down[held.start: held.stop]]
         else:
             e = p + "experts.{}.{}.weight"
             gate_ups = [torch.cat([source.get(e.format(i, gate), dim=0, part=(a, b)),
-                                   source.get(e.format(i, up), dim=0, part=(a, b))]) for i in range(self.num_experts)]
-            downs = [source.get(e.format(i, down), dim=1, part=(a, b)) for i in range(self.num_experts)]
-        no_biases = [None] * self.num_experts
+                                   source.get(e.format(i, up), dim=0, part=(a, b))]) for i in held]
+            downs = [source.get(e.format(i, down), dim=1, part=(a, b)) for i in held]
+        no_biases = [None] * len(held)
         if device.type == "cpu":
             # A clamped SwiGLU multiplies through linear(): no panels interleaved for silu_gate. Nor with LoRA
             # where the native panels would interleave them.
@@ -198,26 +210,49 @@ class SparseMoeBlock:
                            load(source.get(p + "shared_expert_gate.weight")))  # [1, H], on every rank
         if layer == spec.moe.sparse_layers.index(True):
             log.info("mixture of experts: %d experts, top %d; %s", self.num_experts, self.rule.top_k, self.kernel)
+            if shard.expert_parallel:
+                log.info("%s", "expert parallel: one rank holds every expert" if self.placement is None
+                         else self.placement.describe())
 
     def forward(self, x: torch.Tensor, ew: Elementwise, lora: Optional[LoRABatch] = None,
                 slots: Optional[MoeLayerLoRA] = None, ops: Optional[ModuleType] = None) -> torch.Tensor:
         """x [T, H] (after the norm before the MLP) -> this rank's part of the block's output [T, H]:
         the decoder layer sums the ranks' parts, as it does the dense MLP's. ``lora``: the step's adapter
         tokens, ``slots`` this layer's adapter weights (or None)."""
-        weights, ids = route(F.linear(x, self.router, self.router_bias), self.rule)
         deltas = slots.experts.deltas(lora) if slots is not None and slots.experts is not None else None
-        if self.experts is not None:
-            out = grouped_experts(x, self.experts, weights, ids, ew, self.activation, deltas)
-        elif deltas is not None:  # the Triton kernel adds no adapter: the reference loop does
-            out = moe_reference.fused_moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias,
-                                          self.down_bias, self.activation, deltas)
-        else:
-            out = self.fused_moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias, self.down_bias,
-                                 self.activation)
+        out = self._routed(x, ew, deltas)
         if self.shared is not None:
             gate_up, down, gate = self.shared
             out = out + torch.sigmoid(F.linear(x, gate)) * self._shared(x, gate_up, down, ew, lora, slots, ops)
         return out
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and expert ids [T, top_k] (DeepSeek's block has its own router)."""
+        return route(F.linear(x, self.router, self.router_bias), self.rule)
+
+    def _routed(self, x: torch.Tensor, ew: Elementwise, deltas: Optional[ExpertDeltas] = None) -> torch.Tensor:
+        """This rank's part of the routed experts' output [T, H]."""
+        if self.placement is not None:  # adapters on placed experts are refused at start (ModelRunner)
+            return self.placement.routed_output(x, self._route, lambda rows, counts: self._rows(rows, counts, ew))
+        weights, ids = self._route(x)
+        if self.experts is not None:
+            return grouped_experts(x, self.experts, weights, ids, ew, self.activation, deltas)
+        if deltas is not None:  # the Triton kernel adds no adapter: the reference loop does
+            return moe_reference.fused_moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias,
+                                           self.down_bias, self.activation, deltas)
+        return self.fused_moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias, self.down_bias,
+                              self.activation)
+
+    def _rows(self, rows: torch.Tensor, counts: list[int], ew: Elementwise) -> torch.Tensor:
+        """Each row's output of its expert, unweighted: ``rows`` sorted by this rank's expert, ``counts``
+        rows each (expert parallelism's exchange)."""
+        if self.experts is not None:
+            return expert_runs(rows, counts, self.experts, ew, self.activation)
+        ids = torch.repeat_interleave(torch.arange(len(counts), device=rows.device),
+                                      torch.tensor(counts, device=rows.device))[:, None]
+        unweighted = torch.ones(ids.shape, dtype=rows.dtype, device=rows.device)
+        return self.fused_moe(rows, self.gate_up, self.down, unweighted, ids, self.gate_up_bias, self.down_bias,
+                              self.activation)
 
     @staticmethod
     def _shared(x: torch.Tensor, gate_up: LinearWeight, down: LinearWeight, ew: Elementwise,
@@ -293,11 +328,22 @@ def grouped_experts(x: torch.Tensor, experts: list[tuple[LinearWeight, LinearWei
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     order = sort_by_expert(ids, len(experts))
-    rows = x[order.token_of]
+    masks = None if deltas is None else deltas.masks(order.token_of, order.counts)
+    outputs = expert_runs(x[order.token_of], order.counts, experts, ew, activation, deltas, masks)
+    scaled = (outputs * weights.reshape(-1)[order.pair, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, order.token_of, scaled)
+
+
+def expert_runs(rows: torch.Tensor, counts: list[int], experts: list[tuple[LinearWeight, LinearWeight]],
+                ew: Elementwise, activation: Optional[ClampedSwiglu] = None, deltas: Optional[ExpertDeltas] = None,
+                masks: Optional[list] = None) -> torch.Tensor:
+    """Each row's output of its expert, unweighted [P, H]: ``rows`` sorted by expert, ``counts[e]`` of
+    expert e's; one silu_gate (or gate_up and the activation) and one down per active expert.
+    ``masks``: ``deltas.masks`` of the rows, where adapters add to the products."""
     outs = []
     start = 0
-    masks = [None] * len(experts) if deltas is None else deltas.masks(order.token_of, order.counts)
-    for expert, ((gate_up, down), count, mask) in enumerate(zip(experts, order.counts, masks)):
+    masks = [None] * len(experts) if masks is None else masks
+    for expert, ((gate_up, down), count, mask) in enumerate(zip(experts, counts, masks)):
         if count:
             own = rows[start: start + count]
             size = gate_up.out_features // 2
@@ -314,8 +360,7 @@ def grouped_experts(x: torch.Tensor, experts: list[tuple[LinearWeight, LinearWei
                 deltas.add(DOWN, expert, hidden, out, mask)
             outs.append(out)
             start += count
-    scaled = (torch.cat(outs) * weights.reshape(-1)[order.pair, None]).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, order.token_of, scaled)
+    return torch.cat(outs) if outs else rows.new_zeros(0, rows.shape[1])
 
 
 def _layout_name(w: LinearWeight) -> str:
