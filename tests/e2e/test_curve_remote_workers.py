@@ -31,14 +31,14 @@ class RemoteWorkers(threading.Thread):
         self.num_workers = num_workers
         self.procs: list[subprocess.Popen] = []
         self.head_run_dir: Path | None = None
+        self.stopping = threading.Event()  # a failed start must not leave workers started after the test ended
 
     def run(self) -> None:
         deadline = time.monotonic() + 120
         lines: list[str] = []
         while len(lines) < self.num_workers:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or self.stopping.wait(0.1):  # polling for a file another process writes
                 return
-            time.sleep(0.1)  # polling for a file another process writes
             found = glob.glob(str(self.run_dir_parent / "pagedserve-*" / "worker-commands.sh"))
             lines = Path(found[0]).read_text().splitlines() if found else []
         self.head_run_dir = Path(found[0]).parent
@@ -47,14 +47,25 @@ class RemoteWorkers(threading.Thread):
             shutil.copy(self.head_run_dir / name, self.worker_node / name)
         log = open(self.log_path, "wb")
         for line in lines:
+            if self.stopping.is_set():
+                return
             argv = shlex.split(line.rstrip("& "))
             argv[argv.index("--run-dir") + 1] = str(self.worker_node)
             self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
 
     def stop(self) -> list[int]:
+        self.stopping.set()
+        self.join(130)
         for p in self.procs:
             p.send_signal(signal.SIGTERM)
-        return [p.wait(30) for p in self.procs]
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(30))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+        return codes
 
 
 @pytest.mark.slow
