@@ -3,7 +3,8 @@ prefill throughput through the real Scheduler + ModelRunner (one process), and e
 op per row count, side by side: bf16 (oneDNN's packed weight, the float path), W8A16 per channel
 (``_weight_int8pack_mm``), W8A16 in groups of 128 (that op once per group), W4A16 g128
 (kernels/cpu_gemv_int4.c where the native kernels build, else ``_weight_int4pack_mm_for_cpu``), W8A8
-(per-token int8 activations, ``torch._int_mm``).
+(kernels/cpu_gemm_w8a8.c: per-token int8 activations quantized on entry, an int8 GEMM), and issue 54's
+two end-to-end loads (``--workloads``: prefill-heavy, decode-heavy) on bf16 against each scheme.
 
 The quantized models are the shape's random model quantized by compressed-tensors
 (tools/quantized_model.py), or written as GPTQ / AWQ checkpoints (tools/gptq_awq_model.py: GPTQ 4-bit g128,
@@ -13,6 +14,7 @@ the same in activation order, AWQ GEMM g128), once beside it (bench/shapes.py's 
     python bench/scripts/quant_bench.py --ops-only --threads 1
     python bench/scripts/quant_bench.py --build-only   # quantize the shape's model (no timing)
     python bench/scripts/quant_bench.py --models-only --schemes gptq_w4_g128 awq_w4_g128
+    python bench/scripts/quant_bench.py --workloads --schemes w8a8 --threads 1 --clock cpu
 """
 
 from __future__ import annotations
@@ -85,6 +87,37 @@ def time_model(model_dir: Path, dtype: str, prefill_tokens: int, decode_steps: i
     return dict(decode=statistics.median(decode_ms), decode_spread=(min(decode_ms), max(decode_ms)),
                 prefill=prefill_tokens / statistics.median(prefill_ms) * 1e3,
                 prefill_ms=statistics.median(prefill_ms), qbytes=weights)
+
+
+# issue 54's two loads: (prompts, prompt tokens low-high, new tokens each)
+WORKLOADS = {"prefill-heavy": (32, (8, 256), 32), "decode-heavy": (64, (16, 64), 256)}
+
+
+def time_workload(model_dir: Path, dtype: str, name: str, clock=time.perf_counter) -> dict:
+    """One of WORKLOADS run to the end through the real Scheduler + ModelRunner, every prompt admitted at once:
+    the steps' summed time by ``clock`` (s) and the tokens (prompt + generated) per second of it."""
+    count, (low, high), new = WORKLOADS[name]
+    runner = ModelRunner(str(model_dir), dtype=dtype)
+    block = 16
+    cfg = SchedulerConfig(block_size=block, num_gpu_blocks=4096, max_num_seqs=count, max_num_batched_tokens=2048,
+                          max_model_len=4096)
+    runner.init_cache(WorkerInit(block_size=block, num_gpu_blocks=4096, num_cpu_blocks=0, max_model_len=4096, seed=0))
+    rng = random.Random(0)
+    sched = Scheduler(cfg)
+    tokens = 0
+    for i in range(count):
+        prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(low, high))]
+        tokens += len(prompt) + new
+        sched.add_request(AddRequest(request_id=f"r{i}", prompt_token_ids=prompt,
+                                     sampling=SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)))
+    seconds = 0.0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        t0 = clock()
+        result = runner.execute(out)
+        seconds += clock() - t0
+        sched.update_from_output(out, result)
+    return dict(seconds=seconds, tok_s=tokens / seconds)
 
 
 def _quantized_layers(runner: ModelRunner):
@@ -161,12 +194,25 @@ def main() -> None:
     p.add_argument("--ops-only", action="store_true")
     p.add_argument("--models-only", action="store_true")
     p.add_argument("--build-only", action="store_true")
+    p.add_argument("--workloads", nargs="*", choices=sorted(WORKLOADS), default=None,
+                   help="instead of the tables: these loads (all without a name) on bf16 and each scheme, end to end")
     ns = p.parse_args()
     if ns.threads:
         torch.set_num_threads(ns.threads)
     if ns.build_only:
         for scheme in ns.schemes:
             ensure_quantized(ns.shape, scheme)
+        return
+    if ns.workloads is not None:
+        dirs = {"float": ensure_shape_model(SHAPES[ns.shape])} | {s: ensure_quantized(ns.shape, s) for s in ns.schemes}
+        clock = time.thread_time if ns.clock == "cpu" else time.perf_counter
+        for load in ns.workloads or sorted(WORKLOADS):
+            results = {name: time_workload(model_dir, ns.dtype, load, clock) for name, model_dir in dirs.items()}
+            base = results["float"]["tok_s"]
+            print(f"{ns.shape}, {ns.dtype}, threads {torch.get_num_threads()}, {ns.clock} clock, {load} "
+                  f"{WORKLOADS[load]}: " + ", ".join(f"{name} {r['seconds']:.1f} s, {r['tok_s']:.0f} tok/s "
+                                                     f"({r['tok_s'] / base:.2f}x)" for name, r in results.items()),
+                  flush=True)
         return
     if not ns.models_only:
         ops_table(ns.rows, getattr(torch, ns.dtype), ns.op_repeats)
