@@ -244,8 +244,18 @@ static void column_block(const uint8_t *xq, int64_t ldq, int64_t m, int64_t k4, 
     int32_t acc[W8A8_MR * W8A8_NP * 16];
     const int64_t left = (n - j + 15) / 16;
     const int panels = left < W8A8_NP ? (int)left : W8A8_NP;
+    /* With several row tiles the block's first tile would wait on memory for its weights while the later ones
+     * find them in cache: each tile instead fetches its share of the next block's weights (those a static
+     * split most likely gives this thread next), so the memory streams under the arithmetic. */
+    const int64_t tiles = (m + W8A8_MR - 1) / W8A8_MR, block_bytes = (int64_t)W8A8_NP * k4 * 64;
+    const int64_t next_panels = left - W8A8_NP < W8A8_NP ? left - W8A8_NP : W8A8_NP;
+    const int64_t next_bytes = tiles < 2 || next_panels <= 0 ? 0 : next_panels * k4 * 64;
+    const char *next = (const char *)(w + j / 16 * k4 * 64 + block_bytes);
     for (int64_t i = 0; i < m; i += W8A8_MR) {
         const int rows = m - i < W8A8_MR ? (int)(m - i) : W8A8_MR;
+        const int64_t tile_index = i / W8A8_MR;
+        for (int64_t b = next_bytes * tile_index / tiles; b < next_bytes * (tile_index + 1) / tiles; b += 64)
+            __builtin_prefetch(next + b, 0, 2);
         if (panels == W8A8_NP) {
             switch (rows) {  /* constant tile shapes: every loop above unrolled into registers */
             case W8A8_MR: W8A8_TILE(W8A8_MR, W8A8_NP); break;

@@ -140,7 +140,7 @@ def ops_table(rows_list: list[int], dtype: torch.dtype, repeats: int) -> None:
     shapes = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down
     g = torch.Generator().manual_seed(0)
     layers: dict[str, list] = {"bf16 packed" if dtype == torch.bfloat16 else "float": [], "w8a16": [],
-                               "w8a16_g128": [], "w4a16": [], "w8a8": []}
+                               "w8a16_g128": [], "w4a16": [], "w8a8": [], "w8a8_int_mm": []}
     for n, k in shapes:
         w = torch.randn(n, k, generator=g) * 0.02
         layers[next(iter(layers))].append(torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
@@ -150,9 +150,12 @@ def ops_table(rows_list: list[int], dtype: torch.dtype, repeats: int) -> None:
         layers["w8a16"].append(ql.make_int8(q8, torch.rand(n, 1), None, None, dtype))
         layers["w8a16_g128"].append(ql.make_int8(q8, torch.rand(n, k // 128), None, 128, dtype))
         layers["w4a16"].append(ql.make_int4(q4, torch.rand(n, k // 128), None, 128, dtype))
-        layers["w8a8"].append(ql.make_w8a8(q8, torch.rand(n, 1)))
+        w8a8_scale = torch.rand(n, 1)
+        layers["w8a8"].append(ql.make_w8a8(q8, w8a8_scale))  # kernels/cpu_gemm_w8a8.c where it builds
+        # the path without native kernels: quantize_per_token, then torch._int_mm on the weight transposed
+        layers["w8a8_int_mm"].append(ql.QuantizedLinear("w8a8", n, k, q8.t().contiguous(), w8a8_scale.reshape(1, n)))
     columns = [(next(iter(layers)), None)] + [(f"{name} {path}", path) for name in ("w8a16", "w8a16_g128", "w4a16")
-                                              for path in ("op", "deq")] + [("w8a8", None)]
+                                              for path in ("op", "deq")] + [("w8a8", None), ("w8a8_int_mm", None)]
     print(f"one 0.5B layer's projections (qkv, o, gate_up, down), {dtype}, ms: fastest / median, "
           f"threads {torch.get_num_threads()}")
     print(f"{'rows':>6} " + " ".join(f"{name:>17}" for name, _ in columns))

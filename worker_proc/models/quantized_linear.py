@@ -207,7 +207,8 @@ def describe_ops(layers: list) -> Optional[str]:
         return rows if dequantize_min_rows(kind, torch.float32) > 1 else rows + " (float32: at every row)"
     def op(kind: str) -> str:
         if kind == "w8a8" and w8a8_kernel():
-            return f"native int8 GEMM, x quantized per token on entry ({cpu_native.w8a8_variant()}, kernels/cpu_gemm_w8a8.c)"
+            variant = cpu_native.w8a8_variant()
+            return f"native int8 GEMM, x quantized per token on entry ({variant}, kernels/cpu_gemm_w8a8.c)"
         return _OPS[kind]
     return "; ".join(f"{kind}: {op(kind)}{above(kind)}" for kind in kinds) if kinds else None
 
