@@ -57,3 +57,17 @@ def test_mismatched_inputs_are_an_error_not_a_wild_read():
                     (torch.randn(4, 64), 32, scale.double())):
         with pytest.raises(ValueError):
             cpu_native.w8a8_linear(x, panels, sums, s, n)
+
+
+def test_without_the_kernels_the_layer_runs_torch_int_mm_to_the_same_bits(monkeypatch):
+    """Where the library does not build (no compiler, PAGEDSERVE_CPU_KERNELS=torch), make_w8a8 keeps the
+    weight for torch._int_mm and quantizes x in torch: the same integers, the same result."""
+    from pagedserve.worker_proc.models import quantized_linear as ql
+
+    q, scale = random_weight(129, 259, 5)
+    native = ql.make_w8a8(q, scale.reshape(-1, 1))
+    monkeypatch.setattr(ql, "w8a8_kernel", lambda: False)
+    fallback = ql.make_w8a8(q, scale.reshape(-1, 1))
+    assert fallback.w8a8_sums is None and native.w8a8_sums is not None
+    x = (torch.randn(33, 259, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16)
+    assert torch.equal(native.forward(x), fallback.forward(x))
