@@ -46,6 +46,7 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_gemv.c"): (),
            Path(__file__).with_name("cpu_gemv_int8.c"): (),
            Path(__file__).with_name("cpu_gemv_int4.c"): (),
+           Path(__file__).with_name("cpu_gemm_w8a8.c"): (),
            Path(__file__).with_name("cpu_lora.c"): (),
            Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
@@ -74,6 +75,8 @@ _SIGNATURES = {
     "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_int4_blocks": [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
+    "w8a8_linear": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int, _P],
+    "w8a8_variant": [],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
     "lora_shrink_expand": [_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_int,
                            _P, _P, _P, _P],
@@ -82,6 +85,7 @@ _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
              "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
+             "w8a8_linear": ctypes.c_int, "w8a8_variant": ctypes.c_char_p,
              **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "lora_shrink_expand": ctypes.c_int}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -520,6 +524,55 @@ def gemv_int4_blocks(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
                                            None if zeros is None else zeros.contiguous().data_ptr(), group, n,
                                            out.data_ptr(), n, _GEMV_OUT[out.dtype]):
         raise ValueError("gemv_int4_blocks: the kernel refused the shapes")
+    return out
+
+
+W8A8_PANEL = 16  # cpu_gemm_w8a8.c: a packed W8A8 weight's output columns per panel, 4 inputs per int32 lane
+# x's and the result's dtype as cpu_gemm_w8a8.c names them (out_kind 3: the int32 sums, for the tests)
+_W8A8_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int32: 3}
+
+
+def w8a8_variant(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
+    """Which instructions w8a8_linear() multiplies with here ("avx512vnni", "avx2", "scalar"); None without the
+    library."""
+    lib = lib or library()
+    return None if lib is None else lib.w8a8_variant().decode()
+
+
+def pack_w8a8_weight(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 weight [N, K] -> (w8a8_linear()'s panels [ceil(N / 16), ceil(K / 4), 16, 4] int8, zero past N and
+    K: a panel's 16 columns with 4 consecutive inputs each in one int32 lane; 128 * each padded column's sum
+    [ceil(N / 16) * 16] int32, what the VNNI variant's unsigned activations (xq + 128) add)."""
+    n, k = q.shape
+    padded = torch.zeros(-(-n // W8A8_PANEL) * W8A8_PANEL, -(-k // 4) * 4, dtype=torch.int8)
+    padded[:n, :k] = q
+    panels = padded.view(-1, W8A8_PANEL, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return panels, (padded.sum(1, dtype=torch.int32) * 128).contiguous()
+
+
+def w8a8_linear(x: torch.Tensor, panels: torch.Tensor, bias128: torch.Tensor, w_scale: torch.Tensor,
+                out_features: int, out_dtype: Optional[torch.dtype] = None, x_scale_out: Optional[torch.Tensor] = None,
+                lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """x [M, K] (float32, bfloat16 or float16; rows may be strided), each row quantized to int8 per token
+    (quantize_per_token's scale and rounding) @ the int8 weight packed by pack_w8a8_weight, the products summed
+    exactly in int32, times both scales (``w_scale`` [N] float32): [M, N] in ``out_dtype`` (default x's; int32
+    gives the sums themselves). ``x_scale_out`` [M] float32, where given, receives the rows' scales
+    (kernels/cpu_gemm_w8a8.c)."""
+    rows, k = x.shape
+    if (x.dtype not in DTYPE_SUFFIXES or panels.dtype != torch.int8 or panels.shape[1:] != (-(-k // 4), W8A8_PANEL, 4)
+            or panels.shape[0] * W8A8_PANEL < out_features or bias128.shape != (panels.shape[0] * W8A8_PANEL,)
+            or w_scale.shape != (out_features,) or w_scale.dtype != torch.float32 or rows < 1):
+        raise ValueError("w8a8_linear: x, the packed weight and its scales do not match")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, out_features, dtype=out_dtype or x.dtype)
+    if x_scale_out is not None and (x_scale_out.shape != (rows,) or x_scale_out.dtype != torch.float32):
+        raise ValueError("w8a8_linear: x_scale_out must be [M] float32")
+    if (lib or library()).w8a8_linear(x.data_ptr(), _W8A8_KIND[x.dtype], x.stride(0), rows, k, panels.data_ptr(),
+                                      bias128.data_ptr(), w_scale.data_ptr(), out_features, out.data_ptr(),
+                                      out_features, _W8A8_KIND[out.dtype],
+                                      None if x_scale_out is None else x_scale_out.data_ptr()):
+        raise MemoryError("w8a8_linear: the kernel refused the shapes or had no memory for its scratch")
     return out
 
 

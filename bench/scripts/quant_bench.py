@@ -3,8 +3,10 @@ prefill throughput through the real Scheduler + ModelRunner (one process), and e
 op per row count, side by side: bf16 (oneDNN's packed weight, the float path), W8A16 per channel
 (``_weight_int8pack_mm``), W8A16 in groups of 128 (that op once per group), W4A16 g128
 (kernels/cpu_gemv_int4.c where the native kernels build, else ``_weight_int4pack_mm_for_cpu``), W8A8
-(per-token int8 activations, ``torch._int_mm``); ``w4a16_lm_head``: W4A16 with lm_head quantized too (the recipe
-without ``ignore: ["lm_head"]``; the tied shape untied as llm-compressor does, the embeddings float).
+(kernels/cpu_gemm_w8a8.c: per-token int8 activations quantized on entry, an int8 GEMM), and issue 54's
+two end-to-end loads (``--workloads``: prefill-heavy, decode-heavy) on bf16 against each scheme; ``w4a16_lm_head``:
+W4A16 with lm_head quantized too (the recipe without ``ignore: ["lm_head"]``; the tied shape untied as llm-compressor
+does, the embeddings float).
 
 The quantized models are the shape's random model quantized by compressed-tensors
 (tools/quantized_model.py), or written as GPTQ / AWQ checkpoints (tools/gptq_awq_model.py: GPTQ 4-bit g128,
@@ -14,6 +16,7 @@ the same in activation order, AWQ GEMM g128), once beside it (bench/shapes.py's 
     python bench/scripts/quant_bench.py --ops-only --threads 1
     python bench/scripts/quant_bench.py --build-only   # quantize the shape's model (no timing)
     python bench/scripts/quant_bench.py --models-only --schemes gptq_w4_g128 awq_w4_g128
+    python bench/scripts/quant_bench.py --workloads --schemes w8a8 --threads 1 --clock cpu
 """
 
 from __future__ import annotations
@@ -96,6 +99,37 @@ def _projections(runner: ModelRunner):
     yield runner.model.lm_head
 
 
+# issue 54's two loads: (prompts, prompt tokens low-high, new tokens each)
+WORKLOADS = {"prefill-heavy": (32, (8, 256), 32), "decode-heavy": (64, (16, 64), 256)}
+
+
+def time_workload(model_dir: Path, dtype: str, name: str, clock=time.perf_counter) -> dict:
+    """One of WORKLOADS run to the end through the real Scheduler + ModelRunner, every prompt admitted at once:
+    the steps' summed time by ``clock`` (s) and the tokens (prompt + generated) per second of it."""
+    count, (low, high), new = WORKLOADS[name]
+    runner = ModelRunner(str(model_dir), dtype=dtype)
+    block = 16
+    cfg = SchedulerConfig(block_size=block, num_gpu_blocks=4096, max_num_seqs=count, max_num_batched_tokens=2048,
+                          max_model_len=4096)
+    runner.init_cache(WorkerInit(block_size=block, num_gpu_blocks=4096, num_cpu_blocks=0, max_model_len=4096, seed=0))
+    rng = random.Random(0)
+    sched = Scheduler(cfg)
+    tokens = 0
+    for i in range(count):
+        prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(low, high))]
+        tokens += len(prompt) + new
+        sched.add_request(AddRequest(request_id=f"r{i}", prompt_token_ids=prompt,
+                                     sampling=SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)))
+    seconds = 0.0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        t0 = clock()
+        result = runner.execute(out)
+        seconds += clock() - t0
+        sched.update_from_output(out, result)
+    return dict(seconds=seconds, tok_s=tokens / seconds)
+
+
 def _quantized_layers(runner: ModelRunner):
     for proj in _projections(runner):
         if proj.quantized is not None:
@@ -135,7 +169,7 @@ def ops_table(rows_list: list[int], dtype: torch.dtype, repeats: int) -> None:
     shapes = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down
     g = torch.Generator().manual_seed(0)
     layers: dict[str, list] = {"bf16 packed" if dtype == torch.bfloat16 else "float": [], "w8a16": [],
-                               "w8a16_g128": [], "w4a16": [], "w8a8": []}
+                               "w8a16_g128": [], "w4a16": [], "w8a8": [], "w8a8_int_mm": []}
     for n, k in shapes:
         w = torch.randn(n, k, generator=g) * 0.02
         layers[next(iter(layers))].append(torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
@@ -145,9 +179,12 @@ def ops_table(rows_list: list[int], dtype: torch.dtype, repeats: int) -> None:
         layers["w8a16"].append(ql.make_int8(q8, torch.rand(n, 1), None, None, dtype))
         layers["w8a16_g128"].append(ql.make_int8(q8, torch.rand(n, k // 128), None, 128, dtype))
         layers["w4a16"].append(ql.make_int4(q4, torch.rand(n, k // 128), None, 128, dtype))
-        layers["w8a8"].append(ql.make_w8a8(q8, torch.rand(n, 1)))
+        w8a8_scale = torch.rand(n, 1)
+        layers["w8a8"].append(ql.make_w8a8(q8, w8a8_scale))  # kernels/cpu_gemm_w8a8.c where it builds
+        # the path without native kernels: quantize_per_token, then torch._int_mm on the weight transposed
+        layers["w8a8_int_mm"].append(ql.QuantizedLinear("w8a8", n, k, q8.t().contiguous(), w8a8_scale.reshape(1, n)))
     columns = [(next(iter(layers)), None)] + [(f"{name} {path}", path) for name in ("w8a16", "w8a16_g128", "w4a16")
-                                              for path in ("op", "deq")] + [("w8a8", None)]
+                                              for path in ("op", "deq")] + [("w8a8", None), ("w8a8_int_mm", None)]
     print(f"one 0.5B layer's projections (qkv, o, gate_up, down), {dtype}, ms: fastest / median, "
           f"threads {torch.get_num_threads()}")
     print(f"{'rows':>6} " + " ".join(f"{name:>17}" for name, _ in columns))
@@ -189,12 +226,25 @@ def main() -> None:
     p.add_argument("--ops-only", action="store_true")
     p.add_argument("--models-only", action="store_true")
     p.add_argument("--build-only", action="store_true")
+    p.add_argument("--workloads", nargs="*", choices=sorted(WORKLOADS), default=None,
+                   help="instead of the tables: these loads (all without a name) on bf16 and each scheme, end to end")
     ns = p.parse_args()
     if ns.threads:
         torch.set_num_threads(ns.threads)
     if ns.build_only:
         for scheme in ns.schemes:
             ensure_quantized(ns.shape, scheme)
+        return
+    if ns.workloads is not None:
+        dirs = {"float": ensure_shape_model(SHAPES[ns.shape])} | {s: ensure_quantized(ns.shape, s) for s in ns.schemes}
+        clock = time.thread_time if ns.clock == "cpu" else time.perf_counter
+        for load in ns.workloads or sorted(WORKLOADS):
+            results = {name: time_workload(model_dir, ns.dtype, load, clock) for name, model_dir in dirs.items()}
+            base = results["float"]["tok_s"]
+            print(f"{ns.shape}, {ns.dtype}, threads {torch.get_num_threads()}, {ns.clock} clock, {load} "
+                  f"{WORKLOADS[load]}: " + ", ".join(f"{name} {r['seconds']:.1f} s, {r['tok_s']:.0f} tok/s "
+                                                     f"({r['tok_s'] / base:.2f}x)" for name, r in results.items()),
+                  flush=True)
         return
     if not ns.models_only:
         ops_table(ns.rows, getattr(torch, ns.dtype), ns.op_repeats)

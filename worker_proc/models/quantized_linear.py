@@ -21,8 +21,11 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
 - ``int8_grouped`` (W8A16 in groups, elsewhere): the same op once per group of inputs, summed (torch has no
   grouped int8 op).
 - ``w8a8`` (int8 weights per channel, int8 activations per token, both symmetric): each row of x
-  scaled to int8 (compressed-tensors' rounding: round half to even, clamp to [-128, 127]), then
-  ``torch._int_mm`` (int8 x int8 -> int32, exact) and the two scales applied in float32.
+  scaled to int8 (compressed-tensors' rounding: round half to even, clamp to [-128, 127]), the int8
+  products summed exactly in int32 and the two scales applied in float32. Where the native kernels
+  build, one call of kernels/cpu_gemm_w8a8.c does it all at every row count (x read once; VNNI's
+  vpdpbusd, AVX2's vpmaddubsw, or scalar), on the weight packed at load; else ``quantize_per_token``
+  and ``torch._int_mm``.
 
 From ``DEQUANTIZE_MIN_ROWS`` rows (16-128 in half precision: prefill chunks; every row in float32,
 where torch's int ops have no vectorized path) a weight-only layer instead multiplies a dequantized copy
@@ -55,13 +58,15 @@ class QuantizedLinear:
     in_features: int
     weight: torch.Tensor  # int4: torch's int4pack layout [out, in / 2] uint8; int4_blocks: [out, in / 2] uint8
     # (cpu_native.pack_int4_blocks); int8, int8_blocks: [out, in];
-    # int8_grouped: [groups, out, group_size]; w8a8: [in, out] int8 (_int_mm's right operand)
+    # int8_grouped: [groups, out, group_size]; w8a8: cpu_native.pack_w8a8_weight's panels, or (no native
+    # kernels) [in, out] int8 (_int_mm's right operand)
     scales: torch.Tensor  # int4: [in / group, out, 2] (scale, zero); int8 / w8a8: [out]; int8_grouped: [groups, out];
     # int8_blocks, int4_blocks: [out, groups] float32
     group_size: int = 0
     zero_correction: Optional[torch.Tensor] = None  # int8 asymmetric: zero_point * scale, [out] or [groups, out]
     nibble_zeros: Optional[torch.Tensor] = None  # int4_blocks asymmetric: 8 + zero_point, [out, groups] float32
     input_order: Optional[torch.Tensor] = None  # [in] int64: the checkpoint's input of each weight column (desc_act)
+    w8a8_sums: Optional[torch.Tensor] = None  # w8a8 on the native kernel: 128 * each packed column's sum, int32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T: [rows, out] in x's dtype."""
@@ -89,6 +94,8 @@ class QuantizedLinear:
                     y -= part.sum(-1, keepdim=True) * self.zero_correction[i]
                 out = y if out is None else out.add_(y)
             return out
+        if self.w8a8_sums is not None:
+            return cpu_native.w8a8_linear(x, self.weight, self.w8a8_sums, self.scales, self.out_features)
         xq, x_scale = quantize_per_token(x)
         acc = torch._int_mm(xq, self.weight)
         return (acc.float() * x_scale * self.scales).to(x.dtype)
@@ -124,7 +131,8 @@ class QuantizedLinear:
 
     @property
     def nbytes(self) -> int:
-        extra = sum(t.nbytes for t in (self.zero_correction, self.nibble_zeros, self.input_order) if t is not None)
+        extra = sum(t.nbytes for t in (self.zero_correction, self.nibble_zeros, self.input_order, self.w8a8_sums)
+                    if t is not None)
         return self.weight.nbytes + self.scales.nbytes + extra
 
 
@@ -174,6 +182,12 @@ def int8_blocks_kernel() -> bool:
     return cpu_native.library() is not None
 
 
+@functools.cache
+def w8a8_kernel() -> bool:
+    """Whether kernels/cpu_gemm_w8a8.c is built here (``w8a8``'s per-token quantization and int8 GEMM in one call)."""
+    return cpu_native.library() is not None
+
+
 # What each kind multiplies with, for the worker's log: (at the decode's few rows, above DEQUANTIZE_MIN_ROWS)
 _OPS = {"int4": "torch's _weight_int4pack_mm_for_cpu", "int4_blocks": "native int4 GEMV (kernels/cpu_gemv_int4.c)",
         "int8": "torch's _weight_int8pack_mm", "int8_blocks": "native int8 GEMV (kernels/cpu_gemv_int8.c)",
@@ -191,7 +205,12 @@ def describe_ops(layers: list) -> Optional[str]:
             return ""
         rows = f", dequantized from {DEQUANTIZE_MIN_ROWS[kind]} rows"
         return rows if dequantize_min_rows(kind, torch.float32) > 1 else rows + " (float32: at every row)"
-    return "; ".join(f"{kind}: {_OPS[kind]}{above(kind)}" for kind in kinds) if kinds else None
+    def op(kind: str) -> str:
+        if kind == "w8a8" and w8a8_kernel():
+            variant = cpu_native.w8a8_variant()
+            return f"native int8 GEMM, x quantized per token on entry ({variant}, kernels/cpu_gemm_w8a8.c)"
+        return _OPS[kind]
+    return "; ".join(f"{kind}: {op(kind)}{above(kind)}" for kind in kinds) if kinds else None
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +273,12 @@ def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
 
 
 def make_w8a8(q: torch.Tensor, scale: torch.Tensor) -> QuantizedLinear:
+    """``q`` [out, in] int8, ``scale`` [out, 1]: on the native kernel (kernels/cpu_gemm_w8a8.c) where it builds,
+    the weight packed in its panels, else torch._int_mm's right operand."""
     n, k = q.shape
+    if w8a8_kernel():
+        panels, sums = cpu_native.pack_w8a8_weight(q)
+        return QuantizedLinear("w8a8", n, k, panels, scale.reshape(n).to(torch.float32).contiguous(), w8a8_sums=sums)
     return QuantizedLinear("w8a8", n, k, q.t().contiguous(), scale.reshape(1, n).to(torch.float32).contiguous())
 
 

@@ -1,0 +1,73 @@
+"""kernels/cpu_gemm_w8a8.c, this CPU's build (every x86-64 level's: tests/e2e/test_kernels_cpu_gemm_w8a8.py):
+each row of x quantized per token on entry as quantize_per_token does it and the int8 products summed exactly
+in int32, equal to torch's int64 matmul of the same integers at odd K and N and 1-300 rows; the scaled result
+the layer's plain-torch reference, bit for bit, in every dtype; the bits the same at any thread count; the
+refusals that keep its reads in bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import cpu_native
+from support.thread_counts import results_at_thread_counts
+from support.w8a8_checks import DTYPES, SIZES, check_int32_sums, check_reference_bits, random_weight
+
+pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="native CPU kernels are not built here")
+
+
+@pytest.mark.parametrize("k,n", SIZES)
+def test_int32_sums_equal_torch_integer_matmul_of_the_same_quantized_rows(k, n):
+    check_int32_sums(k, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scaled_result_is_the_references_bits(dtype):
+    check_reference_bits(dtype)
+
+
+def test_strided_rows_are_read_in_place():
+    q, scale = random_weight(80, 96, 2)
+    panels, sums = cpu_native.pack_w8a8_weight(q)
+    x = torch.randn(5, 200, dtype=torch.bfloat16)[:, 10:106]
+    assert torch.equal(cpu_native.w8a8_linear(x, panels, sums, scale, 80),
+                       cpu_native.w8a8_linear(x.contiguous(), panels, sums, scale, 80))
+
+
+def test_the_bits_do_not_depend_on_the_thread_count():
+    q, scale = random_weight(1000, 896, 3)
+    panels, sums = cpu_native.pack_w8a8_weight(q)
+    x = torch.randn(40, 896, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    outs = results_at_thread_counts(lambda: cpu_native.w8a8_linear(x, panels, sums, scale, 1000))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_the_variant_names_the_instructions_this_cpu_gives_it():
+    flags = set(cpu_native._cpu_flags().split())
+    expected = "avx512vnni" if {"avx512_vnni", "avx512bw"} <= flags else "avx2" if "avx2" in flags else "scalar"
+    assert cpu_native.w8a8_variant() == expected
+
+
+def test_mismatched_inputs_are_an_error_not_a_wild_read():
+    q, scale = random_weight(32, 64, 4)
+    panels, sums = cpu_native.pack_w8a8_weight(q)
+    for x, n, s in ((torch.randn(4, 60), 32, scale),  # fewer 4-input steps than the panels
+                    (torch.randn(0, 64), 32, scale),  # no rows
+                    (torch.randn(4, 64), 48, torch.rand(48)),  # more columns than the panels hold
+                    (torch.randn(4, 64), 32, scale.double())):
+        with pytest.raises(ValueError):
+            cpu_native.w8a8_linear(x, panels, sums, s, n)
+
+
+def test_without_the_kernels_the_layer_runs_torch_int_mm_to_the_same_bits(monkeypatch):
+    """Where the library does not build (no compiler, PAGEDSERVE_CPU_KERNELS=torch), make_w8a8 keeps the
+    weight for torch._int_mm and quantizes x in torch: the same integers, the same result."""
+    from pagedserve.worker_proc.models import quantized_linear as ql
+
+    q, scale = random_weight(129, 259, 5)
+    native = ql.make_w8a8(q, scale.reshape(-1, 1))
+    monkeypatch.setattr(ql, "w8a8_kernel", lambda: False)
+    fallback = ql.make_w8a8(q, scale.reshape(-1, 1))
+    assert fallback.w8a8_sums is None and native.w8a8_sums is not None
+    x = (torch.randn(33, 259, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16)
+    assert torch.equal(native.forward(x), fallback.forward(x))
