@@ -24,7 +24,7 @@ down_proj in every transformers 5 experts class (``EXPERT_PARAMETERS``). An adap
 ``target_modules`` naming Mixtral's or Qwen3-MoE's expert projections (``w1``/``w3``/``w2``,
 ``gate_proj``/``up_proj``/``down_proj``, or ``all-linear``) is converted by PEFT to these parameters,
 gate and up fused at twice the rank and alpha: it saves ``rank_pattern`` / ``alpha_pattern`` entries
-(``.*\.gate_up_proj``), read here as PEFT reads them (``_pattern``) and served on the experts.
+(``.*\\.gate_up_proj``), read here as PEFT reads them (``_pattern``) and served on the experts.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ GPTQ_AWQ = {  # tools/gptq_awq_model.quantize_model_dir's arguments
     "gptq_w4_g128": dict(method="gptq"), "gptq_w4_g128_desc_act": dict(method="gptq", desc_act=True),
     "awq_w4_g128": dict(method="awq"),
 }
-WITH_LM_HEAD = {"w4a16_lm_head": "w4a16"}  # compressed-tensors' scheme, lm_head quantized too
+WITH_LM_HEAD = {"w4a16_lm_head": "w4a16", "w8a8_lm_head": "w8a8"}  # compressed-tensors' scheme, lm_head quantized too
 SCHEMES = ("w8a16", "w8a16_g128", "w4a16", "w8a8", *GPTQ_AWQ, *WITH_LM_HEAD)
 
 

@@ -15,6 +15,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pagedserve.protocol.quantization import (QuantizationConfigError, check_shapes, parse_quantization_config,
                                               projection_inputs)
@@ -226,6 +227,26 @@ def test_a_quantized_lm_head_in_bfloat16_stays_close_to_the_float32_logits(tmp_p
 
 
 W8A8_MIN_COSINE = 0.999
+
+
+def test_a_w8a8_lm_head_computes_the_logits_in_int8_as_the_reference_arithmetic_does(tmp_path):
+    """A W8A8 recipe that keeps lm_head in its targets: the logits come from the int8 layer (each row's
+    activations rounded to int8, int32 sums, both scales), equal to the torch reference of that same
+    arithmetic, and within the int8 rounding of the dequantized float product (cosine >= W8A8_MIN_COSINE)."""
+    model_dir = build_quantized_model_dir(tmp_path / "m", "w8a8", "llama", quantize_lm_head=True,
+                                          initializer_range=0.02, seed=10)
+    model = ModelRunner(str(model_dir)).model
+    head = model.lm_head.quantized
+    assert head is not None and head.kind == "w8a8"
+    hidden = torch.randn(5, 128, generator=torch.Generator().manual_seed(10))
+    logits = model.compute_logits(hidden)
+    normed = model.final_norm(hidden.clone())
+    stored = load_file(next(model_dir.glob("*.safetensors")))
+    q, scale = stored["lm_head.weight"], stored["lm_head.weight_scale"].reshape(-1)
+    torch.testing.assert_close(logits, ql.reference(q, scale, None, None, normed, dynamic_int8=True).float(),
+                               rtol=1e-5, atol=1e-5)
+    cosine = torch.nn.functional.cosine_similarity(logits, normed @ (q.float() * scale[:, None]).t(), dim=-1)
+    assert cosine.min() >= W8A8_MIN_COSINE
 
 
 def test_w8a8_last_hidden_states_stay_close_to_the_dequantized_float_model(tmp_path):
