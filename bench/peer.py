@@ -173,7 +173,10 @@ async def drive(url: str, engine: str, model: str, prompts: list, output_len: in
     sampling = sampling or {}
     import openai
 
-    clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, http_client=_http_client())
+    # The openai client's own default retries (2), as its users run it: llama-server's HTTP library closes a
+    # kept-alive connection after a few requests, and a request sent on it as it closes failed outright with
+    # retries off (1-2 of 32 in half the runs, bench/log/2026-12-07.md); no engine here answers 429 or 5xx.
+    clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=2, http_client=_http_client())
                for _ in range(-(-concurrency // CONNECTIONS_PER_CLIENT))]
     if engine != "transformers" and models is None:  # transformers serve answers to its FORCE_MODEL argument
         model = (await clients[0].models.list()).data[0].id

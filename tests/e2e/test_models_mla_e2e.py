@@ -54,20 +54,24 @@ PROMPTS = [SHARED + [7, 8, 9], SHARED + [40, 41], [5, 6, 7, 8, 9, 10, 11], list(
 MAX_TOKENS = 20
 
 
-def test_deepseek_gives_transformers_greedy_tokens_through_preemption_by_swap_and_recompute(model_factory):
-    """16 blocks of 8 tokens for 5 sequences of up to 60 tokens, a host cache of 7 latent blocks:
-    sequences are preempted both ways and resumed from swapped-in or recomputed latent rows."""
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_deepseek_gives_transformers_greedy_tokens_through_preemption_by_swap_and_recompute(mode, model_factory):
+    """16 blocks of 8 tokens for 5 sequences of up to 60 tokens (24 blocks at their longest, all admitted at
+    once): sequences are preempted and resumed from swapped-in or recomputed latent rows. Each way has its own
+    run, as ``--preemption-mode`` sets it: under ``auto`` which way a victim leaves depends on its length when
+    memory runs out, and that on how the requests' arrivals fell into steps."""
     model = model_factory("deepseek_v3", **MODELS["deepseek_v3"])
     expected = [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    # a block: 3 layers x 8 tokens x 32 float32 = 3 KiB, so 0.00002 GiB of swap holds 6 of them
-    with LLM(model, num_gpu_blocks=16, block_size=8, swap_space=0.00002, max_num_seqs=8, max_num_batched_tokens=64,
-             max_model_len=256, enable_prefix_caching=True, debug_invariants=True, num_threads=1) as llm:
+    # a block: 3 layers x 8 tokens x 32 float32 = 3 KiB, so 0.0001 GiB of swap holds 34 of them
+    with LLM(model, num_gpu_blocks=16, block_size=8, swap_space=0.0001, preemption_mode=mode, max_num_seqs=8,
+             max_num_batched_tokens=64, max_model_len=256, enable_prefix_caching=True, debug_invariants=True,
+             num_threads=1) as llm:
         llm.generate(PROMPTS[:1], greedy, use_tqdm=False)  # the prefix cache holds SHARED's latent rows
         outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         stats = llm.refresh_stats()[0]
     assert [o.outputs[0].token_ids for o in outs] == [e[:MAX_TOKENS] for e in expected]
-    assert stats.num_preemptions_swap > 0 and stats.num_preemptions_recompute > 0
+    assert (stats.num_preemptions_swap if mode == "swap" else stats.num_preemptions_recompute) > 0
     assert stats.prefix_cache_hits > 0
 
 
