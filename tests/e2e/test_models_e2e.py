@@ -53,6 +53,25 @@ def prompt_ids_sharing_a_prefix(model: str) -> list[list[int]]:
     return [head[:36], head[:20] + tok(" Hello, world! The lazy dog.").input_ids, head[:20] + head[24:40]]
 
 
+def serve_prompts_sharing_a_prefix(model: str, tmp_path: Path) -> tuple[Server, list[list[int]], list]:
+    """A server taking 8-token steps (chunked prefill) over blocks of 4 with prefix caching, and its greedy
+    answers to ``prompt_ids_sharing_a_prefix``: the first alone, then the rest, which find its first 20
+    tokens cached (checked here). The caller stops the server, after any checks of its log."""
+    prompts = prompt_ids_sharing_a_prefix(model)
+    srv = Server(model, ["--num-gpu-blocks", "128", "--max-model-len", "256", "--max-num-batched-tokens", "8",
+                         "--max-num-seqs", "4", "--block-size", "4", "--enable-prefix-caching",
+                         "--enable-chunked-prefill"]).start(tmp_path)
+    try:
+        first = greedy_completions(srv, prompts[:1], 16)
+        rest = greedy_completions(srv, prompts[1:], 16)
+        # the counters reach /metrics with the next stats heartbeat (every 0.5 s)
+        assert wait_until(lambda: prefix_cache_hits(srv) >= 2 * 20, 5)
+    except BaseException:
+        srv.stop()
+        raise
+    return srv, prompts, first + rest
+
+
 def prefix_cache_hits(srv: Server) -> float:
     metrics = httpx.get(srv.url + "/metrics", timeout=30).text
     return sum(float(line.split()[-1]) for line in metrics.splitlines()
@@ -67,21 +86,14 @@ def test_family_serves_transformers_greedy_tokens_with_prefix_caching_and_chunke
     over a window while its global layers see everything, with soft-capped scores and logits. gpt-oss
     alternates windows of 8 and full layers alike, each with its attention sinks (native kernels)."""
     model = model_factory(arch, norm_std=0.1, seed=20)
-    prompts = prompt_ids_sharing_a_prefix(model)
-    srv = Server(model, ["--num-gpu-blocks", "128", "--max-model-len", "256", "--max-num-batched-tokens", "8",
-                         "--max-num-seqs", "4", "--block-size", "4", "--enable-prefix-caching",
-                         "--enable-chunked-prefill"]).start(tmp_path)
+    srv, prompts, answers = serve_prompts_sharing_a_prefix(model, tmp_path)
     try:
-        first = greedy_completions(srv, prompts[:1], 16)
-        rest = greedy_completions(srv, prompts[1:], 16)
-        # the counters reach /metrics with the next stats heartbeat (every 0.5 s)
-        assert wait_until(lambda: prefix_cache_hits(srv) >= 2 * 20, 5)
         if arch == "gemma2":
             assert "attention soft-capping runs the torch reference attention on CPU" in srv.log()
             # its global layers read every block: none is freed behind the local layers' window
             assert "layers attend within a sliding window, the others to every position: every KV block is kept" \
                 in srv.log()
-        assert_equal_to_transformers(model, prompts, first + rest, 16)
+        assert_equal_to_transformers(model, prompts, answers, 16)
     finally:
         srv.stop()
 

@@ -13,12 +13,12 @@ import pytest
 
 from pagedserve.offline.llm import LLM, SamplingParams
 from pagedserve.tools.demo_model import build_model_dir
-from support.greedy import assert_equal_to_transformers, greedy_completions
+from support.greedy import assert_equal_to_transformers
 from support.oracle import hf_greedy
-from support.server import Server, wait_until
+from support.server import Server
 from support.worker_harness import hf_greedy as hf_greedy_batch, random_prompts, run_two_ranks
-from test_models_e2e import (assert_refused_in_one_line_with_nothing_started, prefix_cache_hits,
-                             prompt_ids_sharing_a_prefix, refused_serve)
+from test_models_e2e import (assert_refused_in_one_line_with_nothing_started, refused_serve,
+                             serve_prompts_sharing_a_prefix)
 from test_worker_tensor_parallel import NEW_TOKENS, RANK_SCRIPT
 
 pytestmark = pytest.mark.slow
@@ -33,15 +33,9 @@ def test_deepseek_serves_transformers_greedy_tokens_with_prefix_caching_and_chun
     """Prompts in 8-token steps over blocks of 4, the later two finding their first 20 tokens'
     latent rows cached."""
     model = model_factory(arch, **MODELS[arch])
-    prompts = prompt_ids_sharing_a_prefix(model)
-    srv = Server(model, ["--num-gpu-blocks", "128", "--max-model-len", "256", "--max-num-batched-tokens", "8",
-                         "--max-num-seqs", "4", "--block-size", "4", "--enable-prefix-caching",
-                         "--enable-chunked-prefill"]).start(tmp_path)
+    srv, prompts, answers = serve_prompts_sharing_a_prefix(model, tmp_path)
     try:
-        first = greedy_completions(srv, prompts[:1], 16)
-        rest = greedy_completions(srv, prompts[1:], 16)
-        assert wait_until(lambda: prefix_cache_hits(srv) >= 2 * 20, 5)
-        assert_equal_to_transformers(model, prompts, first + rest, 16)
+        assert_equal_to_transformers(model, prompts, answers, 16)
         log = srv.log()
         assert "multi-head latent attention: the cache keeps one latent row of 32 a token and layer" in log
         assert "mixture of experts: 8 experts, top 2; grouped by expert: " in log
