@@ -2,10 +2,13 @@
 protocol trace it writes), not from the order clients see answers in: client threads reach the
 server in their own order, and requests that end in one step reach their clients in any order.
 
-The seed-001 workload (shared/seeds/001): 40 concurrent requests, each needing 8 blocks of 16
-tokens, into 112 blocks, so the newest give way while the oldest keep going. They are sent 2 ms
-apart (an issue's client sent them 20 ms apart): on a quiet machine a request of the demo model
-lives ~0.2 s, and at 20 ms only ~10 overlap, which fits the cache and preempts nothing."""
+The seed-001 workload (shared/seeds/001): 40 concurrent requests into 112 blocks of 16 tokens, so
+the newest give way while the oldest keep going, sent 2 ms apart (an issue's client sent them 20 ms
+apart). Each prompt is one block and the other fifteen come from decoding: every request is
+admitted on its one block, and the cache runs out as soon as seven of them grow to full length.
+A request lives 240 steps, so that many overlap at any server speed, even at 20 ms apart. (With
+64-token prompts and 64 output tokens, 8 blocks each, whether 15 overlapped depended on the
+server's speed: a faster CI machine finished the early ones before the late ones arrived.)"""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from pagedserve.tools.trace_show import summarize, summarize_trace
 
 pytestmark = pytest.mark.slow
 
-NUM_REQUESTS, GAP_S, PROMPT_TOKENS, OUTPUT_TOKENS = 40, 0.002, 64, 64  # 128 tokens = 8 blocks each
+NUM_REQUESTS, GAP_S, PROMPT_TOKENS, OUTPUT_TOKENS = 40, 0.002, 16, 240  # 256 tokens = 16 blocks each
 
 
 @pytest.fixture(scope="module")
