@@ -103,3 +103,195 @@ int gemv_int8_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, const in
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------- Q8_0 x Q8_0: llama.cpp's arithmetic
+ *
+ * The same weights (blocks of 32, a float32 scale each) times activations quantized per block of 32 too, as
+ * llama.cpp's CPU backend multiplies a Q8_0 matrix: each block of a row of x gets d = max|x| / 127 and
+ * xq = round-half-even(x / d) clamped to [-128, 127] (a zero block: xq = 0, d = 0), the 32 int8 products summed
+ * exactly in int32, then out = sum over blocks of isum * (d_w * d_x) in float32. Decode is bound by reading the
+ * weight: the widening kernel above spends ~16 vector instructions on 64 weight bytes and ran the 0.5B step's
+ * matrices at ~21 GB/s on one core; here 64 bytes are one vpdpbusd, one conversion and one FMA (bench/log).
+ *
+ *   AVX512-VNNI: vpdpbusd multiplies unsigned by signed bytes: the weight is made unsigned (q ^ 0x80 = q + 128,
+ *                one XOR) and x is the signed side; the accumulator starts at -128 * the x bytes' sum of its
+ *                lane (made once per call), so each lane's int32 is exact. A 512-bit vector is two blocks:
+ *                lanes 0-7 the first, 8-15 the second, each lane's sum scaled by its block's d_w * d_x.
+ *   otherwise:   each block's int32 sum in plain loops (the compiler vectorizes them), then the same scaling.
+ * x is read in its own dtype (float32, bfloat16, float16) and quantized once per call into a scratch that
+ * every thread reads; the output-row blocks and threads are GEMV_ROW_BLOCKS', as above. */
+#include <stdlib.h>
+
+#define Q8_BLOCK 32
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define Q8_VNNI 1
+#endif
+
+const char *q8_0_variant(void) {
+#if defined(Q8_VNNI)
+    return "avx512vnni";
+#else
+    return "portable";
+#endif
+}
+
+/* One call's quantized x: row i's int8 values at xq + i * kp (zero past k), for VNNI each lane's -128 * its four
+ * bytes' sum at corr + i * kp / 4 and its block's d at d + i * kp / 4 (a lane per 4 inputs; 0 past k); the
+ * portable loops read d per block at d + i * kp / 4 + b * 8. kp: k rounded up to 64 (a vector's two blocks). */
+typedef struct {
+    int8_t *xq;
+    int32_t *corr;
+    float *d;
+    int64_t kp;
+} q8_x;
+
+#if defined(__AVX512F__)
+/* 16 values of x from element i (x_kind 0 float32, 1 bfloat16, 2 float16), widened. */
+static inline __m512 x_load16(const void *x, int x_kind, int64_t i) {
+    if (x_kind == 0) return _mm512_loadu_ps((const float *)x + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    if (x_kind == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+#else
+static float x_at(const void *x, int x_kind, int64_t i) {
+    return x_kind == 0 ? ((const float *)x)[i] : half_to_f32(((const uint16_t *)x)[i], x_kind == 1);
+}
+#endif
+
+/* One row of x (k inputs, a multiple of 32) quantized into s's row i. */
+static void q8_quantize_row(const void *x, int x_kind, int64_t k, const q8_x *s, int64_t i) {
+    int8_t *xq = s->xq + i * s->kp;
+    int32_t *corr = s->corr + i * s->kp / 4;
+    float *d = s->d + i * s->kp / 4;
+    for (int64_t b = 0; b < k; b += Q8_BLOCK) {
+        float v[Q8_BLOCK], amax = 0.0f;
+#if defined(__AVX512F__)
+        const __m512 lo = x_load16(x, x_kind, b), hi = x_load16(x, x_kind, b + 16);
+        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        _mm512_storeu_ps(v, lo);
+        _mm512_storeu_ps(v + 16, hi);
+#else
+        for (int t = 0; t < Q8_BLOCK; t++) {
+            v[t] = x_at(x, x_kind, b + t);
+            const float a = __builtin_fabsf(v[t]);
+            amax = a > amax ? a : amax;
+        }
+#endif
+        const float scale = amax / 127.0f;
+        for (int t = 0; t < Q8_BLOCK; t++) {  /* the exact quotient, rounded half to even (rint), clamped */
+            float r = scale == 0.0f ? 0.0f : __builtin_rintf(v[t] / scale);
+            r = r < -128.0f ? -128.0f : r > 127.0f ? 127.0f : r;
+            xq[b + t] = (int8_t)r;
+        }
+        for (int lane = 0; lane < Q8_BLOCK / 4; lane++) {
+            const int8_t *four = xq + b + 4 * lane;
+            corr[b / 4 + lane] = -128 * (four[0] + four[1] + four[2] + four[3]);
+            d[b / 4 + lane] = scale;
+        }
+    }
+    memset(xq + k, 0, (size_t)(s->kp - k));
+    for (int64_t lane = k / 4; lane < s->kp / 4; lane++) corr[lane] = 0, d[lane] = 0.0f;
+}
+
+/* sums[r * M + i] = x[i] . W[r] for R rows of the weight (q at row stride ldq, scales at row stride lds). */
+static inline __attribute__((always_inline)) void block_q8(const q8_x *restrict s, const int8_t *restrict q,
+                                                           const int64_t ldq, const float *restrict w_scale,
+                                                           const int64_t lds, const int64_t k, const int M,
+                                                           const int R, float *restrict sums) {
+#if defined(Q8_VNNI)
+    __m512 acc[8][8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int8_t *ahead = q + (int64_t)INT8_PREFETCH_ROWS * ldq;
+    for (int64_t c = 0; c < k; c += 2 * Q8_BLOCK) {
+        const int whole = c + 2 * Q8_BLOCK <= k;  /* else one block left: its upper half is zeros */
+        const __mmask64 bytes = whole ? ~(__mmask64)0 : (__mmask64)0xffffffffu;
+        __m512i xv[8], corr[8];
+        __m512 xd[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) {
+            xv[i] = _mm512_loadu_si512(s->xq + i * s->kp + c);
+            corr[i] = _mm512_loadu_si512(s->corr + i * s->kp / 4 + c / 4);
+            xd[i] = _mm512_loadu_ps(s->d + i * s->kp / 4 + c / 4);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, q + r * ldq + c), flip);
+            __builtin_prefetch(ahead + r * ldq + c, 0, 3);
+            const float *ws = w_scale + r * lds + c / Q8_BLOCK;
+            __m512 ew = _mm512_set1_ps(ws[0]);  /* one block left: its scale in both halves */
+            if (whole) {  /* the two blocks' scales, as one 8-byte broadcast, each to its half */
+                double two;
+                memcpy(&two, ws, 8);
+                ew = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(two)));
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) {
+                const __m512i isum = _mm512_dpbusd_epi32(corr[i], wv, xv[i]);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ew, xd[i]), acc[r][i]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) sums[r * M + i] = _mm512_reduce_add_ps(acc[r][i]);
+#else
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) {
+            const int8_t *w = q + r * ldq, *xq = s->xq + i * s->kp;
+            float total = 0.0f;
+            for (int64_t b = 0; b < k; b += Q8_BLOCK) {
+                int32_t isum = 0;
+                for (int t = 0; t < Q8_BLOCK; t++) isum += (int32_t)w[b + t] * xq[b + t];
+                total += (float)isum * (w_scale[r * lds + b / Q8_BLOCK] * s->d[i * s->kp / 4 + b / 4]);
+            }
+            sums[r * M + i] = total;
+        }
+#endif
+}
+
+#define Q8_ROWS(M, j, rows, sums) block_q8(&s, q + (j) * k, k, w_scale + (j) * lds, lds, k, M, rows, sums)
+
+#define DEFINE_Q8_M(M)                                                                                           \
+    static void gemv_q8_##M(q8_x s, int64_t k, const int8_t *q, const float *w_scale, int64_t n, void *out,       \
+                            int64_t ldo, int out_kind) {                                                          \
+        const int R = INT8_ROWS_PER_BLOCK(M);                                                                     \
+        const int64_t lds = k / Q8_BLOCK;                                                                         \
+        GEMV_ROW_BLOCKS(M, R, n, (M) * n * k, INT8_PARALLEL_MIN_MACS, out, ldo, out_kind, Q8_ROWS);               \
+    }
+DEFINE_Q8_M(1) DEFINE_Q8_M(2) DEFINE_Q8_M(3) DEFINE_Q8_M(4)
+DEFINE_Q8_M(5) DEFINE_Q8_M(6) DEFINE_Q8_M(7) DEFINE_Q8_M(8)
+
+/* x [m, k] (x_kind 0 float32, 1 bfloat16, 2 float16; row stride ldx) @ (q [n, k] int8 * scales [n, k / 32]
+ * float32).T with x quantized per block of 32 as above; out [m, n] (row stride ldo) as gemv_int8_blocks'.
+ * Rows go 8 at a time, each pass streaming the weight. Returns -1 (nothing written) unless m >= 1 and k is a
+ * multiple of 32, or when the scratch cannot be had. */
+int gemv_q8_0(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, const int8_t *q, const float *scales,
+              int64_t n, void *out, int64_t ldo, int out_kind) {
+    static void (*const by_rows[INT8_GEMV_MAX_ROWS + 1])(q8_x, int64_t, const int8_t *, const float *, int64_t,
+                                                         void *, int64_t, int) = {
+        NULL, gemv_q8_1, gemv_q8_2, gemv_q8_3, gemv_q8_4, gemv_q8_5, gemv_q8_6, gemv_q8_7, gemv_q8_8};
+    if (m < 1 || k < Q8_BLOCK || k % Q8_BLOCK || x_kind < 0 || x_kind > 2) return -1;
+    const int64_t kp = (k + 63) / 64 * 64, rows_max = m < INT8_GEMV_MAX_ROWS ? m : INT8_GEMV_MAX_ROWS;
+    q8_x s = {NULL, NULL, NULL, kp};
+    char *scratch = aligned_alloc(64, (size_t)(rows_max * kp * 3));  /* xq, corr, d: kp bytes each a row */
+    if (scratch == NULL) return -1;
+    s.xq = (int8_t *)scratch;
+    s.corr = (int32_t *)(scratch + rows_max * kp);
+    s.d = (float *)(scratch + 2 * rows_max * kp);
+    const int64_t x_size = x_kind == 0 ? 4 : 2, out_size = out_kind == 0 ? 4 : 2;
+    for (int64_t i = 0; i < m; i += INT8_GEMV_MAX_ROWS) {
+        const int64_t rows = m - i < INT8_GEMV_MAX_ROWS ? m - i : INT8_GEMV_MAX_ROWS;
+        for (int64_t r = 0; r < rows; r++)
+            q8_quantize_row((const char *)x + (i + r) * ldx * x_size, x_kind, k, &s, r);
+        by_rows[rows](s, k, q, scales, n, (char *)out + i * ldo * out_size, ldo, out_kind);
+    }
+    free(scratch);
+    return 0;
+}

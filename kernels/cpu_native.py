@@ -74,6 +74,8 @@ _SIGNATURES = {
        for suffix in ("f32", "bf16", "f16")},
     "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
+    "gemv_q8_0": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_int],
+    "q8_0_variant": [],
     "gemv_int4_blocks": [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "w8a8_linear": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int, _P],
     "w8a8_variant": [],
@@ -85,6 +87,7 @@ _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
              "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
+             "gemv_q8_0": ctypes.c_int, "q8_0_variant": ctypes.c_char_p,
              "w8a8_linear": ctypes.c_int, "w8a8_variant": ctypes.c_char_p,
              **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "lora_shrink_expand": ctypes.c_int}
 # The kernels' name for each dtype they take (their symbols end in it).
@@ -478,6 +481,35 @@ def gemv_int8_blocks(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, blo
                                            scales.contiguous().data_ptr(), block, n, out.data_ptr(), n,
                                            _GEMV_OUT[out.dtype]):
         raise ValueError("gemv_int8_blocks: the kernel refused the shapes")
+    return out
+
+
+Q8_0_BLOCK = 32  # cpu_gemv_int8.c's gemv_q8_0: the inputs of a weight block and of an activation block
+
+
+def q8_0_variant(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
+    """Which instructions gemv_q8_0() multiplies with here ("avx512vnni", "portable"); None without the library."""
+    lib = lib or library()
+    return None if lib is None else lib.q8_0_variant().decode()
+
+
+def gemv_q8_0(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+              lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """llama.cpp's Q8_0 x Q8_0: x [M, K] (M >= 1; float32, bfloat16 or float16; rows may be strided), each block
+    of 32 inputs of a row quantized to int8 (d = max|x| / 127, round half to even of x / d), times (q [N, K] int8,
+    scales [N, K / 32] float32).T, each block's int8 products summed exactly in int32 and scaled by both blocks'
+    d in float32: [M, N] in ``out_dtype`` (default x's) (kernels/cpu_gemv_int8.c)."""
+    rows, k = x.shape
+    n = q.shape[0]
+    if (x.dtype not in DTYPE_SUFFIXES or q.dtype != torch.int8 or q.shape != (n, k) or k % Q8_0_BLOCK
+            or scales.dtype != torch.float32 or scales.shape != (n, k // Q8_0_BLOCK) or rows < 1):
+        raise ValueError("gemv_q8_0: x, the weight and its scales do not match")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, n, dtype=out_dtype or x.dtype)
+    if (lib or library()).gemv_q8_0(x.data_ptr(), _W8A8_KIND[x.dtype], x.stride(0), rows, k, q.contiguous().data_ptr(),
+                                    scales.contiguous().data_ptr(), n, out.data_ptr(), n, _GEMV_OUT[out.dtype]):
+        raise MemoryError("gemv_q8_0: the kernel refused the shapes or had no memory for its scratch")
     return out
 
 

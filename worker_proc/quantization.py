@@ -192,5 +192,5 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
     elif spec.bits == 4:
         layer = make_int4(q, scale, zero, spec.group_size, dtype, order)
     else:
-        layer = make_int8(q, scale, zero, spec.group_size, dtype, order)
+        layer = make_int8(q, scale, zero, spec.group_size, dtype, order, q8_0=spec.format == "Q8_0")
     return LinearWeight(None, bias, out_features=layer.out_features, gate_size=gate_size, quantized=layer)

@@ -3,7 +3,9 @@ compressed-tensors' int8 groups) as built for every x86-64 level this CPU runs (
 this CPU's own build needs no compiler run, the other levels are slow), against its torch reference in
 float64 (the dequantized weight q * scale, as the layer holds it) within float32 sums, at 1-8 rows
 and more, 8 at a time; the
-bits whatever the thread count; refusals that keep its reads in bounds."""
+bits whatever the thread count; refusals that keep its reads in bounds. Its Q8_0 x Q8_0 form (gemv_q8_0,
+llama.cpp's arithmetic: x quantized per block of 32 too) against quantized_linear.q8_0_reference the same way,
+and exact where the sums are integers."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_native
+from pagedserve.worker_proc.models import quantized_linear as ql
 from support.cpu_variants import variant  # noqa: F401 (a fixture)
 from support.thread_counts import results_at_thread_counts
 
@@ -66,3 +69,66 @@ def test_mismatched_inputs_are_an_error_not_a_wild_read():
                  (x, q, scales, 24)):  # a block the vectors do not tile
         with pytest.raises(ValueError):
             cpu_native.gemv_int8_blocks(*args)
+
+
+# ---------------------------------------------------------------- Q8_0 x Q8_0 (gemv_q8_0)
+
+# (inputs, outputs): an odd count of blocks (one 512-bit vector holds two), a single block, the 0.5B's shapes
+Q8_0_SHAPES = [(896, 2 * 896 + 256), (4864, 37), (96, 1), (32, 9), (160, 61)]
+
+
+def _q8_0_bound(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 sums' bound: k roundings of at most 2^-23 of the sum of the terms' magnitudes."""
+    n, k = q.shape
+    xq, dx = ql.quantize_per_block(x)
+    mags = torch.einsum("mbt,nbt->mnb", xq.view(-1, k // 32, 32).abs().double(), q.view(n, k // 32, 32).abs().double())
+    return k * 2.0**-23 * (mags * scales.double().view(1, n, -1) * dx.double().unsqueeze(1)).sum(-1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 19])
+@pytest.mark.parametrize("k,n", Q8_0_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_q8_0_is_llamacpps_arithmetic_within_float32_sums_on_every_variant(variant, rows, k, n, dtype):
+    q, scales = _blocks(n, k, 32, seed=rows + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    x[0, :32] = 0  # a zero block: d = 0, its products 0
+    want = ql.q8_0_reference(q, scales, x)
+    got = cpu_native.gemv_q8_0(x, q, scales, out_dtype=torch.float32)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert ((got.double() - want).abs() <= _q8_0_bound(x, q, scales)).all()
+    rounded = cpu_native.gemv_q8_0(x, q, scales)  # x's dtype: the float32 result rounded once
+    assert rounded.dtype == dtype and torch.equal(rounded, got.to(dtype))
+
+
+@pytest.mark.parametrize("k", [96, 896])
+def test_q8_0_sums_of_integers_are_exact_on_every_variant(variant, k):
+    """Each block of x holding 127 (d = 1, x its own int8 values) and unit weight scales: the output is the int8
+    products' sum, exactly (every partial sum is an integer below 2^24)."""
+    gen = torch.Generator().manual_seed(k)
+    q = torch.randint(-128, 128, (45, k), generator=gen, dtype=torch.int8)
+    x = torch.randint(-127, 128, (3, k), generator=gen).float()
+    x.view(3, k // 32, 32)[..., 5] = 127.0
+    got = cpu_native.gemv_q8_0(x.bfloat16(), q, torch.ones(45, k // 32), out_dtype=torch.float32)
+    assert torch.equal(got, (x.to(torch.int64) @ q.to(torch.int64).t()).float())
+
+
+def test_q8_0_variant_is_named_and_its_bits_do_not_depend_on_the_thread_count():
+    assert cpu_native.q8_0_variant() == ("avx512vnni" if {"avx512_vnni", "avx512bw"} <= set(cpu_native._cpu_flags().split())
+                                         else "portable")
+    q, scales = _blocks(1000, 896, 32, seed=1)
+    x = torch.randn(3, 896, generator=torch.Generator().manual_seed(2)).bfloat16()
+    outs = results_at_thread_counts(lambda: cpu_native.gemv_q8_0(x, q, scales))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_q8_0_refuses_mismatched_inputs():
+    q, scales = _blocks(32, 64, 32, seed=3)
+    x = torch.randn(4, 64).bfloat16()
+    for args in ((torch.randn(4, 63).bfloat16(), q, scales),  # K differs
+                 (torch.randn(0, 64).bfloat16(), q, scales),  # no rows
+                 (x.to(torch.int32), q, scales),  # x not float
+                 (x, q.float(), scales),  # not int8
+                 (x, q, scales[:, :1])):  # one scale a row where the blocks need two
+        with pytest.raises(ValueError):
+            cpu_native.gemv_q8_0(*args)
+

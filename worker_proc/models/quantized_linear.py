@@ -18,6 +18,12 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
   int8 groups), where the native kernels are built: in half precision kernels/cpu_gemv_int8.c (each
   block's integers widened and scaled in registers, float32 sums, 8 rows a pass); from 48 rows, and in
   float32, the dequantized weight.
+  A GGUF Q8_0 matrix (``q8_0_activations``) multiplies as llama.cpp's CPU backend does instead: x quantized
+  per block of 32 too (d = max|x| / 127, round half to even), each block's int8 products summed exactly in
+  int32 and scaled by both blocks' d (kernels/cpu_gemv_int8.c gemv_q8_0, VNNI's vpdpbusd where the CPU has it);
+  a decode step reads its weights ~1.2-1.3x faster than widening them to float32 (bench/log/2026-12-07.md). The
+  file's format is defined by that arithmetic (llama.cpp's quantized dot product); its error is x's rounding to
+  int8 per block, <= d / 2 an input. float32 and from 48 rows: the dequantized weight, transformers' products.
 - ``int8_grouped`` (W8A16 in groups, elsewhere): the same op once per group of inputs, summed (torch has no
   grouped int8 op).
 - ``w8a8`` (int8 weights per channel, int8 activations per token, both symmetric): each row of x
@@ -67,12 +73,15 @@ class QuantizedLinear:
     nibble_zeros: Optional[torch.Tensor] = None  # int4_blocks asymmetric: 8 + zero_point, [out, groups] float32
     input_order: Optional[torch.Tensor] = None  # [in] int64: the checkpoint's input of each weight column (desc_act)
     w8a8_sums: Optional[torch.Tensor] = None  # w8a8 on the native kernel: 128 * each packed column's sum, int32
+    q8_0_activations: bool = False  # int8_blocks of a GGUF Q8_0 matrix: x quantized per block of 32 (gemv_q8_0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T: [rows, out] in x's dtype."""
         x = x.contiguous() if self.input_order is None else x.index_select(-1, self.input_order)
         if self.kind != "w8a8" and x.shape[0] >= dequantize_min_rows(self.kind, x.dtype) and self.can_dequantize():
             return torch.nn.functional.linear(x, self.dequantized(x.dtype))
+        if self.kind == "int8_blocks" and self.q8_0_activations:
+            return cpu_native.gemv_q8_0(x, self.weight, self.scales)
         if self.kind == "int8_blocks":
             return cpu_native.gemv_int8_blocks(x, self.weight, self.scales, self.group_size)
         if self.kind == "int4_blocks":
@@ -197,7 +206,7 @@ _OPS = {"int4": "torch's _weight_int4pack_mm_for_cpu", "int4_blocks": "native in
 def describe_ops(layers: list) -> Optional[str]:
     """One line naming the op each quantized kind in these decoder layers runs, and from how many rows a
     call dequantizes instead (dequantize_min_rows); None where no projection is quantized."""
-    kinds = sorted({w.quantized.kind for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")
+    kinds = sorted({_op_name(w.quantized) for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")
                     if (w := getattr(layer, name, None)) is not None and getattr(w, "quantized", None) is not None})
 
     def above(kind: str) -> str:
@@ -206,11 +215,22 @@ def describe_ops(layers: list) -> Optional[str]:
         rows = f", dequantized from {DEQUANTIZE_MIN_ROWS[kind]} rows"
         return rows if dequantize_min_rows(kind, torch.float32) > 1 else rows + " (float32: at every row)"
     def op(kind: str) -> str:
+        if kind == Q8_0_OP:
+            return (f"native Q8_0 x Q8_0 GEMV, x quantized per block of 32 as llama.cpp does ({cpu_native.q8_0_variant()}"
+                    ", kernels/cpu_gemv_int8.c)")
         if kind == "w8a8" and w8a8_kernel():
             variant = cpu_native.w8a8_variant()
             return f"native int8 GEMM, x quantized per token on entry ({variant}, kernels/cpu_gemm_w8a8.c)"
         return _OPS[kind]
-    return "; ".join(f"{kind}: {op(kind)}{above(kind)}" for kind in kinds) if kinds else None
+    return "; ".join(f"{kind}: {op(kind)}{above(_KIND_OF_OP.get(kind, kind))}" for kind in kinds) if kinds else None
+
+
+Q8_0_OP = "int8_blocks (GGUF Q8_0)"  # the log's name of an int8_blocks layer that quantizes x per block too
+_KIND_OF_OP = {Q8_0_OP: "int8_blocks"}
+
+
+def _op_name(layer: QuantizedLinear) -> str:
+    return Q8_0_OP if layer.q8_0_activations else layer.kind
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +240,16 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = xf.abs().amax(-1, keepdim=True) / 127.0
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     return torch.round(xf / scale).clamp_(-128, 127).to(torch.int8), scale
+
+
+def quantize_per_block(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [rows, in], float32 d [rows, in / block]): each block of a row scaled to int8 as llama.cpp's Q8_0
+    activations are, d = max|block| / 127 and round half to even of x / d (a zero block: values 0, d 0)."""
+    rows, k = x.shape
+    xf = x.float().view(rows, k // block, block)
+    d = xf.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(d == 0, 0.0, torch.round(xf / d)).clamp_(-128, 127)
+    return q.to(torch.int8).view(rows, k), d.squeeze(-1)
 
 
 # ---------------------------------------------------------------- builders (from signed integers)
@@ -255,8 +285,9 @@ def make_int4(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
 
 
 def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group_size: Optional[int],
-              dtype: torch.dtype, input_order: Optional[torch.Tensor] = None) -> QuantizedLinear:
-    """``q`` [out, in] int8; ``scale`` / ``zero_point`` [out, in / group] or [out, 1]; ``input_order`` as make_int4's."""
+              dtype: torch.dtype, input_order: Optional[torch.Tensor] = None, q8_0: bool = False) -> QuantizedLinear:
+    """``q`` [out, in] int8; ``scale`` / ``zero_point`` [out, in / group] or [out, 1]; ``input_order`` as make_int4's;
+    ``q8_0``: a GGUF Q8_0 matrix, multiplied by x quantized per block of 32 as llama.cpp does (QuantizedLinear's)."""
     n, k = q.shape
     s = scale.to(torch.float32)
     correction = None if zero_point is None else (zero_point.to(torch.float32) * s)
@@ -264,7 +295,8 @@ def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
         return QuantizedLinear("int8", n, k, q.contiguous(), s.reshape(n).to(dtype).contiguous(), 0,
                                None if correction is None else correction.reshape(n).to(dtype), input_order=input_order)
     if zero_point is None and group_size % 16 == 0 and int8_blocks_kernel():
-        return QuantizedLinear("int8_blocks", n, k, q.contiguous(), s.contiguous(), group_size, input_order=input_order)
+        return QuantizedLinear("int8_blocks", n, k, q.contiguous(), s.contiguous(), group_size, input_order=input_order,
+                               q8_0_activations=q8_0 and group_size == cpu_native.Q8_0_BLOCK)
     groups = k // group_size
     weight = q.reshape(n, groups, group_size).transpose(0, 1).contiguous()
     return QuantizedLinear("int8_grouped", n, k, weight, s.t().to(dtype).contiguous(), group_size,
@@ -286,10 +318,12 @@ def make_w8a8(q: torch.Tensor, scale: torch.Tensor) -> QuantizedLinear:
 
 
 def reference(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group_size: Optional[int],
-              x: torch.Tensor, dynamic_int8: bool = False) -> torch.Tensor:
+              x: torch.Tensor, dynamic_int8: bool = False, q8_0: bool = False) -> torch.Tensor:
     """Plain torch: the dequantized weight (q - zero_point) * scale, then x @ W.T in float32 (W8A8:
-    the int8 x int8 products summed exactly in int64, then both scales)."""
+    the int8 x int8 products summed exactly in int64, then both scales; ``q8_0``: see q8_0_reference)."""
     n, k = q.shape
+    if q8_0:
+        return q8_0_reference(q, scale, x).to(x.dtype)
     if dynamic_int8:
         xq, x_scale = quantize_per_token(x)
         acc = xq.to(torch.int64) @ q.to(torch.int64).t()
@@ -299,3 +333,14 @@ def reference(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
     zp = 0 if zero_point is None else zero_point.float().reshape(n, k // g, 1)
     w = ((q.float().reshape(n, k // g, g) - zp) * s).reshape(n, k)
     return (x.float() @ w.t()).to(x.dtype)
+
+
+def q8_0_reference(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """llama.cpp's Q8_0 x Q8_0 in float64 (the kernel's float32 sums differ from it by their rounding only): x
+    quantized per block (quantize_per_block), each block's int8 products summed exactly, times d_w * d_x."""
+    n, k = q.shape
+    xq, dx = quantize_per_block(x, block)
+    sums = torch.einsum("mbt,nbt->mnb", xq.view(-1, k // block, block).to(torch.int64),
+                        q.view(n, k // block, block).to(torch.int64))
+    return (sums.double() * scale.double().view(1, n, k // block) * dx.double().unsqueeze(1)).sum(-1)
+
