@@ -165,25 +165,31 @@ static void q8_quantize_row(const void *x, int x_kind, int64_t k, const q8_x *s,
     int32_t *corr = s->corr + i * s->kp / 4;
     float *d = s->d + i * s->kp / 4;
     for (int64_t b = 0; b < k; b += Q8_BLOCK) {
-        float v[Q8_BLOCK], amax = 0.0f;
 #if defined(__AVX512F__)
         const __m512 lo = x_load16(x, x_kind, b), hi = x_load16(x, x_kind, b + 16);
-        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        _mm512_storeu_ps(v, lo);
-        _mm512_storeu_ps(v + 16, hi);
+        const float scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) / 127.0f;
+        const __m512 vscale = _mm512_set1_ps(scale), low = _mm512_set1_ps(-128.0f), high = _mm512_set1_ps(127.0f);
+        const __m512 halves[2] = {lo, hi};
+        for (int h = 0; h < 2; h++) {  /* the exact quotient (vdivps), rounded half to even, clamped; 0 / 0: 0 */
+            __m512 r = _mm512_roundscale_ps(_mm512_div_ps(halves[h], vscale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm512_min_ps(_mm512_max_ps(r, low), high);
+            if (scale == 0.0f) r = _mm512_setzero_ps();
+            _mm512_mask_cvtepi32_storeu_epi8(xq + b + 16 * h, 0xffff, _mm512_cvtps_epi32(r));
+        }
 #else
+        float v[Q8_BLOCK], amax = 0.0f;
         for (int t = 0; t < Q8_BLOCK; t++) {
             v[t] = x_at(x, x_kind, b + t);
             const float a = __builtin_fabsf(v[t]);
             amax = a > amax ? a : amax;
         }
-#endif
         const float scale = amax / 127.0f;
         for (int t = 0; t < Q8_BLOCK; t++) {  /* the exact quotient, rounded half to even (rint), clamped */
             float r = scale == 0.0f ? 0.0f : __builtin_rintf(v[t] / scale);
             r = r < -128.0f ? -128.0f : r > 127.0f ? 127.0f : r;
             xq[b + t] = (int8_t)r;
         }
+#endif
         for (int lane = 0; lane < Q8_BLOCK / 4; lane++) {
             const int8_t *four = xq + b + 4 * lane;
             corr[b / 4 + lane] = -128 * (four[0] + four[1] + four[2] + four[3]);
