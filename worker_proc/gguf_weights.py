@@ -169,4 +169,6 @@ class _QuantizedReader:
         else:  # Q4_0: a block's first 16 values in the low nibbles, the next 16 in the high ones
             q = (np.concatenate([payload & 0x0F, payload >> 4], axis=-1).astype(np.int8) - 8)
         self.source._read[(kind, "native")].append(name)
-        return torch.from_numpy(q.reshape(rows, -1).copy()), torch.from_numpy(scale), None
+        # copied by torch, not numpy: torch's allocator puts 2 MiB and more on huge pages (runtime/torch_env.py),
+        # which a decode step streaming the whole matrix reads with far fewer TLB misses
+        return torch.from_numpy(q.reshape(rows, -1)).clone(), torch.from_numpy(scale).clone(), None
