@@ -6,7 +6,9 @@ op per row count, side by side: bf16 (oneDNN's packed weight, the float path), W
 (kernels/cpu_gemm_w8a8.c: per-token int8 activations quantized on entry, an int8 GEMM), and issue 54's
 two end-to-end loads (``--workloads``: prefill-heavy, decode-heavy) on bf16 against each scheme; ``w4a16_lm_head``:
 W4A16 with lm_head quantized too (the recipe without ``ignore: ["lm_head"]``; the tied shape untied as llm-compressor
-does, the embeddings float).
+does, the embeddings float). ``gguf_q8_0``: the shape's model written as a GGUF Q8_0 file (tools/gguf_model.py, lm_head
+tied in Q8_0), served as llama.cpp multiplies it (x quantized per block of 32, kernels/cpu_gemv_int8.c gemv_q8_0);
+``gguf_q8_0_widened``: the same file with its integers widened to float32 instead (the same weights, float activations).
 
 The quantized models are the shape's random model quantized by compressed-tensors
 (tools/quantized_model.py), or written as GPTQ / AWQ checkpoints (tools/gptq_awq_model.py: GPTQ 4-bit g128,
@@ -45,12 +47,15 @@ GPTQ_AWQ = {  # tools/gptq_awq_model.quantize_model_dir's arguments
     "awq_w4_g128": dict(method="awq"),
 }
 WITH_LM_HEAD = {"w4a16_lm_head": "w4a16", "w8a8_lm_head": "w8a8"}  # compressed-tensors' scheme, lm_head quantized too
-SCHEMES = ("w8a16", "w8a16_g128", "w4a16", "w8a8", *GPTQ_AWQ, *WITH_LM_HEAD)
+GGUF = {"gguf_q8_0": "Q8_0", "gguf_q8_0_widened": "Q8_0"}  # tools/gguf_model.write_gguf's tensor type
+SCHEMES = ("w8a16", "w8a16_g128", "w4a16", "w8a8", *GPTQ_AWQ, *WITH_LM_HEAD, *GGUF)
 
 
 def ensure_quantized(shape: str, scheme: str) -> Path:
     from pagedserve.tools import gptq_awq_model, quantized_model
 
+    if scheme in GGUF:
+        return _gguf_model_dir(shape, GGUF[scheme])
     path = shape_cache_dir() / f"{shape}-{scheme}"
     if not (path / "config.json").exists():
         print(f"quantizing {shape} by {scheme} into {path} (once)", flush=True)
@@ -65,10 +70,28 @@ def ensure_quantized(shape: str, scheme: str) -> Path:
     return path
 
 
+def _gguf_model_dir(shape: str, tensor_type: str) -> Path:
+    """The model directory serve makes of the shape's model written as a GGUF file of ``tensor_type`` (once)."""
+    from pagedserve.deploy.serve_config import ServeConfig
+    from pagedserve.tools.gguf_model import write_gguf
+
+    path = shape_cache_dir() / f"{shape}-{tensor_type.lower()}.gguf"
+    if not path.exists():
+        print(f"writing {shape} as GGUF {tensor_type} into {path} (once)", flush=True)
+        partial = path.with_name(path.name + ".partial")
+        write_gguf(ensure_shape_model(SHAPES[shape]), partial, tensor_type)
+        partial.rename(path)
+    return Path(ServeConfig(model=str(path), device="cpu").model)
+
+
 def time_model(model_dir: Path, dtype: str, prefill_tokens: int, decode_steps: int, repeats: int,
-               clock=time.perf_counter) -> dict:
-    """Median ms of a decode step (one stream) and prefill tokens/s of one prompt in one step, by ``clock``."""
+               clock=time.perf_counter, widen_q8_0: bool = False) -> dict:
+    """Median ms of a decode step (one stream) and prefill tokens/s of one prompt in one step, by ``clock``;
+    ``widen_q8_0``: a GGUF's Q8_0 layers multiply float activations (gemv_int8_blocks) instead of llama.cpp's."""
     runner = ModelRunner(str(model_dir), dtype=dtype)
+    for proj in _projections(runner) if widen_q8_0 else ():
+        if proj.quantized is not None:
+            proj.quantized.q8_0_activations = False
     block = 16
     cfg = SchedulerConfig(block_size=block, num_gpu_blocks=4096, max_num_seqs=8,
                           max_num_batched_tokens=max(prefill_tokens, 16), max_model_len=4096)
@@ -169,7 +192,8 @@ def ops_table(rows_list: list[int], dtype: torch.dtype, repeats: int) -> None:
     shapes = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down
     g = torch.Generator().manual_seed(0)
     layers: dict[str, list] = {"bf16 packed" if dtype == torch.bfloat16 else "float": [], "w8a16": [],
-                               "w8a16_g128": [], "w4a16": [], "w8a8": [], "w8a8_int_mm": []}
+                               "w8a16_g128": [], "w4a16": [], "w8a8": [], "w8a8_int_mm": [], "q8_0": [],
+                               "int8_g32": []}
     for n, k in shapes:
         w = torch.randn(n, k, generator=g) * 0.02
         layers[next(iter(layers))].append(torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
@@ -178,13 +202,17 @@ def ops_table(rows_list: list[int], dtype: torch.dtype, repeats: int) -> None:
         q4 = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
         layers["w8a16"].append(ql.make_int8(q8, torch.rand(n, 1), None, None, dtype))
         layers["w8a16_g128"].append(ql.make_int8(q8, torch.rand(n, k // 128), None, 128, dtype))
+        q8_0_scales = torch.rand(n, k // 32) * 0.01  # GGUF Q8_0: llama.cpp's x quantized per block, and widened
+        layers["q8_0"].append(ql.make_int8(q8, q8_0_scales, None, 32, dtype, q8_0=True))
+        layers["int8_g32"].append(ql.make_int8(q8, q8_0_scales, None, 32, dtype))
         layers["w4a16"].append(ql.make_int4(q4, torch.rand(n, k // 128), None, 128, dtype))
         w8a8_scale = torch.rand(n, 1)
         layers["w8a8"].append(ql.make_w8a8(q8, w8a8_scale))  # kernels/cpu_gemm_w8a8.c where it builds
         # the path without native kernels: quantize_per_token, then torch._int_mm on the weight transposed
         layers["w8a8_int_mm"].append(ql.QuantizedLinear("w8a8", n, k, q8.t().contiguous(), w8a8_scale.reshape(1, n)))
     columns = [(next(iter(layers)), None)] + [(f"{name} {path}", path) for name in ("w8a16", "w8a16_g128", "w4a16")
-                                              for path in ("op", "deq")] + [("w8a8", None), ("w8a8_int_mm", None)]
+                                              for path in ("op", "deq")] + [("w8a8", None), ("w8a8_int_mm", None),
+                                                                            ("q8_0", None), ("int8_g32", None)]
     print(f"one 0.5B layer's projections (qkv, o, gate_up, down), {dtype}, ms: fastest / median, "
           f"threads {torch.get_num_threads()}")
     print(f"{'rows':>6} " + " ".join(f"{name:>17}" for name, _ in columns))
@@ -235,6 +263,8 @@ def main() -> None:
         for scheme in ns.schemes:
             ensure_quantized(ns.shape, scheme)
         return
+    if ns.workloads is not None and "gguf_q8_0_widened" in ns.schemes:
+        p.error("--workloads runs each model as served: gguf_q8_0_widened is a decode-step comparison (--models-only)")
     if ns.workloads is not None:
         dirs = {"float": ensure_shape_model(SHAPES[ns.shape])} | {s: ensure_quantized(ns.shape, s) for s in ns.schemes}
         clock = time.thread_time if ns.clock == "cpu" else time.perf_counter
@@ -259,7 +289,8 @@ def main() -> None:
     print(f"{'model':<14} {'decode ms':>10} {'(min-max)':>16} {'prefill tok/s':>14} {'quantized MiB':>18} "
           f"{'step MiB':>9} {'GB/s':>6}")
     for name, model_dir in dirs.items():
-        r = time_model(model_dir, ns.dtype, ns.prefill_tokens, ns.decode_steps, ns.repeats, clock)
+        r = time_model(model_dir, ns.dtype, ns.prefill_tokens, ns.decode_steps, ns.repeats, clock,
+                       widen_q8_0=name == "gguf_q8_0_widened")
         lo, hi = r["decode_spread"]
         mib = f"{r['qbytes'] / 2**20:.0f}" if r["qbytes"] else "-"
         print(f"{name:<14} {r['decode']:>10.2f} {f'({lo:.1f}-{hi:.1f})':>16} {r['prefill']:>14.0f} {mib:>18} "

@@ -238,6 +238,28 @@ def test_in_float32_a_q4_0_output_runs_on_the_int4_gemv_and_a_q8_0_one_keeps_its
             assert torch.equal(head.weight, hf_model(str(path)).state_dict()["lm_head.weight"])
 
 
+@pytest.mark.skipif(not ql.int8_blocks_kernel(), reason="native CPU kernels are not built here")
+def test_in_bfloat16_q8_0_layers_multiply_as_llamacpp_does_and_a_decode_step_stays_near_the_float_model(tmp_path):
+    """A decode row of a Q8_0 projection is quantized per block of 32 too (llama.cpp's Q8_0 x Q8_0, the worker's
+    log names it), its products the reference's (q8_0_reference) within float32 sums; a Q8_0 matrix from another
+    source (compressed-tensors' W8A16 g32) keeps float activations. The model's logits stay within bfloat16's
+    distance of the float32 model's on the same file."""
+    path = build_gguf_model(tmp_path / "m.gguf", "Q8_0", "qwen2", tie_word_embeddings=True, **SHAPE)
+    model = ModelRunner(_served_dir(path), dtype="bfloat16").model
+    layers = [p.quantized for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    assert all(q.kind == "int8_blocks" and q.q8_0_activations for q in [*layers, model.lm_head.quantized])
+    assert ql.describe_ops(model.layers).startswith(f"{ql.Q8_0_OP}: native Q8_0 x Q8_0 GEMV")
+    x = torch.randn(3, layers[0].in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = ql.q8_0_reference(layers[0].weight, layers[0].scales, x)
+    assert ((layers[0].forward(x).double() - want).abs() <= 2e-2 * want.abs().max()).all()  # bfloat16's rounding
+    float_model = ModelRunner(_served_dir(path), dtype="float32").model
+    hidden = torch.randn(2, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(2))
+    got, full = model.compute_logits(hidden.bfloat16()).float(), float_model.compute_logits(hidden)
+    assert (got - full).abs().max() <= 3e-2 * full.abs().max()
+    plain = ql.make_int8(layers[0].weight, layers[0].scales, None, 32, torch.bfloat16)  # not a GGUF's: W8A16
+    assert plain.kind == "int8_blocks" and not plain.q8_0_activations
+
+
 def test_in_bfloat16_a_q8_0_lm_head_is_an_integer_layer_giving_the_float_heads_logits(tmp_path):
     """The tied Q8_0 embeddings serve as lm_head without a float copy of the head; its logits are the
     dequantized head's within bfloat16's rounding."""
