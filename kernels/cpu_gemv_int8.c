@@ -106,7 +106,8 @@ int gemv_int8_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, const in
 
 /* ---------------------------------------------------------------- Q8_0 x Q8_0: llama.cpp's arithmetic
  *
- * The same weights (blocks of 32, a float32 scale each) times activations quantized per block of 32 too, as
+ * The same weights (blocks of 32, a float16 scale each: the file's own, 2 bytes a block less to stream than
+ * float32's) times activations quantized per block of 32 too, as
  * llama.cpp's CPU backend multiplies a Q8_0 matrix: each block of a row of x gets d = max|x| / 127 and
  * xq = round-half-even(x / d) clamped to [-128, 127] (a zero block: xq = 0, d = 0), the 32 int8 products summed
  * exactly in int32, then out = sum over blocks of isum * (d_w * d_x) in float32. Decode is bound by reading the
@@ -202,7 +203,7 @@ static void q8_quantize_row(const void *x, int x_kind, int64_t k, const q8_x *s,
 
 /* sums[r * M + i] = x[i] . W[r] for R rows of the weight (q at row stride ldq, scales at row stride lds). */
 static inline __attribute__((always_inline)) void block_q8(const q8_x *restrict s, const int8_t *restrict q,
-                                                           const int64_t ldq, const float *restrict w_scale,
+                                                           const int64_t ldq, const uint16_t *restrict w_scale,
                                                            const int64_t lds, const int64_t k, const int M,
                                                            const int R, float *restrict sums) {
 #if defined(Q8_VNNI)
@@ -229,13 +230,11 @@ static inline __attribute__((always_inline)) void block_q8(const q8_x *restrict 
         for (int r = 0; r < R; r++) {
             const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, q + r * ldq + c), flip);
             __builtin_prefetch(ahead + r * ldq + c, 0, 3);
-            const float *ws = w_scale + r * lds + c / Q8_BLOCK;
-            __m512 ew = _mm512_set1_ps(ws[0]);  /* one block left: its scale in both halves */
-            if (whole) {  /* the two blocks' scales, as one 8-byte broadcast, each to its half */
-                double two;
-                memcpy(&two, ws, 8);
-                ew = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(two)));
-            }
+            const uint16_t *ws = w_scale + r * lds + c / Q8_BLOCK;
+            int32_t two = ws[0];  /* one block left: its scale, and 0 for the empty half (whose sums are 0) */
+            if (whole) memcpy(&two, ws, 4);  /* the two blocks' float16 scales, widened, each to its half */
+            const __m512 ew = _mm512_permutexvar_ps(
+                halves, _mm512_castps256_ps512(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two)))));
 #pragma GCC unroll 8
             for (int i = 0; i < M; i++) {
                 const __m512i isum = _mm512_dpbusd_epi32(corr[i], wv, xv[i]);
@@ -255,7 +254,7 @@ static inline __attribute__((always_inline)) void block_q8(const q8_x *restrict 
             for (int64_t b = 0; b < k; b += Q8_BLOCK) {
                 int32_t isum = 0;
                 for (int t = 0; t < Q8_BLOCK; t++) isum += (int32_t)w[b + t] * xq[b + t];
-                total += (float)isum * (w_scale[r * lds + b / Q8_BLOCK] * s->d[i * s->kp / 4 + b / 4]);
+                total += (float)isum * (f16_to_f32(w_scale[r * lds + b / Q8_BLOCK]) * s->d[i * s->kp / 4 + b / 4]);
             }
             sums[r * M + i] = total;
         }
@@ -265,7 +264,7 @@ static inline __attribute__((always_inline)) void block_q8(const q8_x *restrict 
 #define Q8_ROWS(M, j, rows, sums) block_q8(&s, q + (j) * k, k, w_scale + (j) * lds, lds, k, M, rows, sums)
 
 #define DEFINE_Q8_M(M)                                                                                           \
-    static void gemv_q8_##M(q8_x s, int64_t k, const int8_t *q, const float *w_scale, int64_t n, void *out,       \
+    static void gemv_q8_##M(q8_x s, int64_t k, const int8_t *q, const uint16_t *w_scale, int64_t n, void *out,    \
                             int64_t ldo, int out_kind) {                                                          \
         const int R = INT8_ROWS_PER_BLOCK(M);                                                                     \
         const int64_t lds = k / Q8_BLOCK;                                                                         \
@@ -275,12 +274,12 @@ DEFINE_Q8_M(1) DEFINE_Q8_M(2) DEFINE_Q8_M(3) DEFINE_Q8_M(4)
 DEFINE_Q8_M(5) DEFINE_Q8_M(6) DEFINE_Q8_M(7) DEFINE_Q8_M(8)
 
 /* x [m, k] (x_kind 0 float32, 1 bfloat16, 2 float16; row stride ldx) @ (q [n, k] int8 * scales [n, k / 32]
- * float32).T with x quantized per block of 32 as above; out [m, n] (row stride ldo) as gemv_int8_blocks'.
+ * float16).T with x quantized per block of 32 as above; out [m, n] (row stride ldo) as gemv_int8_blocks'.
  * Rows go 8 at a time, each pass streaming the weight. Returns -1 (nothing written) unless m >= 1 and k is a
  * multiple of 32, or when the scratch cannot be had. */
-int gemv_q8_0(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, const int8_t *q, const float *scales,
+int gemv_q8_0(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, const int8_t *q, const uint16_t *scales,
               int64_t n, void *out, int64_t ldo, int out_kind) {
-    static void (*const by_rows[INT8_GEMV_MAX_ROWS + 1])(q8_x, int64_t, const int8_t *, const float *, int64_t,
+    static void (*const by_rows[INT8_GEMV_MAX_ROWS + 1])(q8_x, int64_t, const int8_t *, const uint16_t *, int64_t,
                                                          void *, int64_t, int) = {
         NULL, gemv_q8_1, gemv_q8_2, gemv_q8_3, gemv_q8_4, gemv_q8_5, gemv_q8_6, gemv_q8_7, gemv_q8_8};
     if (m < 1 || k < Q8_BLOCK || k % Q8_BLOCK || x_kind < 0 || x_kind > 2) return -1;

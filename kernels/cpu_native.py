@@ -497,12 +497,12 @@ def gemv_q8_0(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out_dtype:
               lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """llama.cpp's Q8_0 x Q8_0: x [M, K] (M >= 1; float32, bfloat16 or float16; rows may be strided), each block
     of 32 inputs of a row quantized to int8 (d = max|x| / 127, round half to even of x / d), times (q [N, K] int8,
-    scales [N, K / 32] float32).T, each block's int8 products summed exactly in int32 and scaled by both blocks'
+    scales [N, K / 32] float16, Q8_0's own).T, each block's int8 products summed exactly in int32 and scaled by both blocks'
     d in float32: [M, N] in ``out_dtype`` (default x's) (kernels/cpu_gemv_int8.c)."""
     rows, k = x.shape
     n = q.shape[0]
     if (x.dtype not in DTYPE_SUFFIXES or q.dtype != torch.int8 or q.shape != (n, k) or k % Q8_0_BLOCK
-            or scales.dtype != torch.float32 or scales.shape != (n, k // Q8_0_BLOCK) or rows < 1):
+            or scales.dtype != torch.float16 or scales.shape != (n, k // Q8_0_BLOCK) or rows < 1):
         raise ValueError("gemv_q8_0: x, the weight and its scales do not match")
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -90,8 +90,8 @@ def time_model(model_dir: Path, dtype: str, prefill_tokens: int, decode_steps: i
     ``widen_q8_0``: a GGUF's Q8_0 layers multiply float activations (gemv_int8_blocks) instead of llama.cpp's."""
     runner = ModelRunner(str(model_dir), dtype=dtype)
     for proj in _projections(runner) if widen_q8_0 else ():
-        if proj.quantized is not None:
-            proj.quantized.q8_0_activations = False
+        if proj.quantized is not None and proj.quantized.q8_0_activations:
+            proj.quantized.q8_0_activations, proj.quantized.scales = False, proj.quantized.scales.float()
     block = 16
     cfg = SchedulerConfig(block_size=block, num_gpu_blocks=4096, max_num_seqs=8,
                           max_num_batched_tokens=max(prefill_tokens, 16), max_model_len=4096)
@@ -202,7 +202,7 @@ def ops_table(rows_list: list[int], dtype: torch.dtype, repeats: int) -> None:
         q4 = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
         layers["w8a16"].append(ql.make_int8(q8, torch.rand(n, 1), None, None, dtype))
         layers["w8a16_g128"].append(ql.make_int8(q8, torch.rand(n, k // 128), None, 128, dtype))
-        q8_0_scales = torch.rand(n, k // 32) * 0.01  # GGUF Q8_0: llama.cpp's x quantized per block, and widened
+        q8_0_scales = (torch.rand(n, k // 32) * 0.01).half().float()  # GGUF Q8_0's: float16 values
         layers["q8_0"].append(ql.make_int8(q8, q8_0_scales, None, 32, dtype, q8_0=True))
         layers["int8_g32"].append(ql.make_int8(q8, q8_0_scales, None, 32, dtype))
         layers["w4a16"].append(ql.make_int4(q4, torch.rand(n, k // 128), None, 128, dtype))

@@ -77,6 +77,12 @@ def test_mismatched_inputs_are_an_error_not_a_wild_read():
 Q8_0_SHAPES = [(896, 2 * 896 + 256), (4864, 37), (96, 1), (32, 9), (160, 61)]
 
 
+def _q8_0_blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and float16 scales (a GGUF Q8_0 file's)."""
+    q, scales = _blocks(n, k, 32, seed)
+    return q, scales.half()
+
+
 def _q8_0_bound(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float32 sums' bound: k roundings of at most 2^-23 of the sum of the terms' magnitudes."""
     n, k = q.shape
@@ -89,7 +95,7 @@ def _q8_0_bound(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
 @pytest.mark.parametrize("k,n", Q8_0_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_q8_0_is_llamacpps_arithmetic_within_float32_sums_on_every_variant(variant, rows, k, n, dtype):
-    q, scales = _blocks(n, k, 32, seed=rows + k)
+    q, scales = _q8_0_blocks(n, k, seed=rows + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     x[0, :32] = 0  # a zero block: d = 0, its products 0
     want = ql.q8_0_reference(q, scales, x)
@@ -108,27 +114,28 @@ def test_q8_0_sums_of_integers_are_exact_on_every_variant(variant, k):
     q = torch.randint(-128, 128, (45, k), generator=gen, dtype=torch.int8)
     x = torch.randint(-127, 128, (3, k), generator=gen).float()
     x.view(3, k // 32, 32)[..., 5] = 127.0
-    got = cpu_native.gemv_q8_0(x.bfloat16(), q, torch.ones(45, k // 32), out_dtype=torch.float32)
+    got = cpu_native.gemv_q8_0(x.bfloat16(), q, torch.ones(45, k // 32, dtype=torch.float16), out_dtype=torch.float32)
     assert torch.equal(got, (x.to(torch.int64) @ q.to(torch.int64).t()).float())
 
 
 def test_q8_0_variant_is_named_and_its_bits_do_not_depend_on_the_thread_count():
     assert cpu_native.q8_0_variant() == ("avx512vnni" if {"avx512_vnni", "avx512bw"} <= set(cpu_native._cpu_flags().split())
                                          else "portable")
-    q, scales = _blocks(1000, 896, 32, seed=1)
+    q, scales = _q8_0_blocks(1000, 896, seed=1)
     x = torch.randn(3, 896, generator=torch.Generator().manual_seed(2)).bfloat16()
     outs = results_at_thread_counts(lambda: cpu_native.gemv_q8_0(x, q, scales))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_q8_0_refuses_mismatched_inputs():
-    q, scales = _blocks(32, 64, 32, seed=3)
+    q, scales = _q8_0_blocks(32, 64, seed=3)
     x = torch.randn(4, 64).bfloat16()
     for args in ((torch.randn(4, 63).bfloat16(), q, scales),  # K differs
                  (torch.randn(0, 64).bfloat16(), q, scales),  # no rows
                  (x.to(torch.int32), q, scales),  # x not float
                  (x, q.float(), scales),  # not int8
-                 (x, q, scales[:, :1])):  # one scale a row where the blocks need two
+                 (x, q, scales[:, :1]),  # one scale a row where the blocks need two
+                 (x, q, scales.float())):  # Q8_0's scales are float16
         with pytest.raises(ValueError):
             cpu_native.gemv_q8_0(*args)
 
