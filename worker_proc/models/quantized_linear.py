@@ -22,9 +22,10 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
   per block of 32 too (d = max|x| / 127, round half to even), each block's int8 products summed exactly in
   int32 and scaled by both blocks' d (kernels/cpu_gemv_int8.c gemv_q8_0, VNNI's vpdpbusd where the CPU has it),
   its scales held in float16 as the file stores them (exact; 6% fewer bytes a step than float32's);
-  a decode step reads its weights ~1.2-1.3x faster than widening them to float32 (bench/log/2026-12-07.md). The
-  file's format is defined by that arithmetic (llama.cpp's quantized dot product); its error is x's rounding to
-  int8 per block, <= d / 2 an input. float32 and from 48 rows: the dequantized weight, transformers' products.
+  a layer's products at one row run ~1.2x faster than widening the integers to float32, a one-stream step of the
+  0.5B 1.07-1.11x (one thread; bench/log/2026-12-07.md, third session). llama.cpp, the format's reference
+  implementation, multiplies it so; the difference from transformers' float products is x's rounding to int8 per
+  block, at most d / 2 an input. float32 and from 48 rows: the dequantized weight, transformers' products.
 - ``int8_grouped`` (W8A16 in groups, elsewhere): the same op once per group of inputs, summed (torch has no
   grouped int8 op).
 - ``w8a8`` (int8 weights per channel, int8 activations per token, both symmetric): each row of x
