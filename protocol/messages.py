@@ -216,6 +216,9 @@ class WorkerHello(Msg):
     # each layer's attention window (0: the layer reads every position before it); []: not said.
     # Where all layers have one, the scheduler frees blocks behind it (scheduler_proc/sliding_window.py).
     layer_windows: list[int] = []
+    # its cache is laid out in KV groups (protocol/kv_groups.py of layer_windows): steps carry a block
+    # table per group (GroupedSchedulerOutput)
+    hybrid_kv: bool = False
     # how it computes, for a trace's replay to compute the same way ("" / False: not said)
     dtype: str = ""
     enforce_eager: bool = False
@@ -328,6 +331,16 @@ class SchedulerOutput(Msg):
     draft_tokens: dict[str, int] = {}
 
 
+class GroupedSchedulerOutput(SchedulerOutput):
+    """A step of a hybrid model (protocol/kv_groups.py, the hello's ``hybrid_kv``): a block table
+    per KV group. ``block_ids`` / ``new_block_ids`` / ``new_blocks`` are the global group's; this
+    adds, by request id, each local group's blocks appended to its table (a new request: its
+    whole tables), which always stay as long as the global one. A request absent gained none.
+    Its own message, so that a model with one group sends the very bytes it always has."""
+
+    window_block_ids: dict[str, list[list[int]]] = {}
+
+
 class LoRASlot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     slot: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
     adapter: LoRAAdapter
@@ -403,6 +416,6 @@ class Heartbeat(Msg):
 
 FrontendToScheduler = Union[AddRequest, AbortRequest, Drain, FrontendStarted, LoadLoRA, UnloadLoRA]
 SchedulerToFrontend = Union[RequestOutputs, SchedulerStats, PrefixCacheEvents, ProcessTable]
-SchedulerToWorker = Union[WorkerInit, SchedulerOutput, LoRAStep]
+SchedulerToWorker = Union[WorkerInit, SchedulerOutput, GroupedSchedulerOutput, LoRAStep]
 WorkerToScheduler = Union[WorkerHello, WorkerReady, StepResult]
 ToSupervisor = Union[ProcessReady, RestartWorkers, Heartbeat]

@@ -83,8 +83,9 @@ class LaneSequence(Sequence):
 def lane_kind(seq: "Sequence") -> bool:
     """Whether ``seq`` is of the kind the lane holds: no fork to come, no shared tail to copy,
     no logprobs, no grammar (its mask needs its previous token: never overlapped, grammar.py),
-    no speculation going on."""
+    no speculation going on, no local tables (a hybrid model's: the lane grants one table's blocks)."""
     return (not seq.is_parent and not seq.shared_tail and not seq.want_logprobs and seq.grammar is None
+            and not seq.window_tables
             and (seq.spec is None or seq.spec.off))  # a speculating one proposes per object (speculation.py)
 
 
