@@ -216,12 +216,25 @@ class WorkerHello(Msg):
     # each layer's attention window (0: the layer reads every position before it); []: not said.
     # Where all layers have one, the scheduler frees blocks behind it (scheduler_proc/sliding_window.py).
     layer_windows: list[int] = []
-    # its cache is laid out in KV groups (protocol/kv_groups.py of layer_windows): steps carry a block
-    # table per group (GroupedSchedulerOutput)
-    hybrid_kv: bool = False
     # how it computes, for a trace's replay to compute the same way ("" / False: not said)
     dtype: str = ""
     enforce_eager: bool = False
+
+
+    @property
+    def hybrid_kv(self) -> bool:
+        """Whether its cache is laid out in KV groups (``GroupedWorkerHello``)."""
+        return False
+
+
+class GroupedWorkerHello(WorkerHello):
+    """The hello of a worker whose cache is laid out in KV groups (protocol/kv_groups.py of its
+    ``layer_windows``): its steps must carry a block table per group (``GroupedSchedulerOutput``).
+    Its own message, so that every other worker says hello in the very bytes it always has."""
+
+    @property
+    def hybrid_kv(self) -> bool:
+        return True
 
 
 class WorkerInit(Msg):
@@ -417,5 +430,5 @@ class Heartbeat(Msg):
 FrontendToScheduler = Union[AddRequest, AbortRequest, Drain, FrontendStarted, LoadLoRA, UnloadLoRA]
 SchedulerToFrontend = Union[RequestOutputs, SchedulerStats, PrefixCacheEvents, ProcessTable]
 SchedulerToWorker = Union[WorkerInit, SchedulerOutput, GroupedSchedulerOutput, LoRAStep]
-WorkerToScheduler = Union[WorkerHello, WorkerReady, StepResult]
+WorkerToScheduler = Union[WorkerHello, GroupedWorkerHello, WorkerReady, StepResult]
 ToSupervisor = Union[ProcessReady, RestartWorkers, Heartbeat]
