@@ -179,10 +179,8 @@ def seats_needed(seq: Sequence) -> int:
 def tokens_to_resume(seq: Sequence, bm: BlockManager, budget: int, chunked_prefill: bool) -> int:
     """Tokens a swapped ``seq`` computes if it comes back this step; 0: it does not fit."""
     num_tokens = chunk_size(seq.target_len - seq.num_kv_tokens, budget, chunked_prefill)
-    if num_tokens > 0 and bm.window and chunked_prefill:  # a window bounds the blocks: a chunk that fits
-        room = (bm.blocks_for(seq.num_kv_tokens) * bm.block_size - seq.num_kv_tokens
-                + (bm.device.num_free - len(seq.host_block_ids)) * bm.block_size)
-        num_tokens = min(num_tokens, room)
+    if num_tokens > 0 and bm.frees_behind_window and chunked_prefill:  # a window bounds (local) tables:
+        num_tokens = min(num_tokens, bm.swap_in_room(seq))  # a chunk that fits
     return num_tokens if num_tokens > 0 and bm.can_swap_in(seq, num_tokens) else 0
 
 

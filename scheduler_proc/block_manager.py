@@ -292,6 +292,13 @@ class BlockManager:
             needed += self.num_window_groups * (num_blocks - seq.num_window_freed)
         return needed <= self.device.num_free
 
+    def swap_in_room(self, seq: Sequence) -> int:
+        """The most tokens swapped ``seq`` could compute on coming back, with the free device blocks
+        as they are: each table takes its live blocks back and grows alike."""
+        most_blocks = ((self.device.num_free + seq.num_freed_blocks + self.num_window_groups * seq.num_window_freed)
+                       // self.num_tables)
+        return most_blocks * self.block_size - seq.num_kv_tokens
+
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Copy every host block of ``seq`` to a fresh device block; returns (host, device) pairs."""
         mapping: list[tuple[int, int]] = []
