@@ -26,7 +26,7 @@ from pagedserve.kernels import cpu_native
 from pagedserve.kernels.ops import select_ops
 from pagedserve.protocol.kv_groups import KVGroups, kv_groups
 from pagedserve.protocol.lora_adapter import SHARED_EXPERT_MODULES, projection_shapes
-from pagedserve.protocol.messages import LoRAStep, SchedulerOutput, StepResult, WorkerInit
+from pagedserve.protocol.messages import GroupedSchedulerOutput, LoRAStep, SchedulerOutput, StepResult, WorkerInit
 from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output, note_accepted, note_samples
 from pagedserve.worker_proc.cuda_graphs import DecodeGraphs
@@ -292,6 +292,8 @@ class ModelRunner:
                                      workspace=self._gather_workspace, prune_last_layer=self.prune_last_layer)
                 if self.lora is not None:
                     batch.lora = self.lora.batch(scheduled, host.num_scheduled)
+                    for view in batch.window_views or ():  # every KV group's layers run the step's adapters
+                        view.lora = batch.lora
                 # Before either path: a graph replays rotary's table lookups without Python
                 self.model.rotary.check_positions(*batch.position_range)
                 hidden = self._forward(batch, cache.device_cache)
@@ -358,6 +360,7 @@ class ModelRunner:
                 raise ahead.error
             return ahead.scheduled, ahead.host
         try:
+            self._check_grouped(out)
             scheduled = apply_output(self._requests, out)
         except StepContractError as exc:
             raise BatchError(str(exc)) from None
@@ -374,12 +377,20 @@ class ModelRunner:
                 or nxt.draft_tokens):
             return  # the worker's loop takes it (and rejects a step out of order) as it would have
         try:
+            self._check_grouped(nxt)
             scheduled = apply_output(self._requests, nxt, resolve_placeholders=False)
             self._seed_new(scheduled[:len(nxt.new_requests)])
             self._ahead = StepAhead(nxt, scheduled, gather_batch(scheduled, self._initialized_cache().block_size))
             self.steps_prepared_ahead += 1
         except StepContractError as exc:  # raised when that step runs, in its turn
             self._ahead = StepAhead(nxt, [], None, BatchError(str(exc)))
+
+    def _check_grouped(self, out: SchedulerOutput) -> None:
+        """A step carries a table per KV group exactly when this cache is laid out in groups."""
+        grouped = isinstance(out, GroupedSchedulerOutput)
+        if grouped != (self.kv_groups is not None):
+            raise StepContractError(f"step {out.step}: {'a table per KV group' if grouped else 'one block table'} "
+                                    f"for a cache {'not ' if grouped else ''}laid out in KV groups")
 
     def _next_message(self, peek: Callable[[], object]):
         if self.device.type != "cuda":  # the step's work is done already: nothing to wait for
