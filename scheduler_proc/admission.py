@@ -266,11 +266,14 @@ def plan_admission(seq: Sequence, bm: BlockManager, config: SchedulerConfig, bud
         if num_tokens <= 0:
             return None
         num_blocks = bm.blocks_for(computed + num_tokens)
-    if num_tokens > 0 and hybrid_live_blocks(config) is not None:  # a chunk every table has room for
+    if num_tokens > 0 and num_running == 0 and hybrid_live_blocks(config) is not None:
+        # alone, a chunk every table has room for: a prompt (or recompute) whose local tables would not
+        # fit at once still starts; beside others it waits for room, as a one-table model's does (a
+        # recompute squeezed into the last blocks would preempt the next newest at its next chunk)
         ref_counts = bm.device.ref_counts
         revived = sum(1 for block in hits if ref_counts[block] == 0)
         revived += sum(1 for group_hits in window_hits for block in group_hits if ref_counts[block] == 0)
-        spare = bm.device.num_free - revived - admission_reserve(num_running) * bm.num_tables
+        spare = bm.device.num_free - revived
         num_tokens = min(num_tokens, spare // bm.num_tables * block_size)
         if num_tokens <= 0:
             return None
