@@ -52,8 +52,9 @@ def window_to_free(layer_windows: Sequence[int], draft_model: bool,
                    f"group of {groups.group_size} layers keeps every block")
     if len(windowed) < len(layer_windows):
         return 0, (f"{len(windowed)} of {len(layer_windows)} layers attend within a sliding window, the others to "
-                   f"every position: every KV block is kept (bounding the windowed layers' cache needs a hybrid "
-                   f"allocator)")
+                   f"every position: every KV block is kept (the workers' cache is not in KV groups: "
+                   f"PAGEDSERVE_HYBRID_KV=0, a draft model, the transformers backend, or windows that "
+                   f"protocol/kv_groups.py does not group)")
     window = max(windowed)
     if draft_model:
         return 0, (f"every layer attends within {window} positions, but the draft model reads the same block "
