@@ -187,6 +187,16 @@ class BlockManager:
         self.pending_copies[dst] = src
         table[-1] = dst
 
+    def append_local_blocks(self, seq: Sequence) -> list[list[int]]:
+        """A fresh block at the end of each local table of ``seq`` (its global table just took
+        one); each table's new block, as the step sends them."""
+        grants = []
+        for table in seq.window_tables:
+            grant = self.take_blocks_to_write(1)
+            table += grant
+            grants.append(grant)
+        return grants
+
     def take_blocks_to_write(self, count: int) -> list[int]:
         """``count`` fresh device blocks, each listed for zeroing once (none for count <= 0)."""
         take, pending = self.device.take_fresh, self.pending_zero

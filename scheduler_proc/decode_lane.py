@@ -83,9 +83,8 @@ class LaneSequence(Sequence):
 def lane_kind(seq: "Sequence") -> bool:
     """Whether ``seq`` is of the kind the lane holds: no fork to come, no shared tail to copy,
     no logprobs, no grammar (its mask needs its previous token: never overlapped, grammar.py),
-    no speculation going on, no local tables (a hybrid model's: the lane grants one table's blocks)."""
+    no speculation going on."""
     return (not seq.is_parent and not seq.shared_tail and not seq.want_logprobs and seq.grammar is None
-            and not seq.window_tables
             and (seq.spec is None or seq.spec.off))  # a speculating one proposes per object (speculation.py)
 
 
@@ -336,6 +335,8 @@ class DecodeLane:
         first_update = self.clock - 1 - bs  # the update that sampled the block's first token
         fast = ((self.num_keyed[where] == (self.computed[where] - ahead) // bs - 1)
                 & (self.entered[where] <= first_update) & (bs < RING))
+        if self.seqs[positions[0]].window_tables:  # a hybrid model's local tables are named per object too
+            fast[:] = False
         for pos in where[~fast].tolist():
             seq = self.seqs[pos]
             prefix_cache.register_computed(pool, seq, bs)

@@ -340,7 +340,7 @@ class Scheduler:
             return False
         if any(seq.grammar is None and not lane_kind(seq) for seq in sampling):
             return False  # one that would not join the steady batch keeps its every-step decode by being waited for
-        free = bm.device.num_free - running.num_steady_needing_blocks()
+        free = bm.device.num_free - running.num_steady_needing_blocks() * bm.num_tables
         budget = self.config.max_num_batched_tokens
         for seq in running.per_object():  # rule 2: an upper bound on what the per-object loop can take
             if free < 0:
@@ -362,13 +362,19 @@ class Scheduler:
         if not self.in_flight:  # no victim while a step out may hold its token (can_schedule_ahead, rule 2)
             self._make_way_for_waiting(batch)
         release = self.bm.release_behind_window if self.bm.frees_behind_window else None
-        if needy := self.running.begin_step(self.bm.device.num_free, release):
-            self.running.grant_steady(needy, self.bm.take_blocks_to_write(len(needy)))
+        if needy := self.running.begin_step(self.bm.device.num_free, release, self.bm.num_tables):
+            grant_local = (lambda seq: self._grant_local(seq, batch)) if self.bm.num_window_groups else None
+            self.running.grant_steady(needy, self.bm.take_blocks_to_write(len(needy)), grant_local)
         batch.budget -= self.running.num_steady  # every steady decode runs: its token comes first
         self._schedule_running(batch)
         if not batch.preempted:
             self._start_swapped_and_waiting(batch)
         return self._finish_step(batch)
+
+    def _grant_local(self, seq: Sequence, batch: StepPlan) -> None:
+        """A steady decode of a hybrid model starting a block: a fresh block for each local table,
+        which the step's ``window_block_ids`` carries (the lane's batch carries the global one)."""
+        batch.window_blocks[seq.seq_id] = self.bm.append_local_blocks(seq)
 
     def _end_past_limits(self, now: float) -> None:
         """Past a limit (deadlines.py): without a first token an error, else the tokens so far ("length")."""
@@ -443,6 +449,7 @@ class Scheduler:
         if self.running.preempt(seq):  # a steady decode: its reserved token back, and a block granted unwritten
             batch.budget += 1
             self.bm.release_unused(seq)
+            batch.window_blocks.pop(seq.seq_id, None)  # its local grants too: the workers drop it this step
         batch.preempted = True
         seq.num_preemptions += 1
         if seq.worker_knows:

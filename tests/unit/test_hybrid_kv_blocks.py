@@ -217,3 +217,19 @@ def test_a_grouped_step_round_trips_and_a_one_group_step_is_the_plain_message():
     plain = Scheduler(config(num_window_groups=0, hybrid_window=0))
     plain.add_request(request("a", list(range(10, 30)), max_tokens=4))
     assert type(plain.schedule()) is SchedulerOutput
+
+
+def test_steady_decodes_of_a_hybrid_model_join_the_decode_lane_and_run_ahead():
+    """The lane grants a block per table at a block's start (the local ones in ``window_block_ids``)."""
+    sched = Scheduler(config())
+    for i in range(3):
+        assert sched.add_request(request(f"r{i}", [10 + i] * 5, max_tokens=40)) == []
+    driver = StepDriver(sched, SimWorker(sched.config, counting_tokens()), ahead=True)
+    most_steady, deltas = 0, []
+    while driver.busy():
+        out, _, step_deltas = driver.step()
+        deltas += step_deltas
+        most_steady = max(most_steady, sched.running.num_steady)
+    assert most_steady == 3 and driver.steps_ahead > 0
+    assert {k: len(v) for k, v in outputs(deltas).items()} == {"r0": 40, "r1": 40, "r2": 40}
+    assert_all_blocks_free(sched)
