@@ -25,7 +25,8 @@ a sequence holds one table per group, all of one length: ``block_ids`` for the g
 keeps every block, and ``window_tables`` for the local groups, whose blocks behind
 ``hybrid_window`` are freed to the null block (``num_window_freed`` of them). Every group draws on
 the one device pool, so each count of blocks here is summed over the tables (``num_tables``); a
-block id belongs to one group's table at a time. Swap, copy and zero stay per block id.
+block id belongs to one group's table at a time. Swap, copy and zero stay per block id. A steady
+decode starting a block takes one for each table (``append_local_blocks`` beside the lane's grant).
 """
 
 from __future__ import annotations
