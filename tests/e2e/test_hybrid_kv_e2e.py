@@ -82,3 +82,27 @@ def test_a_hybrid_model_frees_its_local_blocks_and_serves_transformers_tokens(pr
         assert_equal_to_transformers(model, prompts[3:], [urgent_result], URGENT_TOKENS)
     finally:
         srv.stop()
+
+
+def test_a_hybrid_models_trace_replays_exactly_both_ways(model_factory, tmp_path):
+    """The grouped hello and steps are recorded; the scheduler rebuilds every step byte for byte and
+    the workers recompute the same tokens."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.protocol import messages as m
+    from pagedserve.protocol.codec import Decoder
+    from pagedserve.protocol.trace import read_trace
+    from pagedserve.scheduler_proc.replay import replay_scheduler
+    from pagedserve.tools.replay import replay_workers
+
+    model = model_factory("gemma3", num_layers=4, norm_std=0.1, seed=20)
+    path = str(tmp_path / "hybrid.trace")
+    with LLM(model, record_trace=path, num_threads=1, max_model_len=128, block_size=4, num_gpu_blocks=40,
+             max_num_batched_tokens=8, max_num_seqs=4, enable_prefix_caching=True) as llm:
+        llm.generate(["Hello there, how are you", "Hello there, how is it going"] * 2,
+                     SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    trace = read_trace(path)
+    assert isinstance(Decoder(m.WorkerToScheduler).decode(trace.hello_frame), m.GroupedWorkerHello)
+    report = replay_scheduler(path)
+    assert report.ok and report.steps > 0, report.mismatch
+    steps, tokens = replay_workers(path, model, "cpu", num_threads=1)
+    assert steps == report.steps and tokens > 0
