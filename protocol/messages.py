@@ -221,6 +221,22 @@ class WorkerHello(Msg):
     enforce_eager: bool = False
 
 
+    @property
+    def hybrid_kv(self) -> bool:
+        """Whether its cache is laid out in KV groups (``GroupedWorkerHello``)."""
+        return False
+
+
+class GroupedWorkerHello(WorkerHello):
+    """The hello of a worker whose cache is laid out in KV groups (protocol/kv_groups.py of its
+    ``layer_windows``): its steps must carry a block table per group (``GroupedSchedulerOutput``).
+    Its own message, so that every other worker says hello in the very bytes it always has."""
+
+    @property
+    def hybrid_kv(self) -> bool:
+        return True
+
+
 class WorkerInit(Msg):
     """The scheduler's answer to every worker's hello: the cache to build."""
 
@@ -328,6 +344,16 @@ class SchedulerOutput(Msg):
     draft_tokens: dict[str, int] = {}
 
 
+class GroupedSchedulerOutput(SchedulerOutput):
+    """A step of a hybrid model (protocol/kv_groups.py, the hello's ``hybrid_kv``): a block table
+    per KV group. ``block_ids`` / ``new_block_ids`` / ``new_blocks`` are the global group's; this
+    adds, by request id, each local group's blocks appended to its table (a new request: its
+    whole tables), which always stay as long as the global one. A request absent gained none.
+    Its own message, so that a model with one group sends the very bytes it always has."""
+
+    window_block_ids: dict[str, list[list[int]]] = {}
+
+
 class LoRASlot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     slot: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
     adapter: LoRAAdapter
@@ -403,6 +429,6 @@ class Heartbeat(Msg):
 
 FrontendToScheduler = Union[AddRequest, AbortRequest, Drain, FrontendStarted, LoadLoRA, UnloadLoRA]
 SchedulerToFrontend = Union[RequestOutputs, SchedulerStats, PrefixCacheEvents, ProcessTable]
-SchedulerToWorker = Union[WorkerInit, SchedulerOutput, LoRAStep]
-WorkerToScheduler = Union[WorkerHello, WorkerReady, StepResult]
+SchedulerToWorker = Union[WorkerInit, SchedulerOutput, GroupedSchedulerOutput, LoRAStep]
+WorkerToScheduler = Union[WorkerHello, GroupedWorkerHello, WorkerReady, StepResult]
 ToSupervisor = Union[ProcessReady, RestartWorkers, Heartbeat]

@@ -10,13 +10,16 @@ Cache operations (swap, copy, zero) are the caller's: they touch memory only it 
 A decode token may be ``PLACEHOLDER_TOKEN``: the scheduler sent this step before the
 previous one's result reached it (overlapped scheduling), so the receiver substitutes the
 token it sampled for that request last (``last_sampled``, which the sampler's caller sets).
+
+A hybrid model's step (``GroupedSchedulerOutput``, protocol/kv_groups.py) also grows each request's
+local tables (``window_tables``), which stay as long as its global table ``block_ids``.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from pagedserve.protocol.messages import SamplingParams, SchedulerOutput
+from pagedserve.protocol.messages import GroupedSchedulerOutput, SamplingParams, SchedulerOutput
 
 PLACEHOLDER_TOKEN = -1  # never a real token id: the vocabulary starts at 0
 
@@ -30,7 +33,7 @@ class HeldRequest:
 
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens",
                  "num_scheduled_tokens", "samples", "sampling", "seed", "last_sampled", "pooling", "min_tokens_stops",
-                 "lora_slot")
+                 "lora_slot", "window_tables")
 
     def __init__(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, block_ids: list[int],
                  num_computed_tokens: int, num_scheduled_tokens: int, sampling: SamplingParams,
@@ -49,6 +52,7 @@ class HeldRequest:
         self.pooling = pooling  # an embedding request: "last" | "mean" (protocol/pooling.py); never samples
         self.min_tokens_stops = min_tokens_stops  # masked before sampling.min_tokens outputs (logits_processors.py)
         self.lora_slot = -1  # the worker's LoRA slot that computes it (LoRAStep.request_slots); -1: the base model
+        self.window_tables: list[list[int]] = []  # a hybrid model's local groups' block tables
 
     @property
     def num_output_tokens(self) -> int:
@@ -97,6 +101,8 @@ def apply_output(held: dict[str, HeldRequest], out: SchedulerOutput,
         state.samples = diff.samples
         append(state)
     _apply_decodes(held, out, scheduled, resolve_placeholders)
+    if isinstance(out, GroupedSchedulerOutput):
+        _apply_window_blocks(held, out, scheduled)
     for state in scheduled:
         end = state.num_computed_tokens + state.num_scheduled_tokens
         if end > len(state.token_ids) or (state.samples and (end != len(state.token_ids)
@@ -144,6 +150,28 @@ def _apply_decodes(held: dict[str, HeldRequest], out: SchedulerOutput, scheduled
         scheduled[first + index].block_ids.append(block)
 
 
+def _apply_window_blocks(held: dict[str, HeldRequest], out: GroupedSchedulerOutput,
+                        scheduled: list[HeldRequest]) -> None:
+    """Each request's local tables grow by the step's blocks, to the global table's length."""
+    step = out.step
+    for req_id, blocks in out.window_block_ids.items():
+        state = held.get(req_id)
+        if state is None:
+            raise StepContractError(f"step {step}: local blocks for {req_id!r}, which is not held here")
+        if not state.window_tables:
+            state.window_tables = [[] for _ in blocks]
+        if len(blocks) != len(state.window_tables):
+            raise StepContractError(f"step {step}: {req_id!r}: blocks for {len(blocks)} local tables, "
+                                    f"{len(state.window_tables)} held")
+        for table, new in zip(state.window_tables, blocks):
+            table += new
+    for state in scheduled:
+        if not state.window_tables or any(len(t) != len(state.block_ids) for t in state.window_tables):
+            raise StepContractError(f"step {step}: {state.req_id!r}: local tables of "
+                                    f"{[len(t) for t in state.window_tables]} blocks, its global one "
+                                    f"{len(state.block_ids)}")
+
+
 def placeholder_token(state: HeldRequest, step: int) -> int:
     """The token a placeholder of ``state`` in step ``step`` stands for: its newest sample."""
     if state.last_sampled is None:
@@ -168,4 +196,6 @@ def note_accepted(held: dict[str, HeldRequest], num_accepted: dict[str, int], bl
         if state is not None:
             state.num_scheduled_tokens += count
             if block_size is not None:
-                del state.block_ids[-(-(state.num_computed_tokens + state.num_scheduled_tokens) // block_size):]
+                keep = -(-(state.num_computed_tokens + state.num_scheduled_tokens) // block_size)
+                for table in (state.block_ids, *state.window_tables):
+                    del table[keep:]

@@ -28,7 +28,16 @@ from pagedserve.scheduler_proc.sliding_window import blocks_behind, max_live_blo
 
 def usable_blocks(config: SchedulerConfig) -> int:
     """Device blocks sequences may hold: all but the null block a window reserves (block_manager.py)."""
-    return config.num_gpu_blocks - (config.sliding_window > 0)
+    return config.num_gpu_blocks - (config.sliding_window > 0 or config.num_window_groups > 0)
+
+
+def hybrid_live_blocks(config: SchedulerConfig) -> Optional[int]:
+    """A hybrid model's bound on each local table's blocks (``max_live_blocks`` of its window), where
+    a sequence's local tables stay within it: chunked prefill, whose chunks shrink to what is free;
+    None where they may hold a whole prompt (or recompute) at once, or the model is not hybrid."""
+    if not config.num_window_groups or not config.enable_chunked_prefill:
+        return None
+    return max_live_blocks(config.hybrid_window, config.block_size)
 
 
 def window_bounds_blocks(config: SchedulerConfig) -> bool:
@@ -48,7 +57,13 @@ def length_limit(config: SchedulerConfig) -> int:
     """
     if window_bounds_blocks(config):
         return config.max_model_len
-    return min(config.max_model_len, usable_blocks(config) * config.block_size + 1)
+    usable, groups = usable_blocks(config), config.num_window_groups
+    live = hybrid_live_blocks(config)
+    if live is not None and usable - groups * live >= live:  # the local tables at their bound
+        usable -= groups * live
+    elif groups:  # each local table as long as the global one
+        usable //= 1 + groups
+    return min(config.max_model_len, usable * config.block_size + 1)
 
 
 def peak_blocks(config: SchedulerConfig, num_tokens: int) -> int:
@@ -56,6 +71,9 @@ def peak_blocks(config: SchedulerConfig, num_tokens: int) -> int:
     blocks = -(-num_tokens // config.block_size)
     if window_bounds_blocks(config):
         return min(blocks, max_live_blocks(config.sliding_window, config.block_size))
+    if config.num_window_groups:  # the global table, and each local one
+        live = hybrid_live_blocks(config)
+        return blocks + config.num_window_groups * (blocks if live is None else min(blocks, live))
     return blocks
 
 
@@ -86,7 +104,7 @@ def rejection_reason(msg: AddRequest, config: SchedulerConfig) -> Optional[str]:
                 f"{block_size} tokens, but the cache has only {usable} blocks")
     if sampling.n > 1:
         # The shared prompt[:-1] plus one block per sample for the first token each writes.
-        needed = peak_blocks(config, num_prompt - 1) + sampling.n
+        needed = peak_blocks(config, num_prompt - 1) + sampling.n * (1 + config.num_window_groups)
         if needed > usable:
             return (f"n={sampling.n} samples of a {num_prompt}-token prompt need {needed} KV blocks of "
                     f"{block_size} tokens at once, but the cache has only {usable} blocks")
@@ -161,10 +179,8 @@ def seats_needed(seq: Sequence) -> int:
 def tokens_to_resume(seq: Sequence, bm: BlockManager, budget: int, chunked_prefill: bool) -> int:
     """Tokens a swapped ``seq`` computes if it comes back this step; 0: it does not fit."""
     num_tokens = chunk_size(seq.target_len - seq.num_kv_tokens, budget, chunked_prefill)
-    if num_tokens > 0 and bm.window and chunked_prefill:  # a window bounds the blocks: a chunk that fits
-        room = (bm.blocks_for(seq.num_kv_tokens) * bm.block_size - seq.num_kv_tokens
-                + (bm.device.num_free - len(seq.host_block_ids)) * bm.block_size)
-        num_tokens = min(num_tokens, room)
+    if num_tokens > 0 and bm.frees_behind_window and chunked_prefill:  # a window bounds (local) tables:
+        num_tokens = min(num_tokens, bm.swap_in_room(seq))  # a chunk that fits
     return num_tokens if num_tokens > 0 and bm.can_swap_in(seq, num_tokens) else 0
 
 
@@ -184,10 +200,11 @@ class Admission:
     """How a waiting sequence starts: its prefix-cache hits and the blocks and tokens of its first step."""
 
     __slots__ = ("seq", "hits", "keys", "looked_up", "num_computed", "num_blocks", "num_tokens", "forks_now",
-                 "num_behind")
+                 "num_behind", "window_hits", "window_behind")
 
     def __init__(self, seq: Sequence, hits: list[int], keys: list, looked_up: bool, num_computed: int,
-                 num_blocks: int, num_tokens: int, forks_now: bool, num_behind: int = 0):
+                 num_blocks: int, num_tokens: int, forks_now: bool, num_behind: int = 0,
+                 window_hits: tuple[list[int], ...] = (), window_behind: int = 0):
         self.seq = seq
         self.hits = hits
         self.keys = keys
@@ -197,6 +214,8 @@ class Admission:
         self.num_tokens = num_tokens  # to compute this step (0 when the parent forks at once)
         self.forks_now = forks_now  # a parent whose prompt[:-1] is all cached: its children sample now
         self.num_behind = num_behind  # leading hits behind the window: counted, never taken
+        self.window_hits = window_hits  # a hybrid model's local groups' hits (prefix_cache.window_hits)
+        self.window_behind = window_behind  # their leading entries behind the local window
 
 
 def window_growth(config: SchedulerConfig, running) -> int:
@@ -223,6 +242,13 @@ def plan_admission(seq: Sequence, bm: BlockManager, config: SchedulerConfig, bud
     lookup = (config.enable_prefix_caching and request.sampling.prompt_logprobs is None
               and request.pooling != "mean")
     hits, keys = prefix_cache.lookup(bm.device, seq, block_size) if lookup else ([], [])
+    window_hits: tuple[list[int], ...] = ()
+    window_behind = 0
+    groups = bm.num_window_groups
+    if hits and groups:
+        num_hits, window_hits, window_behind = prefix_cache.window_hits(bm.device, hits, keys, groups,
+                                                                        bm.hybrid_window, block_size)
+        hits, keys = hits[:num_hits], keys[:num_hits]
     computed = len(hits) * block_size
     remaining = seq.target_len - computed
     num_tokens = chunk_size(remaining, budget, config.enable_chunked_prefill)
@@ -230,13 +256,25 @@ def plan_admission(seq: Sequence, bm: BlockManager, config: SchedulerConfig, bud
         return None
     forks_now = seq.is_parent and remaining == 0
     num_blocks = bm.blocks_for(computed + num_tokens)
-    children_blocks = request.sampling.n if forks_now else 0  # each child's first token needs a block
+    children_blocks = request.sampling.n * bm.num_tables if forks_now else 0  # each child's first token's block(s)
     behind = min(blocks_behind(computed, bm.window, block_size), len(hits)) if bm.window else 0
     if num_tokens > 0 and window_bounds_blocks(config):  # a prompt longer than the cache: chunks that fit
         ref_counts = bm.device.ref_counts
         revived = sum(1 for block in hits[behind:] if ref_counts[block] == 0)
         spare = bm.device.num_free - revived - growth
         num_tokens = min(num_tokens, spare * block_size)
+        if num_tokens <= 0:
+            return None
+        num_blocks = bm.blocks_for(computed + num_tokens)
+    if num_tokens > 0 and num_running == 0 and hybrid_live_blocks(config) is not None:
+        # alone, a chunk every table has room for: a prompt (or recompute) whose local tables would not
+        # fit at once still starts; beside others it waits for room, as a one-table model's does (a
+        # recompute squeezed into the last blocks would preempt the next newest at its next chunk)
+        ref_counts = bm.device.ref_counts
+        revived = sum(1 for block in hits if ref_counts[block] == 0)
+        revived += sum(1 for group_hits in window_hits for block in group_hits if ref_counts[block] == 0)
+        spare = bm.device.num_free - revived
+        num_tokens = min(num_tokens, spare // bm.num_tables * block_size)
         if num_tokens <= 0:
             return None
         num_blocks = bm.blocks_for(computed + num_tokens)
@@ -249,7 +287,13 @@ def plan_admission(seq: Sequence, bm: BlockManager, config: SchedulerConfig, bud
         # n windows that exceed the cache: its samples take turns, but alone it always starts
         reserve = min(reserve, max(0, usable_blocks(config) - taken))
     else:
-        reserve = admission_reserve(num_running)
-    if not bm.can_allocate(hits[behind:], num_blocks - behind + children_blocks + reserve):
+        reserve = admission_reserve(num_running) * bm.num_tables  # a block boundary asks one block per table
+    taken = num_blocks - behind
+    held_hits = hits[behind:]
+    if groups:  # the local tables: their window's hits, then fresh blocks
+        taken += groups * (num_blocks - window_behind)
+        held_hits = held_hits + [block for group_hits in window_hits for block in group_hits]
+    if not bm.can_allocate(held_hits, taken + children_blocks + reserve):
         return None
-    return Admission(seq, hits, keys, lookup, computed, num_blocks, num_tokens, forks_now, behind)
+    return Admission(seq, hits, keys, lookup, computed, num_blocks, num_tokens, forks_now, behind, window_hits,
+                     window_behind)

@@ -93,7 +93,7 @@ class BlockPool:
             key = self.block_key[block]
             del self.cache[key]
             self.block_key[block] = None
-            if self.events is not None:
+            if self.events is not None and len(key) == 3:  # a local group's key (prefix_cache.py) is not the router's
                 self.events.note_removed(key[2])
         self.ref_counts[block] = 1
         return block
@@ -124,5 +124,5 @@ class BlockPool:
         if self.block_key[block] is None and self.cache.setdefault(key, block) == block:  # one key hash
             self.block_key[block] = key
             events = self.events
-            if events is not None:
+            if events is not None and len(key) == 3:
                 events.changes[key[2]] = True  # inlined: once per block filled, on the hot path

@@ -40,6 +40,10 @@ class SchedulerConfig:
     # Every layer of the model attends this many positions back: blocks behind it are freed
     # (sliding_window.py); 0: every block is kept until its sequence ends.
     sliding_window: int = 0
+    # Global and local layers alternate (protocol/kv_groups.py): a block table per group, the
+    # local groups' blocks behind ``hybrid_window`` freed (sliding_window.py); 0: one table.
+    num_window_groups: int = 0
+    hybrid_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_loras"):
@@ -48,6 +52,13 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
             raise ValueError(f"sliding_window must be an integer >= 0, got {self.sliding_window!r}")
+        for name in ("num_window_groups", "hybrid_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if (self.num_window_groups > 0) != (self.hybrid_window > 0) or (self.num_window_groups and self.sliding_window):
+            raise ValueError(f"num_window_groups={self.num_window_groups} and hybrid_window={self.hybrid_window} "
+                             f"go together, and not with sliding_window={self.sliding_window}")
         if self.sliding_window and self.speculative is not None and self.speculative.method == "draft_model":
             raise ValueError("sliding_window frees blocks a draft model's layers may still read: "
                              "the engine keeps every block with a draft model")

@@ -335,6 +335,8 @@ class DecodeLane:
         first_update = self.clock - 1 - bs  # the update that sampled the block's first token
         fast = ((self.num_keyed[where] == (self.computed[where] - ahead) // bs - 1)
                 & (self.entered[where] <= first_update) & (bs < RING))
+        if self.seqs[positions[0]].window_tables:  # a hybrid model's local tables are named per object too
+            fast[:] = False
         for pos in where[~fast].tolist():
             seq = self.seqs[pos]
             prefix_cache.register_computed(pool, seq, bs)

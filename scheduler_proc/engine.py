@@ -35,7 +35,7 @@ from pagedserve.scheduler_proc.grammar_gate import GrammarGate
 from pagedserve.scheduler_proc.interval_log import IntervalLog
 from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
-from pagedserve.scheduler_proc.sliding_window import window_to_free
+from pagedserve.scheduler_proc.sliding_window import hybrid_groups, window_to_free
 from pagedserve.scheduler_proc.step_timeout import StepTimeout
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -211,10 +211,12 @@ class EngineLoop:
         self.needs_workers = False
         self.step_timeout.restart()  # fresh workers warm up again
         vocab_size = min(h.vocab_size for h in hellos.values())
-        window, note = window_to_free(hellos[0].layer_windows, cfg.speculative_method() == "draft_model")
+        hello = hellos[0]
+        window, note = window_to_free(hello.layer_windows, cfg.speculative_method() == "draft_model", hello.hybrid_kv)
         if note and self.scheduler is None:
             log.info("%s", note)
-        config = cfg.scheduler_config(num_gpu_blocks, num_cpu_blocks, vocab_size, window)
+        config = cfg.scheduler_config(num_gpu_blocks, num_cpu_blocks, vocab_size, window,
+                                      hybrid_groups(hello.layer_windows, hello.hybrid_kv))
         if self.scheduler is None or self.scheduler.config != config:
             # A recovered replica keeps its Scheduler (fail_all left it clean) so step
             # numbers keep increasing; only a different cache or model needs a new one, which

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagedserve.runtime import options as opts
+from pagedserve.protocol.kv_groups import KVGroups
 from pagedserve.protocol.priority import parse_tenant_weights, tenant_weights_text
 from pagedserve.protocol.speculative import parse_speculative_config
 from pagedserve.scheduler_proc.config import SchedulerConfig
@@ -49,7 +50,7 @@ class _EngineConfigRules:
         self.scheduler_config(num_gpu_blocks=1 << 20, num_cpu_blocks=int(self.swap_space > 0))
 
     def scheduler_config(self, num_gpu_blocks: int, num_cpu_blocks: int, vocab_size: int = 0,
-                         sliding_window: int = 0) -> SchedulerConfig:
+                         sliding_window: int = 0, groups: Optional[KVGroups] = None) -> SchedulerConfig:
         return SchedulerConfig(
             block_size=self.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -61,6 +62,7 @@ class _EngineConfigRules:
             default_deadline_s=self.default_deadline_s, tenant_weights=self.tenant_weights,
             speculative=parse_speculative_config(self.speculative_config),
             enable_lora=self.enable_lora, max_loras=self.max_loras, sliding_window=sliding_window,
+            num_window_groups=groups.num_window_groups if groups else 0, hybrid_window=groups.window if groups else 0,
         )
 
     def speculative_method(self) -> Optional[str]:

@@ -103,6 +103,10 @@ def check(sched: "Scheduler", out: Optional["SchedulerOutput"] = None) -> None:
                 _fail(f"{seq.seq_id}: {num_freed} blocks freed, but its window reaches into them")
             device_owners.update(seq.block_ids[num_freed:])
             host_owners.update(seq.host_block_ids)
+            if bm.num_window_groups:
+                _check_window_tables(bm, seq, status, device_owners, host_owners)
+            elif seq.window_tables or seq.window_host_tables or seq.num_window_freed:
+                _fail(f"{seq.seq_id} holds local tables, but the model has one KV group")
             expected = bm.blocks_for(seq.num_kv_tokens)
             if status == RUNNING and len(seq.block_ids) != expected:
                 _fail(f"{seq.seq_id}: {len(seq.block_ids)} blocks for {seq.num_kv_tokens} computed tokens")
@@ -115,7 +119,9 @@ def check(sched: "Scheduler", out: Optional["SchedulerOutput"] = None) -> None:
     for block in device_owners:
         if not 0 <= block < bm.device.num_blocks:
             _fail(f"device block {block} is out of range")
-    if bm.window:  # the null block: owned by the manager alone, never in a table's live part
+    if bm.num_window_groups:
+        _check_groups_disjoint(bm, [*live, *sched.swapped])
+    if bm.frees_behind_window:  # the null block: owned by the manager alone, never in a table's live part
         if device_owners[bm.null_block]:
             _fail(f"the null block {bm.null_block} is in a table as a live block")
         device_owners[bm.null_block] = 1
@@ -128,6 +134,49 @@ def check(sched: "Scheduler", out: Optional["SchedulerOutput"] = None) -> None:
     if sched.lora is not None:  # slot references = admitted sequences per adapter; running ones' adapters in a slot
         sched.lora.check([*live, *sched.swapped], live, sched.waiting, _fail)
     _check_fresh_blocks(sched, live, out)
+
+
+def _check_window_tables(bm, seq, status: str, device_owners: Counter, host_owners: Counter) -> None:
+    """A hybrid model's local tables (block_manager.py): as long as the global one, their freed
+    entries the null block and behind the window, their live blocks counted as owned."""
+    groups, freed, tables = bm.num_window_groups, seq.num_window_freed, seq.window_tables
+    if status == RUNNING:
+        if len(tables) != groups or any(len(table) != len(seq.block_ids) for table in tables):
+            _fail(f"{seq.seq_id}: local tables of {[len(t) for t in tables]} entries for {groups} groups, "
+                  f"the global table has {len(seq.block_ids)}")
+        if any(table[:freed] != [bm.null_block] * freed for table in tables):
+            _fail(f"{seq.seq_id}: its {freed} local entries freed behind the window are not the null block")
+        if freed > bm.window_tables_behind(seq):
+            _fail(f"{seq.seq_id}: {freed} local entries freed, but the local window reaches into them")
+    elif tables:
+        _fail(f"{status} {seq.seq_id} holds local tables on the device")
+    if status == WAITING and (seq.window_host_tables or freed):
+        _fail(f"waiting {seq.seq_id} holds local blocks")
+    if status == SWAPPED:
+        expected = bm.blocks_for(seq.num_kv_tokens) - freed
+        if len(seq.window_host_tables) != groups or any(len(t) != expected for t in seq.window_host_tables):
+            _fail(f"swapped {seq.seq_id}: local host tables {seq.window_host_tables}, {expected} live entries each")
+    for table in tables:
+        device_owners.update(table[freed:])
+    for table in seq.window_host_tables:
+        host_owners.update(table)
+
+
+def _check_groups_disjoint(bm, seqs: list) -> None:
+    """A block id is one page in each layer slot, so it belongs to one group at a time: no block is
+    in two groups' tables, and a cached one is named with its group's key (prefix_cache.window_key)."""
+    owner: dict[int, int] = {}
+    keys = bm.device.block_key
+    for seq in seqs:
+        tables = [seq.block_ids[seq.num_freed_blocks:]] + [t[seq.num_window_freed:] for t in seq.window_tables]
+        for group, table in enumerate(tables):
+            for block in table:
+                if owner.setdefault(block, group) != group:
+                    _fail(f"block {block} is in KV groups {owner[block]} and {group} at once ({seq.seq_id})")
+                key = keys[block]
+                key_group = 0 if key is None or len(key) == 3 else key[3]
+                if key is not None and key_group != group:
+                    _fail(f"block {block} of KV group {group} is cached under group {key_group}'s key")
 
 
 def _check_requests(sched: "Scheduler", queued: set[str]) -> None:
@@ -150,6 +199,7 @@ def _check_fresh_blocks(sched: "Scheduler", live: list, out: Optional["Scheduler
     swapped into this step, or it already held keys and values (a prefix hit, a fork). Zeroing
     runs after copies and swaps on the worker, so no block may be in both lists."""
     pairs = {(s.seq_id, b) for s in live for b in s.block_ids[s.num_freed_blocks:]}
+    pairs |= {(s.seq_id, b) for s in live for table in s.window_tables for b in table[s.num_window_freed:]}
     held = {b for _, b in pairs} | set(sched.bm.device.evictable)
     old_pairs, old_held = sched._invariant_blocks
     sched._invariant_blocks = (pairs, held)

@@ -31,7 +31,7 @@ from pagedserve.scheduler_proc.frontend_inputs import apply_frontend_message
 from pagedserve.scheduler_proc.grammar_cache import GrammarBackendLoader, grammar_cache_for
 from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
-from pagedserve.scheduler_proc.sliding_window import window_to_free
+from pagedserve.scheduler_proc.sliding_window import hybrid_groups, window_to_free
 
 
 @dataclass
@@ -89,7 +89,8 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
     try:
         hello = from_worker.decode(trace.hello_frame)
         vocab_size = hello.vocab_size  # grammar masks' width
-        window, _ = window_to_free(hello.layer_windows, cfg.speculative_method() == "draft_model")
+        window, _ = window_to_free(hello.layer_windows, cfg.speculative_method() == "draft_model", hello.hybrid_kv)
+        groups = hybrid_groups(hello.layer_windows, hello.hybrid_kv)
     except ProtocolError as exc:
         raise TraceError(f"{trace_path}: the header's hello is not a valid frame: {exc}") from None
     sched: Optional[Scheduler] = None
@@ -106,7 +107,8 @@ def replay_scheduler(trace_path: str, model: Optional[str] = None) -> SchedulerR
                                                       sched.config.num_gpu_blocks != msg.num_gpu_blocks):
                     if model and loader is None and os.path.isdir(model):
                         loader = GrammarBackendLoader(model)
-                    sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks, sliding_window=window),
+                    sched = Scheduler(cfg.scheduler_config(msg.num_gpu_blocks, msg.num_cpu_blocks, sliding_window=window,
+                                                           groups=groups),
                                       grammar_cache_for(loader, vocab_size),
                                       lora_adapters=sched.lora_adapters() if sched is not None else ())
                 elif isinstance(msg, m.LoRAStep):

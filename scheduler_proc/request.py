@@ -144,6 +144,9 @@ class Sequence:
         "block_ids",
         "num_freed_blocks",
         "host_block_ids",
+        "window_tables",
+        "num_window_freed",
+        "window_host_tables",
         "block_keys",
         "status",
         "is_parent",
@@ -184,6 +187,11 @@ class Sequence:
         # Leading table entries freed behind a sliding window: the null block (sliding_window.py).
         self.num_freed_blocks = 0
         self.host_block_ids: list[int] = []  # while swapped out
+        # Hybrid models (protocol/kv_groups.py): ``block_ids`` is the global group's table, these the
+        # local groups', as long as it, their leading ``num_window_freed`` entries the null block.
+        self.window_tables: list[list[int]] = []
+        self.num_window_freed = 0
+        self.window_host_tables: list[list[int]] = []  # the local groups' live blocks while swapped out
         self.block_keys: list = []  # prefix-cache keys of the leading full computed blocks
         self.status = WAITING
         self.is_parent = is_parent  # computes prompt[:-1], then forks into n children

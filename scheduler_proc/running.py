@@ -126,11 +126,12 @@ class RunningSequences:
 
     # ------------------------------------------------------------------ one step
 
-    def begin_step(self, num_free_blocks: int, release=None) -> list[int]:
+    def begin_step(self, num_free_blocks: int, release=None, blocks_per_grant: int = 1) -> list[int]:
         """The steady decodes (positions) whose next token starts a block, for the scheduler to
         grant (``grant_steady``) when the free blocks cover them all; when not, those leave the
         batch for the per-object loop, which decides FCFS who gets what. ``release(seq, position)``
-        (a sliding window): first gives back the blocks behind each one's next query, how many."""
+        (a sliding window): first gives back the blocks behind each one's next query, how many.
+        ``blocks_per_grant``: a hybrid model's sequence takes a block for each of its tables."""
         if self._num_gone:
             self._queue = [seq for seq in self._queue if seq.status == RUNNING and seq.lane_pos < 0]
             self._num_gone = 0
@@ -139,15 +140,21 @@ class RunningSequences:
         if release is not None:  # only at a block's start: 1/block_size of the steps, read from the columns
             seqs, computed = lane.seqs, lane.computed
             num_free_blocks += sum(release(seqs[pos], int(computed[pos])) for pos in needy)
-        if len(needy) <= num_free_blocks:
+        if len(needy) * blocks_per_grant <= num_free_blocks:
             return needy
         for seq in [lane.seqs[pos] for pos in needy]:
             lane.leave(seq)
             insort(self._queue, seq, key=by_order)
         return []
 
-    def grant_steady(self, needy: list[int], blocks: list[int]) -> None:
-        self._lane.grant_blocks(needy, blocks)
+    def grant_steady(self, needy: list[int], blocks: list[int], grant_local=None) -> None:
+        """``blocks`` to the global tables of ``needy``; ``grant_local(seq)``: a hybrid model's
+        local tables take theirs."""
+        lane = self._lane
+        lane.grant_blocks(needy, blocks)
+        if grant_local is not None:
+            for pos in needy:
+                grant_local(lane.seqs[pos])
 
     def steady_batch(self) -> DecodeBatch:
         """The step's batch of steady decodes (after the per-object loop and admissions)."""

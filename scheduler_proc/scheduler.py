@@ -31,7 +31,8 @@ from bisect import insort
 from collections import deque
 from typing import Iterable, Optional
 
-from pagedserve.protocol.messages import AddRequest, LoRAAdapter, LoRAStep, RequestDelta, SchedulerOutput, StepResult
+from pagedserve.protocol.messages import (AddRequest, GroupedSchedulerOutput, LoRAAdapter, LoRAStep, RequestDelta,
+                                          SchedulerOutput, StepResult)
 from pagedserve.protocol.priority import QUEUE_TIMEOUT
 
 from pagedserve.scheduler_proc import admission, invariants, output_processor, prefix_cache
@@ -339,7 +340,7 @@ class Scheduler:
             return False
         if any(seq.grammar is None and not lane_kind(seq) for seq in sampling):
             return False  # one that would not join the steady batch keeps its every-step decode by being waited for
-        free = bm.device.num_free - running.num_steady_needing_blocks()
+        free = bm.device.num_free - running.num_steady_needing_blocks() * bm.num_tables
         budget = self.config.max_num_batched_tokens
         for seq in running.per_object():  # rule 2: an upper bound on what the per-object loop can take
             if free < 0:
@@ -360,14 +361,20 @@ class Scheduler:
         batch = StepPlan(self.config.max_num_batched_tokens)
         if not self.in_flight:  # no victim while a step out may hold its token (can_schedule_ahead, rule 2)
             self._make_way_for_waiting(batch)
-        release = self.bm.release_behind_window if self.bm.window else None
-        if needy := self.running.begin_step(self.bm.device.num_free, release):
-            self.running.grant_steady(needy, self.bm.take_blocks_to_write(len(needy)))
+        release = self.bm.release_behind_window if self.bm.frees_behind_window else None
+        if needy := self.running.begin_step(self.bm.device.num_free, release, self.bm.num_tables):
+            grant_local = (lambda seq: self._grant_local(seq, batch)) if self.bm.num_window_groups else None
+            self.running.grant_steady(needy, self.bm.take_blocks_to_write(len(needy)), grant_local)
         batch.budget -= self.running.num_steady  # every steady decode runs: its token comes first
         self._schedule_running(batch)
         if not batch.preempted:
             self._start_swapped_and_waiting(batch)
         return self._finish_step(batch)
+
+    def _grant_local(self, seq: Sequence, batch: StepPlan) -> None:
+        """A steady decode of a hybrid model starting a block: a fresh block for each local table,
+        which the step's ``window_block_ids`` carries (the lane's batch carries the global one)."""
+        batch.window_blocks[seq.seq_id] = self.bm.append_local_blocks(seq)
 
     def _end_past_limits(self, now: float) -> None:
         """Past a limit (deadlines.py): without a first token an error, else the tokens so far ("length")."""
@@ -387,7 +394,7 @@ class Scheduler:
     def _schedule_running(self, batch: StepPlan) -> None:
         queue = self.policy.running_order(self.running.per_object())
         later_decodes = None  # decodes after the current sequence; counted once a prefill needs it
-        windowed = self.bm.window > 0
+        windowed = self.bm.frees_behind_window
         for i, seq in enumerate(queue):
             if seq.status != RUNNING:
                 continue  # preempted for an older sequence earlier in this step
@@ -442,12 +449,13 @@ class Scheduler:
         if self.running.preempt(seq):  # a steady decode: its reserved token back, and a block granted unwritten
             batch.budget += 1
             self.bm.release_unused(seq)
+            batch.window_blocks.pop(seq.seq_id, None)  # its local grants too: the workers drop it this step
         batch.preempted = True
         seq.num_preemptions += 1
         if seq.worker_knows:
             self.finished_ids.append(seq.seq_id)
             seq.worker_knows = False
-        if self.bm.window:  # only the live blocks are swapped
+        if self.bm.frees_behind_window:  # only the live blocks are swapped
             self._release_behind_window(seq)
         if admission.should_swap(seq, self.bm, self.config):
             batch.swap_out.extend(self.bm.swap_out(seq))
@@ -530,7 +538,7 @@ class Scheduler:
             self.policy.admitted(seq)
             request.num_cached_tokens = plan.num_computed
         seq.num_cached_tokens = request.num_cached_tokens
-        self.bm.allocate(seq, plan.hits, plan.num_blocks, plan.num_behind)
+        self.bm.allocate(seq, plan.hits, plan.num_blocks, plan.num_behind, plan.window_hits, plan.window_behind)
         seq.block_keys = plan.keys
         if request.lora is not None:
             self.lora.acquire(seq, request.lora)
@@ -570,9 +578,10 @@ class Scheduler:
             started = time.perf_counter()
             if (masks := step_bitmask(sampling, self.grammars.words_per_row)) is not None:
                 self.counters.structured_output_mask_time_s += time.perf_counter() - started
-        out = SchedulerOutput(self._step, batch.new, batch.cached, decodes, finished, batch.swap_out,
-                              batch.swap_in, copies, zero, total, masks, now_s=self.times.now,
-                              spec_token_ids=batch.drafts)
+        grouped = {"window_block_ids": batch.window_blocks} if self.bm.num_window_groups else None
+        out = (GroupedSchedulerOutput if grouped is not None else SchedulerOutput)(
+            self._step, batch.new, batch.cached, decodes, finished, batch.swap_out, batch.swap_in, copies, zero,
+            total, masks, now_s=self.times.now, spec_token_ids=batch.drafts, **(grouped or {}))
         self.counters.count_step(batch, len(zero), len(copies))
         if self.speculator is not None:
             self.speculator.observe_step(out, batch)  # its clock prices a proposal (spec_cost.py)

@@ -15,30 +15,46 @@ of a running sequence's table keeps the old ids (tables only grow on the wire); 
 kernels never reach those positions, so a block reused by another sequence cannot change this one's
 tokens (tests/e2e/test_sliding_window_e2e.py checks it with a poisoned cache).
 
-Where sliding and full layers mix (Gemma 2/3, gpt-oss), a full layer reads every block, so every
-block is kept: bounding only the local layers' cache needs a hybrid allocator (a cache per layer
-group, vLLM's hybrid KV cache manager), which this scheduler does not have.
+Where sliding and full layers mix (Gemma 2/3, gpt-oss), a full layer reads every block. Where the
+workers lay their cache out in KV groups (the hello's ``hybrid_kv``, protocol/kv_groups.py), a
+sequence holds one table per group and only the local groups' tables free their blocks behind
+the window, as above (block_manager.py); otherwise every block is kept.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from pagedserve.protocol.kv_groups import KVGroups, kv_groups
 
-def window_to_free(layer_windows: Sequence[int], draft_model: bool) -> tuple[int, Optional[str]]:
+
+def hybrid_groups(layer_windows: Sequence[int], hybrid_kv: bool) -> Optional[KVGroups]:
+    """The KV groups the scheduler keeps tables for: those the workers laid their cache out in
+    (``hybrid_kv`` in their hello), None for one table."""
+    return kv_groups(layer_windows) if hybrid_kv else None
+
+
+def window_to_free(layer_windows: Sequence[int], draft_model: bool,
+                   hybrid_kv: bool = False) -> tuple[int, Optional[str]]:
     """The window behind which blocks are freed (0: none) and the line the log says about it once.
 
     ``layer_windows``: each layer's window as the workers' hello says it, 0 for full attention
     ([]: an older worker, nothing known). Every layer windowed: the largest window. A draft model
     (speculative decoding) shares the block tables and its layers may read everything, so blocks
-    are kept with one."""
+    are kept with one. ``hybrid_kv``: the workers' cache is in KV groups (``hybrid_groups``)."""
     windowed = [w for w in layer_windows if w > 0]
     if not windowed:
         return 0, None
+    groups = kv_groups(layer_windows) if hybrid_kv else None
+    if groups is not None:
+        return 0, (f"{len(windowed)} of {len(layer_windows)} layers attend within {groups.window} positions: "
+                   f"their {groups.num_window_groups} KV group(s) free blocks behind the window, the global "
+                   f"group of {groups.group_size} layers keeps every block")
     if len(windowed) < len(layer_windows):
         return 0, (f"{len(windowed)} of {len(layer_windows)} layers attend within a sliding window, the others to "
-                   f"every position: every KV block is kept (bounding the windowed layers' cache needs a hybrid "
-                   f"allocator)")
+                   f"every position: every KV block is kept (the workers' cache is not in KV groups: "
+                   f"PAGEDSERVE_HYBRID_KV=0, a draft model, the transformers backend, or windows that "
+                   f"protocol/kv_groups.py does not group)")
     window = max(windowed)
     if draft_model:
         return 0, (f"every layer attends within {window} positions, but the draft model reads the same block "

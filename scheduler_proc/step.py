@@ -18,7 +18,7 @@ class StepPlan:
     plan once it is built (``Scheduler._update_after_schedule``)."""
 
     __slots__ = ("budget", "new", "cached", "sampling_new", "sampling_cached", "others", "scheduled",
-                 "swap_out", "swap_in", "preempted", "num_recomputed", "drafts", "request_slots")
+                 "swap_out", "swap_in", "preempted", "num_recomputed", "drafts", "request_slots", "window_blocks")
 
     def __init__(self, token_budget: int):
         self.budget = token_budget  # tokens still free in this step
@@ -37,6 +37,8 @@ class StepPlan:
         self.num_recomputed = 0  # tokens computed again after a recompute-preemption
         self.drafts: dict[str, list[int]] = {}  # speculative proposals by sequence id (speculation.py)
         self.request_slots: dict[str, int] = {}  # the LoRA slot of each new entry with an adapter (lora_slots.py)
+        # a hybrid model's local tables, by sequence id: what the workers' copies gain (GroupedSchedulerOutput)
+        self.window_blocks: dict[str, list[list[int]]] = {}
 
     def add(self, seq: Sequence, num_tokens: int, drafts: list[int] = _NO_BLOCKS) -> None:
         """``seq`` computes ``num_tokens`` tokens from its ``num_kv_tokens`` this step, then its
@@ -57,6 +59,8 @@ class StepPlan:
                 seq.seq_id, [tokens[sent]] if sent == len(tokens) - 1 else tokens[sent:].tolist(),
                 _NO_BLOCKS if blocks_sent == len(blocks) else blocks[blocks_sent:], computed, num_tokens, samples))
             (self.sampling_cached if samples else self.others).append(seq)
+            if seq.window_tables and blocks_sent != len(blocks):
+                self.window_blocks[seq.seq_id] = [table[blocks_sent:] for table in seq.window_tables]
         else:
             if seq.lora_slot >= 0:
                 self.request_slots[seq.seq_id] = seq.lora_slot
@@ -65,6 +69,8 @@ class StepPlan:
                 computed, num_tokens, prompt_lp.sampling_to_send(seq.request, seq.sampling), samples,
                 seq.request.pooling, sorted(seq.stop_token_ids) if seq.sampling.min_tokens else []))
             (self.sampling_new if samples else self.others).append(seq)
+            if seq.window_tables:
+                self.window_blocks[seq.seq_id] = [list(table) for table in seq.window_tables]
 
     def holds(self, seq: Sequence) -> bool:
         """Whether ``seq`` is already in this batch as a per-object entry (O(batch): for preemptions only)."""

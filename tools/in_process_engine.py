@@ -48,9 +48,12 @@ def generate(model_dir: str, prompts: list[list[int]], sampling: list[SamplingPa
     settings = dict(block_size=4, num_gpu_blocks=256, max_num_seqs=8, max_num_batched_tokens=128,
                     max_model_len=512, debug_invariants=True, speculative=speculative,
                     enable_lora=bool(lora_adapters or lora_names))
+    runner = ModelRunner(model_dir, speculative=speculative, **(runner_options or {}))
+    groups = runner.kv_groups  # a hybrid model's cache in KV groups: a table per group, as the engine keeps
+    if groups is not None:
+        settings.update(num_window_groups=groups.num_window_groups, hybrid_window=groups.window)
     settings.update(config)
     cfg = SchedulerConfig(**settings)
-    runner = ModelRunner(model_dir, speculative=speculative, **(runner_options or {}))
     runner.init_cache(WorkerInit(block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks,
                                  num_cpu_blocks=cfg.num_cpu_blocks, max_model_len=cfg.max_model_len, seed=0))
     sched = Scheduler(cfg, lora_adapters=lora_adapters)

@@ -5,12 +5,16 @@ The per-request state the worker keeps between steps is protocol/step_state.py's
 ``token_ids[num_computed : num_computed + num_scheduled]`` — prefill chunks and decodes
 alike, no padding — with the metadata the attention kernels read. The metadata is gathered
 on the host into typed arrays (``HostBatch``) that torch then shares without a copy (``upload_batch``).
+
+A hybrid model's requests (protocol/kv_groups.py) hold a table per KV group: the batch's own tables
+and slots are the global group's, and ``window_views`` holds one batch per local group, the same
+tokens over that group's tables and slots, which the model gives that group's layers.
 """
 
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -43,6 +47,7 @@ class ForwardBatch:
     max_query_len: int = 0  # the most tokens of one request, known on the host (0: not known)
     output_rows: Optional["OutputRows"] = None  # forward() returns only these rows' hidden states
     lora: Optional["LoRABatch"] = None  # each token's LoRA slot (worker_proc/lora_slots.py); None: no adapter
+    window_views: Optional[list["ForwardBatch"]] = None  # per local KV group: its tables and slots; None: one group
 
 
 @dataclass(slots=True)
@@ -92,6 +97,9 @@ class HostBatch:
     placeholders: list[tuple[int, HeldRequest]]  # (row, request) whose token is still PLACEHOLDER_TOKEN
     num_output_rows: list[int]  # per request, its rows whose hidden states are read (the last ones)
     all_rows_read: bool  # a request reads every row (prompt logprobs, pooling): no pruning
+    # per local KV group (a hybrid model): its slots and its padded tables, as ``slots`` and ``tables``
+    window_slots: Optional[list[array]] = None
+    window_tables: Optional[list[list[int]]] = None
 
 
 def build_forward_batch(
@@ -120,6 +128,9 @@ def gather_batch(requests: list[HeldRequest], block_size: int,
     num_scheduled: list[int] = []
     num_output_rows: list[int] = []
     all_rows_read = False
+    num_groups = len(requests[0].window_tables) if requests else 0
+    window_slots = [array("q") for _ in range(num_groups)]
+    window_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
     for req in requests:
         all_rows_read = all_rows_read or req.pooling is not None or req.sampling.prompt_logprobs is not None
         start = req.num_computed_tokens
@@ -152,6 +163,12 @@ def gather_batch(requests: list[HeldRequest], block_size: int,
         query_start_loc.append(query_start_loc[-1] + end - start)
         seq_lens.append(end)
         tables.append(block_ids[:num_blocks])
+        if len(req.window_tables) != num_groups:
+            raise BatchError(f"request {req.req_id!r}: {len(req.window_tables)} local block tables, the batch's "
+                             f"first request {num_groups}")
+        for group_slots, group_tables, table in zip(window_slots, window_tables, req.window_tables):
+            _extend_slots(group_slots, table, start, end, block_size)
+            group_tables.append(table[:num_blocks])
         if proposed:
             sample_rows.extend(range(query_start_loc[-2] + req.num_scheduled_tokens - 1, query_start_loc[-1]))
             sampled += draft_rows(req, proposed)
@@ -165,8 +182,11 @@ def gather_batch(requests: list[HeldRequest], block_size: int,
     if drafts and len(drafts) != sum(isinstance(r, DraftRow) and r.j == 0 for r in sampled):
         raise BatchError(f"proposals for {sorted(drafts)}, not all of them entries of this step that sample")
     flat, max_blocks = _padded(tables)
-    return HostBatch(input_ids, positions, slots, query_start_loc, seq_lens, sample_rows, flat, max_blocks,
+    host = HostBatch(input_ids, positions, slots, query_start_loc, seq_lens, sample_rows, flat, max_blocks,
                      num_scheduled, sampled, (low, high), placeholders, num_output_rows, all_rows_read)
+    if num_groups:  # every local table is as long as the global one: the same width
+        host.window_slots, host.window_tables = window_slots, [_padded(t)[0] for t in window_tables]
+    return host
 
 
 def gather_decodes(tokens: list[int], positions: list[int], tables: list[list[int]], block_size: int) -> HostBatch:
@@ -196,13 +216,13 @@ def upload_batch(host: HostBatch, block_size: int, device: torch.device, batched
     if host.placeholders:
         raise BatchError(f"{len(host.placeholders)} tokens of the step are still placeholders")
     num_requests = len(host.num_scheduled)
-    block_tables = _as_tensor(array("i", host.tables), torch.int32).view(num_requests, host.max_blocks)
+    block_tables = _tables_tensor(host.tables, num_requests, host.max_blocks)
     input_ids_t, positions_d, slot_mapping, sample_indices = upload(
         device, _as_tensor(host.input_ids, torch.long), _as_tensor(host.positions, torch.long),
         _as_tensor(host.slots, torch.long), _as_tensor(host.sample_rows, torch.long))
     block_tables_d, query_start_loc_t, seq_lens_t = upload(
         device, block_tables, _as_tensor(host.query_start_loc, torch.int32), _as_tensor(host.seq_lens, torch.int32))
-    return ForwardBatch(
+    batch = ForwardBatch(
         input_ids=input_ids_t,
         positions=positions_d,
         slot_mapping=slot_mapping,
@@ -218,6 +238,31 @@ def upload_batch(host: HostBatch, block_size: int, device: torch.device, batched
         output_rows=_output_rows(host, block_tables, sample_indices, block_size, device, batched_decodes, workspace)
         if prune_last_layer else None,
     )
+    if host.window_tables is not None:
+        batch.window_views = [_window_view(batch, host, slots, tables, block_size, device, batched_decodes, workspace,
+                                           prune_last_layer)
+                              for slots, tables in zip(host.window_slots, host.window_tables)]
+    return batch
+
+
+def _tables_tensor(flat: list[int], num_requests: int, width: int) -> torch.Tensor:
+    return _as_tensor(array("i", flat), torch.int32).view(num_requests, width)
+
+
+def _window_view(batch: ForwardBatch, host: HostBatch, slots: array, flat_tables: list[int], block_size: int,
+                 device: torch.device, batched_decodes: bool, workspace: Optional[GatherWorkspace],
+                 prune_last_layer: bool) -> ForwardBatch:
+    """``batch`` over one local group's tables and slots: what that group's layers read and write."""
+    tables = _tables_tensor(flat_tables, len(host.num_scheduled), host.max_blocks)
+    slot_mapping, = upload(device, _as_tensor(slots, torch.long))
+    tables_d, = upload(device, tables)
+    return replace(
+        batch, slot_mapping=slot_mapping, block_tables=tables_d,
+        attention_plan=plan_cpu_attention(host.num_scheduled, host.query_start_loc, host.seq_lens, tables,
+                                          block_size, workspace) if batched_decodes else None,
+        output_rows=_output_rows(host, tables, batch.sample_indices, block_size, device, batched_decodes, workspace)
+        if prune_last_layer else None,
+        window_views=None)
 
 
 def _output_rows(host: HostBatch, block_tables: torch.Tensor, sample_indices: torch.Tensor, block_size: int,

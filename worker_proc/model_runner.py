@@ -24,8 +24,9 @@ import torch
 
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.ops import select_ops
+from pagedserve.protocol.kv_groups import KVGroups, kv_groups
 from pagedserve.protocol.lora_adapter import SHARED_EXPERT_MODULES, projection_shapes
-from pagedserve.protocol.messages import LoRAStep, SchedulerOutput, StepResult, WorkerInit
+from pagedserve.protocol.messages import GroupedSchedulerOutput, LoRAStep, SchedulerOutput, StepResult, WorkerInit
 from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.protocol.step_state import HeldRequest, StepContractError, apply_output, note_accepted, note_samples
 from pagedserve.worker_proc.cuda_graphs import DecodeGraphs
@@ -58,6 +59,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 HEADROOM_TOKENS = 8192
 HEADROOM_LOGIT_ROWS = 256
 PRUNE_ENV = "PAGEDSERVE_PRUNE_LAST_LAYER"  # 0: the last layer computes every row (A/B runs)
+HYBRID_KV_ENV = "PAGEDSERVE_HYBRID_KV"  # 0: one block table for every layer of a hybrid model, every block kept
 
 
 class ModelRunner:
@@ -119,11 +121,26 @@ class ModelRunner:
         self._cache: Optional[KVCache] = None
         self._seed = 0
         self._gather_workspace = GatherWorkspace()  # CPU decode attention's K/V gather buffers
-        self._use_graphs = cuda_graphs and self.device.type == "cuda" and tp_size == 1 and implementation.is_native
+        self.kv_groups = self._kv_groups()
+        # the graphs' static batch has no local groups' tables
+        self._use_graphs = (cuda_graphs and self.device.type == "cuda" and tp_size == 1 and implementation.is_native
+                            and self.kv_groups is None)
         self.decode_graphs: Optional[DecodeGraphs] = None
         self.verify_graphs: Optional[VerifyGraphs] = None
         self._speculative = speculative
         self.prune_last_layer = env_switch(PRUNE_ENV) is not False  # input_batch.OutputRows
+
+    def _kv_groups(self) -> Optional[KVGroups]:
+        """The KV groups this worker lays its cache out in (protocol/kv_groups.py), its model told
+        each layer's slot; None: one table for every layer. Not with a draft model, whose layers
+        read the global tables' blocks in a cache of its own, nor a model that cannot take its
+        layers' slots (the transformers backend), nor with ``PAGEDSERVE_HYBRID_KV=0``."""
+        if env_switch(HYBRID_KV_ENV) is False or self.draft is not None or not hasattr(self.model, "kv_layer_slots"):
+            return None
+        groups = kv_groups([w or 0 for w in self.spec.layer_sliding_windows])
+        if groups is not None:
+            self.model.kv_layer_slots = groups.layer_slots
+        return groups
 
     def _lora_slots(self, config: LoRAConfig) -> LoRASlots:
         spec, shard, d = self.spec, self.shard, self.spec.head_dim
@@ -162,7 +179,12 @@ class ModelRunner:
     def block_bytes(self, block_size: int) -> int:
         """A block's bytes in every cache it indexes (the draft's too)."""
         draft = self.draft.block_bytes(block_size) if self.draft is not None else 0
-        return draft + block_bytes(self.spec.num_layers, block_size, self.cache_spec, self.dtype)
+        return draft + block_bytes(self.cache_layers, block_size, self.cache_spec, self.dtype)
+
+    @property
+    def cache_layers(self) -> int:
+        """Layer slots of the cache: one per layer, or a KV group's layers (protocol/kv_groups.py)."""
+        return self.kv_groups.group_size if self.kv_groups is not None else self.spec.num_layers
 
     @property
     def cache_spec(self) -> KVCacheSpec:
@@ -185,7 +207,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ cache
 
     def init_cache(self, init: WorkerInit) -> None:
-        self._cache = KVCache(self.spec.num_layers, init.num_gpu_blocks, init.num_cpu_blocks, init.block_size,
+        self._cache = KVCache(self.cache_layers, init.num_gpu_blocks, init.num_cpu_blocks, init.block_size,
                               self.cache_spec, self.dtype, self.device, self.ops)
         self.model.rotary.ensure_positions(init.max_model_len)
         if self.draft is not None:
@@ -270,6 +292,8 @@ class ModelRunner:
                                      workspace=self._gather_workspace, prune_last_layer=self.prune_last_layer)
                 if self.lora is not None:
                     batch.lora = self.lora.batch(scheduled, host.num_scheduled)
+                    for view in batch.window_views or ():  # every KV group's layers run the step's adapters
+                        view.lora = batch.lora
                 # Before either path: a graph replays rotary's table lookups without Python
                 self.model.rotary.check_positions(*batch.position_range)
                 hidden = self._forward(batch, cache.device_cache)
@@ -336,6 +360,7 @@ class ModelRunner:
                 raise ahead.error
             return ahead.scheduled, ahead.host
         try:
+            self._check_grouped(out)
             scheduled = apply_output(self._requests, out)
         except StepContractError as exc:
             raise BatchError(str(exc)) from None
@@ -352,12 +377,20 @@ class ModelRunner:
                 or nxt.draft_tokens):
             return  # the worker's loop takes it (and rejects a step out of order) as it would have
         try:
+            self._check_grouped(nxt)
             scheduled = apply_output(self._requests, nxt, resolve_placeholders=False)
             self._seed_new(scheduled[:len(nxt.new_requests)])
             self._ahead = StepAhead(nxt, scheduled, gather_batch(scheduled, self._initialized_cache().block_size))
             self.steps_prepared_ahead += 1
         except StepContractError as exc:  # raised when that step runs, in its turn
             self._ahead = StepAhead(nxt, [], None, BatchError(str(exc)))
+
+    def _check_grouped(self, out: SchedulerOutput) -> None:
+        """A step carries a table per KV group exactly when this cache is laid out in groups."""
+        grouped = isinstance(out, GroupedSchedulerOutput)
+        if grouped != (self.kv_groups is not None):
+            raise StepContractError(f"step {out.step}: {'a table per KV group' if grouped else 'one block table'} "
+                                    f"for a cache {'not ' if grouped else ''}laid out in KV groups")
 
     def _next_message(self, peek: Callable[[], object]):
         if self.device.type != "cuda":  # the step's work is done already: nothing to wait for

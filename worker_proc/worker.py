@@ -180,7 +180,8 @@ class Worker:
     def hello(self) -> m.WorkerHello:
         block_size = self.cfg.block_size
         budget = None if self.cfg.kv_cache_memory_gib is None else int(self.cfg.kv_cache_memory_gib * (1 << 30))
-        return m.WorkerHello(
+        hello = m.GroupedWorkerHello if self.runner.kv_groups is not None else m.WorkerHello
+        return hello(
             rank=self.cfg.rank, pid=os.getpid(), device=str(self.runner.device),
             model_id=self.runner.model_id, num_layers=self.runner.num_layers,
             block_bytes=self.runner.block_bytes(block_size),

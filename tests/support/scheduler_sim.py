@@ -11,6 +11,10 @@ scatter), zero; then every scheduled request writes its computed slots, and then
 one reads every slot of its block table: positions it has computed must hold its own
 ``(position, token)``, the rest of its last block must be ZERO.
 
+A hybrid model's local tables (``SchedulerConfig.num_window_groups``) are written and read the same
+way, each within its window, their slots tagged with their group (``(position, token, group)``), so
+a block that reaches another group's table without being zeroed or refilled is caught.
+
 ``drafter`` stands in for a draft model (``draft_model``): asked by ``SchedulerOutput.draft_tokens``,
 it proposes after an entry's sample from the entry's tokens so far, as the real worker's does.
 """
@@ -41,8 +45,12 @@ class Draft(NamedTuple):
     token: int
 
 
-def _holds(slot, position: int, token: int) -> bool:
-    return slot == (position, token) or (isinstance(slot, Draft) and slot[1:] == (position, token))
+def _written(position: int, token: int, group: int) -> tuple:
+    return (position, token) if group == 0 else (position, token, group)
+
+
+def _holds(slot, position: int, token: int, group: int = 0) -> bool:
+    return slot == _written(position, token, group) or (isinstance(slot, Draft) and slot[1:] == (position, token))
 
 
 class WorkerModelError(AssertionError):
@@ -107,10 +115,11 @@ class SimWorker:
                                        f"{end + len(proposed)} tokens")
             if proposed and not held.samples:
                 raise WorkerModelError(f"step {out.step}: proposals for {req_id}, which does not sample")
-            for pos in range(computed, end):
-                self.device[held.block_ids[pos // bs]][pos % bs] = (pos, held.token_ids[pos])
-            for j, token in enumerate(proposed):
-                self.device[held.block_ids[(end + j) // bs]][(end + j) % bs] = Draft(req_id, end + j, token)
+            for group, table in enumerate([held.block_ids, *held.window_tables]):
+                for pos in range(computed, end):
+                    self.device[table[pos // bs]][pos % bs] = _written(pos, held.token_ids[pos], group)
+                for j, token in enumerate(proposed):
+                    self.device[table[(end + j) // bs]][(end + j) % bs] = Draft(req_id, end + j, token)
             total += scheduled + len(proposed)
         if total != out.total_num_scheduled_tokens:
             raise WorkerModelError(f"step {out.step}: total {out.total_num_scheduled_tokens} != {total}")
@@ -124,17 +133,19 @@ class SimWorker:
             proposed = drafts.get(req_id, [])
             tokens = held.token_ids + proposed
             end = held.num_computed_tokens + held.num_scheduled_tokens + len(proposed)
-            window = self.config.sliding_window  # a query at q reads keys from q - window + 1 on
-            first = max(0, held.num_computed_tokens - window + 1) if window else 0
-            for pos in range(first, len(held.block_ids) * bs):
-                slot = self.device[held.block_ids[pos // bs]][pos % bs]
-                ok = _holds(slot, pos, tokens[pos]) if pos < end else (
-                    slot == ZERO or (isinstance(slot, Draft) and slot.seq == req_id))
-                if not ok:
-                    want = (pos, tokens[pos]) if pos < end else ZERO
-                    raise WorkerModelError(
-                        f"step {out.step}: {req_id} reads {slot!r} at position {pos} "
-                        f"(block {held.block_ids[pos // bs]}), expected {want!r}")
+            for group, table in enumerate([held.block_ids, *held.window_tables]):
+                # a query at q reads keys from q - window + 1 on
+                window = self.config.sliding_window if group == 0 else self.config.hybrid_window
+                first = max(0, held.num_computed_tokens - window + 1) if window else 0
+                for pos in range(first, len(table) * bs):
+                    slot = self.device[table[pos // bs]][pos % bs]
+                    ok = _holds(slot, pos, tokens[pos], group) if pos < end else (
+                        slot == ZERO or (isinstance(slot, Draft) and slot.seq == req_id))
+                    if not ok:
+                        want = _written(pos, tokens[pos], group) if pos < end else ZERO
+                        raise WorkerModelError(
+                            f"step {out.step}: {req_id} reads {slot!r} at position {pos} "
+                            f"(block {table[pos // bs]} of group {group}), expected {want!r}")
             if held.samples:
                 req_ids.append(req_id)
                 context = list(held.token_ids)
@@ -237,7 +248,7 @@ def run_until_done(sched: Scheduler, worker: SimWorker, max_steps: int = 10_000,
 
 def assert_all_blocks_free(sched: Scheduler) -> None:
     device, host = sched.bm.device, sched.bm.host
-    reserved = sched.bm.window > 0  # the null block behind a sliding window stays the manager's
+    reserved = sched.bm.frees_behind_window  # the null block behind a sliding window stays the manager's
     assert device.num_free == device.num_blocks - reserved, sched.stats()
     assert host.num_free == host.num_blocks, sched.stats()
     assert sum(device.ref_counts) == reserved and not any(host.ref_counts)

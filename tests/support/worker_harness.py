@@ -6,6 +6,8 @@ is sent in full once and then as diffs (a plain one-token decode in the step's D
 unless ``decode_batch=False``), prompts may be split into chunks, and requests may arrive
 at later steps so prefills and decodes of different lengths share a batch. With LoRA, a request may
 name a slot and adapters may be loaded at a step: the step's LoRAStep goes to the runner first.
+A runner whose cache is in KV groups (a hybrid model, protocol/kv_groups.py) gets a table per group
+(``GroupedSchedulerOutput``); the local tables keep every block, as they may.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Callable, Optional
 import torch
 
 from pagedserve.protocol.messages import (
-    CachedRequestData, DecodeBatch, LoRAAdapter, LoRASlot, LoRAStep, NewRequestData, SamplingParams,
-    SchedulerOutput, StepResult, WorkerInit,
+    CachedRequestData, DecodeBatch, GroupedSchedulerOutput, LoRAAdapter, LoRASlot, LoRAStep, NewRequestData,
+    SamplingParams, SchedulerOutput, StepResult, WorkerInit,
 )
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0)
@@ -42,6 +44,11 @@ class _Request:
     preemption: Optional[tuple[str, int, int]] = None  # (mode "swap" | "recompute", at step, resume step)
     host_block_ids: list[int] = field(default_factory=list)
     lora_slot: int = -1  # the LoRA slot it is computed by (-1: the base model)
+    window_tables: list[list[int]] = field(default_factory=list)  # the local KV groups' tables
+    window_host: list[list[int]] = field(default_factory=list)
+
+    def tables(self) -> list[list[int]]:
+        return [self.block_ids, *self.window_tables]
 
     @property
     def done(self) -> bool:
@@ -54,6 +61,8 @@ class TrivialScheduler:
                  share_tokens: Optional[Callable[[StepResult, list[str]], list[int]]] = None,
                  decode_batch: bool = True):
         self.runner, self.block_size = runner, block_size
+        groups = getattr(runner, "kv_groups", None)
+        self.num_window_groups = groups.num_window_groups if groups is not None else 0
         self.decode_batch = decode_batch
         runner.init_cache(WorkerInit(
             block_size=block_size, num_gpu_blocks=num_gpu_blocks,
@@ -72,7 +81,8 @@ class TrivialScheduler:
     def add(self, req_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams = GREEDY,
             prefill_chunks: Optional[list[int]] = None, arrival_step: int = 0, lora_slot: int = -1) -> None:
         self.requests.append(_Request(req_id, list(prompt), max_tokens, sampling,
-                                      list(prefill_chunks or []), arrival_step, lora_slot=lora_slot))
+                                      list(prefill_chunks or []), arrival_step, lora_slot=lora_slot,
+                                      window_tables=[[] for _ in range(self.num_window_groups)]))
 
     def load_lora(self, slot: int, adapter: LoRAAdapter, at_step: int = 0) -> None:
         """Load ``adapter`` into ``slot`` before step ``at_step`` (no request may use the slot then)."""
@@ -90,10 +100,15 @@ class TrivialScheduler:
             if mode == "swap":
                 req.host_block_ids = [self.free_host_blocks.pop() for _ in req.block_ids]
                 swap_out += zip(req.block_ids, req.host_block_ids)
+                req.window_host = [[self.free_host_blocks.pop() for _ in t] for t in req.window_tables]
+                for table, host in zip(req.window_tables, req.window_host):
+                    swap_out += zip(table, host)
             else:
                 req.num_computed = 0
-            self.free_blocks.extend(reversed(req.block_ids))
+            for table in req.tables():
+                self.free_blocks.extend(reversed(table))
             req.block_ids, req.num_tokens_sent = [], 0
+            req.window_tables = [[] for _ in req.window_tables]
         if at_step <= self.step < resume_step:
             return True
         if self.step == resume_step and req.host_block_ids:
@@ -101,6 +116,11 @@ class TrivialScheduler:
             swap_in += zip(req.host_block_ids, req.block_ids)
             self.free_host_blocks.extend(req.host_block_ids)
             req.host_block_ids = []
+            req.window_tables = [[self.free_blocks.pop() for _ in host] for host in req.window_host]
+            for table, host in zip(req.window_tables, req.window_host):
+                swap_in += zip(host, table)
+                self.free_host_blocks.extend(host)
+            req.window_host = []
         return False
 
     def _schedule(self, req: _Request, zero: list[int]) -> tuple[int, list[int]]:
@@ -116,18 +136,25 @@ class TrivialScheduler:
             req.block_ids.append(block)
             new_blocks.append(block)
             zero.append(block)
+            for table in req.window_tables:
+                table.append(self.free_blocks.pop())
+                zero.append(table[-1])
         return count, new_blocks
 
     def build_step(self) -> tuple[SchedulerOutput, list[_Request]]:
         new, cached, zero, new_batch, cached_batch, decode_batch = [], [], [], [], [], []
         decodes = DecodeBatch([], [], [], [])
         swap_out, swap_in = [], []
+        window_blocks: dict[str, list[list[int]]] = {}
         for req in self.requests:
             if req.done or req.arrival_step > self.step:
                 continue
             if req.preemption is not None and self._preempt_or_resume(req, swap_out, swap_in):
                 continue
+            sent = len(req.block_ids) if req.num_tokens_sent else 0
             count, new_blocks = self._schedule(req, zero)
+            if req.window_tables and len(req.block_ids) > sent:
+                window_blocks[req.req_id] = [table[sent:] for table in req.window_tables]
             tokens = req.prompt + req.outputs
             if req.num_tokens_sent == 0:
                 new.append(NewRequestData(req.req_id, tokens, len(req.prompt), list(req.block_ids),
@@ -146,8 +173,9 @@ class TrivialScheduler:
                 cached_batch.append(req)
             req.num_tokens_sent = len(tokens)
             req.num_computed += count
-        out = SchedulerOutput(
-            step=self.step, new_requests=new, cached_requests=cached, decodes=decodes,
+        grouped = {"window_block_ids": window_blocks} if self.num_window_groups else {}
+        out = (GroupedSchedulerOutput if grouped else SchedulerOutput)(
+            **grouped, step=self.step, new_requests=new, cached_requests=cached, decodes=decodes,
             finished_req_ids=self.finished, blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in,
             blocks_to_copy=[], new_block_ids_to_zero=zero,
             total_num_scheduled_tokens=sum(r.num_scheduled_tokens for r in new)
@@ -178,7 +206,8 @@ class TrivialScheduler:
             req.outputs.append(token)
             if req.done:
                 self.finished.append(req_id)
-                self.free_blocks.extend(reversed(req.block_ids))
+                for table in req.tables():
+                    self.free_blocks.extend(reversed(table))
         self.step += 1
         return result
 

@@ -50,10 +50,17 @@ SAMPLES = {
             decodes=m.DecodeBatch(["d", "e"], [30, 5], [11, 12], [(1, 9)]),
             finished_req_ids=["c"], blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(2, 3)],
             blocks_to_copy=[(4, 5)], new_block_ids_to_zero=[7, 8], total_num_scheduled_tokens=3),
+        m.GroupedSchedulerOutput(
+            step=5, new_requests=[m.NewRequestData("a", [1, 2], 2, [7], 0, 2, SP, True)], cached_requests=[],
+            decodes=m.DecodeBatch([], [], [], []), finished_req_ids=[], blocks_to_swap_out=[], blocks_to_swap_in=[],
+            blocks_to_copy=[], new_block_ids_to_zero=[7, 9], total_num_scheduled_tokens=2,
+            window_block_ids={"a": [[9]]}),
         m.LoRAStep(4, loads=[m.LoRASlot(1, ADAPTER)], prefetch=[ADAPTER], forget=["old"], request_slots={"a": 1}),
     ],
     m.WorkerToScheduler: [
         m.WorkerHello(0, 123, "cpu", "Qwen2ForCausalLM:abcd", 2, 4096, 1000, "node-1"),
+        m.GroupedWorkerHello(0, 123, "cpu", "Gemma3ForCausalLM:abcd", 4, 4096, 1000, "node-1",
+                             layer_windows=[8, 0, 8, 0]),
         m.WorkerReady(0, 100, 10),
         m.StepResult(4, 0, ["a"], [11], [-0.25], None, 0.01, 0.001),
     ],

@@ -1,5 +1,6 @@
 """Property: over random workloads (arrivals, aborts, preemption by swap and recompute,
-n > 1 forks with copy-on-write, prefix hits, chunked prefill, blocks freed behind a sliding window),
+n > 1 forks with copy-on-write, prefix hits, chunked prefill, blocks freed behind a sliding window,
+a hybrid model's local tables freed behind theirs),
 with every step awaited or
 with the next one scheduled ahead of its result (async scheduling), no sequence ever attends over
 a stale KV slot, zeroing never wipes live KV, every step drains the zero list, the debug
@@ -41,6 +42,12 @@ configs = st.builds(
 configs = configs.map(lambda c: c if not c.num_cpu_blocks or c.enable_prefix_caching
                       else SchedulerConfig(**{**{k: getattr(c, k) for k in c.__slots__},
                                               "preemption_mode": "swap"}))
+# Global and local layers alternating (block_manager.py): 1 or 2 local tables per sequence, where
+# no window is on every layer.
+configs = st.tuples(configs, st.sampled_from([(0, 0), (1, 1), (1, 3), (1, 8), (2, 5)])).map(
+    lambda pair: pair[0] if pair[0].sliding_window or not pair[1][0] else SchedulerConfig(
+        **{**{k: getattr(pair[0], k) for k in pair[0].__slots__},
+           "num_window_groups": pair[1][0], "hybrid_window": pair[1][1]}))
 
 arrivals = st.lists(
     st.tuples(
@@ -92,7 +99,9 @@ def test_random_workloads_never_expose_stale_kv_and_leak_no_blocks(config, plan,
             freshly_zeroed.add(block)
         result = run_step(out)  # raises on any stale or wiped slot
         for req_id in [r.req_id for r in (*out.new_requests, *out.cached_requests)] + out.decodes.req_ids:
-            freshly_zeroed.difference_update(worker.held[req_id].block_ids)
+            held = worker.held[req_id]
+            for table in (held.block_ids, *held.window_tables):
+                freshly_zeroed.difference_update(table)
         return result
 
     worker.step = run_and_check_zeroing

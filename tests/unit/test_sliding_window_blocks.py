@@ -153,7 +153,9 @@ def test_which_models_free_and_what_the_log_says():
     assert window_to_free([8, 8, 8], draft_model=False) == (8, "every layer attends within 8 positions: "
                                                                "KV blocks behind the window are freed")
     window, note = window_to_free([4096, 0, 4096, 0], draft_model=False)  # Gemma 2, gpt-oss
-    assert window == 0 and "every KV block is kept" in note and "hybrid allocator" in note
+    assert window == 0 and "every KV block is kept" in note and "not in KV groups" in note
+    window, note = window_to_free([4096, 0, 4096, 0], draft_model=False, hybrid_kv=True)
+    assert window == 0 and "their 1 KV group(s) free blocks behind the window" in note
     window, note = window_to_free([8, 8], draft_model=True)
     assert window == 0 and "draft model" in note
     assert window_to_free([0, 0], draft_model=False) == (0, None)

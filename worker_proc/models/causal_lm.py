@@ -70,6 +70,8 @@ class CausalLM:
         # transformers rounds Gemma's sqrt(hidden) to the weights' dtype before multiplying
         self.embedding_scale = (None if spec.embedding_scale == 1.0
                                 else torch.tensor(spec.embedding_scale, dtype=dtype, device=device))
+        # each layer's (KV group, cache slot) where the cache is laid out in groups (protocol/kv_groups.py)
+        self.kv_layer_slots: Optional[tuple[tuple[int, int], ...]] = None
 
     def _lm_head(self, source, tied: bool, layout) -> LinearWeight:
         """The embeddings (tied) or lm_head, as the checkpoint stores it: a quantized one as its integer layer
@@ -92,10 +94,26 @@ class CausalLM:
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
         last = len(self.layers) - 1
+        if batch.window_views is not None:
+            return self._forward_grouped(hidden, batch, kv_cache, ops)
         for i, layer in enumerate(self.layers):
             # V is the last kind: with one (a latent cache, kv_cache.py) keys and values read the same rows
             hidden, residual = layer.forward(hidden, residual, batch, kv_cache[i, 0], kv_cache[i, -1],
                                              ops, self.elementwise, batch.output_rows if i == last else None)
+        return hidden.add_(residual)
+
+    def _forward_grouped(self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                         ops: ModuleType) -> torch.Tensor:
+        """forward() over a cache in KV groups (protocol/kv_groups.py): each layer reads and writes its
+        layer slot of the cache through its group's tables (``batch`` for the global group, else
+        ``batch.window_views``)."""
+        if self.kv_layer_slots is None:
+            raise RuntimeError("a batch with local KV groups for a model whose cache is not grouped")
+        views, last, residual = [batch, *batch.window_views], len(self.layers) - 1, None
+        for i, (layer, (group, slot)) in enumerate(zip(self.layers, self.kv_layer_slots)):
+            view = views[group]
+            hidden, residual = layer.forward(hidden, residual, view, kv_cache[slot, 0], kv_cache[slot, -1],
+                                             ops, self.elementwise, view.output_rows if i == last else None)
         return hidden.add_(residual)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
