@@ -18,17 +18,17 @@
  *            layer holds (one rounding), then the FMAs;
  *   else:    (8 lanes: no 16-entry lookup) the nibbles' products with x summed per group, scaled once, and
  *            z times the group's sum of x taken off at the end: a mask or shift, a conversion, the FMAs.
- *   AVX512-BF16, x in bfloat16: the table above costs a shuffle and an FMA a weight in float32, 25 GB/s of
- *            nibbles on one Zen 5 core, short of the ~39 GB/s it streams. vdpbf16ps takes 32 weights at once
- *            as bfloat16 words, and a nibble becomes one with no lookup: the word 0x3F80 | u << 3 is
- *            1 + u / 16 exactly (u in the mantissa's top 4 bits), made from 64 bytes by two shifts, two
- *            vpternlogd (mask, set 0x80) and four byte unpacks against 0x3F (the word's high byte). So a group
- *            sums x * (16 + u) / 16 (products of two bfloat16 exact in float32), scaled once a 128 inputs, and
- *            sum x * (u - z) = 16 * that - (16 + z) * sum x, the last term a group's sum of x taken off at the
- *            end as in the 8-lane form. The bias 16 rather than a larger power of two (0x4300 | u is 128 + u,
- *            no shifts) keeps what that subtraction cancels to ~2x the result's size. The unpacks interleave
- *            the 4 runs of 32 of a 64-byte load 8 at a time, so x is copied once a call into that order
- *            (xp below); a float32 lane then sums a pair from one run, and a run's scale is its lanes'.
+ *   AVX512-BF16, x in bfloat16: the table above costs a shuffle and an FMA a weight in float32 (25-29 GB/s of
+ *            nibbles on one 2.6 GHz Zen 5 core, arithmetic-bound). vdpbf16ps takes 32 weights at once as
+ *            bfloat16 words, and a nibble becomes one with no lookup: in each 16-bit lane of a 64-byte load,
+ *            nibble j shifted down by 4j, masked and or-ed into 1.0's bits (0x3F80 | u) is 1 + u / 128 exactly:
+ *            three shifts, three vpternlogd and an or for 128 weights, none of them a shuffle. A group sums
+ *            x * (128 + u) / 128 (two bfloat16's products are exact in float32), is scaled once, and
+ *            sum x * (u - z) = 128 * that - (128 + z) * sum x, the last term a group's sum of x taken off at
+ *            the end as in the 8-lane form (what it cancels is ~17x the result: float32 keeps ~2^-20 of it,
+ *            far inside bfloat16's output rounding). A lane's 4 nibbles are 4 inputs of one run of 32, so x is
+ *            copied once a call into that order (arrange_bf16_x); a float32 lane then sums a pair from one
+ *            run, and a run's scale is its lanes'. 41 GB/s with the weight in L2, ~4 cycles a 64-byte load.
  *            x in float32 or float16 keeps the float32 forms: rounding it to bfloat16 would change the answer.
  * The products are summed in float32 (tests/e2e/test_kernels_cpu_gemv_int4.py bounds the difference).
  */
