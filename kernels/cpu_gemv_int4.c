@@ -18,9 +18,22 @@
  *            layer holds (one rounding), then the FMAs;
  *   else:    (8 lanes: no 16-entry lookup) the nibbles' products with x summed per group, scaled once, and
  *            z times the group's sum of x taken off at the end: a mask or shift, a conversion, the FMAs.
+ *   AVX512-BF16, x in bfloat16: the table above costs a shuffle and an FMA a weight in float32 (25-29 GB/s of
+ *            nibbles on one 2.6 GHz Zen 5 core, arithmetic-bound). vdpbf16ps takes 32 weights at once as
+ *            bfloat16 words, and a nibble becomes one with no lookup: in each 16-bit lane of a 64-byte load,
+ *            nibble j shifted down by 4j, masked and or-ed into 1.0's bits (0x3F80 | u) is 1 + u / 128 exactly:
+ *            three shifts, three vpternlogd and an or for 128 weights, none of them a shuffle. A group sums
+ *            x * (128 + u) / 128 (two bfloat16's products are exact in float32), is scaled once, and
+ *            sum x * (u - z) = 128 * that - (128 + z) * sum x, the last term a group's sum of x taken off at
+ *            the end as in the 8-lane form (what it cancels is ~17x the result: float32 keeps ~2^-20 of it,
+ *            far inside bfloat16's output rounding). A lane's 4 nibbles are 4 inputs of one run of 32, so x is
+ *            copied once a call into that order (arrange_bf16_x); a float32 lane then sums a pair from one
+ *            run, and a run's scale is its lanes'. 41 GB/s with the weight in L2, ~4 cycles a 64-byte load.
+ *            x in float32 or float16 keeps the float32 forms: rounding it to bfloat16 would change the answer.
  * The products are summed in float32 (tests/e2e/test_kernels_cpu_gemv_int4.py bounds the difference).
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_gemv_rows.h"
 
@@ -169,6 +182,174 @@ static inline __attribute__((always_inline)) void block_i4(const float *restrict
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && HALF_VW == 16
+#define INT4_DPBF16 1
+#define INT4_STEP 128 /* inputs in one 64-byte load: 4 runs of 32 */
+/* A block's R rows are one run of bytes: prefetched as a line a row and step, this far ahead of the block (the
+ * hardware's prefetchers hardly help here: none at all read 4.7 GB/s). Rows ahead (the float32 forms' 32) are 78 KB
+ * at K = 4864 and leave each call's first rows unprefetched: 16 KB, and those first, read a 0.5B's step of int4
+ * GEMVs in 8.9 ms against 9.9-11.2 (4 KB: 12.1, 8 KB: 8.8-11.1, 32 KB: 9.6-9.8; a loaded machine). */
+#define INT4_PREFETCH_BYTES 16384
+#define INT4_BIAS 128.0f /* a nibble u as the bfloat16 word 0x3F80 | u: 1 + u / 128 */
+/* rows of weights in a block: R x M sums and as many a span's partial sums, 4 weight vectors, x from memory */
+#define INT4_DPBF16_ROWS(M) ((M) == 1 ? 8 : (M) == 2 ? 4 : (M) == 3 ? 3 : (M) == 4 ? 2 : 1)
+
+/* The scale of each float32 lane's run (lanes 4q..4q+3: run q = inputs c + 32q..) of the step at input c, where
+ * groups are not whole steps (g 32, 64, 96, ...); 0 past k (those lanes' sums are 0, x is zero there). */
+static inline __m512 run_scales(const float *restrict s, const int64_t c, const int64_t g, const int64_t k) {
+    const __m512i run_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const int64_t runs = (k - c) / INT4_CHUNK < 4 ? (k - c) / INT4_CHUNK : 4;
+    __m128 by_run;
+    if (g == INT4_CHUNK) { /* Q4_0: the 4 runs' scales are adjacent */
+        by_run = _mm_maskz_loadu_ps((__mmask8)((1 << runs) - 1), s + c / INT4_CHUNK);
+    } else {
+        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int q = 0; q < runs; q++) t[q] = s[(c + INT4_CHUNK * q) / g];
+        by_run = _mm_loadu_ps(t);
+    }
+    return _mm512_permutexvar_ps(run_of_lane, _mm512_castps128_ps512(by_run));
+}
+
+/* sums[r * M + i] = x[i, :k] . W[r, :k] for R rows by vdpbf16ps. xp: x in bfloat16 in the words' order (ldxp:
+ * k rounded up to 128, zeros past k); xsum[i * lds + group] the sum of row i of x over the group. */
+static inline __attribute__((always_inline)) void block_i4_dpbf16(const uint16_t *restrict xp, const int64_t ldxp,
+                                                                  const float *restrict xsum,
+                                                                  const uint8_t *restrict u, const int64_t ldu,
+                                                                  const float *restrict s, const float *restrict z,
+                                                                  const int64_t lds, const int64_t k,
+                                                                  const int64_t g, const int M, const int R,
+                                                                  float *restrict sums) {
+    const __m512i nibble = _mm512_set1_epi16(0x000F), one = _mm512_set1_epi16(0x3F80);
+    __m512 acc[8][8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
+    /* a span's sums share a scale per lane: a group of whole steps (W4A16 g128: one broadcast, one multiply a
+     * group), else one step, whose runs' scales differ */
+    const int whole_steps = g % INT4_STEP == 0;
+    const int64_t span = whole_steps ? g : INT4_STEP;
+    for (int64_t c0 = 0, grp = 0; c0 < k; c0 += span, grp++) {
+        __m512 part[8][8];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) part[r][i] = _mm512_setzero_ps();
+        for (int64_t c = c0; c < c0 + span && c < k; c += INT4_STEP) {
+            const int64_t byte = c / 2;
+            /* a step past k reads only its bytes: the rest are 0, words 1.0 against x's zeros */
+            const __mmask64 live = k - c >= INT4_STEP ? ~(__mmask64)0 : (((__mmask64)1 << ((k - c) / 2)) - 1);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                __builtin_prefetch(u + INT4_PREFETCH_BYTES + (c / INT4_STEP * R + r) * 64, 0, 3);
+                const __m512i w = _mm512_maskz_loadu_epi8(live, u + r * ldu + byte);
+                /* each 16-bit lane's 4 nibbles into the mantissa's low bits of 1.0: (A & B) | C is 0xEA */
+                const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(w, nibble, one, 0xEA),
+                               w1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), nibble, one, 0xEA),
+                               w2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), nibble, one, 0xEA),
+                               w3 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 12), one);
+#pragma GCC unroll 8
+                for (int i = 0; i < M; i++) {
+                    const uint16_t *xs = xp + i * ldxp + c;
+                    part[r][i] = _mm512_dpbf16_ps(part[r][i], w0, (__m512bh)_mm512_loadu_si512(xs));
+                    part[r][i] = _mm512_dpbf16_ps(part[r][i], w1, (__m512bh)_mm512_loadu_si512(xs + 32));
+                    part[r][i] = _mm512_dpbf16_ps(part[r][i], w2, (__m512bh)_mm512_loadu_si512(xs + 64));
+                    part[r][i] = _mm512_dpbf16_ps(part[r][i], w3, (__m512bh)_mm512_loadu_si512(xs + 96));
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512 scale = whole_steps ? _mm512_set1_ps(s[r * lds + grp]) : run_scales(s + r * lds, c0, g, k);
+#pragma GCC unroll 8
+            for (int i = 0; i < M; i++) acc[r][i] = _mm512_fmadd_ps(part[r][i], scale, acc[r][i]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int i = 0; i < M; i++) {
+            /* sum over groups of scale * (128 + z) * (the group's sum of x) */
+            const float *sr = s + r * lds, *zr = z ? z + r * lds : NULL, *xi = xsum + i * lds;
+            __m512 offsets = _mm512_setzero_ps();
+            int64_t grp = 0;
+            for (; grp + 16 <= lds; grp += 16)
+                offsets = _mm512_fmadd_ps(
+                    _mm512_mul_ps(_mm512_loadu_ps(sr + grp),
+                                  _mm512_add_ps(_mm512_set1_ps(INT4_BIAS),
+                                                zr ? _mm512_loadu_ps(zr + grp) : _mm512_set1_ps(8.0f))),
+                    _mm512_loadu_ps(xi + grp), offsets);
+            float offset = _mm512_reduce_add_ps(offsets);
+            for (; grp < lds; grp++) offset += sr[grp] * (INT4_BIAS + (zr ? zr[grp] : 8.0f)) * xi[grp];
+            sums[r * M + i] = INT4_BIAS * _mm512_reduce_add_ps(acc[r][i]) - offset;
+        }
+}
+
+#define INT4_BLOCK_DPBF16(M, j, rows, sums)                                                                       \
+    block_i4_dpbf16(xp, ldxp, xsum, u + (j) * ldu, ldu, s + (j) * lds, z ? z + (j) * lds : NULL, lds, k, g, M,    \
+                    rows, sums)
+
+#define DEFINE_INT4_DPBF16_M(M)                                                                                   \
+    static void gemv_int4_dpbf16_##M(const uint16_t *xp, int64_t ldxp, const float *xsum, int64_t k,              \
+                                     const uint8_t *u, const float *s, const float *z, int64_t g, int64_t n,      \
+                                     void *out, int64_t ldo, int out_kind) {                                      \
+        const int R = INT4_DPBF16_ROWS(M);                                                                        \
+        const int64_t lds = k / g, ldu = k / 2;                                                                   \
+        for (int64_t b_ = 0; b_ < INT4_PREFETCH_BYTES && b_ < n * ldu; b_ += 64) /* the first blocks' too */      \
+            __builtin_prefetch(u + b_, 0, 3);                                                                     \
+        GEMV_ROW_BLOCKS(M, R, n, (M) * n * k, INT4_PARALLEL_MIN_MACS, out, ldo, out_kind, INT4_BLOCK_DPBF16);     \
+    }
+DEFINE_INT4_DPBF16_M(1) DEFINE_INT4_DPBF16_M(2) DEFINE_INT4_DPBF16_M(3) DEFINE_INT4_DPBF16_M(4)
+DEFINE_INT4_DPBF16_M(5) DEFINE_INT4_DPBF16_M(6) DEFINE_INT4_DPBF16_M(7) DEFINE_INT4_DPBF16_M(8)
+
+/* rows of bfloat16 x into xp, zeros past k, and each row's group sums. A step's 16-bit lane p of weights (bytes 2p,
+ * 2p + 1 of its 64: run q = p / 8, e = 2 (p % 8)) holds inputs 32q + e, + 16 + e, + e + 1, + 16 + e + 1 in its
+ * 4 nibbles, which the 4 words w0..w3 take in turn: x's 4 vectors of the step are those inputs, lane by lane.
+ * (Run at every call: two-source word permutes, not a scalar loop, which cost as much as a small layer's GEMV.) */
+static void arrange_bf16_x(const uint16_t *x, int64_t ldx, int64_t rows, int64_t k, int64_t g, uint16_t *xp,
+                           int64_t ldxp, float *xsum) {
+    static const int nibble_input[4] = {0, 16, 1, 17}; /* w0..w3's input past 32q + e */
+    __m512i pick[4]; /* lane p < 16 from runs 0 | 1 (indices 32..63 the second), p >= 16 from runs 2 | 3 */
+    for (int t = 0; t < 4; t++) {
+        uint16_t idx[32];
+        for (int p = 0; p < 32; p++) idx[p] = (uint16_t)(32 * ((p / 8) % 2) + 2 * (p % 8) + nibble_input[t]);
+        pick[t] = _mm512_loadu_si512(idx);
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *xi = x + i * ldx;
+        uint16_t *pi = xp + i * ldxp;
+        for (int64_t c = 0; c < ldxp; c += INT4_STEP) {
+            __m512i run[4];
+            for (int q = 0; q < 4; q++) /* k - c is a multiple of 32: a run is all in or all out */
+                run[q] = c + INT4_CHUNK * q < k ? _mm512_loadu_si512(xi + c + INT4_CHUNK * q) : _mm512_setzero_si512();
+            for (int t = 0; t < 4; t++)
+                _mm512_storeu_si512(pi + c + 32 * t,
+                                    _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_permutex2var_epi16(run[0], pick[t], run[1]),
+                                                            _mm512_permutex2var_epi16(run[2], pick[t], run[3])));
+        }
+        for (int64_t grp = 0; grp < k / g; grp++) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t t = grp * g; t < (grp + 1) * g; t += 16) /* bfloat16 to float32: the bits shifted up */
+                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xi + t))), 16)));
+            xsum[i * (k / g) + grp] = _mm512_reduce_add_ps(sum);
+        }
+    }
+}
+#endif
+
+const char *gemv_int4_variant(void) {
+#if defined(INT4_DPBF16)
+    return "avx512bf16";
+#elif HALF_VW == 16
+    return "avx512";
+#elif HALF_VW == 8
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}
+
 /* sums of a block of rows j .. j + rows for GEMV_ROW_BLOCKS (inside gemv_int4_M, whose locals it reads) */
 #define INT4_BLOCK(M, j, rows, sums)                                                                              \
     block_i4(x, ldx, xsum, u + (j) * ldu, ldu, s + (j) * lds, z ? z + (j) * lds : NULL, lds, k, g, M, rows, sums)
@@ -184,30 +365,64 @@ static inline __attribute__((always_inline)) void block_i4(const float *restrict
 DEFINE_INT4_M(1) DEFINE_INT4_M(2) DEFINE_INT4_M(3) DEFINE_INT4_M(4)
 DEFINE_INT4_M(5) DEFINE_INT4_M(6) DEFINE_INT4_M(7) DEFINE_INT4_M(8)
 
-/* x [m, k] float32 (row stride ldx), u [n, k / 2] nibbles (the layout above) contiguous, scales [n, k / g]
- * float32 contiguous, zeros NULL (symmetric) or [n, k / g] float32 (8 + zero point), out [m, n] (row stride
- * ldo) float32 (out_kind 0), bfloat16 (1) or float16 (2). More than 8 rows go 8 at a time, each pass
- * streaming the weight again (the caller's crossover decides how many). Returns -1 (nothing written)
- * unless m >= 1, g is a multiple of 32 and k of g. */
-int gemv_int4_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *u, const float *scales,
-                     const float *zeros, int64_t g, int64_t n, void *out, int64_t ldo, int out_kind) {
-    static void (*const by_rows[INT4_GEMV_MAX_ROWS + 1])(const float *, int64_t, const float *, int64_t,
-                                                         const uint8_t *, const float *, const float *, int64_t,
-                                                         int64_t, void *, int64_t, int) = {
+/* x [m, k] (row stride ldx) float32 (x_kind 0), bfloat16 (1) or float16 (2); u [n, k / 2] nibbles (the layout
+ * above) contiguous, scales [n, k / g] float32 contiguous, zeros NULL (symmetric) or [n, k / g] float32 (8 + zero
+ * point), out [m, n] (row stride ldo) float32 (out_kind 0), bfloat16 (1) or float16 (2). More than 8 rows go 8 at
+ * a time, each pass streaming the weight again (the caller's crossover decides how many). bfloat16 x takes
+ * vdpbf16ps where the CPU has it (gemv_int4_variant()), the others float32 sums of x widened. Returns -1
+ * (nothing written) unless m >= 1, g is a multiple of 32 and k of g; -2 if a buffer for x could not be had. */
+int gemv_int4_blocks(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, const uint8_t *u,
+                     const float *scales, const float *zeros, int64_t g, int64_t n, void *out, int64_t ldo,
+                     int out_kind) {
+    typedef void (*by_rows_fn)(const float *, int64_t, const float *, int64_t, const uint8_t *, const float *,
+                               const float *, int64_t, int64_t, void *, int64_t, int);
+    static const by_rows_fn by_rows[INT4_GEMV_MAX_ROWS + 1] = {
         NULL, gemv_int4_1, gemv_int4_2, gemv_int4_3, gemv_int4_4, gemv_int4_5, gemv_int4_6, gemv_int4_7, gemv_int4_8};
-    if (m < 1 || g < INT4_CHUNK || g % INT4_CHUNK || k % g) return -1;
+    if (m < 1 || g < INT4_CHUNK || g % INT4_CHUNK || k % g || x_kind < 0 || x_kind > 2) return -1;
     const int64_t size = out_kind == 0 ? 4 : 2, groups = k / g;
+    const int64_t pass = m < INT4_GEMV_MAX_ROWS ? m : INT4_GEMV_MAX_ROWS;
     float xsum[INT4_GEMV_MAX_ROWS * groups]; /* a few KB: 8 rows x K / 32 at most */
+#if defined(INT4_DPBF16)
+    if (x_kind == 1) {
+        typedef void (*dpbf16_fn)(const uint16_t *, int64_t, const float *, int64_t, const uint8_t *, const float *,
+                                  const float *, int64_t, int64_t, void *, int64_t, int);
+        static const dpbf16_fn by_rows_dpbf16[INT4_GEMV_MAX_ROWS + 1] = {
+            NULL, gemv_int4_dpbf16_1, gemv_int4_dpbf16_2, gemv_int4_dpbf16_3, gemv_int4_dpbf16_4,
+            gemv_int4_dpbf16_5, gemv_int4_dpbf16_6, gemv_int4_dpbf16_7, gemv_int4_dpbf16_8};
+        const int64_t ldxp = (k + INT4_STEP - 1) / INT4_STEP * INT4_STEP;
+        uint16_t *xp = malloc((size_t)(pass * ldxp) * sizeof *xp);
+        if (!xp) return -2;
+        for (int64_t i = 0; i < m; i += INT4_GEMV_MAX_ROWS) {
+            const int64_t rows = m - i < INT4_GEMV_MAX_ROWS ? m - i : INT4_GEMV_MAX_ROWS;
+            arrange_bf16_x((const uint16_t *)x + i * ldx, ldx, rows, k, g, xp, ldxp, xsum);
+            by_rows_dpbf16[rows](xp, ldxp, xsum, k, u, scales, zeros, g, n, (char *)out + i * ldo * size, ldo,
+                                 out_kind);
+        }
+        free(xp);
+        return 0;
+    }
+#endif
+    float *widened = NULL; /* half x as float32, a pass at a time */
+    if (x_kind != 0 && !(widened = malloc((size_t)(pass * k) * sizeof *widened))) return -2;
     for (int64_t i = 0; i < m; i += INT4_GEMV_MAX_ROWS) {
         const int64_t rows = m - i < INT4_GEMV_MAX_ROWS ? m - i : INT4_GEMV_MAX_ROWS;
+        const float *xf = (const float *)x + i * ldx;
+        int64_t ldf = ldx;
+        if (widened) {
+            for (int64_t row = 0; row < rows; row++)
+                for (int64_t t = 0; t < k; t++)
+                    widened[row * k + t] = half_to_f32(((const uint16_t *)x)[(i + row) * ldx + t], x_kind == 1);
+            xf = widened;
+            ldf = k;
+        }
         for (int64_t row = 0; row < (HALF_VW == 16 ? 0 : rows); row++) /* the factored form's group sums of x */
             for (int64_t grp = 0; grp < groups; grp++) {
                 float sum = 0.0f;
-                for (int64_t t = grp * g; t < (grp + 1) * g; t++) sum += x[(i + row) * ldx + t];
+                for (int64_t t = grp * g; t < (grp + 1) * g; t++) sum += xf[row * ldf + t];
                 xsum[row * groups + grp] = sum;
             }
-        by_rows[rows](x + i * ldx, ldx, xsum, k, u, scales, zeros, g, n, (char *)out + i * ldo * size, ldo,
-                      out_kind);
+        by_rows[rows](xf, ldf, xsum, k, u, scales, zeros, g, n, (char *)out + i * ldo * size, ldo, out_kind);
     }
+    free(widened);
     return 0;
 }

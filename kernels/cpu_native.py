@@ -76,7 +76,8 @@ _SIGNATURES = {
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_q8_0": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_int],
     "q8_0_variant": [],
-    "gemv_int4_blocks": [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
+    "gemv_int4_blocks": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
+    "gemv_int4_variant": [],
     "w8a8_linear": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int, _P],
     "w8a8_variant": [],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
@@ -87,7 +88,7 @@ _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
              "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
-             "gemv_q8_0": ctypes.c_int, "q8_0_variant": ctypes.c_char_p,
+             "gemv_q8_0": ctypes.c_int, "q8_0_variant": ctypes.c_char_p, "gemv_int4_variant": ctypes.c_char_p,
              "w8a8_linear": ctypes.c_int, "w8a8_variant": ctypes.c_char_p,
              **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "lora_shrink_expand": ctypes.c_int}
 # The kernels' name for each dtype they take (their symbols end in it).
@@ -539,24 +540,35 @@ def gemv_int4_blocks(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     """x [M, K] (M >= 1, GEMV_MAX_ROWS at a time; float32, bfloat16 or float16) @ W.T, W[j, t] = (nibble -
     z) * scale per group of ``group`` inputs (a multiple of 32 dividing K): ``packed`` [N, K / 2] uint8
     (pack_int4_blocks), ``scales`` [N, K / group] float32, ``zeros`` None (z = 8, symmetric) or [N, K / group]
-    float32 (8 + zero point). [M, N] in ``out_dtype`` (default x's), float32 sums (kernels/cpu_gemv_int4.c)."""
+    float32 (8 + zero point). [M, N] in ``out_dtype`` (default x's), float32 sums (kernels/cpu_gemv_int4.c;
+    bfloat16 x by vdpbf16ps where gemv_int4_variant() says avx512bf16)."""
     rows, k = x.shape
     n = packed.shape[0]
     if group <= 0 or group % INT4_CHUNK or k % group:
         raise ValueError(f"gemv_int4_blocks: groups of {group} do not tile {k} inputs in runs of {INT4_CHUNK}")
     groups = (n, k // group)
     if (packed.dtype != torch.uint8 or packed.shape != (n, k // 2) or scales.dtype != torch.float32
-            or scales.shape != groups or rows < 1
+            or scales.shape != groups or rows < 1 or x.dtype not in _GEMV_OUT
             or (zeros is not None and (zeros.dtype != torch.float32 or zeros.shape != groups))):
         raise ValueError("gemv_int4_blocks: x, the weight and its scales do not match")
-    xf = x.float().contiguous()
+    x = x.contiguous()  # read in its own dtype: the kernel widens (or, bfloat16, multiplies) it
     out = torch.empty(rows, n, dtype=out_dtype or x.dtype)
-    if (lib or library()).gemv_int4_blocks(xf.data_ptr(), k, rows, k, packed.contiguous().data_ptr(),
-                                           scales.contiguous().data_ptr(),
-                                           None if zeros is None else zeros.contiguous().data_ptr(), group, n,
-                                           out.data_ptr(), n, _GEMV_OUT[out.dtype]):
+    status = (lib or library()).gemv_int4_blocks(x.data_ptr(), _GEMV_OUT[x.dtype], k, rows, k,
+                                                 packed.contiguous().data_ptr(), scales.contiguous().data_ptr(),
+                                                 None if zeros is None else zeros.contiguous().data_ptr(), group, n,
+                                                 out.data_ptr(), n, _GEMV_OUT[out.dtype])
+    if status == -2:
+        raise MemoryError("gemv_int4_blocks: no memory for x's copy")
+    if status:
         raise ValueError("gemv_int4_blocks: the kernel refused the shapes")
     return out
+
+
+def gemv_int4_variant(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
+    """How gemv_int4_blocks() multiplies here: "avx512bf16" (bfloat16 x by vdpbf16ps; other dtypes as "avx512"),
+    "avx512" (a 16-entry table of a group's float32 weights), "avx2" or "scalar"; None without the library."""
+    lib = lib or library()
+    return None if lib is None else lib.gemv_int4_variant().decode()
 
 
 W8A8_PANEL = 16  # cpu_gemm_w8a8.c: a packed W8A8 weight's output columns per panel, 4 inputs per int32 lane

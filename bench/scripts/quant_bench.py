@@ -35,6 +35,7 @@ apply_torch_env_defaults()  # as a worker does, before torch loads
 import torch  # noqa: E402
 
 from pagedserve.bench.shapes import SHAPES, ensure_shape_model, shape_cache_dir  # noqa: E402
+from pagedserve.kernels import cpu_native  # noqa: E402
 from pagedserve.protocol.messages import AddRequest, SamplingParams, WorkerInit  # noqa: E402
 from pagedserve.scheduler_proc.config import SchedulerConfig  # noqa: E402
 from pagedserve.scheduler_proc.scheduler import Scheduler  # noqa: E402
@@ -286,15 +287,20 @@ def main() -> None:
     clock = time.thread_time if ns.clock == "cpu" else time.perf_counter
     print(f"read bandwidth at {torch.get_num_threads()} threads: {read_bandwidth_gbs(clock):.1f} GB/s (a sum over "
           f"1 GiB, {ns.clock} clock; the weights' GB/s below are the bytes a decode step reads / its time)")
-    print(f"{'model':<14} {'decode ms':>10} {'(min-max)':>16} {'prefill tok/s':>14} {'quantized MiB':>18} "
-          f"{'step MiB':>9} {'GB/s':>6}")
+    if ql.int8_blocks_kernel():  # which instructions the W4A16 rows' GEMVs run (the worker's log names them too)
+        print(f"int4 GEMV: {cpu_native.gemv_int4_variant()} (kernels/cpu_gemv_int4.c)")
+    print(f"{'model':<14} {'decode ms':>10} {'(min-max)':>16} {'x float':>8} {'prefill tok/s':>14} "
+          f"{'quantized MiB':>18} {'step MiB':>9} {'GB/s':>6}")
+    float_decode = None
     for name, model_dir in dirs.items():
         r = time_model(model_dir, ns.dtype, ns.prefill_tokens, ns.decode_steps, ns.repeats, clock,
                        widen_q8_0=name == "gguf_q8_0_widened")
         lo, hi = r["decode_spread"]
         mib = f"{r['qbytes'] / 2**20:.0f}" if r["qbytes"] else "-"
-        print(f"{name:<14} {r['decode']:>10.2f} {f'({lo:.1f}-{hi:.1f})':>16} {r['prefill']:>14.0f} {mib:>18} "
-              f"{r['step_bytes'] / 2**20:>9.0f} {r['step_bytes'] / r['decode'] / 1e6:>6.1f}", flush=True)
+        float_decode = float_decode or r["decode"]  # dirs' first: the float model, this run's own
+        print(f"{name:<14} {r['decode']:>10.2f} {f'({lo:.1f}-{hi:.1f})':>16} {float_decode / r['decode']:>7.2f}x "
+              f"{r['prefill']:>14.0f} {mib:>18} {r['step_bytes'] / 2**20:>9.0f} "
+              f"{r['step_bytes'] / r['decode'] / 1e6:>6.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -82,11 +82,12 @@ def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) ->
     def matmul_phase(x, w, *a, **k) -> str:  # w: a models/linear.py LinearWeight
         phase = "lm_head matmul" if w is lm_head else "matmuls"
         out_features, in_features = w.out_features, x.shape[1]
-        quantized = getattr(w, "quantized", None)  # a quantized layer: the bytes it holds (integers and scales)
-        weight_bytes = quantized.nbytes if quantized is not None else out_features * in_features * next(
-            t for t in (w.panels, w.packed, w.weight) if t is not None).element_size()
         timer.work[f"{phase} flops"] += 2 * x.shape[0] * out_features * in_features
-        timer.work[f"{phase} weight bytes"] += weight_bytes
+        if getattr(w, "quantized", None) is not None:  # its integers, scales and zero points as stored
+            timer.work[f"{phase} weight bytes"] += w.quantized.nbytes
+        else:
+            element = next(t for t in (w.panels, w.packed, w.weight) if t is not None).element_size()
+            timer.work[f"{phase} weight bytes"] += out_features * in_features * element
         return phase
 
     def attention_phase(ops, q, k, v, k_cache, v_cache, block_tables, query_start_loc, seq_lens, *a, **kw) -> str:

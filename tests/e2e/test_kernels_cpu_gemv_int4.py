@@ -2,7 +2,10 @@
 or with a zero point: GGUF's Q4_0, compressed-tensors' W4A16) as built for every x86-64 level this CPU runs
 (tests/support/cpu_variants.py; this CPU's own build needs no compiler run, the other levels are slow),
 against its torch reference in float64 (the dequantized weight (nibble - z) * scale) within float32 sums,
-at 1-8 rows and more, 8 at a time; the bits whatever the thread count; refusals that keep its reads in bounds."""
+at 1-8 rows and more, 8 at a time; the bits whatever the thread count; refusals that keep its reads in bounds.
+bfloat16 x on the avx512bf16 variant multiplies by vdpbf16ps, each nibble u as the bfloat16 1 + u / 128: the
+products are exact (x is not rounded: it is bfloat16 already), the sums float32, so the same bound holds with
+the terms it sums, |x| (128 + u) and (128 + z) |x| a weight (times the scale), in place of |x| u and z |x|."""
 
 from __future__ import annotations
 
@@ -20,7 +23,10 @@ pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="native CPU
 # (inputs, outputs, group, asymmetric): Q4_0's 32 over a 0.5B's shapes and odd row counts (the last rows of a
 # block of R), compressed-tensors' 128 both ways, a per-channel weight (one group spanning the row)
 SHAPES = [(896, 2 * 896 + 256, 32, False), (4864, 37, 32, False), (96, 1, 32, False), (256, 61, 128, False),
-          (384, 9, 128, True), (224, 13, 224, True)]
+          (384, 9, 128, True), (224, 13, 224, True),
+          # groups of 64 and 96 (the vdpbf16ps form's 128-input steps span 2 groups, or parts of two), and K = 896
+          # g128 asymmetric (the 0.5B's projections with zero points)
+          (640, 11, 64, True), (480, 21, 96, False), (896, 33, 128, True)]
 
 
 def _groups(n: int, k: int, group: int, asym: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -34,19 +40,20 @@ def _groups(n: int, k: int, group: int, asym: bool, seed: int) -> tuple[torch.Te
 
 
 def reference(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-              group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x @ W.T in float64, the float32 sums' bound). W = (nibble - z) * scale; the kernel sums nibble * x per
-    group and takes z * (the group's sum of x) off, so its roundings scale with |x| . (nibble + z) * scale."""
+              group: int, bias: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ W.T in float64, the float32 sums' bound). W = (nibble - z) * scale; the kernel sums (bias + nibble)
+    * x per group and takes (bias + z) * (the group's sum of x) off, so its roundings scale with |x| . (nibble +
+    z + 2 bias) * scale: bias 0 for the float32 forms, 128 for vdpbf16ps (its words are 1 + nibble / 128)."""
     n, k = nibbles.shape
     z = torch.full_like(scales, 8.0) if zeros is None else zeros
     u = nibbles.double().view(n, k // group, group)
     w = ((u - z.double().unsqueeze(-1)) * scales.double().unsqueeze(-1)).view(n, k)
-    w_abs = ((u + z.double().unsqueeze(-1)) * scales.double().unsqueeze(-1)).view(n, k)
+    w_abs = ((u + z.double().unsqueeze(-1) + 2 * bias) * scales.double().unsqueeze(-1)).view(n, k)
     xd = x.double()
     return xd @ w.t(), 2 * k * 2.0**-23 * (xd.abs() @ w_abs.t())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 19])  # 19: three passes of up to 8
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 19])  # each row count's own blocks; 19: three passes
 @pytest.mark.parametrize("k,n,group,asym", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_every_variant_is_the_dequantized_weights_product_within_float32_sums(variant, rows, k, n, group, asym,
@@ -55,7 +62,9 @@ def test_every_variant_is_the_dequantized_weights_product_within_float32_sums(va
     packed = cpu_native.pack_int4_blocks(nibbles)
     assert packed.shape == (n, k // 2) and torch.equal(cpu_native.unpack_int4_blocks(packed), nibbles)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).to(dtype)
-    want, bound = reference(x, nibbles, scales, zeros, group)
+    assert cpu_native.gemv_int4_variant() == variant  # the instructions this build multiplies with
+    by_dpbf16 = variant == "avx512bf16" and dtype == torch.bfloat16
+    want, bound = reference(x, nibbles, scales, zeros, group, bias=128.0 if by_dpbf16 else 0.0)
     got = cpu_native.gemv_int4_blocks(x, packed, scales, zeros, group, out_dtype=torch.float32)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert ((got.double() - want).abs() <= bound).all()

@@ -11,7 +11,8 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
   inputs, every group with the channel's scale.
 - ``int4_blocks`` (the same weights, groups of a multiple of 32: W4A16, GGUF's Q4_0), where the native kernels
   are built: kernels/cpu_gemv_int4.c, the nibbles unpacked and scaled in registers, float32 sums, 8 rows a
-  pass, in every dtype (float32 too: no dequantized copy); from 128 rows the dequantized weight.
+  pass, in every dtype (float32 too: no dequantized copy; bfloat16 x by vdpbf16ps where the CPU has
+  AVX512-BF16, float32 and float16 x unrounded); from 128 rows the dequantized weight.
 - ``int8`` (W8A16 per channel): torch's ``_weight_int8pack_mm``, x @ (q * scale).T; an asymmetric
   weight subtracts rowsum(x) * zero_point * scale after.
 - ``int8_blocks`` (W8A16 in groups of a multiple of 16, symmetric: GGUF's Q8_0, compressed-tensors'
@@ -223,6 +224,10 @@ def describe_ops(layers: list) -> Optional[str]:
         if kind == "w8a8" and w8a8_kernel():
             variant = cpu_native.w8a8_variant()
             return f"native int8 GEMM, x quantized per token on entry ({variant}, kernels/cpu_gemm_w8a8.c)"
+        if kind == "int4_blocks":
+            variant = cpu_native.gemv_int4_variant()
+            how = "; bfloat16 x by vdpbf16ps" if variant == "avx512bf16" else ""
+            return f"native int4 GEMV ({variant}{how}, kernels/cpu_gemv_int4.c)"
         return _OPS[kind]
     return "; ".join(f"{kind}: {op(kind)}{above(_KIND_OF_OP.get(kind, kind))}" for kind in kinds) if kinds else None
 
