@@ -52,9 +52,10 @@ def build_streamed_model_dir(path: str | Path, arch: str = "qwen3_moe", *, hidde
         bos_token_id=None, pad_token_id=tokenizer.pad_token_id, initializer_range=initializer_range,
         dtype=dtype)
     config.save_pretrained(path)
-    # The hub's Qwen3-MoE config spells these as transformers 4 reads them (vLLM's environment has one)
+    # What save_pretrained of a model writes and a bare config does not (llama.cpp's converter picks its
+    # class by it), and the hub's Qwen3-MoE spellings that transformers 4 reads (vLLM's environment has one)
     written = json.loads((path / "config.json").read_text())
-    written.update(num_experts=num_experts, rope_theta=rope_theta)
+    written.update(architectures=["Qwen3MoeForCausalLM"], num_experts=num_experts, rope_theta=rope_theta)
     (path / "config.json").write_text(json.dumps(written, indent=2))
     transformers.GenerationConfig(eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
     tokenizer.save_pretrained(path)
