@@ -53,7 +53,7 @@ def build_streamed_model_dir(path: str | Path, arch: str = "qwen3_moe", *, hidde
         dtype=dtype)
     config.save_pretrained(path)
     # What save_pretrained of a model writes and a bare config does not (llama.cpp's converter picks its
-    # class by it), and the hub's Qwen3-MoE spellings that transformers 4 reads (vLLM's environment has one)
+    # class by it), and the hub's Qwen3-MoE spellings (num_experts, a top-level rope_theta) older readers look for
     written = json.loads((path / "config.json").read_text())
     written.update(architectures=["Qwen3MoeForCausalLM"], num_experts=num_experts, rope_theta=rope_theta)
     (path / "config.json").write_text(json.dumps(written, indent=2))

@@ -31,7 +31,7 @@ def test_a_streamed_qwen3_moe_loads_in_transformers_with_every_tensor_and_gives_
             assert {k for k, v in index["weight_map"].items() if v == shard} == set(f.keys())
     _, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    # the hub's spellings that transformers 4 and llama.cpp's converter read
+    # what llama.cpp's converter picks its class by, and the hub's spelling of the expert count
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == TINY["num_experts"]
     prompts = random_prompts(PROMPT_LENGTHS, vocab_size=512, seed=8)
