@@ -3,6 +3,8 @@
 Random weights (no download), built once into a cache directory by the demo-model code, so
 a run measures the same model every time. ``0.5b`` is Qwen2.5-0.5B's shape in float32
 (about 2 GB on disk): compute-bound on a CPU, where the matmuls should set the pace.
+``qwen3-moe-a3b-12l`` (issue 52, ~15.5 GB in bfloat16) is written layer by layer instead
+(``streamed_model.py``): building it in memory would not fit beside other work.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ class BenchShape:
     num_prompts: int = 64
     input_len: tuple[int, int] = (16, 64)
     output_len: int = 64
+    # written tensor by tensor (bench/streamed_model.py) rather than by build_model_dir: too large for memory
+    streamed: bool = False
 
 
 SHAPES = {s.name: s for s in (
@@ -54,6 +58,16 @@ SHAPES = {s.name: s for s in (
                                   tie_word_embeddings=True, rope_theta=1000000.0, seed=1234,
                                   initializer_range=0.02),
                num_prompts=1, input_len=(16, 64), output_len=256),
+    # Issue 52's MoE: Qwen3-30B-A3B's shape (32 query heads, 4 KV heads, head_dim 128, 128 experts, top 8,
+    # moe_intermediate 768, no shared expert, vocab 151936) with its 48 layers cut to 12: 7.25 G expert
+    # parameters, ~15.5 GB in bfloat16 with attention and embeddings. Qwen3's initializer_range (0.02),
+    # which keeps activations finite in bfloat16; decode-heavy: 64 prompts of 16-64 tokens, 256 new.
+    BenchShape("qwen3-moe-a3b-12l", dict(arch="qwen3_moe", hidden_size=2048, num_layers=12, num_heads=32,
+                                         num_kv_heads=4, head_dim=128, intermediate_size=6144, num_experts=128,
+                                         num_experts_per_tok=8, moe_intermediate_size=768, vocab_size=151936,
+                                         max_position_embeddings=4096, rope_theta=1e6, norm_topk_prob=True,
+                                         seed=1234, dtype="bfloat16", initializer_range=0.02),
+               num_prompts=64, input_len=(16, 64), output_len=256, streamed=True),
 )}
 
 # Draft models for speculative decoding's draft_model (issue 33): ``ensure_draft_model`` builds
@@ -74,6 +88,7 @@ def shape_cache_dir() -> Path:
 
 def ensure_shape_model(shape: BenchShape) -> Path:
     """The shape's model directory, written on first use."""
+    from pagedserve.bench.streamed_model import build_streamed_model_dir
     from pagedserve.tools.demo_model import build_model_dir
 
     path = shape_cache_dir() / shape.name
@@ -82,7 +97,8 @@ def ensure_shape_model(shape: BenchShape) -> Path:
         partial = path.with_name(f"{shape.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         model = dict(shape.model)
-        build_model_dir(partial, model.pop("arch", "qwen2"), **model)
+        build = build_streamed_model_dir if shape.streamed else build_model_dir
+        build(partial, model.pop("arch", "qwen2"), **model)
         shutil.rmtree(path, ignore_errors=True)
         partial.rename(path)  # a run killed while writing leaves no half model behind
     return path

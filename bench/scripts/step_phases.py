@@ -13,7 +13,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-PHASES = ("matmuls", "lm_head matmul", "attention", "KV write", "rotary", "norms and activations",
+PHASES = ("matmuls", "lm_head matmul", "routed experts", "attention", "KV write", "rotary", "norms and activations",
           "sampling", "input preparation", "cache ops", "IPC encode/decode", "other (in forward)")
 
 
@@ -74,7 +74,7 @@ def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) ->
     """Wrap what ``ModelRunner.execute`` calls; ``runner`` is a ModelRunner."""
     from pagedserve.worker_proc import model_runner, sampler
     from pagedserve.worker_proc.kv_cache import KVCache
-    from pagedserve.worker_proc.models import causal_lm, decoder_layer
+    from pagedserve.worker_proc.models import causal_lm, decoder_layer, moe
 
     timer = PhaseTimer(clock)
     lm_head = runner.model.lm_head
@@ -90,6 +90,12 @@ def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) ->
             timer.work[f"{phase} weight bytes"] += out_features * in_features * element
         return phase
 
+    def expert_phase(x, w, *a, **k) -> str:
+        element = next(t for t in (w.gemv_panels, w.panels, w.packed, w.weight) if t is not None).element_size()
+        timer.work["routed experts flops"] += 2 * x.shape[0] * w.out_features * x.shape[1]
+        timer.work["routed experts weight bytes"] += w.out_features * x.shape[1] * element
+        return "routed experts"
+
     def attention_phase(ops, q, k, v, k_cache, v_cache, block_tables, query_start_loc, seq_lens, *a, **kw) -> str:
         # the K and V rows every sequence reads (its whole context; a sliding window reads less)
         timer.work["KV bytes"] += 2 * int(seq_lens.sum()) * k[0].numel() * k_cache.element_size()
@@ -98,6 +104,9 @@ def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) ->
     timer.wrap(decoder_layer, "linear", matmul_phase)  # models/linear.py: F.linear or W @ x.T
     timer.wrap(causal_lm, "linear", matmul_phase)
     timer.wrap(decoder_layer, "silu_gate", matmul_phase)  # gate_up with its SiLU gate (a nested silu_mul apart)
+    # a mixture of experts' products (models/moe.py): the experts the step's tokens activate, each read once
+    timer.wrap(moe, "linear", expert_phase)
+    timer.wrap(moe, "silu_gate", expert_phase)
     timer.wrap(decoder_layer, "attend", attention_phase)
     timer.wrap(runner.ops, "write_kv", "KV write")
     elementwise = type(runner.model.elementwise)
@@ -163,13 +172,19 @@ def format_limits(work: dict[str, float], phases: dict[str, float], step_s: floa
     matmul_s = phases.get("matmuls", 0.0) + phases.get("lm_head matmul", 0.0)
     flops = work.get("matmuls flops", 0.0) + work.get("lm_head matmul flops", 0.0)
     weights = work.get("matmuls weight bytes", 0.0) + work.get("lm_head matmul weight bytes", 0.0)
+    experts = work.get("routed experts weight bytes", 0.0)
     peak, read = med(limits["packed matmul TFLOP/s"]), med(limits["read GB/s (sum)"])
     lines = [f"  matmuls: {flops / 1e9:.1f} GFLOP in {1e3 * matmul_s:.1f} ms: {flops / matmul_s / 1e12:.3f} TFLOP/s, "
              f"{100 * flops / matmul_s / 1e12 / peak:.0f}% of the packed {peak:.3f}",
              f"  weights: {weights / 1e9:.3f} GB read by the matmuls: {weights / matmul_s / 1e9:.1f} GB/s "
              f"({100 * weights / matmul_s / 1e9 / read:.0f}% of the {read:.1f} GB/s read bandwidth)",
              f"  step: weights + KV ({work.get('KV bytes', 0.0) / 1e9:.3f} GB) over the whole step: "
-             f"{(weights + work.get('KV bytes', 0.0)) / step_s / 1e9:.1f} GB/s"]
+             f"{(weights + experts + work.get('KV bytes', 0.0)) / step_s / 1e9:.1f} GB/s"]
+    experts_s = phases.get("routed experts", 0.0)
+    if experts and experts_s:
+        lines.insert(2, f"  routed experts: {experts / 1e9:.3f} GB of activated experts in {1e3 * experts_s:.1f} ms: "
+                        f"{experts / experts_s / 1e9:.1f} GB/s ({100 * experts / experts_s / 1e9 / read:.0f}% of the "
+                        f"read bandwidth), {work.get('routed experts flops', 0.0) / experts_s / 1e12:.3f} TFLOP/s")
     return "\n".join(lines)
 
 

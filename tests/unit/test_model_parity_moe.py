@@ -300,3 +300,31 @@ def test_mxfp4_is_refused_in_one_line_for_an_architecture_that_does_not_dequanti
         parse_quantization_config({**mxfp4, "architectures": ["MixtralForCausalLM"]})
     with pytest.raises(QuantizationConfigError, match="^--quantization compressed-tensors does not match"):
         parse_quantization_config({**mxfp4, "architectures": ["GptOssForCausalLM"]}, "compressed-tensors")
+
+
+def test_experts_of_a_model_too_large_for_two_layouts_keep_one_copy_and_give_transformers_tokens(tmp_path,
+                                                                                                   monkeypatch):
+    """Past GEMV_TWO_LAYOUTS_MAX_BYTES the dense layers keep the weight as loaded for cpu_gemv.c (beside its
+    bfloat16 panels); the experts, nearly all of a MoE's bytes, keep oneDNN's packed weight alone (issue 52:
+    15.5 GB of them would not fit twice). Float32 under PAGEDSERVE_CPU_GEMV=1 takes that layout here, so the
+    tokens are checked exactly; the bfloat16 rule, where AVX512-BF16 makes the panels, keeps one copy too."""
+    from pagedserve.kernels import cpu_native
+    from pagedserve.worker_proc.models import linear
+    from pagedserve.worker_proc.models.moe import expert_layout
+
+    if cpu_native.library() is None or not linear.packed_linear_available(torch.float32):
+        pytest.skip("needs the native GEMV library and oneDNN's packed linear")
+    monkeypatch.setenv(linear.GEMV_ENV, "1")
+    monkeypatch.setattr(linear, "GEMV_TWO_LAYOUTS_MAX_BYTES", 0)
+    model_dir = build_model_dir(tmp_path / "m", **CASES["qwen3_moe_norm_topk_prob"])
+    runner = ModelRunner(str(model_dir))
+    gate_up, down = runner.model.layers[0].moe.experts[0]
+    for w in (gate_up, down):
+        assert w.packed is not None and w.weight is None and w.gemv_panels is None
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=512, seed=23)
+    assert_equal_to_oracle(model_dir, run(runner, prompts), prompts)
+    monkeypatch.delenv(linear.GEMV_ENV)
+    if cpu_native.supports_gemv_panels() and linear.packed_linear_available(torch.bfloat16):
+        layout = expert_layout(linear.weight_layout(torch.device("cpu"), 5 << 30, torch.bfloat16), torch.bfloat16)
+        w = linear.LinearWeight.of(torch.randn(96, 64).bfloat16(), None, layout, gate_size=48)
+        assert w.packed is not None and w.weight is None and w.gemv_panels is None

@@ -19,7 +19,12 @@ How the experts run, chosen once at load and named in the worker log:
   cpu_linear.c's panels (AVX2 without AVX-512), oneDNN's packed weights (bfloat16 on AVX512-BF16,
   float32 models past the caches), or torch's. Measured against a per-expert loop over plain
   weights and a dense loop over every expert: bench/scripts/moe_cpu_bench.py, bench/log/2026-12-06.md
-  "CPU: mixture of experts".
+  "CPU: mixture of experts". A model too large for two layouts of each matrix (models/linear.py keeps
+  the weight as loaded beside cpu_gemv.c's panels there, twice its bytes) keeps its experts, nearly all
+  of its bytes, in oneDNN's packed layout alone (``expert_layout``): issue 52's 15.5 GB Qwen3-MoE would
+  not fit in 23 GiB twice, and per expert of Qwen3-30B-A3B's shape, read from DRAM, the packed call
+  matched the panels at 1-2 rows and beat them and the row-major GEMV at 4-160 (bench/log/2026-12-07.md,
+  "CPU: the Qwen3-MoE benchmark").
 - GPU: kernels/fused_moe.py (Triton; vLLM's moe_align_block_size and grouped GEMM) over the
   experts stacked as [E, 2I, H] and [E, H, I]; the torch reference where the kernels are torch's.
 
@@ -59,7 +64,8 @@ from pagedserve.worker_proc.elementwise import Elementwise
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.expert_parallel import ExpertPlacement
-from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear, silu_gate
+from pagedserve.worker_proc.models.linear import (LinearWeight, WeightLayout, linear, packed_linear_available,
+                                                  silu_gate)
 from pagedserve.worker_proc.models.lora_experts import (DOWN, GATE_UP, ExpertDeltas, ExpertLoRA, MoeLayerLoRA,
                                                         expert_rows, shared_expert_lora)
 from pagedserve.worker_proc.models.lora_linear import LayerLoRA, LoRABatch, LoRAConfig
@@ -175,6 +181,7 @@ class SparseMoeBlock:
             downs = [source.get(e.format(i, down), dim=1, part=(a, b)) for i in held]
         no_biases = [None] * len(held)
         if device.type == "cpu":
+            layout = expert_layout(layout, dtype)
             # A clamped SwiGLU multiplies through linear(): no panels interleaved for silu_gate. Nor with LoRA
             # where the native panels would interleave them.
             gate_size = 0 if self.activation is not None or (lora and layout.native) else size
@@ -361,6 +368,16 @@ def expert_runs(rows: torch.Tensor, counts: list[int], experts: list[tuple[Linea
             outs.append(out)
             start += count
     return torch.cat(outs) if outs else rows.new_zeros(0, rows.shape[1])
+
+
+def expert_layout(layout: WeightLayout, dtype: torch.dtype) -> WeightLayout:
+    """The routed experts' layout on CPU: the model's, but oneDNN's packed weight alone where the model keeps
+    cpu_gemv.c's layouts without a packed copy (too large for two: the weight as loaded beside the panels is
+    already two) and oneDNN computes the dtype: one copy of the experts' bytes, and the faster per expert
+    (module docstring)."""
+    if layout.gemv and not layout.packed and packed_linear_available(dtype):
+        return WeightLayout(packed=True, plain=False)
+    return layout
 
 
 def _layout_name(w: LinearWeight) -> str:
