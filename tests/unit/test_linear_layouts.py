@@ -121,14 +121,19 @@ GEMV_BF16 = pytest.mark.skipif(cpu_native.gemv_variant() != "avx512bf16",
 
 
 @GEMV_BF16
-@pytest.mark.parametrize("weight_bytes,packed", [(100 * MIB, True), (2048 * MIB, True), (8192 * MIB, False)])
+@pytest.mark.parametrize("weight_bytes", [100 * MIB, 2048 * MIB, 8192 * MIB])
 def test_bfloat16_on_avx512_bf16_keeps_the_weight_for_few_rows_and_packs_it_beside_where_that_fits(
-        monkeypatch, weight_bytes, packed):
+        monkeypatch, weight_bytes):
     monkeypatch.setenv(lin.GEMV_ENV, "")
-    packed = packed and lin.packed_linear_available(torch.bfloat16)
+    packed = lin.packed_linear_available(torch.bfloat16)
+    layout = lin.weight_layout(CPU, weight_bytes, torch.bfloat16)
+    if weight_bytes > lin.GEMV_TWO_LAYOUTS_MAX_BYTES and packed:  # one copy: panels beside it would be two
+        assert layout == lin.WeightLayout(packed=True, plain=False)
+        w = lin.LinearWeight.of(torch.randn(48, 32, dtype=torch.bfloat16), None, layout)
+        assert w.gemv_panels is None and w.weight is None and w.packed is not None
+        return
     # the panels (made in LinearWeight.of) take 1-4 rows, the packed copy the rest; without it the weight as loaded
-    assert lin.weight_layout(CPU, weight_bytes, torch.bfloat16) == lin.WeightLayout(packed=packed, plain=not packed,
-                                                                                    gemv=True)
+    assert layout == lin.WeightLayout(packed=packed, plain=not packed, gemv=True)
     assert not lin.weight_layout(CPU, weight_bytes, torch.float32).gemv  # measured faster in bfloat16 only
     monkeypatch.setenv(lin.GEMV_ENV, "1")
     assert lin.weight_layout(CPU, weight_bytes, torch.float32).gemv
@@ -140,7 +145,8 @@ def test_bfloat16_on_avx512_bf16_keeps_the_weight_for_few_rows_and_packs_it_besi
 @pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 32])
 @pytest.mark.parametrize("weight_bytes", [100 * MIB, 8192 * MIB])
 def test_bfloat16_rows_up_to_four_take_the_gemv_panels_and_more_the_packed_weight(monkeypatch, rows, weight_bytes):
-    """Without the packed copy (a model past GEMV_TWO_LAYOUTS_MAX_BYTES) 5-8 rows take the row-major GEMV."""
+    """A model past GEMV_TWO_LAYOUTS_MAX_BYTES keeps oneDNN's packed weight alone, which takes every row count
+    (without oneDNN's bfloat16 it keeps the weight as loaded, and 5-8 rows take the row-major GEMV)."""
     monkeypatch.setenv(lin.GEMV_ENV, "")
     calls = []
     for name in ("gemv", "gemv_panels"):
@@ -151,8 +157,9 @@ def test_bfloat16_rows_up_to_four_take_the_gemv_panels_and_more_the_packed_weigh
     out = lin.linear(torch.randn(rows, 32, dtype=torch.bfloat16), w)
     assert out.shape == (rows, 48)
     packed = w.packed is not None
-    expected = (["gemv_panels"] if rows <= lin.GEMV_PANEL_MAX_ROWS else
+    expected = ([] if not w.gemv else ["gemv_panels"] if rows <= lin.GEMV_PANEL_MAX_ROWS else
                 ["gemv"] if rows <= lin.GEMV_MAX_ROWS and not packed else [])
+    assert w.gemv == (weight_bytes <= lin.GEMV_TWO_LAYOUTS_MAX_BYTES or not lin.packed_linear_available(torch.bfloat16))
     assert calls == expected
 
 

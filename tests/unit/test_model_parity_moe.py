@@ -304,9 +304,9 @@ def test_mxfp4_is_refused_in_one_line_for_an_architecture_that_does_not_dequanti
 
 def test_experts_of_a_model_too_large_for_two_layouts_keep_one_copy_and_give_transformers_tokens(tmp_path,
                                                                                                    monkeypatch):
-    """Past GEMV_TWO_LAYOUTS_MAX_BYTES the dense layers keep the weight as loaded for cpu_gemv.c (beside its
-    bfloat16 panels); the experts, nearly all of a MoE's bytes, keep oneDNN's packed weight alone (issue 52:
-    15.5 GB of them would not fit twice). Float32 under PAGEDSERVE_CPU_GEMV=1 takes that layout here, so the
+    """Past GEMV_TWO_LAYOUTS_MAX_BYTES the dense layers keep one copy (oneDNN's packed weight in bfloat16, or,
+    with PAGEDSERVE_CPU_GEMV=1, the weight as loaded for cpu_gemv.c); the experts, nearly all of a MoE's
+    bytes, keep oneDNN's packed weight alone (issue 52: 15.5 GB of them would not fit twice). Float32 under PAGEDSERVE_CPU_GEMV=1 takes that layout here, so the
     tokens are checked exactly; the bfloat16 rule, where AVX512-BF16 makes the panels, keeps one copy too."""
     from pagedserve.kernels import cpu_native
     from pagedserve.worker_proc.models import linear

@@ -37,8 +37,9 @@ keeps the unpacked paths.
 0.988 GB on one core at ~90% of that core's read bandwidth where oneDNN's packed weight read it at ~80%
 (bench/RESULTS.md, "CPU: one stream at the memory's speed"); at 5-8 rows the panels' broadcasts of x
 cost more than oneDNN's packed call, which takes them and everything above (prefill, many streams), for
-models of up to ``GEMV_TWO_LAYOUTS_MAX_BYTES``; larger ones keep the weight as loaded instead of the
-packed copy: the row-major GEMV at 5-8 rows, F.linear above. ``PAGEDSERVE_CPU_GEMV=0`` turns it off,
+models of up to ``GEMV_TWO_LAYOUTS_MAX_BYTES``; larger ones keep one copy, oneDNN's packed weight, for
+every row count (two would not fit: issue 52's 15.5 GB MoE on a 23 GiB machine), or, without it, the
+weight as loaded: the row-major GEMV at 5-8 rows, F.linear above. ``PAGEDSERVE_CPU_GEMV=0`` turns it off,
 ``=1`` takes the row-major GEMV (up to 8 rows) in every dtype the kernel serves (float32 and float16
 widened, not measured as faster).
 
@@ -203,8 +204,13 @@ def weight_layout(device: torch.device, weight_bytes: int, dtype: torch.dtype = 
     if device.type != "cpu":
         return WeightLayout()
     if gemv_chosen(dtype):  # cpu_gemv.c for few rows (panels or the weight as loaded); oneDNN packed beside
-        packed = (weight_bytes <= GEMV_TWO_LAYOUTS_MAX_BYTES and env_switch(PACKED_ENV) is not False
-                  and packed_linear_available(dtype))
+        packed_ok = env_switch(PACKED_ENV) is not False and packed_linear_available(dtype)
+        if weight_bytes > GEMV_TWO_LAYOUTS_MAX_BYTES and packed_ok and _panels_for(dtype):
+            # the panels beside any second layout are two copies: a 15.5 GB MoE was killed for memory on a
+            # 23 GiB machine (bench/log/2026-12-07.md, third session); oneDNN's packed weight alone serves
+            # every row count, ~10% slower than the panels at one row
+            return WeightLayout(packed=True, plain=False)
+        packed = weight_bytes <= GEMV_TWO_LAYOUTS_MAX_BYTES and packed_ok
         plain = not packed or not _panels_for(dtype)  # the row-major GEMV and F.linear's weight where needed
         return WeightLayout(packed=packed, plain=plain, gemv=True)
     resident = weight_bytes <= CACHE_RESIDENT_MAX_BYTES
