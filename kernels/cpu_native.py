@@ -73,6 +73,7 @@ _SIGNATURES = {
     **{f"gemv_{suffix}": [_P, _I, _I, _I, _P, _I, _I, _P, ctypes.c_int, _P, _I, ctypes.c_int]
        for suffix in ("f32", "bf16", "f16")},
     "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
+    "gemv_gate_up_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int],
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_int4_blocks": [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "w8a8_linear": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int, _P],
@@ -84,6 +85,7 @@ _SIGNATURES = {
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
+             "gemv_gate_up_bf16": ctypes.c_int,
              "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
              "w8a8_linear": ctypes.c_int, "w8a8_variant": ctypes.c_char_p,
              **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "lora_shrink_expand": ctypes.c_int}
@@ -431,9 +433,15 @@ def supports_gemv_panels() -> bool:
     return gemv_variant() == "avx512bf16"
 
 
-def pack_gemv_panels(weight: torch.Tensor) -> torch.Tensor:
+def pack_gemv_panels(weight: torch.Tensor, gate_size: int = 0) -> torch.Tensor:
     """A bfloat16 weight [N, K] -> gemv_panels()'s layout [ceil(N/16), ceil(K/2), 16, 2], zero past N and K:
-    a panel's 16 rows with each row's k pair adjacent, one 64-byte line per k pair."""
+    a panel's 16 rows with each row's k pair adjacent, one 64-byte line per k pair. ``gate_size``: the weight
+    is a gated MLP's [gate; up] (gate_size rows each), packed for gemv_gate_up(): gate's panel b, then up's."""
+    if gate_size:
+        if weight.shape[0] != 2 * gate_size:
+            raise ValueError(f"pack_gemv_panels: {weight.shape[0]} rows are not a gate and an up of {gate_size}")
+        gate, up = pack_gemv_panels(weight[:gate_size]), pack_gemv_panels(weight[gate_size:])
+        return torch.stack([gate, up], dim=1).flatten(0, 1)
     n, k = weight.shape
     padded = torch.zeros(-(-n // 16) * 16, -(-k // 2) * 2, dtype=torch.bfloat16)
     padded[:n, :k] = weight
@@ -459,6 +467,31 @@ def gemv_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: 
     (lib or library()).gemv_panels_bf16(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), out_features,
                                         None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
                                         _GEMV_OUT[out_dtype])
+    return out
+
+
+def gemv_gate_up(x: torch.Tensor, panels: torch.Tensor, size: int, bias: Optional[torch.Tensor] = None,
+                 silu: bool = True, out_dtype: torch.dtype = torch.bfloat16,
+                 lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """x [M, K] bfloat16 (1 <= M <= GEMV_MAX_ROWS) @ a gated MLP's [gate; up] packed by pack_gemv_panels(w,
+    size) (+ bias [2 * size] bfloat16): ``silu``, silu(gate) * up [M, size] bfloat16, rounded as the model's
+    ops round; else [gate, up] [M, 2 * size] in ``out_dtype`` (bfloat16 or float32), as gemv_panels() gives."""
+    rows, k = x.shape
+    if (x.dtype != torch.bfloat16 or panels.dtype != torch.bfloat16 or panels.shape[1] != -(-k // 2)
+            or panels.shape[0] != 2 * -(-size // 16) or not 1 <= rows <= GEMV_MAX_ROWS
+            or (bias is not None and bias.shape != (2 * size,)) or (silu and out_dtype != torch.bfloat16)):
+        raise ValueError("gemv_gate_up: x, the panels and bias do not match")
+    if k % 2:  # the kernel reads x in pairs: the pad's products are 0 * 0
+        x = torch.cat([x, x.new_zeros(rows, 1)], dim=1)
+    elif x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    columns = size if silu else 2 * size
+    out = torch.empty(rows, columns, dtype=out_dtype)
+    (lib or library()).gemv_gate_up_bf16(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), size,
+                                         None if bias is None else bias.data_ptr(), out.data_ptr(), columns,
+                                         _GEMV_OUT[out_dtype], int(silu))
     return out
 
 

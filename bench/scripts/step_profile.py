@@ -132,10 +132,11 @@ def run(ns: argparse.Namespace) -> None:
     if gaps is not None:
         print(gaps.report())
     if ns.by_kind:
-        print("worker execute by step kind (median ms over steps of that kind):")
+        print("worker execute by step kind (ms over steps of that kind: median, and the minimum, what a step "
+              "costs when no other process takes a core from it):")
         for (kind, n), times in sorted(by_kind.items()):
             label = f"{n} decodes" if kind == "decode" else f"prefill, {n} tokens"
-            print(f"  {label:<24}{statistics.median(times):8.3f} ms  ({len(times)} steps)")
+            print(f"  {label:<24}{statistics.median(times):8.3f} ms  min {min(times):8.3f}  ({len(times)} steps)")
 
 
 def main() -> None:
