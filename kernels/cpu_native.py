@@ -48,6 +48,7 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_gemv_int4.c"): (),
            Path(__file__).with_name("cpu_gemm_w8a8.c"): (),
            Path(__file__).with_name("cpu_lora.c"): (),
+           Path(__file__).with_name("cpu_write_kv.c"): (),
            Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary_half.c"): ("-ffp-contract=off",),
@@ -74,6 +75,7 @@ _SIGNATURES = {
        for suffix in ("f32", "bf16", "f16")},
     "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
     "gemv_gate_up_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int],
+    "write_kv_rows": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I],
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_int4_blocks": [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "w8a8_linear": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int, _P],
@@ -85,7 +87,7 @@ _SIGNATURES = {
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
-             "gemv_gate_up_bf16": ctypes.c_int,
+             "gemv_gate_up_bf16": ctypes.c_int, "write_kv_rows": ctypes.c_int,
              "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
              "w8a8_linear": ctypes.c_int, "w8a8_variant": ctypes.c_char_p,
              **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "lora_shrink_expand": ctypes.c_int}
@@ -612,6 +614,32 @@ def w8a8_linear(x: torch.Tensor, panels: torch.Tensor, bias128: torch.Tensor, w_
 @functools.cache
 def _gemv_kernels(lib: ctypes.CDLL) -> dict:
     return {dtype: getattr(lib, f"gemv_{suffix}") for dtype, suffix in DTYPE_SUFFIXES.items()}
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """kernels/reference.py's write_kv in one call (kernels/cpu_write_kv.c): key and value [T, kv_heads, dim]
+    (rows may be strided, each row's heads and dims contiguous) into one layer's caches [blocks, block_size,
+    kv_heads, dim] of their dtype at flat slot ``slot_mapping[t]`` (int64; -1 skipped). False, with nothing
+    written, where the tensors are not ones it takes (the caller writes them); a slot past the cache is an error."""
+    if (key.dtype != k_cache.dtype or value.dtype != v_cache.dtype or key.dtype != value.dtype
+            or slot_mapping.dtype != torch.int64 or not (key.is_cpu and k_cache.is_cpu)
+            or key.dim() != 3 or key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]
+            or k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or not slot_mapping.is_contiguous() or slot_mapping.shape != key.shape[:1]):
+        return False
+    heads, dim = key.shape[1:]
+    if key.stride(2) != 1 or key.stride(1) != dim or value.stride(2) != 1 or value.stride(1) != dim:
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    elem = key.element_size()
+    if lib.write_kv_rows(key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
+                         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+                         heads * dim * elem, k_cache.shape[0] * k_cache.shape[1]):
+        raise IndexError("write_kv: a slot past the cache")
+    return True
 
 
 def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
