@@ -212,9 +212,15 @@ def kernel_variant() -> Optional[str]:
 
 def _native_dtype(*tensors: torch.Tensor) -> bool:
     """All on CPU in one dtype the kernels take, and the library built."""
+    # a loop, not all() over a generator: one stream's decode step asks this ~100 times, on the core the
+    # other waits for
     dtype = tensors[0].dtype
-    return (dtype in DTYPE_SUFFIXES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
-            and library() is not None)
+    if dtype not in DTYPE_SUFFIXES or library() is None:
+        return False
+    for t in tensors:
+        if t.dtype != dtype or not t.is_cpu:
+            return False
+    return True
 
 
 def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -266,9 +272,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     """x [T, heads, dim] (rows may be strided, as a view of qkv), cos/sin [P, dim/2] contiguous,
     positions [T] int64 < P (the caller's table covers them). Returns a new [T, heads, dim]."""
     tokens, heads, dim = x.shape
-    positions = positions.to(torch.int64).contiguous()
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
     out = torch.empty((tokens, heads, dim), dtype=x.dtype)
-    kernel = getattr(library(), f"rotary_{DTYPE_SUFFIXES[x.dtype]}")
+    kernel = _by_dtype(library(), "rotary")[x.dtype]
     kernel(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), out.data_ptr(), tokens,
            heads, dim)
     return out
@@ -424,7 +431,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         bias = bias.contiguous()
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=out_dtype or dtype)
-    _gemv_kernels(lib or library())[dtype](
+    _by_dtype(lib or library(), "gemv")[dtype](
         x.data_ptr(), x.stride(0), rows, k, weight.data_ptr(), weight.stride(0), n,
         None if bias is None else bias.data_ptr(), bias_f32, out.data_ptr(), n, _GEMV_OUT[out.dtype])
     return out
@@ -450,6 +457,18 @@ def pack_gemv_panels(weight: torch.Tensor, gate_size: int = 0) -> torch.Tensor:
     return padded.view(-1, 16, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def _panels_operands(x: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """x and bias as the panels' kernels read them: x's rows in k pairs (an odd K padded with a zero, whose
+    products are 0 * 0) with unit stride, bias contiguous bfloat16."""
+    if x.shape[1] % 2:
+        x = torch.cat([x, x.new_zeros(x.shape[0], 1)], dim=1)
+    elif x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        bias = bias.to(torch.bfloat16).contiguous()
+    return x, bias
+
+
 def gemv_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: Optional[torch.Tensor] = None,
                 out_dtype: torch.dtype = torch.bfloat16, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """x [M, K] bfloat16 (1 <= M <= GEMV_MAX_ROWS) @ the weight packed by pack_gemv_panels (+ bias [N]
@@ -459,12 +478,7 @@ def gemv_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: 
             or panels.shape[0] * 16 < out_features or not 1 <= rows <= GEMV_MAX_ROWS
             or (bias is not None and bias.shape != (out_features,))):
         raise ValueError("gemv_panels: x, the panels and bias do not match")
-    if k % 2:  # the kernel reads x in pairs: the pad's products are 0 * 0
-        x = torch.cat([x, x.new_zeros(rows, 1)], dim=1)
-    elif x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        bias = bias.to(torch.bfloat16).contiguous()
+    x, bias = _panels_operands(x, bias)
     out = torch.empty(rows, out_features, dtype=out_dtype)
     (lib or library()).gemv_panels_bf16(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), out_features,
                                         None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
@@ -483,12 +497,7 @@ def gemv_gate_up(x: torch.Tensor, panels: torch.Tensor, size: int, bias: Optiona
             or panels.shape[0] != 2 * -(-size // 16) or not 1 <= rows <= GEMV_MAX_ROWS
             or (bias is not None and bias.shape != (2 * size,)) or (silu and out_dtype != torch.bfloat16)):
         raise ValueError("gemv_gate_up: x, the panels and bias do not match")
-    if k % 2:  # the kernel reads x in pairs: the pad's products are 0 * 0
-        x = torch.cat([x, x.new_zeros(rows, 1)], dim=1)
-    elif x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        bias = bias.to(torch.bfloat16).contiguous()
+    x, bias = _panels_operands(x, bias)
     columns = size if silu else 2 * size
     out = torch.empty(rows, columns, dtype=out_dtype)
     (lib or library()).gemv_gate_up_bf16(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), size,
@@ -612,8 +621,10 @@ def w8a8_linear(x: torch.Tensor, panels: torch.Tensor, bias128: torch.Tensor, w_
 
 
 @functools.cache
-def _gemv_kernels(lib: ctypes.CDLL) -> dict:
-    return {dtype: getattr(lib, f"gemv_{suffix}") for dtype, suffix in DTYPE_SUFFIXES.items()}
+def _by_dtype(lib: ctypes.CDLL, kernel: str) -> dict:
+    """The library's ``kernel`` for each dtype that it has one for, looked up once."""
+    return {dtype: getattr(lib, f"{kernel}_{suffix}") for dtype, suffix in DTYPE_SUFFIXES.items()
+            if hasattr(lib, f"{kernel}_{suffix}")}
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -658,7 +669,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = residual.contiguous()
     d = x.shape[-1]
     out = torch.empty_like(x)
-    getattr(library(), f"rms_norm_{DTYPE_SUFFIXES[x.dtype]}")(
+    _by_dtype(library(), "rms_norm")[x.dtype](
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
         x.numel() // d if d else 0, d, eps)
     return out
