@@ -500,9 +500,10 @@ def gemv_gate_up(x: torch.Tensor, panels: torch.Tensor, size: int, bias: Optiona
     x, bias = _panels_operands(x, bias)
     columns = size if silu else 2 * size
     out = torch.empty(rows, columns, dtype=out_dtype)
-    (lib or library()).gemv_gate_up_bf16(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), size,
-                                         None if bias is None else bias.data_ptr(), out.data_ptr(), columns,
-                                         _GEMV_OUT[out_dtype], int(silu))
+    if (lib or library()).gemv_gate_up_bf16(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), size,
+                                            None if bias is None else bias.data_ptr(), out.data_ptr(), columns,
+                                            _GEMV_OUT[out_dtype], int(silu)):
+        raise RuntimeError("gemv_gate_up: this build has no AVX512-BF16 (supports_gemv_panels)")
     return out
 
 
