@@ -91,3 +91,44 @@ def test_gemv_panels_refuse_what_they_do_not_hold():
                  (torch.randn(9, 64).bfloat16(), 32), (torch.randn(2, 64), 32)):
         with pytest.raises(ValueError):
             cpu_native.gemv_panels(x, panels, n)
+
+
+@PANELS
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("k,size", [(896, 4864), (95, 37), (64, 16), (33, 100)])
+def test_gate_up_panels_give_the_models_silu_gate_and_the_plain_product(rows, k, size):
+    """A gated MLP's [gate; up] packed gate beside up: the product alone is gemv_panels' on the weight as
+    loaded, bit for bit; silu(gate) * up is the bfloat16 model's ops on it (F.silu, then times up), equal
+    but where exp's last bits round a result the other way (one bfloat16 step, rarely)."""
+    gen = torch.Generator().manual_seed(rows * 131 + k + size)
+    weight = torch.randn(2 * size, k, generator=gen).bfloat16()
+    bias = torch.randn(2 * size, generator=gen).bfloat16() if (rows + k) % 2 else None
+    x = torch.randn(2 * rows, k, generator=gen).bfloat16()[::2]
+    panels = cpu_native.pack_gemv_panels(weight, size)
+    assert panels.shape == (2 * -(-size // 16), -(-k // 2), 16, 2)
+    plain = cpu_native.pack_gemv_panels(weight)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        product = cpu_native.gemv_gate_up(x, panels, size, bias, silu=False, out_dtype=out_dtype)
+        assert torch.equal(product, cpu_native.gemv_panels(x, plain, 2 * size, bias, out_dtype=out_dtype))
+    gate, up = cpu_native.gemv_panels(x, plain, 2 * size, bias).split(size, dim=-1)
+    expected = F.silu(gate).mul_(up)
+    got = cpu_native.gemv_gate_up(x, panels, size, bias)
+    assert got.shape == (rows, size) and got.dtype == torch.bfloat16
+    differ = got != expected
+    assert differ.float().mean() < 0.01
+    step = expected.float().abs() * 2 ** -7 + 1e-30  # one bfloat16 step (8 bits of mantissa) and less
+    assert ((got.float() - expected.float()).abs() <= step * 1.01).all()
+
+
+@PANELS
+def test_gate_up_panels_refuse_what_they_do_not_hold():
+    weight = torch.randn(64, 64).bfloat16()
+    panels = cpu_native.pack_gemv_panels(weight, 32)
+    with pytest.raises(ValueError):
+        cpu_native.pack_gemv_panels(weight, 40)
+    for x, size in ((torch.randn(2, 62).bfloat16(), 32), (torch.randn(2, 64).bfloat16(), 48),
+                    (torch.randn(9, 64).bfloat16(), 32), (torch.randn(2, 64), 32)):
+        with pytest.raises(ValueError):
+            cpu_native.gemv_gate_up(x, panels, size)
+    with pytest.raises(ValueError):  # silu(gate) * up is the model's bfloat16
+        cpu_native.gemv_gate_up(torch.randn(2, 64).bfloat16(), panels, 32, out_dtype=torch.float32)
