@@ -31,7 +31,6 @@
 #include <stdint.h>
 
 #include "cpu_half.h"
-#include "cpu_softmax_exp.h"
 
 #define GEMV_MAX_ROWS 8
 #define PARALLEL_MIN_MACS (1 << 17)
@@ -305,58 +304,6 @@ static inline __attribute__((always_inline)) void panel_dpbf16(const uint16_t *r
     }
 DEFINE_PANELS_M(1) DEFINE_PANELS_M(2) DEFINE_PANELS_M(3) DEFINE_PANELS_M(4)
 DEFINE_PANELS_M(5) DEFINE_PANELS_M(6) DEFINE_PANELS_M(7) DEFINE_PANELS_M(8)
-
-/* ---- a gated MLP's gate_up in those panels, gate panel b beside up panel b -----------------------------------
- * [2 * ceil(size/16)][ceil(K/2)][16][2]: one thread makes both halves of its outputs, so silu(gate) * up comes
- * out of the same parallel region as the products (``silu``), where a separate op would run on one core while
- * the other waits for the next product (a one-stream decode step's 24 of them: ~1 ms on one core here). The
- * roundings are the bfloat16 model's op for op: gate and up rounded, silu(gate) = gate / (1 + exp(-gate))
- * rounded, times up rounded; exp is exp_normal (< 2 ulp), where torch's differs in the last bits. */
-static inline float bf16_rounded(float v) { return bf16_to_f32(f32_to_bf16(v)); }
-
-static inline void silu_gate_lanes(const float *restrict gate, const float *restrict up, const uint16_t *bias,
-                                   int64_t j0, int64_t size, uint16_t *restrict out, int64_t cols) {
-    float bias_gate[16] = {0}, bias_up[16] = {0}, v[16];
-    for (int64_t c = 0; bias && c < cols; c++) {
-        bias_gate[c] = bf16_to_f32(bias[j0 + c]);
-        bias_up[c] = bf16_to_f32(bias[size + j0 + c]);
-    }
-    for (int c = 0; c < 16; c++) {  /* vectorized: 16 lanes */
-        const float g = bf16_rounded(gate[c] + bias_gate[c]), u = bf16_rounded(up[c] + bias_up[c]);
-        const float e = -g < -87.0f ? -87.0f : -g > 88.0f ? 88.0f : -g;
-        v[c] = bf16_rounded(g / (1.0f + exp_normal(e))) * u;
-    }
-    for (int64_t c = 0; c < cols; c++) out[c] = f32_to_bf16(v[c]);
-}
-
-#define DEFINE_GATE_UP_M(M)                                                                                        \
-    static void gemv_gate_up_bf16_##M(const uint16_t *x, int64_t ldx, int64_t k, const uint16_t *packed,           \
-                                      int64_t size, const uint16_t *bias, void *out, int64_t ldo, int out_kind,    \
-                                      int silu) {                                                                  \
-        const int64_t pairs = (size + 15) / 16, kp = (k + 1) / 2, macs = 2 * (M) * size * k;                       \
-        _Pragma("omp parallel for schedule(static) if (macs >= PARALLEL_MIN_MACS)")                                \
-        for (int64_t b = 0; b < pairs; b++) {                                                                      \
-            __m512 gate[8], up[8];                                                                                 \
-            float g[16], u[16];                                                                                    \
-            panel_dpbf16(x, ldx, packed + 2 * b * kp * 32, kp, M, PANEL_UNROLL(M), gate);                          \
-            panel_dpbf16(x, ldx, packed + (2 * b + 1) * kp * 32, kp, M, PANEL_UNROLL(M), up);                      \
-            const int64_t j0 = b * 16, cols = size - j0 < 16 ? size - j0 : 16;                                     \
-            for (int i = 0; i < (M); i++) {                                                                        \
-                _mm512_storeu_ps(g, gate[i]);                                                                      \
-                _mm512_storeu_ps(u, up[i]);                                                                        \
-                if (silu) {                                                                                        \
-                    silu_gate_lanes(g, u, bias, j0, size, (uint16_t *)out + i * ldo + j0, cols);                   \
-                    continue;                                                                                      \
-                }                                                                                                  \
-                for (int64_t c = 0; c < cols; c++) {                                                               \
-                    put(out, ldo, i, j0 + c, finish(g[c], bias, NULL, j0 + c, 1), out_kind);                       \
-                    put(out, ldo, i, size + j0 + c, finish(u[c], bias, NULL, size + j0 + c, 1), out_kind);         \
-                }                                                                                                  \
-            }                                                                                                      \
-        }                                                                                                          \
-    }
-DEFINE_GATE_UP_M(1) DEFINE_GATE_UP_M(2) DEFINE_GATE_UP_M(3) DEFINE_GATE_UP_M(4)
-DEFINE_GATE_UP_M(5) DEFINE_GATE_UP_M(6) DEFINE_GATE_UP_M(7) DEFINE_GATE_UP_M(8)
 #endif
 
 /* x [m, k] bfloat16 (row stride ldx; its k must be even unless the last pair's second half is readable: the
@@ -373,25 +320,6 @@ int gemv_panels_bf16(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const
     return 0;
 #else
     (void)x; (void)ldx; (void)m; (void)k; (void)packed; (void)n; (void)bias; (void)out; (void)ldo; (void)out_kind;
-    return -1;
-#endif
-}
-
-/* x as gemv_panels_bf16's, packed gate and up panels as above, bias [2 * size] bfloat16 ([gate; up]) or NULL.
- * silu: out [m, size] bfloat16 = silu(gate) * up; else out [m, 2 * size] = [gate, up] in out_kind. */
-int gemv_gate_up_bf16(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *packed, int64_t size,
-                      const uint16_t *bias, void *out, int64_t ldo, int out_kind, int silu) {
-#if defined(GEMV_BF16_DPBF16)
-    static void (*const by_rows[GEMV_MAX_ROWS + 1])(const uint16_t *, int64_t, int64_t, const uint16_t *, int64_t,
-                                                    const uint16_t *, void *, int64_t, int, int) = {
-        NULL, gemv_gate_up_bf16_1, gemv_gate_up_bf16_2, gemv_gate_up_bf16_3, gemv_gate_up_bf16_4,
-        gemv_gate_up_bf16_5, gemv_gate_up_bf16_6, gemv_gate_up_bf16_7, gemv_gate_up_bf16_8};
-    if (m < 1 || m > GEMV_MAX_ROWS) return -1;
-    by_rows[m](x, ldx, k, packed, size, bias, out, ldo, out_kind, silu);
-    return 0;
-#else
-    (void)x; (void)ldx; (void)m; (void)k; (void)packed; (void)size; (void)bias; (void)out; (void)ldo;
-    (void)out_kind; (void)silu;
     return -1;
 #endif
 }

@@ -48,7 +48,6 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_gemv_int4.c"): (),
            Path(__file__).with_name("cpu_gemm_w8a8.c"): (),
            Path(__file__).with_name("cpu_lora.c"): (),
-           Path(__file__).with_name("cpu_write_kv.c"): (),
            Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary_half.c"): ("-ffp-contract=off",),
@@ -74,8 +73,6 @@ _SIGNATURES = {
     **{f"gemv_{suffix}": [_P, _I, _I, _I, _P, _I, _I, _P, ctypes.c_int, _P, _I, ctypes.c_int]
        for suffix in ("f32", "bf16", "f16")},
     "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
-    "gemv_gate_up_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int],
-    "write_kv_rows": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I],
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_q8_0": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_int],
     "q8_0_variant": [],
@@ -90,7 +87,6 @@ _SIGNATURES = {
 _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
-             "gemv_gate_up_bf16": ctypes.c_int, "write_kv_rows": ctypes.c_int,
              "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
              "gemv_q8_0": ctypes.c_int, "q8_0_variant": ctypes.c_char_p, "gemv_int4_variant": ctypes.c_char_p,
              "w8a8_linear": ctypes.c_int, "w8a8_variant": ctypes.c_char_p,
@@ -216,15 +212,9 @@ def kernel_variant() -> Optional[str]:
 
 def _native_dtype(*tensors: torch.Tensor) -> bool:
     """All on CPU in one dtype the kernels take, and the library built."""
-    # a loop, not all() over a generator: one stream's decode step asks this ~100 times, on the core the
-    # other waits for
     dtype = tensors[0].dtype
-    if dtype not in DTYPE_SUFFIXES or library() is None:
-        return False
-    for t in tensors:
-        if t.dtype != dtype or not t.is_cpu:
-            return False
-    return True
+    return (dtype in DTYPE_SUFFIXES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+            and library() is not None)
 
 
 def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -276,10 +266,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     """x [T, heads, dim] (rows may be strided, as a view of qkv), cos/sin [P, dim/2] contiguous,
     positions [T] int64 < P (the caller's table covers them). Returns a new [T, heads, dim]."""
     tokens, heads, dim = x.shape
-    if positions.dtype != torch.int64 or not positions.is_contiguous():
-        positions = positions.to(torch.int64).contiguous()
+    positions = positions.to(torch.int64).contiguous()
     out = torch.empty((tokens, heads, dim), dtype=x.dtype)
-    kernel = _by_dtype(library(), "rotary")[x.dtype]
+    kernel = getattr(library(), f"rotary_{DTYPE_SUFFIXES[x.dtype]}")
     kernel(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), out.data_ptr(), tokens,
            heads, dim)
     return out
@@ -435,7 +424,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         bias = bias.contiguous()
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=out_dtype or dtype)
-    _by_dtype(lib or library(), "gemv")[dtype](
+    _gemv_kernels(lib or library())[dtype](
         x.data_ptr(), x.stride(0), rows, k, weight.data_ptr(), weight.stride(0), n,
         None if bias is None else bias.data_ptr(), bias_f32, out.data_ptr(), n, _GEMV_OUT[out.dtype])
     return out
@@ -446,31 +435,13 @@ def supports_gemv_panels() -> bool:
     return gemv_variant() == "avx512bf16"
 
 
-def pack_gemv_panels(weight: torch.Tensor, gate_size: int = 0) -> torch.Tensor:
+def pack_gemv_panels(weight: torch.Tensor) -> torch.Tensor:
     """A bfloat16 weight [N, K] -> gemv_panels()'s layout [ceil(N/16), ceil(K/2), 16, 2], zero past N and K:
-    a panel's 16 rows with each row's k pair adjacent, one 64-byte line per k pair. ``gate_size``: the weight
-    is a gated MLP's [gate; up] (gate_size rows each), packed for gemv_gate_up(): gate's panel b, then up's."""
-    if gate_size:
-        if weight.shape[0] != 2 * gate_size:
-            raise ValueError(f"pack_gemv_panels: {weight.shape[0]} rows are not a gate and an up of {gate_size}")
-        gate, up = pack_gemv_panels(weight[:gate_size]), pack_gemv_panels(weight[gate_size:])
-        return torch.stack([gate, up], dim=1).flatten(0, 1)
+    a panel's 16 rows with each row's k pair adjacent, one 64-byte line per k pair."""
     n, k = weight.shape
     padded = torch.zeros(-(-n // 16) * 16, -(-k // 2) * 2, dtype=torch.bfloat16)
     padded[:n, :k] = weight
     return padded.view(-1, 16, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
-
-
-def _panels_operands(x: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """x and bias as the panels' kernels read them: x's rows in k pairs (an odd K padded with a zero, whose
-    products are 0 * 0) with unit stride, bias contiguous bfloat16."""
-    if x.shape[1] % 2:
-        x = torch.cat([x, x.new_zeros(x.shape[0], 1)], dim=1)
-    elif x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-        bias = bias.to(torch.bfloat16).contiguous()
-    return x, bias
 
 
 def gemv_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: Optional[torch.Tensor] = None,
@@ -482,32 +453,16 @@ def gemv_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: 
             or panels.shape[0] * 16 < out_features or not 1 <= rows <= GEMV_MAX_ROWS
             or (bias is not None and bias.shape != (out_features,))):
         raise ValueError("gemv_panels: x, the panels and bias do not match")
-    x, bias = _panels_operands(x, bias)
+    if k % 2:  # the kernel reads x in pairs: the pad's products are 0 * 0
+        x = torch.cat([x, x.new_zeros(rows, 1)], dim=1)
+    elif x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
     out = torch.empty(rows, out_features, dtype=out_dtype)
     (lib or library()).gemv_panels_bf16(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), out_features,
                                         None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
                                         _GEMV_OUT[out_dtype])
-    return out
-
-
-def gemv_gate_up(x: torch.Tensor, panels: torch.Tensor, size: int, bias: Optional[torch.Tensor] = None,
-                 silu: bool = True, out_dtype: torch.dtype = torch.bfloat16,
-                 lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """x [M, K] bfloat16 (1 <= M <= GEMV_MAX_ROWS) @ a gated MLP's [gate; up] packed by pack_gemv_panels(w,
-    size) (+ bias [2 * size] bfloat16): ``silu``, silu(gate) * up [M, size] bfloat16, rounded as the model's
-    ops round; else [gate, up] [M, 2 * size] in ``out_dtype`` (bfloat16 or float32), as gemv_panels() gives."""
-    rows, k = x.shape
-    if (x.dtype != torch.bfloat16 or panels.dtype != torch.bfloat16 or panels.shape[1] != -(-k // 2)
-            or panels.shape[0] != 2 * -(-size // 16) or not 1 <= rows <= GEMV_MAX_ROWS
-            or (bias is not None and bias.shape != (2 * size,)) or (silu and out_dtype != torch.bfloat16)):
-        raise ValueError("gemv_gate_up: x, the panels and bias do not match")
-    x, bias = _panels_operands(x, bias)
-    columns = size if silu else 2 * size
-    out = torch.empty(rows, columns, dtype=out_dtype)
-    if (lib or library()).gemv_gate_up_bf16(x.data_ptr(), x.stride(0), rows, k, panels.data_ptr(), size,
-                                            None if bias is None else bias.data_ptr(), out.data_ptr(), columns,
-                                            _GEMV_OUT[out_dtype], int(silu)):
-        raise RuntimeError("gemv_gate_up: this build has no AVX512-BF16 (supports_gemv_panels)")
     return out
 
 
@@ -666,36 +621,8 @@ def w8a8_linear(x: torch.Tensor, panels: torch.Tensor, bias128: torch.Tensor, w_
 
 
 @functools.cache
-def _by_dtype(lib: ctypes.CDLL, kernel: str) -> dict:
-    """The library's ``kernel`` for each dtype that it has one for, looked up once."""
-    return {dtype: getattr(lib, f"{kernel}_{suffix}") for dtype, suffix in DTYPE_SUFFIXES.items()
-            if hasattr(lib, f"{kernel}_{suffix}")}
-
-
-def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> bool:
-    """kernels/reference.py's write_kv in one call (kernels/cpu_write_kv.c): key and value [T, kv_heads, dim]
-    (rows may be strided, each row's heads and dims contiguous) into one layer's caches [blocks, block_size,
-    kv_heads, dim] of their dtype at flat slot ``slot_mapping[t]`` (int64; -1 skipped). False, with nothing
-    written, where the tensors are not ones it takes (the caller writes them); a slot past the cache is an error."""
-    if (key.dtype != k_cache.dtype or value.dtype != v_cache.dtype or key.dtype != value.dtype
-            or slot_mapping.dtype != torch.int64 or not (key.is_cpu and k_cache.is_cpu)
-            or key.dim() != 3 or key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]
-            or k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or not slot_mapping.is_contiguous() or slot_mapping.shape != key.shape[:1]):
-        return False
-    heads, dim = key.shape[1:]
-    if key.stride(2) != 1 or key.stride(1) != dim or value.stride(2) != 1 or value.stride(1) != dim:
-        return False
-    lib = library()
-    if lib is None:
-        return False
-    elem = key.element_size()
-    if lib.write_kv_rows(key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
-                         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
-                         heads * dim * elem, k_cache.shape[0] * k_cache.shape[1]):
-        raise IndexError("write_kv: a slot past the cache")
-    return True
+def _gemv_kernels(lib: ctypes.CDLL) -> dict:
+    return {dtype: getattr(lib, f"gemv_{suffix}") for dtype, suffix in DTYPE_SUFFIXES.items()}
 
 
 def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -714,7 +641,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = residual.contiguous()
     d = x.shape[-1]
     out = torch.empty_like(x)
-    _by_dtype(library(), "rms_norm")[x.dtype](
+    getattr(library(), f"rms_norm_{DTYPE_SUFFIXES[x.dtype]}")(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
         x.numel() // d if d else 0, d, eps)
     return out

@@ -1,4 +1,4 @@
-"""A decoder layer's elementwise ops (norms, residual adds, rotary, SiLU gate, the KV write's row copies), two ways.
+"""A decoder layer's elementwise ops (norms, residual adds, rotary, SiLU gate), two ways.
 
 ``TorchElementwise`` is transformers' own op sequence, bit for bit: the greedy-parity
 oracle holds in float32 on every device, and on CPU these ops are already few and large
@@ -15,8 +15,7 @@ turns it off, ``=1`` takes it in float32 too (still only with the Triton kernels
 built): the residual add and RMSNorm in one C pass (kernels/cpu_rms_norm_half.c), torch's roundings op
 for op but its sum of squares in another order, the rest transformers' sequence. One stream's decode
 step spends more in the norms' six torch ops a call than in attention (bench/RESULTS.md, "CPU: one
-stream at the memory's speed"). Its KV write is one C call (kernels/cpu_write_kv.c) where the torch form is five
-ops and a host read. ``PAGEDSERVE_FUSED_OPS=0`` turns it off too.
+stream at the memory's speed"). ``PAGEDSERVE_FUSED_OPS=0`` turns it off too.
 """
 
 from __future__ import annotations
@@ -63,10 +62,6 @@ class TorchElementwise:
         gate, up = gate_up.split(size, dim=-1)
         return F.silu(gate).mul_(up)
 
-    def write_kv(self, ops: ModuleType, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
-
 
 class FusedElementwise:
     name = "fused"
@@ -91,10 +86,6 @@ class FusedElementwise:
     def silu_mul(self, gate_up: torch.Tensor, size: int) -> torch.Tensor:
         return self._silu_mul.silu_mul(gate_up, size)
 
-    def write_kv(self, ops: ModuleType, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
-
 
 class NativeElementwise(TorchElementwise):
     name = "native"
@@ -109,11 +100,6 @@ class NativeElementwise(TorchElementwise):
         if cpu_native.supports_rms_norm(x, weight) and residual.shape == x.shape and residual.dtype == x.dtype:
             return cpu_native.rms_norm(x, weight, eps, residual=residual), x
         return super().add_rms_norm(x, residual, weight, eps)
-
-    def write_kv(self, ops: ModuleType, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if not cpu_native.write_kv(k, v, k_cache, v_cache, slot_mapping):
-            ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 Elementwise = Union[TorchElementwise, FusedElementwise, NativeElementwise]

@@ -111,7 +111,6 @@ def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) ->
     timer.wrap(runner.ops, "write_kv", "KV write")
     elementwise = type(runner.model.elementwise)
     timer.wrap(elementwise, "rotary", "rotary")
-    timer.wrap_any(elementwise, ("write_kv",), "KV write")  # the dense layer's (a native copy on CPU)
     timer.wrap_any(elementwise, ("rms_norm", "add_rms_norm", "silu_mul"), "norms and activations")
     timer.wrap_any(model_runner, ("sample", "launch_sample"), "sampling")
     if hasattr(sampler, "PendingSample"):

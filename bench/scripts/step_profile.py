@@ -10,8 +10,6 @@ per step kind, and adds the msgpack encode + decode both ways that IPC costs (no
     python bench/scripts/step_profile.py --shape 0.5b --num-prompts 32 --input-len 8 256 --output-len 8 --phases
     python bench/scripts/step_profile.py --shape 0.5b --num-prompts 32 --input-len 8 256 --output-len 32 \
         --dtype bfloat16 --phases --limits
-    python bench/scripts/step_profile.py --shape 0.5b --num-prompts 1 --prompt-lens 8 --output-len 256 \
-        --dtype bfloat16 --threads 2 --by-kind --floor 50     # one stream's step against the read floor
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 from pagedserve.worker_proc.host_memory import keep_freed_memory
 from pagedserve.worker_proc.model_runner import ModelRunner
-from step_phases import (PHASES, format_limits, format_machine_limits, format_phases, instrument_worker, machine_limits,
-                         timed_runs)
+from step_phases import PHASES, format_limits, format_machine_limits, format_phases, instrument_worker, machine_limits
 
 
 CACHE_TOKENS = 65536
@@ -134,14 +131,11 @@ def run(ns: argparse.Namespace) -> None:
                 {k: v / n for k, v in phases_by_kind[kind].items()}, statistics.fmean(times), limits))
     if gaps is not None:
         print(gaps.report())
-    if ns.floor:
-        print(format_floor(runner, by_kind, ns.floor))
     if ns.by_kind:
-        print("worker execute by step kind (ms over steps of that kind: median, and the minimum, what a step "
-              "costs when no other process takes a core from it):")
+        print("worker execute by step kind (median ms over steps of that kind):")
         for (kind, n), times in sorted(by_kind.items()):
             label = f"{n} decodes" if kind == "decode" else f"prefill, {n} tokens"
-            print(f"  {label:<24}{statistics.median(times):8.3f} ms  min {min(times):8.3f}  ({len(times)} steps)")
+            print(f"  {label:<24}{statistics.median(times):8.3f} ms  ({len(times)} steps)")
 
 
 def main() -> None:
@@ -173,9 +167,6 @@ def main() -> None:
                    help="schedule the next step before this one's result where the scheduler allows (async "
                         "scheduling), and let the runner prepare it while this one samples (not with --phases)")
     p.add_argument("--by-kind", action="store_true", help="median worker ms per step kind (batch size, prefill)")
-    p.add_argument("--floor", type=int, default=0, metavar="N",
-                   help="after the run, read the step's own weights N times (the memory's floor at this thread "
-                        "count): min and median, against the one-stream decode steps' min and median")
     p.add_argument("--threads", type=int)
     p.add_argument("--cpu-time", action="store_true",
                    help="time with this thread's CPU time (robust to other load; use with --threads 1)")
@@ -208,37 +199,6 @@ def main() -> None:
             run(ns)
         if ns.torch_profile:
             torch_profile(ns)
-
-
-def step_weights(runner) -> list[torch.Tensor]:
-    """The tensors a one-row decode step reads its weights from: each projection's and lm_head's few-row layout."""
-    from pagedserve.worker_proc.models.linear import LinearWeight
-
-    model, found = runner.model, []
-    for layer in model.layers:
-        found += [w for w in vars(layer).values() if isinstance(w, LinearWeight)]
-    found.append(model.lm_head)
-    return [next(t for t in (w.gemv_panels, w.panels, w.packed, w.weight) if t is not None) for w in found]
-
-
-def format_floor(runner, by_kind: dict, repeat: int) -> str:
-    """The memory's read floor for the step's own weights, timed now at this thread count (the max of each
-    weight viewed as int32: a sequential read that does next to no arithmetic), against the decode steps
-    just run. Minimums: what an uninterrupted read or step costs on a machine other processes share."""
-    weights = step_weights(runner)
-    total = sum(t.nbytes for t in weights)
-    reads = timed_runs(lambda: [t.view(torch.int32).amax() for t in weights], repeat)
-    decode = [t for (kind, n), times in by_kind.items() if kind == "decode" and n == 1 for t in times]
-    lines = [f"read floor, {torch.get_num_threads()} threads: the step's weights {total / 1e9:.3f} GB, "
-             f"min {1e3 * min(reads):.2f} ms ({total / min(reads) / 1e9:.1f} GB/s), "
-             f"median {1e3 * statistics.median(reads):.2f} ms ({repeat} reads)"]
-    if decode:
-        best, typical = min(decode) / 1e3, statistics.median(decode) / 1e3
-        floor = min(reads)
-        lines.append(f"one-stream decode step: min {1e3 * best:.2f} ms ({total / best / 1e9:.1f} GB/s of weights, "
-                     f"{100 * floor / best:.0f}% of the floor), median {1e3 * typical:.2f} ms "
-                     f"({100 * floor / typical:.0f}%), {len(decode)} steps")
-    return "\n".join(lines)
 
 
 class DeviceGaps:

@@ -23,16 +23,3 @@ GEMV_VARIANTS = {"avx512bf16": "avx512bf16", "avx512": "avx512", "avx2": "avx2",
 def test_every_variant_is_f_linear_within_float32_sums(variant, rows, k, n, dtype):
     assert cpu_native.gemv_variant() == GEMV_VARIANTS[variant]
     check_gemv(rows, k, n, dtype, with_bias=(rows + n) % 2 == 1)
-
-
-def test_the_gate_up_panels_refuse_to_run_without_avx512_bf16(variant):
-    """Their kernel is vdpbf16ps only: a build without it says so rather than leaving the output unwritten
-    (the worker never packs them there: supports_gemv_panels)."""
-    import torch
-
-    if variant == "avx512bf16":
-        pytest.skip("this build has the instructions (tests/unit/test_cpu_gemv.py)")
-    assert not cpu_native.supports_gemv_panels()
-    panels = cpu_native.pack_gemv_panels(torch.randn(64, 32).bfloat16(), 32)
-    with pytest.raises(RuntimeError):
-        cpu_native.gemv_gate_up(torch.randn(1, 32).bfloat16(), panels, 32)

@@ -200,18 +200,3 @@ def test_a_bfloat16_forward_through_the_native_kernels_equals_the_torch_path(tmp
     assert same_inputs >= 6
     for ours, theirs in zip(native_logits[:same_inputs + 1], torch_logits):
         assert (ours - theirs).abs().max() < BF16_STEP_LOGIT_TOLERANCE
-
-
-@pytest.mark.parametrize("dtype", [*HALF, torch.float32], ids=str)
-def test_the_native_kv_write_leaves_the_cache_the_torch_form_leaves_in_every_variant(variant, dtype):
-    """kernels/cpu_write_kv.c (this CPU's own build, refusals too: tests/unit/test_cpu_write_kv.py): strided
-    k and v rows of a fused qkv, a padding slot, byte for byte what reference.write_kv leaves."""
-    gen = torch.Generator().manual_seed(4)
-    qkv = torch.randn(5, 55, generator=gen).to(dtype)
-    key, value = qkv[:, :16].view(5, 2, 8), qkv[:, 16:32].view(5, 2, 8)
-    slots = torch.tensor([0, 23, -1, 9, 10])
-    native = [torch.randn(6, 4, 2, 8, generator=gen).to(dtype) for _ in range(2)]
-    torch_form = [c.clone() for c in native]
-    assert cpu_native.write_kv(key, value, *native, slots)
-    reference.write_kv(key, value, *torch_form, slots)
-    assert all(torch.equal(a, b) for a, b in zip(native, torch_form))

@@ -236,29 +236,3 @@ def test_a_misspelt_switch_is_refused_not_ignored(monkeypatch):
     monkeypatch.setenv(lin.PACKED_ENV, "yes")
     with pytest.raises(ValueError, match=lin.PACKED_ENV):
         lin.weight_layout(CPU, 100 * MIB)
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("rows", [1, 3, 5, 40])
-def test_a_gated_mlps_gate_up_in_every_layout_gives_its_product_and_its_silu_gate(layout, rows):
-    """gate_up made with gate_size (panels that alternate gate and up where a layout packs them): silu_gate() is
-    silu(gate) * up, within bfloat16's rounding, and linear() still [gate, up] (cpu_linear.c's interleaved
-    panels refuse it: only silu_gate multiplies them)."""
-    from pagedserve.worker_proc.elementwise import TorchElementwise
-
-    if LAYOUTS[layout].packed and not lin.packed_linear_available(torch.bfloat16):
-        pytest.skip("no oneDNN bfloat16 on this CPU (it needs AVX-512)")
-    if (LAYOUTS[layout].native and not cpu_native.supports_linear()) or (
-            (LAYOUTS[layout].gemv or LAYOUTS[layout].native) and cpu_native.library() is None):
-        pytest.skip("no native kernels here")
-    gen = torch.Generator().manual_seed(rows)
-    size = 40
-    weight = torch.randn(2 * size, 64, generator=gen).bfloat16()
-    w = lin.LinearWeight.of(weight, None, LAYOUTS[layout], gate_size=size)
-    x = torch.randn(rows, 64, generator=gen).bfloat16()
-    reference = F.linear(x, weight)
-    if not LAYOUTS[layout].native:
-        torch.testing.assert_close(lin.linear(x, w).float(), reference.float(), rtol=2 ** -7, atol=0.05)
-    gate, up = reference.split(size, dim=-1)
-    torch.testing.assert_close(lin.silu_gate(x, w, TorchElementwise()).float(), (F.silu(gate) * up).float(),
-                               rtol=2 ** -6, atol=0.1)

@@ -205,7 +205,7 @@ class DecoderLayer:
         qk = self._qk(qkv, batch.positions, ew)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        ew.write_kv(ops, k, v, k_cache, v_cache, batch.slot_mapping)
+        ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if output_rows is None:
             attn = attend(ops, q, k, v, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                           self.scale, self.sliding_window, batch.attention_plan, self.softcap, self.sinks)

@@ -110,8 +110,7 @@ class LinearWeight:
     gate_size: int = 0  # a gate_up weight's gate rows (its panels, if any, alternate gate and up: silu_gate only)
     quantized: Optional["QuantizedLinear"] = None  # a quantized checkpoint's layer: its integers, scales and op
     gemv: bool = False  # few rows take cpu_gemv.c: gemv_panels up to GEMV_PANEL_MAX_ROWS, else ``weight``
-    # cpu_gemv.c's bfloat16 panels [ceil(out / 16), ceil(in / 2), 16, 2]; with gate_size, gate's and up's alternate
-    gemv_panels: Optional[torch.Tensor] = None
+    gemv_panels: Optional[torch.Tensor] = None  # cpu_gemv.c's bfloat16 panels [ceil(out / 16), ceil(in / 2), 16, 2]
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], layout: WeightLayout,
@@ -127,8 +126,7 @@ class LinearWeight:
         return cls(weight if layout.plain else None, bias,
                    weight.t().contiguous() if layout.transposed else None, layout.resident, packed, panels,
                    weight.shape[0], gate_size, gemv=layout.gemv,
-                   gemv_panels=(cpu_native.pack_gemv_panels(weight, gate_size)
-                                if layout.gemv and _panels_for(weight.dtype) else None))
+                   gemv_panels=cpu_native.pack_gemv_panels(weight) if layout.gemv and _panels_for(weight.dtype) else None)
 
 
 def _panels_for(dtype: torch.dtype) -> bool:
@@ -244,13 +242,9 @@ def silu_gate(x: torch.Tensor, w: LinearWeight, ew: "Elementwise") -> torch.Tens
     """A gated MLP's input to down_proj, silu(gate) * up, from its gate_up weight: in one native
     call where the panels alternate gate and up (the [rows, 2 * size] product never reaches
     memory: a 0.5B prefill layer's MLP 101 -> 96 ms at 845 rows, bench/log/2026-11-28.md "CPU: huge
-    pages and a fused SiLU gate"); at decode's few bfloat16 rows, in the GEMV's own parallel region
-    (cpu_native.gemv_gate_up: the gate's op no longer runs on one core between two products); else
-    linear() then ``ew.silu_mul``. ``w``: made with gate_size."""
+    pages and a fused SiLU gate"), else linear() then ``ew.silu_mul``. ``w``: made with gate_size."""
     if _on_panels(x, w):
         return _in_float32(cpu_native.silu_gate, x, w.panels, w.gate_size, w.bias)
-    if w.gemv_panels is not None and x.shape[0] <= GEMV_PANEL_MAX_ROWS:
-        return cpu_native.gemv_gate_up(x, w.gemv_panels, w.gate_size, w.bias)
     return ew.silu_mul(linear(x, w), w.gate_size)
 
 
@@ -264,8 +258,6 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     rows = x.shape[0]
     if w.gemv and rows <= GEMV_MAX_ROWS:
         if w.gemv_panels is not None and rows <= GEMV_PANEL_MAX_ROWS:
-            if w.gate_size:  # its panels alternate gate and up
-                return cpu_native.gemv_gate_up(x, w.gemv_panels, w.gate_size, w.bias, silu=False)
             return cpu_native.gemv_panels(x, w.gemv_panels, w.out_features, w.bias)
         if w.weight is not None:
             return cpu_native.gemv(x, w.weight, w.bias)
