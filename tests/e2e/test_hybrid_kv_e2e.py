@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from support.greedy import assert_equal_to_transformers, client
+from support.greedy import assert_equal_to_transformers, client, streamed_completion
 from support.oracle import hf_tokenizer
 from support.server import Server, wait_until
 
@@ -56,17 +56,7 @@ def test_a_hybrid_model_frees_its_local_blocks_and_serves_transformers_tokens(pr
         started = [threading.Event() for _ in range(3)]
 
         def complete(ids, priority, max_tokens, started=None):
-            """Streamed, so the test knows when a sequence decodes; (text, completion tokens)."""
-            text, usage = "", None
-            for chunk in c.completions.create(model=name, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
-                                              stream_options={"include_usage": True},
-                                              extra_body={"ignore_eos": True, "priority": priority}):
-                if chunk.choices:
-                    text += chunk.choices[0].text
-                    if started is not None and len(text) > 40:
-                        started.set()
-                usage = chunk.usage or usage
-            return text, usage.completion_tokens
+            return streamed_completion(c, name, ids, priority, max_tokens, started)
 
         first = complete(prompts[0], 0, 4)
         with ThreadPoolExecutor(len(prompts)) as pool:

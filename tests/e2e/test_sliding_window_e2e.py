@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from support.greedy import assert_equal_to_transformers, client
+from support.greedy import assert_equal_to_transformers, client, streamed_completion
 from support.oracle import hf_tokenizer
 from support.server import Server, wait_until
 
@@ -51,17 +51,7 @@ def test_a_windowed_model_serves_sequences_longer_than_the_cache_at_transformers
         started = [threading.Event() for _ in range(3)]
 
         def complete(ids, priority, max_tokens, started=None):
-            """Streamed, so the test knows when a sequence decodes; (text, completion tokens)."""
-            text, usage = "", None
-            for chunk in c.completions.create(model=name, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
-                                              stream_options={"include_usage": True},
-                                              extra_body={"ignore_eos": True, "priority": priority}):
-                if chunk.choices:
-                    text += chunk.choices[0].text
-                    if started is not None:
-                        started.set()
-                usage = chunk.usage or usage
-            return text, usage.completion_tokens
+            return streamed_completion(c, name, ids, priority, max_tokens, started)
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             low = [pool.submit(complete, p, 1, LOW_TOKENS, event) for p, event in zip(prompts[:3], started)]

@@ -32,3 +32,19 @@ def assert_equal_to_transformers(model: str, prompts: list[list[int]], results, 
     for ids, (text, n) in zip(prompts, results):
         assert n == max_tokens
         assert text == tok.decode(hf_greedy(model, ids, max_tokens), skip_special_tokens=True), ids
+
+
+def streamed_completion(c: openai.OpenAI, name: str, ids: list[int], priority: int, max_tokens: int,
+                        started=None) -> tuple[str, int]:
+    """Greedy, ``ignore_eos``, streamed so a test knows when the sequence decodes: ``started`` (an Event) is set
+    once 40 characters have come back; (text, completion tokens)."""
+    text, usage = "", None
+    for chunk in c.completions.create(model=name, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
+                                      stream_options={"include_usage": True},
+                                      extra_body={"ignore_eos": True, "priority": priority}):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            if started is not None and len(text) > 40:
+                started.set()
+        usage = chunk.usage or usage
+    return text, usage.completion_tokens
