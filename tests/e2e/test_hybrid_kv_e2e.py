@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from support.greedy import assert_equal_to_transformers, client, streamed_completion
 from support.oracle import hf_tokenizer
 from support.server import Server, wait_until
