@@ -261,3 +261,20 @@ def scripted(*tokens):
         _counts[req_id] = i + 1
         return tokens[i] if i < len(tokens) else 500 + i
     return next_token
+
+
+def assert_null_block_untouched(sched, worker) -> None:
+    """A windowed scheduler's null block (what freed table entries name) was never handed out, zeroed,
+    written or swapped into."""
+    null = sched.bm.null_block
+    assert all(block != null for _, block in worker.zero_events)
+    assert set(worker.device[null]) == {"stale"}
+
+
+def tokens_by_request(deltas) -> dict:
+    """Each request's generated token ids, in order, from a run's deltas (none may finish by a stop)."""
+    tokens: dict = {}
+    for delta in deltas:
+        assert delta.finish_reason in (None, "length"), delta
+        tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    return tokens

@@ -24,7 +24,8 @@ from pagedserve.scheduler_proc.invariants import InvariantError
 from pagedserve.scheduler_proc.scheduler import Scheduler
 from pagedserve.scheduler_proc.sliding_window import max_live_blocks
 
-from support.scheduler_sim import (SimWorker, StepDriver, assert_all_blocks_free, counting_tokens, request,
+from support.scheduler_sim import (SimWorker, StepDriver, assert_all_blocks_free, assert_null_block_untouched,
+                                   tokens_by_request, counting_tokens, request,
                                    run_until_done)
 
 BLOCK, WINDOW = 4, 8
@@ -58,19 +59,12 @@ def run(sched: Scheduler, msgs, ahead: bool = False, next_token=None, worker=Non
 
     deltas = run_until_done(sched, worker, on_step=on_step, ahead=ahead)
     assert_all_blocks_free(sched)
-    if sched.bm.num_window_groups:  # never handed out, written, zeroed or swapped into
-        null = sched.bm.null_block
-        assert all(block != null for _, block in worker.zero_events)
-        assert set(worker.device[null]) == {"stale"}
+    if sched.bm.num_window_groups:
+        assert_null_block_untouched(sched, worker)
     return deltas, peak, worker
 
 
-def outputs(deltas) -> dict:
-    tokens: dict = {}
-    for delta in deltas:
-        assert delta.finish_reason in (None, "length"), delta
-        tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
-    return tokens
+outputs = tokens_by_request  # the tests' short name
 
 
 def test_groups_of_gemma2_gemma3_and_gpt_oss_layouts():
