@@ -68,6 +68,15 @@ class BlockManager:
             needed += 1
         return needed * self.num_tables  # every table grows alike, and a shared tail is shared in each
 
+    def num_extra_fitting(self, seq: Sequence, num_tokens: int, extra: int, blocks_to_leave: int) -> int:
+        """How many of ``extra`` tokens after ``num_tokens`` more ``seq`` can have blocks for while
+        ``blocks_to_leave`` stay free (a speculating decode's proposals)."""
+        base = self.num_new_blocks(seq, num_tokens)
+        spare = self.device.num_free - base - blocks_to_leave
+        while extra and self.num_new_blocks(seq, num_tokens + extra) - base > spare:
+            extra -= 1
+        return extra
+
     def _tail_is_shared(self, seq: Sequence) -> bool:
         return seq.num_kv_tokens % self.block_size != 0 and self.device.ref_counts[seq.block_ids[-1]] > 1
 

@@ -403,8 +403,9 @@ class Scheduler:
             if seq.is_decode:
                 if self._make_room(seq, 1, batch):  # its one token's block is free; proposals take what is spare
                     later = len(queue) - i - 1  # a bound on the decodes still to come
-                    drafts = (self.speculator.propose(seq, self.bm, batch.budget - 1 - later, later)
-                              if seq.spec is not None else ())
+                    drafts = self.speculator.propose(seq, batch.budget - 1 - later) if seq.spec is not None else ()
+                    if drafts:  # only in blocks that leave one free for each later sequence of the step
+                        drafts = drafts[:self.bm.num_extra_fitting(seq, 1, len(drafts), later)]
                     self.bm.append_slots(seq, 1 + len(drafts))
                     batch.add(seq, 1, drafts)
                 if later_decodes is not None:

@@ -12,10 +12,9 @@ same room, ``max_tokens``, cache and backoff rules, so every worker of a tensor-
 and a replayed trace verify exactly the same ones.
 
 One step of a speculating sequence: a plain decode (its newest token) followed by up to k
-proposals; ``propose`` only asks the block manager (check), and the scheduler takes the slots
-for all of them (commit).
-Proposals never preempt: they take only the blocks no later sequence of the step may need,
-and shrink or vanish when the cache is tight. The workers score the k + 1 positions in one
+proposals; ``propose`` says which it wants, and the scheduler asks the block manager how many
+fit and takes the slots for them. Proposals never preempt: they take only the blocks no later
+sequence of the step may need, and shrink or vanish when the cache is tight. The workers score the k + 1 positions in one
 forward, accept a prefix of the proposals and sample one more token; the scheduler then takes
 the accepted ones, shrinks ``num_kv_tokens`` to the accepted positions and gives the blocks
 of the rejected ones back in the same update (``Scheduler.update_from_output``).
@@ -51,7 +50,6 @@ from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.scheduler_proc.spec_cost import StepCost, worth_proposing
 
 if TYPE_CHECKING:
-    from pagedserve.scheduler_proc.block_manager import BlockManager
     from pagedserve.scheduler_proc.request import Sequence
 
 MISSES_BEFORE_PAUSE = 2  # verifications in a row that accept nothing
@@ -132,10 +130,10 @@ class Speculator:
         never speculates and takes the decode lane from its first token."""
         return not self.priced or worth_proposing(0, 0, self.cost.rho, self.k) > 0
 
-    def propose(self, seq: "Sequence", bm: "BlockManager", token_room: int, blocks_to_leave: int) -> list[int]:
-        """Proposals for ``seq``, a decode whose one token already has its slot: at most
-        ``token_room`` of the step's tokens, never past ``max_tokens``, and only in blocks
-        that leave ``blocks_to_leave`` free for the step's later sequences."""
+    def propose(self, seq: "Sequence", token_room: int) -> list[int]:
+        """The proposals ``seq``, a decode whose one token already has its slot, wants to verify: at
+        most ``token_room`` of the step's tokens, never past ``max_tokens`` (the scheduler cuts
+        them to the blocks it can spare)."""
         spec = seq.spec
         if spec.off or (self.plain_step and self.priced):
             return []
@@ -161,10 +159,6 @@ class Speculator:
             spec.off = spec.unmatched >= GIVE_UP_UNMATCHED
             return []
         spec.unmatched = 0
-        base = bm.num_new_blocks(seq, 1)
-        spare = bm.device.num_free - base - blocks_to_leave
-        while drafts and bm.num_new_blocks(seq, 1 + len(drafts)) - base > spare:
-            drafts.pop()
         return drafts
 
     def settle(self, seq: "Sequence", num_accepted: int) -> None:
