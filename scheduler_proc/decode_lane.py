@@ -265,21 +265,24 @@ class DecodeLane:
         self.table_tokens[needy] += self.block_size
         self._granted = (np.asarray(needy, np.int64), blocks)
 
-    def schedule(self) -> DecodeBatch:
-        """Every sequence in the lane computes its newest token; the batch for the workers."""
+    def batch(self) -> DecodeBatch:
+        """The step's batch for the workers: every sequence in the lane computes its newest token."""
         n = self.n
-        (granted_pos, granted_blocks), self._granted = self._granted, _NO_GRANTS
         if n == 0:
             return EMPTY_DECODES
-        new_blocks = list(zip(granted_pos.tolist(), granted_blocks))
-        computed = self.computed[:n]
+        granted_pos, granted_blocks = self._granted
         # With a batch still out, every token to compute is being sampled there right now.
         tokens = [PLACEHOLDER_TOKEN] * n if self.in_flight else self.last[:n].tolist()
-        batch = DecodeBatch(self.ids, computed.tolist(), tokens, new_blocks)
-        self.lists_out = True
-        computed += 1
-        self.in_flight.append(n)
-        return batch
+        return DecodeBatch(self.ids, self.computed[:n].tolist(), tokens, list(zip(granted_pos.tolist(), granted_blocks)))
+
+    def advance(self) -> None:
+        """The step's batch went out: each sequence's newest token is computed, its grant sent."""
+        self._granted = _NO_GRANTS
+        n = self.n
+        if n:
+            self.lists_out = True  # the batch holds ``ids``
+            self.computed[:n] += 1
+            self.in_flight.append(n)
 
     def num_needing_blocks(self) -> int:
         """Sequences whose next token starts a block (``len(needing_blocks())``, counted)."""

@@ -158,7 +158,11 @@ class RunningSequences:
 
     def steady_batch(self) -> DecodeBatch:
         """The step's batch of steady decodes (after the per-object loop and admissions)."""
-        return self._lane.schedule()
+        return self._lane.batch()
+
+    def after_schedule(self) -> None:
+        """The step built went out: each steady decode's token is computed (``Scheduler._update_after_schedule``)."""
+        self._lane.advance()
 
     def after_sample(self, seq: Sequence) -> None:
         """``seq`` just sampled; once nothing but plain decodes lie ahead it joins the steady batch."""

@@ -555,7 +555,8 @@ class Scheduler:
 
     def _update_after_schedule(self, batch: StepPlan) -> None:
         """The plan applied to its sequences in one place: the tokens each computes (its proposals
-        counted until their result says which stay), and what the workers now hold of it."""
+        counted until their result says which stay), and what the workers now hold of it; the
+        steady decodes' the same in their columns."""
         drafts = batch.drafts
         for seq, num_tokens in batch.scheduled:
             seq.num_kv_tokens += num_tokens
@@ -564,12 +565,13 @@ class Scheduler:
             seq.worker_knows = True
             if drafts and seq.seq_id in drafts:
                 seq.spec.drafts = drafts[seq.seq_id]
+        self.running.after_schedule()
 
     def _finish_step(self, batch: StepPlan) -> SchedulerOutput:
+        decodes = self.running.steady_batch()
         self._update_after_schedule(batch)
         if self.lora is not None:
             self.lora.step_planned(batch.request_slots)
-        decodes = self.running.steady_batch()
         zero, copies = self.bm.drain()
         finished, self.finished_ids = self.finished_ids, []
         total = self.config.max_num_batched_tokens - batch.budget
