@@ -273,7 +273,8 @@ class DecodeLane:
         granted_pos, granted_blocks = self._granted
         # With a batch still out, every token to compute is being sampled there right now.
         tokens = [PLACEHOLDER_TOKEN] * n if self.in_flight else self.last[:n].tolist()
-        return DecodeBatch(self.ids, self.computed[:n].tolist(), tokens, list(zip(granted_pos.tolist(), granted_blocks)))
+        new_blocks = list(zip(granted_pos.tolist(), granted_blocks))
+        return DecodeBatch(self.ids, self.computed[:n].tolist(), tokens, new_blocks)
 
     def advance(self) -> None:
         """The step's batch went out: each sequence's newest token is computed, its grant sent."""

@@ -1,4 +1,4 @@
-"""The output side of a step: append sampled tokens, stop sequences, fork parents.
+"""The output side of a step, as decisions: the tokens each sample keeps, the stop rules, the parents to fork.
 
 Stop rules, per sequence: a token in the request's eos ids (unless ``ignore_eos``) or in
 ``stop_token_ids`` ends it with "stop", but only once it has at least ``min_tokens``
@@ -19,9 +19,8 @@ from typing import Optional
 
 from pagedserve.protocol.messages import RequestDelta, SchedulerOutput, StepResult
 
-from pagedserve.scheduler_proc import pooling, prefix_cache
+from pagedserve.scheduler_proc import pooling
 from pagedserve.scheduler_proc import prompt_logprobs as prompt_lp
-from pagedserve.scheduler_proc.block_pool import BlockPool
 from pagedserve.scheduler_proc.grammar import grammar_finish
 from pagedserve.scheduler_proc.request import RUNNING, Sequence, child_sampling, token_array
 
@@ -168,17 +167,9 @@ def in_arrival_order(deltas: list[RequestDelta], orders: list[int]) -> list[Requ
     return [delta for _, delta in sorted(zip(orders, deltas), key=_first)]
 
 
-def parents_to_fork(others: list[Sequence], prefix_pool: Optional[BlockPool], block_size: int) -> list[Sequence]:
-    """After a step: publish the blocks the non-sampling sequences filled; the parents that computed prompt[:-1]."""
-    parents = []
-    for seq in others:
-        if seq.status != RUNNING:
-            continue
-        if prefix_pool is not None:
-            prefix_cache.register_computed(prefix_pool, seq, block_size)
-        if seq.is_parent and seq.num_kv_tokens == len(seq.token_ids) - 1:
-            parents.append(seq)
-    return parents
+def parents_to_fork(others: list[Sequence]) -> list[Sequence]:
+    """After a step: the parents among the running non-sampling sequences that computed prompt[:-1]."""
+    return [seq for seq in others if seq.is_parent and seq.num_kv_tokens == len(seq.token_ids) - 1]
 
 
 def _first(pair):

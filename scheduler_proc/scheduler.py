@@ -244,37 +244,22 @@ class Scheduler:
         _, sampling, others = self.in_flight[0]
         output_processor.check_result(out, result, len(sampling))
         self.in_flight.pop(0)
-        pool = self.bm.device if self.config.enable_prefix_caching else None
         sampled = output_processor.read_samples(out, result, sampling, others, self.speculator)
-        self._apply_samples(sampled, pool)
-        deltas = sampled.deltas
-        num_accepted = sampled.num_accepted
-        if out.decodes.req_ids:
-            num_per_object_deltas = len(deltas)
-            outputs, ended, num_steady = self.running.record_steady(
-                result.sampled_token_ids[len(sampling):], deltas, sampled.orders, pool)
-            for seq in ended:  # already out of the running set
-                self._retire(seq)
-            num_accepted += num_steady
-            if len(deltas) > max(num_per_object_deltas, 1):  # the steady ends come in their batch's order
-                outputs.deltas = output_processor.in_arrival_order(deltas, sampled.orders)
-        else:
-            outputs = StepOutputs(deltas)
-        self.counters.generation_tokens += num_accepted
+        outputs = self._apply_samples(sampled, result.sampled_token_ids[len(sampling):], sampling, others)
         self.policy.sampled(outputs, self.requests)
-        for seq in sampling:  # with a batch out, behind its positions (running.after_sample)
-            self.running.after_sample(seq)
-        for parent in output_processor.parents_to_fork(others, pool, self.block_size):
-            self._fork(parent)
         if self.config.debug_invariants:
             self.check_invariants()
         return outputs
 
-    def _apply_samples(self, sampled: output_processor.Sampled, pool) -> None:
-        """A step's per-object samples applied in one place: their tokens appended, the KV and the
-        blocks of rejected proposals given back, full blocks named in the prefix cache, the ended
-        retired."""
+    def _apply_samples(self, sampled: output_processor.Sampled, steady_tokens: list[int], sampling: list[Sequence],
+                       others: list[Sequence]) -> StepOutputs:
+        """A step's samples applied in one place: the per-object ones' tokens appended, the KV and
+        the blocks of rejected proposals given back, full blocks named in the prefix cache, the ended
+        retired; then the steady decodes' tokens in their columns (``running.record_steady``) and
+        their ended retired; the ones with only decodes ahead moved to the steady batch; parents that
+        computed their prompt forked."""
         block_size = self.block_size
+        pool = self.bm.device if self.config.enable_prefix_caching else None
         if pool is not None:  # ended embedding requests' blocks outlive them (last-token pooling hits them)
             for seq in sampled.ended:
                 if seq.request.pooling is not None:
@@ -284,6 +269,7 @@ class Scheduler:
             seq.token_ids.extend(tokens)
             if rejected is not None:
                 seq.num_kv_tokens -= rejected
+                seq.spec.drafts = []  # verified
                 verified.append(seq)
             if pool is not None and seq.num_kv_tokens // block_size > len(seq.block_keys):
                 # after the append: an accepted proposal's block holds tokens sampled only now
@@ -295,6 +281,27 @@ class Scheduler:
         for seq in sampled.ended:
             self.running.discard(seq)
             self._retire(seq)
+        deltas, num_accepted = sampled.deltas, sampled.num_accepted
+        if steady_tokens:
+            num_per_object_deltas = len(deltas)
+            outputs, ended, num_steady = self.running.record_steady(steady_tokens, deltas, sampled.orders, pool)
+            for seq in ended:  # already out of the running set
+                self._retire(seq)
+            num_accepted += num_steady
+            if len(deltas) > max(num_per_object_deltas, 1):  # the steady ends come in their batch's order
+                outputs.deltas = output_processor.in_arrival_order(deltas, sampled.orders)
+        else:
+            outputs = StepOutputs(deltas)
+        self.counters.generation_tokens += num_accepted
+        for seq in sampling:  # with a batch out, behind its positions (running.after_sample)
+            self.running.after_sample(seq)
+        others = [seq for seq in others if seq.status == RUNNING]
+        if pool is not None:  # the blocks the non-sampling sequences filled
+            for seq in others:
+                prefix_cache.register_computed(pool, seq, block_size)
+        for parent in output_processor.parents_to_fork(others):
+            self._fork(parent)
+        return outputs
 
     def check_invariants(self, out: Optional[SchedulerOutput] = None) -> None:  # O(blocks + tokens)
         invariants.check(self, out)  # every step only with debug_invariants; ``out``: the step built

@@ -14,10 +14,10 @@ and a replayed trace verify exactly the same ones.
 One step of a speculating sequence: a plain decode (its newest token) followed by up to k
 proposals; ``propose`` says which it wants, and the scheduler asks the block manager how many
 fit and takes the slots for them. Proposals never preempt: they take only the blocks no later
-sequence of the step may need, and shrink or vanish when the cache is tight. The workers score the k + 1 positions in one
-forward, accept a prefix of the proposals and sample one more token; the scheduler then takes
-the accepted ones, shrinks ``num_kv_tokens`` to the accepted positions and gives the blocks
-of the rejected ones back in the same update (``Scheduler.update_from_output``).
+sequence of the step may need, and shrink or vanish when the cache is tight. The workers score
+the k + 1 positions in one forward, accept a prefix of the proposals and sample one more token;
+the scheduler then takes the accepted ones, shrinks ``num_kv_tokens`` to the accepted positions
+and gives the blocks of the rejected ones back in the same update (``Scheduler._apply_samples``).
 
 Who speculates: sequences of requests that ask for no logprobs (their logprobs would be one
 per accepted token; switched off instead, the simplest correct choice) and no grammar (a
@@ -164,8 +164,7 @@ class Speculator:
     def settle(self, seq: "Sequence", num_accepted: int) -> None:
         """The result of ``seq``'s proposals: counters and its backoff."""
         spec = seq.spec
-        proposed = len(spec.drafts)
-        spec.drafts = []
+        proposed = len(spec.drafts)  # the scheduler clears them when it applies the samples
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += num_accepted
