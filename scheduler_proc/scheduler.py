@@ -20,7 +20,8 @@ Each ``schedule()``:
 Helpers answer questions and return decisions (admission.py, output_processor.py, policy.py,
 speculation.py); only this class applies them to the queues, sequences, blocks and counters: a
 step's plan (``StepPlan``, a record) once it is built (``_update_after_schedule``), a result's
-samples in ``_apply_samples``, as vLLM's ``_update_after_schedule`` and ``update_from_output`` do.
+samples in ``_apply_samples``, as vLLM's ``_update_after_schedule`` and ``update_from_output`` do;
+the steady decodes' columns (running.py) move at the same two places.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pagedserve.scheduler_proc.output_processor import StepResultMismatch
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
 from support.scheduler_sim import (EOS, SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done,
-                                   scripted)
+                                   scripted, step_clock)
 
 
 def make(next_token) -> tuple[Scheduler, SimWorker]:
@@ -152,3 +152,46 @@ def test_planning_a_step_changes_no_sequence_until_the_scheduler_applies_the_pla
     [entry] = plan.cached
     assert (entry.new_token_ids, entry.num_computed_tokens, entry.num_scheduled_tokens) == ([seq.token_ids[-1]], 3, 1)
     assert plan.scheduled == [(seq, 1)] and plan.budget == 99
+
+
+def test_building_the_steady_decodes_batch_changes_no_progress_until_the_scheduler_applies_the_plan():
+    """One writer for the decode lane too: its batch is read from the columns, and a steady decode's
+    progress moves only when the scheduler applies the step (``_update_after_schedule``)."""
+    sched, worker = lane_scheduler()
+    out = steps_until_the_lane_decodes(sched, worker)
+    sched.update_from_output(out, worker.step(out))
+    seqs = sched.running_sequences()
+    before = [(s.num_kv_tokens, s.num_tokens_sent, len(s.token_ids)) for s in seqs]
+    built = sched.running.steady_batch()
+    assert sched.running.steady_batch() == built  # building it again gives the same batch
+    assert [(s.num_kv_tokens, s.num_tokens_sent, len(s.token_ids)) for s in seqs] == before
+    out = sched.schedule()
+    assert out.decodes.num_computed_tokens == built.num_computed_tokens
+    assert [s.num_kv_tokens for s in seqs] == [kv + 1 for kv, _, _ in before]
+
+
+def test_a_speculator_says_what_it_wants_and_the_scheduler_cuts_it_to_the_blocks_it_can_spare():
+    """Speculation asks nothing of the block manager: ``propose`` returns every proposal it wants,
+    and the step carries only those the scheduler found blocks for, one block left free for each
+    later sequence of the step."""
+    from pagedserve.protocol.speculative import SpeculativeConfig
+
+    wanted = [1007, 1008, 1009, 1010]
+
+    class Fixed:
+        def propose(self, tokens, most: int) -> list[int]:
+            return wanted[:most]
+
+    config = SchedulerConfig(block_size=4, num_gpu_blocks=5, max_num_seqs=2, max_num_batched_tokens=32,
+                             speculative=SpeculativeConfig("ngram", 4, 4, 1), debug_invariants=True)
+    sched = Scheduler(config, proposer=Fixed(), clock=step_clock())  # every step's cost alike: all 4 pay
+    for name in ("a", "b"):  # 7-token prompts: 2 blocks each, 1 left
+        sched.add_request(request(name, list(range(10, 17)), max_tokens=10, ignore_eos=True))
+    worker = SimWorker(config, counting_tokens())
+    out = sched.schedule()
+    sched.update_from_output(out, worker.step(out))
+    a = sched.requests["a"].sequences[0]
+    assert sched.speculator.propose(a, 32) == wanted  # the whole wish, whatever the cache holds
+    out = sched.schedule()
+    assert "a" not in out.spec_token_ids  # "b", later in the step, may need the last block
+    assert out.spec_token_ids["b"] == wanted
