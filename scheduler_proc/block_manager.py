@@ -26,7 +26,7 @@ keeps every block, and ``window_tables`` for the local groups, whose blocks behi
 ``hybrid_window`` are freed to the null block (``num_window_freed`` of them). Every group draws on
 the one device pool, so each count of blocks here is summed over the tables (``num_tables``); a
 block id belongs to one group's table at a time. Swap, copy and zero stay per block id. A steady
-decode starting a block takes one for each table (``append_local_blocks`` beside the lane's grant).
+decode starting a block takes one for each table (``append_global_blocks``, ``append_local_blocks``).
 """
 
 from __future__ import annotations
@@ -196,6 +196,14 @@ class BlockManager:
         device.release(src)  # still owned by a sibling: the copy reads it this step
         self.pending_copies[dst] = src
         table[-1] = dst
+
+    def append_global_blocks(self, seqs: list[Sequence]) -> list[int]:
+        """A fresh block at the end of each of ``seqs``' global tables (steady decodes starting a
+        block), taken in one call; the blocks, in order."""
+        blocks = self.take_blocks_to_write(len(seqs))
+        for seq, block in zip(seqs, blocks):
+            seq.block_ids.append(block)
+        return blocks
 
     def append_local_blocks(self, seq: Sequence) -> list[list[int]]:
         """A fresh block at the end of each local table of ``seq`` (its global table just took

@@ -14,8 +14,8 @@ no logprobs. While it is in the lane these columns are the one store of its prog
 (``num_kv_tokens``, the sent counters) and of its newest tokens (a ring of the last ``RING``
 sampled tokens per sequence, flushed to its token array in turn); the sequence, a
 ``LaneSequence`` meanwhile, reads through to them and gets them back when it leaves. Its
-block table stays the Sequence's alone: a block granted is appended to it at once (a
-sequence in 1/block_size of the steps).
+block table stays the Sequence's alone: the block manager appends a block granted to it at
+once (a sequence in 1/block_size of the steps).
 
 Positions are dense (0..n-1) and a removal moves the last sequence into the gap, so lane
 order means nothing; FCFS order stays in ``Sequence.order`` (see ``newest``). Each batch out
@@ -255,11 +255,8 @@ class DecodeLane:
         return (self.computed[:n] >= self.table_tokens[:n]).nonzero()[0].tolist()
 
     def grant_blocks(self, needy: list[int], blocks: list[int]) -> None:
-        """``blocks``, fresh from the block manager, one for each position of ``needing_blocks``,
+        """``blocks``, one for each position of ``needing_blocks``, which the block manager just
         appended to their tables (the workers learn them from this step's batch)."""
-        seqs = self.seqs
-        for pos, block in zip(needy, blocks):
-            seqs[pos].block_ids.append(block)
         self.before_tail_block[needy] = self.tail_block[needy]
         self.tail_block[needy] = blocks
         self.table_tokens[needy] += self.block_size

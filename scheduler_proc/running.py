@@ -84,7 +84,7 @@ class RunningSequences:
     # ------------------------------------------------------------------ membership
 
     def add(self, seq: Sequence) -> None:
-        seq.status = RUNNING
+        """``seq`` starts or resumes (the scheduler marks it RUNNING)."""
         if seq.is_parent:
             self._reserved_seats += seq.request.sampling.n - 1
         queue = self._queue
@@ -126,9 +126,9 @@ class RunningSequences:
 
     # ------------------------------------------------------------------ one step
 
-    def begin_step(self, num_free_blocks: int, release=None, blocks_per_grant: int = 1) -> list[int]:
-        """The steady decodes (positions) whose next token starts a block, for the scheduler to
-        grant (``grant_steady``) when the free blocks cover them all; when not, those leave the
+    def begin_step(self, num_free_blocks: int, release=None, blocks_per_grant: int = 1) -> list[Sequence]:
+        """The steady decodes whose next token starts a block, for the scheduler to grant
+        (``grant_steady``) when the free blocks cover them all; when not, those leave the
         batch for the per-object loop, which decides FCFS who gets what. ``release(seq, position)``
         (a sliding window): first gives back the blocks behind each one's next query, how many.
         ``blocks_per_grant``: a hybrid model's sequence takes a block for each of its tables."""
@@ -137,24 +137,21 @@ class RunningSequences:
             self._num_gone = 0
         lane = self._lane
         needy = lane.needing_blocks()
+        seqs = [lane.seqs[pos] for pos in needy]
         if release is not None:  # only at a block's start: 1/block_size of the steps, read from the columns
-            seqs, computed = lane.seqs, lane.computed
-            num_free_blocks += sum(release(seqs[pos], int(computed[pos])) for pos in needy)
-        if len(needy) * blocks_per_grant <= num_free_blocks:
-            return needy
-        for seq in [lane.seqs[pos] for pos in needy]:
+            computed = lane.computed
+            num_free_blocks += sum(release(seq, int(computed[pos])) for seq, pos in zip(seqs, needy))
+        if len(seqs) * blocks_per_grant <= num_free_blocks:
+            return seqs
+        for seq in seqs:
             lane.leave(seq)
             insort(self._queue, seq, key=by_order)
         return []
 
-    def grant_steady(self, needy: list[int], blocks: list[int], grant_local=None) -> None:
-        """``blocks`` to the global tables of ``needy``; ``grant_local(seq)``: a hybrid model's
-        local tables take theirs."""
-        lane = self._lane
-        lane.grant_blocks(needy, blocks)
-        if grant_local is not None:
-            for pos in needy:
-                grant_local(lane.seqs[pos])
+    def grant_steady(self, seqs: list[Sequence], blocks: list[int]) -> None:
+        """``blocks``, just appended to the global tables of ``seqs`` (``begin_step``'s), into the
+        lane's columns and its next batch."""
+        self._lane.grant_blocks([seq.lane_pos for seq in seqs], blocks)
 
     def steady_batch(self) -> DecodeBatch:
         """The step's batch of steady decodes (after the per-object loop and admissions)."""

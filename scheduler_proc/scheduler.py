@@ -371,18 +371,15 @@ class Scheduler:
             self._make_way_for_waiting(batch)
         release = self.bm.release_behind_window if self.bm.frees_behind_window else None
         if needy := self.running.begin_step(self.bm.device.num_free, release, self.bm.num_tables):
-            grant_local = (lambda seq: self._grant_local(seq, batch)) if self.bm.num_window_groups else None
-            self.running.grant_steady(needy, self.bm.take_blocks_to_write(len(needy)), grant_local)
+            self.running.grant_steady(needy, self.bm.append_global_blocks(needy))
+            if self.bm.num_window_groups:  # a hybrid model's local tables: the step's window_block_ids carries them
+                for seq in needy:
+                    batch.window_blocks[seq.seq_id] = self.bm.append_local_blocks(seq)
         batch.budget -= self.running.num_steady  # every steady decode runs: its token comes first
         self._schedule_running(batch)
         if not batch.preempted:
             self._start_swapped_and_waiting(batch)
         return self._finish_step(batch)
-
-    def _grant_local(self, seq: Sequence, batch: StepPlan) -> None:
-        """A steady decode of a hybrid model starting a block: a fresh block for each local table,
-        which the step's ``window_block_ids`` carries (the lane's batch carries the global one)."""
-        batch.window_blocks[seq.seq_id] = self.bm.append_local_blocks(seq)
 
     def _end_past_limits(self, now: float) -> None:
         """Past a limit (deadlines.py): without a first token an error, else the tokens so far ("length")."""
@@ -534,6 +531,7 @@ class Scheduler:
         if self.config.enable_prefix_caching:
             prefix_cache.republish(self.bm.device, seq)
         self.bm.append_slots(seq, num_tokens)
+        seq.status = RUNNING
         self.running.add(seq)
         batch.add(seq, num_tokens)
 
@@ -552,6 +550,7 @@ class Scheduler:
         if request.lora is not None:
             self.lora.acquire(seq, request.lora)
         seq.num_kv_tokens = plan.num_computed
+        seq.status = RUNNING
         self.running.add(seq)
         if plan.num_tokens > 0:
             batch.add(seq, plan.num_tokens)
