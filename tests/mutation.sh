@@ -12,7 +12,7 @@ mkdir -p "$scratch/pagedserve"
 cd "$repo"
 git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$scratch"
 cd "$scratch"
-for pkg in protocol client scheduler_proc worker_proc frontend_proc kernels offline deploy tools bench; do
+for pkg in protocol runtime client scheduler_proc worker_proc frontend_proc kernels offline deploy tools bench; do
   rm -rf "pagedserve/$pkg" && mv "$pkg" pagedserve/
 done
 cp api/__init__.py pagedserve/__init__.py
@@ -32,6 +32,9 @@ pytest_add_cli_args_test_selection = [
   "tests/unit/test_output_processor.py", "tests/unit/test_sampler_exact_rules.py", "tests/unit/test_worker_sampler.py",
   "tests/unit/test_worker_sampling_params.py"]
 TOML
-OMP_NUM_THREADS=1 env -u PYTHONPATH mutmut run --max-children "${MUTMUT_CHILDREN:-2}"
-env -u PYTHONPATH mutmut results
+# tests/conftest.py drops the repository root (here mutants/, where mutmut runs) from sys.path so
+# the installed package runs: the mutated package is reached through a folder of its own instead.
+mkdir -p import_root && ln -sfn ../mutants/pagedserve import_root/pagedserve
+OMP_NUM_THREADS=1 PYTHONPATH="$scratch/import_root" mutmut run --max-children "${MUTMUT_CHILDREN:-2}"
+PYTHONPATH="$scratch/import_root" mutmut results
 echo "scratch copy: $scratch (mutmut show NAME there shows a mutant)"

@@ -59,6 +59,19 @@ def test_check_then_commit_appends_only_what_was_promised_and_lists_each_fresh_b
     assert bm.drain() == ([], [])
 
 
+def test_a_decodes_proposals_fit_only_in_the_blocks_beyond_its_own_token_and_those_left_for_later_sequences():
+    bm = BlockManager(SchedulerConfig(block_size=4, num_gpu_blocks=5))
+    seq = sequence(4)
+    bm.allocate(seq, [], 1)
+    seq.num_kv_tokens = 4  # its next token starts a block: 1 of the 4 free blocks is its own
+    # 4 free: 1 for the token (room for 3 proposals after it), 1 left for a later sequence, 2 spare
+    assert bm.num_extra_fitting(seq, 1, 12, blocks_to_leave=1) == 3 + 2 * 4
+    assert bm.num_extra_fitting(seq, 1, 5, blocks_to_leave=1) == 5
+    assert bm.num_extra_fitting(seq, 1, 8, blocks_to_leave=3) == 3  # only the token's own block's room
+    assert bm.num_extra_fitting(seq, 1, 8, blocks_to_leave=4) == 0
+    assert bm.device.num_free == 4 and len(seq.block_ids) == 1  # a question: nothing taken
+
+
 def test_a_block_freed_before_the_step_is_built_is_not_listed_and_is_listed_once_when_reused():
     bm = BlockManager(SchedulerConfig(block_size=4, num_gpu_blocks=2))
     seq = sequence(4)
