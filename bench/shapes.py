@@ -58,6 +58,15 @@ SHAPES = {s.name: s for s in (
                                   tie_word_embeddings=True, rope_theta=1000000.0, seed=1234,
                                   initializer_range=0.02),
                num_prompts=1, input_len=(16, 64), output_len=256),
+    # Issue 52's dense goal: Gemma 3 1B's text shape (26 layers, 4 query heads, 1 KV head of 256, a window of
+    # 512 on five layers of six, local rope base 1e4, global 1e6, tied 262,144-token embeddings: ~2 GB in
+    # bfloat16) with its initializer_range; decode-heavy as issue 31's: 64 prompts of 16-64 tokens, 256 new.
+    BenchShape("gemma3-1b", dict(arch="gemma3", hidden_size=1152, num_layers=26, num_heads=4, num_kv_heads=1,
+                                 head_dim=256, query_pre_attn_scalar=256, intermediate_size=6912,
+                                 vocab_size=262144, max_position_embeddings=32768, sliding_window=512,
+                                 sliding_window_pattern=6, tie_word_embeddings=True, seed=1234,
+                                 dtype="bfloat16", initializer_range=0.02),
+               num_prompts=64, input_len=(16, 64), output_len=256),
     # Issue 52's MoE: Qwen3-30B-A3B's shape (32 query heads, 4 KV heads, head_dim 128, 128 experts, top 8,
     # moe_intermediate 768, no shared expert, vocab 151936) with its 48 layers cut to 12: 7.25 G expert
     # parameters, ~15.5 GB in bfloat16 with attention and embeddings. Qwen3's initializer_range (0.02),

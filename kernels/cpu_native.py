@@ -80,7 +80,7 @@ _SIGNATURES = {
     "gemv_int4_variant": [],
     "w8a8_linear": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int, _P],
     "w8a8_variant": [],
-    **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float] for suffix in ("bf16", "f16")},
+    **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float, _I] for suffix in ("bf16", "f16")},
     "lora_shrink_expand": [_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_int,
                            _P, _P, _P, _P],
 }
@@ -626,15 +626,18 @@ def _gemv_kernels(lib: ctypes.CDLL) -> dict:
 
 
 def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether rms_norm serves these tensors: bfloat16 or float16 on CPU, x contiguous, weight [x's last dim]."""
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous() and weight.shape == x.shape[-1:]
+    """Whether rms_norm serves these tensors: bfloat16 or float16 on CPU, x contiguous, weight [x's last dim]
+    or one per head, [heads, d] for x [..., heads, d] (the per-head weights of a fused q and k)."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous()
+            and (weight.shape == x.shape[-1:] or (weight.dim() == 2 and x.dim() >= 3 and weight.shape == x.shape[-2:]))
             and weight.is_contiguous() and _native_dtype(x, weight))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """RMSNorm over x's last dim (kernels/cpu_rms_norm_half.c, supports_rms_norm), a new tensor; with
-    ``residual`` (x's shape and dtype), x += residual first, rounded as torch's add_ rounds, in place."""
+    ``residual`` (x's shape and dtype), x += residual first, rounded as torch's add_ rounds, in place.
+    ``weight`` [d], or [heads, d] for x [..., heads, d]: each head by its own row."""
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError("rms_norm: the residual does not match x")
@@ -643,7 +646,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty_like(x)
     getattr(library(), f"rms_norm_{DTYPE_SUFFIXES[x.dtype]}")(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        x.numel() // d if d else 0, d, eps)
+        x.numel() // d if d else 0, d, eps, weight.shape[0] if weight.dim() == 2 else 1)
     return out
 
 

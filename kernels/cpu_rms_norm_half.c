@@ -51,14 +51,17 @@ static inline __attribute__((always_inline)) void norm_row(uint16_t *x, const ui
     }
 }
 
-/* x [rows, d] contiguous (residual, if not NULL, added into it first, [rows, d] contiguous), weight [d],
- * out [rows, d] contiguous; all of the dtype. */
+/* x [rows, d] contiguous (residual, if not NULL, added into it first, [rows, d] contiguous), weight
+ * [weight_rows, d], row t normed by weight row t % weight_rows (1: one weight for every row; a [tokens, heads, d]
+ * x with per-head weights, Qwen3's and Gemma 3's q and k norms over one fused tensor, passes heads), out
+ * [rows, d] contiguous; all of the dtype. */
 #define DEFINE_NORM(name, BF16)                                                                              \
     void name(uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,   \
-              int64_t d, float eps) {                                                                        \
+              int64_t d, float eps, int64_t weight_rows) {                                                   \
         _Pragma("omp parallel for schedule(static) if (rows * d > (1 << 17))")                               \
         for (int64_t t = 0; t < rows; t++)                                                                   \
-            norm_row(x + t * d, residual ? residual + t * d : NULL, weight, out + t * d, d, eps, BF16);      \
+            norm_row(x + t * d, residual ? residual + t * d : NULL, weight + (t % weight_rows) * d,          \
+                     out + t * d, d, eps, BF16);                                                             \
     }
 
 DEFINE_NORM(rms_norm_bf16, 1)
