@@ -13,6 +13,11 @@ the time; in the same run the memory's read bandwidth (the sum of a 512 MiB tens
 
     python bench/scripts/moe_kernel_bench.py [--tokens 1,4,16,64] [--repeat 9] [--threads 2]
     python bench/scripts/moe_kernel_bench.py --cpu-time       # one thread's CPU time (a loaded machine)
+    python bench/scripts/moe_kernel_bench.py --cpu-time --march x86-64-v3   # what an AVX2 machine runs
+
+``--march``: both paths on the kernels as built for that x86-64 level (kernels/cpu_native.py ``_build``), the
+per-expert path in the layout such a CPU takes: cpu_linear.c's panels on x86-64-v3 (AVX2, no AVX-512), oneDNN's
+packed weights otherwise.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from pagedserve.kernels.cpu_moe import NativeExperts
 from pagedserve.kernels.moe_routing import RoutingRule, route
 from pagedserve.worker_proc.elementwise import TorchElementwise
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout
-from pagedserve.worker_proc.models.moe import grouped_experts
+from pagedserve.worker_proc.models.moe import _layout_name, grouped_experts
 
 HIDDEN, SIZE, EXPERTS, TOP_K = 2048, 768, 128, 8
 
@@ -40,19 +45,24 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time")
     p.add_argument("--paths", default="per expert,one call")
+    p.add_argument("--march", default="native", help="the kernels as built for this -march (x86-64-v4, x86-64-v3)")
     ns = p.parse_args()
     clock = time.thread_time if ns.cpu_time else time.perf_counter
     if ns.cpu_time:
         ns.threads = 1
     if ns.threads:
         torch.set_num_threads(ns.threads)
+    if ns.march != "native":
+        lib = cpu_native._build(ns.march)
+        cpu_native.library = lambda: lib
     g = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(EXPERTS, 2 * SIZE, HIDDEN, generator=g) * 0.02).bfloat16()
     down = (torch.randn(EXPERTS, HIDDEN, SIZE, generator=g) * 0.02).bfloat16()
     paths = ns.paths.split(",")
     calls = {}
     if "per expert" in paths:
-        layout = WeightLayout(packed=True, plain=False)
+        layout = (WeightLayout(plain=False, native=True) if ns.march == "x86-64-v3"
+                  else WeightLayout(packed=True, plain=False))
         experts = [(LinearWeight.of(gate_up[e], None, layout, gate_size=SIZE), LinearWeight.of(down[e], None, layout))
                    for e in range(EXPERTS)]
         ew = TorchElementwise()
@@ -64,7 +74,8 @@ def main() -> None:
     expert_bytes = (2 * SIZE * HIDDEN + HIDDEN * SIZE) * 2
     big = torch.ones(1 << 27)  # 512 MiB, touched
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {'thread CPU' if ns.cpu_time else 'wall'} "
-          f"clock, kernel variant {cpu_native.kernel_variant()}; H={HIDDEN} I={SIZE} E={EXPERTS} top-{TOP_K} bfloat16")
+          f"clock, kernel variant {cpu_native.kernel_variant()} (-march={ns.march}); H={HIDDEN} I={SIZE} E={EXPERTS} "
+          f"top-{TOP_K} bfloat16; per expert: {_layout_name(experts[0][0]) if 'per expert' in calls else '-'}")
     token_counts = [int(t) for t in ns.tokens.split(",")]
     times = {(t, name): [] for t in token_counts for name in calls}
     active = {t: [] for t in token_counts}

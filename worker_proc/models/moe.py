@@ -12,16 +12,18 @@ brings their tokens to them); the shared expert stays sliced.
 
 How the experts run, chosen once at load and named in the worker log:
 
-- CPU, bfloat16 (AVX512-BF16, AVX-512 or AVX2): one native call per layer for every active expert
+- CPU, bfloat16 on AVX512-BF16: one native call per layer for every active expert
   (kernels/cpu_moe.c through kernels/cpu_moe.py's ``NativeExperts``): the layer's experts packed once as
   stacked vdpbf16ps panels, the pairs sorted by expert inside the call, both cores streaming a share of
   every active expert's weights, the activation in registers, each output weighted and added into its
-  token's row. One copy of the experts' bytes, for every row count: on Qwen3-30B-A3B's expert shape it
-  read the experts at 1.6x the per-expert path's speed at 1-16 tokens and matched oneDNN at prefill's
-  64 rows an expert (bench/scripts/moe_kernel_bench.py; docs/DECISIONS.md "One call for a layer's
-  experts"). ``PAGEDSERVE_CPU_MOE_KERNEL=0`` keeps the per-expert path below; ``=1`` takes the kernel
-  wherever the library is built (its generic vectors too). Not covered, so per expert: float32 and
-  float16 models, a model with ``--enable-lora`` (adapters add to each expert's products).
+  token's row. One copy of the experts' bytes, for every row count: on Qwen3-30B-A3B's expert shape, one
+  core's CPU time, it read the active experts at 88-91% of the core's read bandwidth at 1-16 tokens, 2.0-2.1x
+  the per-expert path, 1.5x at 64 tokens, the same at 256 and 6% slower at 1024 (64 rows an expert), too
+  little for a second copy of every expert (bench/scripts/moe_kernel_bench.py; docs/DECISIONS.md "One call
+  for a layer's experts"). ``PAGEDSERVE_CPU_MOE_KERNEL=0`` keeps the per-expert path below; ``=1`` takes
+  the kernel wherever the library is built (its widened forms on AVX-512 and AVX2: kernels/cpu_moe.py
+  ``supports_native_experts``). Not covered, so per expert: float32 and float16 models, a model with
+  ``--enable-lora`` (adapters add to each expert's products).
 - CPU otherwise: the step's (token, expert) pairs sorted by expert, then one gate_up (with its SiLU gate)
   and one down matmul per *active* expert over its contiguous run of rows; an expert no token
   routes to costs nothing. Each expert is a pair of LinearWeights in the model's WeightLayout
@@ -395,8 +397,8 @@ def expert_runs(rows: torch.Tensor, counts: list[int], experts: list[tuple[Linea
 
 
 def native_experts_chosen(dtype: torch.dtype, lora: bool) -> bool:
-    """Whether a CPU model's routed experts take kernels/cpu_moe.c: bfloat16 without adapters, where the
-    kernel has vectors (``PAGEDSERVE_CPU_MOE_KERNEL``: 0 never, 1 wherever the library is built)."""
+    """Whether a CPU model's routed experts take kernels/cpu_moe.c: bfloat16 without adapters, where it
+    multiplies by vdpbf16ps (``PAGEDSERVE_CPU_MOE_KERNEL``: 0 never, 1 wherever the library is built)."""
     choice = env_switch(MOE_KERNEL_ENV)
     if dtype != torch.bfloat16 or lora or choice is False or cpu_native.library() is None:
         return False
