@@ -48,6 +48,7 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_gemv_int4.c"): (),
            Path(__file__).with_name("cpu_gemm_w8a8.c"): (),
            Path(__file__).with_name("cpu_lora.c"): (),
+           Path(__file__).with_name("cpu_moe.c"): (),
            Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary_half.c"): ("-ffp-contract=off",),
@@ -81,6 +82,8 @@ _SIGNATURES = {
     "w8a8_linear": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int, _P],
     "w8a8_variant": [],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float, _I] for suffix in ("bf16", "f16")},
+    "moe_experts_bf16": [_P, _I, _I, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int, ctypes.c_float,
+                         ctypes.c_float, _P, _I],
     "lora_shrink_expand": [_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_int,
                            _P, _P, _P, _P],
 }
@@ -90,7 +93,8 @@ _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes
              "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
              "gemv_q8_0": ctypes.c_int, "q8_0_variant": ctypes.c_char_p, "gemv_int4_variant": ctypes.c_char_p,
              "w8a8_linear": ctypes.c_int, "w8a8_variant": ctypes.c_char_p,
-             **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "lora_shrink_expand": ctypes.c_int}
+             **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "lora_shrink_expand": ctypes.c_int,
+             "moe_experts_bf16": ctypes.c_int}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D

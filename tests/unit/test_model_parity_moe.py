@@ -106,15 +106,25 @@ def test_a_config_routing_to_more_experts_than_it_has_is_refused_at_start_in_one
         ModelRunner(str(model_dir))
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe_norm_topk_prob", "gpt_oss_sinks_windows_yarn_clamped_swiglu"])
-def test_bfloat16_experts_stay_close_to_transformers_bfloat16_logits(tmp_path, case):
-    """bfloat16 takes the dense layers' bf16 path per expert (oneDNN's packed weights on
-    AVX512-BF16); its logits stay within the dense model's bf16 tolerance of transformers' (over
-    our own tokens: teacher forcing). gpt-oss: its sinks, biases and clamped SwiGLU in bfloat16 too."""
+@pytest.mark.parametrize("path", ["one call", "per expert"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe_norm_topk_prob", "gpt_oss_sinks_windows_yarn_clamped_swiglu"])
+def test_bfloat16_experts_stay_close_to_transformers_bfloat16_logits(tmp_path, monkeypatch, case, path):
+    """bfloat16 takes one native call per layer for the experts (kernels/cpu_moe.c) on AVX512-BF16 (here under
+    PAGEDSERVE_CPU_MOE_KERNEL=1 wherever the library is built), or,
+    with PAGEDSERVE_CPU_MOE_KERNEL=0, the dense layers' bf16 path per expert (oneDNN's packed weights on
+    AVX512-BF16); either's logits stay within the dense model's bf16 tolerance of transformers' (over our own
+    tokens: teacher forcing). Mixtral: float32 routing weights; gpt-oss: its sinks, biases and clamped SwiGLU."""
     from transformers import AutoModelForCausalLM
 
+    from pagedserve.kernels import cpu_native
+    from pagedserve.worker_proc.models.moe import MOE_KERNEL_ENV
+
+    if path == "one call" and cpu_native.library() is None:
+        pytest.skip("the experts' kernel needs the native library")
+    monkeypatch.setenv(MOE_KERNEL_ENV, "1" if path == "one call" else "0")
     model_dir = build_model_dir(tmp_path / "m", **CASES[case])
     runner = ModelRunner(str(model_dir), dtype="bfloat16")
+    assert all((layer.moe.native is not None) == (path == "one call") for layer in runner.model.layers if layer.moe)
     step_logits = []
     compute_logits = runner.model.compute_logits
 

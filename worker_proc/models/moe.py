@@ -12,7 +12,19 @@ brings their tokens to them); the shared expert stays sliced.
 
 How the experts run, chosen once at load and named in the worker log:
 
-- CPU: the step's (token, expert) pairs sorted by expert, then one gate_up (with its SiLU gate)
+- CPU, bfloat16 on AVX512-BF16: one native call per layer for every active expert
+  (kernels/cpu_moe.c through kernels/cpu_moe.py's ``NativeExperts``): the layer's experts packed once as
+  stacked vdpbf16ps panels, the pairs sorted by expert inside the call, both cores streaming a share of
+  every active expert's weights, the activation in registers, each output weighted and added into its
+  token's row. One copy of the experts' bytes, for every row count: on Qwen3-30B-A3B's expert shape, one
+  core's CPU time, it read the active experts at 88-91% of the core's read bandwidth at 1-16 tokens, 2.0-2.1x
+  the per-expert path, 1.5x at 64 tokens, the same at 256 and 6% slower at 1024 (64 rows an expert), too
+  little for a second copy of every expert (bench/scripts/moe_kernel_bench.py; docs/DECISIONS.md "One call
+  for a layer's experts"). ``PAGEDSERVE_CPU_MOE_KERNEL=0`` keeps the per-expert path below; ``=1`` takes
+  the kernel wherever the library is built (its widened forms on AVX-512 and AVX2: kernels/cpu_moe.py
+  ``supports_native_experts``). Not covered, so per expert: float32 and float16 models, a model with
+  ``--enable-lora`` (adapters add to each expert's products).
+- CPU otherwise: the step's (token, expert) pairs sorted by expert, then one gate_up (with its SiLU gate)
   and one down matmul per *active* expert over its contiguous run of rows; an expert no token
   routes to costs nothing. Each expert is a pair of LinearWeights in the model's WeightLayout
   (models/linear.py), so the matmuls take the path dense layers take for the dtype and ISA:
@@ -56,11 +68,12 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import moe_reference
+from pagedserve.kernels import cpu_moe, cpu_native, moe_reference
 from pagedserve.kernels.moe_reference import ClampedSwiglu
 from pagedserve.kernels.moe_routing import RoutingRule, route, sort_by_expert
 from pagedserve.kernels.ops import select_ops
 from pagedserve.worker_proc.elementwise import Elementwise
+from pagedserve.worker_proc.env_switch import env_switch
 from pagedserve.worker_proc.model_config import ModelSpec, UnsupportedModelError
 from pagedserve.worker_proc.models.decoder_layer import DecoderLayer
 from pagedserve.worker_proc.models.expert_parallel import ExpertPlacement
@@ -74,6 +87,8 @@ from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 from pagedserve.worker_proc.weights import WeightSource
 
 log = logging.getLogger("pagedserve.worker")
+
+MOE_KERNEL_ENV = "PAGEDSERVE_CPU_MOE_KERNEL"
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +195,14 @@ class SparseMoeBlock:
                                    source.get(e.format(i, up), dim=0, part=(a, b))]) for i in held]
             downs = [source.get(e.format(i, down), dim=1, part=(a, b)) for i in held]
         no_biases = [None] * len(held)
-        if device.type == "cpu":
+        self.native: Optional[cpu_moe.NativeExperts] = None
+        if device.type == "cpu" and native_experts_chosen(dtype, lora):
+            self.native = cpu_moe.NativeExperts([load(w) for w in gate_ups], [load(w) for w in downs],
+                                                gate_up_biases and [load(b) for b in gate_up_biases],
+                                                down_biases and [load(b) for b in down_biases], self.activation)
+            self.experts = self.gate_up = self.down = self.gate_up_bias = self.down_bias = None
+            self.kernel = f"one native call per layer (kernels/cpu_moe.c, {cpu_native.kernel_variant()})"
+        elif device.type == "cpu":
             layout = expert_layout(layout, dtype)
             # A clamped SwiGLU multiplies through linear(): no panels interleaved for silu_gate. Nor with LoRA
             # where the native panels would interleave them.
@@ -242,6 +264,8 @@ class SparseMoeBlock:
         if self.placement is not None:  # adapters on placed experts are refused at start (ModelRunner)
             return self.placement.routed_output(x, self._route, lambda rows, counts: self._rows(rows, counts, ew))
         weights, ids = self._route(x)
+        if self.native is not None:
+            return self.native(x, weights, ids)
         if self.experts is not None:
             return grouped_experts(x, self.experts, weights, ids, ew, self.activation, deltas)
         if deltas is not None:  # the Triton kernel adds no adapter: the reference loop does
@@ -253,6 +277,8 @@ class SparseMoeBlock:
     def _rows(self, rows: torch.Tensor, counts: list[int], ew: Elementwise) -> torch.Tensor:
         """Each row's output of its expert, unweighted: ``rows`` sorted by this rank's expert, ``counts``
         rows each (expert parallelism's exchange)."""
+        if self.native is not None:
+            return self.native.rows(rows, counts)
         if self.experts is not None:
             return expert_runs(rows, counts, self.experts, ew, self.activation)
         ids = torch.repeat_interleave(torch.arange(len(counts), device=rows.device),
@@ -368,6 +394,15 @@ def expert_runs(rows: torch.Tensor, counts: list[int], experts: list[tuple[Linea
             outs.append(out)
             start += count
     return torch.cat(outs) if outs else rows.new_zeros(0, rows.shape[1])
+
+
+def native_experts_chosen(dtype: torch.dtype, lora: bool) -> bool:
+    """Whether a CPU model's routed experts take kernels/cpu_moe.c: bfloat16 without adapters, where it
+    multiplies by vdpbf16ps (``PAGEDSERVE_CPU_MOE_KERNEL``: 0 never, 1 wherever the library is built)."""
+    choice = env_switch(MOE_KERNEL_ENV)
+    if dtype != torch.bfloat16 or lora or choice is False or cpu_native.library() is None:
+        return False
+    return choice is True or cpu_moe.supports_native_experts()
 
 
 def expert_layout(layout: WeightLayout, dtype: torch.dtype) -> WeightLayout:
