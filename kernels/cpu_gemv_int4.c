@@ -1,7 +1,9 @@
 /* Decode-step products on int4 weights in groups: out[M, N] = x[M, K] @ W^T, M = 1..8, where
  * W[j, t] = (u[j, t] - z[j, t / G]) * scale[j, t / G]: u the unsigned nibble (the signed value + 8),
  * z 8 (symmetric: GGUF's Q4_0, compressed-tensors' W4A16) or 8 + the group's zero point (asymmetric),
- * scale float32, one per group of G inputs (a multiple of 32). Decode reads every weight once a step,
+ * scale float32, one per group of G inputs (a multiple of 32); or W[j, t] = scale * u - min[j, t / G], a float32
+ * min per group (GGUF's Q4_K: d * sc and dmin * m, the min no multiple of the scale, the scale possibly 0), where
+ * each form below takes the min in place of scale * z. Decode reads every weight once a step,
  * so bytes are the time: 4 bits a weight plus 32 bits a group (0.53 bytes a weight at G = 128, against
  * bfloat16's 2). torch's _weight_int4pack_mm_for_cpu runs about a row of x at a time and dequantizes
  * into the activations' dtype (bench/scripts/quant_bench.py: 1.5x bfloat16 decode, not the 3.8x the bytes allow).

@@ -6,11 +6,11 @@ the byte-level BPE tokenizer as ``tokenizer.ggml.*`` (tokens, types, merges, spe
 template), tensors under GGUF's names (``gguf.get_tensor_name_map``), Llama's q/k rows permuted for
 llama.cpp's rotary layout, norms and biases in F32, and every matrix (embeddings included) in the
 type asked for, quantized by ``gguf.quants.quantize`` (the k-quants, which it cannot make, by
-tools/gguf_kquants.py). ``Q4_K_M`` mixes them as llama-quantize's preset does: Q6_K for the output matrix and
-for attn_v and ffn_down on its "more bits" layers, Q4_K elsewhere, and a k-quant whose rows are no whole
-256-input blocks falls back as llama-quantize's does (Q4_K to Q5_0, Q6_K to Q8_0). transformers' GGUF loader reads the result back
-(config, tokenizer, dequantized weights): that is the oracle of the engine's GGUF path, and a bench can
-write its own files here without llama.cpp's converter.
+tools/gguf_kquants.py). ``Q4_K_M`` mixes them as llama-quantize's preset does: Q6_K for the output matrix (the
+embeddings where they are tied) and for attn_v and ffn_down on its "more bits" layers, Q4_K elsewhere, and a
+k-quant whose rows are no whole 256-input blocks falls back as llama-quantize's does (Q4_K to Q5_0, Q6_K to
+Q8_0). transformers' GGUF loader reads the result back (config, tokenizer, dequantized weights): that is the
+oracle of the engine's GGUF path, and a bench can write its own files here without llama.cpp's converter.
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ def write_gguf(model_dir: str | Path, path: str | Path, tensor_type: str = "Q8_0
 
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), layers)
     tensors = load_file(str(model_dir / "model.safetensors"))
+    has_output = "lm_head.weight" in tensors and not config.get("tie_word_embeddings")
     for hf_name in sorted(tensors):
         if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
             continue
@@ -123,7 +124,7 @@ def write_gguf(model_dir: str | Path, path: str | Path, tensor_type: str = "Q8_0
         data = tensors[hf_name].astype(np.float32)
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
             data = _llama_permute(data, heads if stem.endswith("q_proj") else kv_heads)
-        kind = _matrix_type(tensor_type, gguf_name, layers, data.shape[-1]) if data.ndim == 2 else "F32"
+        kind = _matrix_type(tensor_type, gguf_name, layers, data.shape[-1], has_output) if data.ndim == 2 else "F32"
         if kind in QUANTIZERS:
             qtype = gguf.GGMLQuantizationType[kind]
             writer.add_tensor(f"{gguf_name}.{suffix}", QUANTIZERS[kind](data), raw_dtype=qtype)
@@ -139,17 +140,18 @@ def write_gguf(model_dir: str | Path, path: str | Path, tensor_type: str = "Q8_0
     return path
 
 
-def _matrix_type(tensor_type: str, gguf_name: str, layers: int, inputs: int) -> str:
+def _matrix_type(tensor_type: str, gguf_name: str, layers: int, inputs: int, has_output: bool) -> str:
     """The type a matrix is written in: ``tensor_type``, or Q4_K_M's choice for this tensor (llama.cpp's
-    llama-quant.cpp: Q6_K for ``output``, and for attn_v / ffn_down where ``use_more_bits``), a k-quant of rows
-    that are no whole super-blocks replaced by its fallback."""
+    llama-quant.cpp: Q6_K for ``output``, or ``token_embd`` without one, and for attn_v / ffn_down where
+    ``use_more_bits``), a k-quant of rows that are no whole super-blocks replaced by its fallback."""
     kind = tensor_type
     if tensor_type == "Q4_K_M":
         parts = gguf_name.split(".")
         layer = int(parts[1]) if parts[0] == "blk" else -1
         more_bits = layer >= 0 and (layer < layers // 8 or layer >= 7 * layers // 8
                                     or (layer - layers // 8) % 3 == 2)
-        kind = "Q6_K" if gguf_name == "output" or (parts[-1] in ("attn_v", "ffn_down") and more_bits) else "Q4_K"
+        head = gguf_name == ("output" if has_output else "token_embd")
+        kind = "Q6_K" if head or (parts[-1] in ("attn_v", "ffn_down") and more_bits) else "Q4_K"
     return _K_FALLBACK[kind] if kind in _K_FALLBACK and inputs % QK_K else kind
 
 

@@ -14,8 +14,8 @@ Q4_1 (int4 in groups of 32 with a float min each: scale * nibble - min). Each is
 numpy, vectorised, the 6-bit scales and mins of Q4_K by the ``gguf`` package's own ``get_scale_min``, so the
 weight the kernel multiplies is the one ``gguf.quants.dequantize`` gives (tests/unit/test_gguf_models.py). Every
 other matrix is read in float: F32 / F16 / BF16 as stored, Q5_K and the rest dequantized here by ``gguf.quants``;
-so is a quantized embedding, and a fused projection whose parts are served as different layers (Q4_K beside
-Q6_K). ``close()`` logs which types went which way (the worker log is where a user sees that a type had no
+so is a quantized embedding, and a fused projection with a float part beside quantized ones. A fused projection
+of different quantized types (Q4_K_M's q and k in Q4_K, v in Q6_K) is a ``QuantizedStack``, a layer per part. ``close()`` logs which types went which way (the worker log is where a user sees that a type had no
 native kernel).
 """
 
@@ -133,7 +133,7 @@ class GGUFWeightSource:
                 log.warning("GGUF %s: no native kernel for %s: dequantized at load into the serving dtype (%s)",
                             self.path.name, kind, shown)
             elif kind in NATIVE_TYPES:
-                log.info("GGUF %s: %s read in float (embeddings, or a fused projection of mixed types: %s)",
+                log.info("GGUF %s: %s read in float (embeddings, or a fused projection with a float part: %s)",
                          self.path.name, kind, shown)
         self._read.clear()
 
@@ -199,7 +199,8 @@ _SERVED_AS = {"Q8_0": "int8 in blocks of 32", "Q4_0": "int4 in blocks of 32",
 
 class _QuantizedReader:
     """A GGUF's NATIVE_TYPES matrices as the integer layers take them (worker_proc/quantization.py)."""
-    mixed_as_float = True  # a fused projection of different layers is read in float (the others' rule: refuse)
+    mixed_as_float = True  # a fused projection of float and quantized parts is read in float (the others': refuse)
+    mixed_as_stack = True  # one of different quantized types is a QuantizedStack, each part its own layer
 
     def __init__(self, source: GGUFWeightSource):
         self.source = source

@@ -70,6 +70,7 @@ def _layer_parts(unsigned: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 class _PackedReader:
     """What GPTQ's and AWQ's readers share: which projections are quantized, the scale and zero tensors' shapes."""
     mixed_as_float = False  # a fused projection half quantized is refused (compressed-tensors' rule)
+    mixed_as_stack = False
 
     def __init__(self, source, spec: QuantizationSpec):
         self.source, self.spec = source, spec

@@ -27,7 +27,7 @@ from pagedserve.protocol.quantization import (PACKED, QuantizationConfigError, Q
 from pagedserve.worker_proc.gptq_awq_weights import packed_reader
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout
-from pagedserve.worker_proc.models.quantized_linear import make_int4, make_int8, make_w8a8
+from pagedserve.worker_proc.models.quantized_linear import QuantizedStack, make_int4, make_int8, make_w8a8
 
 Part = Optional[tuple[int, int]]
 
@@ -55,6 +55,7 @@ def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 class _Reader:
     mixed_as_float = False  # one scheme for the whole model: a fused projection half quantized is refused
+    mixed_as_stack = False
 
     def __init__(self, source, spec: QuantizationSpec):
         self.source, self.spec = source, spec
@@ -164,8 +165,13 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
     ``LinearWeight.of``; quantized ones a QuantizedLinear of their scheme."""
     reader = _reader_of(source)
     specs = [None if reader is None else reader.spec_of(p) for p in prefixes]
+    if all(specs) and len(set(specs)) > 1 and reader.mixed_as_stack:  # a GGUF's parts of different quantized types
+        layers = [load_projection(source, [p], dim, [pt], load, None, layout, dtype, device).quantized
+                  for p, pt in zip(prefixes, parts)]
+        return LinearWeight(None, bias, out_features=sum(layer.out_features for layer in layers), gate_size=gate_size,
+                            quantized=QuantizedStack(tuple(layers)))
     if any(specs) and len(set(specs)) > 1 and reader.mixed_as_float:
-        specs = [None] * len(prefixes)  # a GGUF's parts of different types: all read in float
+        specs = [None] * len(prefixes)  # a GGUF's parts of a float type beside a quantized one: all read in float
     if not any(specs):
         tensors = [source.get(p + ".weight", dim=dim, part=pt) for p, pt in zip(prefixes, parts)]
         weight = load(tensors[0] if len(tensors) == 1 else torch.cat(tensors))

@@ -104,6 +104,19 @@ def test_native_types_run_as_integer_layers_whose_weights_are_the_loaders(tmp_pa
             assert torch.equal(proj.quantized.dequantized(torch.float32), want)  # q * scale, exactly the loader's
 
 
+def test_a_q4_k_m_projection_fusing_q4_k_and_q6_k_parts_is_a_layer_per_part_holding_the_loaders_weights(tmp_path):
+    """On llama-quantize's "more bits" layers Q4_K_M stores attn_v in Q6_K beside Q4_K q and k: the fused qkv is a
+    stack of their own integer layers, no float copy, its weight still the loader's."""
+    path = build_gguf_model(tmp_path / "m.gguf", "Q4_K_M", "llama", **K_SHAPE)
+    runner = ModelRunner(_served_dir(path), dtype="float32")
+    theirs = hf_model(str(path)).state_dict()
+    qkv = runner.model.layers[1].qkv  # layer 1 of 2: 7 n / 8 and on, more bits
+    assert qkv.weight is None and [p.kind for p in qkv.quantized.parts] == [_INT4, _INT4, _INT8]
+    want = torch.cat([theirs[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(qkv.quantized.dequantized(torch.float32), want)
+    assert f"{_INT4}: " in ql.describe_ops(runner.model.layers)  # the log names each part's op
+
+
 # ---------------------------------------------------------------- greedy tokens against transformers
 
 

@@ -152,6 +152,37 @@ class QuantizedLinear:
                                        self.w8a8_sums) if t is not None)
         return self.weight.nbytes + self.scales.nbytes + extra
 
+    @property
+    def parts(self) -> tuple["QuantizedLinear", ...]:
+        return (self,)
+
+
+@dataclass(slots=True)
+class QuantizedStack:
+    """A fused projection whose parts are stored in different quantized forms (a GGUF Q4_K_M's q and k in Q4_K
+    beside v in Q6_K on its "more bits" layers): each part multiplies x as its own layer and the outputs sit side by
+    side, the fused layer's output, so no part is read in float."""
+    parts: tuple[QuantizedLinear, ...]
+    kind: str = "stack"
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.forward(x) for p in self.parts], dim=-1)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([p.dequantized(dtype) for p in self.parts])
+
 
 # From this many rows (bfloat16 / float16) a weight-only layer multiplies a dequantized copy of its
 # weight, made for the call, instead of torch's int8 / int4 op, which runs about a row at a time.
@@ -214,8 +245,9 @@ _OPS = {"int4": "torch's _weight_int4pack_mm_for_cpu", "int4_blocks": "native in
 def describe_ops(layers: list) -> Optional[str]:
     """One line naming the op each quantized kind in these decoder layers runs, and from how many rows a
     call dequantizes instead (dequantize_min_rows); None where no projection is quantized."""
-    kinds = sorted({_op_name(w.quantized) for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")
-                    if (w := getattr(layer, name, None)) is not None and getattr(w, "quantized", None) is not None})
+    kinds = sorted({_op_name(part) for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")
+                    if (w := getattr(layer, name, None)) is not None and getattr(w, "quantized", None) is not None
+                    for part in w.quantized.parts})
 
     def above(kind: str) -> str:
         if kind == "w8a8":
