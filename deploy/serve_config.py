@@ -237,7 +237,7 @@ class _ServeConfigRules:
             raise ConfigError(f"quantized checkpoints ({spec.name}) run on CPU only: --device cpu")
 
     def _gguf_native_types(self) -> list[str]:
-        """The integer types (Q8_0, Q4_0) of the GGUF this model directory was made of, if any."""
+        """The integer types (protocol/gguf_file.py's NATIVE_TYPES) of the GGUF this model directory was made of."""
         source = read_source(self.model)
         if source is None:
             return []
