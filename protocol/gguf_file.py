@@ -41,6 +41,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 DEQUANTIZED_TYPES = ("Q5_K", "Q2_K", "Q3_K", "Q5_1")
 SUPPORTED_TYPES = (*FLOAT_TYPES, *NATIVE_TYPES, *DEQUANTIZED_TYPES)
 LOAD_FORMATS = ("auto", "safetensors", "gguf")  # --load-format (vLLM's names)
+_ROW_PARALLEL = {"attn_output": "o_proj", "ffn_down": "down_proj"}  # GGUF name -> the projection split on inputs
 SOURCE_FILE = "gguf_source.json"  # in a model directory made of a GGUF: the file its weights are read from
 
 
@@ -83,6 +84,9 @@ class GGUFSummary:
     gguf_architecture: str  # general.architecture
     architecture: str  # what config.json names (ARCHITECTURES)
     tensor_types: dict[str, int]  # type name -> tensors of that type
+    # o_proj / down_proj -> (type, inputs a block) of their tensors' largest block of a NATIVE_TYPES type: a
+    # tensor-parallel rank's slice of their inputs holds whole blocks (a k-quant's 256, not its groups' 32)
+    row_parallel_blocks: dict[str, tuple[str, int]]
 
     @property
     def dequantized_types(self) -> list[str]:
@@ -140,14 +144,23 @@ def summarize(path: str | Path) -> GGUFSummary:
     architecture = ARCHITECTURES[arch]
     if arch == "llama" and "mistral" in (_field_str(reader, "general.name") or ""):
         architecture = MISTRAL  # transformers' loader's rule, so config.json says what it loads
+    import gguf
+
     types: dict[str, int] = {}
+    blocks: dict[str, tuple[str, int]] = {}
     for tensor in reader.tensors:
-        types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+        kind = tensor.tensor_type.name
+        types[kind] = types.get(kind, 0) + 1
+        projection = _ROW_PARALLEL.get(tensor.name.split(".")[-2])
+        if projection and kind in NATIVE_TYPES:
+            block = gguf.GGML_QUANT_SIZES[tensor.tensor_type][0]
+            if block > blocks.get(projection, ("", 0))[1]:
+                blocks[projection] = (kind, block)
     unsupported = sorted(t for t in types if t not in SUPPORTED_TYPES)
     if unsupported:
         raise GGUFFileError(f"{path.name}: tensor types {', '.join(unsupported)} are not supported; supported: "
                             f"{', '.join(SUPPORTED_TYPES)}")
-    return GGUFSummary(path, arch, architecture, types)
+    return GGUFSummary(path, arch, architecture, types, blocks)
 
 
 @dataclass(frozen=True, slots=True)

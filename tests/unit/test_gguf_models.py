@@ -264,6 +264,12 @@ def test_a_tensor_parallel_slice_that_cuts_a_block_of_32_is_refused(tmp_path):
     assert ServeConfig(model=str(path), device="cpu", tensor_parallel_size=1).model  # one rank holds whole blocks
 
 
+def test_a_tensor_parallel_slice_that_cuts_a_k_quant_block_of_256_is_refused_though_it_holds_whole_groups(tmp_path):
+    path = build_gguf_model(tmp_path / "m.gguf", "Q4_K_M", "llama", **K_SHAPE)
+    message = _refusal(str(path), tensor_parallel_size=2)  # o_proj's 128 inputs a rank: 4 groups, half a block
+    assert "o_proj's 256 inputs split 2 ways cut a Q4_K block (256 values)" in message
+
+
 def test_in_float32_a_q4_0_output_runs_on_the_int4_gemv_and_a_q8_0_one_keeps_its_exact_float_matrix(tmp_path):
     """The int4 GEMV sums in float32 at every decode size, so a Q4_0 lm_head stays integers in float32 too; Q8_0's
     layer would dequantize at every float32 call, so its head is read in float (q * scale, the loader's values)."""
