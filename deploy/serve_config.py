@@ -21,7 +21,8 @@ from pagedserve.client.lora_adapters import (AdapterNameError, adaptable_project
 from pagedserve.client.pooling import pooler_settings
 from pagedserve.protocol.speculative import SpeculativeConfigError, check_draft_model, parse_speculative_config
 from pagedserve.deploy.gguf_model_dir import gguf_model_dir
-from pagedserve.protocol.gguf_file import NATIVE_TYPES, GGUFFileError, find_gguf, read_source, summarize
+from pagedserve.protocol.gguf_file import (NATIVE_TYPES, GGUFFileError, GGUFSummary, find_gguf, read_source,
+                                           summarize)
 from pagedserve.protocol.gguf_file import quantization_spec as gguf_quantization_spec
 from pagedserve.protocol.quantization import (QuantizationConfigError, check_shapes, parse_quantization_config,
                                               projection_inputs)
@@ -219,11 +220,16 @@ class _ServeConfigRules:
         except (QuantizationConfigError, KeyError, TypeError, ValueError) as exc:
             raise ConfigError(str(exc) if isinstance(exc, QuantizationConfigError)
                               else f"config.json: {exc!r} is missing or malformed") from None
-        gguf_types = self._gguf_native_types()
+        summary = self._gguf_summary()
+        gguf_types = [t for t in summary.tensor_types if t in NATIVE_TYPES] if summary else []
         if gguf_types and self.tensor_parallel_size > 1:
-            try:  # a rank's slice of o_proj's / down_proj's inputs must hold whole blocks of 32
-                check_shapes(gguf_quantization_spec(gguf_types[0]), projection_inputs(model_cfg),
-                             self.tensor_parallel_size)
+            try:  # a rank's slice of o_proj's / down_proj's inputs must hold whole groups (32), and whole blocks
+                inputs, tp = projection_inputs(model_cfg), self.tensor_parallel_size
+                check_shapes(gguf_quantization_spec(gguf_types[0]), inputs, tp)
+                for name, (kind, block) in summary.row_parallel_blocks.items():
+                    if (inputs[name] // tp) % block:  # a k-quant's 256, which holds 8 groups of 32
+                        raise QuantizationConfigError(f"{name}'s {inputs[name]} inputs split {tp} ways cut a {kind} "
+                                                      f"block ({block} values); pick another --tensor-parallel-size")
             except QuantizationConfigError as exc:
                 raise ConfigError(f"GGUF {', '.join(gguf_types)}: {exc}") from None
         arch = next((a for a in model_cfg.get("architectures") or () if a in ARCHITECTURES), None)
@@ -236,13 +242,13 @@ class _ServeConfigRules:
         if spec is not None and self.device != "cpu":
             raise ConfigError(f"quantized checkpoints ({spec.name}) run on CPU only: --device cpu")
 
-    def _gguf_native_types(self) -> list[str]:
-        """The integer types (Q8_0, Q4_0) of the GGUF this model directory was made of, if any."""
+    def _gguf_summary(self) -> Optional[GGUFSummary]:
+        """The GGUF this model directory was made of, as serve checks it (protocol/gguf_file.py), or None."""
         source = read_source(self.model)
         if source is None:
-            return []
+            return None
         try:
-            return [t for t in summarize(source.path).tensor_types if t in NATIVE_TYPES]
+            return summarize(source.path)
         except GGUFFileError as exc:
             raise ConfigError(str(exc)) from None
 

@@ -1,7 +1,9 @@
 /* Decode-step products on int4 weights in groups: out[M, N] = x[M, K] @ W^T, M = 1..8, where
  * W[j, t] = (u[j, t] - z[j, t / G]) * scale[j, t / G]: u the unsigned nibble (the signed value + 8),
  * z 8 (symmetric: GGUF's Q4_0, compressed-tensors' W4A16) or 8 + the group's zero point (asymmetric),
- * scale float32, one per group of G inputs (a multiple of 32). Decode reads every weight once a step,
+ * scale float32, one per group of G inputs (a multiple of 32); or W[j, t] = scale * u - min[j, t / G], a float32
+ * min per group (GGUF's Q4_K: d * sc and dmin * m, the min no multiple of the scale, the scale possibly 0), where
+ * each form below takes the min in place of scale * z. Decode reads every weight once a step,
  * so bytes are the time: 4 bits a weight plus 32 bits a group (0.53 bytes a weight at G = 128, against
  * bfloat16's 2). torch's _weight_int4pack_mm_for_cpu runs about a row of x at a time and dequantizes
  * into the activations' dtype (bench/scripts/quant_bench.py: 1.5x bfloat16 decode, not the 3.8x the bytes allow).
@@ -63,7 +65,8 @@ static inline hivec load_u8(const uint8_t *p) {
 static inline __attribute__((always_inline)) void block_i4(const float *restrict x, const int64_t ldx,
                                                            const float *restrict xsum, const uint8_t *restrict u,
                                                            const int64_t ldu, const float *restrict s,
-                                                           const float *restrict z, const int64_t lds,
+                                                           const float *restrict z, const float *restrict mn,
+                                                           const int64_t lds,
                                                            const int64_t k, const int64_t g, const int M,
                                                            const int R, float *restrict sums) {
     hvec acc[8][8];
@@ -115,14 +118,17 @@ static inline __attribute__((always_inline)) void block_i4(const float *restrict
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
-            /* sum over groups of scale * z * (the group's sum of x): as many terms as groups, vectorized */
-            const float *sr = s + r * lds, *zr = z ? z + r * lds : NULL, *xi = xsum + i * lds;
+            /* sum over groups of scale * z (or the min) * (the group's sum of x): as many terms as groups */
+            const float *sr = s + r * lds, *zr = z ? z + r * lds : NULL, *mr = mn ? mn + r * lds : NULL,
+                        *xi = xsum + i * lds;
             hvec offsets = hbroadcast(0.0f);
             int64_t grp = 0;
             for (; grp + HALF_VW <= lds; grp += HALF_VW)
-                offsets += load_f32(sr + grp) * (zr ? load_f32(zr + grp) : hbroadcast(8.0f)) * load_f32(xi + grp);
+                offsets += (mr ? load_f32(mr + grp)
+                               : load_f32(sr + grp) * (zr ? load_f32(zr + grp) : hbroadcast(8.0f))) *
+                           load_f32(xi + grp);
             float offset = hsum(offsets);
-            for (; grp < lds; grp++) offset += sr[grp] * (zr ? zr[grp] : 8.0f) * xi[grp];
+            for (; grp < lds; grp++) offset += (mr ? mr[grp] : sr[grp] * (zr ? zr[grp] : 8.0f)) * xi[grp];
             sums[r * M + i] = hsum(acc[r][i]) - offset;
         }
 }
@@ -132,7 +138,8 @@ static inline __attribute__((always_inline)) void block_i4(const float *restrict
 static inline __attribute__((always_inline)) void block_i4(const float *restrict x, const int64_t ldx,
                                                            const float *restrict xsum, const uint8_t *restrict u,
                                                            const int64_t ldu, const float *restrict s,
-                                                           const float *restrict z, const int64_t lds,
+                                                           const float *restrict z, const float *restrict mn,
+                                                           const int64_t lds,
                                                            const int64_t k, const int64_t g, const int M,
                                                            const int R, float *restrict sums) {
     (void)xsum;
@@ -148,8 +155,9 @@ static inline __attribute__((always_inline)) void block_i4(const float *restrict
         __m512 table[8];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
-            table[r] = (__m512)((z ? (hvec)iota - hbroadcast(z[r * lds + kk / g]) : centered) *
-                                hbroadcast(s[r * lds + kk / g]));
+            table[r] = mn ? (__m512)((hvec)iota * hbroadcast(s[r * lds + kk / g]) - hbroadcast(mn[r * lds + kk / g]))
+                          : (__m512)((z ? (hvec)iota - hbroadcast(z[r * lds + kk / g]) : centered) *
+                                     hbroadcast(s[r * lds + kk / g]));
         for (int64_t c = kk; c < kk + g; c += INT4_CHUNK) {
             const int64_t byte = c / 2;
             if ((byte & 63) == 0)
@@ -216,7 +224,8 @@ static inline __attribute__((always_inline)) void block_i4_dpbf16(const uint16_t
                                                                   const float *restrict xsum,
                                                                   const uint8_t *restrict u, const int64_t ldu,
                                                                   const float *restrict s, const float *restrict z,
-                                                                  const int64_t lds, const int64_t k,
+                                                                  const float *restrict mn, const int64_t lds,
+                                                                  const int64_t k,
                                                                   const int64_t g, const int M, const int R,
                                                                   float *restrict sums) {
     const __m512i nibble = _mm512_set1_epi16(0x000F), one = _mm512_set1_epi16(0x3F80);
@@ -269,29 +278,35 @@ static inline __attribute__((always_inline)) void block_i4_dpbf16(const uint16_t
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) {
-            /* sum over groups of scale * (128 + z) * (the group's sum of x) */
-            const float *sr = s + r * lds, *zr = z ? z + r * lds : NULL, *xi = xsum + i * lds;
+            /* sum over groups of (scale * (128 + z), or 128 scale + the min) * (the group's sum of x) */
+            const float *sr = s + r * lds, *zr = z ? z + r * lds : NULL, *mr = mn ? mn + r * lds : NULL,
+                        *xi = xsum + i * lds;
             __m512 offsets = _mm512_setzero_ps();
             int64_t grp = 0;
-            for (; grp + 16 <= lds; grp += 16)
-                offsets = _mm512_fmadd_ps(
-                    _mm512_mul_ps(_mm512_loadu_ps(sr + grp),
-                                  _mm512_add_ps(_mm512_set1_ps(INT4_BIAS),
-                                                zr ? _mm512_loadu_ps(zr + grp) : _mm512_set1_ps(8.0f))),
-                    _mm512_loadu_ps(xi + grp), offsets);
+            for (; grp + 16 <= lds; grp += 16) {
+                const __m512 sv = _mm512_loadu_ps(sr + grp);
+                const __m512 coef =
+                    mr ? _mm512_fmadd_ps(sv, _mm512_set1_ps(INT4_BIAS), _mm512_loadu_ps(mr + grp))
+                       : _mm512_mul_ps(sv, _mm512_add_ps(_mm512_set1_ps(INT4_BIAS),
+                                                         zr ? _mm512_loadu_ps(zr + grp) : _mm512_set1_ps(8.0f)));
+                offsets = _mm512_fmadd_ps(coef, _mm512_loadu_ps(xi + grp), offsets);
+            }
             float offset = _mm512_reduce_add_ps(offsets);
-            for (; grp < lds; grp++) offset += sr[grp] * (INT4_BIAS + (zr ? zr[grp] : 8.0f)) * xi[grp];
+            for (; grp < lds; grp++)
+                offset += (mr ? INT4_BIAS * sr[grp] + mr[grp] : sr[grp] * (INT4_BIAS + (zr ? zr[grp] : 8.0f))) *
+                          xi[grp];
             sums[r * M + i] = INT4_BIAS * _mm512_reduce_add_ps(acc[r][i]) - offset;
         }
 }
 
 #define INT4_BLOCK_DPBF16(M, j, rows, sums)                                                                       \
-    block_i4_dpbf16(xp, ldxp, xsum, u + (j) * ldu, ldu, s + (j) * lds, z ? z + (j) * lds : NULL, lds, k, g, M,    \
-                    rows, sums)
+    block_i4_dpbf16(xp, ldxp, xsum, u + (j) * ldu, ldu, s + (j) * lds, z ? z + (j) * lds : NULL,                 \
+                    mn ? mn + (j) * lds : NULL, lds, k, g, M, rows, sums)
 
 #define DEFINE_INT4_DPBF16_M(M)                                                                                   \
     static void gemv_int4_dpbf16_##M(const uint16_t *xp, int64_t ldxp, const float *xsum, int64_t k,              \
-                                     const uint8_t *u, const float *s, const float *z, int64_t g, int64_t n,      \
+                                     const uint8_t *u, const float *s, const float *z, const float *mn,          \
+                                     int64_t g, int64_t n,                                                        \
                                      void *out, int64_t ldo, int out_kind) {                                      \
         const int R = INT4_DPBF16_ROWS(M);                                                                        \
         const int64_t lds = k / g, ldu = k / 2;                                                                   \
@@ -352,12 +367,13 @@ const char *gemv_int4_variant(void) {
 
 /* sums of a block of rows j .. j + rows for GEMV_ROW_BLOCKS (inside gemv_int4_M, whose locals it reads) */
 #define INT4_BLOCK(M, j, rows, sums)                                                                              \
-    block_i4(x, ldx, xsum, u + (j) * ldu, ldu, s + (j) * lds, z ? z + (j) * lds : NULL, lds, k, g, M, rows, sums)
+    block_i4(x, ldx, xsum, u + (j) * ldu, ldu, s + (j) * lds, z ? z + (j) * lds : NULL, mn ? mn + (j) * lds : NULL, \
+             lds, k, g, M, rows, sums)
 
 #define DEFINE_INT4_M(M)                                                                                          \
     static void gemv_int4_##M(const float *x, int64_t ldx, const float *xsum, int64_t k, const uint8_t *u,        \
-                              const float *s, const float *z, int64_t g, int64_t n, void *out, int64_t ldo,       \
-                              int out_kind) {                                                                     \
+                              const float *s, const float *z, const float *mn, int64_t g, int64_t n, void *out,   \
+                              int64_t ldo, int out_kind) {                                                        \
         const int R = INT4_ROWS_PER_BLOCK(M);                                                                     \
         const int64_t lds = k / g, ldu = k / 2;                                                                   \
         GEMV_ROW_BLOCKS(M, R, n, (M) * n * k, INT4_PARALLEL_MIN_MACS, out, ldo, out_kind, INT4_BLOCK);            \
@@ -367,25 +383,27 @@ DEFINE_INT4_M(5) DEFINE_INT4_M(6) DEFINE_INT4_M(7) DEFINE_INT4_M(8)
 
 /* x [m, k] (row stride ldx) float32 (x_kind 0), bfloat16 (1) or float16 (2); u [n, k / 2] nibbles (the layout
  * above) contiguous, scales [n, k / g] float32 contiguous, zeros NULL (symmetric) or [n, k / g] float32 (8 + zero
- * point), out [m, n] (row stride ldo) float32 (out_kind 0), bfloat16 (1) or float16 (2). More than 8 rows go 8 at
- * a time, each pass streaming the weight again (the caller's crossover decides how many). bfloat16 x takes
- * vdpbf16ps where the CPU has it (gemv_int4_variant()), the others float32 sums of x widened. Returns -1
- * (nothing written) unless m >= 1, g is a multiple of 32 and k of g; -2 if a buffer for x could not be had. */
+ * point), mins NULL or [n, k / g] float32 with zeros NULL: W = scale * u - min (GGUF's Q4_K, whose offset dmin * m
+ * is no multiple of the scale; the table form's weight is then the float32 value gguf dequantizes to), out [m, n]
+ * (row stride ldo) float32 (out_kind 0), bfloat16 (1) or float16 (2). More than 8 rows go 8 at a time, each pass
+ * streaming the weight again (the caller's crossover decides how many). bfloat16 x takes vdpbf16ps where the CPU
+ * has it (gemv_int4_variant()), the others float32 sums of x widened. Returns -1 (nothing written) unless m >= 1, g
+ * is a multiple of 32 and k of g (and zeros or mins is NULL); -2 if a buffer for x could not be had. */
 int gemv_int4_blocks(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, const uint8_t *u,
-                     const float *scales, const float *zeros, int64_t g, int64_t n, void *out, int64_t ldo,
-                     int out_kind) {
+                     const float *scales, const float *zeros, const float *mins, int64_t g, int64_t n, void *out,
+                     int64_t ldo, int out_kind) {
     typedef void (*by_rows_fn)(const float *, int64_t, const float *, int64_t, const uint8_t *, const float *,
-                               const float *, int64_t, int64_t, void *, int64_t, int);
+                               const float *, const float *, int64_t, int64_t, void *, int64_t, int);
     static const by_rows_fn by_rows[INT4_GEMV_MAX_ROWS + 1] = {
         NULL, gemv_int4_1, gemv_int4_2, gemv_int4_3, gemv_int4_4, gemv_int4_5, gemv_int4_6, gemv_int4_7, gemv_int4_8};
-    if (m < 1 || g < INT4_CHUNK || g % INT4_CHUNK || k % g || x_kind < 0 || x_kind > 2) return -1;
+    if (m < 1 || g < INT4_CHUNK || g % INT4_CHUNK || k % g || x_kind < 0 || x_kind > 2 || (zeros && mins)) return -1;
     const int64_t size = out_kind == 0 ? 4 : 2, groups = k / g;
     const int64_t pass = m < INT4_GEMV_MAX_ROWS ? m : INT4_GEMV_MAX_ROWS;
     float xsum[INT4_GEMV_MAX_ROWS * groups]; /* a few KB: 8 rows x K / 32 at most */
 #if defined(INT4_DPBF16)
     if (x_kind == 1) {
         typedef void (*dpbf16_fn)(const uint16_t *, int64_t, const float *, int64_t, const uint8_t *, const float *,
-                                  const float *, int64_t, int64_t, void *, int64_t, int);
+                                  const float *, const float *, int64_t, int64_t, void *, int64_t, int);
         static const dpbf16_fn by_rows_dpbf16[INT4_GEMV_MAX_ROWS + 1] = {
             NULL, gemv_int4_dpbf16_1, gemv_int4_dpbf16_2, gemv_int4_dpbf16_3, gemv_int4_dpbf16_4,
             gemv_int4_dpbf16_5, gemv_int4_dpbf16_6, gemv_int4_dpbf16_7, gemv_int4_dpbf16_8};
@@ -395,7 +413,7 @@ int gemv_int4_blocks(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t 
         for (int64_t i = 0; i < m; i += INT4_GEMV_MAX_ROWS) {
             const int64_t rows = m - i < INT4_GEMV_MAX_ROWS ? m - i : INT4_GEMV_MAX_ROWS;
             arrange_bf16_x((const uint16_t *)x + i * ldx, ldx, rows, k, g, xp, ldxp, xsum);
-            by_rows_dpbf16[rows](xp, ldxp, xsum, k, u, scales, zeros, g, n, (char *)out + i * ldo * size, ldo,
+            by_rows_dpbf16[rows](xp, ldxp, xsum, k, u, scales, zeros, mins, g, n, (char *)out + i * ldo * size, ldo,
                                  out_kind);
         }
         free(xp);
@@ -421,7 +439,7 @@ int gemv_int4_blocks(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t 
                 for (int64_t t = grp * g; t < (grp + 1) * g; t++) sum += xf[row * ldf + t];
                 xsum[row * groups + grp] = sum;
             }
-        by_rows[rows](xf, ldf, xsum, k, u, scales, zeros, g, n, (char *)out + i * ldo * size, ldo, out_kind);
+        by_rows[rows](xf, ldf, xsum, k, u, scales, zeros, mins, g, n, (char *)out + i * ldo * size, ldo, out_kind);
     }
     free(widened);
     return 0;

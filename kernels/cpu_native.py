@@ -77,7 +77,7 @@ _SIGNATURES = {
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_q8_0": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_int],
     "q8_0_variant": [],
-    "gemv_int4_blocks": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
+    "gemv_int4_blocks": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_int4_variant": [],
     "w8a8_linear": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int, _P],
     "w8a8_variant": [],
@@ -539,13 +539,14 @@ def unpack_int4_blocks(packed: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_int4_blocks(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                     group: int, out_dtype: Optional[torch.dtype] = None,
-                     lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+                     group: int, out_dtype: Optional[torch.dtype] = None, lib: Optional[ctypes.CDLL] = None,
+                     mins: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (M >= 1, GEMV_MAX_ROWS at a time; float32, bfloat16 or float16) @ W.T, W[j, t] = (nibble -
     z) * scale per group of ``group`` inputs (a multiple of 32 dividing K): ``packed`` [N, K / 2] uint8
     (pack_int4_blocks), ``scales`` [N, K / group] float32, ``zeros`` None (z = 8, symmetric) or [N, K / group]
-    float32 (8 + zero point). [M, N] in ``out_dtype`` (default x's), float32 sums (kernels/cpu_gemv_int4.c;
-    bfloat16 x by vdpbf16ps where gemv_int4_variant() says avx512bf16)."""
+    float32 (8 + zero point); or, ``mins`` [N, K / group] float32 given (zeros None), W = scale * nibble - min
+    (GGUF's Q4_K). [M, N] in ``out_dtype`` (default x's), float32 sums (kernels/cpu_gemv_int4.c; bfloat16 x by
+    vdpbf16ps where gemv_int4_variant() says avx512bf16)."""
     rows, k = x.shape
     n = packed.shape[0]
     if group <= 0 or group % INT4_CHUNK or k % group:
@@ -553,13 +554,15 @@ def gemv_int4_blocks(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     groups = (n, k // group)
     if (packed.dtype != torch.uint8 or packed.shape != (n, k // 2) or scales.dtype != torch.float32
             or scales.shape != groups or rows < 1 or x.dtype not in _GEMV_OUT
-            or (zeros is not None and (zeros.dtype != torch.float32 or zeros.shape != groups))):
+            or any(t is not None and (t.dtype != torch.float32 or t.shape != groups) for t in (zeros, mins))
+            or (zeros is not None and mins is not None)):
         raise ValueError("gemv_int4_blocks: x, the weight and its scales do not match")
     x = x.contiguous()  # read in its own dtype: the kernel widens (or, bfloat16, multiplies) it
     out = torch.empty(rows, n, dtype=out_dtype or x.dtype)
     status = (lib or library()).gemv_int4_blocks(x.data_ptr(), _GEMV_OUT[x.dtype], k, rows, k,
                                                  packed.contiguous().data_ptr(), scales.contiguous().data_ptr(),
-                                                 None if zeros is None else zeros.contiguous().data_ptr(), group, n,
+                                                 None if zeros is None else zeros.contiguous().data_ptr(),
+                                                 None if mins is None else mins.contiguous().data_ptr(), group, n,
                                                  out.data_ptr(), n, _GEMV_OUT[out.dtype])
     if status == -2:
         raise MemoryError("gemv_int4_blocks: no memory for x's copy")

@@ -26,24 +26,31 @@ from pagedserve.protocol.quantization import QuantizationSpec
 # model's name tells them apart, as transformers' loader does)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 MISTRAL = "MistralForCausalLM"
-# Tensor types with a native kernel: (weight bits, block of inputs sharing a scale); symmetric, the
-# integer weight-only layers of worker_proc/models/quantized_linear.py
-NATIVE_TYPES = {"Q8_0": (8, 32), "Q4_0": (4, 32)}
-# Tensor types computed in the serving dtype (F32 / F16 / BF16 as stored, the k-quants and the older block
-# types dequantized at load by gguf.quants); the i-quants and the ternary and fp4 types are refused
+# Tensor types with a native kernel, as the integer weight-only layers of worker_proc/models/quantized_linear.py
+# hold them: (weight bits, inputs sharing a scale). Q8_0 and Q4_0 symmetric; Q5_0's blocks are Q8_0 blocks whose
+# values fit in 5 bits (served as Q8_0: llama.cpp's Q5_0 x Q8_0 is the same sum); Q6_K int8 in groups of 16 (its
+# int8 sub-block scale times the float16 d of 256, exact in float32); Q4_K int4 in groups of 32, each
+# scale * nibble - min with a float min (d * sc and dmin * m), and Q4_1 the same with its own d and m
+NATIVE_TYPES = {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q5_0": (8, 32), "Q6_K": (8, 16), "Q4_K": (4, 32), "Q4_1": (4, 32)}
+_WITH_MINS = ("Q4_K", "Q4_1")
+# Tensor types computed in the serving dtype (F32 / F16 / BF16 as stored, the other block types dequantized at
+# load by gguf.quants); the i-quants and the ternary and fp4 types are refused
 FLOAT_TYPES = ("F32", "F16", "BF16")
-# (llama-quantize's K presets put Q5_0 / Q8_0 where a row's inputs are no multiple of 256: Qwen2.5-0.5B's 896)
-DEQUANTIZED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1")
+# (Q5_K and Q5_1: 5-bit values with a float min, which no integer kernel here takes; llama-quantize's K presets put
+# Q5_0 / Q8_0 where a row's inputs are no multiple of 256: Qwen2.5-0.5B's 896)
+DEQUANTIZED_TYPES = ("Q5_K", "Q2_K", "Q3_K", "Q5_1")
 SUPPORTED_TYPES = (*FLOAT_TYPES, *NATIVE_TYPES, *DEQUANTIZED_TYPES)
 LOAD_FORMATS = ("auto", "safetensors", "gguf")  # --load-format (vLLM's names)
+_ROW_PARALLEL = {"attn_output": "o_proj", "ffn_down": "down_proj"}  # GGUF name -> the projection split on inputs
 SOURCE_FILE = "gguf_source.json"  # in a model directory made of a GGUF: the file its weights are read from
 
 
 def quantization_spec(type_name: str) -> QuantizationSpec:
-    """The integer weight-only layer a NATIVE_TYPES tensor is served as (its signed values and one
-    scale per block: Q8_0 int8, Q4_0 its nibble less 8)."""
+    """The integer weight-only layer a NATIVE_TYPES tensor is served as (its signed values and one scale per
+    group: Q8_0 int8, Q4_0 its nibble less 8, ...); Q5_0's is Q8_0's, so a projection fusing the two is one layer."""
     bits, block = NATIVE_TYPES[type_name]
-    return QuantizationSpec("gguf", type_name, bits, block, symmetric=True, dynamic_int8_activations=False)
+    return QuantizationSpec("gguf", "Q8_0" if type_name == "Q5_0" else type_name, bits, block,
+                            symmetric=type_name not in _WITH_MINS, dynamic_int8_activations=False)
 
 
 class GGUFFileError(ValueError):
@@ -77,6 +84,9 @@ class GGUFSummary:
     gguf_architecture: str  # general.architecture
     architecture: str  # what config.json names (ARCHITECTURES)
     tensor_types: dict[str, int]  # type name -> tensors of that type
+    # o_proj / down_proj -> (type, inputs a block) of their tensors' largest block of a NATIVE_TYPES type: a
+    # tensor-parallel rank's slice of their inputs holds whole blocks (a k-quant's 256, not its groups' 32)
+    row_parallel_blocks: dict[str, tuple[str, int]]
 
     @property
     def dequantized_types(self) -> list[str]:
@@ -134,14 +144,23 @@ def summarize(path: str | Path) -> GGUFSummary:
     architecture = ARCHITECTURES[arch]
     if arch == "llama" and "mistral" in (_field_str(reader, "general.name") or ""):
         architecture = MISTRAL  # transformers' loader's rule, so config.json says what it loads
+    import gguf
+
     types: dict[str, int] = {}
+    blocks: dict[str, tuple[str, int]] = {}
     for tensor in reader.tensors:
-        types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+        kind = tensor.tensor_type.name
+        types[kind] = types.get(kind, 0) + 1
+        projection = _ROW_PARALLEL.get(tensor.name.split(".")[-2])
+        if projection and kind in NATIVE_TYPES:
+            block = gguf.GGML_QUANT_SIZES[tensor.tensor_type][0]
+            if block > blocks.get(projection, ("", 0))[1]:
+                blocks[projection] = (kind, block)
     unsupported = sorted(t for t in types if t not in SUPPORTED_TYPES)
     if unsupported:
         raise GGUFFileError(f"{path.name}: tensor types {', '.join(unsupported)} are not supported; supported: "
                             f"{', '.join(SUPPORTED_TYPES)}")
-    return GGUFSummary(path, arch, architecture, types)
+    return GGUFSummary(path, arch, architecture, types, blocks)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,12 @@ llama.cpp's ``convert_hf_to_gguf.py`` lays it out: the hyperparameters under the
 the byte-level BPE tokenizer as ``tokenizer.ggml.*`` (tokens, types, merges, special ids, chat
 template), tensors under GGUF's names (``gguf.get_tensor_name_map``), Llama's q/k rows permuted for
 llama.cpp's rotary layout, norms and biases in F32, and every matrix (embeddings included) in the
-type asked for, quantized by ``gguf.quants.quantize``. transformers' GGUF loader reads the result back
-(config, tokenizer, dequantized weights): that is the oracle of the engine's GGUF path, and a bench can
-write its own files here without llama.cpp's converter.
+type asked for, quantized by ``gguf.quants.quantize`` (the k-quants, which it cannot make, by
+tools/gguf_kquants.py). ``Q4_K_M`` mixes them as llama-quantize's preset does: Q6_K for the output matrix (the
+embeddings where they are tied) and for attn_v and ffn_down on its "more bits" layers, Q4_K elsewhere, and a
+k-quant whose rows are no whole 256-input blocks falls back as llama-quantize's does (Q4_K to Q5_0, Q6_K to
+Q8_0). transformers' GGUF loader reads the result back (config, tokenizer, dequantized weights): that is the
+oracle of the engine's GGUF path, and a bench can write its own files here without llama.cpp's converter.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-# The matrix types this writer makes (gguf.quants.quantize has them all).
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+from pagedserve.tools.gguf_kquants import QK_K, QUANTIZERS
+
+# The matrix types this writer makes (gguf.quants.quantize, tools/gguf_kquants.py), and llama-quantize's Q4_K_M mix
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K", "Q4_K_M")
+_K_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # llama-quantize's, for rows of no whole 256-input blocks
 # config.json model_type -> GGUF general.architecture (Mistral is "llama" to llama.cpp, named by general.name)
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -101,12 +107,13 @@ def write_gguf(model_dir: str | Path, path: str | Path, tensor_type: str = "Q8_0
         writer.add_vocab_size(config["vocab_size"])
     if config.get("sliding_window") and model_type == "mistral":
         raise ValueError("a sliding window has no GGUF key transformers reads: build the model without one")
-    writer.add_file_type(getattr(gguf.LlamaFileType, "ALL_F32" if tensor_type == "F32" else f"MOSTLY_{tensor_type}"))
+    file_type = {"F32": "ALL_F32", "Q4_K": "MOSTLY_Q4_K_S"}.get(tensor_type, f"MOSTLY_{tensor_type}")  # no Q4_K-only
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     _tokenizer_fields(writer, model_dir, config["vocab_size"])
 
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), layers)
-    qtype = gguf.GGMLQuantizationType[tensor_type]
     tensors = load_file(str(model_dir / "model.safetensors"))
+    has_output = "lm_head.weight" in tensors and not config.get("tie_word_embeddings")
     for hf_name in sorted(tensors):
         if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
             continue
@@ -117,7 +124,12 @@ def write_gguf(model_dir: str | Path, path: str | Path, tensor_type: str = "Q8_0
         data = tensors[hf_name].astype(np.float32)
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
             data = _llama_permute(data, heads if stem.endswith("q_proj") else kv_heads)
-        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        kind = _matrix_type(tensor_type, gguf_name, layers, data.shape[-1], has_output) if data.ndim == 2 else "F32"
+        if kind in QUANTIZERS:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(f"{gguf_name}.{suffix}", QUANTIZERS[kind](data), raw_dtype=qtype)
+        elif kind != "F32":
+            qtype = gguf.GGMLQuantizationType[kind]
             writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(f"{gguf_name}.{suffix}", np.ascontiguousarray(data))
@@ -126,6 +138,21 @@ def write_gguf(model_dir: str | Path, path: str | Path, tensor_type: str = "Q8_0
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _matrix_type(tensor_type: str, gguf_name: str, layers: int, inputs: int, has_output: bool) -> str:
+    """The type a matrix is written in: ``tensor_type``, or Q4_K_M's choice for this tensor (llama.cpp's
+    llama-quant.cpp: Q6_K for ``output``, or ``token_embd`` without one, and for attn_v / ffn_down where
+    ``use_more_bits``), a k-quant of rows that are no whole super-blocks replaced by its fallback."""
+    kind = tensor_type
+    if tensor_type == "Q4_K_M":
+        parts = gguf_name.split(".")
+        layer = int(parts[1]) if parts[0] == "blk" else -1
+        more_bits = layer >= 0 and (layer < layers // 8 or layer >= 7 * layers // 8
+                                    or (layer - layers // 8) % 3 == 2)
+        head = gguf_name == ("output" if has_output else "token_embd")
+        kind = "Q6_K" if head or (parts[-1] in ("attn_v", "ffn_down") and more_bits) else "Q4_K"
+    return _K_FALLBACK[kind] if kind in _K_FALLBACK and inputs % QK_K else kind
 
 
 def build_gguf_model(path: str | Path, tensor_type: str = "Q8_0", arch: str = "qwen2", **model_kwargs: Any) -> Path:

@@ -7,12 +7,16 @@ q/k rows, which the converter permutes for llama.cpp's rotary layout, are put ba
 loader puts them (``LlamaTensorProcessor``). The permutation moves whole output rows, so a quantized
 tensor's rows move with their blocks' scales, before anything is decoded.
 
-Q8_0 and Q4_0 matrices (blocks of 32 inputs, one float16 scale each, symmetric) are handed to the
-integer weight-only layers as their signed values and scales (``quantized_reader``: int8 in groups of
-32, int4 in groups of 32), never as floats. Every other matrix is read in float: F32 / F16 / BF16 as
-stored, the k-quants (Q4_K, Q5_K, Q6_K) dequantized here by ``gguf.quants``; so is a quantized
-embedding, and a fused projection whose parts differ in type. ``close()`` logs which types went which
-way (the worker log is where a user sees that a type had no native kernel).
+The matrices of a type with an integer kernel (protocol/gguf_file.py's ``NATIVE_TYPES``) are handed to the
+integer weight-only layers as their signed values and scales (``quantized_reader``), never as floats: Q8_0,
+Q4_0 and Q5_0 (int8 / int4 in blocks of 32, symmetric), Q6_K (int8 in groups of 16, the scale d * sc), Q4_K and
+Q4_1 (int4 in groups of 32 with a float min each: scale * nibble - min). Each is decoded from its blocks here in
+numpy, vectorised, the 6-bit scales and mins of Q4_K by the ``gguf`` package's own ``get_scale_min``, so the
+weight the kernel multiplies is the one ``gguf.quants.dequantize`` gives (tests/unit/test_gguf_models.py). Every
+other matrix is read in float: F32 / F16 / BF16 as stored, Q5_K and the rest dequantized here by ``gguf.quants``;
+so is a quantized embedding, and a fused projection with a float part beside quantized ones. A fused projection
+of different quantized types (Q4_K_M's q and k in Q4_K, v in Q6_K) is a ``QuantizedStack``, a layer per part. ``close()`` logs which types went which way (the worker log is where a user sees that a type had no
+native kernel).
 """
 
 from __future__ import annotations
@@ -123,20 +127,80 @@ class GGUFWeightSource:
         for (kind, how), names in sorted(self._read.items()):
             shown = ", ".join(names[:3]) + (f", ... ({len(names)} tensors)" if len(names) > 3 else "")
             if how == "native":
-                log.info("GGUF %s: %s matrices run as integer weight-only layers, groups of 32 (%s)",
-                         self.path.name, kind, shown)
+                log.info("GGUF %s: %s matrices run as integer weight-only layers, %s (%s)",
+                         self.path.name, kind, _SERVED_AS[kind], shown)
             elif kind in DEQUANTIZED_TYPES:
                 log.warning("GGUF %s: no native kernel for %s: dequantized at load into the serving dtype (%s)",
                             self.path.name, kind, shown)
             elif kind in NATIVE_TYPES:
-                log.info("GGUF %s: %s read in float (embeddings, or a fused projection of mixed types: %s)",
+                log.info("GGUF %s: %s read in float (embeddings, or a fused projection with a float part: %s)",
                          self.path.name, kind, shown)
         self._read.clear()
 
 
+def _half(raw: np.ndarray) -> np.ndarray:
+    """Little-endian float16 in the last axis' 2 bytes, as float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(payload: np.ndarray, run: int) -> np.ndarray:
+    """Bytes [..., B] whose low nibbles are the first ``run`` values of each 2 * run and high nibbles the next
+    ``run`` -> the values [..., 2 B] uint8 in input order (Q4_0's runs of 16, Q4_K's of 32)."""
+    v = payload.reshape(*payload.shape[:-1], -1, 1, run)
+    return np.concatenate([v & 0x0F, v >> 4], axis=-2).reshape(*payload.shape[:-1], -1)
+
+
+# Each decoder takes blocks [n, bytes] of its type and gives (signed values [n, inputs] int8, scales
+# [n, groups] float32, mins [n, groups] float32 or None), groups of NATIVE_TYPES' size: gguf.quants' dequantize
+# computes scale * value (less min) from the same numbers in float32.
+def _q8_0(b: np.ndarray):
+    return np.ascontiguousarray(b[:, 2:]).view(np.int8), _half(b[:, None, :2]), None
+
+
+def _q4_0(b: np.ndarray):
+    return _nibbles(b[:, 2:], 16).astype(np.int8) - 8, _half(b[:, None, :2]), None
+
+
+def _q5_0(b: np.ndarray):
+    high = (np.ascontiguousarray(b[:, 2:6]).view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    return (_nibbles(b[:, 6:], 16) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16, _half(b[:, None, :2]), None
+
+
+def _q4_1(b: np.ndarray):  # w = d * nibble + m
+    return _nibbles(b[:, 4:], 16).astype(np.int8) - 8, _half(b[:, None, :2]), -_half(b[:, None, 2:4])
+
+
+def _q4_k(b: np.ndarray):  # w = d * sc * nibble - dmin * m per 32 of 256
+    import gguf
+
+    sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+    scale = _half(b[:, None, 0:2]) * sc.astype(np.float32)
+    mins = _half(b[:, None, 2:4]) * m.astype(np.float32)
+    return _nibbles(b[:, 16:], 32).astype(np.int8) - 8, scale, mins
+
+
+def _q6_k(b: np.ndarray):  # w = d * sc * (q - 32) per 16 of 256: q's low 4 bits in ql, high 2 in qh
+    n = b.shape[0]
+    low = (b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << 4)).astype(np.int8) - 32
+    scale = _half(b[:, None, 208:210]) * np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    return q.reshape(n, 256), scale, None
+
+
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q5_0": _q5_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+# How the worker log names each type's layer
+_SERVED_AS = {"Q8_0": "int8 in blocks of 32", "Q4_0": "int4 in blocks of 32",
+              "Q5_0": "int8 in blocks of 32 (its 5-bit values; multiplied as Q8_0)",
+              "Q6_K": "int8 in groups of 16 (scale d * sc)",
+              "Q4_K": "int4 in groups of 32, scale * nibble - min (d * sc, dmin * m)",
+              "Q4_1": "int4 in groups of 32, scale * nibble - min"}
+
+
 class _QuantizedReader:
-    """A GGUF's Q8_0 / Q4_0 matrices as the integer layers take them (worker_proc/quantization.py)."""
-    mixed_as_float = True  # a fused projection of different types is read in float (the others' rule: refuse)
+    """A GGUF's NATIVE_TYPES matrices as the integer layers take them (worker_proc/quantization.py)."""
+    mixed_as_float = True  # a fused projection of float and quantized parts is read in float (the others': refuse)
+    mixed_as_stack = True  # one of different quantized types is a QuantizedStack, each part its own layer
 
     def __init__(self, source: GGUFWeightSource):
         self.source = source
@@ -148,13 +212,18 @@ class _QuantizedReader:
         kind = self.source.tensor(name).tensor_type.name
         return quantization_spec(kind) if kind in NATIVE_TYPES else None
 
-    def read(self, prefix: str, dim: int, part: Part) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """(signed values [rows, in] int8, float32 scales [rows, in / 32], no zero point) of this slice."""
+    def read(self, prefix: str, dim: int, part: Part) -> tuple[torch.Tensor, torch.Tensor, None,
+                                                               Optional[torch.Tensor]]:
+        """(signed values [rows, in] int8, float32 scales [rows, in / group], no zero point, float32 mins
+        [rows, in / group] or None) of this slice."""
+        import gguf
+
         name = prefix + ".weight"
-        kind = self.source.tensor(name).tensor_type.name
-        bits, block = NATIVE_TYPES[kind]
+        tensor = self.source.tensor(name)
+        kind = tensor.tensor_type.name
+        block, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
         raw = self.source.raw_rows(name, part if dim == 0 else None)
-        rows, block_bytes = raw.shape[0], 2 + block * bits // 8
+        rows = raw.shape[0]
         blocks = raw.reshape(rows, -1, block_bytes)
         if dim == 1 and part is not None:
             start, end = part
@@ -162,13 +231,9 @@ class _QuantizedReader:
                 raise UnsupportedModelError(f"{prefix}: this rank's inputs [{start}, {end}) cut a {kind} block "
                                             f"of {block}")
             blocks = blocks[:, start // block:end // block]
-        scale = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
-        payload = np.ascontiguousarray(blocks[..., 2:])
-        if bits == 8:
-            q = payload.view(np.int8)
-        else:  # Q4_0: a block's first 16 values in the low nibbles, the next 16 in the high ones
-            q = (np.concatenate([payload & 0x0F, payload >> 4], axis=-1).astype(np.int8) - 8)
+        q, scale, mins = _DECODERS[kind](blocks.reshape(-1, block_bytes))
         self.source._read[(kind, "native")].append(name)
         # copied by torch, not numpy: torch's allocator puts 2 MiB and more on huge pages (runtime/torch_env.py),
         # which a decode step streaming the whole matrix reads with far fewer TLB misses
-        return torch.from_numpy(q.reshape(rows, -1)).clone(), torch.from_numpy(scale).clone(), None
+        return (torch.from_numpy(q.reshape(rows, -1)).clone(), torch.from_numpy(scale.reshape(rows, -1)).clone(),
+                None, None if mins is None else torch.from_numpy(mins.reshape(rows, -1)).clone())

@@ -60,16 +60,17 @@ def _sliced(part: Part, extent: int) -> Part:
 
 def _layer_parts(unsigned: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int):
     """[in, out] unsigned values, [groups, out] scales and zero points -> what the layers take: signed
-    values [out, in] int8, scales [out, groups], zero points (signed, float32) or None at the midpoint."""
+    values [out, in] int8, scales [out, groups], zero points (signed, float32) or None at the midpoint, no mins."""
     mid = 1 << (bits - 1)
     q = (unsigned - mid).to(torch.int8).t().contiguous()
     zero = None if bool((zeros == mid).all()) else (zeros - mid).to(torch.float32).t().contiguous()
-    return q, scales.t().contiguous(), zero
+    return q, scales.t().contiguous(), zero, None
 
 
 class _PackedReader:
     """What GPTQ's and AWQ's readers share: which projections are quantized, the scale and zero tensors' shapes."""
     mixed_as_float = False  # a fused projection half quantized is refused (compressed-tensors' rule)
+    mixed_as_stack = False
 
     def __init__(self, source, spec: QuantizationSpec):
         self.source, self.spec = source, spec
@@ -143,7 +144,8 @@ class GPTQReader(_PackedReader):
                                         f"ranks is not supported")
         return torch.argsort(g_idx, stable=True)
 
-    def read(self, prefix: str, dim: int, part: Part) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    def read(self, prefix: str, dim: int,
+             part: Part) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], None]:
         bits, src = self.spec.bits, self.source
         per_word = 32 // bits
         self._words(prefix)
@@ -174,7 +176,8 @@ class GPTQReader(_PackedReader):
 
 
 class AWQReader(_PackedReader):
-    def read(self, prefix: str, dim: int, part: Part) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    def read(self, prefix: str, dim: int,
+             part: Part) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], None]:
         src = self.source
         self._words(prefix)
         k, words = src.shape(prefix + ".qweight")

@@ -27,7 +27,7 @@ from pagedserve.protocol.quantization import (PACKED, QuantizationConfigError, Q
 from pagedserve.worker_proc.gptq_awq_weights import packed_reader
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout
-from pagedserve.worker_proc.models.quantized_linear import make_int4, make_int8, make_w8a8
+from pagedserve.worker_proc.models.quantized_linear import QuantizedStack, make_int4, make_int8, make_w8a8
 
 Part = Optional[tuple[int, int]]
 
@@ -55,6 +55,7 @@ def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 class _Reader:
     mixed_as_float = False  # one scheme for the whole model: a fused projection half quantized is refused
+    mixed_as_stack = False
 
     def __init__(self, source, spec: QuantizationSpec):
         self.source, self.spec = source, spec
@@ -95,8 +96,10 @@ class _Reader:
             raise UnsupportedModelError(f"{prefix}.weight has shape {shape}, not [out, in]")
         return src.get(prefix + ".weight", dim=dim, part=part), shape[0], shape[1]
 
-    def read(self, prefix: str, dim: int, part: Part) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """(int8 values [rows, in], scale [rows, groups], zero point [rows, groups] or None) of this slice."""
+    def read(self, prefix: str, dim: int,
+             part: Part) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], None]:
+        """(int8 values [rows, in], scale [rows, groups], zero point [rows, groups] or None, no mins) of this slice
+        (a reader's fourth part, mins [rows, groups], is subtracted after the scale: only a GGUF's Q4_K has them)."""
         spec, src, group = self.spec, self.source, self.spec.group_size
         q, n, k = self._values(prefix, dim, part)
         if group is not None and k % group:
@@ -122,7 +125,7 @@ class _Reader:
                     raise UnsupportedModelError(f"{prefix}: this rank's inputs [{start}, {end}) cut a group of {group}")
                 cols = slice(start // group, end // group)
                 scale, zero = scale[:, cols], None if zero is None else zero[:, cols]
-        return q, scale.contiguous(), None if zero is None else zero.contiguous()
+        return q, scale.contiguous(), None if zero is None else zero.contiguous(), None
 
 
 def _reader_of(source):
@@ -162,8 +165,13 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
     ``LinearWeight.of``; quantized ones a QuantizedLinear of their scheme."""
     reader = _reader_of(source)
     specs = [None if reader is None else reader.spec_of(p) for p in prefixes]
+    if all(specs) and len(set(specs)) > 1 and reader.mixed_as_stack:  # a GGUF's parts of different quantized types
+        layers = [load_projection(source, [p], dim, [pt], load, None, layout, dtype, device).quantized
+                  for p, pt in zip(prefixes, parts)]
+        return LinearWeight(None, bias, out_features=sum(layer.out_features for layer in layers), gate_size=gate_size,
+                            quantized=QuantizedStack(tuple(layers)))
     if any(specs) and len(set(specs)) > 1 and reader.mixed_as_float:
-        specs = [None] * len(prefixes)  # a GGUF's parts of different types: all read in float
+        specs = [None] * len(prefixes)  # a GGUF's parts of a float type beside a quantized one: all read in float
     if not any(specs):
         tensors = [source.get(p + ".weight", dim=dim, part=pt) for p, pt in zip(prefixes, parts)]
         weight = load(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
@@ -185,12 +193,12 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
             tensors = [torch.zeros(p[1].shape) if t is None else t.float() for p, t in zip(pieces, tensors)]
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
-    q, scale, zero = fused(0), fused(1), fused(2)
+    q, scale, zero, mins = fused(0), fused(1), fused(2), fused(3)
     order = _input_order(reader, prefixes, dim, parts)
     if spec.dynamic_int8_activations:
         layer = make_w8a8(q, scale)
     elif spec.bits == 4:
-        layer = make_int4(q, scale, zero, spec.group_size, dtype, order)
+        layer = make_int4(q, scale, zero, spec.group_size, dtype, order, mins=mins)
     else:
         layer = make_int8(q, scale, zero, spec.group_size, dtype, order, q8_0=spec.format == "Q8_0")
     return LinearWeight(None, bias, out_features=layer.out_features, gate_size=gate_size, quantized=layer)

@@ -9,6 +9,9 @@ W4A16 with lm_head quantized too (the recipe without ``ignore: ["lm_head"]``; th
 does, the embeddings float). ``gguf_q8_0``: the shape's model written as a GGUF Q8_0 file (tools/gguf_model.py, lm_head
 tied in Q8_0), served as llama.cpp multiplies it (x quantized per block of 32, kernels/cpu_gemv_int8.c gemv_q8_0);
 ``gguf_q8_0_widened``: the same file with its integers widened to float32 instead (the same weights, float activations).
+``gguf_q4_k_m``: the model written with llama-quantize's Q4_K_M mix (Q4_K / Q6_K, and at the 0.5B's 896 inputs their
+fallbacks Q5_0 / Q8_0), every matrix on an integer kernel; ``gguf_q4_k_m_float``: the same file as served before the
+k-quants had a kernel (Q4_K, Q6_K and Q5_0 dequantized at load into the serving dtype; Q8_0 still native).
 
 The quantized models are the shape's random model quantized by compressed-tensors
 (tools/quantized_model.py), or written as GPTQ / AWQ checkpoints (tools/gptq_awq_model.py: GPTQ 4-bit g128,
@@ -48,7 +51,9 @@ GPTQ_AWQ = {  # tools/gptq_awq_model.quantize_model_dir's arguments
     "awq_w4_g128": dict(method="awq"),
 }
 WITH_LM_HEAD = {"w4a16_lm_head": "w4a16", "w8a8_lm_head": "w8a8"}  # compressed-tensors' scheme, lm_head quantized too
-GGUF = {"gguf_q8_0": "Q8_0", "gguf_q8_0_widened": "Q8_0"}  # tools/gguf_model.write_gguf's tensor type
+GGUF = {"gguf_q8_0": "Q8_0", "gguf_q8_0_widened": "Q8_0",  # tools/gguf_model.write_gguf's tensor type
+        "gguf_q4_k_m": "Q4_K_M", "gguf_q4_k_m_float": "Q4_K_M"}
+NATIVE_BEFORE_K_QUANTS = ("Q8_0", "Q4_0")  # the GGUF types on integer kernels before Q4_K, Q6_K and Q5_0 had one
 SCHEMES = ("w8a16", "w8a16_g128", "w4a16", "w8a8", *GPTQ_AWQ, *WITH_LM_HEAD, *GGUF)
 
 
@@ -86,10 +91,12 @@ def _gguf_model_dir(shape: str, tensor_type: str) -> Path:
 
 
 def time_model(model_dir: Path, dtype: str, prefill_tokens: int, decode_steps: int, repeats: int,
-               clock=time.perf_counter, widen_q8_0: bool = False) -> dict:
+               clock=time.perf_counter, widen_q8_0: bool = False, k_quants_in_float: bool = False) -> dict:
     """Median ms of a decode step (one stream) and prefill tokens/s of one prompt in one step, by ``clock``;
-    ``widen_q8_0``: a GGUF's Q8_0 layers multiply float activations (gemv_int8_blocks) instead of llama.cpp's."""
-    runner = ModelRunner(str(model_dir), dtype=dtype)
+    ``widen_q8_0``: a GGUF's Q8_0 layers multiply float activations (gemv_int8_blocks) instead of llama.cpp's;
+    ``k_quants_in_float``: a GGUF's types other than NATIVE_BEFORE_K_QUANTS dequantized at load (the old path)."""
+    runner = _runner_with_k_quants_in_float(model_dir, dtype) if k_quants_in_float else ModelRunner(str(model_dir),
+                                                                                                       dtype=dtype)
     for proj in _projections(runner) if widen_q8_0 else ():
         if proj.quantized is not None and proj.quantized.q8_0_activations:
             proj.quantized.q8_0_activations, proj.quantized.scales = False, proj.quantized.scales.float()
@@ -115,6 +122,18 @@ def time_model(model_dir: Path, dtype: str, prefill_tokens: int, decode_steps: i
     return dict(decode=statistics.median(decode_ms), decode_spread=(min(decode_ms), max(decode_ms)),
                 prefill=prefill_tokens / statistics.median(prefill_ms) * 1e3,
                 prefill_ms=statistics.median(prefill_ms), qbytes=weights, step_bytes=decode_step_bytes(runner))
+
+
+def _runner_with_k_quants_in_float(model_dir: Path, dtype: str) -> ModelRunner:
+    """The model as loaded before the k-quants had a kernel: the GGUF reader's native types narrowed for the load."""
+    from pagedserve.worker_proc import gguf_weights
+
+    native = gguf_weights.NATIVE_TYPES
+    gguf_weights.NATIVE_TYPES = {t: native[t] for t in NATIVE_BEFORE_K_QUANTS}
+    try:
+        return ModelRunner(str(model_dir), dtype=dtype)
+    finally:
+        gguf_weights.NATIVE_TYPES = native
 
 
 def _projections(runner: ModelRunner):
@@ -264,8 +283,9 @@ def main() -> None:
         for scheme in ns.schemes:
             ensure_quantized(ns.shape, scheme)
         return
-    if ns.workloads is not None and "gguf_q8_0_widened" in ns.schemes:
-        p.error("--workloads runs each model as served: gguf_q8_0_widened is a decode-step comparison (--models-only)")
+    if ns.workloads is not None and {"gguf_q8_0_widened", "gguf_q4_k_m_float"} & set(ns.schemes):
+        p.error("--workloads runs each model as served: gguf_q8_0_widened and gguf_q4_k_m_float are decode-step "
+                "comparisons (--models-only)")
     if ns.workloads is not None:
         dirs = {"float": ensure_shape_model(SHAPES[ns.shape])} | {s: ensure_quantized(ns.shape, s) for s in ns.schemes}
         clock = time.thread_time if ns.clock == "cpu" else time.perf_counter
@@ -294,7 +314,7 @@ def main() -> None:
     float_decode = None
     for name, model_dir in dirs.items():
         r = time_model(model_dir, ns.dtype, ns.prefill_tokens, ns.decode_steps, ns.repeats, clock,
-                       widen_q8_0=name == "gguf_q8_0_widened")
+                       widen_q8_0=name == "gguf_q8_0_widened", k_quants_in_float=name == "gguf_q4_k_m_float")
         lo, hi = r["decode_spread"]
         mib = f"{r['qbytes'] / 2**20:.0f}" if r["qbytes"] else "-"
         float_decode = float_decode or r["decode"]  # dirs' first: the float model, this run's own

@@ -1,7 +1,7 @@
 """GGUF files through the real processes: ``pagedserve serve x.gguf`` (tokenizer from the file's
 metadata, text prompts over HTTP) and the offline LLM (one rank, two tensor-parallel ranks) against
-transformers loading the same file; k-quants from llama.cpp's own quantizer; a bad file refused at
-start in one line, no process left behind."""
+transformers loading the same file (Q4_K_M's Q4_K and Q6_K on the integer kernels, two ranks); k-quants from
+llama.cpp's own quantizer; a bad file refused at start in one line, no process left behind."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ pytest.importorskip("gguf")
 pytestmark = pytest.mark.slow
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+# two ranks' halves of every projection's inputs in whole k-quant blocks of 256
+K_SHAPE = dict(SHAPE, hidden_size=512, intermediate_size=1024)
 PROMPT_IDS = [[5, 6, 7, 8, 9], [11, 400, 3, 77, 12, 90, 18, 240, 33], [101]]
 
 
@@ -43,9 +45,11 @@ def test_serve_a_gguf_file_with_its_own_tokenizer_gives_transformers_greedy_text
         srv.stop()
 
 
-@pytest.mark.parametrize("tensor_type, arch, tp", [("Q8_0", "llama", 2), ("Q4_0", "qwen2", 2), ("F16", "llama", 1)])
+@pytest.mark.parametrize("tensor_type, arch, tp", [("Q8_0", "llama", 2), ("Q4_0", "qwen2", 2), ("F16", "llama", 1),
+                                                   ("Q4_K_M", "llama", 2)])
 def test_offline_greedy_tokens_of_a_gguf_file_equal_transformers(tmp_path, tensor_type, arch, tp):
-    path = build_gguf_model(tmp_path / f"{arch}-{tensor_type}.gguf", tensor_type, arch, seed=tp, **SHAPE)
+    shape = K_SHAPE if tensor_type == "Q4_K_M" else SHAPE
+    path = build_gguf_model(tmp_path / f"{arch}-{tensor_type}.gguf", tensor_type, arch, seed=tp, **shape)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with LLM(str(path), num_gpu_blocks=64, max_model_len=256, tensor_parallel_size=tp, dtype="float32") as llm:
         outs = llm.generate(PROMPT_IDS, greedy, use_tqdm=False)
@@ -53,8 +57,9 @@ def test_offline_greedy_tokens_of_a_gguf_file_equal_transformers(tmp_path, tenso
         assert out.outputs[0].token_ids == hf_greedy(str(path), prompt, 12)
 
 
-def test_k_quants_from_llama_quantize_are_dequantized_at_load_and_the_log_names_them(tmp_path, caplog):
-    """Q4_K_M (Q4_K and Q6_K matrices) has no native kernel: read in float, tokens still transformers'."""
+def test_k_quants_from_llama_quantize_run_on_the_integer_kernels_and_the_log_names_them(tmp_path, caplog):
+    """Q4_K_M's Q4_K and Q6_K matrices (llama.cpp's own quantizer's blocks) run as int4 / int8 layers; tokens
+    still transformers'."""
     from pagedserve.bench.llamacpp import QUANTIZE, bin_dir
     from pagedserve.deploy.serve_config import ServeConfig
     from pagedserve.worker_proc.model_runner import ModelRunner
@@ -68,8 +73,10 @@ def test_k_quants_from_llama_quantize_are_dequantized_at_load_and_the_log_names_
     subprocess.run([str(bin_dir() / QUANTIZE), str(bf16), str(path), "Q4_K_M"], check=True, capture_output=True)
     with caplog.at_level(logging.INFO, logger="pagedserve.worker"):
         runner = ModelRunner(ServeConfig(model=str(path), device="cpu").model, dtype="float32")
-    warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    assert "no native kernel for Q4_K" in warned and "no native kernel for Q6_K" in warned
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "Q4_K matrices run as integer weight-only layers, int4 in groups of 32" in logged
+    assert "Q6_K matrices run as integer weight-only layers, int8 in groups of 16" in logged
+    assert "no native kernel" not in logged
     scheduler = TrivialScheduler(runner, block_size=4)
     for i, prompt in enumerate(PROMPT_IDS):
         scheduler.add(f"r{i}", prompt, 12)

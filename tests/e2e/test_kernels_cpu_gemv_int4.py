@@ -1,5 +1,5 @@
-"""kernels/cpu_gemv_int4.c (int4 weights in groups of a multiple of 32 with a float32 scale each, symmetric
-or with a zero point: GGUF's Q4_0, compressed-tensors' W4A16) as built for every x86-64 level this CPU runs
+"""kernels/cpu_gemv_int4.c (int4 weights in groups of a multiple of 32 with a float32 scale each, symmetric,
+with a zero point, or less a float min: GGUF's Q4_0, compressed-tensors' W4A16, GGUF's Q4_K) as built for every x86-64 level this CPU runs
 (tests/support/cpu_variants.py; this CPU's own build needs no compiler run, the other levels are slow),
 against its torch reference in float64 (the dequantized weight (nibble - z) * scale) within float32 sums,
 at 1-8 rows and more, 8 at a time; the bits whatever the thread count; refusals that keep its reads in bounds.
@@ -72,6 +72,39 @@ def test_every_variant_is_the_dequantized_weights_product_within_float32_sums(va
     assert rounded.dtype == dtype and torch.equal(rounded, got.to(dtype))
 
 
+# (inputs, outputs): Q4_K's groups of 32 with a float offset each, over a 0.5B's down_proj (4864 inputs) and odd row counts
+MIN_SHAPES = [(4864, 37), (256, 61), (512, 9)]
+
+
+def _groups_with_mins(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(nibbles, scales, mins) of Q4_K's form W = scale * nibble - min, min no multiple of the scale; one group of
+    each row with scale 0 (a Q4_K sub-block whose 6-bit scale is 0: every weight is -min)."""
+    gen = torch.Generator().manual_seed(seed)
+    nibbles = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(n, k // 32, generator=gen) * 0.02
+    scales[:, 1] = 0.0
+    mins = torch.rand(n, k // 32, generator=gen) * 0.15
+    return nibbles, scales, mins
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 19])
+@pytest.mark.parametrize("k,n", MIN_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_with_a_min_per_group_every_variant_is_scale_times_nibble_less_the_min(variant, rows, k, n, dtype):
+    nibbles, scales, mins = _groups_with_mins(n, k, seed=rows + k)
+    packed = cpu_native.pack_int4_blocks(nibbles)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    bias = 128.0 if variant == "avx512bf16" and dtype == torch.bfloat16 else 0.0
+    u = nibbles.double().view(n, k // 32, 32)
+    s, m = scales.double().unsqueeze(-1), mins.double().unsqueeze(-1)
+    w, w_abs = (u * s - m).view(n, k), ((u + 2 * bias) * s + m).view(n, k)
+    xd = x.double()
+    want, bound = xd @ w.t(), 2 * k * 2.0**-23 * (xd.abs() @ w_abs.t())
+    got = cpu_native.gemv_int4_blocks(x, packed, scales, None, 32, out_dtype=torch.float32, mins=mins)
+    assert ((got.double() - want).abs() <= bound).all()
+    assert torch.equal(cpu_native.gemv_int4_blocks(x, packed, scales, None, 32, mins=mins), got.to(dtype))
+
+
 def test_q4_0s_payload_is_the_layout():
     """A GGUF Q4_0 block's 16 payload bytes (first 16 values low, next 16 high) are pack_int4_blocks' bytes."""
     import gguf
@@ -104,6 +137,7 @@ def test_mismatched_inputs_are_an_error_not_a_wild_read():
                  (x, packed.to(torch.int8), scales, None, 32),  # not uint8
                  (x, packed, scales[:, :2], None, 32),  # two scales a row where the groups need four
                  (x, packed, scales, zeros[:, :1], 32),  # one zero a row
+                 (x, packed, scales, zeros, 32, None, None, zeros),  # zero points and mins both
                  (x, packed, scales, None, 48),  # a group the 32-input runs do not tile
                  (x, packed, scales, None, 0)):
         with pytest.raises(ValueError):

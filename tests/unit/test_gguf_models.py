@@ -1,5 +1,6 @@
-"""GGUF files on CPU: written by the ``gguf`` package (tools/gguf_model.py) and read back by transformers'
-GGUF loader, the oracle; Q8_0 / Q4_0 served as int8 / int4 layers holding the file's own integers;
+"""GGUF files on CPU: written by the ``gguf`` package (tools/gguf_model.py; the k-quants by tools/gguf_kquants.py)
+and read back by transformers' GGUF loader, the oracle; Q8_0 / Q4_0 / Q5_0 / Q4_1 / Q4_K / Q6_K served as int8 /
+int4 layers holding the file's own integers;
 greedy tokens in float32 equal transformers' on the same file for each type and family; every bad
 file refused by ``serve``'s config in one line, before any process starts."""
 
@@ -28,6 +29,7 @@ gguf = pytest.importorskip("gguf")
 NEW_TOKENS = 12
 PROMPT_LENGTHS = [5, 19, 33]
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+K_SHAPE = dict(SHAPE, hidden_size=256, intermediate_size=512)  # every projection's inputs in k-quant blocks of 256
 
 
 @pytest.fixture(autouse=True)
@@ -63,13 +65,33 @@ def test_transformers_reads_each_written_type_back_to_the_weights_it_was_written
         assert torch.equal(loaded[name], expected), name
 
 
+@pytest.mark.parametrize("tensor_type", ["Q4_K", "Q6_K"])
+def test_the_k_quant_encoders_blocks_decode_by_gguf_to_within_a_quantization_step_of_the_rows(tensor_type):
+    from pagedserve.tools.gguf_kquants import QUANTIZERS
+
+    rows = np.random.default_rng(3).standard_normal((6, 512)).astype(np.float32) * 0.05
+    rows[0, :256] = 0.0  # a super-block of zeros: d = dmin = 0
+    rows[1, :32] = 0.01  # a constant sub-block: its 6-bit scale 0, the weight its min alone
+    blocks = QUANTIZERS[tensor_type](rows)
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    assert blocks.shape == gguf.quants.quant_shape_to_byte_shape(rows.shape, qtype)
+    back = gguf.quants.dequantize(blocks, qtype)
+    step = np.abs(rows).reshape(6, 2, 256).max(-1, keepdims=True) * (2 / 15 if tensor_type == "Q4_K" else 2 / 31)
+    assert (np.abs(back - rows).reshape(6, 2, 256) <= step).all() and (back[0, :256] == 0).all()
+
+
 # ---------------------------------------------------------------- the integer layers hold the file's blocks
 
+_INT8 = "int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped"
+_INT4 = "int4_blocks" if ql.int8_blocks_kernel() else "int4"
 
-@pytest.mark.parametrize("tensor_type, kind", [("Q8_0", "int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped"),
-                                               ("Q4_0", "int4_blocks" if ql.int8_blocks_kernel() else "int4")])
-def test_q8_0_and_q4_0_run_as_integer_layers_of_groups_of_32_whose_weights_are_the_loaders(tmp_path, tensor_type, kind):
-    path = build_gguf_model(tmp_path / "m.gguf", tensor_type, "llama", **SHAPE)
+
+@pytest.mark.parametrize("tensor_type, kind, group", [("Q8_0", _INT8, 32), ("Q4_0", _INT4, 32), ("Q5_0", _INT8, 32),
+                                                      ("Q4_1", _INT4, 32), ("Q4_K", _INT4, 32), ("Q6_K", _INT8, 16)])
+def test_native_types_run_as_integer_layers_whose_weights_are_the_loaders(tmp_path, tensor_type, kind, group):
+    """Q5_0 as int8 (its 5-bit values, Q8_0's layer); Q4_K and Q4_1 as int4 less a float min per group of 32; Q6_K
+    as int8 in groups of 16: each dequantized weight is, bit for bit, the float32 matrix transformers' loader holds."""
+    path = build_gguf_model(tmp_path / "m.gguf", tensor_type, "llama", **K_SHAPE)
     runner = ModelRunner(_served_dir(path), dtype="float32")
     theirs = hf_model(str(path)).state_dict()
     for i, layer in enumerate(runner.model.layers):
@@ -77,9 +99,22 @@ def test_q8_0_and_q4_0_run_as_integer_layers_of_groups_of_32_whose_weights_are_t
         qkv = torch.cat([theirs[attn + f"{n}_proj.weight"] for n in "qkv"])
         for proj, want in ((layer.qkv, qkv), (layer.o_proj, theirs[attn + "o_proj.weight"]),
                            (layer.down, theirs[f"model.layers.{i}.mlp.down_proj.weight"])):
-            assert proj.quantized is not None and proj.quantized.kind == kind and proj.quantized.group_size == 32
+            assert proj.quantized is not None and proj.quantized.kind == kind and proj.quantized.group_size == group
             assert proj.weight is None  # no float copy beside the integers
             assert torch.equal(proj.quantized.dequantized(torch.float32), want)  # q * scale, exactly the loader's
+
+
+def test_a_q4_k_m_projection_fusing_q4_k_and_q6_k_parts_is_a_layer_per_part_holding_the_loaders_weights(tmp_path):
+    """On llama-quantize's "more bits" layers Q4_K_M stores attn_v in Q6_K beside Q4_K q and k: the fused qkv is a
+    stack of their own integer layers, no float copy, its weight still the loader's."""
+    path = build_gguf_model(tmp_path / "m.gguf", "Q4_K_M", "llama", **K_SHAPE)
+    runner = ModelRunner(_served_dir(path), dtype="float32")
+    theirs = hf_model(str(path)).state_dict()
+    qkv = runner.model.layers[1].qkv  # layer 1 of 2: 7 n / 8 and on, more bits
+    assert qkv.weight is None and [p.kind for p in qkv.quantized.parts] == [_INT4, _INT4, _INT8]
+    want = torch.cat([theirs[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(qkv.quantized.dequantized(torch.float32), want)
+    assert f"{_INT4}: " in ql.describe_ops(runner.model.layers)  # the log names each part's op
 
 
 # ---------------------------------------------------------------- greedy tokens against transformers
@@ -102,6 +137,10 @@ def _hf_gguf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
 CASES = {  # tensor type, family, extra model settings
     "llama_q8_0": ("Q8_0", "llama", {}),
     "qwen2_q4_0": ("Q4_0", "qwen2", {}),
+    # Q4_K beside Q6_K (attn_v, ffn_down, output on llama-quantize's "more bits" layers; a qkv of both in float)
+    "llama_q4_k_m": ("Q4_K_M", "llama", K_SHAPE),
+    "qwen2_q5_0": ("Q5_0", "qwen2", {}),
+    "qwen2_q4_1": ("Q4_1", "qwen2", {}),
     "mistral_f16": ("F16", "mistral", {"sliding_window": None}),
     "qwen2_bf16": ("BF16", "qwen2", {}),
     "llama_f32": ("F32", "llama", {}),
@@ -112,7 +151,7 @@ CASES = {  # tensor type, family, extra model settings
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_of_a_gguf_file_equal_transformers_on_the_same_file(tmp_path, case):
     tensor_type, arch, extra = CASES[case]
-    path = build_gguf_model(tmp_path / f"{case}.gguf", tensor_type, arch, seed=len(case), **SHAPE, **extra)
+    path = build_gguf_model(tmp_path / f"{case}.gguf", tensor_type, arch, seed=len(case), **dict(SHAPE, **extra))
     model_dir = _served_dir(path)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     assert config["architectures"] == [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -191,7 +230,7 @@ def test_bad_gguf_files_are_refused_in_one_line(tmp_path):
     assert "truncated or corrupt" in _refusal(str(tmp_path / "header.gguf"))
     unknown = _retyped(path, tmp_path / "unknown.gguf", "blk.0.ffn_down.weight", 77)
     assert ("tensor blk.0.ffn_down.weight has type number 77, which is not a GGUF tensor type; supported types: "
-            "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, Q4_1, Q5_0, Q5_1") in _refusal(str(unknown))
+            "F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q6_K, Q4_K, Q4_1, Q5_K, Q2_K, Q3_K, Q5_1") in _refusal(str(unknown))
     unsupported = _retyped(path, tmp_path / "iq.gguf", "blk.0.ffn_down.weight", gguf.GGMLQuantizationType.IQ2_XXS.value)
     assert "tensor types IQ2_XXS are not supported" in _refusal(str(unsupported))
     empty = tmp_path / "empty"
@@ -223,6 +262,12 @@ def test_a_tensor_parallel_slice_that_cuts_a_block_of_32_is_refused(tmp_path):
     message = _refusal(str(path), tensor_parallel_size=2)
     assert "down_proj's 96 inputs split 2 ways cut a group (32 values)" in message
     assert ServeConfig(model=str(path), device="cpu", tensor_parallel_size=1).model  # one rank holds whole blocks
+
+
+def test_a_tensor_parallel_slice_that_cuts_a_k_quant_block_of_256_is_refused_though_it_holds_whole_groups(tmp_path):
+    path = build_gguf_model(tmp_path / "m.gguf", "Q4_K_M", "llama", **K_SHAPE)
+    message = _refusal(str(path), tensor_parallel_size=2)  # o_proj's 128 inputs a rank: 4 groups, half a block
+    assert "o_proj's 256 inputs split 2 ways cut a Q4_K block (256 values)" in message
 
 
 def test_in_float32_a_q4_0_output_runs_on_the_int4_gemv_and_a_q8_0_one_keeps_its_exact_float_matrix(tmp_path):

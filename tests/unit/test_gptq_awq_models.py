@@ -108,7 +108,7 @@ def test_the_engine_reads_each_slice_as_the_libraries_dequantize_it(tmp_path):
         reader = packed_reader(source, source.quantization)
         for name, dim, part in (("self_attn.q_proj", 0, None), ("mlp.gate_proj", 0, (64, 192)), *slices):
             prefix = f"model.layers.1.{name}"
-            q, scale, zero = reader.read(prefix, dim, part)
+            q, scale, zero, _ = reader.read(prefix, dim, part)
             ours = reference(q, scale, zero, kwargs["group_size"], torch.eye(q.shape[1])).t()  # [out, in]
             theirs = dequantize(tensors, prefix, config["quantization_config"])
             start, end = part or (0, theirs.shape[dim])
@@ -125,7 +125,7 @@ def test_activation_order_puts_the_weights_inputs_in_group_order_and_the_layer_g
     g_idx = source.get(prefix + ".g_idx").long()
     assert not torch.equal(order, torch.arange(256))
     assert torch.equal(g_idx[order], torch.arange(256) // 32)  # each group's inputs together
-    q, scale, zero = reader.read(prefix, 1, None)
+    q, scale, zero, _ = reader.read(prefix, 1, None)
     theirs = gptq_dequantize(*(source.get(f"{prefix}.{t}") for t in ("qweight", "qzeros", "scales", "g_idx")),
                              4, "gptq")
     for make in (make_int4, make_int8):

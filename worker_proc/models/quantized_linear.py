@@ -9,10 +9,11 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
   is its signed value + 8, so ``q - 8`` is the signed value: zero is 0 (symmetric) or
   ``-zero_point * scale``. A per-channel int4 weight takes the largest group that divides its
   inputs, every group with the channel's scale.
-- ``int4_blocks`` (the same weights, groups of a multiple of 32: W4A16, GGUF's Q4_0), where the native kernels
-  are built: kernels/cpu_gemv_int4.c, the nibbles unpacked and scaled in registers, float32 sums, 8 rows a
-  pass, in every dtype (float32 too: no dequantized copy; bfloat16 x by vdpbf16ps where the CPU has
-  AVX512-BF16, float32 and float16 x unrounded); from 128 rows the dequantized weight.
+- ``int4_blocks`` (the same weights, groups of a multiple of 32: W4A16, GGUF's Q4_0; and GGUF's Q4_K, each group
+  of 32 ``scale * nibble - min`` with a float min, ``nibble_mins``), where the native kernels are built:
+  kernels/cpu_gemv_int4.c, the nibbles unpacked and scaled in registers, float32 sums, 8 rows a pass, in every
+  dtype (float32 too: no dequantized copy; bfloat16 x by vdpbf16ps where the CPU has AVX512-BF16, float32 and
+  float16 x unrounded); from 128 rows the dequantized weight.
 - ``int8`` (W8A16 per channel): torch's ``_weight_int8pack_mm``, x @ (q * scale).T; an asymmetric
   weight subtracts rowsum(x) * zero_point * scale after.
 - ``int8_blocks`` (W8A16 in groups of a multiple of 16, symmetric: GGUF's Q8_0, compressed-tensors'
@@ -74,6 +75,7 @@ class QuantizedLinear:
     group_size: int = 0
     zero_correction: Optional[torch.Tensor] = None  # int8 asymmetric: zero_point * scale, [out] or [groups, out]
     nibble_zeros: Optional[torch.Tensor] = None  # int4_blocks asymmetric: 8 + zero_point, [out, groups] float32
+    nibble_mins: Optional[torch.Tensor] = None  # int4_blocks of a GGUF Q4_K: W = scale * nibble - min, [out, groups]
     input_order: Optional[torch.Tensor] = None  # [in] int64: the checkpoint's input of each weight column (desc_act)
     w8a8_sums: Optional[torch.Tensor] = None  # w8a8 on the native kernel: 128 * each packed column's sum, int32
     q8_0_activations: bool = False  # int8_blocks of a GGUF Q8_0 matrix: x quantized per block of 32 (gemv_q8_0)
@@ -88,7 +90,8 @@ class QuantizedLinear:
         if self.kind == "int8_blocks":
             return cpu_native.gemv_int8_blocks(x, self.weight, self.scales, self.group_size)
         if self.kind == "int4_blocks":
-            return cpu_native.gemv_int4_blocks(x, self.weight, self.scales, self.nibble_zeros, self.group_size)
+            return cpu_native.gemv_int4_blocks(x, self.weight, self.scales, self.nibble_zeros, self.group_size,
+                                               mins=self.nibble_mins)
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales)
         if self.kind == "int8":
@@ -126,9 +129,11 @@ class QuantizedLinear:
             if zero.any():
                 w.add_(zero.unsqueeze(-1))
             return w.view(n, k)
-        if self.kind == "int4_blocks":  # (nibble - z) * scale in float32, then one rounding to dtype
-            z = 8.0 if self.nibble_zeros is None else self.nibble_zeros.unsqueeze(-1)
+        if self.kind == "int4_blocks":  # (nibble - z) * scale (or scale * nibble - min) in float32, then one rounding
             nibbles = cpu_native.unpack_int4_blocks(self.weight).float().view(n, k // g, g)
+            if self.nibble_mins is not None:  # gguf's own order of operations: the same float32 values
+                return nibbles.mul_(self.scales.unsqueeze(-1)).sub_(self.nibble_mins.unsqueeze(-1)).view(n, k).to(dtype)
+            z = 8.0 if self.nibble_zeros is None else self.nibble_zeros.unsqueeze(-1)
             return nibbles.sub_(z).mul_(self.scales.unsqueeze(-1)).view(n, k).to(dtype)
         if self.kind == "int8_blocks":  # in float32, then one rounding to dtype
             w = self.weight.view(n, k // g, g).float().mul_(self.scales.float().unsqueeze(-1))
@@ -143,9 +148,40 @@ class QuantizedLinear:
 
     @property
     def nbytes(self) -> int:
-        extra = sum(t.nbytes for t in (self.zero_correction, self.nibble_zeros, self.input_order, self.w8a8_sums)
-                    if t is not None)
+        extra = sum(t.nbytes for t in (self.zero_correction, self.nibble_zeros, self.nibble_mins, self.input_order,
+                                       self.w8a8_sums) if t is not None)
         return self.weight.nbytes + self.scales.nbytes + extra
+
+    @property
+    def parts(self) -> tuple["QuantizedLinear", ...]:
+        return (self,)
+
+
+@dataclass(slots=True)
+class QuantizedStack:
+    """A fused projection whose parts are stored in different quantized forms (a GGUF Q4_K_M's q and k in Q4_K
+    beside v in Q6_K on its "more bits" layers): each part multiplies x as its own layer and the outputs sit side by
+    side, the fused layer's output, so no part is read in float."""
+    parts: tuple[QuantizedLinear, ...]
+    kind: str = "stack"
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.forward(x) for p in self.parts], dim=-1)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([p.dequantized(dtype) for p in self.parts])
 
 
 # From this many rows (bfloat16 / float16) a weight-only layer multiplies a dequantized copy of its
@@ -209,8 +245,9 @@ _OPS = {"int4": "torch's _weight_int4pack_mm_for_cpu", "int4_blocks": "native in
 def describe_ops(layers: list) -> Optional[str]:
     """One line naming the op each quantized kind in these decoder layers runs, and from how many rows a
     call dequantizes instead (dequantize_min_rows); None where no projection is quantized."""
-    kinds = sorted({_op_name(w.quantized) for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")
-                    if (w := getattr(layer, name, None)) is not None and getattr(w, "quantized", None) is not None})
+    kinds = sorted({_op_name(part) for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")
+                    if (w := getattr(layer, name, None)) is not None and getattr(w, "quantized", None) is not None
+                    for part in w.quantized.parts})
 
     def above(kind: str) -> str:
         if kind == "w8a8":
@@ -270,23 +307,30 @@ def _pick_group(in_features: int) -> int:
 
 
 def make_int4(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group_size: Optional[int],
-              dtype: torch.dtype, input_order: Optional[torch.Tensor] = None) -> QuantizedLinear:
+              dtype: torch.dtype, input_order: Optional[torch.Tensor] = None,
+              mins: Optional[torch.Tensor] = None) -> QuantizedLinear:
     """``q`` [out, in] int8 in [-8, 7]; ``scale`` / ``zero_point`` [out, in / group] (or [out, 1]
-    per channel, ``group_size`` None); ``input_order``: q's columns are these inputs (QuantizedLinear's)."""
+    per channel, ``group_size`` None); ``input_order``: q's columns are these inputs (QuantizedLinear's);
+    ``mins`` [out, in / group] (no zero point): W = scale * (q + 8) - min per group (GGUF's Q4_K)."""
     n, k = q.shape
     if group_size is None:
         group_size = _pick_group(k)
         scale = scale.reshape(n, 1).expand(n, k // group_size)
         if zero_point is not None:
             zero_point = zero_point.reshape(n, 1).expand(n, k // group_size)
+    if zero_point is not None and mins is not None:
+        raise ValueError("make_int4: a weight has zero points or mins, not both")
     if group_size % cpu_native.INT4_CHUNK == 0 and int8_blocks_kernel():
         zeros = None if zero_point is None else (8 + zero_point.to(torch.float32)).contiguous()
         return QuantizedLinear("int4_blocks", n, k, cpu_native.pack_int4_blocks((q + 8).to(torch.uint8)),
                                scale.to(torch.float32).contiguous(), group_size, nibble_zeros=zeros,
+                               nibble_mins=None if mins is None else mins.to(torch.float32).contiguous(),
                                input_order=input_order)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
     s = scale.to(torch.float32)
     zero = torch.zeros_like(s) if zero_point is None else -zero_point.to(torch.float32) * s
+    if mins is not None:  # torch's (nibble - 8) * scale + zero
+        zero = 8 * s - mins.to(torch.float32)
     scales_and_zeros = torch.stack([s.t(), zero.t()], dim=-1).to(dtype).contiguous()
     return QuantizedLinear("int4", n, k, packed, scales_and_zeros, group_size, input_order=input_order)
 
