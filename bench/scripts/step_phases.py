@@ -72,6 +72,9 @@ class PhaseTimer:
 
 def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) -> PhaseTimer:
     """Wrap what ``ModelRunner.execute`` calls; ``runner`` is a ModelRunner."""
+    import torch
+
+    from pagedserve.kernels import cpu_moe
     from pagedserve.worker_proc import model_runner, sampler
     from pagedserve.worker_proc.kv_cache import KVCache
     from pagedserve.worker_proc.models import causal_lm, decoder_layer, moe
@@ -107,6 +110,13 @@ def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) ->
     # a mixture of experts' products (models/moe.py): the experts the step's tokens activate, each read once
     timer.wrap(moe, "linear", expert_phase)
     timer.wrap(moe, "silu_gate", expert_phase)
+    def native_experts_phase(experts, x, weights, ids) -> str:  # kernels/cpu_moe.py: one call a layer
+        pairs, active = ids.numel(), int(torch.unique(ids).numel())
+        timer.work["routed experts flops"] += 2 * pairs * 3 * experts.size * experts.hidden
+        timer.work["routed experts weight bytes"] += experts.weight_bytes * active / experts.num_experts
+        return "routed experts"
+
+    timer.wrap(cpu_moe.NativeExperts, "__call__", native_experts_phase)
     timer.wrap(decoder_layer, "attend", attention_phase)
     timer.wrap(runner.ops, "write_kv", "KV write")
     elementwise = type(runner.model.elementwise)
