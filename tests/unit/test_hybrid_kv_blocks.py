@@ -131,7 +131,8 @@ def test_preempted_sequences_come_back_with_every_table(groups, mode, ahead, cac
     for i in range(3):
         assert sched.add_request(AddRequest(f"low{i}", [20 + i] * 5, SamplingParams(max_tokens=30), priority=1,
                                             eos_token_ids=[])) == []
-    driver = StepDriver(sched, SimWorker(sched.config, counting_tokens()), ahead)
+    worker = SimWorker(sched.config, counting_tokens())
+    driver = StepDriver(sched, worker, ahead)
     deltas = []
     for step in range(400):
         if step == 20:
@@ -142,6 +143,8 @@ def test_preempted_sequences_come_back_with_every_table(groups, mode, ahead, cac
         deltas += driver.step()[2]
     assert {k: len(v) for k, v in outputs(deltas).items()} == {"low0": 30, "low1": 30, "low2": 30, "urgent": 30}
     assert sched.stats()[f"num_preemptions_{mode}"] > 0
+    if caching:  # prompts starting as theirs did hit only blocks that hold that KV (the worker checks)
+        run(sched, [request(f"probe{i}", [20 + i] * 4 + [99], max_tokens=2) for i in range(3)], ahead, worker=worker)
     assert_all_blocks_free(sched)
 
 

@@ -111,7 +111,8 @@ def test_preempted_sequences_come_back_with_their_window(mode, ahead, caching):
     for i in range(3):
         assert sched.add_request(AddRequest(f"low{i}", [20 + i] * 5, SamplingParams(max_tokens=60), priority=1,
                                             eos_token_ids=[])) == []
-    driver = StepDriver(sched, SimWorker(sched.config, counting_tokens()), ahead)
+    worker = SimWorker(sched.config, counting_tokens())
+    driver = StepDriver(sched, worker, ahead)
     deltas = []
     for step in range(400):
         if step == 30:
@@ -125,6 +126,8 @@ def test_preempted_sequences_come_back_with_their_window(mode, ahead, caching):
     assert stats[f"num_preemptions_{mode}"] > 0
     if mode == "swap":  # only the live blocks travel
         assert stats["num_blocks_swapped_out"] <= stats["num_preemptions_swap"] * max_live_blocks(WINDOW, BLOCK)
+    if caching:  # prompts starting as theirs did hit only blocks that hold that KV (the worker checks)
+        run(sched, [request(f"probe{i}", [20 + i] * 4 + [99], max_tokens=2) for i in range(3)], ahead, worker=worker)
     assert_all_blocks_free(sched)
 
 
