@@ -30,6 +30,7 @@ from pagedserve.protocol.messages import AddRequest, SamplingParams, SchedulerOu
 from pagedserve.protocol.step_state import StepContractError, apply_output, note_accepted, note_samples
 
 from pagedserve.scheduler_proc.config import SchedulerConfig
+from pagedserve.scheduler_proc.request import Sequence
 from pagedserve.scheduler_proc.scheduler import Scheduler
 from pagedserve.scheduler_proc.step import StepOutputs
 
@@ -244,6 +245,20 @@ def run_until_done(sched: Scheduler, worker: SimWorker, max_steps: int = 10_000,
         if on_step is not None:
             on_step(out, result, step_deltas)
     raise AssertionError(f"not finished after {max_steps} steps: {sched.stats()}")
+
+
+def swap_one_back_in(sched: Scheduler, worker: SimWorker) -> Sequence:
+    """Three requests of 7 prompt tokens and 8 to generate, stepped until one swapped out comes
+    back in (a cache too small for all three, preemption by swap); that sequence, its step applied."""
+    for rid, first in (("old", 30), ("mid", 40), ("new", 50)):
+        sched.add_request(request(rid, list(range(first, first + 7)), max_tokens=8, ignore_eos=True))
+    while True:
+        out = sched.schedule()
+        sched.update_from_output(out, worker.step(out))
+        if out.blocks_to_swap_in:
+            back = {block for _, block in out.blocks_to_swap_in}
+            (seq,) = [seq for seq in sched.running.in_order() if back & {*seq.block_ids}]
+            return seq
 
 
 def assert_all_blocks_free(sched: Scheduler) -> None:

@@ -6,7 +6,8 @@ import random
 
 from pagedserve.protocol.messages import AddRequest, SamplingParams
 from pagedserve.scheduler_proc.block_manager import BlockManager
-from pagedserve.scheduler_proc.block_pool import BlockPool
+from pagedserve.protocol.block_hash import block_key
+from pagedserve.scheduler_proc.block_pool import BlockPool, CacheEventLog
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.request import Request, Sequence
 from pagedserve.scheduler_proc.scheduler import Scheduler
@@ -29,18 +30,47 @@ def test_free_plus_used_is_always_the_total_and_a_freed_block_is_reusable():
 
 
 def test_cached_blocks_are_evicted_least_recently_freed_first_and_only_when_no_plain_block_is_left():
-    pool = BlockPool(3)
+    pool = BlockPool(3)  # a pool with no event log (only a scheduler's device pool reports to the router)
     a, b, c = (pool.take_fresh() for _ in range(3))
-    pool.register(a, "ka")
-    pool.register(b, "kb")
+    ka, kb = (block_key(0, bytes([i]) * 32) for i in range(2))
+    pool.register(a, ka)
+    pool.register(b, kb)
     pool.release(b)
     pool.release(a)
     pool.release(c)
     assert pool.take_fresh() == c  # plain first
-    assert pool.take_fresh() == b and pool.lookup("kb") is None  # then the oldest freed cached block
-    assert pool.lookup("ka") == a
+    assert pool.take_fresh() == b and pool.lookup(kb) is None  # then the oldest freed cached block
+    assert pool.lookup(ka) == a
     pool.share(a)  # a hit revives it from the middle of the free list
     assert pool.num_free == 0
+
+
+def test_the_cache_log_first_tells_the_router_to_forget_then_sends_each_change_once_in_numbered_batches():
+    log = CacheEventLog()
+    assert log.drain() == (0, True, [], [])  # the router may hold an earlier pool's blocks
+    assert log.drain() is None
+    pool = BlockPool(2)
+    pool.events = log
+    block = pool.take_fresh()
+    key = block_key(0, bytes(32))
+    pool.register(block, key)
+    assert log.drain() == (1, False, [key[2]], [])
+    pool.release(block)
+    pool.take_fresh()
+    pool.take_fresh()  # evicts the cached block
+    assert log.drain() == (2, False, [], [key[2]])
+
+
+def test_the_cache_log_holds_up_to_its_bound_of_changes_and_past_it_asks_the_router_to_forget():
+    log = CacheEventLog()
+    log.drain()
+    bound = CacheEventLog.MAX_PENDING
+    for h in range(bound):
+        log.note_removed(h)
+    assert log.drain() == (1, False, [], list(range(bound)))
+    for h in range(bound + 1):  # nobody drained: the log keeps nothing rather than grow
+        log.note_removed(h)
+    assert log.drain() == (2, True, [], [])
 
 
 def test_check_then_commit_appends_only_what_was_promised_and_lists_each_fresh_block_once():
@@ -191,3 +221,112 @@ def test_after_every_request_finishes_every_ref_count_is_zero_and_the_free_list_
     device = sched.bm.device
     assert sorted([*device.plain_free, *device.evictable]) == list(range(24))
     assert sorted(sched.bm.host.plain_free) == list(range(12))
+
+
+def test_a_sequence_ended_while_swapped_out_gives_back_its_host_blocks():
+    bm = BlockManager(SchedulerConfig(block_size=4, num_gpu_blocks=4, num_cpu_blocks=4))
+    seq = sequence(8)
+    bm.allocate(seq, [], 2)
+    seq.num_kv_tokens = 8
+    bm.swap_out(seq)
+    assert bm.host.num_free == 2
+    bm.free(seq)  # aborted, or past its deadline, before it came back
+    assert bm.host.num_free == 4 and bm.device.num_free == 4 and seq.host_block_ids == []
+
+
+def test_a_sample_ended_before_its_step_is_built_sends_no_copy_of_its_shared_tail():
+    bm, a, b = forked_pair(num_gpu_blocks=5, computed=5)
+    bm.drain()  # the parent's step
+    bm.append_slots(a, 1)  # a copy of the shared tail is listed for this step
+    bm.free(a)  # then a ends (an abort) before the step's output is built
+    assert bm.drain() == ([], [])
+    assert bm.device.num_free == 3 and bm.num_new_blocks(b, 1) == 0  # b owns the tail alone again
+
+
+# ------------------------------------------------------------------ windows and KV groups (blocks of 4, a window of 8)
+
+
+def windowed(**fields) -> BlockManager:
+    """Every layer windowed (``sliding_window``), or a hybrid model's one local group beside the global one."""
+    return BlockManager(SchedulerConfig(block_size=4, **{"sliding_window": 8, **fields}))
+
+
+def hybrid(**fields) -> BlockManager:
+    return windowed(sliding_window=0, num_window_groups=1, hybrid_window=8, **fields)
+
+
+def computed(bm: BlockManager, tokens: int) -> Sequence:
+    """A sequence whose ``tokens`` computed tokens fill fresh blocks."""
+    seq = sequence(tokens)
+    bm.allocate(seq, [], bm.blocks_for(tokens))
+    seq.num_kv_tokens = tokens
+    return seq
+
+
+def test_blocks_wholly_behind_the_window_go_back_to_the_pool_counted_and_never_zeroed():
+    bm = windowed(num_gpu_blocks=10, num_cpu_blocks=2)  # one block is the null block
+    seq = computed(bm, 24)
+    assert bm.device.num_free == 3
+    assert bm.release_behind_window(seq, 24) == 4  # a query at 24 reads 17..24: blocks 4 and 5
+    assert bm.device.num_free == 7 and seq.block_ids[:4] == [bm.null_block] * 4 and seq.num_freed_blocks == 4
+    assert bm.drain()[0] == seq.block_ids[4:]  # freed before the step that would write them: not zeroed
+    assert bm.release_behind_window(seq, 27) == 0 and bm.device.num_free == 7  # nothing more behind yet
+    assert bm.release_behind_window(seq, 28) == 1 and bm.device.num_free == 8
+    assert bm.can_swap_out(seq)  # its one live block fits the host
+    bm.host.take_fresh()
+    bm.host.take_fresh()
+    assert not bm.can_swap_out(seq)
+
+
+def test_without_a_window_releasing_behind_it_frees_nothing():
+    bm = BlockManager(SchedulerConfig(block_size=4, num_gpu_blocks=8))
+    seq = computed(bm, 24)
+    assert bm.release_behind_window(seq, 24) == 0 and bm.device.num_free == 2 and bm.null_block not in seq.block_ids
+
+
+def test_a_block_a_sibling_still_reads_stays_and_is_counted_free_only_when_the_last_sibling_lets_go():
+    bm = windowed(num_gpu_blocks=10)
+    parent = computed(bm, 24)
+    a, b = sequence(25), sequence(25)
+    a.num_kv_tokens = b.num_kv_tokens = 24
+    bm.fork(parent, [a, b])
+    assert bm.release_behind_window(a, 24) == 0 and bm.device.num_free == 3
+    assert a.block_ids[:4] == [bm.null_block] * 4 and bm.null_block not in b.block_ids
+    assert bm.release_behind_window(b, 24) == 4 and bm.device.num_free == 7
+
+
+def test_a_hybrid_sequences_local_table_frees_behind_its_window_and_the_global_table_keeps_every_block():
+    bm = hybrid(num_gpu_blocks=20)
+    seq = computed(bm, 24)
+    [local] = seq.window_tables
+    assert len(local) == len(seq.block_ids) == 6 and bm.null_block not in local + seq.block_ids
+    assert bm.device.num_free == 19 - 12
+    assert bm.release_behind_window(seq, 24) == 4 and bm.device.num_free == 11
+    assert local[:4] == [bm.null_block] * 4 and seq.num_window_freed == 4 and bm.null_block not in seq.block_ids
+    assert bm.drain()[0] == seq.block_ids + local[4:]  # the freed local blocks were never written: not zeroed
+    assert bm.release_behind_window(seq, 27) == 0 and bm.device.num_free == 11
+
+
+def test_a_hybrid_sequence_swaps_its_global_blocks_and_its_live_local_ones_and_comes_back_when_they_fit():
+    bm = hybrid(num_gpu_blocks=20, num_cpu_blocks=8)
+    seq = computed(bm, 24)
+    bm.release_behind_window(seq, 24)  # 6 global blocks and 2 local ones live
+    assert bm.can_swap_out(seq)
+    spare = bm.host.take_fresh()
+    assert not bm.can_swap_out(seq)
+    bm.host.release(spare)
+    assert len(bm.swap_out(seq)) == 8 and bm.host.num_free == 0 and bm.device.num_free == 19
+    held = [bm.device.take_fresh() for _ in range(8)]
+    room = bm.swap_in_room(seq)  # 11 free: the most tokens it could compute on coming back
+    assert room > 0 and bm.can_swap_in(seq, room) and not bm.can_swap_in(seq, room + 1)
+    held.append(bm.device.take_fresh())  # 10 free: 7 global blocks and 3 local ones for one more token
+    assert bm.can_swap_in(seq, 1)
+    held.append(bm.device.take_fresh())
+    assert not bm.can_swap_in(seq, 1)
+    for block in held:
+        bm.device.release(block)
+    assert len(bm.swap_in(seq)) == 8 and bm.host.num_free == 8
+    assert seq.window_tables[0][:4] == [bm.null_block] * 4 and len(seq.window_tables[0]) == len(seq.block_ids) == 6
+    bm.swap_out(seq)
+    bm.free(seq)  # ended while swapped out: every table's host blocks come back
+    assert bm.host.num_free == 8 and bm.device.num_free == 19

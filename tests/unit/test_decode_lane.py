@@ -110,6 +110,7 @@ def test_stop_tokens_are_per_request_and_wait_for_min_tokens_in_the_lane():
     assert ends["r-stop"].finish_reason == "stop" and samples[("r-stop", 0)][-1] == 1008
     assert ends["r-stop"].stop_token_id == 1008
     assert ends["r-other"].finish_reason == "length" and len(samples[("r-other", 0)]) == 12
+    assert ends["r-other"].stop_token_id is None  # a length end: its last token is text the client keeps
     # 1004 is the 2nd output, before min_tokens=4: ignored; 1010 (the 8th) stops it.
     assert ends["r-min"].finish_reason == "stop" and samples[("r-min", 0)][-1] == 1010
     assert EOS not in samples[("r-min", 0)]

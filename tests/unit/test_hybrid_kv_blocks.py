@@ -26,7 +26,7 @@ from pagedserve.scheduler_proc.sliding_window import max_live_blocks
 
 from support.scheduler_sim import (SimWorker, StepDriver, assert_all_blocks_free, assert_null_block_untouched,
                                    tokens_by_request, counting_tokens, request,
-                                   run_until_done)
+                                   run_until_done, swap_one_back_in)
 
 BLOCK, WINDOW = 4, 8
 LIVE = max_live_blocks(WINDOW, BLOCK)  # 3
@@ -82,11 +82,14 @@ def test_groups_of_gemma2_gemma3_and_gpt_oss_layouts():
 
 
 @pytest.mark.parametrize("ahead", [False, True])
-def test_a_long_generation_holds_only_its_window_in_the_local_table(ahead):
-    sched = Scheduler(config())
-    deltas, peak, _ = run(sched, [request("long", list(range(10, 20)), max_tokens=120)], ahead)
+@pytest.mark.parametrize("window", [WINDOW, BLOCK])  # a window of one block: 2 blocks (a prompt of 2)
+def test_a_long_generation_holds_only_its_window_in_the_local_table(ahead, window):
+    sched = Scheduler(config(hybrid_window=window))
+    prompt = list(range(10, 10 + max_live_blocks(window, BLOCK) * BLOCK - 2))  # a prompt chunk holds its blocks
+    deltas, peak, _ = run(sched, [request("long", prompt, max_tokens=120)], ahead)
     assert len(outputs(deltas)["long"]) == 120
-    assert peak["global"] >= 128 // BLOCK and peak["local"] <= LIVE  # the global table keeps every block
+    assert peak["global"] >= (len(prompt) + 118) // BLOCK  # the global table keeps every block
+    assert peak["local"] <= max_live_blocks(window, BLOCK)
     assert sched.stats()["num_preemptions_recompute"] == 0
 
 
@@ -119,15 +122,17 @@ def test_more_sequences_run_at_once_than_with_one_table_in_the_same_memory():
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 @pytest.mark.parametrize("ahead", [False, True])
-def test_preempted_sequences_come_back_with_every_table(groups, mode, ahead):
+@pytest.mark.parametrize("caching", [False, True])  # a swapped-in sequence's blocks are named again in every table
+def test_preempted_sequences_come_back_with_every_table(groups, mode, ahead, caching):
     """Long low-priority sequences fill the cache; an urgent one preempts one of them, which comes
     back (by swap: the global table and the local tables' live blocks) and reads only its own KV."""
     sched = Scheduler(config(num_gpu_blocks=16 * (1 + groups), num_cpu_blocks=80, preemption_mode=mode,
-                             scheduling_policy="priority", num_window_groups=groups))
+                             scheduling_policy="priority", num_window_groups=groups, enable_prefix_caching=caching))
     for i in range(3):
         assert sched.add_request(AddRequest(f"low{i}", [20 + i] * 5, SamplingParams(max_tokens=30), priority=1,
                                             eos_token_ids=[])) == []
-    driver = StepDriver(sched, SimWorker(sched.config, counting_tokens()), ahead)
+    worker = SimWorker(sched.config, counting_tokens())
+    driver = StepDriver(sched, worker, ahead)
     deltas = []
     for step in range(400):
         if step == 20:
@@ -138,6 +143,8 @@ def test_preempted_sequences_come_back_with_every_table(groups, mode, ahead):
         deltas += driver.step()[2]
     assert {k: len(v) for k, v in outputs(deltas).items()} == {"low0": 30, "low1": 30, "low2": 30, "urgent": 30}
     assert sched.stats()[f"num_preemptions_{mode}"] > 0
+    if caching:  # prompts starting as theirs did hit only blocks that hold that KV (the worker checks)
+        run(sched, [request(f"probe{i}", [20 + i] * 4 + [99], max_tokens=2) for i in range(3)], ahead, worker=worker)
     assert_all_blocks_free(sched)
 
 
@@ -160,6 +167,21 @@ def test_prefix_hits_take_every_global_block_and_only_the_window_of_the_local_on
     assert_all_blocks_free(sched)
 
 
+def test_a_sequence_swapped_back_in_names_every_tables_blocks_again_so_later_prompts_hit_them():
+    sched = Scheduler(config(num_gpu_blocks=17, num_cpu_blocks=16, max_num_seqs=4, preemption_mode="swap",
+                             enable_prefix_caching=True, hybrid_window=64))  # the window keeps the first block
+    worker = SimWorker(sched.config, counting_tokens())
+    new = swap_one_back_in(sched, worker)
+    sched.add_request(request("probe", list(new.token_ids[:4]) + [99], max_tokens=1))
+    out = sched.schedule()
+    [probe] = [r for r in out.new_requests if r.req_id == "probe"]
+    assert probe.num_computed_tokens == 4 and probe.block_ids[0] == new.block_ids[0]
+    assert out.window_block_ids["probe"][0][0] == new.window_tables[0][0]
+    sched.update_from_output(out, worker.step(out))  # the simulated worker checks the hit's KV in both tables
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
+
+
 def test_a_local_group_missing_a_block_its_window_needs_shortens_the_hit():
     pool = BlockPool(16)
     keys = [prefix_cache.block_key(0, bytes([i]) * 8 * BLOCK) for i in range(4)]
@@ -172,7 +194,12 @@ def test_a_local_group_missing_a_block_its_window_needs_shortens_the_hit():
     # 4 hits: the window (8 tokens) reaches blocks 2 and 3, and block 3's local KV is gone; 3 hits
     # need blocks 1 and 2 only
     assert prefix_cache.window_hits(pool, hits, keys, 1, WINDOW, BLOCK) == (3, ([local[1], local[2]],), 1)
-    assert prefix_cache.window_hits(pool, hits, keys, 1, 4 * BLOCK, BLOCK)[0] == 0  # every hit needs block 0
+    assert prefix_cache.window_hits(pool, hits, keys, 1, 4 * BLOCK, BLOCK) == (0, ([],), 0)  # all need block 0
+    two = BlockPool(3)  # 2 hits, the local KV of the first only: a hit of 1 block
+    a, b, local_a = (two.take_fresh() for _ in range(3))
+    for block, key in ((a, keys[0]), (b, keys[1]), (local_a, prefix_cache.window_key(keys[0], 1))):
+        two.register(block, key)
+    assert prefix_cache.window_hits(two, [a, b], keys[:2], 1, WINDOW, BLOCK) == (1, ([local_a],), 0)
 
 
 def test_forks_copy_every_table_and_speculation_trims_every_table():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
-from support.scheduler_sim import SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done
+from support.scheduler_sim import (SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done,
+                                   swap_one_back_in, tokens_by_request)
 
 SHARED = list(range(100, 112))  # three full blocks of 4
 
@@ -79,18 +81,32 @@ def test_a_sequence_swapped_back_in_names_its_blocks_again_so_later_prompts_hit_
                              max_num_batched_tokens=32, preemption_mode="swap", enable_prefix_caching=True,
                              debug_invariants=True)
     sched, worker = Scheduler(config), SimWorker(config, counting_tokens())
-    for rid, first in (("old", 30), ("mid", 40), ("new", 50)):
-        sched.add_request(request(rid, list(range(first, first + 7)), max_tokens=8, ignore_eos=True))
-    swapped_in = False
-    while not swapped_in:
-        out = sched.schedule()
-        swapped_in = bool(out.blocks_to_swap_in)
-        sched.update_from_output(out, worker.step(out))
-    new = sched.requests["new"].sequences[0]
-    sched.add_request(request("probe", list(range(50, 54)) + [99], max_tokens=1))
+    new = swap_one_back_in(sched, worker)
+    sched.add_request(request("probe", list(new.token_ids[:4]) + [99], max_tokens=1))
     out = sched.schedule()
     [probe] = [r for r in out.new_requests if r.req_id == "probe"]
     assert probe.num_computed_tokens == 4 and probe.block_ids[0] == new.block_ids[0]
     sched.update_from_output(out, worker.step(out))  # the simulated worker checks the hit's KV
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
+
+
+def test_with_speculation_every_block_of_verified_tokens_is_named_and_a_later_prompt_hits_them_all():
+    """Proposals still being verified never name a block (a rejection rewrites its KV); once the
+    request ends, the same text as a prompt hits every block it computed."""
+    config = SchedulerConfig(block_size=4, num_gpu_blocks=40, enable_prefix_caching=True, debug_invariants=True,
+                             speculative=SpeculativeConfig("ngram", 3, 4, 1))
+    sched = Scheduler(config)
+    worker = SimWorker(config, lambda req_id, tokens: tokens[-4] if len(tokens) % 23 else 9)  # some rejected
+    prompt = [5, 6, 7, 8] * 4
+    sched.add_request(request("a", prompt, max_tokens=40))
+    text = prompt + tokens_by_request(run_until_done(sched, worker))["a"]
+    stats = sched.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    sched.add_request(request("b", text + [99], max_tokens=1))
+    out = sched.schedule()
+    [new] = out.new_requests
+    assert new.num_computed_tokens == (len(text) - 1) // 4 * 4  # its last token was sampled, never computed
+    sched.update_from_output(out, worker.step(out))  # the simulated worker checks the hits' KV
     run_until_done(sched, worker)
     assert_all_blocks_free(sched)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.policy import FcfsPolicy
 from pagedserve.scheduler_proc.scheduler import Scheduler
@@ -238,7 +240,8 @@ class _NewestFirst(FcfsPolicy):
         return swapped[0] if swapped else (waiting[-1] if waiting else None)
 
 
-def test_the_scheduler_preempts_whichever_running_sequence_its_policy_names():
+@pytest.mark.parametrize("logprobs", [None, 1])  # with logprobs, per-object sequences rather than steady decodes
+def test_the_scheduler_preempts_whichever_running_sequence_its_policy_names(logprobs):
     # 8 blocks of 4 tokens, prompts of 7, 7 and 8 tokens: at step 3 "old" and "mid" each need
     # a third block and one is free. "old" takes it; for "mid", FCFS preempts the newest, "new",
     # whose blocks then serve "mid"; a policy that names "mid" makes "mid" give way instead.
@@ -247,7 +250,8 @@ def test_the_scheduler_preempts_whichever_running_sequence_its_policy_names():
     for policy, victim, kept in ((None, "new", ["mid", "old"]), (_NamedVictim("mid"), "mid", ["new", "old"])):
         sched, worker = Scheduler(config, policy=policy), SimWorker(config, counting_tokens())
         for rid, length in (("old", 7), ("mid", 7), ("new", 8)):
-            sched.add_request(request(rid, list(range(20, 20 + length)), max_tokens=6, ignore_eos=True))
+            sched.add_request(request(rid, list(range(20, 20 + length)), max_tokens=6, ignore_eos=True,
+                                      logprobs=logprobs))
         step(sched, worker)
         step(sched, worker)
         out, _ = step(sched, worker)

@@ -189,3 +189,31 @@ def test_config_rejects_impossible_settings_with_a_reason():
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32)
     with pytest.raises(ValueError, match="preemption_mode"):
         SchedulerConfig(preemption_mode="evict")
+
+
+def test_aborting_several_running_requests_at_once_leaves_only_the_rest_counted_running():
+    sched, worker = make(block_size=4, num_gpu_blocks=32)
+    for rid in ("a", "b", "c"):  # logprobs: each stays a per-object sequence, never a steady decode
+        sched.add_request(request(rid, list(range(10, 16)), max_tokens=20, logprobs=1))
+    for _ in range(2):
+        out = sched.schedule()
+        sched.update_from_output(out, worker.step(out))
+    assert len(sched.abort_requests(["a", "b"])) == 2
+    assert sched.stats()["num_running"] == 1
+    sched.check_invariants()
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
+
+
+def test_aborting_a_parent_before_it_forks_gives_back_only_the_seats_its_own_samples_held():
+    sched, worker = make(block_size=4, num_gpu_blocks=64, max_num_seqs=8, max_num_batched_tokens=12)
+    sched.add_request(request("three", list(range(10, 30)), max_tokens=4, n=3))
+    sched.add_request(request("two", list(range(40, 60)), max_tokens=4, n=2))
+    out = sched.schedule()  # "three" computes its prompt in chunks: it has not forked yet
+    sched.update_from_output(out, worker.step(out))
+    assert sched.stats()["num_running"] == 1
+    sched.abort_requests(["three"])
+    sched.check_invariants()  # no seat is still reserved for its samples
+    deltas = run_until_done(sched, worker)
+    assert sorted({(d.request_id, d.index) for d in deltas}) == [("two", 0), ("two", 1)]
+    assert_all_blocks_free(sched)

@@ -14,7 +14,8 @@ from pagedserve.protocol.messages import AddRequest, SamplingParams
 from pagedserve.protocol.speculative import SpeculativeConfig
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
-from pagedserve.scheduler_proc.sliding_window import max_live_blocks, window_to_free
+from pagedserve.scheduler_proc.invariants import InvariantError
+from pagedserve.scheduler_proc.sliding_window import blocks_behind, max_live_blocks, window_to_free
 
 from support.scheduler_sim import (SimWorker, StepDriver, assert_all_blocks_free, assert_null_block_untouched,
                                    tokens_by_request, counting_tokens, request,
@@ -57,11 +58,13 @@ outputs = tokens_by_request  # the tests' short name
 
 
 @pytest.mark.parametrize("ahead", [False, True])
-def test_a_generation_longer_than_the_cache_holds_a_bounded_number_of_blocks(ahead):
-    sched = Scheduler(config())  # 11 usable blocks: 44 tokens, the sequence reaches 310
-    deltas, peak, _ = run(sched, [request("long", list(range(10, 20)), max_tokens=300)], ahead)
+@pytest.mark.parametrize("window, live", [(WINDOW, 3), (BLOCK, 2)])  # a window of one block: 2 (a prompt of 2)
+def test_a_generation_longer_than_the_cache_holds_a_bounded_number_of_blocks(ahead, window, live):
+    sched = Scheduler(config(sliding_window=window))  # 11 usable blocks: 44 tokens, the sequence reaches 310
+    prompt = list(range(10, 10 + live * BLOCK - 2))  # a prompt chunk holds its own blocks for its step
+    deltas, peak, _ = run(sched, [request("long", prompt, max_tokens=300)], ahead)
     assert len(outputs(deltas)["long"]) == 300
-    assert peak["blocks"] <= max_live_blocks(WINDOW, BLOCK) == 3
+    assert peak["blocks"] <= max_live_blocks(window, BLOCK) == live
     assert sched.stats()["num_preemptions_recompute"] == 0
 
 
@@ -99,14 +102,17 @@ def test_admission_leaves_room_for_each_sequence_to_reach_its_window_so_none_is_
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 @pytest.mark.parametrize("ahead", [False, True])
-def test_preempted_sequences_come_back_with_their_window(mode, ahead):
+@pytest.mark.parametrize("caching", [False, True])  # a swapped-in sequence's live blocks are named again
+def test_preempted_sequences_come_back_with_their_window(mode, ahead, caching):
     """Long low-priority sequences fill the cache; an urgent one arriving later preempts one of them,
     which comes back (by swap: its live blocks only) and still reads only its own window."""
-    sched = Scheduler(config(num_gpu_blocks=10, num_cpu_blocks=16, preemption_mode=mode, scheduling_policy="priority"))
+    sched = Scheduler(config(num_gpu_blocks=10, num_cpu_blocks=16, preemption_mode=mode, scheduling_policy="priority",
+                             enable_prefix_caching=caching))
     for i in range(3):
         assert sched.add_request(AddRequest(f"low{i}", [20 + i] * 5, SamplingParams(max_tokens=60), priority=1,
                                             eos_token_ids=[])) == []
-    driver = StepDriver(sched, SimWorker(sched.config, counting_tokens()), ahead)
+    worker = SimWorker(sched.config, counting_tokens())
+    driver = StepDriver(sched, worker, ahead)
     deltas = []
     for step in range(400):
         if step == 30:
@@ -120,6 +126,8 @@ def test_preempted_sequences_come_back_with_their_window(mode, ahead):
     assert stats[f"num_preemptions_{mode}"] > 0
     if mode == "swap":  # only the live blocks travel
         assert stats["num_blocks_swapped_out"] <= stats["num_preemptions_swap"] * max_live_blocks(WINDOW, BLOCK)
+    if caching:  # prompts starting as theirs did hit only blocks that hold that KV (the worker checks)
+        run(sched, [request(f"probe{i}", [20 + i] * 4 + [99], max_tokens=2) for i in range(3)], ahead, worker=worker)
     assert_all_blocks_free(sched)
 
 
@@ -141,6 +149,29 @@ def test_speculative_proposals_stay_inside_the_window():
     stats = sched.stats()  # proposals made, some rejected: the next query moved back after a freeing step
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert peak["blocks"] <= max_live_blocks(WINDOW, BLOCK) + 1  # a step's proposals may start a block
+
+
+@pytest.mark.parametrize("layout", [dict(sliding_window=WINDOW), dict(num_window_groups=1, hybrid_window=WINDOW)])
+def test_the_invariants_catch_blocks_freed_that_a_rejected_proposal_would_read_again(layout):
+    """Blocks freed behind the window of a step's last proposal, while the proposals may still be
+    rejected (the next query would move back into them): the debug check names the sequence."""
+    sched = Scheduler(config(**{"sliding_window": 0, **layout}, speculative=SpeculativeConfig("ngram", 3, 4, 1)))
+    sched.add_request(request("s", [5, 6, 7, 8] * 4, max_tokens=80))
+    worker, bm = SimWorker(sched.config, lambda req_id, tokens: tokens[-4]), sched.bm
+    for _ in range(80):
+        out = sched.schedule()
+        (seq,) = sched.running.in_order()
+        drafts = len(seq.spec.drafts) if seq.spec is not None else 0
+        freed = seq.num_window_freed if bm.num_window_groups else seq.num_freed_blocks
+        if blocks_behind(seq.num_kv_tokens, WINDOW, BLOCK) > max(freed, blocks_behind(seq.num_kv_tokens - drafts,
+                                                                                   WINDOW, BLOCK)):
+            break
+        sched.update_from_output(out, worker.step(out))
+    else:
+        pytest.fail("no step's proposals crossed a block behind the window")
+    bm.release_behind_window(seq, seq.num_kv_tokens)  # as if every proposal were already accepted
+    with pytest.raises(InvariantError, match=r"^s: \d+ (blocks|local entries) freed, but (its|the local) window"):
+        sched.check_invariants()
 
 
 def test_which_models_free_and_what_the_log_says():
