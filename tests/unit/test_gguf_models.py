@@ -84,12 +84,13 @@ def test_the_k_quant_encoders_blocks_decode_by_gguf_to_within_a_quantization_ste
 
 _INT8 = "int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped"
 _INT4 = "int4_blocks" if ql.int8_blocks_kernel() else "int4"
+_Q5 = "q5_0" if ql.int8_blocks_kernel() else "int8_grouped"
 
 
-@pytest.mark.parametrize("tensor_type, kind, group", [("Q8_0", _INT8, 32), ("Q4_0", _INT4, 32), ("Q5_0", _INT8, 32),
+@pytest.mark.parametrize("tensor_type, kind, group", [("Q8_0", _INT8, 32), ("Q4_0", _INT4, 32), ("Q5_0", _Q5, 32),
                                                       ("Q4_1", _INT4, 32), ("Q4_K", _INT4, 32), ("Q6_K", _INT8, 16)])
 def test_native_types_run_as_integer_layers_whose_weights_are_the_loaders(tmp_path, tensor_type, kind, group):
-    """Q5_0 as int8 (its 5-bit values, Q8_0's layer); Q4_K and Q4_1 as int4 less a float min per group of 32; Q6_K
+    """Q5_0 packed 5 bits a value (Q8_0's arithmetic); Q4_K and Q4_1 as int4 less a float min per group of 32; Q6_K
     as int8 in groups of 16: each dequantized weight is, bit for bit, the float32 matrix transformers' loader holds."""
     path = build_gguf_model(tmp_path / "m.gguf", tensor_type, "llama", **K_SHAPE)
     runner = ModelRunner(_served_dir(path), dtype="float32")
