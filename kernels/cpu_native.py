@@ -521,40 +521,47 @@ def gemv_q8_0(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out_dtype:
 
 Q5_0_CHUNK = 64  # cpu_gemv_int8.c's gemv_q5_0: inputs whose nibbles and fifth bits are packed together
 _Q5_0_CHUNK_BYTES = 40  # 32 bytes of nibbles, then the 64 fifth bits
+_Q5_0_TILE_ROWS = 8  # rows whose runs are stored side by side
 
 
 def pack_q5_0(q: torch.Tensor) -> torch.Tensor:
-    """Signed 5-bit values [N, K] (int8 in [-16, 15], K a multiple of 64) -> gemv_q5_0()'s layout [N, K / 64 * 40]
-    uint8: per 64 inputs of u = q + 16, byte t holds u[t] & 15 in its low nibble and u[32 + t] & 15 in its high
-    one (t < 32), then 8 bytes whose bit t (little-endian) is u[t]'s fifth bit."""
+    """Signed 5-bit values [N, K] (int8 in [-16, 15], K a multiple of 64) -> gemv_q5_0()'s layout
+    [ceil(N / 8) * 8, K / 64 * 40] uint8: per 64 inputs of a row, of u = q + 16, byte t holds u[t] & 15 in its low
+    nibble and u[32 + t] & 15 in its high one (t < 32), then 8 bytes whose bit t (little-endian) is u[t]'s fifth
+    bit; rows in tiles of 8 (zeros past N), a tile's 40-byte runs of one 64 inputs side by side, so a decode step
+    reads each tile as one stream."""
     n, k = q.shape
     if k % Q5_0_CHUNK or q.dtype != torch.int8:
         raise ValueError(f"pack_q5_0: {k} int8 inputs are not whole runs of {Q5_0_CHUNK}")
-    u = (q.to(torch.int16) + 16).to(torch.uint8).view(n, k // Q5_0_CHUNK, 2, Q5_0_CHUNK // 2)
-    nibbles = (u[:, :, 0] & 0xF) | ((u[:, :, 1] & 0xF) << 4)
-    fifth = (u.reshape(n, k // Q5_0_CHUNK, 8, 8) >> 4) << torch.arange(8, dtype=torch.uint8)
-    return torch.cat([nibbles, fifth.sum(-1, dtype=torch.uint8)], dim=-1).reshape(n, -1).contiguous()
+    tiles = -(-n // _Q5_0_TILE_ROWS)
+    u = torch.full((tiles * _Q5_0_TILE_ROWS, k), 16, dtype=torch.uint8)
+    u[:n] = (q.to(torch.int16) + 16).to(torch.uint8)
+    u = u.view(tiles, _Q5_0_TILE_ROWS, k // Q5_0_CHUNK, 2, Q5_0_CHUNK // 2)
+    nibbles = (u[..., 0, :] & 0xF) | ((u[..., 1, :] & 0xF) << 4)
+    fifth = (u.reshape(*u.shape[:3], 8, 8) >> 4) << torch.arange(8, dtype=torch.uint8)
+    runs = torch.cat([nibbles, fifth.sum(-1, dtype=torch.uint8)], dim=-1)  # [tiles, 8, K / 64, 40]
+    return runs.transpose(1, 2).reshape(tiles * _Q5_0_TILE_ROWS, -1).contiguous()
 
 
-def unpack_q5_0(packed: torch.Tensor) -> torch.Tensor:
-    """pack_q5_0's inverse: [N, K] int8 in [-16, 15]."""
-    n = packed.shape[0]
-    chunks = packed.view(n, -1, _Q5_0_CHUNK_BYTES)
-    nib = chunks[:, :, :32]
+def unpack_q5_0(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_q5_0's inverse: its first ``n`` rows, [n, K] int8 in [-16, 15]."""
+    rows = packed.shape[0]
+    runs = packed.view(rows // _Q5_0_TILE_ROWS, -1, _Q5_0_TILE_ROWS, _Q5_0_CHUNK_BYTES).transpose(1, 2)
+    nib = runs[..., :32]
     low = torch.cat([nib & 0xF, nib >> 4], dim=-1)
-    fifth = (chunks[:, :, 32:].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
-    return ((low | (fifth.reshape(low.shape) << 4)).to(torch.int8) - 16).reshape(n, -1)
+    fifth = (runs[..., 32:].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    return ((low | (fifth.reshape(low.shape) << 4)).to(torch.int8) - 16).reshape(rows, -1)[:n]
 
 
 def gemv_q5_0(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
               lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """gemv_q8_0's product (x quantized per block of 32, each block's products summed exactly, scaled by both d)
-    on a Q5_0 weight packed by pack_q5_0 ([N, K / 64 * 40] uint8; K a multiple of 64) with its float16 scales
-    [N, K / 32]: the same outputs as gemv_q8_0 on unpack_q5_0(packed), in 35% fewer weight bytes."""
+    on a Q5_0 weight packed by pack_q5_0 ([ceil(N / 8) * 8, K / 64 * 40] uint8; K a multiple of 64) with its float16 scales
+    [N, K / 32]: the same outputs as gemv_q8_0 on unpack_q5_0(packed, N), in 35% fewer weight bytes."""
     rows, k = x.shape
-    n = packed.shape[0]
+    n = scales.shape[0]
     if (x.dtype not in DTYPE_SUFFIXES or packed.dtype != torch.uint8 or k % Q5_0_CHUNK
-            or packed.shape != (n, k // Q5_0_CHUNK * _Q5_0_CHUNK_BYTES) or scales.dtype != torch.float16
+            or packed.shape != (-(-n // _Q5_0_TILE_ROWS) * _Q5_0_TILE_ROWS, k // Q5_0_CHUNK * _Q5_0_CHUNK_BYTES) or scales.dtype != torch.float16
             or scales.shape != (n, k // Q8_0_BLOCK) or rows < 1):
         raise ValueError("gemv_q5_0: x, the weight and its scales do not match")
     if x.stride(1) != 1:

@@ -157,8 +157,8 @@ def test_q5_0_packing_keeps_every_value_in_fewer_bytes():
     q, _ = _q5_0_blocks(7, 192, seed=4)
     q[0, :64] = torch.arange(-16, 16, dtype=torch.int8).repeat(2)  # every value, in both halves of a run
     packed = cpu_native.pack_q5_0(q)
-    assert packed.shape == (7, 192 // 64 * 40) and packed.dtype == torch.uint8
-    assert torch.equal(cpu_native.unpack_q5_0(packed), q)
+    assert packed.shape == (8, 192 // 64 * 40) and packed.dtype == torch.uint8  # rows in tiles of 8
+    assert torch.equal(cpu_native.unpack_q5_0(packed, 7), q)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 19])
@@ -194,6 +194,7 @@ def test_q5_0_refuses_mismatched_inputs():
                  (torch.randn(0, 128).bfloat16(), packed, scales),  # no rows
                  (x, q, scales),  # not packed
                  (x, packed[:, :40], scales),  # a row's bytes short
+                 (x, packed[:24], scales),  # rows short
                  (x, packed, scales.float())):  # Q5_0's scales are float16
         with pytest.raises(ValueError):
             cpu_native.gemv_q5_0(*args)

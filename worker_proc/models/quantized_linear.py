@@ -71,7 +71,7 @@ class QuantizedLinear:
     out_features: int
     in_features: int
     weight: torch.Tensor  # int4: torch's int4pack layout [out, in / 2] uint8; int4_blocks: [out, in / 2] uint8
-    # (cpu_native.pack_int4_blocks); int8, int8_blocks: [out, in]; q5_0: [out, in / 64 * 40] (cpu_native.pack_q5_0);
+    # (cpu_native.pack_int4_blocks); int8, int8_blocks: [out, in]; q5_0: [out rounded up to 8, in / 64 * 40] (cpu_native.pack_q5_0);
     # int8_grouped: [groups, out, group_size]; w8a8: cpu_native.pack_w8a8_weight's panels, or (no native
     # kernels) [in, out] int8 (_int_mm's right operand)
     scales: torch.Tensor  # int4: [in / group, out, 2] (scale, zero); int8 / w8a8: [out]; int8_grouped: [groups, out];
@@ -142,7 +142,7 @@ class QuantizedLinear:
             z = 8.0 if self.nibble_zeros is None else self.nibble_zeros.unsqueeze(-1)
             return nibbles.sub_(z).mul_(self.scales.unsqueeze(-1)).view(n, k).to(dtype)
         if self.kind in ("int8_blocks", "q5_0"):  # in float32, then one rounding to dtype
-            q = cpu_native.unpack_q5_0(self.weight) if self.kind == "q5_0" else self.weight
+            q = cpu_native.unpack_q5_0(self.weight, n) if self.kind == "q5_0" else self.weight
             w = q.view(n, k // g, g).float().mul_(self.scales.float().unsqueeze(-1))
             return w.view(n, k).to(dtype)
         if self.kind == "int8":
