@@ -246,8 +246,20 @@ static inline __attribute__((always_inline)) void q8_reduce(__m512 acc[8][8], co
 }
 #endif
 
-/* sums[r * M + i] = x[i] . W[r] for R rows of the weight (q at row stride ldq, scales at row stride lds). */
+/* A weight in tiles (gemv_q8_0_tiles, gemv_q5_0): rows in tiles of 8, the tile's runs of the same 64 inputs side by
+ * side (run_bytes each), so a block of 8 rows is one stream the prefetchers follow; row-major, 8 rows are 8 short
+ * streams (896 bytes at 896 inputs) and a cold Q8_0 gate_up ran at 8-9 GB/s on one thread, tiled (Q5_0) at 13-16
+ * (bench/log). Row jr's first run: */
+#define TILE_ROWS 8
+#define TILE_PREFETCH_BYTES 4096
+static inline const uint8_t *tile_row(const uint8_t *w, const int64_t jr, const int64_t ldw, const int run_bytes) {
+    return w + jr / TILE_ROWS * TILE_ROWS * ldw + jr % TILE_ROWS * run_bytes;
+}
+
+/* sums[r * M + i] = x[i] . W[j + r] for R rows of the weight (row-major at row stride ldq, or in tiles: ``tiled``;
+ * scales at row stride lds from row j's). */
 static inline __attribute__((always_inline)) void block_q8(const q8_x *restrict s, const int8_t *restrict q,
+                                                           const int64_t j, const int tiled,
                                                            const int64_t ldq, const uint16_t *restrict w_scale,
                                                            const int64_t lds, const int64_t k, const int M,
                                                            const int R, float *restrict sums) {
@@ -255,7 +267,11 @@ static inline __attribute__((always_inline)) void block_q8(const q8_x *restrict 
     __m512 acc[8][8];
     q8_zero(acc, R, M);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const int8_t *ahead = q + (int64_t)INT8_PREFETCH_ROWS * ldq;
+    const int8_t *row[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) row[r] = tiled ? (const int8_t *)tile_row((const uint8_t *)q, j + r, ldq, 64)
+                                               : q + (j + r) * ldq;
+    const int64_t stride = tiled ? TILE_ROWS : 1, ahead = tiled ? TILE_PREFETCH_BYTES : INT8_PREFETCH_ROWS * ldq;
     for (int64_t c = 0; c < k; c += 2 * Q8_BLOCK) {
         const int whole = c + 2 * Q8_BLOCK <= k;  /* else one block left: its upper half is zeros */
         const __mmask64 bytes = whole ? ~(__mmask64)0 : (__mmask64)0xffffffffu;
@@ -264,8 +280,9 @@ static inline __attribute__((always_inline)) void block_q8(const q8_x *restrict 
         q8_x_chunk(s, c, M, 0, xv, corr, xd);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, q + r * ldq + c), flip);
-            __builtin_prefetch(ahead + r * ldq + c, 0, 3);
+            const int8_t *p = row[r] + c * stride;
+            const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, p), flip);
+            __builtin_prefetch(p + ahead, 0, 3);
             const uint16_t *ws = w_scale + r * lds + c / Q8_BLOCK;
             int32_t two = ws[0];  /* one block left: its scale, and 0 for the empty half (whose sums are 0) */
             if (whole) memcpy(&two, ws, 4);  /* the two blocks' float16 scales */
@@ -276,11 +293,13 @@ static inline __attribute__((always_inline)) void block_q8(const q8_x *restrict 
 #else
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) {
-            const int8_t *w = q + r * ldq, *xq = s->xq + i * s->kp;
+            const int8_t *w = tiled ? (const int8_t *)tile_row((const uint8_t *)q, j + r, ldq, 64) : q + (j + r) * ldq;
+            const int8_t *xq = s->xq + i * s->kp;
+            const int64_t stride = tiled ? TILE_ROWS : 1;
             float total = 0.0f;
             for (int64_t b = 0; b < k; b += Q8_BLOCK) {
                 int32_t isum = 0;
-                for (int t = 0; t < Q8_BLOCK; t++) isum += (int32_t)w[b + t] * xq[b + t];
+                for (int t = 0; t < Q8_BLOCK; t++) isum += (int32_t)w[b / 64 * 64 * stride + b % 64 + t] * xq[b + t];
                 total += (float)isum * (f16_to_f32(w_scale[r * lds + b / Q8_BLOCK]) * s->d[i * s->kp / 4 + b / 4]);
             }
             sums[r * M + i] = total;
@@ -288,8 +307,8 @@ static inline __attribute__((always_inline)) void block_q8(const q8_x *restrict 
 #endif
 }
 
-#define Q8_ROWS(M, j, rows, sums) \
-    block_q8(&s, (const int8_t *)w + (j) * ldw, ldw, w_scale + (j) * lds, lds, k, M, rows, sums)
+#define Q8_ROWS(M, j, rows, sums) block_q8(&s, (const int8_t *)w, j, 0, ldw, w_scale + (j) * lds, lds, k, M, rows, sums)
+#define Q8T_ROWS(M, j, rows, sums) block_q8(&s, (const int8_t *)w, j, 1, ldw, w_scale + (j) * lds, lds, k, M, rows, sums)
 
 /* FORM##_M: the products of M rows of x, a weight row ROW_BYTES(k) bytes of the form, blocks of rows by FORM_ROWS */
 #define DEFINE_Q8_FORM_M(FORM, FORM_ROWS, ROW_BYTES, M)                                                          \
@@ -301,7 +320,8 @@ static inline __attribute__((always_inline)) void block_q8(const q8_x *restrict 
         GEMV_ROW_BLOCKS(M, R, n, (M) * n * k, INT8_PARALLEL_MIN_MACS, out, ldo, out_kind, FORM_ROWS);             \
     }
 #define Q8_ROW_BYTES(k) (k)
-#define DEFINE_Q8_M(M) DEFINE_Q8_FORM_M(gemv_q8, Q8_ROWS, Q8_ROW_BYTES, M)
+#define DEFINE_Q8_M(M) DEFINE_Q8_FORM_M(gemv_q8, Q8_ROWS, Q8_ROW_BYTES, M) \
+                       DEFINE_Q8_FORM_M(gemv_q8t, Q8T_ROWS, Q8_ROW_BYTES, M)
 DEFINE_Q8_M(1) DEFINE_Q8_M(2) DEFINE_Q8_M(3) DEFINE_Q8_M(4)
 DEFINE_Q8_M(5) DEFINE_Q8_M(6) DEFINE_Q8_M(7) DEFINE_Q8_M(8)
 
@@ -342,6 +362,15 @@ int gemv_q8_0(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, cons
     return q8_passes(x, x_kind, ldx, m, k, (k + 63) / 64 * 64, q, scales, n, out, ldo, out_kind, by_rows);
 }
 
+/* gemv_q8_0 on q in tiles (above; cpu_native.pack_q8_0_tiles): [ceil(n / 8) * 8, k] int8, k a multiple of 64. */
+int gemv_q8_0_tiles(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, const int8_t *q,
+                    const uint16_t *scales, int64_t n, void *out, int64_t ldo, int out_kind) {
+    static const q8_rows_fn by_rows[INT8_GEMV_MAX_ROWS + 1] = {
+        NULL, gemv_q8t_1, gemv_q8t_2, gemv_q8t_3, gemv_q8t_4, gemv_q8t_5, gemv_q8t_6, gemv_q8t_7, gemv_q8t_8};
+    if (m < 1 || k < 64 || k % 64 || x_kind < 0 || x_kind > 2) return -1;
+    return q8_passes(x, x_kind, ldx, m, k, k, q, scales, n, out, ldo, out_kind, by_rows);
+}
+
 /* ---------------------------------------------------------------- Q5_0 x Q8_0: 5-bit weights, llama.cpp's sum
  *
  * A GGUF Q5_0 matrix (values v in [-16, 15], a float16 d per block of 32) read as Q8_0 streams 34 bytes a block;
@@ -351,17 +380,8 @@ int gemv_q8_0(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, cons
  * starts at -16 * the lane's x bytes (the q8_x correction, -128 *, shifted down by 3: exact), and each lane's
  * int32 is the block's exact sum of v * xq, scaled as above: the outputs equal gemv_q8_0's on the same values,
  * bit for bit. A few more instructions a 64 inputs (the nibbles' shift, insert and mask; the fifth bits added
- * under a mask) for 35% fewer bytes. Rows are stored in tiles of 8, a tile's 40-byte runs of the same 64 inputs
- * side by side, so a block of 8 rows is one stream the prefetchers follow: row-major, the 8 rows' short streams
- * (560 bytes at 896 inputs) ran a cold gate_up at 7.7 GB/s on one thread, tiled at 13-16 (bench/log). */
+ * under a mask) for 35% fewer bytes. Rows in tiles of 8, as gemv_q8_0_tiles'. */
 #define Q5_CHUNK_BYTES 40
-#define Q5_TILE_ROWS 8
-#define Q5_PREFETCH_BYTES 4096
-
-/* Row jr's first chunk: tiles of 8 rows, each chunk of 64 inputs of the tile's rows side by side. */
-static inline const uint8_t *q5_row(const uint8_t *w, const int64_t jr, const int64_t ldw) {
-    return w + jr / Q5_TILE_ROWS * Q5_TILE_ROWS * ldw + jr % Q5_TILE_ROWS * Q5_CHUNK_BYTES;
-}
 
 static inline __attribute__((always_inline)) void block_q5(const q8_x *restrict s, const uint8_t *restrict w,
                                                            const int64_t j, const int64_t ldw, const uint16_t *restrict w_scale,
@@ -373,8 +393,8 @@ static inline __attribute__((always_inline)) void block_q5(const q8_x *restrict 
     const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
     const uint8_t *row[8];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) row[r] = q5_row(w, j + r, ldw);
-    for (int64_t c = 0, at = 0; c < k; c += 2 * Q8_BLOCK, at += Q5_TILE_ROWS * Q5_CHUNK_BYTES) {
+    for (int r = 0; r < R; r++) row[r] = tile_row(w, j + r, ldw, Q5_CHUNK_BYTES);
+    for (int64_t c = 0, at = 0; c < k; c += 2 * Q8_BLOCK, at += TILE_ROWS * Q5_CHUNK_BYTES) {
         __m512i xv[8], corr[8];
         __m512 xd[8];
         q8_x_chunk(s, c, M, 3, xv, corr, xd);
@@ -387,7 +407,7 @@ static inline __attribute__((always_inline)) void block_q5(const q8_x *restrict 
             uint64_t bits;
             memcpy(&bits, p + 32, 8);
             wv = _mm512_mask_add_epi8(wv, _cvtu64_mask64(bits), wv, fifth);
-            __builtin_prefetch(p + Q5_PREFETCH_BYTES, 0, 3);
+            __builtin_prefetch(p + TILE_PREFETCH_BYTES, 0, 3);
             int32_t two;
             memcpy(&two, w_scale + r * lds + c / Q8_BLOCK, 4);  /* the two blocks' float16 scales */
             q8_accumulate(acc[r], wv, two, xv, corr, xd, M);
@@ -397,11 +417,11 @@ static inline __attribute__((always_inline)) void block_q5(const q8_x *restrict 
 #else
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) {
-            const uint8_t *row = q5_row(w, j + r, ldw);
+            const uint8_t *row = tile_row(w, j + r, ldw, Q5_CHUNK_BYTES);
             const int8_t *xq = s->xq + i * s->kp;
             float total = 0.0f;
             for (int64_t b = 0; b < k; b += Q8_BLOCK) {
-                const uint8_t *chunk = row + b / 64 * Q5_TILE_ROWS * Q5_CHUNK_BYTES;
+                const uint8_t *chunk = row + b / 64 * TILE_ROWS * Q5_CHUNK_BYTES;
                 const int upper = (int)(b % 64) / Q8_BLOCK;  /* the chunk's second block: high nibbles, bits 32-63 */
                 int32_t isum = 0;
                 for (int t = 0; t < Q8_BLOCK; t++) {

@@ -5,7 +5,8 @@ float64 (the dequantized weight q * scale, as the layer holds it) within float32
 and more, 8 at a time; the
 bits whatever the thread count; refusals that keep its reads in bounds. Its Q8_0 x Q8_0 form (gemv_q8_0,
 llama.cpp's arithmetic: x quantized per block of 32 too) against quantized_linear.q8_0_reference the same way,
-and exact where the sums are integers; its Q5_0 form (gemv_q5_0, the weight 5 bits a value) equal to it bit for bit."""
+and exact where the sums are integers; its forms on the rows in tiles of 8 (gemv_q8_0_tiles) and on 5-bit values
+(gemv_q5_0) equal to it bit for bit."""
 
 from __future__ import annotations
 
@@ -141,7 +142,19 @@ def test_q8_0_refuses_mismatched_inputs():
 
 
 
-# ---------------------------------------------------------------- Q5_0 x Q8_0: the same sums on 5-bit weights
+# ---------------------------------------------------------------- Q8_0 in tiles, Q5_0 x Q8_0: the same sums
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 19])
+@pytest.mark.parametrize("k,n", [(896, 2 * 896 + 256), (4864, 37), (64, 1), (128, 9)])
+def test_q8_0_in_tiles_gives_the_row_major_outputs_bit_for_bit_on_every_variant(variant, rows, k, n):
+    q, scales = _q8_0_blocks(n, k, seed=rows + k)
+    tiled = cpu_native.pack_q8_0_tiles(q)
+    assert tiled.shape == (-(-n // 8) * 8, k) and torch.equal(cpu_native.unpack_q8_0_tiles(tiled, n), q)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).bfloat16()
+    assert torch.equal(cpu_native.gemv_q8_0_tiles(x, tiled, scales), cpu_native.gemv_q8_0(x, q, scales))
+    with pytest.raises(ValueError):
+        cpu_native.gemv_q8_0_tiles(x, q[:, :k] if n % 8 else tiled[:, :64], scales)  # rows or inputs short
+
 
 Q5_0_SHAPES = [(896, 2 * 896 + 256), (4864, 37), (64, 1), (128, 9)]  # inputs whole runs of 64
 
