@@ -452,3 +452,22 @@ int gemv_q5_0(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, cons
     if (m < 1 || k < 64 || k % 64 || x_kind < 0 || x_kind > 2) return -1;
     return q8_passes(x, x_kind, ldx, m, k, k, w, scales, n, out, ldo, out_kind, by_rows);
 }
+
+/* pack_q5_0's tiles back to the values [n, k] int8 (n rows of them), for a layer's dequantized weight (prefill):
+ * torch's uint8 shifts took 6x the int8 layer's whole dequantize. */
+void unpack_q5_0_tiles(const uint8_t *w, int64_t n, int64_t k, int8_t *out) {
+    const int64_t ldw = Q5_ROW_BYTES(k);
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row = tile_row(w, j, ldw, Q5_CHUNK_BYTES);
+        int8_t *o = out + j * k;
+        for (int64_t c = 0; c < k; c += 64, o += 64) {
+            const uint8_t *run = row + c / 64 * TILE_ROWS * Q5_CHUNK_BYTES;
+            uint64_t bits;
+            memcpy(&bits, run + 32, 8);
+            for (int t = 0; t < 32; t++) {
+                o[t] = (int8_t)(((run[t] & 15) | ((bits >> t) & 1) << 4) - 16);
+                o[t + 32] = (int8_t)(((run[t] >> 4) | ((bits >> (t + 32)) & 1) << 4) - 16);
+            }
+        }
+    }
+}

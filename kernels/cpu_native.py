@@ -78,6 +78,7 @@ _SIGNATURES = {
     "gemv_q8_0": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_int],
     "q8_0_variant": [],
     **{name: [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_int] for name in ("gemv_q5_0", "gemv_q8_0_tiles")},
+    "unpack_q5_0_tiles": [_P, _I, _I, _P],
     "gemv_int4_blocks": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_int4_variant": [],
     "w8a8_linear": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int, _P],
@@ -570,7 +571,12 @@ def pack_q5_0(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_q5_0(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """pack_q5_0's inverse: its first ``n`` rows, [n, K] int8 in [-16, 15]."""
+    """pack_q5_0's inverse: its first ``n`` rows, [n, K] int8 in [-16, 15] (the native loop where built)."""
+    lib = library()
+    if lib is not None:
+        out = torch.empty(n, packed.shape[1] // _Q5_0_CHUNK_BYTES * Q5_0_CHUNK, dtype=torch.int8)
+        lib.unpack_q5_0_tiles(packed.contiguous().data_ptr(), n, out.shape[1], out.data_ptr())
+        return out
     runs = _from_tiles(packed, n, _Q5_0_CHUNK_BYTES)
     nib = runs[..., :32]
     low = torch.cat([nib & 0xF, nib >> 4], dim=-1)
