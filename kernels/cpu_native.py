@@ -77,6 +77,8 @@ _SIGNATURES = {
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_q8_0": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_int],
     "q8_0_variant": [],
+    **{name: [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_int] for name in ("gemv_q5_0", "gemv_q8_0_tiles")},
+    "unpack_q5_0_tiles": [_P, _I, _I, _P],
     "gemv_int4_blocks": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_int4_variant": [],
     "w8a8_linear": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int, _P],
@@ -91,7 +93,8 @@ _RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
              "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
-             "gemv_q8_0": ctypes.c_int, "q8_0_variant": ctypes.c_char_p, "gemv_int4_variant": ctypes.c_char_p,
+             "gemv_q8_0": ctypes.c_int, "gemv_q5_0": ctypes.c_int, "gemv_q8_0_tiles": ctypes.c_int,
+             "q8_0_variant": ctypes.c_char_p, "gemv_int4_variant": ctypes.c_char_p,
              "w8a8_linear": ctypes.c_int, "w8a8_variant": ctypes.c_char_p,
              **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "lora_shrink_expand": ctypes.c_int,
              "moe_experts_bf16": ctypes.c_int}
@@ -516,6 +519,102 @@ def gemv_q8_0(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out_dtype:
                                     scales.contiguous().data_ptr(), n, out.data_ptr(), n, _GEMV_OUT[out.dtype]):
         raise MemoryError("gemv_q8_0: the kernel refused the shapes or had no memory for its scratch")
     return out
+
+
+Q5_0_CHUNK = 64  # cpu_gemv_int8.c's gemv_q5_0 and gemv_q8_0_tiles: a run of inputs (two blocks of 32)
+_Q5_0_CHUNK_BYTES = 40  # 32 bytes of nibbles, then the 64 fifth bits
+_TILE_ROWS = 8  # rows whose runs are stored side by side
+
+
+def _to_tiles(runs: torch.Tensor, fill: int) -> torch.Tensor:
+    """Rows of runs [N, K / 64, B] uint8 -> the kernels' tiles [ceil(N / 8) * 8, K / 64 * B]: per tile of 8 rows
+    (``fill`` bytes past N), each run of the tile's rows side by side, so a decode step reads a tile as one stream."""
+    n, chunks, size = runs.shape
+    tiles = -(-n // _TILE_ROWS)
+    out = torch.full((tiles * _TILE_ROWS, chunks, size), fill, dtype=torch.uint8)
+    out[:n] = runs
+    return out.view(tiles, _TILE_ROWS, chunks, size).transpose(1, 2).reshape(tiles * _TILE_ROWS, -1).contiguous()
+
+
+def _from_tiles(tiled: torch.Tensor, n: int, size: int) -> torch.Tensor:
+    """_to_tiles' inverse: the first ``n`` rows' runs [n, K / 64, size]."""
+    rows = tiled.shape[0]
+    return tiled.view(rows // _TILE_ROWS, -1, _TILE_ROWS, size).transpose(1, 2).reshape(rows, -1, size)[:n]
+
+
+def pack_q8_0_tiles(q: torch.Tensor) -> torch.Tensor:
+    """Q8_0's values [N, K] int8 (K a multiple of 64) -> gemv_q8_0_tiles()'s layout [ceil(N / 8) * 8, K] int8:
+    the rows in tiles of 8, a tile's runs of 64 inputs side by side."""
+    n, k = q.shape
+    if k % Q5_0_CHUNK or q.dtype != torch.int8:
+        raise ValueError(f"pack_q8_0_tiles: {k} int8 inputs are not whole runs of {Q5_0_CHUNK}")
+    return _to_tiles(q.view(torch.uint8).reshape(n, k // Q5_0_CHUNK, Q5_0_CHUNK), 0).view(torch.int8)
+
+
+def unpack_q8_0_tiles(tiled: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_q8_0_tiles' inverse: its first ``n`` rows, [n, K] int8."""
+    return _from_tiles(tiled.view(torch.uint8), n, Q5_0_CHUNK).reshape(n, -1).view(torch.int8)
+
+
+def pack_q5_0(q: torch.Tensor) -> torch.Tensor:
+    """Signed 5-bit values [N, K] (int8 in [-16, 15], K a multiple of 64) -> gemv_q5_0()'s layout
+    [ceil(N / 8) * 8, K / 64 * 40] uint8: per 64 inputs of a row, of u = q + 16, byte t holds u[t] & 15 in its low
+    nibble and u[32 + t] & 15 in its high one (t < 32), then 8 bytes whose bit t (little-endian) is u[t]'s fifth
+    bit; the rows in tiles of 8 (_to_tiles)."""
+    n, k = q.shape
+    if k % Q5_0_CHUNK or q.dtype != torch.int8:
+        raise ValueError(f"pack_q5_0: {k} int8 inputs are not whole runs of {Q5_0_CHUNK}")
+    u = (q.to(torch.int16) + 16).to(torch.uint8).view(n, k // Q5_0_CHUNK, 2, Q5_0_CHUNK // 2)
+    nibbles = (u[..., 0, :] & 0xF) | ((u[..., 1, :] & 0xF) << 4)
+    fifth = (u.reshape(n, k // Q5_0_CHUNK, 8, 8) >> 4) << torch.arange(8, dtype=torch.uint8)
+    return _to_tiles(torch.cat([nibbles, fifth.sum(-1, dtype=torch.uint8)], dim=-1), 16)
+
+
+def unpack_q5_0(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_q5_0's inverse: its first ``n`` rows, [n, K] int8 in [-16, 15] (the native loop where built)."""
+    lib = library()
+    if lib is not None:
+        out = torch.empty(n, packed.shape[1] // _Q5_0_CHUNK_BYTES * Q5_0_CHUNK, dtype=torch.int8)
+        lib.unpack_q5_0_tiles(packed.contiguous().data_ptr(), n, out.shape[1], out.data_ptr())
+        return out
+    runs = _from_tiles(packed, n, _Q5_0_CHUNK_BYTES)
+    nib = runs[..., :32]
+    low = torch.cat([nib & 0xF, nib >> 4], dim=-1)
+    fifth = (runs[..., 32:].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    return ((low | (fifth.reshape(low.shape) << 4)).to(torch.int8) - 16).reshape(n, -1)
+
+
+def gemv_q8_0_tiles(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+                    lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """gemv_q8_0 on the weight in tiles (pack_q8_0_tiles: [ceil(N / 8) * 8, K] int8, K a multiple of 64) with its
+    float16 scales [N, K / 32]: the same outputs, bit for bit, read as one stream a tile."""
+    return _q8_0_form("gemv_q8_0_tiles", x, tiled, torch.int8, Q5_0_CHUNK, scales, out_dtype, lib)
+
+
+def _q8_0_form(name: str, x: torch.Tensor, w: torch.Tensor, w_dtype: torch.dtype, run_bytes: int,
+               scales: torch.Tensor, out_dtype: Optional[torch.dtype], lib: Optional[ctypes.CDLL]) -> torch.Tensor:
+    """The call of a tiled form of gemv_q8_0 (``name``), its shapes checked: w's runs of 64 inputs ``run_bytes``."""
+    rows, k = x.shape
+    n = scales.shape[0]
+    if (x.dtype not in DTYPE_SUFFIXES or w.dtype != w_dtype or k % Q5_0_CHUNK
+            or w.shape != (-(-n // _TILE_ROWS) * _TILE_ROWS, k // Q5_0_CHUNK * run_bytes) or scales.dtype != torch.float16
+            or scales.shape != (n, k // Q8_0_BLOCK) or rows < 1):
+        raise ValueError(f"{name}: x, the weight and its scales do not match")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, n, dtype=out_dtype or x.dtype)
+    if getattr(lib or library(), name)(x.data_ptr(), _W8A8_KIND[x.dtype], x.stride(0), rows, k, w.contiguous().data_ptr(),
+                                       scales.contiguous().data_ptr(), n, out.data_ptr(), n, _GEMV_OUT[out.dtype]):
+        raise MemoryError(f"{name}: the kernel refused the shapes or had no memory for its scratch")
+    return out
+
+
+def gemv_q5_0(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+              lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """gemv_q8_0's product (x quantized per block of 32, each block's products summed exactly, scaled by both d)
+    on a Q5_0 weight packed by pack_q5_0 ([ceil(N / 8) * 8, K / 64 * 40] uint8; K a multiple of 64) with its float16
+    scales [N, K / 32]: the same outputs as gemv_q8_0 on unpack_q5_0(packed, N), in 35% fewer weight bytes."""
+    return _q8_0_form("gemv_q5_0", x, packed, torch.uint8, _Q5_0_CHUNK_BYTES, scales, out_dtype, lib)
 
 
 INT4_CHUNK = 32  # cpu_gemv_int4.c: inputs whose nibbles share one 16-byte run (low: the first 16, high: the next)

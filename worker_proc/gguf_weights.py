@@ -191,7 +191,7 @@ def _q6_k(b: np.ndarray):  # w = d * sc * (q - 32) per 16 of 256: q's low 4 bits
 _DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q5_0": _q5_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
 # How the worker log names each type's layer
 _SERVED_AS = {"Q8_0": "int8 in blocks of 32", "Q4_0": "int4 in blocks of 32",
-              "Q5_0": "int8 in blocks of 32 (its 5-bit values; multiplied as Q8_0)",
+              "Q5_0": "5 bits a value in blocks of 32, multiplied as Q8_0 (int8 where the inputs are no multiple of 64)",
               "Q6_K": "int8 in groups of 16 (scale d * sc)",
               "Q4_K": "int4 in groups of 32, scale * nibble - min (d * sc, dmin * m)",
               "Q4_1": "int4 in groups of 32, scale * nibble - min"}

@@ -98,8 +98,10 @@ def time_model(model_dir: Path, dtype: str, prefill_tokens: int, decode_steps: i
     runner = _runner_with_k_quants_in_float(model_dir, dtype) if k_quants_in_float else ModelRunner(str(model_dir),
                                                                                                        dtype=dtype)
     for proj in _projections(runner) if widen_q8_0 else ():
-        if proj.quantized is not None and proj.quantized.q8_0_activations:
-            proj.quantized.q8_0_activations, proj.quantized.scales = False, proj.quantized.scales.float()
+        q = proj.quantized
+        if q is not None and (q.q8_0_activations or q.kind == "q8_0"):
+            q.weight, q.kind = q.integers(), "int8_blocks"
+            q.q8_0_activations, q.scales = False, q.scales.float()
     block = 16
     cfg = SchedulerConfig(block_size=block, num_gpu_blocks=4096, max_num_seqs=8,
                           max_num_batched_tokens=max(prefill_tokens, 16), max_model_len=4096)

@@ -5,7 +5,8 @@ float64 (the dequantized weight q * scale, as the layer holds it) within float32
 and more, 8 at a time; the
 bits whatever the thread count; refusals that keep its reads in bounds. Its Q8_0 x Q8_0 form (gemv_q8_0,
 llama.cpp's arithmetic: x quantized per block of 32 too) against quantized_linear.q8_0_reference the same way,
-and exact where the sums are integers."""
+and exact where the sums are integers; its forms on the rows in tiles of 8 (gemv_q8_0_tiles) and on 5-bit values
+(gemv_q5_0) equal to it bit for bit."""
 
 from __future__ import annotations
 
@@ -139,3 +140,76 @@ def test_q8_0_refuses_mismatched_inputs():
         with pytest.raises(ValueError):
             cpu_native.gemv_q8_0(*args)
 
+
+
+# ---------------------------------------------------------------- Q8_0 in tiles, Q5_0 x Q8_0: the same sums
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 19])
+@pytest.mark.parametrize("k,n", [(896, 2 * 896 + 256), (4864, 37), (64, 1), (128, 9)])
+def test_q8_0_in_tiles_gives_the_row_major_outputs_bit_for_bit_on_every_variant(variant, rows, k, n):
+    q, scales = _q8_0_blocks(n, k, seed=rows + k)
+    tiled = cpu_native.pack_q8_0_tiles(q)
+    assert tiled.shape == (-(-n // 8) * 8, k) and torch.equal(cpu_native.unpack_q8_0_tiles(tiled, n), q)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).bfloat16()
+    assert torch.equal(cpu_native.gemv_q8_0_tiles(x, tiled, scales), cpu_native.gemv_q8_0(x, q, scales))
+    with pytest.raises(ValueError):
+        cpu_native.gemv_q8_0_tiles(x, q[:, :k] if n % 8 else tiled[:, :64], scales)  # rows or inputs short
+
+
+Q5_0_SHAPES = [(896, 2 * 896 + 256), (4864, 37), (64, 1), (128, 9)]  # inputs whole runs of 64
+
+
+def _q5_0_blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF Q5_0 matrix's values (-16..15) and float16 scales."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-16, 16, (n, k), generator=gen, dtype=torch.int8)
+    return q, (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half()
+
+
+def test_q5_0_packing_keeps_every_value_in_fewer_bytes():
+    q, _ = _q5_0_blocks(7, 192, seed=4)
+    q[0, :64] = torch.arange(-16, 16, dtype=torch.int8).repeat(2)  # every value, in both halves of a run
+    packed = cpu_native.pack_q5_0(q)
+    assert packed.shape == (8, 192 // 64 * 40) and packed.dtype == torch.uint8  # rows in tiles of 8
+    assert torch.equal(cpu_native.unpack_q5_0(packed, 7), q)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 19])
+@pytest.mark.parametrize("k,n", Q5_0_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_q5_0_gives_q8_0s_outputs_on_the_same_values_on_every_variant(variant, rows, k, n, dtype):
+    """llama.cpp's Q5_0 x Q8_0: within float32 sums of the reference, and bit for bit gemv_q8_0's on the unpacked
+    values (the same exact block sums, scaled and summed in the same order)."""
+    q, scales = _q5_0_blocks(n, k, seed=rows + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    x[0, :32] = 0  # a zero block: d = 0, its products 0
+    packed = cpu_native.pack_q5_0(q)
+    got = cpu_native.gemv_q5_0(x, packed, scales, out_dtype=torch.float32)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert ((got.double() - ql.q8_0_reference(q, scales, x)).abs() <= _q8_0_bound(x, q, scales)).all()
+    assert torch.equal(got, cpu_native.gemv_q8_0(x, q, scales, out_dtype=torch.float32))
+    assert torch.equal(cpu_native.gemv_q5_0(x, packed, scales), got.to(dtype))
+
+
+def test_q5_0_bits_do_not_depend_on_the_thread_count():
+    q, scales = _q5_0_blocks(1000, 896, seed=5)
+    packed = cpu_native.pack_q5_0(q)
+    x = torch.randn(3, 896, generator=torch.Generator().manual_seed(6)).bfloat16()
+    outs = results_at_thread_counts(lambda: cpu_native.gemv_q5_0(x, packed, scales))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_q5_0_refuses_mismatched_inputs():
+    q, scales = _q5_0_blocks(32, 128, seed=7)
+    packed = cpu_native.pack_q5_0(q)
+    x = torch.randn(4, 128).bfloat16()
+    for args in ((torch.randn(4, 64).bfloat16(), packed, scales),  # K differs
+                 (torch.randn(0, 128).bfloat16(), packed, scales),  # no rows
+                 (x, q, scales),  # not packed
+                 (x, packed[:, :40], scales),  # a row's bytes short
+                 (x, packed[:24], scales),  # rows short
+                 (x, packed, scales.float())):  # Q5_0's scales are float16
+        with pytest.raises(ValueError):
+            cpu_native.gemv_q5_0(*args)
+    with pytest.raises(ValueError):
+        cpu_native.pack_q5_0(q[:, :96])  # not whole runs of 64

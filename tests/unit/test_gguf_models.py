@@ -84,12 +84,14 @@ def test_the_k_quant_encoders_blocks_decode_by_gguf_to_within_a_quantization_ste
 
 _INT8 = "int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped"
 _INT4 = "int4_blocks" if ql.int8_blocks_kernel() else "int4"
+_Q5 = "q5_0" if ql.int8_blocks_kernel() else "int8_grouped"
+_Q8 = "q8_0" if ql.int8_blocks_kernel() else "int8_grouped"  # inputs a multiple of 64: in tiles
 
 
-@pytest.mark.parametrize("tensor_type, kind, group", [("Q8_0", _INT8, 32), ("Q4_0", _INT4, 32), ("Q5_0", _INT8, 32),
+@pytest.mark.parametrize("tensor_type, kind, group", [("Q8_0", _Q8, 32), ("Q4_0", _INT4, 32), ("Q5_0", _Q5, 32),
                                                       ("Q4_1", _INT4, 32), ("Q4_K", _INT4, 32), ("Q6_K", _INT8, 16)])
 def test_native_types_run_as_integer_layers_whose_weights_are_the_loaders(tmp_path, tensor_type, kind, group):
-    """Q5_0 as int8 (its 5-bit values, Q8_0's layer); Q4_K and Q4_1 as int4 less a float min per group of 32; Q6_K
+    """Q5_0 packed 5 bits a value (Q8_0's arithmetic); Q4_K and Q4_1 as int4 less a float min per group of 32; Q6_K
     as int8 in groups of 16: each dequantized weight is, bit for bit, the float32 matrix transformers' loader holds."""
     path = build_gguf_model(tmp_path / "m.gguf", tensor_type, "llama", **K_SHAPE)
     runner = ModelRunner(_served_dir(path), dtype="float32")
@@ -292,16 +294,16 @@ def test_in_bfloat16_q8_0_layers_multiply_as_llamacpp_does_and_a_decode_step_sta
     path = build_gguf_model(tmp_path / "m.gguf", "Q8_0", "qwen2", tie_word_embeddings=True, **SHAPE)
     model = ModelRunner(_served_dir(path), dtype="bfloat16").model
     layers = [p.quantized for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-    assert all(q.kind == "int8_blocks" and q.q8_0_activations for q in [*layers, model.lm_head.quantized])
+    assert all(q.kind == "q8_0" for q in [*layers, model.lm_head.quantized])
     assert ql.describe_ops(model.layers).startswith(f"{ql.Q8_0_OP}: native Q8_0 x Q8_0 GEMV")
     x = torch.randn(3, layers[0].in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
-    want = ql.q8_0_reference(layers[0].weight, layers[0].scales, x)
+    want = ql.q8_0_reference(layers[0].integers(), layers[0].scales, x)
     assert ((layers[0].forward(x).double() - want).abs() <= 2e-2 * want.abs().max()).all()  # bfloat16's rounding
     float_model = ModelRunner(_served_dir(path), dtype="float32").model
     hidden = torch.randn(2, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(2))
     got, full = model.compute_logits(hidden.bfloat16()).float(), float_model.compute_logits(hidden)
     assert (got - full).abs().max() <= 3e-2 * full.abs().max()
-    plain = ql.make_int8(layers[0].weight, layers[0].scales, None, 32, torch.bfloat16)  # not a GGUF's: W8A16
+    plain = ql.make_int8(layers[0].integers(), layers[0].scales, None, 32, torch.bfloat16)  # not a GGUF's: W8A16
     assert plain.kind == "int8_blocks" and not plain.q8_0_activations
 
 
@@ -311,7 +313,7 @@ def test_in_bfloat16_a_q8_0_lm_head_is_an_integer_layer_giving_the_float_heads_l
     path = build_gguf_model(tmp_path / "m.gguf", "Q8_0", "qwen2", tie_word_embeddings=True, **SHAPE)
     model = ModelRunner(_served_dir(path), dtype="bfloat16").model
     head = model.lm_head.quantized
-    assert head is not None and head.kind == ("int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped")
+    assert head is not None and head.kind == _Q8
     assert torch.equal(head.dequantized(torch.bfloat16), model.embed_tokens)  # the same rounding of q * scale
     hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(0)).bfloat16()
     want = torch.nn.functional.linear(model.final_norm(hidden).float(), model.embed_tokens.float())

@@ -28,6 +28,13 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
   0.5B 1.07-1.11x (one thread; bench/log/2026-12-07.md, third session). llama.cpp, the format's reference
   implementation, multiplies it so; the difference from transformers' float products is x's rounding to int8 per
   block, at most d / 2 an input. float32 and from 48 rows: the dequantized weight, transformers' products.
+- ``q8_0`` (such a Q8_0 layer whose inputs are a multiple of 64): the same, its rows stored in tiles of 8
+  (cpu_native.pack_q8_0_tiles; gemv_q8_0_tiles), each tile read as one stream: the outputs gemv_q8_0's bit for bit,
+  a cold weight read ~1.7x faster on one thread (bench/log).
+- ``q5_0`` (such a layer whose values all fit in 5 bits, [-16, 15]: GGUF's Q5_0, which the reader gives as
+  Q8_0 blocks): the same arithmetic on the weight packed 5 bits a value, in tiles too
+  (cpu_native.pack_q5_0; kernels/cpu_gemv_int8.c gemv_q5_0), 22 bytes a block of 32 against 34, the outputs
+  gemv_q8_0's bit for bit; from 48 rows, and in float32, the dequantized weight as ``int8_blocks``.
 - ``int8_grouped`` (W8A16 in groups, elsewhere): the same op once per group of inputs, summed (torch has no
   grouped int8 op).
 - ``w8a8`` (int8 weights per channel, int8 activations per token, both symmetric): each row of x
@@ -58,7 +65,7 @@ import torch
 
 from pagedserve.kernels import cpu_native
 
-KINDS = ("int4", "int4_blocks", "int8", "int8_blocks", "int8_grouped", "w8a8")
+KINDS = ("int4", "int4_blocks", "int8", "int8_blocks", "q8_0", "q5_0", "int8_grouped", "w8a8")
 
 
 @dataclass(slots=True)
@@ -67,11 +74,12 @@ class QuantizedLinear:
     out_features: int
     in_features: int
     weight: torch.Tensor  # int4: torch's int4pack layout [out, in / 2] uint8; int4_blocks: [out, in / 2] uint8
-    # (cpu_native.pack_int4_blocks); int8, int8_blocks: [out, in];
+    # (cpu_native.pack_int4_blocks); int8, int8_blocks: [out, in]; q8_0: [out rounded up to 8, in] int8 (pack_q8_0_tiles);
+    # q5_0: [out rounded up to 8, in / 64 * 40] (cpu_native.pack_q5_0);
     # int8_grouped: [groups, out, group_size]; w8a8: cpu_native.pack_w8a8_weight's panels, or (no native
     # kernels) [in, out] int8 (_int_mm's right operand)
     scales: torch.Tensor  # int4: [in / group, out, 2] (scale, zero); int8 / w8a8: [out]; int8_grouped: [groups, out];
-    # int8_blocks, int4_blocks: [out, groups] float32 (int8_blocks with q8_0_activations: float16, the file's)
+    # int8_blocks, int4_blocks: [out, groups] float32 (q8_0_activations, q8_0, q5_0: float16, the file's)
     group_size: int = 0
     zero_correction: Optional[torch.Tensor] = None  # int8 asymmetric: zero_point * scale, [out] or [groups, out]
     nibble_zeros: Optional[torch.Tensor] = None  # int4_blocks asymmetric: 8 + zero_point, [out, groups] float32
@@ -85,6 +93,10 @@ class QuantizedLinear:
         x = x.contiguous() if self.input_order is None else x.index_select(-1, self.input_order)
         if self.kind != "w8a8" and x.shape[0] >= dequantize_min_rows(self.kind, x.dtype) and self.can_dequantize():
             return torch.nn.functional.linear(x, self.dequantized(x.dtype))
+        if self.kind == "q5_0":
+            return cpu_native.gemv_q5_0(x, self.weight, self.scales)
+        if self.kind == "q8_0":
+            return cpu_native.gemv_q8_0_tiles(x, self.weight, self.scales)
         if self.kind == "int8_blocks" and self.q8_0_activations:
             return cpu_native.gemv_q8_0(x, self.weight, self.scales)
         if self.kind == "int8_blocks":
@@ -135,8 +147,9 @@ class QuantizedLinear:
                 return nibbles.mul_(self.scales.unsqueeze(-1)).sub_(self.nibble_mins.unsqueeze(-1)).view(n, k).to(dtype)
             z = 8.0 if self.nibble_zeros is None else self.nibble_zeros.unsqueeze(-1)
             return nibbles.sub_(z).mul_(self.scales.unsqueeze(-1)).view(n, k).to(dtype)
-        if self.kind == "int8_blocks":  # in float32, then one rounding to dtype
-            w = self.weight.view(n, k // g, g).float().mul_(self.scales.float().unsqueeze(-1))
+        if self.kind in ("int8_blocks", "q8_0", "q5_0"):  # in float32, then one rounding to dtype
+            q = self.integers()
+            w = q.view(n, k // g, g).float().mul_(self.scales.float().unsqueeze(-1))
             return w.view(n, k).to(dtype)
         if self.kind == "int8":
             w = self.weight.to(dtype).mul_(self.scales.to(dtype).unsqueeze(-1))
@@ -145,6 +158,12 @@ class QuantizedLinear:
         if self.zero_correction is not None:
             w.sub_(self.zero_correction.to(dtype).unsqueeze(-1))
         return w.permute(1, 0, 2).reshape(n, k)
+
+    def integers(self) -> torch.Tensor:
+        """An int8_blocks, q8_0 or q5_0 weight's values [out, in] int8, row-major (a view where stored so)."""
+        if self.kind == "q5_0":
+            return cpu_native.unpack_q5_0(self.weight, self.out_features)
+        return cpu_native.unpack_q8_0_tiles(self.weight, self.out_features) if self.kind == "q8_0" else self.weight
 
     @property
     def nbytes(self) -> int:
@@ -196,7 +215,8 @@ class QuantizedStack:
 # int4_blocks: kernels/cpu_gemv_int4.c, 8 rows a pass, in every dtype (its float32 sums need no vectorized int op),
 # up to 128 rows (one thread, bfloat16, the layer's four projections, kernel / dequantized: 5.8 / 16 ms at 32 rows,
 # 16 / 26 at 64, 32 / 31 at 128, 50 / 31 at 256; torch's int4 op 8.4 at 32, 94 at 256).
-DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "int4_blocks": 128}
+DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "q8_0": 48, "q5_0": 48,
+                       "int4_blocks": 128}
 
 
 def dequantize_min_rows(kind: str, dtype: torch.dtype) -> int:
@@ -258,6 +278,9 @@ def describe_ops(layers: list) -> Optional[str]:
         if kind == Q8_0_OP:
             return (f"native Q8_0 x Q8_0 GEMV, x quantized per block of 32 as llama.cpp does ({cpu_native.q8_0_variant()}"
                     ", kernels/cpu_gemv_int8.c)")
+        if kind == "q5_0":
+            return (f"native Q5_0 x Q8_0 GEMV, the weight 5 bits a value, x quantized per block of 32 as llama.cpp "
+                    f"does ({cpu_native.q8_0_variant()}, kernels/cpu_gemv_int8.c)")
         if kind == "w8a8" and w8a8_kernel():
             variant = cpu_native.w8a8_variant()
             return f"native int8 GEMM, x quantized per token on entry ({variant}, kernels/cpu_gemm_w8a8.c)"
@@ -270,11 +293,11 @@ def describe_ops(layers: list) -> Optional[str]:
 
 
 Q8_0_OP = "int8_blocks (GGUF Q8_0)"  # the log's name of an int8_blocks layer that quantizes x per block too
-_KIND_OF_OP = {Q8_0_OP: "int8_blocks"}
+_KIND_OF_OP = {Q8_0_OP: "int8_blocks"}  # a q8_0 layer's threshold is the same
 
 
 def _op_name(layer: QuantizedLinear) -> str:
-    return Q8_0_OP if layer.q8_0_activations else layer.kind
+    return Q8_0_OP if layer.q8_0_activations or layer.kind == "q8_0" else layer.kind
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,6 +370,11 @@ def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
                                None if correction is None else correction.reshape(n).to(dtype), input_order=input_order)
     if zero_point is None and group_size % 16 == 0 and int8_blocks_kernel():
         q8_0 = q8_0 and group_size == cpu_native.Q8_0_BLOCK and torch.equal(s.half().float(), s)  # Q8_0's are float16
+        if q8_0 and k % cpu_native.Q5_0_CHUNK == 0:
+            five = int(q.min()) >= -16 and int(q.max()) <= 15
+            pack = cpu_native.pack_q5_0 if five else cpu_native.pack_q8_0_tiles
+            return QuantizedLinear("q5_0" if five else "q8_0", n, k, pack(q.contiguous()), s.half().contiguous(),
+                                   group_size, input_order=input_order)
         return QuantizedLinear("int8_blocks", n, k, q.contiguous(), (s.half() if q8_0 else s).contiguous(), group_size,
                                input_order=input_order, q8_0_activations=q8_0)
     groups = k // group_size
