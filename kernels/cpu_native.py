@@ -220,8 +220,12 @@ def kernel_variant() -> Optional[str]:
 def _native_dtype(*tensors: torch.Tensor) -> bool:
     """All on CPU in one dtype the kernels take, and the library built."""
     dtype = tensors[0].dtype
-    return (dtype in DTYPE_SUFFIXES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
-            and library() is not None)
+    if dtype not in DTYPE_SUFFIXES:
+        return False
+    for t in tensors:  # a loop, not all() over a generator: ~100 small native calls a decode step ask this
+        if t.dtype != dtype or not t.is_cpu:
+            return False
+    return library() is not None
 
 
 def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
