@@ -13,9 +13,11 @@ turns it off, ``=1`` takes it in float32 too (still only with the Triton kernels
 
 ``NativeElementwise`` is the CPU's half-precision form (bfloat16, float16, where the native kernels are
 built): the residual add and RMSNorm in one C pass (kernels/cpu_rms_norm_half.c), torch's roundings op
-for op but its sum of squares in another order, the rest transformers' sequence. One stream's decode
-step spends more in the norms' six torch ops a call than in attention (bench/RESULTS.md, "CPU: one
-stream at the memory's speed"). ``PAGEDSERVE_FUSED_OPS=0`` turns it off too.
+for op but its sum of squares in another order; q/k rotary and the KV write in one C call
+(kernels/cpu_rotary_half.c, the rotary kernel's own bits), where rotary, then reference.write_kv's five
+torch ops and a host read, cost ~33 us a layer hot at one stream against ~15; the rest transformers'
+sequence. One stream's decode step spends more in the norms' six torch ops a call than in attention
+(bench/RESULTS.md, "CPU: one stream at the memory's speed"). ``PAGEDSERVE_FUSED_OPS=0`` turns it off too.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ after only (OLMo 2). Weights are plain tensors, fused at load: q/k/v into one ma
 into one, whether the checkpoint keeps them apart or fused (Phi-3); a quantized checkpoint's
 projections are quantized layers (worker_proc/quantization.py). Norms, residual adds, rotary and
 the SiLU gate go through an Elementwise (elementwise.py): transformers' op sequence, so float32
-greedy tokens equal transformers', or fused kernels; where the matmuls are native (CPU), the SiLU
+greedy tokens equal transformers', or fused kernels (on CPU in half precision, q/k rotary and the KV write
+in one native call); where the matmuls are native (CPU), the SiLU
 gate is part of gate_up's call (models/linear.py silu_gate). Each layer's residual add is deferred
 to the next layer, where the fused path does it in the same op as that layer's first norm. With
 ``--enable-lora`` each projection's output takes its tokens' adapter deltas (models/lora_linear.py)
