@@ -65,6 +65,7 @@ _ROTARY_ARGS = [_P, _I, _P, _P, _P, _P, _I, _I, _I]
 _SIGNATURES = {
     **{f"paged_decode_attention_{suffix}": _DECODE_ARGS for suffix in ("f32", "bf16", "f16")},
     **{f"rotary_{suffix}": _ROTARY_ARGS for suffix in ("f32", "bf16", "f16")},
+    **{f"rotary_write_kv_{suffix}": [*_ROTARY_ARGS, _P, _I, _I, _P, _P, _P, _I] for suffix in ("bf16", "f16")},
     "prefill_attention_f32": [_P, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float,
                               _P],
     "cpu_kernel_variant": [],
@@ -89,7 +90,8 @@ _SIGNATURES = {
     "lora_shrink_expand": [_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_int,
                            _P, _P, _P, _P],
 }
-_RESTYPES = {"prefill_attention_f32": ctypes.c_int, "cpu_kernel_variant": ctypes.c_char_p,
+_RESTYPES = {"prefill_attention_f32": ctypes.c_int,
+             **{f"rotary_write_kv_{s}": ctypes.c_int for s in ("bf16", "f16")}, "cpu_kernel_variant": ctypes.c_char_p,
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
              "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
@@ -105,6 +107,7 @@ LINEAR_PANEL = 16  # cpu_linear.c's NR: a packed weight's columns per panel
 GEMV_MAX_ROWS = 8  # cpu_gemv.c's: products of 1..8 rows
 # gemv()'s out_kind by the result's dtype
 _GEMV_OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 _library: Optional[ctypes.CDLL] = None
 _tried = False
@@ -220,8 +223,12 @@ def kernel_variant() -> Optional[str]:
 def _native_dtype(*tensors: torch.Tensor) -> bool:
     """All on CPU in one dtype the kernels take, and the library built."""
     dtype = tensors[0].dtype
-    return (dtype in DTYPE_SUFFIXES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
-            and library() is not None)
+    if dtype not in DTYPE_SUFFIXES:
+        return False
+    for t in tensors:  # a loop, not all() over a generator: ~100 small native calls a decode step ask this
+        if t.dtype != dtype or not t.is_cpu:
+            return False
+    return library() is not None
 
 
 def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -244,10 +251,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_decode_attention: the cache must be contiguous")
     query, block_tables = query.contiguous(), block_tables.contiguous()
-    first, last = first.to(torch.int64).contiguous(), last.to(torch.int64).contiguous()
+    if first.dtype != torch.int64 or last.dtype != torch.int64:  # a decode context's are already
+        first, last = first.to(torch.int64), last.to(torch.int64)
+    first, last = first.contiguous(), last.contiguous()
     sinks = _sink_logits(sinks, num_q_heads)
     out = torch.empty_like(query)
-    getattr(library(), f"paged_decode_attention_{DTYPE_SUFFIXES[query.dtype]}")(
+    _decode_kernels(library())[query.dtype](
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         first.data_ptr(), last.data_ptr(), out.data_ptr(), batch, num_q_heads, num_kv_heads, head_dim,
         block_size, scale, None if sinks is None else sinks.data_ptr())
@@ -278,6 +287,44 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     kernel = getattr(library(), f"rotary_{DTYPE_SUFFIXES[x.dtype]}")
     kernel(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), out.data_ptr(), tokens,
            heads, dim)
+    return out
+
+
+def supports_rotary_write_kv(x: torch.Tensor, table: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor) -> bool:
+    """Whether rotary_write_kv serves these tensors: bfloat16 or float16 throughout (the cache in x's dtype), x as
+    supports_rotary takes it, value's heads and dims contiguous, each cache contiguous."""
+    dtype = x.dtype  # checked attribute by attribute: this runs once a layer, every decode step
+    return (dtype in _HALF_DTYPES and table.dtype == dtype and value.dtype == dtype and k_cache.dtype == dtype
+            and v_cache.dtype == dtype and x.is_cpu and table.is_cpu and value.is_cpu and k_cache.is_cpu
+            and v_cache.is_cpu and x.dim() == 3
+            and x.stride(2) == 1 and x.stride(1) == x.shape[2] and value.dim() == 3 and value.stride(2) == 1
+            and value.stride(1) == value.shape[2] and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and library() is not None)
+
+
+def rotary_write_kv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                    value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """rotary(x, cos, sin, positions) in one call with the KV write (kernels/cpu_rotary_half.c): x [T, heads,
+    dim] holds each token's query heads and then its key heads, as many as value [T, kv_heads, dim] has; the
+    rotated keys and the values go to flat slot ``slot_mapping[t]`` of k_cache / v_cache [blocks, block_size,
+    kv_heads, dim] (reference.write_kv's contract: -1 skipped). Returns the rotated x, a new [T, heads, dim]."""
+    tokens, heads, dim = x.shape
+    kv_heads = value.shape[1]
+    if (value.shape != (tokens, kv_heads, dim) or kv_heads > heads or k_cache.shape != v_cache.shape
+            or k_cache.shape[2:] != (kv_heads, dim) or slot_mapping.shape != (tokens,)):
+        raise ValueError("rotary_write_kv: x, the value, the caches and the slots do not match")
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype)
+    if _half_kernels(library(), "rotary_write_kv")[x.dtype](x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                                 out.data_ptr(), tokens, heads, dim, value.data_ptr(), value.stride(0), kv_heads,
+                                 slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                 k_cache.shape[0] * k_cache.shape[1]):
+        raise IndexError("rotary_write_kv: a slot outside the cache")
     return out
 
 
@@ -727,6 +774,17 @@ def w8a8_linear(x: torch.Tensor, panels: torch.Tensor, bias128: torch.Tensor, w_
 
 
 @functools.cache
+def _decode_kernels(lib: ctypes.CDLL) -> dict:
+    return {dtype: getattr(lib, f"paged_decode_attention_{suffix}") for dtype, suffix in DTYPE_SUFFIXES.items()}
+
+
+@functools.cache
+def _half_kernels(lib: ctypes.CDLL, name: str) -> dict:
+    """A half-precision kernel's symbol by dtype, looked up once: a decode step makes ~100 small calls."""
+    return {dtype: getattr(lib, f"{name}_{DTYPE_SUFFIXES[dtype]}") for dtype in _HALF_DTYPES}
+
+
+@functools.cache
 def _gemv_kernels(lib: ctypes.CDLL) -> dict:
     return {dtype: getattr(lib, f"gemv_{suffix}") for dtype, suffix in DTYPE_SUFFIXES.items()}
 
@@ -734,9 +792,9 @@ def _gemv_kernels(lib: ctypes.CDLL) -> dict:
 def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether rms_norm serves these tensors: bfloat16 or float16 on CPU, x contiguous, weight [x's last dim]
     or one per head, [heads, d] for x [..., heads, d] (the per-head weights of a fused q and k)."""
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous()
+    return (x.dtype in _HALF_DTYPES and weight.dtype == x.dtype and x.is_cpu and weight.is_cpu and x.is_contiguous()
             and (weight.shape == x.shape[-1:] or (weight.dim() == 2 and x.dim() >= 3 and weight.shape == x.shape[-2:]))
-            and weight.is_contiguous() and _native_dtype(x, weight))
+            and weight.is_contiguous() and library() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -750,7 +808,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = residual.contiguous()
     d = x.shape[-1]
     out = torch.empty_like(x)
-    getattr(library(), f"rms_norm_{DTYPE_SUFFIXES[x.dtype]}")(
+    _half_kernels(library(), "rms_norm")[x.dtype](
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
         x.numel() // d if d else 0, d, eps, weight.shape[0] if weight.dim() == 2 else 1)
     return out

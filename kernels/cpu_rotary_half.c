@@ -47,3 +47,29 @@ static inline __attribute__((always_inline)) void rotate_head(const uint16_t *x1
 
 DEFINE_ROTARY(rotary_bf16, 1)
 DEFINE_ROTARY(rotary_f16, 0)
+
+/* Rotary of q and k and the KV write in one call (a decode layer's three torch-level steps were
+ * ~20 us of Python and dispatch a layer, more than the work): as rotary_* above, x's last
+ * ``kv_heads`` heads of a token being its key, and then that key (rotated, from out) and the value
+ * v [T, kv_heads, D] (rows v_row apart) are copied to slot slots[t] of k_cache / v_cache
+ * [num_slots, kv_heads, D]; slot -1 is padding, skipped. Returns -1, writing nothing, when a slot
+ * is past the cache or below -1. */
+#define DEFINE_ROTARY_WRITE_KV(name, rotary)                                                               \
+    int name(const uint16_t *x, int64_t x_row, const uint16_t *cos_table, const uint16_t *sin_table,       \
+             const int64_t *pos, uint16_t *out, int64_t tokens, int64_t heads, int64_t d,                  \
+             const uint16_t *v, int64_t v_row, int64_t kv_heads, const int64_t *slots, uint16_t *k_cache,  \
+             uint16_t *v_cache, int64_t num_slots) {                                                       \
+        for (int64_t t = 0; t < tokens; t++)                                                               \
+            if (slots[t] < -1 || slots[t] >= num_slots) return -1;                                         \
+        rotary(x, x_row, cos_table, sin_table, pos, out, tokens, heads, d);                                \
+        const int64_t row = kv_heads * d;                                                                  \
+        for (int64_t t = 0; t < tokens; t++) {                                                             \
+            if (slots[t] < 0) continue;                                                                    \
+            memcpy(k_cache + slots[t] * row, out + (t * heads + heads - kv_heads) * d, row * 2);           \
+            memcpy(v_cache + slots[t] * row, v + t * v_row, row * 2);                                      \
+        }                                                                                                  \
+        return 0;                                                                                          \
+    }
+
+DEFINE_ROTARY_WRITE_KV(rotary_write_kv_bf16, rotary_bf16)
+DEFINE_ROTARY_WRITE_KV(rotary_write_kv_f16, rotary_f16)

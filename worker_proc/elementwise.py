@@ -13,9 +13,11 @@ turns it off, ``=1`` takes it in float32 too (still only with the Triton kernels
 
 ``NativeElementwise`` is the CPU's half-precision form (bfloat16, float16, where the native kernels are
 built): the residual add and RMSNorm in one C pass (kernels/cpu_rms_norm_half.c), torch's roundings op
-for op but its sum of squares in another order, the rest transformers' sequence. One stream's decode
-step spends more in the norms' six torch ops a call than in attention (bench/RESULTS.md, "CPU: one
-stream at the memory's speed"). ``PAGEDSERVE_FUSED_OPS=0`` turns it off too.
+for op but its sum of squares in another order; q/k rotary and the KV write in one C call
+(kernels/cpu_rotary_half.c, the rotary kernel's own bits), where rotary, then reference.write_kv's five
+torch ops and a host read, cost ~33 us a layer hot at one stream against ~15; the rest transformers'
+sequence. One stream's decode step spends more in the norms' six torch ops a call than in attention
+(bench/RESULTS.md, "CPU: one stream at the memory's speed"). ``PAGEDSERVE_FUSED_OPS=0`` turns it off too.
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ class TorchElementwise:
     def rotary(self, rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return rotary(x, positions)
 
+    def rotary_write_kv(self, rotary, qk: torch.Tensor, positions: torch.Tensor, value: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        ops: ModuleType) -> torch.Tensor:
+        """qk [T, q_heads + kv_heads, dim] rotated; its keys and ``value`` [T, kv_heads, dim] written to
+        the cache's slots (ops.write_kv's contract)."""
+        qk = self.rotary(rotary, qk, positions)
+        ops.write_kv(qk[:, qk.shape[1] - value.shape[1]:], value, k_cache, v_cache, slot_mapping)
+        return qk
+
     def silu_mul(self, gate_up: torch.Tensor, size: int) -> torch.Tensor:
         gate, up = gate_up.split(size, dim=-1)
         return F.silu(gate).mul_(up)
@@ -86,6 +97,8 @@ class FusedElementwise:
     def silu_mul(self, gate_up: torch.Tensor, size: int) -> torch.Tensor:
         return self._silu_mul.silu_mul(gate_up, size)
 
+    rotary_write_kv = TorchElementwise.rotary_write_kv
+
 
 class NativeElementwise(TorchElementwise):
     name = "native"
@@ -104,6 +117,16 @@ class NativeElementwise(TorchElementwise):
         if cpu_native.supports_rms_norm(x, weight) and residual.shape == x.shape and residual.dtype == x.dtype:
             return cpu_native.rms_norm(x, weight, eps, residual=residual), x
         return super().add_rms_norm(x, residual, weight, eps)
+
+    def rotary_write_kv(self, rotary, qk: torch.Tensor, positions: torch.Tensor, value: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        ops: ModuleType) -> torch.Tensor:
+        """The rotation and the KV write in one native call (kernels/cpu_rotary_half.c), where it serves."""
+        if (ops is reference and rotary.rotary_dim == qk.shape[-1]
+                and cpu_native.supports_rotary_write_kv(qk, rotary.cos, value, k_cache, v_cache)):
+            return cpu_native.rotary_write_kv(qk, rotary.cos, rotary.sin, positions, value, k_cache, v_cache,
+                                              slot_mapping)
+        return super().rotary_write_kv(rotary, qk, positions, value, k_cache, v_cache, slot_mapping, ops)
 
 
 Elementwise = Union[TorchElementwise, FusedElementwise, NativeElementwise]

@@ -184,12 +184,12 @@ def test_a_bfloat16_forward_through_the_native_kernels_equals_the_torch_path(tmp
     model_dir = build_model_dir(tmp_path / "m", "qwen2", hidden_size=256, num_heads=4, num_kv_heads=2,
                                 intermediate_size=256, dtype="bfloat16")  # head_dim 64: every native kernel
     calls = {}
-    for name in ("paged_decode_attention", "prefill_attention", "rotary"):
+    for name in ("paged_decode_attention", "prefill_attention", "rotary_write_kv"):  # rotary with the KV write
         kernel = getattr(cpu_native, name)
         monkeypatch.setattr(cpu_native, name, lambda *a, _k=kernel, _n=name: calls.update({_n: 1}) or _k(*a))
     native_logits, native_tokens = _bf16_run(model_dir)
-    assert sorted(calls) == ["paged_decode_attention", "prefill_attention", "rotary"]
-    for name in ("supports_decode", "supports_prefill", "supports_rotary"):
+    assert sorted(calls) == ["paged_decode_attention", "prefill_attention", "rotary_write_kv"]
+    for name in ("supports_decode", "supports_prefill", "supports_rotary", "supports_rotary_write_kv"):
         monkeypatch.setattr(cpu_native, name, lambda *_: False)
     torch_logits, torch_tokens = _bf16_run(model_dir)
     assert len(native_logits) == len(torch_logits) == 11

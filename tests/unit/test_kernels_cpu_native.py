@@ -134,6 +134,53 @@ def test_rotary_is_bit_for_bit_the_torch_path(monkeypatch, head_dim, strided):
     assert torch.equal(native_out, rotary(x, positions))
 
 
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_rotary_with_the_kv_write_equals_rotary_then_the_reference_write(dtype, tokens):
+    """A decode layer's q/k rotation and its KV write in one native call: the rotated q and k bit for bit
+    the rotary kernel's, and the cache afterwards what reference.write_kv leaves (padding slot -1 skipped)."""
+    from types import SimpleNamespace
+
+    from pagedserve.worker_proc.elementwise import NativeElementwise, TorchElementwise
+    from pagedserve.worker_proc.rotary import RotaryEmbedding
+
+    q_heads, kv_heads, dim = 6, 2, 64
+    generator = torch.Generator().manual_seed(tokens)
+    rotary = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0, rope_scaling=None), dim, 512,
+                             torch.device("cpu"), dtype)
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    qk = qkv[:, :(q_heads + kv_heads) * dim].view(tokens, -1, dim)
+    value = qkv[:, (q_heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    positions = torch.randint(0, 512, (tokens,), generator=generator)
+    slots = torch.randperm(8 * 16, generator=generator)[:tokens]
+    slots[-1] = -1 if tokens > 1 else slots[-1]
+    results = []
+    for ew in (NativeElementwise(), TorchElementwise()):
+        k_cache, v_cache = (torch.randn(8, 16, kv_heads, dim, generator=torch.Generator().manual_seed(9)).to(dtype)
+                            for _ in range(2))
+        results.append((ew.rotary_write_kv(rotary, qk, positions, value, k_cache, v_cache, slots, reference),
+                        k_cache, v_cache))
+    (got, got_k, got_v), (want, want_k, want_v) = results
+    assert cpu_native.supports_rotary_write_kv(qk, rotary.cos, value, got_k, got_v)  # the native call ran
+    assert torch.equal(got, want) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@needs_library
+def test_a_slot_outside_the_cache_is_an_error_and_nothing_is_written():
+    q_heads, kv_heads, dim = 2, 1, 16
+    x = torch.randn(2, q_heads + kv_heads, dim, dtype=torch.bfloat16)
+    value = torch.randn(2, kv_heads, dim, dtype=torch.bfloat16)
+    table = torch.randn(8, dim // 2, dtype=torch.bfloat16)
+    k_cache, v_cache = torch.zeros(2, 4, kv_heads, dim, dtype=torch.bfloat16), torch.zeros(2, 4, kv_heads, dim,
+                                                                                          dtype=torch.bfloat16)
+    for bad in (8, -2):
+        with pytest.raises(IndexError, match="outside the cache"):
+            cpu_native.rotary_write_kv(x, table, table, torch.tensor([0, 1]), value, k_cache, v_cache,
+                                       torch.tensor([0, bad]))
+    assert not k_cache.any() and not v_cache.any()
+
+
 def test_a_position_outside_the_rotary_table_is_an_error_not_a_wild_read():
     from types import SimpleNamespace
 

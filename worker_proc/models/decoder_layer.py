@@ -6,7 +6,8 @@ after only (OLMo 2). Weights are plain tensors, fused at load: q/k/v into one ma
 into one, whether the checkpoint keeps them apart or fused (Phi-3); a quantized checkpoint's
 projections are quantized layers (worker_proc/quantization.py). Norms, residual adds, rotary and
 the SiLU gate go through an Elementwise (elementwise.py): transformers' op sequence, so float32
-greedy tokens equal transformers', or fused kernels; where the matmuls are native (CPU), the SiLU
+greedy tokens equal transformers', or fused kernels (on CPU in half precision, q/k rotary and the KV write
+in one native call); where the matmuls are native (CPU), the SiLU
 gate is part of gate_up's call (models/linear.py silu_gate). Each layer's residual add is deferred
 to the next layer, where the fused path does it in the same op as that layer's first norm. With
 ``--enable-lora`` each projection's output takes its tokens' adapter deltas (models/lora_linear.py)
@@ -151,8 +152,8 @@ class DecoderLayer:
             out = out * self.residual_scale
         return out
 
-    def _qk(self, qkv: torch.Tensor, positions: torch.Tensor, ew: Elementwise) -> torch.Tensor:
-        """q and k, normed and rotated together as one [T, q_heads + kv_heads, dim] tensor."""
+    def _qk(self, qkv: torch.Tensor, ew: Elementwise) -> torch.Tensor:
+        """q and k, normed (not yet rotated) together as one [T, q_heads + kv_heads, dim] tensor."""
         num_tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
         if self.qk_norm == "projection":
             qk = torch.cat([ew.rms_norm(qkv[:, :self.q_size], self.q_norm_weight, self.eps),
@@ -162,7 +163,7 @@ class DecoderLayer:
             qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
             if self.qk_norm == "head":
                 qk = ew.rms_norm(qk, self.qk_norm_weight, self.eps)
-        return ew.rotary(self.rotary, qk, positions)
+        return qk
 
     def _mlp(self, x: torch.Tensor, ew: Elementwise, lora: Optional[LoRABatch] = None,
              ops: Optional[ModuleType] = None) -> torch.Tensor:
@@ -202,10 +203,10 @@ class DecoderLayer:
         qkv = linear(x, self.qkv)
         if lora is not None:
             self.lora.qkv.add_delta(x, qkv, lora, ops)
-        qk = self._qk(qkv, batch.positions, ew)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        qk = ew.rotary_write_kv(self.rotary, self._qk(qkv, ew), batch.positions, v, k_cache, v_cache,
+                                batch.slot_mapping, ops)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if output_rows is None:
             attn = attend(ops, q, k, v, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                           self.scale, self.sliding_window, batch.attention_plan, self.softcap, self.sinks)
