@@ -13,8 +13,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-PHASES = ("matmuls", "lm_head matmul", "routed experts", "attention", "KV write", "rotary", "norms and activations",
-          "sampling", "input preparation", "cache ops", "IPC encode/decode", "other (in forward)")
+PHASES = ("matmuls", "lm_head matmul", "routed experts", "attention", "KV write", "rotary", "rotary and KV write",
+          "norms and activations", "sampling", "input preparation", "cache ops", "IPC encode/decode", "other (in forward)")
 
 
 class PhaseTimer:
@@ -121,6 +121,8 @@ def instrument_worker(runner, clock: Callable[[], float] = time.perf_counter) ->
     timer.wrap(runner.ops, "write_kv", "KV write")
     elementwise = type(runner.model.elementwise)
     timer.wrap(elementwise, "rotary", "rotary")
+    # the CPU's half-precision path rotates q/k and writes the KV in one call (elementwise.py)
+    timer.wrap_any(elementwise, ("rotary_write_kv",), "rotary and KV write")
     timer.wrap_any(elementwise, ("rms_norm", "add_rms_norm", "silu_mul"), "norms and activations")
     timer.wrap_any(model_runner, ("sample", "launch_sample"), "sampling")
     if hasattr(sampler, "PendingSample"):
