@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, cpu_quantized
 
 # (out, in) of the 0.5B's projections, q/k/v and gate/up fused as the worker fuses them
 LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
@@ -70,7 +70,7 @@ def main() -> None:
     int4 = None
     if "int4" in paths:
         g = ns.int4_group
-        int4 = [(cpu_native.pack_int4_blocks(torch.randint(0, 16, w.shape, dtype=torch.uint8)),
+        int4 = [(cpu_quantized.pack_int4_blocks(torch.randint(0, 16, w.shape, dtype=torch.uint8)),
                  torch.rand(w.shape[0], w.shape[1] // g) * 0.01) for w in weights[:-1]]
         head_panels = cpu_native.pack_gemv_panels(weights[-1].bfloat16())
     # the bytes each path reads a step
@@ -92,7 +92,7 @@ def main() -> None:
                 if i == len(weights) - 1:
                     cpu_native.gemv_panels(x.bfloat16(), head_panels, w.shape[0])
                 else:
-                    cpu_native.gemv_int4_blocks(x, *int4[i], None, ns.int4_group)
+                    cpu_quantized.gemv_int4_blocks(x, *int4[i], None, ns.int4_group)
             elif path == "panels":
                 cpu_native.gemv_panels(x, panels[i], w.shape[0])
             elif path == "gemv":

@@ -38,7 +38,7 @@ apply_torch_env_defaults()  # as a worker does, before torch loads
 import torch  # noqa: E402
 
 from pagedserve.bench.shapes import SHAPES, ensure_shape_model, shape_cache_dir  # noqa: E402
-from pagedserve.kernels import cpu_native  # noqa: E402
+from pagedserve.kernels import cpu_quantized  # noqa: E402
 from pagedserve.protocol.messages import AddRequest, SamplingParams, WorkerInit  # noqa: E402
 from pagedserve.scheduler_proc.config import SchedulerConfig  # noqa: E402
 from pagedserve.scheduler_proc.scheduler import Scheduler  # noqa: E402
@@ -310,7 +310,7 @@ def main() -> None:
     print(f"read bandwidth at {torch.get_num_threads()} threads: {read_bandwidth_gbs(clock):.1f} GB/s (a sum over "
           f"1 GiB, {ns.clock} clock; the weights' GB/s below are the bytes a decode step reads / its time)")
     if ql.int8_blocks_kernel():  # which instructions the W4A16 rows' GEMVs run (the worker's log names them too)
-        print(f"int4 GEMV: {cpu_native.gemv_int4_variant()} (kernels/cpu_gemv_int4.c)")
+        print(f"int4 GEMV: {cpu_quantized.gemv_int4_variant()} (kernels/cpu_gemv_int4.c)")
     print(f"{'model':<14} {'decode ms':>10} {'(min-max)':>16} {'x float':>8} {'prefill tok/s':>14} "
           f"{'quantized MiB':>18} {'step MiB':>9} {'GB/s':>6}")
     float_decode = None

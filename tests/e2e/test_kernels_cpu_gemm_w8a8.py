@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, cpu_quantized
 from support.cpu_variants import variant  # noqa: F401 (a fixture)
 from support.w8a8_checks import DTYPES, SIZES, check_int32_sums, check_reference_bits
 
@@ -20,7 +20,7 @@ W8A8_VARIANTS = {"avx512": "avx2", "avx2": "avx2", "scalar": "scalar"}
 
 @pytest.mark.parametrize("k,n", SIZES)
 def test_every_variant_sums_exactly_in_int32(variant, k, n):  # noqa: F811
-    assert cpu_native.w8a8_variant() == W8A8_VARIANTS.get(variant, "avx512vnni")
+    assert cpu_quantized.w8a8_variant() == W8A8_VARIANTS.get(variant, "avx512vnni")
     check_int32_sums(k, n)
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, cpu_quantized
 from support.cpu_variants import variant  # noqa: F401 (a fixture)
 from support.thread_counts import results_at_thread_counts
 
@@ -59,16 +59,16 @@ def reference(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, zero
 def test_every_variant_is_the_dequantized_weights_product_within_float32_sums(variant, rows, k, n, group, asym,
                                                                               dtype):
     nibbles, scales, zeros = _groups(n, k, group, asym, seed=rows + k)
-    packed = cpu_native.pack_int4_blocks(nibbles)
-    assert packed.shape == (n, k // 2) and torch.equal(cpu_native.unpack_int4_blocks(packed), nibbles)
+    packed = cpu_quantized.pack_int4_blocks(nibbles)
+    assert packed.shape == (n, k // 2) and torch.equal(cpu_quantized.unpack_int4_blocks(packed), nibbles)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).to(dtype)
-    assert cpu_native.gemv_int4_variant() == variant  # the instructions this build multiplies with
+    assert cpu_quantized.gemv_int4_variant() == variant  # the instructions this build multiplies with
     by_dpbf16 = variant == "avx512bf16" and dtype == torch.bfloat16
     want, bound = reference(x, nibbles, scales, zeros, group, bias=128.0 if by_dpbf16 else 0.0)
-    got = cpu_native.gemv_int4_blocks(x, packed, scales, zeros, group, out_dtype=torch.float32)
+    got = cpu_quantized.gemv_int4_blocks(x, packed, scales, zeros, group, out_dtype=torch.float32)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert ((got.double() - want).abs() <= bound).all()
-    rounded = cpu_native.gemv_int4_blocks(x, packed, scales, zeros, group)  # x's dtype: rounded once
+    rounded = cpu_quantized.gemv_int4_blocks(x, packed, scales, zeros, group)  # x's dtype: rounded once
     assert rounded.dtype == dtype and torch.equal(rounded, got.to(dtype))
 
 
@@ -92,7 +92,7 @@ def _groups_with_mins(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Te
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_with_a_min_per_group_every_variant_is_scale_times_nibble_less_the_min(variant, rows, k, n, dtype):
     nibbles, scales, mins = _groups_with_mins(n, k, seed=rows + k)
-    packed = cpu_native.pack_int4_blocks(nibbles)
+    packed = cpu_quantized.pack_int4_blocks(nibbles)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     bias = 128.0 if variant == "avx512bf16" and dtype == torch.bfloat16 else 0.0
     u = nibbles.double().view(n, k // 32, 32)
@@ -100,9 +100,9 @@ def test_with_a_min_per_group_every_variant_is_scale_times_nibble_less_the_min(v
     w, w_abs = (u * s - m).view(n, k), ((u + 2 * bias) * s + m).view(n, k)
     xd = x.double()
     want, bound = xd @ w.t(), 2 * k * 2.0**-23 * (xd.abs() @ w_abs.t())
-    got = cpu_native.gemv_int4_blocks(x, packed, scales, None, 32, out_dtype=torch.float32, mins=mins)
+    got = cpu_quantized.gemv_int4_blocks(x, packed, scales, None, 32, out_dtype=torch.float32, mins=mins)
     assert ((got.double() - want).abs() <= bound).all()
-    assert torch.equal(cpu_native.gemv_int4_blocks(x, packed, scales, None, 32, mins=mins), got.to(dtype))
+    assert torch.equal(cpu_quantized.gemv_int4_blocks(x, packed, scales, None, 32, mins=mins), got.to(dtype))
 
 
 def test_q4_0s_payload_is_the_layout():
@@ -113,24 +113,24 @@ def test_q4_0s_payload_is_the_layout():
     weight = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
     raw = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q4_0).reshape(3, 2, 18)
     payload = torch.from_numpy(np.ascontiguousarray(raw[..., 2:])).reshape(3, 32)
-    assert torch.equal(cpu_native.pack_int4_blocks(cpu_native.unpack_int4_blocks(payload)), payload)
+    assert torch.equal(cpu_quantized.pack_int4_blocks(cpu_quantized.unpack_int4_blocks(payload)), payload)
     scales = torch.from_numpy(np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0].astype(np.float32))
     want = torch.from_numpy(gguf.quants.dequantize(raw.reshape(3, 36), gguf.GGMLQuantizationType.Q4_0))
     x = torch.eye(64)[:8]  # the first 8 inputs' weights, exactly
-    assert torch.equal(cpu_native.gemv_int4_blocks(x, payload, scales, None, 32), want[:, :8].t())
+    assert torch.equal(cpu_quantized.gemv_int4_blocks(x, payload, scales, None, 32), want[:, :8].t())
 
 
 def test_the_bits_do_not_depend_on_the_thread_count():
     nibbles, scales, zeros = _groups(1000, 896, 128, True, seed=1)
-    packed = cpu_native.pack_int4_blocks(nibbles)
+    packed = cpu_quantized.pack_int4_blocks(nibbles)
     x = torch.randn(3, 896, generator=torch.Generator().manual_seed(2)).bfloat16()
-    outs = results_at_thread_counts(lambda: cpu_native.gemv_int4_blocks(x, packed, scales, zeros, 128))
+    outs = results_at_thread_counts(lambda: cpu_quantized.gemv_int4_blocks(x, packed, scales, zeros, 128))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_mismatched_inputs_are_an_error_not_a_wild_read():
     nibbles, scales, zeros = _groups(32, 128, 32, True, seed=3)
-    packed = cpu_native.pack_int4_blocks(nibbles)
+    packed = cpu_quantized.pack_int4_blocks(nibbles)
     x = torch.randn(4, 128).bfloat16()
     for args in ((torch.randn(4, 96).bfloat16(), packed, scales, None, 32),  # K differs
                  (torch.randn(0, 128).bfloat16(), packed, scales, None, 32),  # no rows
@@ -141,4 +141,4 @@ def test_mismatched_inputs_are_an_error_not_a_wild_read():
                  (x, packed, scales, None, 48),  # a group the 32-input runs do not tile
                  (x, packed, scales, None, 0)):
         with pytest.raises(ValueError):
-            cpu_native.gemv_int4_blocks(*args)
+            cpu_quantized.gemv_int4_blocks(*args)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, cpu_quantized
 from pagedserve.worker_proc.models import quantized_linear as ql
 from support.cpu_variants import variant  # noqa: F401 (a fixture)
 from support.thread_counts import results_at_thread_counts
@@ -46,17 +46,17 @@ def test_every_variant_is_the_dequantized_weights_product_within_float32_sums(va
     q, scales = _blocks(n, k, block, seed=rows + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     want, bound = reference(x, q, scales, block)
-    got = cpu_native.gemv_int8_blocks(x, q, scales, block, out_dtype=torch.float32)
+    got = cpu_quantized.gemv_int8_blocks(x, q, scales, block, out_dtype=torch.float32)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert ((got.double() - want).abs() <= bound).all()
-    rounded = cpu_native.gemv_int8_blocks(x, q, scales, block)  # x's dtype: the float32 result rounded once
+    rounded = cpu_quantized.gemv_int8_blocks(x, q, scales, block)  # x's dtype: the float32 result rounded once
     assert rounded.dtype == dtype and torch.equal(rounded, got.to(dtype))
 
 
 def test_the_bits_do_not_depend_on_the_thread_count():
     q, scales = _blocks(1000, 896, 32, seed=1)
     x = torch.randn(3, 896, generator=torch.Generator().manual_seed(2)).bfloat16()
-    outs = results_at_thread_counts(lambda: cpu_native.gemv_int8_blocks(x, q, scales, 32))
+    outs = results_at_thread_counts(lambda: cpu_quantized.gemv_int8_blocks(x, q, scales, 32))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
@@ -69,7 +69,7 @@ def test_mismatched_inputs_are_an_error_not_a_wild_read():
                  (x, q, scales[:, :1], 32),  # one scale a row where the blocks need two
                  (x, q, scales, 24)):  # a block the vectors do not tile
         with pytest.raises(ValueError):
-            cpu_native.gemv_int8_blocks(*args)
+            cpu_quantized.gemv_int8_blocks(*args)
 
 
 # ---------------------------------------------------------------- Q8_0 x Q8_0 (gemv_q8_0)
@@ -100,10 +100,10 @@ def test_q8_0_is_llamacpps_arithmetic_within_float32_sums_on_every_variant(varia
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     x[0, :32] = 0  # a zero block: d = 0, its products 0
     want = ql.q8_0_reference(q, scales, x)
-    got = cpu_native.gemv_q8_0(x, q, scales, out_dtype=torch.float32)
+    got = cpu_quantized.gemv_q8_0(x, q, scales, out_dtype=torch.float32)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert ((got.double() - want).abs() <= _q8_0_bound(x, q, scales)).all()
-    rounded = cpu_native.gemv_q8_0(x, q, scales)  # x's dtype: the float32 result rounded once
+    rounded = cpu_quantized.gemv_q8_0(x, q, scales)  # x's dtype: the float32 result rounded once
     assert rounded.dtype == dtype and torch.equal(rounded, got.to(dtype))
 
 
@@ -115,16 +115,16 @@ def test_q8_0_sums_of_integers_are_exact_on_every_variant(variant, k):
     q = torch.randint(-128, 128, (45, k), generator=gen, dtype=torch.int8)
     x = torch.randint(-127, 128, (3, k), generator=gen).float()
     x.view(3, k // 32, 32)[..., 5] = 127.0
-    got = cpu_native.gemv_q8_0(x.bfloat16(), q, torch.ones(45, k // 32, dtype=torch.float16), out_dtype=torch.float32)
+    got = cpu_quantized.gemv_q8_0(x.bfloat16(), q, torch.ones(45, k // 32, dtype=torch.float16), out_dtype=torch.float32)
     assert torch.equal(got, (x.to(torch.int64) @ q.to(torch.int64).t()).float())
 
 
 def test_q8_0_variant_is_named_and_its_bits_do_not_depend_on_the_thread_count():
-    assert cpu_native.q8_0_variant() == ("avx512vnni" if {"avx512_vnni", "avx512bw"} <= set(cpu_native._cpu_flags().split())
+    assert cpu_quantized.q8_0_variant() == ("avx512vnni" if {"avx512_vnni", "avx512bw"} <= set(cpu_native._cpu_flags().split())
                                          else "portable")
     q, scales = _q8_0_blocks(1000, 896, seed=1)
     x = torch.randn(3, 896, generator=torch.Generator().manual_seed(2)).bfloat16()
-    outs = results_at_thread_counts(lambda: cpu_native.gemv_q8_0(x, q, scales))
+    outs = results_at_thread_counts(lambda: cpu_quantized.gemv_q8_0(x, q, scales))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
@@ -138,7 +138,7 @@ def test_q8_0_refuses_mismatched_inputs():
                  (x, q, scales[:, :1]),  # one scale a row where the blocks need two
                  (x, q, scales.float())):  # Q8_0's scales are float16
         with pytest.raises(ValueError):
-            cpu_native.gemv_q8_0(*args)
+            cpu_quantized.gemv_q8_0(*args)
 
 
 
@@ -148,12 +148,12 @@ def test_q8_0_refuses_mismatched_inputs():
 @pytest.mark.parametrize("k,n", [(896, 2 * 896 + 256), (4864, 37), (64, 1), (128, 9)])
 def test_q8_0_in_tiles_gives_the_row_major_outputs_bit_for_bit_on_every_variant(variant, rows, k, n):
     q, scales = _q8_0_blocks(n, k, seed=rows + k)
-    tiled = cpu_native.pack_q8_0_tiles(q)
-    assert tiled.shape == (-(-n // 8) * 8, k) and torch.equal(cpu_native.unpack_q8_0_tiles(tiled, n), q)
+    tiled = cpu_quantized.pack_q8_0_tiles(q)
+    assert tiled.shape == (-(-n // 8) * 8, k) and torch.equal(cpu_quantized.unpack_q8_0_tiles(tiled, n), q)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).bfloat16()
-    assert torch.equal(cpu_native.gemv_q8_0_tiles(x, tiled, scales), cpu_native.gemv_q8_0(x, q, scales))
+    assert torch.equal(cpu_quantized.gemv_q8_0_tiles(x, tiled, scales), cpu_quantized.gemv_q8_0(x, q, scales))
     with pytest.raises(ValueError):
-        cpu_native.gemv_q8_0_tiles(x, q[:, :k] if n % 8 else tiled[:, :64], scales)  # rows or inputs short
+        cpu_quantized.gemv_q8_0_tiles(x, q[:, :k] if n % 8 else tiled[:, :64], scales)  # rows or inputs short
 
 
 Q5_0_SHAPES = [(896, 2 * 896 + 256), (4864, 37), (64, 1), (128, 9)]  # inputs whole runs of 64
@@ -169,9 +169,9 @@ def _q5_0_blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
 def test_q5_0_packing_keeps_every_value_in_fewer_bytes():
     q, _ = _q5_0_blocks(7, 192, seed=4)
     q[0, :64] = torch.arange(-16, 16, dtype=torch.int8).repeat(2)  # every value, in both halves of a run
-    packed = cpu_native.pack_q5_0(q)
+    packed = cpu_quantized.pack_q5_0(q)
     assert packed.shape == (8, 192 // 64 * 40) and packed.dtype == torch.uint8  # rows in tiles of 8
-    assert torch.equal(cpu_native.unpack_q5_0(packed, 7), q)
+    assert torch.equal(cpu_quantized.unpack_q5_0(packed, 7), q)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 19])
@@ -183,25 +183,25 @@ def test_q5_0_gives_q8_0s_outputs_on_the_same_values_on_every_variant(variant, r
     q, scales = _q5_0_blocks(n, k, seed=rows + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     x[0, :32] = 0  # a zero block: d = 0, its products 0
-    packed = cpu_native.pack_q5_0(q)
-    got = cpu_native.gemv_q5_0(x, packed, scales, out_dtype=torch.float32)
+    packed = cpu_quantized.pack_q5_0(q)
+    got = cpu_quantized.gemv_q5_0(x, packed, scales, out_dtype=torch.float32)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert ((got.double() - ql.q8_0_reference(q, scales, x)).abs() <= _q8_0_bound(x, q, scales)).all()
-    assert torch.equal(got, cpu_native.gemv_q8_0(x, q, scales, out_dtype=torch.float32))
-    assert torch.equal(cpu_native.gemv_q5_0(x, packed, scales), got.to(dtype))
+    assert torch.equal(got, cpu_quantized.gemv_q8_0(x, q, scales, out_dtype=torch.float32))
+    assert torch.equal(cpu_quantized.gemv_q5_0(x, packed, scales), got.to(dtype))
 
 
 def test_q5_0_bits_do_not_depend_on_the_thread_count():
     q, scales = _q5_0_blocks(1000, 896, seed=5)
-    packed = cpu_native.pack_q5_0(q)
+    packed = cpu_quantized.pack_q5_0(q)
     x = torch.randn(3, 896, generator=torch.Generator().manual_seed(6)).bfloat16()
-    outs = results_at_thread_counts(lambda: cpu_native.gemv_q5_0(x, packed, scales))
+    outs = results_at_thread_counts(lambda: cpu_quantized.gemv_q5_0(x, packed, scales))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_q5_0_refuses_mismatched_inputs():
     q, scales = _q5_0_blocks(32, 128, seed=7)
-    packed = cpu_native.pack_q5_0(q)
+    packed = cpu_quantized.pack_q5_0(q)
     x = torch.randn(4, 128).bfloat16()
     for args in ((torch.randn(4, 64).bfloat16(), packed, scales),  # K differs
                  (torch.randn(0, 128).bfloat16(), packed, scales),  # no rows
@@ -210,6 +210,6 @@ def test_q5_0_refuses_mismatched_inputs():
                  (x, packed[:24], scales),  # rows short
                  (x, packed, scales.float())):  # Q5_0's scales are float16
         with pytest.raises(ValueError):
-            cpu_native.gemv_q5_0(*args)
+            cpu_quantized.gemv_q5_0(*args)
     with pytest.raises(ValueError):
-        cpu_native.pack_q5_0(q[:, :96])  # not whole runs of 64
+        cpu_quantized.pack_q5_0(q[:, :96])  # not whole runs of 64

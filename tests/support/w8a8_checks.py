@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_quantized
 from pagedserve.worker_proc.models.quantized_linear import make_w8a8, quantize_per_token, reference
 
 ROWS = (1, 2, 3, 5, 6, 7, 8, 13, 64, 300)
@@ -24,12 +24,12 @@ def check_int32_sums(k: int, n: int) -> None:
     """At every row count of ROWS (a zero row among them: scale 1), the kernel's row scales are
     quantize_per_token's and its int32 sums torch's int64 matmul of the same integers."""
     q, scale = random_weight(n, k, k + n)
-    panels, sums = cpu_native.pack_w8a8_weight(q)
+    panels, sums = cpu_quantized.pack_w8a8_weight(q)
     for rows in ROWS:
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
         x[rows // 2] = 0
         x_scale = torch.empty(rows)
-        acc = cpu_native.w8a8_linear(x, panels, sums, scale, n, out_dtype=torch.int32, x_scale_out=x_scale)
+        acc = cpu_quantized.w8a8_linear(x, panels, sums, scale, n, out_dtype=torch.int32, x_scale_out=x_scale)
         xq, expected_scale = quantize_per_token(x)
         assert torch.equal(x_scale, expected_scale[:, 0]), rows
         assert torch.equal(acc.long(), xq.long() @ q.long().t()), rows

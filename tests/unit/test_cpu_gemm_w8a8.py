@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, cpu_quantized
 from support.thread_counts import results_at_thread_counts
 from support.w8a8_checks import DTYPES, SIZES, check_int32_sums, check_reference_bits, random_weight
 
@@ -28,35 +28,35 @@ def test_scaled_result_is_the_references_bits(dtype):
 
 def test_strided_rows_are_read_in_place():
     q, scale = random_weight(80, 96, 2)
-    panels, sums = cpu_native.pack_w8a8_weight(q)
+    panels, sums = cpu_quantized.pack_w8a8_weight(q)
     x = torch.randn(5, 200, dtype=torch.bfloat16)[:, 10:106]
-    assert torch.equal(cpu_native.w8a8_linear(x, panels, sums, scale, 80),
-                       cpu_native.w8a8_linear(x.contiguous(), panels, sums, scale, 80))
+    assert torch.equal(cpu_quantized.w8a8_linear(x, panels, sums, scale, 80),
+                       cpu_quantized.w8a8_linear(x.contiguous(), panels, sums, scale, 80))
 
 
 def test_the_bits_do_not_depend_on_the_thread_count():
     q, scale = random_weight(1000, 896, 3)
-    panels, sums = cpu_native.pack_w8a8_weight(q)
+    panels, sums = cpu_quantized.pack_w8a8_weight(q)
     x = torch.randn(40, 896, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    outs = results_at_thread_counts(lambda: cpu_native.w8a8_linear(x, panels, sums, scale, 1000))
+    outs = results_at_thread_counts(lambda: cpu_quantized.w8a8_linear(x, panels, sums, scale, 1000))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_the_variant_names_the_instructions_this_cpu_gives_it():
     flags = set(cpu_native._cpu_flags().split())
     expected = "avx512vnni" if {"avx512_vnni", "avx512bw"} <= flags else "avx2" if "avx2" in flags else "scalar"
-    assert cpu_native.w8a8_variant() == expected
+    assert cpu_quantized.w8a8_variant() == expected
 
 
 def test_mismatched_inputs_are_an_error_not_a_wild_read():
     q, scale = random_weight(32, 64, 4)
-    panels, sums = cpu_native.pack_w8a8_weight(q)
+    panels, sums = cpu_quantized.pack_w8a8_weight(q)
     for x, n, s in ((torch.randn(4, 60), 32, scale),  # fewer 4-input steps than the panels
                     (torch.randn(0, 64), 32, scale),  # no rows
                     (torch.randn(4, 64), 48, torch.rand(48)),  # more columns than the panels hold
                     (torch.randn(4, 64), 32, scale.double())):
         with pytest.raises(ValueError):
-            cpu_native.w8a8_linear(x, panels, sums, s, n)
+            cpu_quantized.w8a8_linear(x, panels, sums, s, n)
 
 
 def test_without_the_kernels_the_layer_runs_torch_int_mm_to_the_same_bits(monkeypatch):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_quantized
 from pagedserve.protocol.quantization import (QuantizationConfigError, check_shapes, parse_quantization_config,
                                               projection_inputs)
 from pagedserve.worker_proc.model_config import UnsupportedModelError
@@ -150,7 +150,7 @@ def test_weight_only_greedy_tokens_equal_transformers_on_the_same_file(tmp_path,
     assert runner.model.lm_head.quantized is None  # lm_head is in the config's ignore list
     assert ql.describe_ops(runner.model.layers).startswith(f"{kind}: ")  # the worker's log names the op
     if kind == "int4_blocks":  # and the instructions it multiplies with (vdpbf16ps for bfloat16 x, here)
-        assert f"({cpu_native.gemv_int4_variant()}" in ql.describe_ops(runner.model.layers)
+        assert f"({cpu_quantized.gemv_int4_variant()}" in ql.describe_ops(runner.model.layers)
     expected = hf_greedy(str(oracle), prompts, NEW_TOKENS)
     for ours, theirs in zip(got, expected):
         assert len(theirs) >= 12 and ours[: len(theirs)] == theirs

@@ -29,11 +29,11 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
   implementation, multiplies it so; the difference from transformers' float products is x's rounding to int8 per
   block, at most d / 2 an input. float32 and from 48 rows: the dequantized weight, transformers' products.
 - ``q8_0`` (such a Q8_0 layer whose inputs are a multiple of 64): the same, its rows stored in tiles of 8
-  (cpu_native.pack_q8_0_tiles; gemv_q8_0_tiles), each tile read as one stream: the outputs gemv_q8_0's bit for bit,
+  (cpu_quantized.pack_q8_0_tiles; gemv_q8_0_tiles), each tile read as one stream: the outputs gemv_q8_0's bit for bit,
   a cold weight read ~1.7x faster on one thread (bench/log).
 - ``q5_0`` (such a layer whose values all fit in 5 bits, [-16, 15]: GGUF's Q5_0, which the reader gives as
   Q8_0 blocks): the same arithmetic on the weight packed 5 bits a value, in tiles too
-  (cpu_native.pack_q5_0; kernels/cpu_gemv_int8.c gemv_q5_0), 22 bytes a block of 32 against 34, the outputs
+  (cpu_quantized.pack_q5_0; kernels/cpu_gemv_int8.c gemv_q5_0), 22 bytes a block of 32 against 34, the outputs
   gemv_q8_0's bit for bit; from 48 rows, and in float32, the dequantized weight as ``int8_blocks``.
 - ``int8_grouped`` (W8A16 in groups, elsewhere): the same op once per group of inputs, summed (torch has no
   grouped int8 op).
@@ -63,7 +63,7 @@ from typing import Optional
 
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, cpu_quantized
 
 KINDS = ("int4", "int4_blocks", "int8", "int8_blocks", "q8_0", "q5_0", "int8_grouped", "w8a8")
 
@@ -74,9 +74,9 @@ class QuantizedLinear:
     out_features: int
     in_features: int
     weight: torch.Tensor  # int4: torch's int4pack layout [out, in / 2] uint8; int4_blocks: [out, in / 2] uint8
-    # (cpu_native.pack_int4_blocks); int8, int8_blocks: [out, in]; q8_0: [out rounded up to 8, in] int8 (pack_q8_0_tiles);
-    # q5_0: [out rounded up to 8, in / 64 * 40] (cpu_native.pack_q5_0);
-    # int8_grouped: [groups, out, group_size]; w8a8: cpu_native.pack_w8a8_weight's panels, or (no native
+    # (cpu_quantized.pack_int4_blocks); int8, int8_blocks: [out, in]; q8_0: [out rounded up to 8, in] int8 (pack_q8_0_tiles);
+    # q5_0: [out rounded up to 8, in / 64 * 40] (cpu_quantized.pack_q5_0);
+    # int8_grouped: [groups, out, group_size]; w8a8: cpu_quantized.pack_w8a8_weight's panels, or (no native
     # kernels) [in, out] int8 (_int_mm's right operand)
     scales: torch.Tensor  # int4: [in / group, out, 2] (scale, zero); int8 / w8a8: [out]; int8_grouped: [groups, out];
     # int8_blocks, int4_blocks: [out, groups] float32 (q8_0_activations, q8_0, q5_0: float16, the file's)
@@ -94,15 +94,15 @@ class QuantizedLinear:
         if self.kind != "w8a8" and x.shape[0] >= dequantize_min_rows(self.kind, x.dtype) and self.can_dequantize():
             return torch.nn.functional.linear(x, self.dequantized(x.dtype))
         if self.kind == "q5_0":
-            return cpu_native.gemv_q5_0(x, self.weight, self.scales)
+            return cpu_quantized.gemv_q5_0(x, self.weight, self.scales)
         if self.kind == "q8_0":
-            return cpu_native.gemv_q8_0_tiles(x, self.weight, self.scales)
+            return cpu_quantized.gemv_q8_0_tiles(x, self.weight, self.scales)
         if self.kind == "int8_blocks" and self.q8_0_activations:
-            return cpu_native.gemv_q8_0(x, self.weight, self.scales)
+            return cpu_quantized.gemv_q8_0(x, self.weight, self.scales)
         if self.kind == "int8_blocks":
-            return cpu_native.gemv_int8_blocks(x, self.weight, self.scales, self.group_size)
+            return cpu_quantized.gemv_int8_blocks(x, self.weight, self.scales, self.group_size)
         if self.kind == "int4_blocks":
-            return cpu_native.gemv_int4_blocks(x, self.weight, self.scales, self.nibble_zeros, self.group_size,
+            return cpu_quantized.gemv_int4_blocks(x, self.weight, self.scales, self.nibble_zeros, self.group_size,
                                                mins=self.nibble_mins)
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales)
@@ -122,7 +122,7 @@ class QuantizedLinear:
                 out = y if out is None else out.add_(y)
             return out
         if self.w8a8_sums is not None:
-            return cpu_native.w8a8_linear(x, self.weight, self.w8a8_sums, self.scales, self.out_features)
+            return cpu_quantized.w8a8_linear(x, self.weight, self.w8a8_sums, self.scales, self.out_features)
         xq, x_scale = quantize_per_token(x)
         acc = torch._int_mm(xq, self.weight)
         return (acc.float() * x_scale * self.scales).to(x.dtype)
@@ -142,7 +142,7 @@ class QuantizedLinear:
                 w.add_(zero.unsqueeze(-1))
             return w.view(n, k)
         if self.kind == "int4_blocks":  # (nibble - z) * scale (or scale * nibble - min) in float32, then one rounding
-            nibbles = cpu_native.unpack_int4_blocks(self.weight).float().view(n, k // g, g)
+            nibbles = cpu_quantized.unpack_int4_blocks(self.weight).float().view(n, k // g, g)
             if self.nibble_mins is not None:  # gguf's own order of operations: the same float32 values
                 return nibbles.mul_(self.scales.unsqueeze(-1)).sub_(self.nibble_mins.unsqueeze(-1)).view(n, k).to(dtype)
             z = 8.0 if self.nibble_zeros is None else self.nibble_zeros.unsqueeze(-1)
@@ -162,8 +162,8 @@ class QuantizedLinear:
     def integers(self) -> torch.Tensor:
         """An int8_blocks, q8_0 or q5_0 weight's values [out, in] int8, row-major (a view where stored so)."""
         if self.kind == "q5_0":
-            return cpu_native.unpack_q5_0(self.weight, self.out_features)
-        return cpu_native.unpack_q8_0_tiles(self.weight, self.out_features) if self.kind == "q8_0" else self.weight
+            return cpu_quantized.unpack_q5_0(self.weight, self.out_features)
+        return cpu_quantized.unpack_q8_0_tiles(self.weight, self.out_features) if self.kind == "q8_0" else self.weight
 
     @property
     def nbytes(self) -> int:
@@ -276,16 +276,16 @@ def describe_ops(layers: list) -> Optional[str]:
         return rows if dequantize_min_rows(kind, torch.float32) > 1 else rows + " (float32: at every row)"
     def op(kind: str) -> str:
         if kind == Q8_0_OP:
-            return (f"native Q8_0 x Q8_0 GEMV, x quantized per block of 32 as llama.cpp does ({cpu_native.q8_0_variant()}"
+            return (f"native Q8_0 x Q8_0 GEMV, x quantized per block of 32 as llama.cpp does ({cpu_quantized.q8_0_variant()}"
                     ", kernels/cpu_gemv_int8.c)")
         if kind == "q5_0":
             return (f"native Q5_0 x Q8_0 GEMV, the weight 5 bits a value, x quantized per block of 32 as llama.cpp "
-                    f"does ({cpu_native.q8_0_variant()}, kernels/cpu_gemv_int8.c)")
+                    f"does ({cpu_quantized.q8_0_variant()}, kernels/cpu_gemv_int8.c)")
         if kind == "w8a8" and w8a8_kernel():
-            variant = cpu_native.w8a8_variant()
+            variant = cpu_quantized.w8a8_variant()
             return f"native int8 GEMM, x quantized per token on entry ({variant}, kernels/cpu_gemm_w8a8.c)"
         if kind == "int4_blocks":
-            variant = cpu_native.gemv_int4_variant()
+            variant = cpu_quantized.gemv_int4_variant()
             how = "; bfloat16 x by vdpbf16ps" if variant == "avx512bf16" else ""
             return f"native int4 GEMV ({variant}{how}, kernels/cpu_gemv_int4.c)"
         return _OPS[kind]
@@ -343,9 +343,9 @@ def make_int4(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
             zero_point = zero_point.reshape(n, 1).expand(n, k // group_size)
     if zero_point is not None and mins is not None:
         raise ValueError("make_int4: a weight has zero points or mins, not both")
-    if group_size % cpu_native.INT4_CHUNK == 0 and int8_blocks_kernel():
+    if group_size % cpu_quantized.INT4_CHUNK == 0 and int8_blocks_kernel():
         zeros = None if zero_point is None else (8 + zero_point.to(torch.float32)).contiguous()
-        return QuantizedLinear("int4_blocks", n, k, cpu_native.pack_int4_blocks((q + 8).to(torch.uint8)),
+        return QuantizedLinear("int4_blocks", n, k, cpu_quantized.pack_int4_blocks((q + 8).to(torch.uint8)),
                                scale.to(torch.float32).contiguous(), group_size, nibble_zeros=zeros,
                                nibble_mins=None if mins is None else mins.to(torch.float32).contiguous(),
                                input_order=input_order)
@@ -369,10 +369,10 @@ def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
         return QuantizedLinear("int8", n, k, q.contiguous(), s.reshape(n).to(dtype).contiguous(), 0,
                                None if correction is None else correction.reshape(n).to(dtype), input_order=input_order)
     if zero_point is None and group_size % 16 == 0 and int8_blocks_kernel():
-        q8_0 = q8_0 and group_size == cpu_native.Q8_0_BLOCK and torch.equal(s.half().float(), s)  # Q8_0's are float16
-        if q8_0 and k % cpu_native.Q5_0_CHUNK == 0:
+        q8_0 = q8_0 and group_size == cpu_quantized.Q8_0_BLOCK and torch.equal(s.half().float(), s)  # Q8_0's are float16
+        if q8_0 and k % cpu_quantized.Q5_0_CHUNK == 0:
             five = int(q.min()) >= -16 and int(q.max()) <= 15
-            pack = cpu_native.pack_q5_0 if five else cpu_native.pack_q8_0_tiles
+            pack = cpu_quantized.pack_q5_0 if five else cpu_quantized.pack_q8_0_tiles
             return QuantizedLinear("q5_0" if five else "q8_0", n, k, pack(q.contiguous()), s.half().contiguous(),
                                    group_size, input_order=input_order)
         return QuantizedLinear("int8_blocks", n, k, q.contiguous(), (s.half() if q8_0 else s).contiguous(), group_size,
@@ -389,7 +389,7 @@ def make_w8a8(q: torch.Tensor, scale: torch.Tensor) -> QuantizedLinear:
     the weight packed in its panels, else torch._int_mm's right operand."""
     n, k = q.shape
     if w8a8_kernel():
-        panels, sums = cpu_native.pack_w8a8_weight(q)
+        panels, sums = cpu_quantized.pack_w8a8_weight(q)
         return QuantizedLinear("w8a8", n, k, panels, scale.reshape(n).to(torch.float32).contiguous(), w8a8_sums=sums)
     return QuantizedLinear("w8a8", n, k, q.t().contiguous(), scale.reshape(1, n).to(torch.float32).contiguous())
 
