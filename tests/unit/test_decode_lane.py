@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.decode_lane import RING
 from pagedserve.scheduler_proc.scheduler import Scheduler
@@ -145,6 +147,38 @@ def test_a_decode_batch_once_sent_is_never_changed_by_later_steps():
         sent.append((out.decodes, list(out.decodes.req_ids), outputs, list(outputs.token_request_ids)))
     for decodes, ids, outputs, token_ids in sent:  # lane members finished and left in between
         assert decodes.req_ids == ids and outputs.token_request_ids == token_ids
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-turn", "scheduled-ahead"])
+def test_blocks_filled_side_by_side_are_each_named_by_their_own_tokens(ahead):
+    # Many lane members fill a block in the same step (named together from the ring), some just
+    # after entering (named per object in that same step), with and without a step out ahead
+    # (the block that filled is then the one before the tail). Each follow-up turn must hit
+    # every block its own first turn filled, and the worker checks the KV it attends over.
+    sched, worker = make(block_size=4, num_gpu_blocks=1024, max_num_seqs=32, enable_prefix_caching=True)
+    prompts = {f"a{i}": [100 + 20 * i + j for j in range(5 + i % 3)] for i in range(10)}
+    arrivals = {step: [f"a{i}" for i in range(10) if i % 4 == step] for step in range(4)}
+    # Late arrivals as long as the early ones are by then: an entry must not disturb the key
+    # chain of the members already there (the same number of blocks named).
+    prompts.update({f"b{i}": [900 + 30 * i + j for j in range(14 + i)] for i in range(8)})
+    arrivals[12] = [f"b{i}" for i in range(8)]
+    answers_len = {rid: RING + 9 + int(rid[1:]) for rid in prompts}
+
+    def arrive(step):
+        for rid in arrivals.get(step, []):
+            sched.add_request(request(rid, prompts[rid], max_tokens=answers_len[rid], ignore_eos=True))
+
+    arrive(0)
+    steps = iter(range(1, 10_000))
+    answers = outputs_by_sample(run_until_done(sched, worker, ahead=ahead,
+                                               on_step=lambda *_: arrive(next(steps))))
+    for rid, prompt in prompts.items():
+        assert len(answers[(rid, 0)]) == answers_len[rid]
+        follow_up = prompt + answers[(rid, 0)] + [21, 22, 23]
+        sched.add_request(request("turn-2-" + rid, follow_up, max_tokens=1, ignore_eos=True))
+        cached = next(d.num_cached_tokens for d in run_until_done(sched, worker) if d.request_id == "turn-2-" + rid)
+        assert cached == (len(follow_up) - 4) // 4 * 4, rid
+    assert_all_blocks_free(sched)
 
 
 # The random-workload property test lives in test_scheduler_workload_properties.py (hypothesis strategies).
