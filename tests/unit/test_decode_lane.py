@@ -12,7 +12,7 @@ from pagedserve.scheduler_proc.decode_lane import RING
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
 from support.scheduler_sim import (
-    EOS, SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done,
+    EOS, SimWorker, StepDriver, assert_all_blocks_free, counting_tokens, request, run_until_done,
 )
 
 
@@ -178,6 +178,43 @@ def test_blocks_filled_side_by_side_are_each_named_by_their_own_tokens(ahead):
         sched.add_request(request("turn-2-" + rid, follow_up, max_tokens=1, ignore_eos=True))
         cached = next(d.num_cached_tokens for d in run_until_done(sched, worker) if d.request_id == "turn-2-" + rid)
         assert cached == (len(follow_up) - 4) // 4 * 4, rid
+    assert_all_blocks_free(sched)
+
+
+def test_an_abort_while_two_steps_are_out_lands_both_results_on_the_sequences_left():
+    # Members that entered while a step was out are in the step ahead only: aborting one of them
+    # (not the newest: the newest moves into its place) must redirect the result of the step
+    # ahead too, or the moved sequence gets the aborted one's token.
+    sched, worker = make(block_size=4, num_gpu_blocks=256, max_num_seqs=16)
+    driver = StepDriver(sched, worker, ahead=True)
+    prompts = {f"r{i}": list(range(10, 13 + i)) for i in range(3)}
+    prompts.update({f"n{i}": list(range(20, 26 + 2 * i)) for i in range(3)})
+    aborted = []
+
+    def abort_one_that_only_the_step_ahead_holds(out):
+        if aborted or len(driver.pending) != 1:
+            return
+        held_by_first = len(driver.pending[0].decodes.req_ids)
+        if len(out.decodes.req_ids) > held_by_first + 1:
+            aborted.append(out.decodes.req_ids[held_by_first])
+            sched.abort_requests(aborted)
+
+    driver.on_schedule = abort_one_that_only_the_step_ahead_holds
+    for rid in ("r0", "r1", "r2"):
+        sched.add_request(request(rid, prompts[rid], max_tokens=12, ignore_eos=True))
+    deltas = []
+    for step in range(200):
+        if step == 3:
+            for rid in ("n0", "n1", "n2"):
+                sched.add_request(request(rid, prompts[rid], max_tokens=12, ignore_eos=True))
+        if not driver.busy():
+            break
+        deltas.extend(driver.step()[2])
+    assert len(aborted) == 1 and aborted[0].startswith("n")
+    samples = outputs_by_sample(deltas)
+    for rid, prompt in prompts.items():
+        if rid not in aborted:
+            assert samples[(rid, 0)] == [1000 + len(prompt) + i for i in range(12)], rid
     assert_all_blocks_free(sched)
 
 
