@@ -17,7 +17,7 @@ from support.scheduler_sim import (
 
 
 def make(**overrides) -> tuple[Scheduler, SimWorker]:
-    config = SchedulerConfig(debug_invariants=True, **overrides)
+    config = SchedulerConfig(**{"debug_invariants": True, **overrides})
     return Scheduler(config), SimWorker(config, counting_tokens())
 
 
@@ -217,5 +217,75 @@ def test_an_abort_while_two_steps_are_out_lands_both_results_on_the_sequences_le
             assert samples[(rid, 0)] == [1000 + len(prompt) + i for i in range(12)], rid
     assert_all_blocks_free(sched)
 
+
+def test_a_steady_decode_read_after_its_ring_wrapped_twice_shows_every_token():
+    # A position is flushed every RING results: from the second time on the ring holds exactly
+    # RING unflushed tokens, the whole row wrapped around. (The invariant checks read every
+    # sequence's tokens each step, flushing the ring: off here.)
+    sched, worker = make(block_size=4, num_gpu_blocks=512, debug_invariants=False)
+    for i in range(3):
+        sched.add_request(request(f"r{i}", list(range(7, 10 + i)), max_tokens=3 * RING, ignore_eos=True))
+    steps = 2 * RING + 5
+    for _ in range(steps):
+        out = sched.schedule()
+        sched.update_from_output(out, worker.step(out))
+    for seq in sched.running_sequences():
+        prompt = list(range(7, 10 + int(seq.request_id[1:])))
+        assert list(seq.token_ids) == prompt + [1000 + len(prompt) + i for i in range(steps)], seq.request_id
+        assert seq.num_kv_tokens == len(seq.token_ids) - 1
+
+
+def test_a_sequence_cannot_leave_the_lane_while_a_step_out_computes_its_token():
+    # Its token would be dropped: the lane refuses loudly, naming it (the scheduler waits instead).
+    sched, worker = make(block_size=4, num_gpu_blocks=64)
+    sched.add_request(request("r", [7, 8, 9], max_tokens=20, ignore_eos=True))
+    for _ in range(2):
+        out = sched.schedule()
+        sched.update_from_output(out, worker.step(out))
+    [seq] = sched.running_sequences()
+    sched.schedule()
+    with pytest.raises(RuntimeError, match=f"{seq.seq_id} left the decode lane while a batch out"):
+        seq.lane.leave(seq)
+
+
+def test_a_step_goes_ahead_when_free_blocks_cover_the_steady_decodes_however_many_seats_are_empty():
+    # Only the lane's members can ask for a block: its empty seats count for nothing.
+    sched, worker = make(block_size=4, num_gpu_blocks=16, max_num_seqs=64)
+    for i in range(2):
+        sched.add_request(request(f"r{i}", [7, 8, 9], max_tokens=10, ignore_eos=True))
+    driver = StepDriver(sched, worker, ahead=True)
+    deltas = []
+    while driver.busy():
+        deltas.extend(driver.step()[2])
+    assert driver.steps_ahead >= 5
+    assert all(tokens == [1003 + i for i in range(10)] for tokens in outputs_by_sample(deltas).values())
+    assert_all_blocks_free(sched)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-turn", "scheduled-ahead"])
+@pytest.mark.parametrize("seed", range(10))
+def test_sequences_moved_by_ends_keep_every_token_through_ring_flushes(ahead, seed):
+    # Ends move the newest member into the gap, where the flush schedule is another one's: a
+    # moved sequence must still be flushed before the ring wraps onto its oldest token (with a
+    # step ahead out too, when the result lands through the rewritten positions). No invariant
+    # checks: they read, and so flush, every sequence each step.
+    sched, worker = make(block_size=4, num_gpu_blocks=1024, max_num_seqs=32, debug_invariants=False)
+    rng = random.Random(seed)
+    prompts = {}
+    for i in range(24):
+        prompts[f"r{i}"] = list(range(5, 8 + rng.randrange(9)))
+        lasting = i % 3 == 0
+        sched.add_request(request(f"r{i}", prompts[f"r{i}"], ignore_eos=True,
+                                  max_tokens=4 * RING if lasting else rng.randrange(RING // 2, 3 * RING)))
+    driver = StepDriver(sched, worker, ahead=ahead)
+    for _ in range(3 * RING):
+        driver.step()
+    running = sched.running_sequences()
+    assert len(running) >= 8
+    for seq in running:
+        prompt = prompts[seq.request_id]
+        generated = len(seq.token_ids) - len(prompt)
+        assert generated > RING
+        assert list(seq.token_ids) == prompt + [1000 + len(prompt) + i for i in range(generated)], seq.request_id
 
 # The random-workload property test lives in test_scheduler_workload_properties.py (hypothesis strategies).
