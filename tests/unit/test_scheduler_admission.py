@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.scheduler_proc.admission import length_limit, rejection_reason
+import msgspec
+
+from pagedserve.protocol.messages import LoRAAdapter
+from pagedserve.protocol.sampling_params import StructuredOutputs
+from pagedserve.scheduler_proc.admission import NewRequestVerdict, judge_new, length_limit, rejection_reason
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
@@ -71,6 +75,61 @@ def test_field_ranges_and_the_vocabulary_are_checked_with_the_field_named():
     assert rejection_reason(request("r", [1, 2], max_tokens=2, min_tokens=3), config()).startswith("min_tokens:")
     assert rejection_reason(request("r", [1, 99]), config(vocab_size=99)).startswith("prompt_token_ids:")
     assert rejection_reason(request("r", [1, 98]), config(vocab_size=99)) is None
+
+
+def judge(msg, cfg=None, in_use=(), grammars=None, num_waiting=0, adapters=None):
+    return judge_new(msg, cfg or config(), set(in_use), grammars, num_waiting, adapters or {})
+
+
+def test_a_request_id_already_in_use_is_refused_naming_the_id():
+    assert judge(request("r", [1, 2]), in_use=["other"]) == NewRequestVerdict()
+    assert judge(request("r", [1, 2]), in_use=["r"]) == NewRequestVerdict("request id 'r' is already in use")
+
+
+def test_a_lora_adapter_is_accepted_only_when_registered():
+    adapters = {"mine": LoRAAdapter(name="mine", lora_id=1, path="/nowhere", digest="d")}
+    cfg = config(enable_lora=True)
+    assert judge(msgspec.structs.replace(request("r", [1, 2]), lora_name="mine"), cfg, adapters=adapters).reason is None
+    verdict = judge(msgspec.structs.replace(request("r", [1, 2]), lora_name="theirs"), cfg, adapters=adapters)
+    assert verdict.kind == "invalid_request" and verdict.reason.startswith("LoRA adapter 'theirs' is not loaded")
+
+
+class CompilingCache:
+    """Stands in for the grammar cache (grammar_cache.py), which needs a model's tokenizer."""
+
+    def compile(self, spec):
+        return ("compiled", spec.regex)
+
+
+def test_a_grammar_is_compiled_on_arrival_and_refused_where_no_cache_can_compile_it():
+    msg = request("r", [1, 2], structured_outputs=StructuredOutputs(regex="a+"))
+    assert judge(msg, grammars=CompilingCache()) == NewRequestVerdict(compiled=("compiled", "a+"))
+    refused = judge(msg, grammars=None)
+    assert refused.kind == "invalid_request"
+    assert refused.reason.startswith("structured_outputs: structured output is not available")
+
+
+def test_new_requests_are_shed_as_overloaded_once_the_waiting_queue_reaches_its_limit():
+    cfg = config(max_waiting_requests=2)
+    assert judge(request("r", [1, 2]), cfg, num_waiting=1) == NewRequestVerdict()
+    assert judge(request("r", [1, 2]), cfg, num_waiting=2) == NewRequestVerdict(
+        "the server is overloaded: 2 requests are waiting, the limit is 2 (--max-waiting-requests); "
+        "retry later", "overloaded")
+    assert judge(request("r", [1, 2]), config(), num_waiting=10**6) == NewRequestVerdict()
+
+
+def test_a_request_that_can_never_be_served_is_refused_before_load_shedding():
+    verdict = judge(request("r", list(range(33))), config(max_waiting_requests=1), num_waiting=5)
+    assert verdict.kind == "invalid_request" and verdict.reason.startswith("the prompt has 33 tokens")
+
+
+def test_a_refusal_ends_each_parallel_sample_or_one_delta_when_n_is_out_of_range():
+    verdict = NewRequestVerdict("why", "overloaded")
+    deltas = verdict.error_deltas(request("r", [1, 2, 3], n=4), max_num_seqs=4)
+    assert [(d.request_id, d.index, d.new_token_ids, d.finish_reason, d.error, d.error_kind, d.num_prompt_tokens)
+            for d in deltas] == [("r", i, [], "error", "why", "overloaded", 3) for i in range(4)]
+    assert [d.index for d in verdict.error_deltas(request("r", [1], n=5), max_num_seqs=4)] == [0]
+    assert [d.index for d in verdict.error_deltas(request("r", [1], n=1), max_num_seqs=4)] == [0]
 
 
 def scheduler(**overrides) -> tuple[Scheduler, SimWorker]:
