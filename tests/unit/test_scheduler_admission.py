@@ -217,3 +217,43 @@ def test_the_last_token_of_the_step_budget_admits_a_one_token_chunk():
     sched.update_from_output(out, worker.step(out))
     run_until_done(sched, worker)
     assert_all_blocks_free(sched)
+
+
+def test_a_request_for_prompt_logprobs_computes_its_whole_prompt_though_it_is_cached():
+    prompt = list(range(100, 108)) + [7]  # two full blocks cached by the first request
+    sched, worker = scheduler(enable_prefix_caching=True)
+    sched.add_request(request("first", prompt, max_tokens=1))
+    run_until_done(sched, worker)
+    sched.add_request(request("cached", prompt, max_tokens=1))
+    sched.add_request(request("logprobs", prompt, max_tokens=1, prompt_logprobs=0))
+    out = sched.schedule()
+    assert sorted((r.req_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in out.new_requests) == [
+        ("cached", 8, 1), ("logprobs", 0, 9)]
+
+
+@pytest.mark.parametrize("pooling, cached", [("mean", 0), ("last", 8)])
+def test_a_mean_pooled_embedding_computes_its_whole_prompt_and_a_last_token_one_reuses_the_cache(pooling, cached):
+    prompt = list(range(100, 108)) + [7]
+    sched, worker = scheduler(enable_prefix_caching=True)
+    sched.add_request(request("first", prompt, max_tokens=1))
+    run_until_done(sched, worker)
+    sched.add_request(msgspec.structs.replace(request("embed", prompt, max_tokens=1), pooling=pooling))
+    out = sched.schedule()
+    assert [(r.req_id, r.num_computed_tokens) for r in out.new_requests] == [("embed", cached)]
+
+
+def test_parallel_samples_that_fork_at_admission_wait_until_each_sample_has_its_first_block():
+    prompt = list(range(100, 108)) + [7]  # prompt[:-1]: two cached blocks; three samples need three more
+    sched, worker = scheduler(enable_prefix_caching=True, num_gpu_blocks=6, max_num_seqs=4)
+    sched.add_request(request("first", prompt, max_tokens=1))
+    run_until_done(sched, worker)
+    sched.add_request(request("one", [1, 2, 3], max_tokens=2))
+    out = sched.schedule()
+    deltas = list(sched.update_from_output(out, worker.step(out)))
+    sched.add_request(request("many", prompt, max_tokens=2, n=3))
+    out = sched.schedule()  # 2 hits + 3 blocks + 1 kept for "one" to grow into: 6, but "one" holds one
+    assert [r.req_id for r in out.new_requests] == []
+    deltas += list(sched.update_from_output(out, worker.step(out))) + run_until_done(sched, worker)
+    many = tokens_by_sample(d for d in deltas if d.request_id == "many")
+    assert sorted(many) == [0, 1, 2] and all(len(t) == 2 for t in many.values())
+    assert_all_blocks_free(sched)
