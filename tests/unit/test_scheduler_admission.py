@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.scheduler_proc.admission import length_limit, rejection_reason
+import msgspec
+
+from pagedserve.protocol.messages import LoRAAdapter
+from pagedserve.protocol.sampling_params import StructuredOutputs
+from pagedserve.scheduler_proc.admission import NewRequestVerdict, judge_new, length_limit, rejection_reason
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.scheduler import Scheduler
 
@@ -71,6 +75,61 @@ def test_field_ranges_and_the_vocabulary_are_checked_with_the_field_named():
     assert rejection_reason(request("r", [1, 2], max_tokens=2, min_tokens=3), config()).startswith("min_tokens:")
     assert rejection_reason(request("r", [1, 99]), config(vocab_size=99)).startswith("prompt_token_ids:")
     assert rejection_reason(request("r", [1, 98]), config(vocab_size=99)) is None
+
+
+def judge(msg, cfg=None, in_use=(), grammars=None, num_waiting=0, adapters=None):
+    return judge_new(msg, cfg or config(), set(in_use), grammars, num_waiting, adapters or {})
+
+
+def test_a_request_id_already_in_use_is_refused_naming_the_id():
+    assert judge(request("r", [1, 2]), in_use=["other"]) == NewRequestVerdict()
+    assert judge(request("r", [1, 2]), in_use=["r"]) == NewRequestVerdict("request id 'r' is already in use")
+
+
+def test_a_lora_adapter_is_accepted_only_when_registered():
+    adapters = {"mine": LoRAAdapter(name="mine", lora_id=1, path="/nowhere", digest="d")}
+    cfg = config(enable_lora=True)
+    assert judge(msgspec.structs.replace(request("r", [1, 2]), lora_name="mine"), cfg, adapters=adapters).reason is None
+    verdict = judge(msgspec.structs.replace(request("r", [1, 2]), lora_name="theirs"), cfg, adapters=adapters)
+    assert verdict.kind == "invalid_request" and verdict.reason.startswith("LoRA adapter 'theirs' is not loaded")
+
+
+class CompilingCache:
+    """Stands in for the grammar cache (grammar_cache.py), which needs a model's tokenizer."""
+
+    def compile(self, spec):
+        return ("compiled", spec.regex)
+
+
+def test_a_grammar_is_compiled_on_arrival_and_refused_where_no_cache_can_compile_it():
+    msg = request("r", [1, 2], structured_outputs=StructuredOutputs(regex="a+"))
+    assert judge(msg, grammars=CompilingCache()) == NewRequestVerdict(compiled=("compiled", "a+"))
+    refused = judge(msg, grammars=None)
+    assert refused.kind == "invalid_request"
+    assert refused.reason.startswith("structured_outputs: structured output is not available")
+
+
+def test_new_requests_are_shed_as_overloaded_once_the_waiting_queue_reaches_its_limit():
+    cfg = config(max_waiting_requests=2)
+    assert judge(request("r", [1, 2]), cfg, num_waiting=1) == NewRequestVerdict()
+    assert judge(request("r", [1, 2]), cfg, num_waiting=2) == NewRequestVerdict(
+        "the server is overloaded: 2 requests are waiting, the limit is 2 (--max-waiting-requests); "
+        "retry later", "overloaded")
+    assert judge(request("r", [1, 2]), config(), num_waiting=10**6) == NewRequestVerdict()
+
+
+def test_a_request_that_can_never_be_served_is_refused_before_load_shedding():
+    verdict = judge(request("r", list(range(33))), config(max_waiting_requests=1), num_waiting=5)
+    assert verdict.kind == "invalid_request" and verdict.reason.startswith("the prompt has 33 tokens")
+
+
+def test_a_refusal_ends_each_parallel_sample_or_one_delta_when_n_is_out_of_range():
+    verdict = NewRequestVerdict("why", "overloaded")
+    deltas = verdict.error_deltas(request("r", [1, 2, 3], n=4), max_num_seqs=4)
+    assert [(d.request_id, d.index, d.new_token_ids, d.finish_reason, d.error, d.error_kind, d.num_prompt_tokens)
+            for d in deltas] == [("r", i, [], "error", "why", "overloaded", 3) for i in range(4)]
+    assert [d.index for d in verdict.error_deltas(request("r", [1], n=5), max_num_seqs=4)] == [0]
+    assert [d.index for d in verdict.error_deltas(request("r", [1], n=1), max_num_seqs=4)] == [0]
 
 
 def scheduler(**overrides) -> tuple[Scheduler, SimWorker]:
@@ -157,4 +216,44 @@ def test_the_last_token_of_the_step_budget_admits_a_one_token_chunk():
     assert sorted((r.req_id, r.num_scheduled_tokens) for r in out.new_requests) == [("ahead", 3), ("next", 1)]
     sched.update_from_output(out, worker.step(out))
     run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
+
+
+def test_a_request_for_prompt_logprobs_computes_its_whole_prompt_though_it_is_cached():
+    prompt = list(range(100, 108)) + [7]  # two full blocks cached by the first request
+    sched, worker = scheduler(enable_prefix_caching=True)
+    sched.add_request(request("first", prompt, max_tokens=1))
+    run_until_done(sched, worker)
+    sched.add_request(request("cached", prompt, max_tokens=1))
+    sched.add_request(request("logprobs", prompt, max_tokens=1, prompt_logprobs=0))
+    out = sched.schedule()
+    assert sorted((r.req_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in out.new_requests) == [
+        ("cached", 8, 1), ("logprobs", 0, 9)]
+
+
+@pytest.mark.parametrize("pooling, cached", [("mean", 0), ("last", 8)])
+def test_a_mean_pooled_embedding_computes_its_whole_prompt_and_a_last_token_one_reuses_the_cache(pooling, cached):
+    prompt = list(range(100, 108)) + [7]
+    sched, worker = scheduler(enable_prefix_caching=True)
+    sched.add_request(request("first", prompt, max_tokens=1))
+    run_until_done(sched, worker)
+    sched.add_request(msgspec.structs.replace(request("embed", prompt, max_tokens=1), pooling=pooling))
+    out = sched.schedule()
+    assert [(r.req_id, r.num_computed_tokens) for r in out.new_requests] == [("embed", cached)]
+
+
+def test_parallel_samples_that_fork_at_admission_wait_until_each_sample_has_its_first_block():
+    prompt = list(range(100, 108)) + [7]  # prompt[:-1]: two cached blocks; three samples need three more
+    sched, worker = scheduler(enable_prefix_caching=True, num_gpu_blocks=6, max_num_seqs=4)
+    sched.add_request(request("first", prompt, max_tokens=1))
+    run_until_done(sched, worker)
+    sched.add_request(request("one", [1, 2, 3], max_tokens=2))
+    out = sched.schedule()
+    deltas = list(sched.update_from_output(out, worker.step(out)))
+    sched.add_request(request("many", prompt, max_tokens=2, n=3))
+    out = sched.schedule()  # 2 hits + 3 blocks + 1 kept for "one" to grow into: 6, but "one" holds one
+    assert [r.req_id for r in out.new_requests] == []
+    deltas += list(sched.update_from_output(out, worker.step(out))) + run_until_done(sched, worker)
+    many = tokens_by_sample(d for d in deltas if d.request_id == "many")
+    assert sorted(many) == [0, 1, 2] and all(len(t) == 2 for t in many.values())
     assert_all_blocks_free(sched)
