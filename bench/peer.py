@@ -66,6 +66,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pagedserve-gguf", action="store_true",
                    help="pagedserve serves llama-server's own GGUF file (--llamacpp-type) instead of the model "
                         "directory: the same bytes for both engines")
+    p.add_argument("--pagedserve-model",
+                   help="pagedserve serves this directory instead: its own checkpoint of the same weights (for "
+                        "example quant_bench.py's W4A16 of the shape), against llama-server's --llamacpp-type file")
     p.add_argument("--vllm-python", help=f"the python of vLLM's own venv (default: ${VLLM_PYTHON_ENV})")
     p.add_argument("--vllm-memory-utilization", type=float, default=VLLM_MEMORY_UTILIZATION,
                    help="vLLM's --gpu-memory-utilization: on a CPU, the share of RAM it reserves")
@@ -236,7 +239,7 @@ def _servers(ns: argparse.Namespace, model: str, device: str, concurrency: int) 
     """Per engine, what BenchServer needs: the command for a port, and how it is started."""
     dtype = ("--dtype", ns.dtype) if ns.dtype != "auto" else ()
     slot = ns.input_len[1] + ns.output_len + 16  # llama-server splits its context over its slots
-    ours = str(ns.gguf) if ns.pagedserve_gguf else model
+    ours = str(ns.gguf) if ns.pagedserve_gguf else ns.pagedserve_model or model
     return {"pagedserve": dict(command=lambda port: pagedserve_command(
                 ours, port, ("--device", device, *dtype, *shlex.split(ns.pagedserve_args)))),
             "transformers": dict(command=lambda port: transformers_command(model, port, device, ns.dtype)),
@@ -248,6 +251,8 @@ def _servers(ns: argparse.Namespace, model: str, device: str, concurrency: int) 
 
 def main(ns: argparse.Namespace) -> int:
     engines = parse_engines(ns.engines)
+    if ns.pagedserve_gguf and ns.pagedserve_model:
+        raise SystemExit("--pagedserve-gguf and --pagedserve-model each choose what pagedserve serves: give one")
     ns.vllm_python = resolve_vllm_python(engines, ns.vllm_python)
     sampling = bench_sampling(ns, engines)
     model = ns.model or str(ensure_shape_model(SHAPES[ns.shape]) if ns.shape else ensure_llama_model())
@@ -265,6 +270,8 @@ def main(ns: argparse.Namespace) -> int:
           f"({'text' if as_text else 'token ids'}), {ns.output_len} output tokens, "
           f"{'/'.join(map(str, ns.max_concurrency))} concurrent, {ns.runs} runs per engine, "
           f"dtype {ns.dtype}, {device}, {sampling_label(sampling)}; {cpu_label()}")
+    if ns.pagedserve_gguf or ns.pagedserve_model:
+        print(f"pagedserve serves {ns.gguf if ns.pagedserve_gguf else ns.pagedserve_model}")
     runs: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="pagedserve-bench-peer-") as logs:
         for concurrency in ns.max_concurrency:

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "cpu_gemv_rows.h"
+#include "cpu_tiles.h"
 
 #define INT8_GEMV_MAX_ROWS 8
 #define INT8_PARALLEL_MIN_MACS (1 << 17)
@@ -246,15 +247,8 @@ static inline __attribute__((always_inline)) void q8_reduce(__m512 acc[8][8], co
 }
 #endif
 
-/* A weight in tiles (gemv_q8_0_tiles, gemv_q5_0): rows in tiles of 8, the tile's runs of the same 64 inputs side by
- * side (run_bytes each), so a block of 8 rows is one stream the prefetchers follow; row-major, 8 rows are 8 short
- * streams (896 bytes at 896 inputs) and a cold Q8_0 gate_up ran at 8-9 GB/s on one thread, tiled (Q5_0) at 13-16
- * (bench/log). Row jr's first run: */
-#define TILE_ROWS 8
+/* A weight in tiles (gemv_q8_0_tiles, gemv_q5_0): cpu_tiles.h. */
 #define TILE_PREFETCH_BYTES 4096
-static inline const uint8_t *tile_row(const uint8_t *w, const int64_t jr, const int64_t ldw, const int run_bytes) {
-    return w + jr / TILE_ROWS * TILE_ROWS * ldw + jr % TILE_ROWS * run_bytes;
-}
 
 /* sums[r * M + i] = x[i] . W[j + r] for R rows of the weight (row-major at row stride ldq, or in tiles: ``tiled``;
  * scales at row stride lds from row j's). */
@@ -381,7 +375,6 @@ int gemv_q8_0_tiles(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k
  * int32 is the block's exact sum of v * xq, scaled as above: the outputs equal gemv_q8_0's on the same values,
  * bit for bit. A few more instructions a 64 inputs (the nibbles' shift, insert and mask; the fifth bits added
  * under a mask) for 35% fewer bytes. Rows in tiles of 8, as gemv_q8_0_tiles'. */
-#define Q5_CHUNK_BYTES 40
 
 static inline __attribute__((always_inline)) void block_q5(const q8_x *restrict s, const uint8_t *restrict w,
                                                            const int64_t j, const int64_t ldw, const uint16_t *restrict w_scale,
@@ -437,7 +430,6 @@ static inline __attribute__((always_inline)) void block_q5(const q8_x *restrict 
 }
 
 #define Q5_ROWS(M, j, rows, sums) block_q5(&s, w, j, ldw, w_scale + (j) * lds, lds, k, M, rows, sums)
-#define Q5_ROW_BYTES(k) ((k) / 64 * Q5_CHUNK_BYTES)
 #define DEFINE_Q5_M(M) DEFINE_Q8_FORM_M(gemv_q5, Q5_ROWS, Q5_ROW_BYTES, M)
 DEFINE_Q5_M(1) DEFINE_Q5_M(2) DEFINE_Q5_M(3) DEFINE_Q5_M(4)
 DEFINE_Q5_M(5) DEFINE_Q5_M(6) DEFINE_Q5_M(7) DEFINE_Q5_M(8)

@@ -224,6 +224,40 @@ def gemv_int4_variant(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
     return None if lib is None else lib.gemv_int4_variant().decode()
 
 
+# dequantize()'s formats, as cpu_dequantize.c numbers them: each a QuantizedLinear kind, and its packed weight's shape
+DEQUANTIZE_FORMATS = {"int8_blocks": 0, "q8_0": 1, "q5_0": 2, "int4_blocks": 3}
+
+
+def _packed_shape(kind: str, n: int, k: int) -> tuple[int, int]:
+    tiled = -(-n // _TILE_ROWS) * _TILE_ROWS
+    return {"int8_blocks": (n, k), "q8_0": (tiled, k), "q5_0": (tiled, k // Q5_0_CHUNK * _Q5_0_CHUNK_BYTES),
+            "int4_blocks": (n, k // 2)}[kind]
+
+
+def dequantize(kind: str, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
+               dtype: torch.dtype, zeros: Optional[torch.Tensor] = None, mins: Optional[torch.Tensor] = None,
+               lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """A packed weight of ``kind`` (DEQUANTIZE_FORMATS: the layouts above) as [n, k] ``dtype``, the values torch's
+    ops make from its integers (q * scale, or (nibble - z) * scale, or nibble * scale - min, in float32, then one
+    rounding), in one pass (kernels/cpu_dequantize.c). ``scales`` [n, k / group] float32 or float16 (Q8_0's, Q5_0's);
+    ``zeros`` (8 + zero point) or ``mins`` [n, k / group] float32, int4_blocks only."""
+    groups = (n, k // group) if group > 0 and k % group == 0 else None
+    if (kind not in DEQUANTIZE_FORMATS or groups is None or tuple(weight.shape) != _packed_shape(kind, n, k)
+            or scales.shape != groups or scales.dtype not in (torch.float32, torch.float16) or dtype not in GEMV_OUT_KIND
+            or any(t is not None and (t.dtype != torch.float32 or t.shape != groups) for t in (zeros, mins))):
+        raise ValueError(f"dequantize: a {kind} weight of [{n}, {k}] in groups of {group} does not match its tensors")
+    out = torch.empty(n, k, dtype=dtype)
+    status = (lib or cpu_native.library()).dequantize_weight(
+        DEQUANTIZE_FORMATS[kind], weight.contiguous().data_ptr(), scales.contiguous().data_ptr(),
+        int(scales.dtype == torch.float16), None if zeros is None else zeros.contiguous().data_ptr(),
+        None if mins is None else mins.contiguous().data_ptr(), group, n, k, out.data_ptr(), GEMV_OUT_KIND[dtype])
+    if status == -2:
+        raise MemoryError("dequantize: no memory for a row buffer")
+    if status:
+        raise ValueError(f"dequantize: the kernel refused a {kind} weight of [{n}, {k}] in groups of {group}")
+    return out
+
+
 W8A8_PANEL = 16  # cpu_gemm_w8a8.c: a packed W8A8 weight's output columns per panel, 4 inputs per int32 lane
 # x's and the result's dtype as cpu_gemm_w8a8.c names them (out_kind 3: the int32 sums, for the tests)
 _W8A8_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int32: 3}

@@ -47,7 +47,9 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
 From ``DEQUANTIZE_MIN_ROWS`` rows (16-128 in half precision: prefill chunks; every row in float32,
 where torch's int ops have no vectorized path) a weight-only layer instead multiplies a dequantized copy
 of its weight made for the call and freed after it (F.linear: oneDNN or oneMKL GEMM), since torch's
-int ops above run a row at a time. At most one layer's weight is ever held in float, for one call.
+int ops above run a row at a time, and the native kernels take 8 rows a pass over the weight. The native
+layouts are dequantized in one pass over the weight (kernels/cpu_dequantize.c), the others by torch's ops.
+At most one layer's weight is ever held in float, for one call.
 Each has its plain-torch reference (``reference``), the test oracle.
 
 A GPTQ checkpoint in activation order (``desc_act``) has its weight's inputs put in group order at load
@@ -134,6 +136,9 @@ class QuantizedLinear:
         """The weight [out, in] in ``dtype``, made for one call and freed after it: q * scale (+ zero),
         per group, the products compressed-tensors' dequantize makes (float32: the same values)."""
         n, k, g = self.out_features, self.in_features, self.group_size
+        if self.kind in cpu_quantized.DEQUANTIZE_FORMATS and cpu_native.library() is not None:  # one pass
+            return cpu_quantized.dequantize(self.kind, self.weight, self.scales, n, k, g, dtype, zeros=self.nibble_zeros,
+                                            mins=self.nibble_mins)
         if self.kind == "int4":
             scale, zero = self.scales[..., 0].t().to(dtype), self.scales[..., 1].t().to(dtype)
             signed = _unpack_int4pack(self.weight, n, k).to(dtype).sub_(8).view(n, k // g, g)
@@ -210,13 +215,16 @@ class QuantizedStack:
 # 64, 94 / 68 at 256; int8 in groups (an op call per group) 10.9 / 9.1 at 16
 # (bench/scripts/quant_bench.py). float32 has no vectorized int op at all (int8 22 ms at one row,
 # 4.1 s at 256; dequantized 21 ms and 178 ms), so it always dequantizes.
-# int8_blocks: the native kernel, 8 rows a pass, up to 48 rows (one thread, 0.5B, in process: gate_up 9728 x 896
-# at 32 rows 3.8 ms against 18 ms dequantized, at 64 rows 7.7 against 11; down_proj's crossover nearer 32).
-# int4_blocks: kernels/cpu_gemv_int4.c, 8 rows a pass, in every dtype (its float32 sums need no vectorized int op),
-# up to 128 rows (one thread, bfloat16, the layer's four projections, kernel / dequantized: 5.8 / 16 ms at 32 rows,
-# 16 / 26 at 64, 32 / 31 at 128, 50 / 31 at 256; torch's int4 op 8.4 at 32, 94 at 256).
-DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "q8_0": 48, "q5_0": 48,
-                       "int4_blocks": 128}
+# The native layouts (int8_blocks, q8_0, q5_0, int4_blocks) are dequantized in one pass (kernels/cpu_dequantize.c;
+# torch's ops took 10-20 ms for a 0.5B gate_up on two threads, the native pass ~1 ms). Their decode kernels take 8
+# rows of x a pass over the weight, so from a few passes the copy and oneDNN's bf16 product win. Two threads, hot,
+# 0.5B gate_up 9728 x 896 / down_proj 896 x 4864, kernel against copy + product (bench/log, sixth session):
+# q8_0 1.53 / 1.89 ms at 16 rows, 2.27 / 2.22 at 24, 3.05 / 2.87 at 32 (down_proj 0.97 / 1.02 at 24);
+# q5_0 1.96 / 2.54 at 24, 2.62 / 2.93 at 32, 3.90 / 3.46 at 48 (down_proj 1.24 / 1.25 at 32);
+# int4_blocks 1.31 / 1.56 at 8, 2.15 / 1.89 at 16, 3.19 / 2.26 at 24 (down_proj 0.87 / 0.85 at 16);
+# int8_blocks in blocks of 16 (GGUF Q6_K) 3.85 / 4.55 at 32, 5.77 / 4.98 at 48.
+DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "q8_0": 24, "q5_0": 32,
+                       "int4_blocks": 16}
 
 
 def dequantize_min_rows(kind: str, dtype: torch.dtype) -> int:

@@ -1,0 +1,159 @@
+/* A quantized weight made float for one prefill product: out[N, K] (float32, bfloat16 or float16) from the layouts
+ * the decode kernels read (int8 in blocks, Q8_0 and Q5_0 in tiles, int4 nibbles in runs of 32).
+ *
+ * From enough rows of x a layer multiplies a copy of its weight dequantized for the call, by torch's matmul,
+ * instead of running the decode kernels row block by row block (worker_proc/models/quantized_linear.py,
+ * DEQUANTIZE_MIN_ROWS). torch's ops made that copy in four passes over a float32 temporary of the whole matrix
+ * (the integers unpacked, widened, scaled, rounded): a 0.5B's gate_up took 10-20 ms on two threads, 3-6x the
+ * product itself at 64 rows of x (bench/log). Here each row is made in one float32 row buffer that stays in L1 and
+ * is rounded to the dtype once, so the weight is read once and the copy written once.
+ *
+ * The values are torch's, bit for bit: q * scale in float32 (int8, Q8_0, Q5_0), (nibble - z) * scale or, for a
+ * GGUF Q4_K, nibble * scale - min, each operation rounded as torch rounds it (this file is compiled with
+ * -ffp-contract=off, so no multiply and subtract fuse), then one rounding to the dtype (cpu_half.h).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_half.h"
+#include "cpu_tiles.h"
+
+/* the formats, as cpu_quantized.DEQUANTIZE_FORMATS names them */
+enum { DQ_INT8_BLOCKS = 0, DQ_Q8_0_TILES = 1, DQ_Q5_0_TILES = 2, DQ_INT4_BLOCKS = 3 };
+#define DQ_PARALLEL_MIN (1 << 16)  /* weights: below this a fork costs more than the rows */
+
+/* the row's scales as float32 (float16 ones widened exactly) */
+static void row_scales(const void *scales, const int scales_f16, const int64_t j, const int64_t groups,
+                       float *restrict s) {
+    if (scales_f16) {
+        const uint16_t *h = (const uint16_t *)scales + j * groups;
+        for (int64_t c = 0; c < groups; c++) s[c] = f16_to_f32(h[c]);
+    } else {
+        memcpy(s, (const float *)scales + j * groups, groups * sizeof(float));
+    }
+}
+
+/* 16 or 32 values times their scale (constant trip counts: whole vectors) */
+static inline void scale_16(const int8_t *restrict q, const float scale, float *restrict v) {
+    for (int t = 0; t < 16; t++) v[t] = (float)q[t] * scale;
+}
+
+static inline void scale_block(const int8_t *restrict q, const float scale, float *restrict v) {
+    for (int t = 0; t < 32; t++) v[t] = (float)q[t] * scale;
+}
+
+static void row_int8_blocks(const int8_t *restrict q, const float *restrict s, const int64_t k, const int64_t g,
+                            float *restrict v) {
+    for (int64_t c = 0, grp = 0; c < k; c += g, grp++)
+        for (int64_t t = c; t < c + g; t += 16) scale_16(q + t, s[grp], v + t);  /* g: a multiple of 16 */
+}
+
+static void row_q8_0_tiles(const uint8_t *restrict w, const int64_t j, const float *restrict s, const int64_t k,
+                           float *restrict v) {
+    const int8_t *run = (const int8_t *)tile_row(w, j, k, 64);
+    for (int64_t c = 0; c < k; c += 64, run += TILE_ROWS * 64) {
+        scale_block(run, s[c / 32], v + c);
+        scale_block(run + 32, s[c / 32 + 1], v + c + 32);
+    }
+}
+
+static void row_q5_0_tiles(const uint8_t *restrict w, const int64_t j, const float *restrict s, const int64_t k,
+                           float *restrict v) {
+    const uint8_t *run = tile_row(w, j, Q5_ROW_BYTES(k), Q5_CHUNK_BYTES);
+    for (int64_t c = 0; c < k; c += 64, run += TILE_ROWS * Q5_CHUNK_BYTES) {
+        int8_t q[64];
+#if defined(__AVX512BW__)
+        /* the nibbles widened to bytes, the fifth bits added under their mask (bit t: value t) */
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)run), low4 = _mm256_set1_epi8(15);
+        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low4)),
+                                             _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4), 1);
+        uint64_t bits;
+        memcpy(&bits, run + 32, 8);
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        _mm512_storeu_si512(q, _mm512_sub_epi8(_mm512_mask_add_epi8(u, (__mmask64)bits, u, sixteen), sixteen));
+#else
+        const uint8_t *fifth = run + 32;
+        for (int t = 0; t < 32; t++) {
+            q[t] = (int8_t)(((run[t] & 15) | ((fifth[t >> 3] >> (t & 7)) & 1) << 4) - 16);
+            q[t + 32] = (int8_t)(((run[t] >> 4) | ((fifth[4 + (t >> 3)] >> (t & 7)) & 1) << 4) - 16);
+        }
+#endif
+        scale_block(q, s[c / 32], v + c);
+        scale_block(q + 32, s[c / 32 + 1], v + c + 32);
+    }
+}
+
+/* byte i of a run of 32 inputs: input i in its low nibble, input 16 + i in its high one (cpu_gemv_int4.c's) */
+static void row_int4_blocks(const uint8_t *restrict p, const float *restrict s, const float *restrict z,
+                            const float *restrict m, const int64_t k, const int64_t g, float *restrict v) {
+    for (int64_t c = 0; c < k; c += 32, p += 16) {
+        float nib[32];
+        for (int i = 0; i < 16; i++) {
+            nib[i] = (float)(p[i] & 15);
+            nib[16 + i] = (float)(p[i] >> 4);
+        }
+        const int64_t grp = c / g;
+        if (m)
+            for (int t = 0; t < 32; t++) v[c + t] = nib[t] * s[grp] - m[grp];
+        else
+            for (int t = 0; t < 32; t++) v[c + t] = (nib[t] - (z ? z[grp] : 8.0f)) * s[grp];
+    }
+}
+
+static void put_row(const float *restrict v, const int64_t k, void *out, const int out_kind) {
+    if (out_kind == 0) {
+        memcpy(out, v, k * sizeof(float));
+    } else if (out_kind == 1) {
+        uint16_t *restrict o = out;
+        for (int64_t t = 0; t < k; t++) {
+            const uint32_t u = f32_to_bits(v[t]);
+            o[t] = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+    } else {
+        uint16_t *restrict o = out;
+        for (int64_t t = 0; t < k; t++) o[t] = f32_to_f16(v[t]);
+    }
+}
+
+/* out[N, K] = the weight as floats. format: DQ_*; w: the packed weight; scales [N, K / group] float32, or float16
+ * (scales_f16; Q8_0 and Q5_0 always, group 32); int8 blocks of a multiple of 16, int4 groups of 32; zeros / mins [N, K / group] float32 or NULL (int4 only: z = 8 when
+ * both are NULL). out_kind 0 float32, 1 bfloat16, 2 float16. 0, -1 for shapes the format cannot hold, -2 without
+ * memory for a row buffer. */
+int dequantize_weight(const int format, const void *w, const void *scales, const int scales_f16, const float *zeros,
+                      const float *mins, const int64_t group, const int64_t n, const int64_t k, void *out,
+                      const int out_kind) {
+    if (n < 0 || k <= 0 || group <= 0 || k % group || out_kind < 0 || out_kind > 2) return -1;
+    if ((format == DQ_Q8_0_TILES || format == DQ_Q5_0_TILES) && (group != 32 || k % 64 || !scales_f16)) return -1;
+    if (format == DQ_INT8_BLOCKS && group % 16) return -1;
+    if (format == DQ_INT4_BLOCKS && (group % 32 || scales_f16 || (zeros && mins))) return -1;
+    if (format < DQ_INT8_BLOCKS || format > DQ_INT4_BLOCKS) return -1;
+    const int64_t groups = k / group, elem = out_kind == 0 ? 4 : 2;
+    int failed = 0;
+#pragma omp parallel if (n * k >= DQ_PARALLEL_MIN) reduction(| : failed)
+    {
+        float *buf = malloc((k + groups) * sizeof(float));
+        float *s = buf ? buf + k : NULL;
+        /* every thread meets the loop (a work-sharing construct), with or without its buffer */
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++) {
+            if (buf == NULL) {
+                failed = 1;
+                continue;
+            }
+            row_scales(scales, scales_f16, j, groups, s);
+            if (format == DQ_INT8_BLOCKS)
+                row_int8_blocks((const int8_t *)w + j * k, s, k, group, buf);
+            else if (format == DQ_Q8_0_TILES)
+                row_q8_0_tiles(w, j, s, k, buf);
+            else if (format == DQ_Q5_0_TILES)
+                row_q5_0_tiles(w, j, s, k, buf);
+            else
+                row_int4_blocks((const uint8_t *)w + j * (k / 2), s, zeros ? zeros + j * groups : NULL,
+                                mins ? mins + j * groups : NULL, k, group, buf);
+            put_row(buf, k, (char *)out + j * k * elem, out_kind);
+        }
+        free(buf);
+    }
+    return failed ? -2 : 0;
+}

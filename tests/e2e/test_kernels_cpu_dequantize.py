@@ -1,0 +1,111 @@
+"""kernels/cpu_dequantize.c, the copy a quantized layer multiplies from enough rows of x on, as built for every x86-64
+level this CPU runs (tests/support/cpu_variants.py): the same bits as torch's ops make from the integers (q * scale,
+(nibble - z) * scale, GGUF Q4_K's nibble * scale - min, in float32, then one rounding to the dtype) for each layout
+the decode kernels read, whatever the thread count; a layer's product from many rows equals the one from that copy;
+shapes a layout cannot hold are refused before anything is read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import cpu_native, cpu_quantized
+from pagedserve.worker_proc.models import quantized_linear as ql
+from support.cpu_variants import variant  # noqa: F401 (a fixture)
+from support.thread_counts import results_at_thread_counts
+
+pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="native CPU kernels are not built here")
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (outputs, inputs): a 0.5B's gate_up and down_proj cut short, odd row counts (a tile's last rows)
+SHAPES = [(37, 896), (9, 4864), (1, 64), (203, 128)]
+
+
+def _scales(n: int, k: int, group: int, gen: torch.Generator, half: bool) -> torch.Tensor:
+    s = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-4
+    s[0, 0] = 0.0  # a zero block, as a pruned checkpoint has
+    return s.half() if half else s
+
+
+def _torch_values(q: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    n, k = q.shape
+    return (q.float().view(n, k // group, group) * scales.float().unsqueeze(-1)).view(n, k).to(dtype)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["int8_blocks", "int8_blocks_f16", "q8_0", "q5_0"])
+def test_int8_layouts_give_torchs_q_times_scale_bits(variant, kind, n, k, dtype):
+    gen = torch.Generator().manual_seed(n + k)
+    low, high = (-16, 16) if kind == "q5_0" else (-128, 128)
+    q = torch.randint(low, high, (n, k), generator=gen, dtype=torch.int8)
+    group = 16 if kind == "int8_blocks" else 32
+    scales = _scales(n, k, group, gen, half=kind != "int8_blocks")
+    packed = {"q8_0": cpu_quantized.pack_q8_0_tiles, "q5_0": cpu_quantized.pack_q5_0}.get(kind, lambda t: t)(q)
+    got = cpu_quantized.dequantize(kind.removesuffix("_f16"), packed, scales, n, k, group, dtype)
+    assert got.dtype == dtype and torch.equal(got, _torch_values(q, scales, group, dtype))
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("form", ["symmetric", "zero_points", "q4_k_mins"])
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_nibbles_give_torchs_bits(variant, form, group, n, k, dtype):
+    gen = torch.Generator().manual_seed(3 * n + k)
+    nibbles = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = _scales(n, k, group, gen, half=False)
+    other = torch.rand(n, k // group, generator=gen) * 0.1
+    zeros = 8 + torch.randint(-3, 4, (n, k // group), generator=gen).float() if form == "zero_points" else None
+    mins = other if form == "q4_k_mins" else None
+    values = nibbles.float().view(n, k // group, group)
+    if mins is not None:  # GGUF's order of operations: scale * nibble, then the min
+        want = values.mul(scales.unsqueeze(-1)).sub(mins.unsqueeze(-1))
+    else:
+        want = values.sub(8.0 if zeros is None else zeros.unsqueeze(-1)).mul(scales.unsqueeze(-1))
+    got = cpu_quantized.dequantize("int4_blocks", cpu_quantized.pack_int4_blocks(nibbles), scales, n, k, group, dtype,
+                                   zeros=zeros, mins=mins)
+    assert torch.equal(got, want.view(n, k).to(dtype))
+
+
+def test_the_bits_do_not_depend_on_the_thread_count():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-16, 16, (1000, 896), generator=gen, dtype=torch.int8)
+    scales = _scales(1000, 896, 32, gen, half=True)
+    packed = cpu_quantized.pack_q5_0(q)
+    outs = results_at_thread_counts(lambda: cpu_quantized.dequantize("q5_0", packed, scales, 1000, 896, 32,
+                                                                     torch.bfloat16))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q5_0", "int4_blocks"])
+def test_a_layer_multiplies_many_rows_by_the_copy(kind):
+    """From DEQUANTIZE_MIN_ROWS rows a layer's product is F.linear on the copy, the decode kernel's below."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 40, 256
+    if kind == "int4_blocks":
+        layer = ql.make_int4(torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8),
+                             torch.rand(n, k // 32, generator=gen) * 0.02, None, 32, torch.bfloat16,
+                             mins=torch.rand(n, k // 32, generator=gen) * 0.1)
+    else:
+        low = -16 if kind == "q5_0" else -128
+        layer = ql.make_int8(torch.randint(low, -low, (n, k), generator=gen, dtype=torch.int8),
+                             (torch.rand(n, k // 32, generator=gen) * 0.02).half().float(), None, 32, torch.bfloat16,
+                             q8_0=True)
+    assert layer.kind == kind
+    rows = ql.dequantize_min_rows(kind, torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    copy = layer.dequantized(torch.bfloat16)
+    assert torch.equal(layer.forward(x), torch.nn.functional.linear(x, copy))
+    assert torch.equal(copy.float(), layer.dequantized(torch.float32).bfloat16().float())
+
+
+@pytest.mark.parametrize("kind,packed,scales,n,k,group", [
+    ("q8_0", torch.zeros(8, 96, dtype=torch.int8), torch.zeros(8, 3, dtype=torch.float16), 8, 96, 32),  # 96 % 64
+    ("q5_0", torch.zeros(8, 40, dtype=torch.uint8), torch.zeros(8, 2), 8, 64, 32),  # float32 scales
+    ("int4_blocks", torch.zeros(4, 24, dtype=torch.uint8), torch.zeros(4, 3), 4, 48, 16),  # groups of 16
+    ("int8_blocks", torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 3), 4, 64, 32),  # 3 scales, 2 groups
+    ("int4", torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2), 4, 64, 32),  # torch's layout: not this
+])
+def test_a_shape_the_layout_cannot_hold_is_refused(kind, packed, scales, n, k, group):
+    with pytest.raises(ValueError, match="dequantize"):
+        cpu_quantized.dequantize(kind, packed, scales, n, k, group, torch.bfloat16)
