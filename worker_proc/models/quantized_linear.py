@@ -216,15 +216,15 @@ class QuantizedStack:
 # (bench/scripts/quant_bench.py). float32 has no vectorized int op at all (int8 22 ms at one row,
 # 4.1 s at 256; dequantized 21 ms and 178 ms), so it always dequantizes.
 # The native layouts (int8_blocks, q8_0, q5_0, int4_blocks) are dequantized in one pass (kernels/cpu_dequantize.c;
-# torch's ops took 10-20 ms for a 0.5B gate_up on two threads, the native pass ~1 ms). Their decode kernels take 8
-# rows of x a pass over the weight, so from a few passes the copy and oneDNN's bf16 product win. Two threads, hot,
-# 0.5B gate_up 9728 x 896 / down_proj 896 x 4864, kernel against copy + product (bench/log, sixth session):
-# q8_0 1.53 / 1.89 ms at 16 rows, 2.27 / 2.22 at 24, 3.05 / 2.87 at 32 (down_proj 0.97 / 1.02 at 24);
-# q5_0 1.96 / 2.54 at 24, 2.62 / 2.93 at 32, 3.90 / 3.46 at 48 (down_proj 1.24 / 1.25 at 32);
-# int4_blocks 1.31 / 1.56 at 8, 2.15 / 1.89 at 16, 3.19 / 2.26 at 24 (down_proj 0.87 / 0.85 at 16);
-# int8_blocks in blocks of 16 (GGUF Q6_K) 3.85 / 4.55 at 32, 5.77 / 4.98 at 48.
-DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "q8_0": 24, "q5_0": 32,
-                       "int4_blocks": 16}
+# torch's ops took 10-20 ms for a 0.5B gate_up on two threads, the native pass ~1 ms hot). Their decode kernels take
+# 8 rows of x a pass over the weight, so from a few passes the copy and oneDNN's bf16 product win. Two threads, the
+# weights cold (a pass over 12 layers of a 0.5B's gate_up, 9728 x 896), kernel against copy + product, ms a layer
+# (bench/log, sixth session): q8_0 3.19 / 3.47 at 32 rows, 4.92 / 4.37 at 48; q5_0 2.12 / 3.28 at 24, 3.59 / 3.55
+# at 32; int4_blocks 1.32 / 2.15 at 8, 2.64 / 2.43 at 16, 4.00 / 2.82 at 24 (the 0.5B's Q4_K_M at 16 streams decoded
+# its steps no faster with the copy at 16 rows: matmuls 72.8 and 64.6 ms a step against 67.0 and 62.6 with the
+# kernel, so 16 rows stay on it); int8_blocks in blocks of 16 (GGUF Q6_K) 4.12 / 4.97 at 32, 6.10 / 5.61 at 48.
+DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "q8_0": 40, "q5_0": 32,
+                       "int4_blocks": 17}
 
 
 def dequantize_min_rows(kind: str, dtype: torch.dtype) -> int:
