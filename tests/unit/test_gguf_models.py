@@ -296,6 +296,8 @@ def test_in_bfloat16_q8_0_layers_multiply_as_llamacpp_does_and_a_decode_step_sta
     layers = [p.quantized for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     assert all(q.kind == "q8_0" for q in [*layers, model.lm_head.quantized])
     assert ql.describe_ops(model.layers).startswith(f"{ql.Q8_0_OP}: native Q8_0 x Q8_0 GEMV")
+    assert ("dequantized in one native pass (kernels/cpu_dequantize.c) from "
+            f"{ql.DEQUANTIZE_MIN_ROWS['q8_0']} rows") in ql.describe_ops(model.layers)
     x = torch.randn(3, layers[0].in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
     want = ql.q8_0_reference(layers[0].integers(), layers[0].scales, x)
     assert ((layers[0].forward(x).double() - want).abs() <= 2e-2 * want.abs().max()).all()  # bfloat16's rounding

@@ -280,7 +280,8 @@ def describe_ops(layers: list) -> Optional[str]:
     def above(kind: str) -> str:
         if kind == "w8a8":
             return ""
-        rows = f", dequantized from {DEQUANTIZE_MIN_ROWS[kind]} rows"
+        how = " in one native pass (kernels/cpu_dequantize.c)" if kind in cpu_quantized.DEQUANTIZE_FORMATS else ""
+        rows = f", dequantized{how} from {DEQUANTIZE_MIN_ROWS[kind]} rows"
         return rows if dequantize_min_rows(kind, torch.float32) > 1 else rows + " (float32: at every row)"
     def op(kind: str) -> str:
         if kind == Q8_0_OP:
@@ -301,7 +302,7 @@ def describe_ops(layers: list) -> Optional[str]:
 
 
 Q8_0_OP = "int8_blocks (GGUF Q8_0)"  # the log's name of an int8_blocks layer that quantizes x per block too
-_KIND_OF_OP = {Q8_0_OP: "int8_blocks"}  # a q8_0 layer's threshold is the same
+_KIND_OF_OP = {Q8_0_OP: "q8_0"}  # (a Q8_0 matrix whose inputs are not whole runs of 64 copies from int8_blocks' 48)
 
 
 def _op_name(layer: QuantizedLinear) -> str:
