@@ -217,3 +217,24 @@ def test_aborting_a_parent_before_it_forks_gives_back_only_the_seats_its_own_sam
     deltas = run_until_done(sched, worker)
     assert sorted({(d.request_id, d.index) for d in deltas}) == [("two", 0), ("two", 1)]
     assert_all_blocks_free(sched)
+
+
+def test_every_request_that_ends_counts_once_as_finished_a_shed_one_also_as_shed_and_an_abort_reports_its_usage():
+    sched, worker = make(block_size=4, num_gpu_blocks=16, max_model_len=32, max_waiting_requests=1,
+                         enable_prefix_caching=True)
+    prompt = list(range(10, 20))
+    assert sched.add_request(request("a", prompt, max_tokens=3)) == []
+    [shed] = sched.add_request(request("b", [1, 2]))  # "a" waits: the limit of one is reached
+    [refused] = sched.add_request(request("c", list(range(40))))  # past max_model_len
+    assert (shed.error_kind, refused.error_kind) == ("overloaded", "invalid_request")
+    counted = lambda: (sched.stats()["num_finished"], sched.stats()["num_requests_shed"])  # noqa: E731
+    assert counted() == (2, 1)
+    run_until_done(sched, worker)
+    assert counted() == (3, 1)
+    sched.add_request(request("d", prompt + [7], max_tokens=5))  # a's two full blocks are cached
+    out = sched.schedule()
+    sched.update_from_output(out, worker.step(out))
+    [aborted] = sched.abort_requests(["d"])
+    assert (aborted.finish_reason, aborted.num_prompt_tokens, aborted.num_cached_tokens) == ("abort", 11, 8)
+    assert counted() == (4, 1)
+    assert_all_blocks_free(sched)
