@@ -415,3 +415,44 @@ def test_a_windowed_request_starts_beside_another_only_when_both_windows_fit(num
     deltas = list(sched.update_from_output(out, worker.step(out))) + run_until_done(sched, worker)
     assert {rid: len(tokens) for rid, tokens in tokens_by_request(deltas).items()} == {"a": 8, "b": 8}
     assert_all_blocks_free(sched)
+
+
+def test_a_hybrid_prompt_whose_tables_do_not_fit_at_once_starts_alone_in_a_chunk_that_fits():
+    # 12 tokens: 3 global blocks and 3 local ones at once, 6 of the 5 usable; a chunk of 8 takes 2 + 2
+    sched, worker = scheduler(num_window_groups=1, hybrid_window=4, num_gpu_blocks=6)
+    sched.add_request(request("long", list(range(10, 22)), max_tokens=1))  # 13 tokens: its length limit
+    out = sched.schedule()
+    assert new_chunks(out) == [("long", 8)]
+    deltas = list(sched.update_from_output(out, worker.step(out))) + run_until_done(sched, worker)
+    assert len(tokens_by_request(deltas)["long"]) == 1
+    assert_all_blocks_free(sched)
+
+
+def test_parallel_samples_ask_for_their_own_blocks_only_when_they_fork():
+    # the parent computes prompt[:-1] (2 blocks) beside "a" (1 block, 1 kept for it to grow into): 4 of 5
+    sched, worker = scheduler(num_gpu_blocks=5, max_num_seqs=4)
+    sched.add_request(request("a", [1, 2, 3], max_tokens=3, ignore_eos=True))
+    out = sched.schedule()
+    deltas = list(sched.update_from_output(out, worker.step(out)))
+    sched.add_request(request("many", list(range(100, 109)), max_tokens=2, n=2, ignore_eos=True))
+    out = sched.schedule()
+    assert new_chunks(out) == [("many", 8)]
+    deltas += list(sched.update_from_output(out, worker.step(out))) + run_until_done(sched, worker)
+    assert {i: len(t) for i, t in tokens_by_sample(d for d in deltas if d.request_id == "many").items()} == {0: 2, 1: 2}
+    assert_all_blocks_free(sched)
+
+
+@pytest.mark.parametrize("num_gpu_blocks, starts", [(7, True), (6, False)])
+def test_a_hybrid_request_beside_another_takes_a_block_in_each_table_and_keeps_one_per_table_for_it(
+        num_gpu_blocks, starts):
+    # "a" holds a global and a local block; "b" takes the same, and keeps 2 free for "a": 4 of 6 usable (of 7)
+    sched, worker = scheduler(num_window_groups=1, hybrid_window=4, num_gpu_blocks=num_gpu_blocks, max_model_len=12)
+    sched.add_request(request("a", [10, 11, 12], max_tokens=2, ignore_eos=True))
+    out = sched.schedule()
+    deltas = list(sched.update_from_output(out, worker.step(out)))
+    sched.add_request(request("b", [20, 21, 22], max_tokens=2, ignore_eos=True))
+    out = sched.schedule()
+    assert new_chunks(out) == ([("b", 3)] if starts else [])
+    deltas += list(sched.update_from_output(out, worker.step(out))) + run_until_done(sched, worker)
+    assert {rid: len(tokens) for rid, tokens in tokens_by_request(deltas).items()} == {"a": 2, "b": 2}
+    assert_all_blocks_free(sched)
