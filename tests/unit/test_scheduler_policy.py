@@ -8,7 +8,7 @@ import pytest
 
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.policy import FcfsPolicy
-from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.scheduler_proc.scheduler import Scheduler, SchedulerStateError
 
 from support.scheduler_sim import (
     SimWorker, assert_all_blocks_free, counting_tokens, random_tokens, request, run_until_done,
@@ -293,4 +293,39 @@ def test_a_recomputed_older_sequence_starts_before_a_newer_swapped_one():
     sched.swapped.clear()
     sched.waiting.append(new)
     run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
+
+
+def test_a_policy_that_names_a_sequence_already_scheduled_this_step_as_its_victim_is_refused():
+    # as above, but the policy names "old", which took the free block before "mid" asked for one
+    config = SchedulerConfig(debug_invariants=True, block_size=4, num_gpu_blocks=8, max_num_seqs=4,
+                             max_num_batched_tokens=32, preemption_mode="recompute")
+    sched, worker = Scheduler(config, policy=_NamedVictim("old")), SimWorker(config, counting_tokens())
+    for rid, length in (("old", 7), ("mid", 7), ("new", 8)):
+        sched.add_request(request(rid, list(range(20, 20 + length)), max_tokens=6, ignore_eos=True, logprobs=1))
+    step(sched, worker)
+    step(sched, worker)
+    with pytest.raises(SchedulerStateError, match="the policy chose 'old', already scheduled this step, as a victim"):
+        sched.schedule()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_every_preemption_is_counted_by_its_kind_and_a_recomputed_sequence_copies_no_block(mode):
+    sched, worker = make(block_size=4, num_gpu_blocks=8, num_cpu_blocks=16, max_num_seqs=4,
+                         max_num_batched_tokens=32, preemption_mode=mode)
+    for i in range(5):
+        sched.add_request(request(f"r{i}", list(range(20 + i, 27 + i)), max_tokens=12, ignore_eos=True))
+    preempted, copies = [], []
+
+    def on_step(out, result, deltas):
+        preempted.extend(rid for rid in out.finished_req_ids if rid in sched.requests)  # given way, not ended
+        copies.extend(out.blocks_to_copy)
+
+    deltas = run_until_done(sched, worker, on_step=on_step)
+    stats = sched.stats()
+    assert len(preempted) >= 2
+    assert (stats["num_preemptions_swap"], stats["num_preemptions_recompute"]) == (
+        (len(preempted), 0) if mode == "swap" else (0, len(preempted)))
+    assert copies == []  # single samples: no block is ever shared, so none is copied
+    assert sorted(d.request_id for d in deltas if d.finish_reason) == [f"r{i}" for i in range(5)]
     assert_all_blocks_free(sched)
