@@ -329,3 +329,35 @@ def test_every_preemption_is_counted_by_its_kind_and_a_recomputed_sequence_copie
     assert copies == []  # single samples: no block is ever shared, so none is copied
     assert sorted(d.request_id for d in deltas if d.finish_reason) == [f"r{i}" for i in range(5)]
     assert_all_blocks_free(sched)
+
+
+def test_a_prefill_ahead_of_decodes_in_the_running_order_leaves_one_token_of_the_budget_for_each():
+    # under priority the urgent prompt's chunks come first in the running order; the two older decodes
+    # after it (per-object: logprobs) still run every step, and the step never exceeds its budget
+    sched, worker = make(block_size=4, num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=8,
+                         scheduling_policy="priority")
+    for rid in ("low1", "low2"):
+        msg = request(rid, [20, 21, 22], max_tokens=12, ignore_eos=True, logprobs=1)
+        msg.priority = 5
+        sched.add_request(msg)
+    step(sched, worker)
+    sched.add_request(request("urgent", list(range(30, 50)), max_tokens=2, ignore_eos=True))
+    chunks = []
+    for _ in range(4):  # the 20 prompt tokens: 6 at admission beside the 2 decodes, then 6, 6 and 2
+        out, _ = step(sched, worker)
+        chunks.append([(r.req_id, r.num_scheduled_tokens) for r in (*out.new_requests, *out.cached_requests)])
+        assert out.total_num_scheduled_tokens <= 8
+    assert chunks == [[("urgent", n), ("low1", 1), ("low2", 1)] for n in (6, 6, 6, 2)]
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
+
+
+def test_decodes_that_exactly_fill_the_cache_run_to_their_end_without_a_preemption():
+    # 3 prompt tokens and 6 sampled (the last never computed): 8 positions, 2 blocks each, 4 in all
+    sched, worker = make(block_size=4, num_gpu_blocks=4, max_num_seqs=2)
+    for rid in ("a", "b"):  # logprobs: per-object decodes, each asking for its own token's room
+        sched.add_request(request(rid, [20, 21, 22], max_tokens=6, ignore_eos=True, logprobs=1))
+    deltas = run_until_done(sched, worker)
+    assert sum(len(d.new_token_ids) for d in deltas) == 12
+    assert (sched.stats()["num_preemptions_swap"], sched.stats()["num_preemptions_recompute"]) == (0, 0)
+    assert_all_blocks_free(sched)
