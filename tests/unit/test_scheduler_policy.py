@@ -361,3 +361,20 @@ def test_decodes_that_exactly_fill_the_cache_run_to_their_end_without_a_preempti
     assert sum(len(d.new_token_ids) for d in deltas) == 12
     assert (sched.stats()["num_preemptions_swap"], sched.stats()["num_preemptions_recompute"]) == (0, 0)
     assert_all_blocks_free(sched)
+
+
+def test_a_waiting_request_that_fits_starts_in_the_step_a_swapped_one_resumes_in():
+    sched, worker = make(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, max_num_seqs=4,
+                         max_num_batched_tokens=32, preemption_mode="swap")
+    for rid in ("old", "mid", "new"):
+        sched.add_request(request(rid, list(range(30, 37)), max_tokens=8, ignore_eos=True))
+    while not sched.swapped:
+        step(sched, worker)
+    sched.add_request(request("later", [40, 41], max_tokens=2))
+    out, _ = step(sched, worker)
+    while not out.blocks_to_swap_in:
+        assert "later" not in scheduled_ids(out), "a newer request overtook a swapped one"
+        out, _ = step(sched, worker)
+    assert [r.req_id for r in out.new_requests] == ["new", "later"]  # the swapped one first, then the rest
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
