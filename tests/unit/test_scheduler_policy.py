@@ -11,7 +11,7 @@ from pagedserve.scheduler_proc.policy import FcfsPolicy
 from pagedserve.scheduler_proc.scheduler import Scheduler, SchedulerStateError
 
 from support.scheduler_sim import (
-    SimWorker, assert_all_blocks_free, counting_tokens, random_tokens, request, run_until_done,
+    SimWorker, assert_all_blocks_free, counting_tokens, random_tokens, request, run_until_done, swap_one_out,
 )
 
 
@@ -366,10 +366,7 @@ def test_decodes_that_exactly_fill_the_cache_run_to_their_end_without_a_preempti
 def test_a_waiting_request_that_fits_starts_in_the_step_a_swapped_one_resumes_in():
     sched, worker = make(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, max_num_seqs=4,
                          max_num_batched_tokens=32, preemption_mode="swap")
-    for rid in ("old", "mid", "new"):
-        sched.add_request(request(rid, list(range(30, 37)), max_tokens=8, ignore_eos=True))
-    while not sched.swapped:
-        step(sched, worker)
+    swap_one_out(sched, worker)
     sched.add_request(request("later", [40, 41], max_tokens=2))
     out, _ = step(sched, worker)
     while not out.blocks_to_swap_in:

@@ -10,7 +10,7 @@ from pagedserve.scheduler_proc.invariants import InvariantError
 from pagedserve.scheduler_proc.scheduler import Scheduler, SchedulerStateError
 
 from support.scheduler_sim import (EOS, SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done,
-                                   scripted)
+                                   scripted, swap_one_out)
 
 
 def make(next_token=None, **overrides) -> tuple[Scheduler, SimWorker]:
@@ -243,12 +243,7 @@ def test_every_request_that_ends_counts_once_as_finished_a_shed_one_also_as_shed
 def test_an_abort_of_a_swapped_out_request_gives_back_its_host_blocks_and_the_rest_finish():
     sched, worker = make(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, max_num_seqs=4,
                          max_num_batched_tokens=32, preemption_mode="swap")
-    for rid in ("old", "mid", "new"):
-        sched.add_request(request(rid, list(range(30, 37)), max_tokens=8, ignore_eos=True))
-    while not sched.swapped:
-        out = sched.schedule()
-        sched.update_from_output(out, worker.step(out))
-    [swapped] = sched.swapped
+    swapped = swap_one_out(sched, worker)
     [delta] = sched.abort_requests([swapped.request_id])
     stats = sched.stats()
     assert (delta.finish_reason, stats["num_swapped"], stats["num_free_cpu_blocks"]) == ("abort", 0, 8)
