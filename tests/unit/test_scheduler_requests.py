@@ -133,6 +133,9 @@ def test_unseeded_requests_get_seeds_that_depend_only_on_the_scheduler_seed():
         return [r.sampling.seed for r in sched.schedule().new_requests]
     assert seeds(1) == seeds(1) != seeds(2)
     assert all(isinstance(s, int) for s in seeds(1))
+    sched, _ = make(seed=1)
+    sched.add_request(request("seeded", [1, 2], seed=12345))
+    assert [r.sampling.seed for r in sched.schedule().new_requests] == [12345]  # a request's own seed is kept
 
 
 def test_fail_all_ends_every_request_with_an_engine_error_and_starts_fresh():
@@ -226,17 +229,23 @@ def test_every_request_that_ends_counts_once_as_finished_a_shed_one_also_as_shed
     assert sched.add_request(request("a", prompt, max_tokens=3)) == []
     [shed] = sched.add_request(request("b", [1, 2]))  # "a" waits: the limit of one is reached
     [refused] = sched.add_request(request("c", list(range(40))))  # past max_model_len
-    assert (shed.error_kind, refused.error_kind) == ("overloaded", "invalid_request")
+    [in_use] = sched.add_request(request("a", [1, 2]))
+    assert (shed.error_kind, refused.error_kind, in_use.error_kind) == ("overloaded", "invalid_request",
+                                                                       "invalid_request")
     counted = lambda: (sched.stats()["num_finished"], sched.stats()["num_requests_shed"])  # noqa: E731
-    assert counted() == (2, 1)
-    run_until_done(sched, worker)
     assert counted() == (3, 1)
+    assert sched.step == 0
+    out = sched.schedule()
+    assert out.step == sched.step == 1  # steps count from 1
+    sched.update_from_output(out, worker.step(out))
+    run_until_done(sched, worker)
+    assert counted() == (4, 1)
     sched.add_request(request("d", prompt + [7], max_tokens=5))  # a's two full blocks are cached
     out = sched.schedule()
     sched.update_from_output(out, worker.step(out))
     [aborted] = sched.abort_requests(["d"])
     assert (aborted.finish_reason, aborted.num_prompt_tokens, aborted.num_cached_tokens) == ("abort", 11, 8)
-    assert counted() == (4, 1)
+    assert counted() == (5, 1)
     assert_all_blocks_free(sched)
 
 
