@@ -292,7 +292,8 @@ def test_a_hybrid_models_length_limit_counts_every_local_table():
 def test_a_hybrid_prompt_needs_its_local_tables_blocks_too_named_in_the_refusal():
     # 9 tokens: 3 blocks in the global table, and as many in the local one without chunked prefill
     cfg = hybrid(num_gpu_blocks=6, enable_chunked_prefill=False)
-    assert rejection_reason(request("r", list(range(9))), hybrid(num_gpu_blocks=7, enable_chunked_prefill=False)) is None
+    prompt = request("r", list(range(9)))
+    assert rejection_reason(prompt, hybrid(num_gpu_blocks=7, enable_chunked_prefill=False)) is None
     assert rejection_reason(request("r", list(range(9))), cfg) == (
         "the prompt has 9 tokens and needs 6 KV blocks of 4 tokens, but the cache has only 5 blocks")
     # chunked: the local table holds at most its window's 2 live blocks
@@ -355,7 +356,8 @@ def test_a_victim_under_one_block_is_recomputed_unless_swap_is_asked_for(mode, s
     assert out.finished_req_ids == ["young"]
     assert (len(out.blocks_to_swap_out), preemptions(sched)) == ((1, (1, 0)) if swapped else (0, (0, 1)))
     deltas += list(sched.update_from_output(out, worker.step(out))) + run_until_done(sched, worker)
-    assert {rid: len(tokens) for rid, tokens in tokens_by_request(deltas).items()} == {"old": 6, "young": 6, "urgent": 2}
+    lengths = {rid: len(tokens) for rid, tokens in tokens_by_request(deltas).items()}
+    assert lengths == {"old": 6, "young": 6, "urgent": 2}
     assert_all_blocks_free(sched)
 
 
@@ -455,4 +457,24 @@ def test_a_hybrid_request_beside_another_takes_a_block_in_each_table_and_keeps_o
     assert new_chunks(out) == ([("b", 3)] if starts else [])
     deltas += list(sched.update_from_output(out, worker.step(out))) + run_until_done(sched, worker)
     assert {rid: len(tokens) for rid, tokens in tokens_by_request(deltas).items()} == {"a": 2, "b": 2}
+    assert_all_blocks_free(sched)
+
+
+@pytest.mark.parametrize("num_gpu_blocks, starts_at_once", [(6, True), (5, False)])
+def test_a_windowed_request_arriving_beside_forked_samples_keeps_room_for_each_samples_window(
+        num_gpu_blocks, starts_at_once):
+    # window 4 in blocks of 4: each sample holds at most 2 blocks; 5 usable of 6 hold both samples' and b's
+    # next blocks; with 4 usable b waits for the samples to end
+    sched, worker = scheduler(sliding_window=4, num_gpu_blocks=num_gpu_blocks, max_num_seqs=8)
+    sched.add_request(request("p", [10, 11, 12, 13, 14], max_tokens=8, n=2, ignore_eos=True))
+    deltas = []
+    for _ in range(3):  # the shared prompt, then the two samples decoding
+        out = sched.schedule()
+        deltas += sched.update_from_output(out, worker.step(out))
+    sched.add_request(request("b", [20, 21, 22], max_tokens=8, ignore_eos=True))
+    out = sched.schedule()
+    assert new_chunks(out) == ([("b", 3)] if starts_at_once else [])
+    deltas += list(sched.update_from_output(out, worker.step(out))) + run_until_done(sched, worker)
+    samples = tokens_by_sample(d for d in deltas if d.request_id == "p")
+    assert sorted(len(tokens) for tokens in samples.values()) == [8, 8]
     assert_all_blocks_free(sched)
