@@ -31,7 +31,9 @@ pytest_add_cli_args_test_selection = [
   "tests/unit/test_scheduler_ahead.py", "tests/unit/test_scheduler_draining.py", "tests/unit/test_decode_lane.py",
   "tests/unit/test_output_processor.py", "tests/unit/test_sampler_exact_rules.py", "tests/unit/test_worker_sampler.py",
   "tests/unit/test_worker_sampling_params.py", "tests/unit/test_sliding_window_blocks.py", "tests/unit/test_hybrid_kv_blocks.py",
-  "tests/unit/test_router_cache_aware.py"]
+  "tests/unit/test_router_cache_aware.py", "tests/unit/test_scheduler_lora.py", "tests/unit/test_scheduler_deadlines.py",
+  "tests/unit/test_pooling_scheduler.py", "tests/unit/test_scheduler_speculation.py",
+  "tests/unit/test_scheduler_speculation_cost.py", "tests/unit/test_structured_output_scheduler.py"]
 TOML
 # tests/conftest.py drops the repository root (here mutants/, where mutmut runs) from sys.path so
 # the installed package runs: the mutated package is reached through a folder of its own instead.

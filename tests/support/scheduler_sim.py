@@ -247,6 +247,17 @@ def run_until_done(sched: Scheduler, worker: SimWorker, max_steps: int = 10_000,
     raise AssertionError(f"not finished after {max_steps} steps: {sched.stats()}")
 
 
+def swap_one_out(sched: Scheduler, worker: SimWorker) -> Sequence:
+    """Three requests of 7 prompt tokens and 8 to generate ("old", "mid", "new"), stepped until one
+    is swapped out (8 device blocks of 4 tokens, preemption by swap); that sequence, its step applied."""
+    for rid in ("old", "mid", "new"):
+        sched.add_request(request(rid, list(range(30, 37)), max_tokens=8, ignore_eos=True))
+    while not sched.swapped:
+        out = sched.schedule()
+        sched.update_from_output(out, worker.step(out))
+    return sched.swapped[0]
+
+
 def swap_one_back_in(sched: Scheduler, worker: SimWorker) -> Sequence:
     """Three requests of 7 prompt tokens and 8 to generate, stepped until one swapped out comes
     back in (a cache too small for all three, preemption by swap); that sequence, its step applied."""

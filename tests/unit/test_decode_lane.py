@@ -262,6 +262,22 @@ def test_a_step_goes_ahead_when_free_blocks_cover_the_steady_decodes_however_man
     assert_all_blocks_free(sched)
 
 
+def test_a_step_goes_ahead_when_the_steady_decodes_next_blocks_take_exactly_the_last_free_ones():
+    # 4 blocks: each sequence holds one after its prompt and takes the last two at its fifth position
+    sched, worker = make(block_size=4, num_gpu_blocks=4)
+    for i in range(2):
+        sched.add_request(request(f"r{i}", [7, 8, 9], max_tokens=5, ignore_eos=True))
+    driver = StepDriver(sched, worker, ahead=True)
+    waited, deltas = [], []
+    driver.on_schedule = lambda out: waited.append(not driver.pending)
+    while driver.busy():
+        deltas.extend(driver.step()[2])
+    # the prompts' step and the first decode wait for a result; every later step goes out ahead
+    assert waited[:2] == [True, True] and not any(waited[2:]), waited
+    assert all(tokens == [1003 + i for i in range(5)] for tokens in outputs_by_sample(deltas).values())
+    assert_all_blocks_free(sched)
+
+
 @pytest.mark.parametrize("ahead", [False, True], ids=["in-turn", "scheduled-ahead"])
 @pytest.mark.parametrize("seed", range(10))
 def test_sequences_moved_by_ends_keep_every_token_through_ring_flushes(ahead, seed):

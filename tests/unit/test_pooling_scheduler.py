@@ -67,6 +67,22 @@ def test_every_position_is_pooled_once_through_chunks_preemption_and_steps_ahead
     assert_all_blocks_free(sched)
 
 
+@pytest.mark.parametrize("first", ["mean", "last"])
+def test_an_embedding_requests_blocks_outlive_it_and_the_same_prompt_embedded_again_hits_them(first):
+    config = SchedulerConfig(block_size=4, num_gpu_blocks=16, enable_prefix_caching=True, debug_invariants=True)
+    sched, worker = Scheduler(config), PoolingWorker(config, counting_tokens())
+    prompt = list(range(20, 29))  # two full blocks and one token
+    sched.add_request(AddRequest("one", prompt, SamplingParams(max_tokens=1), pooling=first))
+    run_until_done(sched, worker)
+    sched.add_request(AddRequest("two", prompt, SamplingParams(max_tokens=1), pooling="last"))
+    out = sched.schedule()
+    assert [(r.req_id, r.num_computed_tokens) for r in out.new_requests] == [("two", 8)]
+    deltas = list(sched.update_from_output(out, worker.step(out))) + run_until_done(sched, worker)
+    [pooled] = [d for d in deltas if d.embedding is not None]
+    np.testing.assert_allclose(_embedding(pooled), _expected(prompt, "last"), rtol=1e-6)
+    assert_all_blocks_free(sched)
+
+
 def test_an_embedding_request_may_fill_the_context_a_generation_request_may_not():
     config = SchedulerConfig(block_size=4, num_gpu_blocks=8, max_num_seqs=2, max_num_batched_tokens=16,
                              max_model_len=12)

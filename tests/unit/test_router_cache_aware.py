@@ -68,6 +68,17 @@ def test_a_fresh_cache_after_the_workers_failed_tells_the_router_to_forget():
     assert len(index) == 0
 
 
+def test_without_prefix_caching_the_router_hears_of_no_block():
+    config = SchedulerConfig(block_size=BS, num_gpu_blocks=16)
+    sched, worker = Scheduler(config), SimWorker(config, counting_tokens())
+    for rid in ("a", "b"):  # b's prompt repeats a's, whose blocks filled while it ran
+        sched.add_request(request(rid, SYSTEM + [1], max_tokens=6))
+        run_until_done(sched, worker)
+    index = ReplicaCacheIndex(0)
+    _drain_into(sched, index)
+    assert len(index) == 0 and sched.stats()["prefix_cache_hits"] == 0
+
+
 # ------------------------------------------------------------------ the router's view
 
 

@@ -223,8 +223,11 @@ def test_a_new_prompt_that_will_not_join_the_lane_is_waited_for_instead(extra):
     assert [out.decodes.req_ids for out in driver.pending] == [["a"]]
     assert sched.add_request(request("b", [6, 7, 8, 9, 10], max_tokens=10, **extra)) == []
     ahead_after_b = []  # for each step in which b samples: may the next one go out before its result?
+    ahead_of_b = []  # for each step scheduled while another was out: did b sample in the one out?
 
     def on_schedule(out) -> None:
+        if len(sched.in_flight) == 2:
+            ahead_of_b.append(any(seq.request_id == "b" for seq in sched.in_flight[0][1]))
         _, sampling, _ = sched.in_flight[-1]
         if any(seq.request_id == "b" for seq in sampling):
             ahead_after_b.append(sched.can_schedule_ahead())
@@ -235,6 +238,8 @@ def test_a_new_prompt_that_will_not_join_the_lane_is_waited_for_instead(extra):
     # b samples outside the lane and stays there (its logprobs, or a fork to come): each next
     # step needs its token, so none is scheduled ahead of it
     assert ahead_after_b and not any(ahead_after_b)
+    if "logprobs" in extra:  # never in the lane, so no step goes out while one it samples in is out
+        assert not any(ahead_of_b)  # (b's samples join the lane with their first token and sit the step ahead out)
 
 
 def test_a_lane_sequence_that_ends_while_the_step_ahead_is_out_holds_no_step_back():

@@ -183,6 +183,7 @@ def test_without_lora_no_step_carries_a_lora_step_and_no_request_may_name_an_ada
     sched.schedule()
     assert sched.take_lora_step() is None and sched.lora is None
     assert "max_lora" not in sched.stats()
+    assert not sched.has_lora_changes() and sched.lora_adapters() == []  # the engine asks both of any scheduler
 
 
 # ---------------------------------------------------------------- the limit, without starvation
@@ -241,6 +242,19 @@ def test_a_base_model_request_behind_one_waiting_for_a_slot_starts_at_once():
     assert run.sched.stats()["waiting_lora_adapters"] == ["a", "b"]
     run.run_until_done()
     assert run.started["a0"] < run.started["b0"] < run.started["a1"]  # a1 after b0, who waited first
+
+
+def test_requests_behind_one_waiting_for_a_slot_start_in_their_own_arrival_order():
+    run = LoRARun(max_loras=1, max_num_seqs=2)
+    run.add("a0", "a", max_tokens=20)
+    run.step()
+    run.add("b0", "b", max_tokens=3)  # no slot: set aside
+    run.add("base1", "", max_tokens=3)
+    run.add("base2", "", max_tokens=3)
+    run.step()  # one seat left: the older of the two behind b0
+    assert "base1" in run.started and "base2" not in run.started and "b0" not in run.started
+    run.run_until_done()
+    assert run.started["base1"] < run.started["base2"]
 
 
 def test_the_adapter_drained_for_a_waiting_one_is_the_least_recently_admitted_never_the_one_just_loaded():
@@ -361,7 +375,7 @@ def test_unloading_ends_the_waiting_requests_of_it_finishes_the_running_then_the
     run.add("waiting", "a", max_tokens=6)  # no seat: waits
     deltas, _ = apply_frontend_message(run.sched, m.UnloadLoRA("a"), False)
     [error] = deltas
-    assert error.request_id == "waiting" and error.error_kind == "invalid_request"
+    assert (error.request_id, error.finish_reason, error.error_kind) == ("waiting", "error", "invalid_request")
     assert "'a'" in error.error and "unloaded" in error.error
     [refused] = run.add("after", "a")
     assert "not loaded" in refused.error

@@ -8,10 +8,10 @@ import pytest
 
 from pagedserve.scheduler_proc.config import SchedulerConfig
 from pagedserve.scheduler_proc.policy import FcfsPolicy
-from pagedserve.scheduler_proc.scheduler import Scheduler
+from pagedserve.scheduler_proc.scheduler import Scheduler, SchedulerStateError
 
 from support.scheduler_sim import (
-    SimWorker, assert_all_blocks_free, counting_tokens, random_tokens, request, run_until_done,
+    SimWorker, assert_all_blocks_free, counting_tokens, random_tokens, request, run_until_done, swap_one_out,
 )
 
 
@@ -292,5 +292,86 @@ def test_a_recomputed_older_sequence_starts_before_a_newer_swapped_one():
     assert sched.policy.next_to_start(sched.swapped, sched.waiting) is old
     sched.swapped.clear()
     sched.waiting.append(new)
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
+
+
+def test_a_policy_that_names_a_sequence_already_scheduled_this_step_as_its_victim_is_refused():
+    # as above, but the policy names "old", which took the free block before "mid" asked for one
+    config = SchedulerConfig(debug_invariants=True, block_size=4, num_gpu_blocks=8, max_num_seqs=4,
+                             max_num_batched_tokens=32, preemption_mode="recompute")
+    sched, worker = Scheduler(config, policy=_NamedVictim("old")), SimWorker(config, counting_tokens())
+    for rid, length in (("old", 7), ("mid", 7), ("new", 8)):
+        sched.add_request(request(rid, list(range(20, 20 + length)), max_tokens=6, ignore_eos=True, logprobs=1))
+    step(sched, worker)
+    step(sched, worker)
+    with pytest.raises(SchedulerStateError, match="the policy chose 'old', already scheduled this step, as a victim"):
+        sched.schedule()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_every_preemption_is_counted_by_its_kind_and_a_recomputed_sequence_copies_no_block(mode):
+    sched, worker = make(block_size=4, num_gpu_blocks=8, num_cpu_blocks=16, max_num_seqs=4,
+                         max_num_batched_tokens=32, preemption_mode=mode)
+    for i in range(5):
+        sched.add_request(request(f"r{i}", list(range(20 + i, 27 + i)), max_tokens=12, ignore_eos=True))
+    preempted, copies = [], []
+
+    def on_step(out, result, deltas):
+        preempted.extend(rid for rid in out.finished_req_ids if rid in sched.requests)  # given way, not ended
+        copies.extend(out.blocks_to_copy)
+
+    deltas = run_until_done(sched, worker, on_step=on_step)
+    stats = sched.stats()
+    assert len(preempted) >= 2
+    assert (stats["num_preemptions_swap"], stats["num_preemptions_recompute"]) == (
+        (len(preempted), 0) if mode == "swap" else (0, len(preempted)))
+    assert copies == []  # single samples: no block is ever shared, so none is copied
+    assert sorted(d.request_id for d in deltas if d.finish_reason) == [f"r{i}" for i in range(5)]
+    assert_all_blocks_free(sched)
+
+
+def test_a_prefill_ahead_of_decodes_in_the_running_order_leaves_one_token_of_the_budget_for_each():
+    # under priority the urgent prompt's chunks come first in the running order; the two older decodes
+    # after it (per-object: logprobs) still run every step, and the step never exceeds its budget
+    sched, worker = make(block_size=4, num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=8,
+                         scheduling_policy="priority")
+    for rid in ("low1", "low2"):
+        msg = request(rid, [20, 21, 22], max_tokens=12, ignore_eos=True, logprobs=1)
+        msg.priority = 5
+        sched.add_request(msg)
+    step(sched, worker)
+    sched.add_request(request("urgent", list(range(30, 50)), max_tokens=2, ignore_eos=True))
+    chunks = []
+    for _ in range(4):  # the 20 prompt tokens: 6 at admission beside the 2 decodes, then 6, 6 and 2
+        out, _ = step(sched, worker)
+        chunks.append([(r.req_id, r.num_scheduled_tokens) for r in (*out.new_requests, *out.cached_requests)])
+        assert out.total_num_scheduled_tokens <= 8
+    assert chunks == [[("urgent", n), ("low1", 1), ("low2", 1)] for n in (6, 6, 6, 2)]
+    run_until_done(sched, worker)
+    assert_all_blocks_free(sched)
+
+
+def test_decodes_that_exactly_fill_the_cache_run_to_their_end_without_a_preemption():
+    # 3 prompt tokens and 6 sampled (the last never computed): 8 positions, 2 blocks each, 4 in all
+    sched, worker = make(block_size=4, num_gpu_blocks=4, max_num_seqs=2)
+    for rid in ("a", "b"):  # logprobs: per-object decodes, each asking for its own token's room
+        sched.add_request(request(rid, [20, 21, 22], max_tokens=6, ignore_eos=True, logprobs=1))
+    deltas = run_until_done(sched, worker)
+    assert sum(len(d.new_token_ids) for d in deltas) == 12
+    assert (sched.stats()["num_preemptions_swap"], sched.stats()["num_preemptions_recompute"]) == (0, 0)
+    assert_all_blocks_free(sched)
+
+
+def test_a_waiting_request_that_fits_starts_in_the_step_a_swapped_one_resumes_in():
+    sched, worker = make(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, max_num_seqs=4,
+                         max_num_batched_tokens=32, preemption_mode="swap")
+    swap_one_out(sched, worker)
+    sched.add_request(request("later", [40, 41], max_tokens=2))
+    out, _ = step(sched, worker)
+    while not out.blocks_to_swap_in:
+        assert "later" not in scheduled_ids(out), "a newer request overtook a swapped one"
+        out, _ = step(sched, worker)
+    assert [r.req_id for r in out.new_requests] == ["new", "later"]  # the swapped one first, then the rest
     run_until_done(sched, worker)
     assert_all_blocks_free(sched)

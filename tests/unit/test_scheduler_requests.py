@@ -10,7 +10,7 @@ from pagedserve.scheduler_proc.invariants import InvariantError
 from pagedserve.scheduler_proc.scheduler import Scheduler, SchedulerStateError
 
 from support.scheduler_sim import (EOS, SimWorker, assert_all_blocks_free, counting_tokens, request, run_until_done,
-                                   scripted)
+                                   scripted, swap_one_out)
 
 
 def make(next_token=None, **overrides) -> tuple[Scheduler, SimWorker]:
@@ -133,6 +133,9 @@ def test_unseeded_requests_get_seeds_that_depend_only_on_the_scheduler_seed():
         return [r.sampling.seed for r in sched.schedule().new_requests]
     assert seeds(1) == seeds(1) != seeds(2)
     assert all(isinstance(s, int) for s in seeds(1))
+    sched, _ = make(seed=1)
+    sched.add_request(request("seeded", [1, 2], seed=12345))
+    assert [r.sampling.seed for r in sched.schedule().new_requests] == [12345]  # a request's own seed is kept
 
 
 def test_fail_all_ends_every_request_with_an_engine_error_and_starts_fresh():
@@ -216,4 +219,43 @@ def test_aborting_a_parent_before_it_forks_gives_back_only_the_seats_its_own_sam
     sched.check_invariants()  # no seat is still reserved for its samples
     deltas = run_until_done(sched, worker)
     assert sorted({(d.request_id, d.index) for d in deltas}) == [("two", 0), ("two", 1)]
+    assert_all_blocks_free(sched)
+
+
+def test_every_request_that_ends_counts_once_as_finished_a_shed_one_also_as_shed_and_an_abort_reports_its_usage():
+    sched, worker = make(block_size=4, num_gpu_blocks=16, max_model_len=32, max_waiting_requests=1,
+                         enable_prefix_caching=True)
+    prompt = list(range(10, 20))
+    assert sched.add_request(request("a", prompt, max_tokens=3)) == []
+    [shed] = sched.add_request(request("b", [1, 2]))  # "a" waits: the limit of one is reached
+    [refused] = sched.add_request(request("c", list(range(40))))  # past max_model_len
+    [in_use] = sched.add_request(request("a", [1, 2]))
+    assert (shed.error_kind, refused.error_kind, in_use.error_kind) == ("overloaded", "invalid_request",
+                                                                       "invalid_request")
+    counted = lambda: (sched.stats()["num_finished"], sched.stats()["num_requests_shed"])  # noqa: E731
+    assert counted() == (3, 1)
+    assert sched.step == 0
+    out = sched.schedule()
+    assert out.step == sched.step == 1  # steps count from 1
+    sched.update_from_output(out, worker.step(out))
+    run_until_done(sched, worker)
+    assert counted() == (4, 1)
+    sched.add_request(request("d", prompt + [7], max_tokens=5))  # a's two full blocks are cached
+    out = sched.schedule()
+    sched.update_from_output(out, worker.step(out))
+    [aborted] = sched.abort_requests(["d"])
+    assert (aborted.finish_reason, aborted.num_prompt_tokens, aborted.num_cached_tokens) == ("abort", 11, 8)
+    assert counted() == (5, 1)
+    assert_all_blocks_free(sched)
+
+
+def test_an_abort_of_a_swapped_out_request_gives_back_its_host_blocks_and_the_rest_finish():
+    sched, worker = make(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8, max_num_seqs=4,
+                         max_num_batched_tokens=32, preemption_mode="swap")
+    swapped = swap_one_out(sched, worker)
+    [delta] = sched.abort_requests([swapped.request_id])
+    stats = sched.stats()
+    assert (delta.finish_reason, stats["num_swapped"], stats["num_free_cpu_blocks"]) == ("abort", 0, 8)
+    deltas = run_until_done(sched, worker)
+    assert {d.request_id for d in deltas} == {"old", "mid", "new"} - {swapped.request_id}
     assert_all_blocks_free(sched)

@@ -68,6 +68,15 @@ def test_a_generation_longer_than_the_cache_holds_a_bounded_number_of_blocks(ahe
     assert sched.stats()["num_preemptions_recompute"] == 0
 
 
+@pytest.mark.parametrize("window, live", [(WINDOW, 3), (BLOCK, 2)])
+def test_a_per_object_sequence_frees_behind_its_window_as_soon_as_a_steady_decode_does(window, live):
+    sched = Scheduler(config(sliding_window=window))
+    prompt = list(range(10, 10 + live * BLOCK - 2))
+    deltas, peak, _ = run(sched, [request("long", prompt, max_tokens=60, logprobs=1)])  # logprobs: per object
+    assert len(outputs(deltas)["long"]) == 60
+    assert peak["blocks"] == max_live_blocks(window, BLOCK) == live
+
+
 def test_without_the_window_the_same_request_is_cut_at_the_cache():
     sched = Scheduler(config(sliding_window=0))
     deltas, _, _ = run(sched, [request("long", list(range(10, 20)), max_tokens=300)])

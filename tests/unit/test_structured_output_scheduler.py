@@ -9,6 +9,7 @@ grammar accepts, and every unconstrained request must stream as it does alone.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -154,6 +155,20 @@ def test_with_ignore_eos_and_no_stop_ids_the_grammar_ends_the_sample_when_comple
         assert finish == "stop", (request_id, text)
         check(text, request_id.split("-")[0])
     assert all(d.new_token_ids.count(eos) == 0 for d in deltas)  # no stop token was ever allowed
+
+
+def test_the_time_spent_filling_masks_is_counted_within_the_run_and_each_constrained_request_once(model_dir, grammars):
+    eos = hf_tokenizer(model_dir).convert_tokens_to_ids("<|im_end|>")
+    sched = Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=100, max_num_seqs=4, max_num_batched_tokens=32,
+                                      vocab_size=VOCAB), grammars)
+    sched.add_request(constrained("regex", SPECS["regex"], eos))
+    sched.add_request(constrained("choice", SPECS["choice"], eos))
+    started = time.perf_counter()
+    run_until_done(sched, MaskedSamplingWorker(sched.config, eos))
+    elapsed = time.perf_counter() - started
+    stats = sched.stats()
+    assert 0 < stats["structured_output_mask_time_s"] <= elapsed  # a share of the run, however fast the machine
+    assert stats["structured_output_requests"] == 2
 
 
 def test_a_grammar_that_cannot_compile_is_refused_at_admission_naming_the_problem(grammars):
