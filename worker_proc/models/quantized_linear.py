@@ -136,7 +136,7 @@ class QuantizedLinear:
         """The weight [out, in] in ``dtype``, made for one call and freed after it: q * scale (+ zero),
         per group, the products compressed-tensors' dequantize makes (float32: the same values)."""
         n, k, g = self.out_features, self.in_features, self.group_size
-        if self.kind in cpu_quantized.DEQUANTIZE_FORMATS and cpu_native.library() is not None:  # one pass
+        if self.kind in cpu_quantized.DEQUANTIZE_FORMATS:  # layouts made only where the native kernels build
             return cpu_quantized.dequantize(self.kind, self.weight, self.scales, n, k, g, dtype, zeros=self.nibble_zeros,
                                             mins=self.nibble_mins)
         if self.kind == "int4":
@@ -146,16 +146,6 @@ class QuantizedLinear:
             if zero.any():
                 w.add_(zero.unsqueeze(-1))
             return w.view(n, k)
-        if self.kind == "int4_blocks":  # (nibble - z) * scale (or scale * nibble - min) in float32, then one rounding
-            nibbles = cpu_quantized.unpack_int4_blocks(self.weight).float().view(n, k // g, g)
-            if self.nibble_mins is not None:  # gguf's own order of operations: the same float32 values
-                return nibbles.mul_(self.scales.unsqueeze(-1)).sub_(self.nibble_mins.unsqueeze(-1)).view(n, k).to(dtype)
-            z = 8.0 if self.nibble_zeros is None else self.nibble_zeros.unsqueeze(-1)
-            return nibbles.sub_(z).mul_(self.scales.unsqueeze(-1)).view(n, k).to(dtype)
-        if self.kind in ("int8_blocks", "q8_0", "q5_0"):  # in float32, then one rounding to dtype
-            q = self.integers()
-            w = q.view(n, k // g, g).float().mul_(self.scales.float().unsqueeze(-1))
-            return w.view(n, k).to(dtype)
         if self.kind == "int8":
             w = self.weight.to(dtype).mul_(self.scales.to(dtype).unsqueeze(-1))
             return w if self.zero_correction is None else w.sub_(self.zero_correction.to(dtype).unsqueeze(-1))
