@@ -106,10 +106,7 @@ static void put_row(const float *restrict v, const int64_t k, void *out, const i
         memcpy(out, v, k * sizeof(float));
     } else if (out_kind == 1) {
         uint16_t *restrict o = out;
-        for (int64_t t = 0; t < k; t++) {
-            const uint32_t u = f32_to_bits(v[t]);
-            o[t] = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-        }
+        for (int64_t t = 0; t < k; t++) o[t] = f32_to_bf16(v[t]);
     } else {
         uint16_t *restrict o = out;
         for (int64_t t = 0; t < k; t++) o[t] = f32_to_f16(v[t]);
