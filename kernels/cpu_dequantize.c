@@ -1,5 +1,5 @@
 /* A quantized weight made float for one prefill product: out[N, K] (float32, bfloat16 or float16) from the layouts
- * the decode kernels read (int8 in blocks, Q8_0 and Q5_0 in tiles, int4 nibbles in runs of 32).
+ * the decode kernels read (int8 in blocks, Q8_0 and Q5_0 in panels, int4 nibbles in runs of 32).
  *
  * From enough rows of x a layer multiplies a copy of its weight dequantized for the call, by torch's matmul,
  * instead of running the decode kernels row block by row block (worker_proc/models/quantized_linear.py,
@@ -17,16 +17,19 @@
 #include <string.h>
 
 #include "cpu_half.h"
-#include "cpu_tiles.h"
+#include "cpu_q8_0_panels.h"
 
 /* the formats, as cpu_quantized.DEQUANTIZE_FORMATS names them */
-enum { DQ_INT8_BLOCKS = 0, DQ_Q8_0_TILES = 1, DQ_Q5_0_TILES = 2, DQ_INT4_BLOCKS = 3 };
+enum { DQ_INT8_BLOCKS = 0, DQ_Q8_0_PANELS = 1, DQ_Q5_0_PANELS = 2, DQ_INT4_BLOCKS = 3 };
 #define DQ_PARALLEL_MIN (1 << 16)  /* weights: below this a fork costs more than the rows */
 
-/* the row's scales as float32 (float16 ones widened exactly) */
-static void row_scales(const void *scales, const int scales_f16, const int64_t j, const int64_t groups,
-                       float *restrict s) {
-    if (scales_f16) {
+/* the row's scales as float32 (float16 ones widened exactly; Q8_0's and Q5_0's in panel order: [panel][block][16]) */
+static void row_scales(const void *scales, const int scales_f16, const int panels, const int64_t j,
+                       const int64_t groups, float *restrict s) {
+    if (panels) {
+        const uint16_t *h = (const uint16_t *)scales + j / Q8_0_PANEL_ROWS * groups * Q8_0_PANEL_ROWS + j % Q8_0_PANEL_ROWS;
+        for (int64_t c = 0; c < groups; c++) s[c] = f16_to_f32(h[c * Q8_0_PANEL_ROWS]);
+    } else if (scales_f16) {
         const uint16_t *h = (const uint16_t *)scales + j * groups;
         for (int64_t c = 0; c < groups; c++) s[c] = f16_to_f32(h[c]);
     } else {
@@ -49,38 +52,31 @@ static void row_int8_blocks(const int8_t *restrict q, const float *restrict s, c
         for (int64_t t = c; t < c + g; t += 16) scale_16(q + t, s[grp], v + t);  /* g: a multiple of 16 */
 }
 
-static void row_q8_0_tiles(const uint8_t *restrict w, const int64_t j, const float *restrict s, const int64_t k,
-                           float *restrict v) {
-    const int8_t *run = (const int8_t *)tile_row(w, j, k, 64);
-    for (int64_t c = 0; c < k; c += 64, run += TILE_ROWS * 64) {
-        scale_block(run, s[c / 32], v + c);
-        scale_block(run + 32, s[c / 32 + 1], v + c + 32);
+/* cpu_gemm_q8_0.c's panels: row j's 4 inputs of each run at (j % 16) * 4, its values + 128 */
+static void row_q8_0_panels(const uint8_t *restrict w, const int64_t j, const float *restrict s, const int64_t k,
+                            float *restrict v) {
+    const uint8_t *row = w + j / Q8_0_PANEL_ROWS * k * Q8_0_PANEL_ROWS + j % Q8_0_PANEL_ROWS * 4;
+    for (int64_t c = 0; c < k; c += 32) {
+        int8_t q[32];
+        for (int t = 0; t < 8; t++)
+            for (int e = 0; e < 4; e++) q[4 * t + e] = (int8_t)(row[(c / 4 + t) * 64 + e] ^ 0x80);
+        scale_block(q, s[c / 32], v + c);
     }
 }
 
-static void row_q5_0_tiles(const uint8_t *restrict w, const int64_t j, const float *restrict s, const int64_t k,
-                           float *restrict v) {
-    const uint8_t *run = tile_row(w, j, Q5_ROW_BYTES(k), Q5_CHUNK_BYTES);
-    for (int64_t c = 0; c < k; c += 64, run += TILE_ROWS * Q5_CHUNK_BYTES) {
-        int8_t q[64];
-#if defined(__AVX512BW__)
-        /* the nibbles widened to bytes, the fifth bits added under their mask (bit t: value t) */
-        const __m256i packed = _mm256_loadu_si256((const __m256i *)run), low4 = _mm256_set1_epi8(15);
-        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low4)),
-                                             _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4), 1);
-        uint64_t bits;
-        memcpy(&bits, run + 32, 8);
-        const __m512i sixteen = _mm512_set1_epi8(16);
-        _mm512_storeu_si512(q, _mm512_sub_epi8(_mm512_mask_add_epi8(u, (__mmask64)bits, u, sixteen), sixteen));
-#else
-        const uint8_t *fifth = run + 32;
-        for (int t = 0; t < 32; t++) {
-            q[t] = (int8_t)(((run[t] & 15) | ((fifth[t >> 3] >> (t & 7)) & 1) << 4) - 16);
-            q[t + 32] = (int8_t)(((run[t] >> 4) | ((fifth[4 + (t >> 3)] >> (t & 7)) & 1) << 4) - 16);
-        }
-#endif
+/* Q5_0's panels (cpu_q8_0_panels.h): row j's u = value + 16 from its runs' nibbles and fifth bits */
+static void row_q5_0_panels(const uint8_t *restrict w, const int64_t j, const float *restrict s, const int64_t k,
+                            float *restrict v) {
+    const uint8_t *panel = w + j / Q8_0_PANEL_ROWS * (k / 32) * Q5_0_PANEL_BLOCK_BYTES;
+    const int lane = (int)(j % Q8_0_PANEL_ROWS) * 4;
+    for (int64_t c = 0; c < k; c += 32, panel += Q5_0_PANEL_BLOCK_BYTES) {
+        int8_t q[32];
+        for (int t = 0; t < 8; t++)
+            for (int e = 0; e < 4; e++) {
+                const int i = lane + e, nibble = (panel[64 * (t / 2) + i] >> (4 * (t % 2))) & 15;
+                q[4 * t + e] = (int8_t)((nibble | ((panel[Q5_0_PANEL_NIBBLE_BYTES + 8 * t + i / 8] >> (i % 8)) & 1) << 4) - 16);
+            }
         scale_block(q, s[c / 32], v + c);
-        scale_block(q + 32, s[c / 32 + 1], v + c + 32);
     }
 }
 
@@ -121,7 +117,7 @@ int dequantize_weight(const int format, const void *w, const void *scales, const
                       const float *mins, const int64_t group, const int64_t n, const int64_t k, void *out,
                       const int out_kind) {
     if (n < 0 || k <= 0 || group <= 0 || k % group || out_kind < 0 || out_kind > 2) return -1;
-    if ((format == DQ_Q8_0_TILES || format == DQ_Q5_0_TILES) && (group != 32 || k % 64 || !scales_f16)) return -1;
+    if ((format == DQ_Q8_0_PANELS || format == DQ_Q5_0_PANELS) && (group != 32 || !scales_f16)) return -1;
     if (format == DQ_INT8_BLOCKS && group % 16) return -1;
     if (format == DQ_INT4_BLOCKS && (group % 32 || scales_f16 || (zeros && mins))) return -1;
     if (format < DQ_INT8_BLOCKS || format > DQ_INT4_BLOCKS) return -1;
@@ -138,13 +134,13 @@ int dequantize_weight(const int format, const void *w, const void *scales, const
                 failed = 1;
                 continue;
             }
-            row_scales(scales, scales_f16, j, groups, s);
+            row_scales(scales, scales_f16, format == DQ_Q8_0_PANELS || format == DQ_Q5_0_PANELS, j, groups, s);
             if (format == DQ_INT8_BLOCKS)
                 row_int8_blocks((const int8_t *)w + j * k, s, k, group, buf);
-            else if (format == DQ_Q8_0_TILES)
-                row_q8_0_tiles(w, j, s, k, buf);
-            else if (format == DQ_Q5_0_TILES)
-                row_q5_0_tiles(w, j, s, k, buf);
+            else if (format == DQ_Q8_0_PANELS)
+                row_q8_0_panels(w, j, s, k, buf);
+            else if (format == DQ_Q5_0_PANELS)
+                row_q5_0_panels(w, j, s, k, buf);
             else
                 row_int4_blocks((const uint8_t *)w + j * (k / 2), s, zeros ? zeros + j * groups : NULL,
                                 mins ? mins + j * groups : NULL, k, group, buf);

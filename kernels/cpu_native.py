@@ -52,11 +52,12 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_dequantize.c"): ("-ffp-contract=off",),
+           Path(__file__).with_name("cpu_gemm_q8_0.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary_half.c"): ("-ffp-contract=off",),
            # its loops over keys (softmax) take 512-bit vectors where the CPU has them
            Path(__file__).with_name("cpu_prefill_attention.c"): ("-mprefer-vector-width=512",)}
 HEADERS = (Path(__file__).with_name("cpu_softmax_exp.h"), Path(__file__).with_name("cpu_half.h"),
-           Path(__file__).with_name("cpu_gemv_rows.h"), Path(__file__).with_name("cpu_tiles.h"))  # hashed too
+           Path(__file__).with_name("cpu_gemv_rows.h"), Path(__file__).with_name("cpu_q8_0_panels.h"))  # hashed too
 # OpenMP runs the loops on torch's own threads: the library links libgomp.so.1, which the
 # loader resolves to the copy torch already loaded. Without -fopenmp it runs on one thread.
 _FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC")
@@ -77,10 +78,8 @@ _SIGNATURES = {
        for suffix in ("f32", "bf16", "f16")},
     "gemv_panels_bf16": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int],
     "gemv_int8_blocks": [_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int],
-    "gemv_q8_0": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_int],
     "q8_0_variant": [],
-    **{name: [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_int] for name in ("gemv_q5_0", "gemv_q8_0_tiles")},
-    "unpack_q5_0_tiles": [_P, _I, _I, _P],
+    **{name: [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_int] for name in ("gemm_q8_0_panels", "gemm_q5_0_panels")},
     "dequantize_weight": [ctypes.c_int, _P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, ctypes.c_int],
     "gemv_int4_blocks": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_int4_variant": [],
@@ -97,7 +96,7 @@ _RESTYPES = {"prefill_attention_f32": ctypes.c_int,
              "linear_f32_available": ctypes.c_int,
              **{f"gemv_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "gemv_panels_bf16": ctypes.c_int,
              "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
-             "gemv_q8_0": ctypes.c_int, "gemv_q5_0": ctypes.c_int, "gemv_q8_0_tiles": ctypes.c_int,
+             **dict.fromkeys(("gemm_q8_0_panels", "gemm_q5_0_panels"), ctypes.c_int),
              "q8_0_variant": ctypes.c_char_p, "dequantize_weight": ctypes.c_int, "gemv_int4_variant": ctypes.c_char_p,
              "w8a8_linear": ctypes.c_int, "w8a8_variant": ctypes.c_char_p,
              **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "lora_shrink_expand": ctypes.c_int,

@@ -1,9 +1,10 @@
-"""The integer weights' CPU kernels (cpu_gemv_int8.c, cpu_gemv_int4.c, cpu_gemm_w8a8.c): each weight layout
+"""The integer weights' CPU kernels (cpu_gemv_int8.c, cpu_gemm_q8_0.c, cpu_gemv_int4.c, cpu_gemm_w8a8.c, and
+cpu_dequantize.c's copies): each weight layout
 they read, its packing and unpacking, and the call.
 
 A quantized checkpoint's matrices (worker_proc/models/quantized_linear.py) are kept in these layouts: int8 with
-a scale per block of inputs (W8A16, GGUF Q8_0 and Q6_K), Q8_0 and Q5_0 in tiles of 8 rows (a decode step reads a
-tile as one stream; Q5_0 at its file's 5 bits), int4 nibbles in runs of 32 (W4A16, GPTQ, AWQ, GGUF Q4_0/Q4_1/Q4_K),
+a scale per block of inputs (W8A16, GGUF Q6_K), GGUF Q8_0 and Q5_0 in panels of 16 rows (llama.cpp's arithmetic,
+x quantized per block of 32, on VNNI; Q5_0 at its file's 5 bits), int4 nibbles in runs of 32 (W4A16, GPTQ, AWQ, GGUF Q4_0/Q4_1/Q4_K),
 and W8A8's int8 panels for VNNI. The library itself, its build and its symbols' signatures are cpu_native.py's.
 """
 
@@ -37,131 +38,106 @@ def gemv_int8_blocks(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, blo
     return out
 
 
-Q8_0_BLOCK = 32  # cpu_gemv_int8.c's gemv_q8_0: the inputs of a weight block and of an activation block
+Q8_0_BLOCK = 32  # cpu_gemm_q8_0.c: the inputs of a weight block and of an activation block
 
 
 def q8_0_variant(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
-    """Which instructions gemv_q8_0() multiplies with here ("avx512vnni", "portable"); None without the library."""
+    """Which instructions gemm_q8_0_panels() and gemm_q5_0_panels() multiply with here ("avx512vnni", "portable");
+    None without the library."""
     lib = lib or cpu_native.library()
     return None if lib is None else lib.q8_0_variant().decode()
 
 
-def gemv_q8_0(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
-              lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """llama.cpp's Q8_0 x Q8_0: x [M, K] (M >= 1; float32, bfloat16 or float16; rows may be strided), each block
-    of 32 inputs of a row quantized to int8 (d = max|x| / 127, round half to even of x / d), times (q [N, K] int8,
-    scales [N, K / 32] float16, Q8_0's own).T, each block's int8 products summed exactly in int32 and scaled by both blocks'
-    d in float32: [M, N] in ``out_dtype`` (default x's) (kernels/cpu_gemv_int8.c)."""
-    rows, k = x.shape
-    n = q.shape[0]
-    if (x.dtype not in DTYPE_SUFFIXES or q.dtype != torch.int8 or q.shape != (n, k) or k % Q8_0_BLOCK
-            or scales.dtype != torch.float16 or scales.shape != (n, k // Q8_0_BLOCK) or rows < 1):
-        raise ValueError("gemv_q8_0: x, the weight and its scales do not match")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(rows, n, dtype=out_dtype or x.dtype)
-    lib = lib or cpu_native.library()
-    if lib.gemv_q8_0(x.data_ptr(), _W8A8_KIND[x.dtype], x.stride(0), rows, k, q.contiguous().data_ptr(),
-                     scales.contiguous().data_ptr(), n, out.data_ptr(), n, GEMV_OUT_KIND[out.dtype]):
-        raise MemoryError("gemv_q8_0: the kernel refused the shapes or had no memory for its scratch")
-    return out
+Q8_0_PANEL = 16  # the rows of a Q8_0 or Q5_0 panel (kernels/cpu_q8_0_panels.h)
 
 
-Q5_0_CHUNK = 64  # cpu_gemv_int8.c's gemv_q5_0 and gemv_q8_0_tiles: a run of inputs (two blocks of 32)
-_Q5_0_CHUNK_BYTES = 40  # 32 bytes of nibbles, then the 64 fifth bits
-_TILE_ROWS = 8  # rows whose runs are stored side by side
-
-
-def _to_tiles(runs: torch.Tensor, fill: int) -> torch.Tensor:
-    """Rows of runs [N, K / 64, B] uint8 -> the kernels' tiles [ceil(N / 8) * 8, K / 64 * B]: per tile of 8 rows
-    (``fill`` bytes past N), each run of the tile's rows side by side, so a decode step reads a tile as one stream."""
-    n, chunks, size = runs.shape
-    tiles = -(-n // _TILE_ROWS)
-    out = torch.full((tiles * _TILE_ROWS, chunks, size), fill, dtype=torch.uint8)
-    out[:n] = runs
-    return out.view(tiles, _TILE_ROWS, chunks, size).transpose(1, 2).reshape(tiles * _TILE_ROWS, -1).contiguous()
-
-
-def _from_tiles(tiled: torch.Tensor, n: int, size: int) -> torch.Tensor:
-    """_to_tiles' inverse: the first ``n`` rows' runs [n, K / 64, size]."""
-    rows = tiled.shape[0]
-    return tiled.view(rows // _TILE_ROWS, -1, _TILE_ROWS, size).transpose(1, 2).reshape(rows, -1, size)[:n]
-
-
-def pack_q8_0_tiles(q: torch.Tensor) -> torch.Tensor:
-    """Q8_0's values [N, K] int8 (K a multiple of 64) -> gemv_q8_0_tiles()'s layout [ceil(N / 8) * 8, K] int8:
-    the rows in tiles of 8, a tile's runs of 64 inputs side by side."""
+def pack_q8_0_panels(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0's values [N, K] int8 and float16 scales [N, K / 32] -> gemm_q8_0_panels()'s layout: the values + 128
+    [ceil(N / 16), K / 32, 8, 16, 4] uint8 (per panel of 16 rows and block of 32 inputs, run t the rows' inputs
+    4t .. 4t + 3; zero values past N) and the scales [ceil(N / 16), K / 32, 16] float16 (0 past N)."""
     n, k = q.shape
-    if k % Q5_0_CHUNK or q.dtype != torch.int8:
-        raise ValueError(f"pack_q8_0_tiles: {k} int8 inputs are not whole runs of {Q5_0_CHUNK}")
-    return _to_tiles(q.view(torch.uint8).reshape(n, k // Q5_0_CHUNK, Q5_0_CHUNK), 0).view(torch.int8)
+    if k % Q8_0_BLOCK or q.dtype != torch.int8 or scales.shape != (n, k // Q8_0_BLOCK) or scales.dtype != torch.float16:
+        raise ValueError(f"pack_q8_0_panels: {k} int8 inputs are not whole blocks of {Q8_0_BLOCK} with their scales")
+    rows = -(-n // Q8_0_PANEL) * Q8_0_PANEL
+    u = torch.full((rows, k), 128, dtype=torch.uint8)
+    u[:n] = (q.to(torch.int16) + 128).to(torch.uint8)
+    s = torch.zeros(rows, k // Q8_0_BLOCK, dtype=torch.float16)
+    s[:n] = scales
+    panels = u.view(rows // Q8_0_PANEL, Q8_0_PANEL, k // Q8_0_BLOCK, Q8_0_BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
+    return panels.contiguous(), s.view(rows // Q8_0_PANEL, Q8_0_PANEL, -1).transpose(1, 2).contiguous()
 
 
-def unpack_q8_0_tiles(tiled: torch.Tensor, n: int) -> torch.Tensor:
-    """pack_q8_0_tiles' inverse: its first ``n`` rows, [n, K] int8."""
-    return _from_tiles(tiled.view(torch.uint8), n, Q5_0_CHUNK).reshape(n, -1).view(torch.int8)
+def unpack_q8_0_panels(panels: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_q8_0_panels' inverse: the first ``n`` rows' values [n, K] int8 and scales [n, K / 32] float16."""
+    p, blocks = panels.shape[:2]
+    q = panels.permute(0, 3, 1, 2, 4).reshape(p * Q8_0_PANEL, blocks * Q8_0_BLOCK)[:n]
+    return (q.to(torch.int16) - 128).to(torch.int8), scales.transpose(1, 2).reshape(p * Q8_0_PANEL, blocks)[:n]
 
 
-def pack_q5_0(q: torch.Tensor) -> torch.Tensor:
-    """Signed 5-bit values [N, K] (int8 in [-16, 15], K a multiple of 64) -> gemv_q5_0()'s layout
-    [ceil(N / 8) * 8, K / 64 * 40] uint8: per 64 inputs of a row, of u = q + 16, byte t holds u[t] & 15 in its low
-    nibble and u[32 + t] & 15 in its high one (t < 32), then 8 bytes whose bit t (little-endian) is u[t]'s fifth
-    bit; the rows in tiles of 8 (_to_tiles)."""
+def pack_q5_0_panels(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF Q5_0 matrix's values [N, K] (int8 in [-16, 15]) and float16 scales [N, K / 32] -> gemm_q5_0_panels()'s
+    layout (kernels/cpu_q8_0_panels.h): per panel of 16 rows and block of 32 inputs, of u = q + 16 in pack_q8_0_panels'
+    runs, the runs' nibbles in pairs (byte i of a pair: the even run's value i low, the odd run's high) then each
+    run's fifth bits (bit i, little-endian: value i's), [ceil(N / 16), K / 32, 320] uint8; the scales as
+    pack_q8_0_panels'."""
     n, k = q.shape
-    if k % Q5_0_CHUNK or q.dtype != torch.int8:
-        raise ValueError(f"pack_q5_0: {k} int8 inputs are not whole runs of {Q5_0_CHUNK}")
-    u = (q.to(torch.int16) + 16).to(torch.uint8).view(n, k // Q5_0_CHUNK, 2, Q5_0_CHUNK // 2)
-    nibbles = (u[..., 0, :] & 0xF) | ((u[..., 1, :] & 0xF) << 4)
-    fifth = (u.reshape(n, k // Q5_0_CHUNK, 8, 8) >> 4) << torch.arange(8, dtype=torch.uint8)
-    return _to_tiles(torch.cat([nibbles, fifth.sum(-1, dtype=torch.uint8)], dim=-1), 16)
+    if q.dtype != torch.int8 or (q.numel() and (int(q.min()) < -16 or int(q.max()) > 15)):
+        raise ValueError("pack_q5_0_panels: the values are not 5-bit integers")
+    runs, panel_scales = pack_q8_0_panels(q, scales)  # + 128: back to u = q + 16 below
+    u = (runs - 112).view(runs.shape[0], k // Q8_0_BLOCK, Q8_0_BLOCK // 4, Q8_0_PANEL * 4)
+    nibbles = (u[:, :, 0::2] & 15) | ((u[:, :, 1::2] & 15) << 4)
+    fifth = ((u >> 4).view(*u.shape[:3], 8, 8) << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    return torch.cat([nibbles.flatten(2), fifth.flatten(2)], dim=-1).contiguous(), panel_scales
 
 
-def unpack_q5_0(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """pack_q5_0's inverse: its first ``n`` rows, [n, K] int8 in [-16, 15] (the native loop where built)."""
-    lib = cpu_native.library()
-    if lib is not None:
-        out = torch.empty(n, packed.shape[1] // _Q5_0_CHUNK_BYTES * Q5_0_CHUNK, dtype=torch.int8)
-        lib.unpack_q5_0_tiles(packed.contiguous().data_ptr(), n, out.shape[1], out.data_ptr())
-        return out
-    runs = _from_tiles(packed, n, _Q5_0_CHUNK_BYTES)
-    nib = runs[..., :32]
-    low = torch.cat([nib & 0xF, nib >> 4], dim=-1)
-    fifth = (runs[..., 32:].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
-    return ((low | (fifth.reshape(low.shape) << 4)).to(torch.int8) - 16).reshape(n, -1)
+def unpack_q5_0_panels(packed: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_q5_0_panels' inverse: the first ``n`` rows' values [n, K] int8 and scales [n, K / 32] float16."""
+    p, blocks = packed.shape[:2]
+    pairs = packed[..., :_Q5_NIBBLE_BYTES].reshape(p, blocks, Q8_0_BLOCK // 8, 1, Q8_0_PANEL * 4)
+    low4 = torch.cat([pairs & 15, pairs >> 4], dim=3).flatten(2, 3)  # [p, blocks, runs, 64]
+    bits = packed[..., _Q5_NIBBLE_BYTES:].reshape(p, blocks, Q8_0_BLOCK // 4, 8, 1)
+    fifth = ((bits >> torch.arange(8, dtype=torch.uint8)) & 1).flatten(3)
+    runs = ((low4 | (fifth << 4)) + 112).view(p, blocks, Q8_0_BLOCK // 4, Q8_0_PANEL, 4)  # as Q8_0's: + 128
+    return unpack_q8_0_panels(runs, scales, n)
 
 
-def gemv_q8_0_tiles(x: torch.Tensor, tiled: torch.Tensor, scales: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
-                    lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """gemv_q8_0 on the weight in tiles (pack_q8_0_tiles: [ceil(N / 8) * 8, K] int8, K a multiple of 64) with its
-    float16 scales [N, K / 32]: the same outputs, bit for bit, read as one stream a tile."""
-    return _q8_0_form("gemv_q8_0_tiles", x, tiled, torch.int8, Q5_0_CHUNK, scales, out_dtype, lib)
+_Q5_NIBBLE_BYTES = Q8_0_PANEL * Q8_0_BLOCK // 2  # a Q5_0 panel's block: 256 bytes of nibbles, then 64 of fifth bits
+_Q5_BLOCK_BYTES = _Q5_NIBBLE_BYTES + Q8_0_PANEL * Q8_0_BLOCK // 8
 
 
-def _q8_0_form(name: str, x: torch.Tensor, w: torch.Tensor, w_dtype: torch.dtype, run_bytes: int,
-               scales: torch.Tensor, out_dtype: Optional[torch.dtype], lib: Optional[ctypes.CDLL]) -> torch.Tensor:
-    """The call of a tiled form of gemv_q8_0 (``name``), its shapes checked: w's runs of 64 inputs ``run_bytes``."""
+def gemm_q8_0_panels(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, n: int,
+                     out_dtype: Optional[torch.dtype] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """llama.cpp's Q8_0 x Q8_0 (x quantized per block of 32, d = max|x| / 127, round half to even; each block's int8
+    products summed exactly) on the weight packed by pack_q8_0_panels, any number of rows of x (float32, bfloat16 or
+    float16; rows may be strided), the blocks' scaled sums added in order in float32:
+    out = (...(isum_0 * (dw_0 * dx_0)) + isum_1 * (dw_1 * dx_1)) + ...): [M, n] in ``out_dtype`` (default x's)
+    (kernels/cpu_gemm_q8_0.c)."""
+    return _gemm_panels("gemm_q8_0_panels", x, panels, (Q8_0_BLOCK // 4, Q8_0_PANEL, 4), scales, n, out_dtype, lib)
+
+
+def gemm_q5_0_panels(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int,
+                     out_dtype: Optional[torch.dtype] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """gemm_q8_0_panels on a Q5_0 weight packed by pack_q5_0_panels (0.625 bytes a value against 1): the same
+    outputs, bit for bit, as gemm_q8_0_panels on its values."""
+    return _gemm_panels("gemm_q5_0_panels", x, packed, (_Q5_BLOCK_BYTES,), scales, n, out_dtype, lib)
+
+
+def _gemm_panels(name: str, x: torch.Tensor, w: torch.Tensor, block_shape: tuple, scales: torch.Tensor, n: int,
+                 out_dtype: Optional[torch.dtype], lib: Optional[ctypes.CDLL]) -> torch.Tensor:
     rows, k = x.shape
-    n = scales.shape[0]
-    if (x.dtype not in DTYPE_SUFFIXES or w.dtype != w_dtype or k % Q5_0_CHUNK
-            or w.shape != (-(-n // _TILE_ROWS) * _TILE_ROWS, k // Q5_0_CHUNK * run_bytes) or scales.dtype != torch.float16
-            or scales.shape != (n, k // Q8_0_BLOCK) or rows < 1):
+    blocks, p = k // Q8_0_BLOCK, -(-n // Q8_0_PANEL)
+    if (x.dtype not in DTYPE_SUFFIXES or w.dtype != torch.uint8 or k % Q8_0_BLOCK or rows < 1 or n < 1
+            or w.shape != (p, blocks, *block_shape) or scales.dtype != torch.float16
+            or scales.shape != (p, blocks, Q8_0_PANEL)):
         raise ValueError(f"{name}: x, the weight and its scales do not match")
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, n, dtype=out_dtype or x.dtype)
-    kernel = getattr(lib or cpu_native.library(), name)
-    if kernel(x.data_ptr(), _W8A8_KIND[x.dtype], x.stride(0), rows, k, w.contiguous().data_ptr(),
-              scales.contiguous().data_ptr(), n, out.data_ptr(), n, GEMV_OUT_KIND[out.dtype]):
-        raise MemoryError(f"{name}: the kernel refused the shapes or had no memory for its scratch")
+    if getattr(lib or cpu_native.library(), name)(x.data_ptr(), _W8A8_KIND[x.dtype], x.stride(0), rows, k,
+                                                  w.contiguous().data_ptr(), scales.contiguous().data_ptr(), n,
+                                                  out.data_ptr(), n, GEMV_OUT_KIND[out.dtype]):
+        raise MemoryError(f"{name}: no memory for the kernel's scratch")
     return out
-
-
-def gemv_q5_0(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
-              lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """gemv_q8_0's product (x quantized per block of 32, each block's products summed exactly, scaled by both d)
-    on a Q5_0 weight packed by pack_q5_0 ([ceil(N / 8) * 8, K / 64 * 40] uint8; K a multiple of 64) with its float16
-    scales [N, K / 32]: the same outputs as gemv_q8_0 on unpack_q5_0(packed, N), in 35% fewer weight bytes."""
-    return _q8_0_form("gemv_q5_0", x, packed, torch.uint8, _Q5_0_CHUNK_BYTES, scales, out_dtype, lib)
 
 
 INT4_CHUNK = 32  # cpu_gemv_int4.c: inputs whose nibbles share one 16-byte run (low: the first 16, high: the next)
@@ -228,10 +204,14 @@ def gemv_int4_variant(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
 DEQUANTIZE_FORMATS = {"int8_blocks": 0, "q8_0": 1, "q5_0": 2, "int4_blocks": 3}
 
 
-def _packed_shape(kind: str, n: int, k: int) -> tuple[int, int]:
-    tiled = -(-n // _TILE_ROWS) * _TILE_ROWS
-    return {"int8_blocks": (n, k), "q8_0": (tiled, k), "q5_0": (tiled, k // Q5_0_CHUNK * _Q5_0_CHUNK_BYTES),
-            "int4_blocks": (n, k // 2)}[kind]
+def _packed_shapes(kind: str, n: int, k: int, group: int) -> tuple[tuple, tuple]:
+    """A ``kind`` weight of [n, k]'s packed shape and its scales'."""
+    panels = (-(-n // Q8_0_PANEL), k // Q8_0_BLOCK)
+    if kind == "q8_0":
+        return (*panels, Q8_0_BLOCK // 4, Q8_0_PANEL, 4), (*panels, Q8_0_PANEL)
+    if kind == "q5_0":
+        return (*panels, _Q5_BLOCK_BYTES), (*panels, Q8_0_PANEL)
+    return {"int8_blocks": (n, k), "int4_blocks": (n, k // 2)}[kind], (n, k // group)
 
 
 def dequantize(kind: str, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
@@ -239,11 +219,12 @@ def dequantize(kind: str, weight: torch.Tensor, scales: torch.Tensor, n: int, k:
                lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """A packed weight of ``kind`` (DEQUANTIZE_FORMATS: the layouts above) as [n, k] ``dtype``, the values torch's
     ops make from its integers (q * scale, or (nibble - z) * scale, or nibble * scale - min, in float32, then one
-    rounding), in one pass (kernels/cpu_dequantize.c). ``scales`` [n, k / group] float32 or float16 (Q8_0's, Q5_0's);
-    ``zeros`` (8 + zero point) or ``mins`` [n, k / group] float32, int4_blocks only."""
+    rounding), in one pass (kernels/cpu_dequantize.c). ``scales`` [n, k / group] float32 (Q8_0's and Q5_0's: float16
+    in panels, as pack_q8_0_panels makes them); ``zeros`` (8 + zero point) or ``mins`` [n, k / group] float32, int4_blocks only."""
     groups = (n, k // group) if group > 0 and k % group == 0 else None
-    if (kind not in DEQUANTIZE_FORMATS or groups is None or tuple(weight.shape) != _packed_shape(kind, n, k)
-            or scales.shape != groups or scales.dtype not in (torch.float32, torch.float16) or dtype not in GEMV_OUT_KIND
+    shapes = _packed_shapes(kind, n, k, group) if kind in DEQUANTIZE_FORMATS and groups else None
+    if (shapes is None or (tuple(weight.shape), tuple(scales.shape)) != shapes
+            or scales.dtype not in (torch.float32, torch.float16) or dtype not in GEMV_OUT_KIND
             or any(t is not None and (t.dtype != torch.float32 or t.shape != groups) for t in (zeros, mins))):
         raise ValueError(f"dequantize: a {kind} weight of [{n}, {k}] in groups of {group} does not match its tensors")
     out = torch.empty(n, k, dtype=dtype)

@@ -7,7 +7,7 @@ op per row count, side by side: bf16 (oneDNN's packed weight, the float path), W
 two end-to-end loads (``--workloads``: prefill-heavy, decode-heavy) on bf16 against each scheme; ``w4a16_lm_head``:
 W4A16 with lm_head quantized too (the recipe without ``ignore: ["lm_head"]``; the tied shape untied as llm-compressor
 does, the embeddings float). ``gguf_q8_0``: the shape's model written as a GGUF Q8_0 file (tools/gguf_model.py, lm_head
-tied in Q8_0), served as llama.cpp multiplies it (x quantized per block of 32, kernels/cpu_gemv_int8.c gemv_q8_0);
+tied in Q8_0), served as llama.cpp multiplies it (x quantized per block of 32, kernels/cpu_gemm_q8_0.c);
 ``gguf_q8_0_widened``: the same file with its integers widened to float32 instead (the same weights, float activations).
 ``gguf_q4_k_m``: the model written with llama-quantize's Q4_K_M mix (Q4_K / Q6_K, and at the 0.5B's 896 inputs their
 fallbacks Q5_0 / Q8_0), every matrix on an integer kernel; ``gguf_q4_k_m_float``: the same file as served before the
@@ -99,9 +99,9 @@ def time_model(model_dir: Path, dtype: str, prefill_tokens: int, decode_steps: i
                                                                                                        dtype=dtype)
     for proj in _projections(runner) if widen_q8_0 else ():
         q = proj.quantized
-        if q is not None and (q.q8_0_activations or q.kind == "q8_0"):
-            q.weight, q.kind = q.integers(), "int8_blocks"
-            q.q8_0_activations, q.scales = False, q.scales.float()
+        if q is not None and q.kind == "q8_0":
+            values, scales = q.blocks()
+            q.weight, q.kind, q.scales = values.contiguous(), "int8_blocks", scales.float().contiguous()
     block = 16
     cfg = SchedulerConfig(block_size=block, num_gpu_blocks=4096, max_num_seqs=8,
                           max_num_batched_tokens=max(prefill_tokens, 16), max_model_len=4096)

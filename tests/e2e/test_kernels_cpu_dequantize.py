@@ -17,7 +17,7 @@ from support.thread_counts import results_at_thread_counts
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="native CPU kernels are not built here")
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# (outputs, inputs): a 0.5B's gate_up and down_proj cut short, odd row counts (a tile's last rows)
+# (outputs, inputs): a 0.5B's gate_up and down_proj cut short, odd row counts (a panel's last rows)
 SHAPES = [(37, 896), (9, 4864), (1, 64), (203, 128)]
 
 
@@ -41,8 +41,11 @@ def test_int8_layouts_give_torchs_q_times_scale_bits(variant, kind, n, k, dtype)
     q = torch.randint(low, high, (n, k), generator=gen, dtype=torch.int8)
     group = 16 if kind == "int8_blocks" else 32
     scales = _scales(n, k, group, gen, half=kind != "int8_blocks")
-    packed = {"q8_0": cpu_quantized.pack_q8_0_tiles, "q5_0": cpu_quantized.pack_q5_0}.get(kind, lambda t: t)(q)
-    got = cpu_quantized.dequantize(kind.removesuffix("_f16"), packed, scales, n, k, group, dtype)
+    packed, stored_scales = q, scales
+    if kind in ("q8_0", "q5_0"):
+        pack = cpu_quantized.pack_q8_0_panels if kind == "q8_0" else cpu_quantized.pack_q5_0_panels
+        packed, stored_scales = pack(q, scales)
+    got = cpu_quantized.dequantize(kind.removesuffix("_f16"), packed, stored_scales, n, k, group, dtype)
     assert got.dtype == dtype and torch.equal(got, _torch_values(q, scales, group, dtype))
 
 
@@ -71,13 +74,13 @@ def test_the_bits_do_not_depend_on_the_thread_count():
     gen = torch.Generator().manual_seed(5)
     q = torch.randint(-16, 16, (1000, 896), generator=gen, dtype=torch.int8)
     scales = _scales(1000, 896, 32, gen, half=True)
-    packed = cpu_quantized.pack_q5_0(q)
+    packed, scales = cpu_quantized.pack_q5_0_panels(q, scales)
     outs = results_at_thread_counts(lambda: cpu_quantized.dequantize("q5_0", packed, scales, 1000, 896, 32,
                                                                      torch.bfloat16))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q5_0", "int4_blocks"])
+@pytest.mark.parametrize("kind", ["int8_blocks", "int4_blocks"])
 def test_a_layer_multiplies_many_rows_by_the_copy(kind):
     """From DEQUANTIZE_MIN_ROWS rows a layer's product is F.linear on the copy, the decode kernel's below."""
     gen = torch.Generator().manual_seed(7)
@@ -87,10 +90,8 @@ def test_a_layer_multiplies_many_rows_by_the_copy(kind):
                              torch.rand(n, k // 32, generator=gen) * 0.02, None, 32, torch.bfloat16,
                              mins=torch.rand(n, k // 32, generator=gen) * 0.1)
     else:
-        low = -16 if kind == "q5_0" else -128
-        layer = ql.make_int8(torch.randint(low, -low, (n, k), generator=gen, dtype=torch.int8),
-                             (torch.rand(n, k // 32, generator=gen) * 0.02).half().float(), None, 32, torch.bfloat16,
-                             q8_0=True)
+        layer = ql.make_int8(torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8),
+                             torch.rand(n, k // 32, generator=gen) * 0.02, None, 32, torch.bfloat16)
     assert layer.kind == kind
     rows = ql.dequantize_min_rows(kind, torch.bfloat16)
     x = torch.randn(rows, k, generator=gen).bfloat16()
@@ -100,8 +101,8 @@ def test_a_layer_multiplies_many_rows_by_the_copy(kind):
 
 
 @pytest.mark.parametrize("kind,packed,scales,n,k,group", [
-    ("q8_0", torch.zeros(8, 96, dtype=torch.int8), torch.zeros(8, 3, dtype=torch.float16), 8, 96, 32),  # 96 % 64
-    ("q5_0", torch.zeros(8, 40, dtype=torch.uint8), torch.zeros(8, 2), 8, 64, 32),  # float32 scales
+    ("q8_0", torch.zeros(1, 3, 8, 16, 4, dtype=torch.uint8), torch.zeros(8, 3, dtype=torch.float16), 8, 96, 32),  # rows' scales
+    ("q5_0", torch.zeros(1, 2, 320, dtype=torch.uint8), torch.zeros(1, 2, 16), 8, 64, 32),  # float32 scales
     ("int4_blocks", torch.zeros(4, 24, dtype=torch.uint8), torch.zeros(4, 3), 4, 48, 16),  # groups of 16
     ("int8_blocks", torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 3), 4, 64, 32),  # 3 scales, 2 groups
     ("int4", torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2), 4, 64, 32),  # torch's layout: not this

@@ -295,18 +295,18 @@ def test_in_bfloat16_q8_0_layers_multiply_as_llamacpp_does_and_a_decode_step_sta
     model = ModelRunner(_served_dir(path), dtype="bfloat16").model
     layers = [p.quantized for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     assert all(q.kind == "q8_0" for q in [*layers, model.lm_head.quantized])
-    assert ql.describe_ops(model.layers).startswith(f"{ql.Q8_0_OP}: native Q8_0 x Q8_0 GEMV")
-    assert ("dequantized in one native pass (kernels/cpu_dequantize.c) from "
-            f"{ql.DEQUANTIZE_MIN_ROWS['q8_0']} rows") in ql.describe_ops(model.layers)
+    assert ql.describe_ops(model.layers).startswith("q8_0: native Q8_0 x Q8_0 GEMM in panels of 16 rows")
+    assert "dequantized in one native pass (kernels/cpu_dequantize.c) in float32 only" in ql.describe_ops(model.layers)
     x = torch.randn(3, layers[0].in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
-    want = ql.q8_0_reference(layers[0].integers(), layers[0].scales, x)
+    values, scales = layers[0].blocks()
+    want = ql.q8_0_reference(values, scales, x)
     assert ((layers[0].forward(x).double() - want).abs() <= 2e-2 * want.abs().max()).all()  # bfloat16's rounding
     float_model = ModelRunner(_served_dir(path), dtype="float32").model
     hidden = torch.randn(2, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(2))
     got, full = model.compute_logits(hidden.bfloat16()).float(), float_model.compute_logits(hidden)
     assert (got - full).abs().max() <= 3e-2 * full.abs().max()
-    plain = ql.make_int8(layers[0].integers(), layers[0].scales, None, 32, torch.bfloat16)  # not a GGUF's: W8A16
-    assert plain.kind == "int8_blocks" and not plain.q8_0_activations
+    plain = ql.make_int8(values, scales.float(), None, 32, torch.bfloat16)  # not a GGUF's: W8A16
+    assert plain.kind == "int8_blocks"
 
 
 def test_in_bfloat16_a_q8_0_lm_head_is_an_integer_layer_giving_the_float_heads_logits(tmp_path):

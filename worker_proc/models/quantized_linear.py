@@ -16,25 +16,19 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
   float16 x unrounded); from 128 rows the dequantized weight.
 - ``int8`` (W8A16 per channel): torch's ``_weight_int8pack_mm``, x @ (q * scale).T; an asymmetric
   weight subtracts rowsum(x) * zero_point * scale after.
-- ``int8_blocks`` (W8A16 in groups of a multiple of 16, symmetric: GGUF's Q8_0, compressed-tensors'
-  int8 groups), where the native kernels are built: in half precision kernels/cpu_gemv_int8.c (each
-  block's integers widened and scaled in registers, float32 sums, 8 rows a pass); from 48 rows, and in
-  float32, the dequantized weight.
-  A GGUF Q8_0 matrix (``q8_0_activations``) multiplies as llama.cpp's CPU backend does instead: x quantized
-  per block of 32 too (d = max|x| / 127, round half to even), each block's int8 products summed exactly in
-  int32 and scaled by both blocks' d (kernels/cpu_gemv_int8.c gemv_q8_0, VNNI's vpdpbusd where the CPU has it),
-  its scales held in float16 as the file stores them (exact; 6% fewer bytes a step than float32's);
-  a layer's products at one row run ~1.2x faster than widening the integers to float32, a one-stream step of the
-  0.5B 1.07-1.11x (one thread; bench/log/2026-12-07.md, third session). llama.cpp, the format's reference
-  implementation, multiplies it so; the difference from transformers' float products is x's rounding to int8 per
-  block, at most d / 2 an input. float32 and from 48 rows: the dequantized weight, transformers' products.
-- ``q8_0`` (such a Q8_0 layer whose inputs are a multiple of 64): the same, its rows stored in tiles of 8
-  (cpu_quantized.pack_q8_0_tiles; gemv_q8_0_tiles), each tile read as one stream: the outputs gemv_q8_0's bit for bit,
-  a cold weight read ~1.7x faster on one thread (bench/log).
-- ``q5_0`` (such a layer whose values all fit in 5 bits, [-16, 15]: GGUF's Q5_0, which the reader gives as
-  Q8_0 blocks): the same arithmetic on the weight packed 5 bits a value, in tiles too
-  (cpu_quantized.pack_q5_0; kernels/cpu_gemv_int8.c gemv_q5_0), 22 bytes a block of 32 against 34, the outputs
-  gemv_q8_0's bit for bit; from 48 rows, and in float32, the dequantized weight as ``int8_blocks``.
+- ``int8_blocks`` (W8A16 in groups of a multiple of 16, symmetric: compressed-tensors' int8 groups, GGUF's Q6_K),
+  where the native kernels are built: in half precision kernels/cpu_gemv_int8.c (each block's integers widened and
+  scaled in registers, float32 sums, 8 rows a pass); from 48 rows, and in float32, the dequantized weight.
+- ``q8_0`` (a GGUF Q8_0 matrix, where the native kernels are built): multiplied as llama.cpp's CPU backend does,
+  x quantized per block of 32 too (d = max|x| / 127, round half to even), each block's int8 products summed exactly
+  in int32 and scaled by both blocks' d, the weight in panels of 16 rows with its float16 scales, the file's
+  (cpu_quantized.pack_q8_0_panels; kernels/cpu_gemm_q8_0.c, VNNI's vpdpbusd where the CPU has it), every row
+  count in one pass over the weight. llama.cpp, the format's reference implementation, multiplies it so; the
+  difference from transformers' float products is x's rounding to int8 per block, at most d / 2 an input. In
+  float32: the dequantized weight, transformers' products.
+- ``q5_0`` (such a matrix whose values all fit in 5 bits, [-16, 15]: GGUF's Q5_0, which the reader gives as
+  Q8_0 blocks): the same arithmetic and outputs on the weight packed 5 bits a value (pack_q5_0_panels), 20 bytes a
+  block of 32 against 32; in float32 the dequantized weight.
 - ``int8_grouped`` (W8A16 in groups, elsewhere): the same op once per group of inputs, summed (torch has no
   grouped int8 op).
 - ``w8a8`` (int8 weights per channel, int8 activations per token, both symmetric): each row of x
@@ -60,6 +54,7 @@ activations in it first, whichever kind runs: the product is the same sum, over 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,19 +71,18 @@ class QuantizedLinear:
     out_features: int
     in_features: int
     weight: torch.Tensor  # int4: torch's int4pack layout [out, in / 2] uint8; int4_blocks: [out, in / 2] uint8
-    # (cpu_quantized.pack_int4_blocks); int8, int8_blocks: [out, in]; q8_0: [out rounded up to 8, in] int8 (pack_q8_0_tiles);
-    # q5_0: [out rounded up to 8, in / 64 * 40] (cpu_quantized.pack_q5_0);
+    # (cpu_quantized.pack_int4_blocks); int8, int8_blocks: [out, in]; q8_0, q5_0: cpu_quantized.pack_q8_0_panels' and
+    # pack_q5_0_panels' layouts;
     # int8_grouped: [groups, out, group_size]; w8a8: cpu_quantized.pack_w8a8_weight's panels, or (no native
     # kernels) [in, out] int8 (_int_mm's right operand)
     scales: torch.Tensor  # int4: [in / group, out, 2] (scale, zero); int8 / w8a8: [out]; int8_grouped: [groups, out];
-    # int8_blocks, int4_blocks: [out, groups] float32 (q8_0_activations, q8_0, q5_0: float16, the file's)
+    # int8_blocks, int4_blocks: [out, groups] float32; q8_0, q5_0: the file's float16 in panels (pack_q8_0_panels)
     group_size: int = 0
     zero_correction: Optional[torch.Tensor] = None  # int8 asymmetric: zero_point * scale, [out] or [groups, out]
     nibble_zeros: Optional[torch.Tensor] = None  # int4_blocks asymmetric: 8 + zero_point, [out, groups] float32
     nibble_mins: Optional[torch.Tensor] = None  # int4_blocks of a GGUF Q4_K: W = scale * nibble - min, [out, groups]
     input_order: Optional[torch.Tensor] = None  # [in] int64: the checkpoint's input of each weight column (desc_act)
     w8a8_sums: Optional[torch.Tensor] = None  # w8a8 on the native kernel: 128 * each packed column's sum, int32
-    q8_0_activations: bool = False  # int8_blocks of a GGUF Q8_0 matrix: x quantized per block of 32 (gemv_q8_0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T: [rows, out] in x's dtype."""
@@ -96,11 +90,9 @@ class QuantizedLinear:
         if self.kind != "w8a8" and x.shape[0] >= dequantize_min_rows(self.kind, x.dtype) and self.can_dequantize():
             return torch.nn.functional.linear(x, self.dequantized(x.dtype))
         if self.kind == "q5_0":
-            return cpu_quantized.gemv_q5_0(x, self.weight, self.scales)
+            return cpu_quantized.gemm_q5_0_panels(x, self.weight, self.scales, self.out_features)
         if self.kind == "q8_0":
-            return cpu_quantized.gemv_q8_0_tiles(x, self.weight, self.scales)
-        if self.kind == "int8_blocks" and self.q8_0_activations:
-            return cpu_quantized.gemv_q8_0(x, self.weight, self.scales)
+            return cpu_quantized.gemm_q8_0_panels(x, self.weight, self.scales, self.out_features)
         if self.kind == "int8_blocks":
             return cpu_quantized.gemv_int8_blocks(x, self.weight, self.scales, self.group_size)
         if self.kind == "int4_blocks":
@@ -154,11 +146,13 @@ class QuantizedLinear:
             w.sub_(self.zero_correction.to(dtype).unsqueeze(-1))
         return w.permute(1, 0, 2).reshape(n, k)
 
-    def integers(self) -> torch.Tensor:
-        """An int8_blocks, q8_0 or q5_0 weight's values [out, in] int8, row-major (a view where stored so)."""
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8_blocks, q8_0 or q5_0 weight's values [out, in] int8 and scales [out, in / group], row-major."""
         if self.kind == "q5_0":
-            return cpu_quantized.unpack_q5_0(self.weight, self.out_features)
-        return cpu_quantized.unpack_q8_0_tiles(self.weight, self.out_features) if self.kind == "q8_0" else self.weight
+            return cpu_quantized.unpack_q5_0_panels(self.weight, self.scales, self.out_features)
+        if self.kind == "q8_0":
+            return cpu_quantized.unpack_q8_0_panels(self.weight, self.scales, self.out_features)
+        return self.weight, self.scales
 
     @property
     def nbytes(self) -> int:
@@ -209,16 +203,21 @@ class QuantizedStack:
 # torch's ops took 10-20 ms for a 0.5B gate_up on two threads, the native pass ~1 ms hot). Their decode kernels take
 # 8 rows of x a pass over the weight, so from a few passes the copy and oneDNN's bf16 product win. Two threads, the
 # weights cold (a pass over 12 layers of a 0.5B's gate_up, 9728 x 896), kernel against copy + product, ms a layer
-# (bench/log, sixth session): q8_0 3.19 / 3.47 at 32 rows, 4.92 / 4.37 at 48; q5_0 2.12 / 3.28 at 24, 3.59 / 3.55
-# at 32; int4_blocks 1.32 / 2.15 at 8, 2.64 / 2.43 at 16, 4.00 / 2.82 at 24 (the 0.5B's Q4_K_M at 16 streams decoded
+# (bench/log, sixth session): int4_blocks 1.32 / 2.15 at 8, 2.64 / 2.43 at 16, 4.00 / 2.82 at 24 (the 0.5B's Q4_K_M at 16 streams decoded
 # its steps no faster with the copy at 16 rows: matmuls 72.8 and 64.6 ms a step against 67.0 and 62.6 with the
 # kernel, so 16 rows stay on it); int8_blocks in blocks of 16 (GGUF Q6_K) 4.12 / 4.97 at 32, 6.10 / 5.61 at 48.
-DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "q8_0": 40, "q5_0": 32,
-                       "int4_blocks": 17}
+# q8_0 and q5_0 never copy in half precision: their GEMM streams the weight once for every row of x and multiplies
+# int8 at twice bf16's rate: q8_0 0.83 / 3.30 at 16 rows, 4.23 / 9.44 at 128, 15.9 / 26.2 at 512; q5_0 0.67 / 7.24
+# at 16, 4.17 / 12.1 at 128, 8.15 / 18.0 at 256 (bench/log, seventh session).
+DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "q8_0": None, "q5_0": None,
+                       "int4_blocks": 17}  # None: only in float32
 
 
-def dequantize_min_rows(kind: str, dtype: torch.dtype) -> int:
-    return 1 if dtype == torch.float32 and kind != "int4_blocks" else DEQUANTIZE_MIN_ROWS[kind]
+def dequantize_min_rows(kind: str, dtype: torch.dtype) -> float:
+    if dtype == torch.float32 and kind != "int4_blocks":
+        return 1
+    rows = DEQUANTIZE_MIN_ROWS[kind]
+    return math.inf if rows is None else rows
 
 
 INT4_BLOCK_N = 64  # torch's CPU int4 layout: blocks of 64 output rows
@@ -263,7 +262,7 @@ _OPS = {"int4": "torch's _weight_int4pack_mm_for_cpu", "int4_blocks": "native in
 def describe_ops(layers: list) -> Optional[str]:
     """One line naming the op each quantized kind in these decoder layers runs, and from how many rows a
     call dequantizes instead (dequantize_min_rows); None where no projection is quantized."""
-    kinds = sorted({_op_name(part) for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")
+    kinds = sorted({part.kind for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")
                     if (w := getattr(layer, name, None)) is not None and getattr(w, "quantized", None) is not None
                     for part in w.quantized.parts})
 
@@ -271,15 +270,17 @@ def describe_ops(layers: list) -> Optional[str]:
         if kind == "w8a8":
             return ""
         how = " in one native pass (kernels/cpu_dequantize.c)" if kind in cpu_quantized.DEQUANTIZE_FORMATS else ""
+        if DEQUANTIZE_MIN_ROWS[kind] is None:
+            return f", dequantized{how} in float32 only"
         rows = f", dequantized{how} from {DEQUANTIZE_MIN_ROWS[kind]} rows"
         return rows if dequantize_min_rows(kind, torch.float32) > 1 else rows + " (float32: at every row)"
     def op(kind: str) -> str:
-        if kind == Q8_0_OP:
-            return (f"native Q8_0 x Q8_0 GEMV, x quantized per block of 32 as llama.cpp does ({cpu_quantized.q8_0_variant()}"
-                    ", kernels/cpu_gemv_int8.c)")
+        if kind == "q8_0":
+            return (f"native Q8_0 x Q8_0 GEMM in panels of 16 rows, x quantized per block of 32 as llama.cpp does "
+                    f"({cpu_quantized.q8_0_variant()}, kernels/cpu_gemm_q8_0.c)")
         if kind == "q5_0":
-            return (f"native Q5_0 x Q8_0 GEMV, the weight 5 bits a value, x quantized per block of 32 as llama.cpp "
-                    f"does ({cpu_quantized.q8_0_variant()}, kernels/cpu_gemv_int8.c)")
+            return (f"native Q5_0 x Q8_0 GEMM in panels of 16 rows, the weight 5 bits a value, x quantized per block "
+                    f"of 32 as llama.cpp does ({cpu_quantized.q8_0_variant()}, kernels/cpu_gemm_q8_0.c)")
         if kind == "w8a8" and w8a8_kernel():
             variant = cpu_quantized.w8a8_variant()
             return f"native int8 GEMM, x quantized per token on entry ({variant}, kernels/cpu_gemm_w8a8.c)"
@@ -288,15 +289,7 @@ def describe_ops(layers: list) -> Optional[str]:
             how = "; bfloat16 x by vdpbf16ps" if variant == "avx512bf16" else ""
             return f"native int4 GEMV ({variant}{how}, kernels/cpu_gemv_int4.c)"
         return _OPS[kind]
-    return "; ".join(f"{kind}: {op(kind)}{above(_KIND_OF_OP.get(kind, kind))}" for kind in kinds) if kinds else None
-
-
-Q8_0_OP = "int8_blocks (GGUF Q8_0)"  # the log's name of an int8_blocks layer that quantizes x per block too
-_KIND_OF_OP = {Q8_0_OP: "q8_0"}  # (a Q8_0 matrix whose inputs are not whole runs of 64 copies from int8_blocks' 48)
-
-
-def _op_name(layer: QuantizedLinear) -> str:
-    return Q8_0_OP if layer.q8_0_activations or layer.kind == "q8_0" else layer.kind
+    return "; ".join(f"{kind}: {op(kind)}{above(kind)}" for kind in kinds) if kinds else None
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,13 +362,13 @@ def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
                                None if correction is None else correction.reshape(n).to(dtype), input_order=input_order)
     if zero_point is None and group_size % 16 == 0 and int8_blocks_kernel():
         q8_0 = q8_0 and group_size == cpu_quantized.Q8_0_BLOCK and torch.equal(s.half().float(), s)  # Q8_0's are float16
-        if q8_0 and k % cpu_quantized.Q5_0_CHUNK == 0:
+        if q8_0:
             five = int(q.min()) >= -16 and int(q.max()) <= 15
-            pack = cpu_quantized.pack_q5_0 if five else cpu_quantized.pack_q8_0_tiles
-            return QuantizedLinear("q5_0" if five else "q8_0", n, k, pack(q.contiguous()), s.half().contiguous(),
-                                   group_size, input_order=input_order)
-        return QuantizedLinear("int8_blocks", n, k, q.contiguous(), (s.half() if q8_0 else s).contiguous(), group_size,
-                               input_order=input_order, q8_0_activations=q8_0)
+            pack = cpu_quantized.pack_q5_0_panels if five else cpu_quantized.pack_q8_0_panels
+            panels, panel_scales = pack(q.contiguous(), s.half())
+            return QuantizedLinear("q5_0" if five else "q8_0", n, k, panels, panel_scales, group_size,
+                                   input_order=input_order)
+        return QuantizedLinear("int8_blocks", n, k, q.contiguous(), s.contiguous(), group_size, input_order=input_order)
     groups = k // group_size
     weight = q.reshape(n, groups, group_size).transpose(0, 1).contiguous()
     return QuantizedLinear("int8_grouped", n, k, weight, s.t().to(dtype).contiguous(), group_size,
