@@ -52,32 +52,51 @@ static void row_int8_blocks(const int8_t *restrict q, const float *restrict s, c
         for (int64_t t = c; t < c + g; t += 16) scale_16(q + t, s[grp], v + t);  /* g: a multiple of 16 */
 }
 
-/* cpu_gemm_q8_0.c's panels: row j's 4 inputs of each run at (j % 16) * 4, its values + 128 */
-static void row_q8_0_panels(const uint8_t *restrict w, const int64_t j, const float *restrict s, const int64_t k,
-                            float *restrict v) {
-    const uint8_t *row = w + j / Q8_0_PANEL_ROWS * k * Q8_0_PANEL_ROWS + j % Q8_0_PANEL_ROWS * 4;
-    for (int64_t c = 0; c < k; c += 32) {
-        int8_t q[32];
+/* Panel p of a Q8_0 or Q5_0 (five) weight in panels (cpu_q8_0_panels.h) as its 16 rows' signed values, row-major in
+ * vals [16, k]: each block's runs made bytes (Q5_0's nibbles and fifth bits joined), then each row's 4 values of a
+ * run put in place (a 4-byte transpose), so a row is then read contiguously. */
+static void unpack_panel(const uint8_t *restrict w, const int five, const int64_t p, const int64_t k,
+                         int8_t *restrict vals) {
+    const int64_t nb = k / 32, block_bytes = five ? Q5_0_PANEL_BLOCK_BYTES : 512;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (p * nb + b) * block_bytes;
+        uint8_t runs[8][64];
+#if defined(__AVX512BW__)
+        for (int t = 0; five && t < 8; t++) {  /* the kernel's widening: nibbles masked, fifth bits added */
+            const __m512i pair = _mm512_loadu_si512(blk + 64 * (t / 2)), low4 = _mm512_set1_epi8(15);
+            const __m512i u = _mm512_and_si512(t % 2 ? _mm512_srli_epi16(pair, 4) : pair, low4);
+            uint64_t bits;
+            memcpy(&bits, blk + Q5_0_PANEL_NIBBLE_BYTES + 8 * t, 8);
+            const __m512i sixteen = _mm512_set1_epi8(16);
+            _mm512_storeu_si512(runs[t], _mm512_sub_epi8(_mm512_mask_add_epi8(u, (__mmask64)bits, u, sixteen), sixteen));
+        }
+        for (int t = 0; !five && t < 8; t++)
+            for (int i = 0; i < 64; i++) runs[t][i] = blk[64 * t + i] ^ 0x80;
+#else
         for (int t = 0; t < 8; t++)
-            for (int e = 0; e < 4; e++) q[4 * t + e] = (int8_t)(row[(c / 4 + t) * 64 + e] ^ 0x80);
-        scale_block(q, s[c / 32], v + c);
+            for (int i = 0; i < 64; i++) {
+                if (!five) {
+                    runs[t][i] = blk[64 * t + i] ^ 0x80;  /* value + 128 -> the value's byte */
+                    continue;
+                }
+                const int nibble = (blk[64 * (t / 2) + i] >> (4 * (t % 2))) & 15;
+                runs[t][i] = (uint8_t)((nibble | ((blk[Q5_0_PANEL_NIBBLE_BYTES + 8 * t + i / 8] >> (i % 8)) & 1) << 4) - 16);
+            }
+#endif
+        for (int r = 0; r < Q8_0_PANEL_ROWS; r++)
+            for (int t = 0; t < 8; t++) memcpy(vals + r * k + b * 32 + 4 * t, runs[t] + 4 * r, 4);
     }
 }
 
-/* Q5_0's panels (cpu_q8_0_panels.h): row j's u = value + 16 from its runs' nibbles and fifth bits */
-static void row_q5_0_panels(const uint8_t *restrict w, const int64_t j, const float *restrict s, const int64_t k,
-                            float *restrict v) {
-    const uint8_t *panel = w + j / Q8_0_PANEL_ROWS * (k / 32) * Q5_0_PANEL_BLOCK_BYTES;
-    const int lane = (int)(j % Q8_0_PANEL_ROWS) * 4;
-    for (int64_t c = 0; c < k; c += 32, panel += Q5_0_PANEL_BLOCK_BYTES) {
-        int8_t q[32];
-        for (int t = 0; t < 8; t++)
-            for (int e = 0; e < 4; e++) {
-                const int i = lane + e, nibble = (panel[64 * (t / 2) + i] >> (4 * (t % 2))) & 15;
-                q[4 * t + e] = (int8_t)((nibble | ((panel[Q5_0_PANEL_NIBBLE_BYTES + 8 * t + i / 8] >> (i % 8)) & 1) << 4) - 16);
-            }
-        scale_block(q, s[c / 32], v + c);
+/* row j of a weight in panels: from its panel's values (unpacked into vals when *held is another panel) */
+static void row_panels(const uint8_t *restrict w, const int five, const int64_t j, const float *restrict s,
+                       const int64_t k, int8_t *restrict vals, int64_t *held, float *restrict v) {
+    if (*held != j / Q8_0_PANEL_ROWS) {
+        *held = j / Q8_0_PANEL_ROWS;
+        unpack_panel(w, five, *held, k, vals);
     }
+    const int8_t *q = vals + j % Q8_0_PANEL_ROWS * k;
+    for (int64_t c = 0; c < k; c += 32) scale_block(q + c, s[c / 32], v + c);
 }
 
 /* byte i of a run of 32 inputs: input i in its low nibble, input 16 + i in its high one (cpu_gemv_int4.c's) */
@@ -125,8 +144,11 @@ int dequantize_weight(const int format, const void *w, const void *scales, const
     int failed = 0;
 #pragma omp parallel if (n * k >= DQ_PARALLEL_MIN) reduction(| : failed)
     {
-        float *buf = malloc((k + groups) * sizeof(float));
+        const int panels = format == DQ_Q8_0_PANELS || format == DQ_Q5_0_PANELS;
+        float *buf = malloc((k + groups) * sizeof(float) + (panels ? Q8_0_PANEL_ROWS * k : 0));
         float *s = buf ? buf + k : NULL;
+        int8_t *vals = buf ? (int8_t *)(s + groups) : NULL;  /* a panel's values (panel formats) */
+        int64_t held = -1;
         /* every thread meets the loop (a work-sharing construct), with or without its buffer */
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < n; j++) {
@@ -134,13 +156,11 @@ int dequantize_weight(const int format, const void *w, const void *scales, const
                 failed = 1;
                 continue;
             }
-            row_scales(scales, scales_f16, format == DQ_Q8_0_PANELS || format == DQ_Q5_0_PANELS, j, groups, s);
+            row_scales(scales, scales_f16, panels, j, groups, s);
             if (format == DQ_INT8_BLOCKS)
                 row_int8_blocks((const int8_t *)w + j * k, s, k, group, buf);
-            else if (format == DQ_Q8_0_PANELS)
-                row_q8_0_panels(w, j, s, k, buf);
-            else if (format == DQ_Q5_0_PANELS)
-                row_q5_0_panels(w, j, s, k, buf);
+            else if (panels)
+                row_panels(w, format == DQ_Q5_0_PANELS, j, s, k, vals, &held, buf);
             else
                 row_int4_blocks((const uint8_t *)w + j * (k / 2), s, zeros ? zeros + j * groups : NULL,
                                 mins ? mins + j * groups : NULL, k, group, buf);
