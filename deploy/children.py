@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -54,7 +55,32 @@ def spawn(role: str, replica: int, rank: int, cmd: list[str],
     return Child(role, replica, rank, popen)
 
 
+# Ports handed to another process to bind later (torch.distributed's rendezvous, the Ray hosts' servers) come from
+# below the kernel's ephemeral range: a port the kernel picks for bind(0) or an outgoing connection could be taken
+# by any such socket between our check and the other process's bind (a tensor-parallel pair under Ray once failed
+# so, EADDRINUSE), while a port below the range is only ever taken by an explicit bind to it.
+_PORTS_FROM = 20000
+_PORT_TRIES = 64
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A port on ``host`` nothing listens on now, below the ephemeral range where one is free (else any)."""
+    low = _ephemeral_low()
+    for port in random.sample(range(_PORTS_FROM, low), min(_PORT_TRIES, max(0, low - _PORTS_FROM))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from pagedserve.protocol.gguf_file import GGUFSource, GGUFSummary, summarize
+from pagedserve.protocol.gguf_file import NATIVE_TYPES, GGUFSource, GGUFSummary, summarize
 
 
 def cache_root() -> Path:
@@ -40,8 +40,11 @@ def _content_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
+_DIR_VERSION = 2  # a directory made by an older pagedserve lacks config.json's later fields: made anew
+
+
 def _key(gguf: Path, tokenizer: Optional[Path]) -> str:
-    parts = [str(gguf), gguf.stat().st_size, gguf.stat().st_mtime_ns]
+    parts = [_DIR_VERSION, str(gguf), gguf.stat().st_size, gguf.stat().st_mtime_ns]
     if tokenizer is not None:
         parts += [str(tokenizer)] + [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
                                      for f in sorted(tokenizer.iterdir()) if f.is_file()]
@@ -50,11 +53,18 @@ def _key(gguf: Path, tokenizer: Optional[Path]) -> str:
 
 def _serving_dtype(summary: GGUFSummary) -> str:
     """What ``--dtype auto`` starts from: float32 for a float32 file, else the matrices' half type
-    (quantized blocks are computed in bfloat16, or float32 where the CPU has no bfloat16 matmul)."""
+    (quantized blocks are computed in bfloat16; runtime/options.resolve_dtype keeps it on any CPU where every
+    matrix is on an integer kernel: ``integer_matrices``)."""
     types = set(summary.tensor_types) - {"F32"}
     if not types:
         return "float32"
     return "float16" if types == {"F16"} else "bfloat16"
+
+
+def _integer_matrices(summary: GGUFSummary) -> bool:
+    """Whether every tensor is a block type the native integer kernels multiply (or float32: the norms)."""
+    types = set(summary.tensor_types) - {"F32"}
+    return bool(types) and types <= set(NATIVE_TYPES)
 
 
 def gguf_model_dir(gguf: Path, tokenizer: Optional[str] = None) -> Path:
@@ -110,7 +120,8 @@ def _make(summary: GGUFSummary, tokenizer_dir: Optional[Path], out: Path) -> Non
     _check_shapes(summary, config)
     config.architectures = [summary.architecture]
     config.dtype = _serving_dtype(summary)
-    config.pagedserve_gguf = {"file": gguf.name, "sha256": _content_hash(gguf)}
+    config.pagedserve_gguf = {"file": gguf.name, "sha256": _content_hash(gguf),
+                              "integer_matrices": _integer_matrices(summary)}
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     GGUFSource.of(gguf, config.pagedserve_gguf["sha256"]).write(out)

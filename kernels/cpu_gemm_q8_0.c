@@ -18,6 +18,10 @@
  *   AVX512-VNNI: the int32 lanes start at -128 * the x block's byte sum (-16 * for Q5_0: shifted down, exactly),
  *                made when x is quantized, which cancels the weight's offset: a lane's sum is the block's exact
  *                sum of q * xq.
+ *   AVX2:        a run in two halves of 8 rows; vpmaddubsw's pairs saturate at int16, so Q8_0 multiplies |q| by xq
+ *                with q's sign (|xq| <= 127: a pair at most 2 * 128 * 127), Q5_0 its u < 32 by xq with the same
+ *                offset correction; vpmaddwd widens the pairs. Two rows of x a pass (16 registers); 9-25x the plain
+ *                loops on a 0.5B's gate_up (bench/log, seventh session).
  *   otherwise:   the same sums in plain loops.
  * q8_0_variant() names the choice. The float arithmetic is the reference's, operation by operation (this file is
  * compiled with -ffp-contract=off: no multiply and add fuse), so the outputs are the torch reference's bits
@@ -90,11 +94,15 @@ static inline float q8_quantize_block(const void *x, int x_kind, int64_t b, int8
 #define Q8P_PREFETCH_BYTES 4096
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define Q8P_VNNI 1
+#elif defined(__AVX2__) && defined(__F16C__)
+#define Q8P_AVX2 1
 #endif
 
 const char *q8_0_variant(void) {
 #if defined(Q8P_VNNI)
     return "avx512vnni";
+#elif defined(Q8P_AVX2)
+    return "avx2";
 #else
     return "portable";
 #endif
@@ -120,12 +128,78 @@ static inline __attribute__((always_inline)) __m512i panel_run(const uint8_t *re
     memcpy(&bits, wb + Q5P_NIBBLE_BYTES + 8 * t, 8);
     return _mm512_mask_add_epi8(u, _cvtu64_mask64(bits), u, _mm512_set1_epi8(16));
 }
-#else
+#elif !defined(Q8P_AVX2)
 /* Value e of row c in run t of a block's weight, signed. */
 static inline int32_t panel_value(const uint8_t *wb, const int t, const int c, const int e, const int five) {
     if (!five) return (int32_t)wb[64 * t + 4 * c + e] - 128;
     const int i = 4 * c + e, nibble = (wb[64 * (t / 2) + i] >> (4 * (t % 2))) & 15;
     return (nibble | ((wb[Q5P_NIBBLE_BYTES + 8 * t + i / 8] >> (i % 8)) & 1) << 4) - 16;
+}
+#endif
+
+#if !defined(Q8P_VNNI) && defined(Q8P_AVX2)
+/* Half h (rows 8h .. 8h + 7) of run t, as vpmaddubsw's operands: Q8_0's as the signed values' magnitudes (*w: the
+ * values, whose signs x takes), Q5_0's as u = value + 16 (unsigned, < 32: no pair of products saturates int16). */
+static inline __attribute__((always_inline)) __m256i avx2_run(const uint8_t *restrict wb, const int t, const int h,
+                                                              const int five, __m256i *w) {
+    if (!five) {
+        *w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + 64 * t + 32 * h)), _mm256_set1_epi8((char)0x80));
+        return _mm256_abs_epi8(*w);
+    }
+    const __m256i pair = _mm256_loadu_si256((const __m256i *)(wb + 64 * (t / 2) + 32 * h));
+    const __m256i u = _mm256_and_si256(t % 2 ? _mm256_srli_epi16(pair, 4) : pair, _mm256_set1_epi8(0x0F));
+    int32_t bits;
+    memcpy(&bits, wb + Q5P_NIBBLE_BYTES + 8 * t + 4 * h, 4);
+    /* byte i of the half gets bit i of the 32: its word byte i / 8, then its bit by a mask and a compare */
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(bits),
+                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
+                                                                2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_add_epi8(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
+/* panel_rows for R (1 or 2) rows of x from row i: 16-bit pair sums widened by vpmaddwd, in two halves of 8 rows. */
+static inline __attribute__((always_inline)) void avx2_rows(const q8p_x *restrict s, const int64_t i, const int R,
+                                                            const uint8_t *restrict w, const uint16_t *restrict sc,
+                                                            const int five, float acc_out[][Q8P_ROWS]) {
+    const int64_t nb = s->nb, k = s->k, block_bytes = five ? Q5P_BLOCK_BYTES : Q8P_BLOCK_BYTES;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[2][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * block_bytes;
+        __builtin_prefetch(wb + Q8P_PREFETCH_BYTES, 0, 3);
+        __m256i sums[2][2];
+        for (int r = 0; r < R; r++)
+            sums[r][0] = sums[r][1] = _mm256_set1_epi32(five ? s->corr[(i + r) * nb + b] >> 3 : 0);
+#pragma GCC unroll 8
+        for (int t = 0; t < Q8_BLOCK / 4; t++)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m256i values;
+                const __m256i a = avx2_run(wb, t, h, five, &values);
+                for (int r = 0; r < R; r++) {
+                    int32_t four;
+                    memcpy(&four, s->xq + (i + r) * k + b * Q8_BLOCK + 4 * t, 4);
+                    const __m256i xb = _mm256_set1_epi32(four);
+                    const __m256i pairs = _mm256_maddubs_epi16(a, five ? xb : _mm256_sign_epi8(xb, values));
+                    sums[r][h] = _mm256_add_epi32(sums[r][h], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b * Q8P_ROWS + 8 * h)));
+            for (int r = 0; r < R; r++) {
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(s->d[(i + r) * nb + b]));
+                acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(_mm256_cvtepi32_ps(sums[r][h]), scale));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(acc_out[r], acc[r][0]);
+        _mm256_storeu_ps(acc_out[r] + 8, acc[r][1]);
+    }
 }
 #endif
 
@@ -165,6 +239,15 @@ static inline __attribute__((always_inline)) void panel_rows(const q8p_x *restri
     }
 #pragma GCC unroll 8
     for (int i = 0; i < M; i++) _mm512_storeu_ps(acc_out[i], acc[i]);
+#elif defined(Q8P_AVX2)
+    (void)nb, (void)k, (void)block_bytes;
+#pragma GCC unroll 4
+    for (int i = 0; i < M; i += 2) {  /* 16 registers: two rows of x a pass over the panel's block, it in L1 */
+        if (M - i >= 2)
+            avx2_rows(s, i0 + i, 2, w, sc, five, acc_out + i);
+        else
+            avx2_rows(s, i0 + i, 1, w, sc, five, acc_out + i);
+    }
 #else
     for (int i = 0; i < M; i++)
         for (int c = 0; c < Q8P_ROWS; c++) acc_out[i][c] = 0.0f;

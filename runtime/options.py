@@ -443,13 +443,20 @@ def resolve_device(requested: str) -> str:
 def resolve_dtype(requested: str, model_config: dict, device: str, model_dir: Optional[str] = None,
                   copies: int = 1) -> str:
     """``auto`` takes the model's own dtype, except for a half-precision checkpoint on a CPU:
-    bfloat16 where oneDNN multiplies it, else float32 if it fits (runtime/cpu_dtype.py).
+    bfloat16 where oneDNN multiplies it, else float32 if it fits (runtime/cpu_dtype.py); a GGUF whose
+    matrices are all integer blocks keeps its half type on any CPU.
     ``model_dir`` (for the checkpoint's size) and ``copies`` (replicas on this host) matter
     only there."""
     if requested != "auto":
         return DTYPE_ALIASES[requested]
     name = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
     name = DTYPE_ALIASES.get(name.removeprefix("torch."), "float32")
+    if name != "float32" and device == "cpu" and (model_config.get("pagedserve_gguf") or {}).get("integer_matrices"):
+        # every matrix multiplies on the integer kernels, not oneDNN's bfloat16: float32 would only make each
+        # call of a Q8_0, Q5_0 or Q6_K layer dequantize its weight first (transformers' float32 products)
+        logging.getLogger("pagedserve.dtype").info("--dtype auto: a GGUF's %s, its matrices all on the integer kernels",
+                                                   name)
+        return name
     if name != "float32" and device == "cpu":
         from pagedserve.runtime.cpu_dtype import cpu_dtype_for_half_checkpoint
 

@@ -122,8 +122,9 @@ def test_packing_round_trips_and_pads_the_last_panel_with_zeros():
 
 @pytest.mark.parametrize("five", [False, True], ids=["q8_0", "q5_0"])
 def test_the_variant_is_named_and_the_bits_do_not_depend_on_the_thread_count(five):
-    assert cpu_quantized.q8_0_variant() == ("avx512vnni" if {"avx512_vnni", "avx512bw"} <= set(cpu_native._cpu_flags().split())
-                                            else "portable")
+    flags = set(cpu_native._cpu_flags().split())
+    assert cpu_quantized.q8_0_variant() == ("avx512vnni" if {"avx512_vnni", "avx512bw"} <= flags
+                                            else "avx2" if {"avx2", "f16c"} <= flags else "portable")
     q, scales = (_q5_0 if five else _q8_0)(1000, 896, seed=1)
     pack, gemm = ((cpu_quantized.pack_q5_0_panels, cpu_quantized.gemm_q5_0_panels) if five
                   else (cpu_quantized.pack_q8_0_panels, cpu_quantized.gemm_q8_0_panels))
@@ -135,13 +136,13 @@ def test_the_variant_is_named_and_the_bits_do_not_depend_on_the_thread_count(fiv
 
 @pytest.mark.parametrize("kind", ["q8_0", "q5_0"])
 def test_a_layer_of_a_gguf_matrix_multiplies_every_row_count_on_the_panels(kind):
-    """A GGUF Q8_0 matrix (Q5_0: its values in 5 bits) is packed in panels; in half precision, on VNNI, they serve a
-    prompt's rows too (no dequantized copy); in float32 the copy, the float model's products (transformers' oracle)."""
+    """A GGUF Q8_0 matrix (Q5_0: its values in 5 bits) is packed in panels; in half precision, vectorized (VNNI or
+    AVX2), they serve a prompt's rows too (no dequantized copy); in float32 the copy, the float model's products (transformers' oracle)."""
     q, scales = (_q8_0 if kind == "q8_0" else _q5_0)(40, 256, seed=7)
     layer = ql.make_int8(q, scales.float(), None, 32, torch.bfloat16, q8_0=True)
     assert layer.kind == kind
     x = torch.randn(600, 256, generator=torch.Generator().manual_seed(3))
-    if cpu_quantized.q8_0_variant() == "avx512vnni":
+    if cpu_quantized.q8_0_variant() in ("avx512vnni", "avx2"):
         assert torch.equal(layer.forward(x.bfloat16()), _reference(q, scales, x.bfloat16()).bfloat16())
     else:  # the plain loops' kernel copies from 16 rows
         want = torch.nn.functional.linear(x.bfloat16(), layer.dequantized(torch.bfloat16))
@@ -172,10 +173,10 @@ def test_mismatched_inputs_are_refused():
         cpu_quantized.gemm_q8_0_panels(x, packed5, packed_scales5, 32)  # Q5_0's
 
 
-def test_where_the_kernel_has_no_vnni_a_layer_copies_from_16_rows(monkeypatch):
-    """The plain loops' kernel is slow at a prompt's rows (10.8 ms a 0.5B gate_up at 16, AVX2 build): from 16 rows
+def test_where_the_kernel_has_only_plain_loops_a_layer_copies_from_16_rows(monkeypatch):
+    """The plain loops' kernel (no AVX2) is slow at a prompt's rows (10.8 ms a 0.5B gate_up at 16): from 16 rows
     such a layer multiplies the dequantized copy, below them the kernel."""
-    monkeypatch.setattr(ql, "_q8_0_on_vnni", lambda: False)
+    monkeypatch.setattr(ql, "_q8_0_vectorized", lambda: False)
     q, scales = _q8_0(40, 256, seed=11)
     layer = ql.make_int8(q, scales.float(), None, 32, torch.bfloat16, q8_0=True)
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(12)).bfloat16()

@@ -43,6 +43,20 @@ def _served_dir(path: Path, **options) -> str:
     return ServeConfig(model=str(path), device="cpu", **options).model
 
 
+@pytest.mark.parametrize("tensor_type, integer, expected", [("Q8_0", True, "bfloat16"), ("F16", False, "float32")])
+def test_auto_keeps_a_quantized_files_half_type_on_a_cpu_without_bfloat16_arithmetic(tmp_path, monkeypatch,
+                                                                                    tensor_type, integer, expected):
+    """Without AVX512-BF16 / AMX a half checkpoint computes in float32, but a GGUF whose matrices are all integer
+    blocks multiplies them on the integer kernels, and in float32 each call would first dequantize its weight."""
+    from pagedserve.runtime import cpu_dtype
+
+    monkeypatch.setattr(cpu_dtype, "fast_bfloat16_matmuls", lambda: None)  # an AVX2 CPU's answer
+    path = build_gguf_model(tmp_path / "m.gguf", tensor_type, "qwen2", **SHAPE)
+    config = ServeConfig(model=str(path), device="cpu")
+    assert json.loads((Path(config.model) / "config.json").read_text())["pagedserve_gguf"]["integer_matrices"] is integer
+    assert config.dtype == expected
+
+
 # ---------------------------------------------------------------- the writer against transformers' loader
 
 
@@ -297,7 +311,7 @@ def test_in_bfloat16_q8_0_layers_multiply_as_llamacpp_does_and_a_decode_step_sta
     layers = [p.quantized for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     assert all(q.kind == "q8_0" for q in [*layers, model.lm_head.quantized])
     assert ql.describe_ops(model.layers).startswith("q8_0: native Q8_0 x Q8_0 GEMM in panels of 16 rows")
-    copies = "in float32 only" if cpu_quantized.q8_0_variant() == "avx512vnni" else "from 16 rows"  # VNNI: never
+    copies = "in float32 only" if cpu_quantized.q8_0_variant() in ("avx512vnni", "avx2") else "from 16 rows"
     assert f"dequantized in one native pass (kernels/cpu_dequantize.c) {copies}" in ql.describe_ops(model.layers)
     x = torch.randn(3, layers[0].in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
     values, scales = layers[0].blocks()

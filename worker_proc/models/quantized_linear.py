@@ -206,14 +206,14 @@ class QuantizedStack:
 # (bench/log, sixth session): int4_blocks 1.32 / 2.15 at 8, 2.64 / 2.43 at 16, 4.00 / 2.82 at 24 (the 0.5B's Q4_K_M at 16 streams decoded
 # its steps no faster with the copy at 16 rows: matmuls 72.8 and 64.6 ms a step against 67.0 and 62.6 with the
 # kernel, so 16 rows stay on it); int8_blocks in blocks of 16 (GGUF Q6_K) 4.12 / 4.97 at 32, 6.10 / 5.61 at 48.
-# q8_0 and q5_0 never copy in half precision where VNNI multiplies them: their GEMM streams the weight once for every
-# row of x and multiplies int8 at twice bf16's rate: q8_0 0.83 / 3.30 at 16 rows, 4.23 / 9.44 at 128, 15.9 / 26.2 at
-# 512; q5_0 0.67 / 7.24 at 16, 4.17 / 12.1 at 128, 8.15 / 18.0 at 256 (bench/log, seventh session). Without VNNI the
-# kernel's plain loops took 10.8 ms for a gate_up at 16 rows (AVX2 build, the same Zen 4), so they copy from 16 rows
-# there (such CPUs serve a GGUF in float32 by default, which copies at every row anyway).
+# q8_0 and q5_0 never copy in half precision where their GEMM is vectorized (VNNI's vpdpbusd, AVX2's vpmaddubsw): it
+# streams the weight once for every row of x and multiplies int8 at twice bf16's rate: on VNNI q8_0 0.83 / 3.30 at
+# 16 rows, 4.23 / 9.44 at 128, 15.9 / 26.2 at 512; q5_0 0.67 / 7.24 at 16, 4.17 / 12.1 at 128, 8.15 / 18.0 at 256
+# (bench/log, seventh session); a CPU with AVX2 only has no bf16 product for the copy to feed either. The plain
+# loops (no AVX2) took 10.8 ms for a gate_up at 16 rows, so they copy from 16 rows.
 DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "q8_0": 16, "q5_0": 16,
                        "int4_blocks": 17}
-_NO_COPY_WITH_VNNI = ("q8_0", "q5_0")
+_NO_COPY_WHEN_VECTORIZED = ("q8_0", "q5_0")
 
 
 def dequantize_min_rows(kind: str, dtype: torch.dtype) -> float:
@@ -223,13 +223,13 @@ def dequantize_min_rows(kind: str, dtype: torch.dtype) -> float:
 
 
 def _never_copies(kind: str) -> bool:
-    """Whether a half-precision call of this kind always runs its kernel (q8_0 and q5_0 on VNNI)."""
-    return kind in _NO_COPY_WITH_VNNI and _q8_0_on_vnni()
+    """Whether a half-precision call of this kind always runs its kernel (q8_0 and q5_0, VNNI or AVX2)."""
+    return kind in _NO_COPY_WHEN_VECTORIZED and _q8_0_vectorized()
 
 
 @functools.cache
-def _q8_0_on_vnni() -> bool:
-    return cpu_quantized.q8_0_variant() == "avx512vnni"
+def _q8_0_vectorized() -> bool:
+    return cpu_quantized.q8_0_variant() in ("avx512vnni", "avx2")
 
 
 INT4_BLOCK_N = 64  # torch's CPU int4 layout: blocks of 64 output rows
