@@ -18,6 +18,7 @@ import torch
 from pagedserve.deploy.serve_config import ConfigError, ServeConfig
 from pagedserve.kernels import cpu_quantized
 from pagedserve.protocol.model_identity import config_identity
+from pagedserve.runtime import cpu_dtype
 from pagedserve.tools.demo_model import build_model_dir
 from pagedserve.tools.gguf_model import build_gguf_model, write_gguf
 from pagedserve.worker_proc.model_runner import ModelRunner
@@ -48,8 +49,6 @@ def test_auto_keeps_a_quantized_files_half_type_on_a_cpu_without_bfloat16_arithm
                                                                                     tensor_type, integer, expected):
     """Without AVX512-BF16 / AMX a half checkpoint computes in float32, but a GGUF whose matrices are all integer
     blocks multiplies them on the integer kernels, and in float32 each call would first dequantize its weight."""
-    from pagedserve.runtime import cpu_dtype
-
     monkeypatch.setattr(cpu_dtype, "fast_bfloat16_matmuls", lambda: None)  # an AVX2 CPU's answer
     path = build_gguf_model(tmp_path / "m.gguf", tensor_type, "qwen2", **SHAPE)
     config = ServeConfig(model=str(path), device="cpu")
