@@ -57,32 +57,21 @@ static void row_int8_blocks(const int8_t *restrict q, const float *restrict s, c
  * run put in place (a 4-byte transpose), so a row is then read contiguously. */
 static void unpack_panel(const uint8_t *restrict w, const int five, const int64_t p, const int64_t k,
                          int8_t *restrict vals) {
-    const int64_t nb = k / 32, block_bytes = five ? Q5_0_PANEL_BLOCK_BYTES : 512;
+    const int64_t nb = k / 32, block_bytes = five ? Q5_0_PANEL_BLOCK_BYTES : Q8_0_PANEL_BLOCK_BYTES;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + (p * nb + b) * block_bytes;
         uint8_t runs[8][64];
-#if defined(__AVX512BW__)
-        for (int t = 0; five && t < 8; t++) {  /* the kernel's widening: nibbles masked, fifth bits added */
-            const __m512i pair = _mm512_loadu_si512(blk + 64 * (t / 2)), low4 = _mm512_set1_epi8(15);
-            const __m512i u = _mm512_and_si512(t % 2 ? _mm512_srli_epi16(pair, 4) : pair, low4);
-            uint64_t bits;
-            memcpy(&bits, blk + Q5_0_PANEL_NIBBLE_BYTES + 8 * t, 8);
-            const __m512i sixteen = _mm512_set1_epi8(16);
-            _mm512_storeu_si512(runs[t], _mm512_sub_epi8(_mm512_mask_add_epi8(u, (__mmask64)bits, u, sixteen), sixteen));
-        }
-        for (int t = 0; !five && t < 8; t++)
-            for (int i = 0; i < 64; i++) runs[t][i] = blk[64 * t + i] ^ 0x80;
-#else
-        for (int t = 0; t < 8; t++)
-            for (int i = 0; i < 64; i++) {
-                if (!five) {
-                    runs[t][i] = blk[64 * t + i] ^ 0x80;  /* value + 128 -> the value's byte */
-                    continue;
-                }
-                const int nibble = (blk[64 * (t / 2) + i] >> (4 * (t % 2))) & 15;
-                runs[t][i] = (uint8_t)((nibble | ((blk[Q5_0_PANEL_NIBBLE_BYTES + 8 * t + i / 8] >> (i % 8)) & 1) << 4) - 16);
+        for (int t = 0; t < 8; t++) {
+            if (!five) {
+                for (int i = 0; i < 64; i++) runs[t][i] = blk[64 * t + i] ^ 0x80;  /* value + 128 -> the value */
+                continue;
             }
+#if defined(__AVX512BW__)
+            _mm512_storeu_si512(runs[t], _mm512_sub_epi8(q5_0_panel_run(blk, t), _mm512_set1_epi8(16)));
+#else
+            for (int i = 0; i < 64; i++) runs[t][i] = (uint8_t)(q5_0_panel_u(blk, t, i) - 16);
 #endif
+        }
         for (int r = 0; r < Q8_0_PANEL_ROWS; r++)
             for (int t = 0; t < 8; t++) memcpy(vals + r * k + b * 32 + 4 * t, runs[t] + 4 * r, 4);
     }
@@ -128,9 +117,9 @@ static void put_row(const float *restrict v, const int64_t k, void *out, const i
     }
 }
 
-/* out[N, K] = the weight as floats. format: DQ_*; w: the packed weight; scales [N, K / group] float32, or float16
- * (scales_f16; Q8_0 and Q5_0 always, group 32); int8 blocks of a multiple of 16, int4 groups of 32; zeros / mins [N, K / group] float32 or NULL (int4 only: z = 8 when
- * both are NULL). out_kind 0 float32, 1 bfloat16, 2 float16. 0, -1 for shapes the format cannot hold, -2 without
+/* out[N, K] = the weight as floats. format: DQ_*; w: the packed weight; scales [N, K / group] float32 or float16
+ * (scales_f16), Q8_0's and Q5_0's float16 in panel order (group 32); int8 blocks of a multiple of 16, int4 groups of
+ * 32; zeros / mins [N, K / group] float32 or NULL (int4 only: z = 8 when both are NULL). out_kind 0 float32, 1 bfloat16, 2 float16. 0, -1 for shapes the format cannot hold, -2 without
  * memory for a row buffer. */
 int dequantize_weight(const int format, const void *w, const void *scales, const int scales_f16, const float *zeros,
                       const float *mins, const int64_t group, const int64_t n, const int64_t k, void *out,

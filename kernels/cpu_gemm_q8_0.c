@@ -87,9 +87,6 @@ static inline float q8_quantize_block(const void *x, int x_kind, int64_t b, int8
 
 #define Q8P_ROWS Q8_0_PANEL_ROWS
 #define Q8P_MR 8                             /* rows of x a pass over a panel */
-#define Q8P_BLOCK_BYTES (Q8P_ROWS * Q8_BLOCK) /* a panel's bytes a block: Q8_0's */
-#define Q5P_NIBBLE_BYTES Q5_0_PANEL_NIBBLE_BYTES
-#define Q5P_BLOCK_BYTES Q5_0_PANEL_BLOCK_BYTES /* Q5_0's: nibbles, then fifth bits */
 #define Q8P_PARALLEL_MIN_MACS (1 << 17)
 #define Q8P_PREFETCH_BYTES 4096
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -118,22 +115,14 @@ typedef struct {
 } q8p_x;
 
 #if defined(Q8P_VNNI)
-/* Run t of a block's weight as vpdpbusd's unsigned bytes: Q8_0's as stored; Q5_0's (five) widened from the pair's
- * nibbles (low: the even run, high: the odd one), the fifth bits added under their mask. */
+/* Run t of a block's weight as vpdpbusd's unsigned bytes: Q8_0's as stored, Q5_0's (five) widened (its u). */
 static inline __attribute__((always_inline)) __m512i panel_run(const uint8_t *restrict wb, const int t, const int five) {
-    if (!five) return _mm512_loadu_si512(wb + 64 * t);
-    const __m512i pair = _mm512_loadu_si512(wb + 64 * (t / 2));
-    const __m512i u = _mm512_and_si512(t % 2 ? _mm512_srli_epi16(pair, 4) : pair, _mm512_set1_epi8(0x0F));
-    uint64_t bits;
-    memcpy(&bits, wb + Q5P_NIBBLE_BYTES + 8 * t, 8);
-    return _mm512_mask_add_epi8(u, _cvtu64_mask64(bits), u, _mm512_set1_epi8(16));
+    return five ? q5_0_panel_run(wb, t) : _mm512_loadu_si512(wb + 64 * t);
 }
 #elif !defined(Q8P_AVX2)
 /* Value e of row c in run t of a block's weight, signed. */
 static inline int32_t panel_value(const uint8_t *wb, const int t, const int c, const int e, const int five) {
-    if (!five) return (int32_t)wb[64 * t + 4 * c + e] - 128;
-    const int i = 4 * c + e, nibble = (wb[64 * (t / 2) + i] >> (4 * (t % 2))) & 15;
-    return (nibble | ((wb[Q5P_NIBBLE_BYTES + 8 * t + i / 8] >> (i % 8)) & 1) << 4) - 16;
+    return five ? q5_0_panel_u(wb, t, 4 * c + e) - 16 : (int32_t)wb[64 * t + 4 * c + e] - 128;
 }
 #endif
 
@@ -149,7 +138,7 @@ static inline __attribute__((always_inline)) __m256i avx2_run(const uint8_t *res
     const __m256i pair = _mm256_loadu_si256((const __m256i *)(wb + 64 * (t / 2) + 32 * h));
     const __m256i u = _mm256_and_si256(t % 2 ? _mm256_srli_epi16(pair, 4) : pair, _mm256_set1_epi8(0x0F));
     int32_t bits;
-    memcpy(&bits, wb + Q5P_NIBBLE_BYTES + 8 * t + 4 * h, 4);
+    memcpy(&bits, wb + Q5_0_PANEL_NIBBLE_BYTES + 8 * t + 4 * h, 4);
     /* byte i of the half gets bit i of the 32: its word byte i / 8, then its bit by a mask and a compare */
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(bits),
                                                _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
@@ -163,7 +152,7 @@ static inline __attribute__((always_inline)) __m256i avx2_run(const uint8_t *res
 static inline __attribute__((always_inline)) void avx2_rows(const q8p_x *restrict s, const int64_t i, const int R,
                                                             const uint8_t *restrict w, const uint16_t *restrict sc,
                                                             const int five, float acc_out[][Q8P_ROWS]) {
-    const int64_t nb = s->nb, k = s->k, block_bytes = five ? Q5P_BLOCK_BYTES : Q8P_BLOCK_BYTES;
+    const int64_t nb = s->nb, k = s->k, block_bytes = five ? Q5_0_PANEL_BLOCK_BYTES : Q8_0_PANEL_BLOCK_BYTES;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[2][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -208,7 +197,7 @@ static inline __attribute__((always_inline)) void avx2_rows(const q8p_x *restric
 static inline __attribute__((always_inline)) void panel_rows(const q8p_x *restrict s, const int64_t i0, const int M,
                                                              const uint8_t *restrict w, const uint16_t *restrict sc,
                                                              const int five, float acc_out[Q8P_MR][Q8P_ROWS]) {
-    const int64_t nb = s->nb, k = s->k, block_bytes = five ? Q5P_BLOCK_BYTES : Q8P_BLOCK_BYTES;
+    const int64_t nb = s->nb, k = s->k, block_bytes = five ? Q5_0_PANEL_BLOCK_BYTES : Q8_0_PANEL_BLOCK_BYTES;
 #if defined(Q8P_VNNI)
     __m512 acc[Q8P_MR];
 #pragma GCC unroll 8
@@ -315,7 +304,7 @@ static int gemm_panels(const void *x, int x_kind, int64_t ldx, int64_t m, int64_
     if (m < 1 || n < 1 || k < Q8_BLOCK || k % Q8_BLOCK || x_kind < 0 || x_kind > 2 || out_kind < 0 || out_kind > 2)
         return -1;
     const int64_t nb = k / Q8_BLOCK, x_size = x_kind == 0 ? 4 : 2;
-    const int64_t panel_bytes = nb * (five ? Q5P_BLOCK_BYTES : Q8P_BLOCK_BYTES);
+    const int64_t panel_bytes = nb * (five ? Q5_0_PANEL_BLOCK_BYTES : Q8_0_PANEL_BLOCK_BYTES);
     char *scratch = malloc((size_t)(m * k + 2 * m * nb * 4));
     if (scratch == NULL) return -1;
     q8p_x s = {(int8_t *)scratch, (int32_t *)(scratch + m * k), (float *)(scratch + m * k + m * nb * 4), k, nb};

@@ -10,6 +10,30 @@
  */
 #pragma once
 
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 #define Q8_0_PANEL_ROWS 16
+#define Q8_0_PANEL_BLOCK_BYTES 512
 #define Q5_0_PANEL_NIBBLE_BYTES 256
 #define Q5_0_PANEL_BLOCK_BYTES 320
+
+/* u (value + 16) of value i of run t in a Q5_0 panel's block blk. */
+static inline int q5_0_panel_u(const uint8_t *blk, const int t, const int i) {
+    const int nibble = (blk[64 * (t / 2) + i] >> (4 * (t % 2))) & 15;
+    return nibble | ((blk[Q5_0_PANEL_NIBBLE_BYTES + 8 * t + i / 8] >> (i % 8)) & 1) << 4;
+}
+
+#if defined(__AVX512BW__)
+/* Run t of a Q5_0 panel's block as its 64 u: the pair's nibbles masked, the fifth bits added under their mask. */
+static inline __attribute__((always_inline)) __m512i q5_0_panel_run(const uint8_t *blk, const int t) {
+    const __m512i pair = _mm512_loadu_si512(blk + 64 * (t / 2));
+    const __m512i u = _mm512_and_si512(t % 2 ? _mm512_srli_epi16(pair, 4) : pair, _mm512_set1_epi8(0x0F));
+    uint64_t bits;
+    memcpy(&bits, blk + Q5_0_PANEL_NIBBLE_BYTES + 8 * t, 8);
+    return _mm512_mask_add_epi8(u, _cvtu64_mask64(bits), u, _mm512_set1_epi8(16));
+}
+#endif
