@@ -50,6 +50,7 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_lora.c"): (),
            Path(__file__).with_name("cpu_moe.c"): (),
            Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
+           Path(__file__).with_name("cpu_silu_mul_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_dequantize.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_gemm_q8_0.c"): ("-ffp-contract=off",),
@@ -86,6 +87,7 @@ _SIGNATURES = {
     "w8a8_linear": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int, _P],
     "w8a8_variant": [],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float, _I] for suffix in ("bf16", "f16")},
+    **{f"silu_mul_{suffix}": [_P, _P, _I, _I] for suffix in ("bf16", "f16")},
     "moe_experts_bf16": [_P, _I, _I, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int, ctypes.c_float,
                          ctypes.c_float, _P, _I],
     "lora_shrink_expand": [_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_int,
@@ -559,6 +561,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _half_kernels(library(), "rms_norm")[x.dtype](
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
         x.numel() // d if d else 0, d, eps, weight.shape[0] if weight.dim() == 2 else 1)
+    return out
+
+
+# silu_mul's rows at most: one stream's 1 row 8.1 us against torch's three ops' 10.1, 8 rows 23.1 against 23.4, but
+# 64 rows 162 against 127 (a 0.5B's 4864-wide gate, 2 threads, Zen 4): torch's vectorized exp is the faster there.
+SILU_MUL_MAX_ROWS = 8
+
+
+def supports_silu_mul(gate_up: torch.Tensor) -> bool:
+    """Whether silu_mul serves this tensor: bfloat16 or float16 on CPU, [rows, 2 * size] contiguous, rows at most
+    SILU_MUL_MAX_ROWS."""
+    return (gate_up.dtype in _HALF_DTYPES and gate_up.is_cpu and gate_up.dim() == 2
+            and gate_up.shape[0] <= SILU_MUL_MAX_ROWS and gate_up.is_contiguous() and library() is not None)
+
+
+def silu_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor:
+    """silu(gate) * up of each row of gate_up [rows, 2 * size] (its gate, then its up; supports_silu_mul), a new
+    [rows, size] with torch's two roundings (kernels/cpu_silu_mul_half.c)."""
+    rows = gate_up.shape[0]
+    if gate_up.shape[1] != 2 * size:
+        raise ValueError(f"silu_mul: {gate_up.shape[1]} columns are not a gate and an up of {size}")
+    out = torch.empty((rows, size), dtype=gate_up.dtype)
+    _half_kernels(library(), "silu_mul")[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, size)
     return out
 
 

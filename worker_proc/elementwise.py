@@ -15,8 +15,9 @@ turns it off, ``=1`` takes it in float32 too (still only with the Triton kernels
 built): the residual add and RMSNorm in one C pass (kernels/cpu_rms_norm_half.c), torch's roundings op
 for op but its sum of squares in another order; q/k rotary and the KV write in one C call
 (kernels/cpu_rotary_half.c, the rotary kernel's own bits), where rotary, then reference.write_kv's five
-torch ops and a host read, cost ~33 us a layer hot at one stream against ~15; the rest transformers'
-sequence. One stream's decode step spends more in the norms' six torch ops a call than in attention
+torch ops and a host read, cost ~33 us a layer hot at one stream against ~15; the SiLU gate of up to 8 rows
+in one C pass (kernels/cpu_silu_mul_half.c: 8 us against torch's split, silu and mul_'s 10 at one row; torch's
+from 64 rows, where its exp is faster); the rest transformers' sequence. One stream's decode step spends more in the norms' six torch ops a call than in attention
 (bench/RESULTS.md, "CPU: one stream at the memory's speed"). ``PAGEDSERVE_FUSED_OPS=0`` turns it off too.
 """
 
@@ -117,6 +118,12 @@ class NativeElementwise(TorchElementwise):
         if cpu_native.supports_rms_norm(x, weight) and residual.shape == x.shape and residual.dtype == x.dtype:
             return cpu_native.rms_norm(x, weight, eps, residual=residual), x
         return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor, size: int) -> torch.Tensor:
+        """One native pass (kernels/cpu_silu_mul_half.c) where torch's split, silu and mul_ are three ops."""
+        if cpu_native.supports_silu_mul(gate_up):
+            return cpu_native.silu_mul(gate_up, size)
+        return super().silu_mul(gate_up, size)
 
     def rotary_write_kv(self, rotary, qk: torch.Tensor, positions: torch.Tensor, value: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
