@@ -14,6 +14,12 @@
 
 #include "cpu_half.h"
 #include "cpu_softmax_exp.h"
+#if defined(_OPENMP)
+#include <omp.h>
+static inline int64_t omp_threads(void) { return omp_get_max_threads(); }
+#else
+static inline int64_t omp_threads(void) { return 1; }
+#endif
 
 #define SCORE_KEYS 8
 #if HALF_VW == 16
@@ -184,16 +190,25 @@ static inline __attribute__((always_inline)) void attend_request_half(
 }
 
 /* The dtype is a literal in each entry's body, so every inner loop is compiled for it (a
- * parameter would reach OpenMP's outlined loop as a run-time value). */
+ * parameter would reach OpenMP's outlined loop as a run-time value). A work item is a request, or, where the
+ * batch is smaller than the team (one stream), a request's KV head and the query heads that share it: each head's
+ * scores, softmax and weighed values are its own, so the bits are the same either way, and one stream's attention
+ * is not one thread's while the others wait. */
+#define ATTEND_HALF(D, BF)                                                                                      \
+    attend_request_half(qb + kh0 * group * d, k + kh0 * d, v + kh0 * d, table, lo, hi, ob + kh0 * group * d,  \
+                        scores, qf, heads * group, heads, group, D, row, bs, scale,                            \
+                        sinks ? sinks + kh0 * group : NULL, BF)
 #define DEFINE_DECODE(name, BF16)                                                                             \
     void name(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *tables,                 \
               int64_t table_stride, const int64_t *first, const int64_t *last, uint16_t *out, int64_t batch,  \
               int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, const float *sinks) {               \
         const int64_t group = hq / hkv, row = hkv * d;                                                        \
-        _Pragma("omp parallel") {                                                                              \
+        const int64_t split = batch < omp_threads() ? hkv : 1, heads = hkv / split, items = batch * split;    \
+        _Pragma("omp parallel if (items > 1)") {                                                               \
             float *scores = NULL, *qf = malloc(sizeof(float) * hq * d);                                        \
             int64_t capacity = 0;                                                                              \
-            _Pragma("omp for schedule(dynamic, 1)") for (int64_t b = 0; b < batch; b++) {                     \
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < items; item++) {            \
+                const int64_t b = item / split, kh0 = item % split * heads;                                   \
                 const int64_t lo = first[b], hi = last[b] + 1;                                                 \
                 if (capacity < hq * (hi - lo)) {                                                               \
                     free(scores);                                                                              \
@@ -204,12 +219,9 @@ static inline __attribute__((always_inline)) void attend_request_half(
                 const int32_t *table = tables + b * table_stride;                                              \
                 uint16_t *ob = out + b * hq * d;                                                               \
                 switch (d) {                                                                                   \
-                case 64: attend_request_half(qb, k, v, table, lo, hi, ob, scores, qf, hq, hkv, group, 64, row, \
-                                             bs, scale, sinks, BF16); break;                                   \
-                case 128: attend_request_half(qb, k, v, table, lo, hi, ob, scores, qf, hq, hkv, group, 128,   \
-                                              row, bs, scale, sinks, BF16); break;                             \
-                default: attend_request_half(qb, k, v, table, lo, hi, ob, scores, qf, hq, hkv, group, d, row, \
-                                             bs, scale, sinks, BF16);                                          \
+                case 64: ATTEND_HALF(64, BF16); break;                                                              \
+                case 128: ATTEND_HALF(128, BF16); break;                                                            \
+                default: ATTEND_HALF(d, BF16);                                                                    \
                 }                                                                                              \
             }                                                                                                  \
             free(scores);                                                                                      \

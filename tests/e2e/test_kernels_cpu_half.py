@@ -82,6 +82,33 @@ def test_half_decode_gives_the_same_bits_on_any_thread_count(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("q_heads,kv_heads", [(14, 2), (8, 8), (6, 1)])
+def test_one_request_split_by_kv_head_over_the_threads_gives_its_bits_in_a_batch(dtype, q_heads, kv_heads):
+    """A batch smaller than the threads (one stream) is shared out by KV head; each request alone, at 2 threads and
+    at 1, with and without sinks, equals its row of a batch that takes one request a thread."""
+    generator = torch.Generator().manual_seed(q_heads + kv_heads)
+    seq_lens = [1, 17, 130, 311]
+    num_blocks = sum(-(-n // 16) for n in seq_lens) + 3
+    k_cache, v_cache, tables = nan_cache_with_requests(seq_lens, kv_heads, generator, 16, 64, num_blocks)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    query = torch.randn(len(seq_lens), q_heads, 64, generator=generator).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    try:
+        for sinks in (None, torch.randn(q_heads, generator=generator)):
+            torch.set_num_threads(2)
+            batch = decode_attention(query, k_cache, v_cache, 0.125, build_decode_context(lens, tables, 16, None), sinks)
+            for n in (2, 1):
+                torch.set_num_threads(n)
+                for b in range(len(seq_lens)):
+                    alone = decode_attention(query[b:b + 1], k_cache, v_cache, 0.125,
+                                             build_decode_context(lens[b:b + 1], tables[b:b + 1], 16, None), sinks)
+                    assert torch.equal(alone[0], batch[b])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("q_heads,kv_heads", [(7, 1), (4, 4), (14, 2)])
 def test_prefill_chunks_on_their_own_keys_and_after_context_are_the_reference_rounded(variant, dtype, head_dim,
