@@ -1,15 +1,16 @@
 /* Decode-step products on int8 weights in blocks: out[M, N] = x[M, K] @ W^T, M = 1..8, where
  * W[j, t] = q[j, t] * scale[j, t / G], q int8 [N, K] row-major and scale float32 [N, K / G], one per
- * block of G inputs (GGUF's Q6_K: G = 16; compressed-tensors' int8 groups). torch has no grouped int8
- * op: one _weight_int8pack_mm call per block of inputs ran a 0.5B's step 10-20x slower than per-channel
- * int8 (bench/log), and a dequantized copy per call reads the weight three times over.
+ * block of G inputs (GGUF's Q6_K: G = 16; compressed-tensors' int8 groups; G = K: one per output channel).
+ * torch has no grouped int8 op: one _weight_int8pack_mm call per block of inputs ran a 0.5B's step 10-20x
+ * slower than per-channel int8 (bench/log), and a dequantized copy per call reads the weight three times over.
  *
  * As cpu_gemv.c: a decode step is bound by reading the weights, so each thread takes a contiguous
- * range of R-row blocks (OpenMP, static), walks R rows of q at once along K (prefetching rows ahead),
+ * range of R-row blocks (OpenMP, static), walks R rows of q at once along K (prefetching ahead),
  * and multiplies them by the M rows of x (float32, in L1). Each vector of q is widened to float32
- * exactly and multiplied by its block's scale, which rounds it to the float32 weight the dequantized
- * layer holds (q * scale, one rounding); the products are summed in float32, in another order than
- * F.linear's (tests/unit/test_cpu_gemv_int8.py bounds the difference). x is float32 (the caller widens
+ * exactly; for one or two rows of x (decode) a block's products are summed unscaled and the sum scaled
+ * once, else each vector is multiplied by its block's scale first (the float32 weight the dequantized
+ * layer holds, q * scale). The products are summed in float32, in another order than F.linear's
+ * (tests/e2e/test_kernels_cpu_gemv_int8.py bounds the difference). x is float32 (the caller widens
  * bfloat16 / float16 rows once per call); out is float32 or a half dtype, rounded once.
  */
 #include <stdint.h>
@@ -18,6 +19,7 @@
 
 #define INT8_GEMV_MAX_ROWS 8
 #define INT8_PARALLEL_MIN_MACS (1 << 17)
+#define INT8_PREFETCH_BYTES 16384
 #define INT8_PREFETCH_ROWS 32
 /* R x M accumulators, R weight vectors and one x vector in the vector registers (32 on AVX-512). */
 #define INT8_ROWS_PER_BLOCK(M) ((M) == 1 ? 8 : (M) == 2 ? 6 : (M) <= 5 ? 4 : 3)
@@ -46,7 +48,49 @@ static inline __attribute__((always_inline)) void block_i8(const float *restrict
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int i = 0; i < M; i++) acc[r][i] = hbroadcast(0.0f);
-    const int8_t *ahead = q + (int64_t)INT8_PREFETCH_ROWS * ldq;
+    /* The reads ahead: where a block's R rows are a short run of bytes (K = 896: 7 KB), that run's bytes
+     * INT8_PREFETCH_BYTES on, a line for every 64 read (a 0.5B's gate_up 8.3 ms a step against 12.3 for the rows
+     * ahead); where they are long (K = 4864: 39 KB) the same columns INT8_PREFETCH_ROWS rows on, which keep up with
+     * the reads there (4.1-4.3 ms against 5.3). */
+    const int linear = R * ldq <= INT8_PREFETCH_BYTES;
+    const int8_t *ahead = linear ? q + INT8_PREFETCH_BYTES : q + (int64_t)INT8_PREFETCH_ROWS * ldq;
+    if (M <= 2 && g > HALF_VW) {
+        /* A block's products summed unscaled, then scaled once: a weight is a widening, a conversion and an FMA,
+         * not also a multiply (one or two rows of x, where the arithmetic, not the memory, was the bound: a
+         * 0.5B's W8A16 decode step read its int8 weights at 15.5 GB/s of the two threads' ~32). */
+        for (int64_t kk = 0; kk < k; kk += g) {
+            hvec part[8][2];
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+                for (int i = 0; i < M; i++) part[r][i] = hbroadcast(0.0f);
+            for (int64_t c = kk; c < kk + g; c += HALF_VW) {
+                hvec wv[8];
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    wv[r] = load_i8(q + r * ldq + c);
+                    if ((c & 63) == 0) __builtin_prefetch(linear ? ahead + c * R + r * 64 : ahead + r * ldq + c, 0, 3);
+                }
+#pragma GCC unroll 2
+                for (int i = 0; i < M; i++) {
+                    const hvec xv = load_f32(x + i * ldx + c);
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; r++) part[r][i] += xv * wv[r];
+                }
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const hvec scale = hbroadcast(s[r * lds + kk / g]);
+#pragma GCC unroll 2
+                for (int i = 0; i < M; i++) acc[r][i] += part[r][i] * scale;
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+            for (int i = 0; i < M; i++) sums[r * M + i] = hsum(acc[r][i]);
+        return;
+    }
     for (int64_t kk = 0; kk < k; kk += g) {
         hvec scale[8];
 #pragma GCC unroll 8
@@ -56,7 +100,7 @@ static inline __attribute__((always_inline)) void block_i8(const float *restrict
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 wv[r] = load_i8(q + r * ldq + c) * scale[r];
-                if ((c & 63) == 0) __builtin_prefetch(ahead + r * ldq + c, 0, 3);
+                if ((c & 63) == 0) __builtin_prefetch(linear ? ahead + c * R + r * 64 : ahead + r * ldq + c, 0, 3);
             }
 #pragma GCC unroll 8
             for (int i = 0; i < M; i++) {

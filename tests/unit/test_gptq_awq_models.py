@@ -148,7 +148,8 @@ MODELS = {  # build_gptq_awq_model_dir's arguments, the kind every projection ru
                      "int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped"),
     "gptq_w8_g64_asym_desc_act": (dict(method="gptq", bits=8, group_size=64, sym=False, desc_act=True),
                                   "int8_grouped"),
-    "gptq_w8_per_channel": (dict(method="gptq", bits=8, group_size=None, arch="qwen3"), "int8"),
+    "gptq_w8_per_channel": (dict(method="gptq", bits=8, group_size=None, arch="qwen3"),
+                            "int8_blocks" if ql.int8_blocks_kernel() else "int8"),  # one block a row
     "awq_w4_g128_qwen2": (dict(method="awq"), INT4_KIND),
     "awq_w4_g64": (dict(method="awq", group_size=64, arch="llama"), INT4_KIND),
 }

@@ -125,10 +125,11 @@ def _greedy(model_dir, prompts, **runner_kwargs):
 
 
 INT4_KIND = "int4_blocks" if ql.int8_blocks_kernel() else "int4"  # kernels/cpu_gemv_int4.c where it is built
+INT8_CHANNEL_KIND = "int8_blocks" if ql.int8_blocks_kernel() else "int8"  # one block a row: kernels/cpu_gemv_int8.c
 MODELS = {  # scheme, arch, the kind every projection runs, oracle from the library's decompressor
     "w4a16": ("w4a16", "llama", INT4_KIND, False),
     "w4a16_qwen2_bias": ("w4a16", "qwen2", INT4_KIND, False),
-    "w8a16_per_channel": ("w8a16", "qwen3", "int8", False),
+    "w8a16_per_channel": ("w8a16", "qwen3", INT8_CHANNEL_KIND, False),
     "w8a16_g128": ("w8a16_g128", "llama", "int8_blocks" if ql.int8_blocks_kernel() else "int8_grouped", False),
     "w4a16_asym": ("w4a16_asym", "llama", INT4_KIND, True),
     "w8a16_asym": ("w8a16_asym", "qwen2", "int8", True),

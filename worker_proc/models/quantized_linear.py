@@ -14,11 +14,13 @@ No float copy of a quantized weight is kept: every path multiplies the integers 
   kernels/cpu_gemv_int4.c, the nibbles unpacked and scaled in registers, float32 sums, 8 rows a pass, in every
   dtype (float32 too: no dequantized copy; bfloat16 x by vdpbf16ps where the CPU has AVX512-BF16, float32 and
   float16 x unrounded); from 128 rows the dequantized weight.
-- ``int8`` (W8A16 per channel): torch's ``_weight_int8pack_mm``, x @ (q * scale).T; an asymmetric
-  weight subtracts rowsum(x) * zero_point * scale after.
-- ``int8_blocks`` (W8A16 in groups of a multiple of 16, symmetric: compressed-tensors' int8 groups, GGUF's Q6_K),
-  where the native kernels are built: in half precision kernels/cpu_gemv_int8.c (each block's integers widened and
-  scaled in registers, float32 sums, 8 rows a pass); from 48 rows, and in float32, the dequantized weight.
+- ``int8`` (W8A16 per channel, asymmetric; symmetric too where the native kernels are not built): torch's
+  ``_weight_int8pack_mm``, x @ (q * scale).T; an asymmetric weight subtracts rowsum(x) * zero_point * scale after.
+- ``int8_blocks`` (W8A16 in groups of a multiple of 16, symmetric: compressed-tensors' int8 groups, GGUF's Q6_K; and
+  a symmetric per-channel weight, one block a row), where the native kernels are built: kernels/cpu_gemv_int8.c
+  (each block's integers widened in registers, float32 sums scaled once a block, 8 rows a pass), float32 too;
+  from 48 rows the dequantized weight. A 0.5B's W8A16 decode step: 22.7 ms per channel and 23.8 in groups of 128
+  against bf16's 29.3 (torch's op: 34.7; float32's copy per call: 266 and 335 ms, now 38-39; bench/log).
 - ``q8_0`` (a GGUF Q8_0 matrix, where the native kernels are built): multiplied as llama.cpp's CPU backend does,
   x quantized per block of 32 too (d = max|x| / 127, round half to even), each block's int8 products summed exactly
   in int32 and scaled by both blocks' d, the weight in panels of 16 rows with its float16 scales, the file's
@@ -198,7 +200,8 @@ class QuantizedStack:
 # 3.2 / 6.1 ms at 16 rows, 16.3 / 16.6 at 64, 71 / 57 at 256 (31); int4 8.4 / 27.5 at 32, 23 / 48 at
 # 64, 94 / 68 at 256; int8 in groups (an op call per group) 10.9 / 9.1 at 16
 # (bench/scripts/quant_bench.py). float32 has no vectorized int op at all (int8 22 ms at one row,
-# 4.1 s at 256; dequantized 21 ms and 178 ms), so it always dequantizes.
+# 4.1 s at 256; dequantized 21 ms and 178 ms), so it dequantizes but where a native GEMV takes float32 x
+# (int4_blocks, int8_blocks: the same crossover as half precision).
 # The native layouts (int8_blocks, q8_0, q5_0, int4_blocks) are dequantized in one pass (kernels/cpu_dequantize.c;
 # torch's ops took 10-20 ms for a 0.5B gate_up on two threads, the native pass ~1 ms hot). Their decode kernels take
 # 8 rows of x a pass over the weight, so from a few passes the copy and oneDNN's bf16 product win. Two threads, the
@@ -217,7 +220,7 @@ _NO_COPY_WHEN_VECTORIZED = ("q8_0", "q5_0")
 
 
 def dequantize_min_rows(kind: str, dtype: torch.dtype) -> float:
-    if dtype == torch.float32 and kind != "int4_blocks":
+    if dtype == torch.float32 and kind not in ("int4_blocks", "int8_blocks"):
         return 1
     return math.inf if _never_copies(kind) else DEQUANTIZE_MIN_ROWS[kind]
 
@@ -369,6 +372,8 @@ def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
     n, k = q.shape
     s = scale.to(torch.float32)
     correction = None if zero_point is None else (zero_point.to(torch.float32) * s)
+    if group_size is None and zero_point is None and k % 16 == 0 and int8_blocks_kernel():
+        group_size, s = k, s.reshape(n, 1)  # per channel: one block a row, on the native GEMV
     if group_size is None:
         return QuantizedLinear("int8", n, k, q.contiguous(), s.reshape(n).to(dtype).contiguous(), 0,
                                None if correction is None else correction.reshape(n).to(dtype), input_order=input_order)
