@@ -54,61 +54,42 @@ static inline __attribute__((always_inline)) void block_i8(const float *restrict
      * the reads there (4.1-4.3 ms against 5.3). */
     const int linear = R * ldq <= INT8_PREFETCH_BYTES;
     const int8_t *ahead = linear ? q + INT8_PREFETCH_BYTES : q + (int64_t)INT8_PREFETCH_ROWS * ldq;
-    if (M <= 2 && g > HALF_VW) {
-        /* A block's products summed unscaled, then scaled once: a weight is a widening, a conversion and an FMA,
-         * not also a multiply (one or two rows of x, where the arithmetic, not the memory, was the bound: a
-         * 0.5B's W8A16 decode step read its int8 weights at 15.5 GB/s of the two threads' ~32). */
-        for (int64_t kk = 0; kk < k; kk += g) {
-            hvec part[8][2];
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-                for (int i = 0; i < M; i++) part[r][i] = hbroadcast(0.0f);
-            for (int64_t c = kk; c < kk + g; c += HALF_VW) {
-                hvec wv[8];
-#pragma GCC unroll 8
-                for (int r = 0; r < R; r++) {
-                    wv[r] = load_i8(q + r * ldq + c);
-                    if ((c & 63) == 0) __builtin_prefetch(linear ? ahead + c * R + r * 64 : ahead + r * ldq + c, 0, 3);
-                }
-#pragma GCC unroll 2
-                for (int i = 0; i < M; i++) {
-                    const hvec xv = load_f32(x + i * ldx + c);
-#pragma GCC unroll 8
-                    for (int r = 0; r < R; r++) part[r][i] += xv * wv[r];
-                }
-            }
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                const hvec scale = hbroadcast(s[r * lds + kk / g]);
-#pragma GCC unroll 2
-                for (int i = 0; i < M; i++) acc[r][i] += part[r][i] * scale;
-            }
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-            for (int i = 0; i < M; i++) sums[r * M + i] = hsum(acc[r][i]);
-        return;
-    }
+    /* For one or two rows of x a block's products are summed unscaled and scaled once: a weight is a widening, a
+     * conversion and an FMA, not also a multiply (a 0.5B's W8A16 decode read its int8 weights at 15.5 GB/s of the two
+     * threads' ~32 with the multiply). More rows keep the scaled weights: their sums would not fit the registers. */
+    const int factored = M <= 2;
     for (int64_t kk = 0; kk < k; kk += g) {
-        hvec scale[8];
+        hvec scale[8], part[8][2];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) scale[r] = hbroadcast(s[r * lds + kk / g]);
+        for (int r = 0; r < R; r++) {
+            scale[r] = hbroadcast(s[r * lds + kk / g]);
+#pragma GCC unroll 2
+            for (int i = 0; i < 2; i++) part[r][i] = hbroadcast(0.0f);
+        }
         for (int64_t c = kk; c < kk + g; c += HALF_VW) {
             hvec wv[8];
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                wv[r] = load_i8(q + r * ldq + c) * scale[r];
+                wv[r] = factored ? load_i8(q + r * ldq + c) : load_i8(q + r * ldq + c) * scale[r];
                 if ((c & 63) == 0) __builtin_prefetch(linear ? ahead + c * R + r * 64 : ahead + r * ldq + c, 0, 3);
             }
 #pragma GCC unroll 8
             for (int i = 0; i < M; i++) {
                 const hvec xv = load_f32(x + i * ldx + c);
 #pragma GCC unroll 8
-                for (int r = 0; r < R; r++) acc[r][i] += xv * wv[r];
+                for (int r = 0; r < R; r++) {
+                    if (factored)
+                        part[r][i] += xv * wv[r];
+                    else
+                        acc[r][i] += xv * wv[r];
+                }
             }
         }
+        if (factored)
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+                for (int i = 0; i < M; i++) acc[r][i] += part[r][i] * scale[r];
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
