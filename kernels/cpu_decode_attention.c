@@ -202,18 +202,27 @@ static inline __attribute__((always_inline)) void attend_request(
         for (int64_t i = 0; i < d; i++) ob[h * d + i] *= inv_sum[h];
 }
 
+/* A work item is a request, or, where the batch is smaller than the team (one stream), a request's KV head and the
+ * query heads that share it: each head's scores, softmax and values are its own, so the bits are the same either
+ * way (cpu_decode_attention_half.c does the same). */
+#define ATTEND_F32(D)                                                                                         \
+    attend_request(qb + kh0 * group * d, k + kh0 * d, v + kh0 * d, table, lo, hi, ob + kh0 * group * d, scores, \
+                   heads * group, heads, group, D, row, bs, scale, sinks ? sinks + kh0 * group : NULL)
+
 void paged_decode_attention_f32(const float *q, const float *k, const float *v, const int32_t *tables,
                                 int64_t table_stride, const int64_t *first, const int64_t *last, float *out,
                                 int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale,
                                 const float *sinks) {
     const int64_t group = hq / hkv;
     const int64_t row = hkv * d; /* floats per cache slot */
-#pragma omp parallel
+    const int64_t split = batch < omp_threads() ? hkv : 1, heads = hkv / split, items = batch * split;
+#pragma omp parallel if (items > 1)
     {
         float *scores = NULL;
         int64_t capacity = 0;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < batch; b++) {
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t b = item / split, kh0 = item % split * heads;
             const int64_t lo = first[b], hi = last[b] + 1;
             if (capacity < hq * (hi - lo)) {
                 free(scores);
@@ -224,16 +233,10 @@ void paged_decode_attention_f32(const float *q, const float *k, const float *v, 
             const int32_t *table = tables + b * table_stride;
             float *ob = out + b * hq * d;
             switch (d) {
-            case 32:
-                attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 32, row, bs, scale, sinks);
-                break;
-            case 64:
-                attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 64, row, bs, scale, sinks);
-                break;
-            case 128:
-                attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, 128, row, bs, scale, sinks);
-                break;
-            default: attend_request(qb, k, v, table, lo, hi, ob, scores, hq, hkv, group, d, row, bs, scale, sinks);
+            case 32: ATTEND_F32(32); break;
+            case 64: ATTEND_F32(64); break;
+            case 128: ATTEND_F32(128); break;
+            default: ATTEND_F32(d);
             }
         }
         free(scores);

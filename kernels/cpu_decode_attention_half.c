@@ -14,12 +14,6 @@
 
 #include "cpu_half.h"
 #include "cpu_softmax_exp.h"
-#if defined(_OPENMP)
-#include <omp.h>
-static inline int64_t omp_threads(void) { return omp_get_max_threads(); }
-#else
-static inline int64_t omp_threads(void) { return 1; }
-#endif
 
 #define SCORE_KEYS 8
 #if HALF_VW == 16

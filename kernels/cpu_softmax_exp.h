@@ -1,5 +1,5 @@
 /* What the native attention kernels share: their softmax, the decode kernels' sum of eight
- * keys' scores, and their prefetch of the next block; and the exp of cpu_linear.c's SiLU gate.
+ * keys' scores, their prefetch of the next block and their thread count; and the exp of the SiLU gates.
  *
  * exp(x) for -87 <= x <= 88 (a normal result): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, and a
  * degree-6 polynomial (error < 2 ulp). Written so the compiler vectorizes the loops that call it. */
@@ -9,6 +9,18 @@
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+/* The threads a parallel region would get (1 without OpenMP): the decode kernels split one stream by KV head. */
+static inline int64_t omp_threads(void) {
+#if defined(_OPENMP)
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
 
 static inline float exp_normal(float x) {
     const float n = __builtin_rintf(x * 1.44269504088896341f);

@@ -81,7 +81,7 @@ def test_half_decode_gives_the_same_bits_on_any_thread_count(dtype):
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", [*HALF, torch.float32], ids=str)
 @pytest.mark.parametrize("q_heads,kv_heads", [(14, 2), (8, 8), (6, 1)])
 def test_one_request_split_by_kv_head_over_the_threads_gives_its_bits_in_a_batch(dtype, q_heads, kv_heads):
     """A batch smaller than the threads (one stream) is shared out by KV head; each request alone, at 2 threads and
