@@ -176,14 +176,11 @@ static inline __attribute__((always_inline)) void store_row(float *restrict o, _
     DEFINE_SILU_GATE(S)
 
 /* A row's 16 columns of silu(g) * u = g / (1 + exp(-g)) * u, in transformers' order, into its
- * first cols of o. -g is clamped to exp_normal's range: beyond it, float32 gives g (or ~0) anyway. */
+ * first cols of o (cpu_softmax_exp.h's silu). */
 static inline void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o,
                                 const int64_t cols) {
     float v[NR];
-    for (int c = 0; c < NR; c++) {
-        const float e = -g[c] < -87.0f ? -87.0f : -g[c] > 88.0f ? 88.0f : -g[c];
-        v[c] = g[c] / (1.0f + exp_normal(e)) * u[c];
-    }
+    for (int c = 0; c < NR; c++) v[c] = silu(g[c]) * u[c];
     for (int64_t c = 0; c < cols; c++) o[c] = v[c];
 }
 

@@ -2,7 +2,7 @@
  * roundings (worker_proc/elementwise.py's F.silu(gate).mul_(up) in that dtype):
  *   s = round(g / (1 + exp(-g)))    (float32 inside, as torch's silu on a half tensor)
  *   out = round(float(s) * float(up))
- * The exp is cpu_softmax_exp.h's (< 2 ulp in float32, against torch's 1), so a result can differ from
+ * silu is cpu_softmax_exp.h's (its exp < 2 ulp in float32, against torch's 1), so a result can differ from
  * torch's by one step of the dtype where silu's float32 value lies within a few ulp of a rounding boundary.
  * Compiled with -ffp-contract=off (kernels/cpu_native.py).
  *
@@ -23,14 +23,7 @@ static inline __attribute__((always_inline)) void silu_mul_row(const uint16_t *r
         const int64_t len = size - i < SILU_RUN ? size - i : SILU_RUN;
         float g[SILU_RUN], s[SILU_RUN];
         for (int j = 0; j < SILU_RUN; j++) g[j] = j < len ? half_to_f32(gate[i + j], bf16) : 0.0f;
-        for (int j = 0; j < SILU_RUN; j++) {
-            /* exp_normal takes -87..88: below, 1 + exp(-g) is 1 in float32; above, 2 exp(-g - ln 2) up to where
-             * float32's exp overflows, and past that g / inf, a signed zero, as torch's */
-            const float e = -g[j] < -87.0f ? -87.0f : -g[j];
-            const int over = e > 88.72283f, high = e > 88.0f;
-            const float d = 1.0f + exp_normal(high ? (over ? 88.0f : e) - 0.69314718f : e) * (high ? 2.0f : 1.0f);
-            s[j] = over ? g[j] * 0.0f : g[j] / d;
-        }
+        for (int j = 0; j < SILU_RUN; j++) s[j] = silu(g[j]);
         for (int64_t j = 0; j < len; j++) {
             const float rounded = half_to_f32(f32_to_half(s[j], bf16), bf16);
             out[i + j] = f32_to_half(rounded * half_to_f32(up[i + j], bf16), bf16);
@@ -41,7 +34,7 @@ static inline __attribute__((always_inline)) void silu_mul_row(const uint16_t *r
 /* gate_up [rows, 2 * size] contiguous (each row's gate, then its up), out [rows, size] contiguous. */
 #define DEFINE_SILU_MUL(name, BF16)                                                                          \
     void name(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t size) {                         \
-        _Pragma("omp parallel for schedule(static) if (rows > 1 && rows * size >= SILU_PARALLEL_MIN)")                            \
+        _Pragma("omp parallel for schedule(static) if (rows > 1 && rows * size >= SILU_PARALLEL_MIN)")       \
         for (int64_t t = 0; t < rows; t++)                                                                   \
             silu_mul_row(gate_up + t * 2 * size, gate_up + t * 2 * size + size, out + t * size, size, BF16); \
     }

@@ -1,5 +1,5 @@
 /* What the native attention kernels share: their softmax, the decode kernels' sum of eight
- * keys' scores, their prefetch of the next block and their thread count; and the exp of the SiLU gates.
+ * keys' scores, their prefetch of the next block and their thread count; and the SiLU gates' silu.
  *
  * exp(x) for -87 <= x <= 88 (a normal result): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, and a
  * degree-6 polynomial (error < 2 ulp). Written so the compiler vectorizes the loops that call it. */
@@ -35,6 +35,16 @@ static inline float exp_normal(float x) {
     union { float f; int32_t i; } scale;
     scale.i = ((int32_t)n + 127) << 23;
     return p * scale.f;
+}
+
+/* silu(g) = g / (1 + exp(-g)) in float32 for the SiLU gates (cpu_linear.c, cpu_silu_mul_half.c). exp_normal takes
+ * -87..88: below, 1 + exp(-g) is 1 in float32; above, 2 exp(-g - ln 2) up to where float32's exp overflows, and past
+ * that g / inf, a signed zero, as torch's. Branch-free, so a loop over it vectorizes. */
+static inline float silu(float g) {
+    const float e = -g < -87.0f ? -87.0f : -g;
+    const int over = e > 88.72283f, high = e > 88.0f;
+    const float d = 1.0f + exp_normal(high ? (over ? 88.0f : e) - 0.69314718f : e) * (high ? 2.0f : 1.0f);
+    return over ? g * 0.0f : g / d;
 }
 
 /* exp(x) for the x <= 0 of a softmax: 0 below -87. */

@@ -17,8 +17,8 @@ for op but its sum of squares in another order; q/k rotary and the KV write in o
 (kernels/cpu_rotary_half.c, the rotary kernel's own bits), where rotary, then reference.write_kv's five
 torch ops and a host read, cost ~33 us a layer hot at one stream against ~15; the SiLU gate of up to 8 rows
 in one C pass (kernels/cpu_silu_mul_half.c: 8 us against torch's split, silu and mul_'s 10 at one row; torch's
-from 64 rows, where its exp is faster); the rest transformers' sequence. One stream's decode step spends more in the norms' six torch ops a call than in attention
-(bench/RESULTS.md, "CPU: one stream at the memory's speed"). ``PAGEDSERVE_FUSED_OPS=0`` turns it off too.
+from 9 rows, its exp the faster at 64); the rest transformers' sequence. One stream's decode step spends more in
+the norms' six torch ops a call than in attention (bench/RESULTS.md, "CPU: one stream at the memory's speed"). ``PAGEDSERVE_FUSED_OPS=0`` turns it off too.
 """
 
 from __future__ import annotations

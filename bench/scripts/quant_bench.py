@@ -50,7 +50,8 @@ GPTQ_AWQ = {  # tools/gptq_awq_model.quantize_model_dir's arguments
     "gptq_w4_g128": dict(method="gptq"), "gptq_w4_g128_desc_act": dict(method="gptq", desc_act=True),
     "awq_w4_g128": dict(method="awq"),
 }
-WITH_LM_HEAD = {"w4a16_lm_head": "w4a16", "w8a16_lm_head": "w8a16", "w8a8_lm_head": "w8a8"}  # compressed-tensors' scheme, lm_head quantized too
+# compressed-tensors' scheme, lm_head quantized too
+WITH_LM_HEAD = {"w4a16_lm_head": "w4a16", "w8a16_lm_head": "w8a16", "w8a8_lm_head": "w8a8"}
 GGUF = {"gguf_q8_0": "Q8_0", "gguf_q8_0_widened": "Q8_0",  # tools/gguf_model.write_gguf's tensor type
         "gguf_q4_k_m": "Q4_K_M", "gguf_q4_k_m_float": "Q4_K_M"}
 NATIVE_BEFORE_K_QUANTS = ("Q8_0", "Q4_0")  # the GGUF types on integer kernels before Q4_K, Q6_K and Q5_0 had one

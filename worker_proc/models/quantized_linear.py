@@ -217,10 +217,11 @@ class QuantizedStack:
 DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "q8_0": 16, "q5_0": 16,
                        "int4_blocks": 17}
 _NO_COPY_WHEN_VECTORIZED = ("q8_0", "q5_0")
+_FLOAT32_X_KERNELS = ("int4_blocks", "int8_blocks")  # native GEMVs that take float32 x as it is
 
 
 def dequantize_min_rows(kind: str, dtype: torch.dtype) -> float:
-    if dtype == torch.float32 and kind not in ("int4_blocks", "int8_blocks"):
+    if dtype == torch.float32 and kind not in _FLOAT32_X_KERNELS:
         return 1
     return math.inf if _never_copies(kind) else DEQUANTIZE_MIN_ROWS[kind]
 
