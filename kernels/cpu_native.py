@@ -46,11 +46,12 @@ SOURCES = {Path(__file__).with_name("cpu_decode_attention.c"): (),
            Path(__file__).with_name("cpu_gemv.c"): (),
            Path(__file__).with_name("cpu_gemv_int8.c"): (),
            Path(__file__).with_name("cpu_gemv_int4.c"): (),
-           Path(__file__).with_name("cpu_gemm_w8a8.c"): (),
+           Path(__file__).with_name("cpu_gemm_w8a8.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_lora.c"): (),
            Path(__file__).with_name("cpu_moe.c"): (),
            Path(__file__).with_name("cpu_rms_norm_half.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_silu_mul_half.c"): ("-ffp-contract=off",),
+           Path(__file__).with_name("cpu_fp8_round.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_rotary.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_dequantize.c"): ("-ffp-contract=off",),
            Path(__file__).with_name("cpu_gemm_q8_0.c"): ("-ffp-contract=off",),
@@ -85,9 +86,11 @@ _SIGNATURES = {
     "gemv_int4_blocks": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int],
     "gemv_int4_variant": [],
     "w8a8_linear": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int, _P],
+    "w8a8_silu_gate": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int],
     "w8a8_variant": [],
     **{f"rms_norm_{suffix}": [_P, _P, _P, _P, _I, _I, ctypes.c_float, _I] for suffix in ("bf16", "f16")},
     **{f"silu_mul_{suffix}": [_P, _P, _I, _I] for suffix in ("bf16", "f16")},
+    "fp8_round_rows": [_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_float, _P],
     "moe_experts_bf16": [_P, _I, _I, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int, ctypes.c_float,
                          ctypes.c_float, _P, _I],
     "lora_shrink_expand": [_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_int,
@@ -100,9 +103,9 @@ _RESTYPES = {"prefill_attention_f32": ctypes.c_int,
              "gemv_int8_blocks": ctypes.c_int, "gemv_int4_blocks": ctypes.c_int,
              **dict.fromkeys(("gemm_q8_0_panels", "gemm_q5_0_panels"), ctypes.c_int),
              "q8_0_variant": ctypes.c_char_p, "dequantize_weight": ctypes.c_int, "gemv_int4_variant": ctypes.c_char_p,
-             "w8a8_linear": ctypes.c_int, "w8a8_variant": ctypes.c_char_p,
+             "w8a8_linear": ctypes.c_int, "w8a8_silu_gate": ctypes.c_int, "w8a8_variant": ctypes.c_char_p,
              **{f"silu_gate_{s}": ctypes.c_int for s in ("f32", "bf16", "f16")}, "lora_shrink_expand": ctypes.c_int,
-             "moe_experts_bf16": ctypes.c_int}
+             "moe_experts_bf16": ctypes.c_int, "fp8_round_rows": ctypes.c_int}
 # The kernels' name for each dtype they take (their symbols end in it).
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 PREFILL_HEAD_DIMS = range(32, 257, 32)  # cpu_prefill_attention.c: multiples of DB up to MAX_D
@@ -584,6 +587,23 @@ def silu_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor:
         raise ValueError(f"silu_mul: {gate_up.shape[1]} columns are not a gate and an up of {size}")
     out = torch.empty((rows, size), dtype=gate_up.dtype)
     _half_kernels(library(), "silu_mul")[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, size)
+    return out
+
+
+def fp8_round_rows(x: torch.Tensor, row_max: Optional[torch.Tensor] = None,
+                   static_scale: Optional[float] = None) -> torch.Tensor:
+    """Each row of x [rows, cols] (float32, bfloat16 or float16, unit column stride) rounded through
+    float8_e4m3fn and back, a new contiguous tensor: by max |row| / 448 (``row_max`` [rows, 1] in x's dtype
+    where given), or by ``static_scale`` (kernels/cpu_fp8_round.c; models/fp8_linear.py's torch ops' bits)."""
+    rows, cols = x.shape
+    if x.dtype not in GEMV_OUT_KIND or x.stride(1) != 1 or (row_max is not None and (
+            row_max.dtype != x.dtype or row_max.numel() != rows or not row_max.is_contiguous())):
+        raise ValueError("fp8_round_rows: x must be [rows, cols] float32 / bfloat16 / float16 rows, row_max [rows]")
+    out = torch.empty((rows, cols), dtype=x.dtype)
+    if library().fp8_round_rows(x.data_ptr(), GEMV_OUT_KIND[x.dtype], rows, cols, x.stride(0),
+                                None if row_max is None else row_max.data_ptr(), static_scale or 0.0,
+                                out.data_ptr()):
+        raise ValueError("fp8_round_rows: the kernel refused the shapes")
     return out
 
 

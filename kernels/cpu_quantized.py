@@ -251,15 +251,40 @@ def w8a8_variant(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
     return None if lib is None else lib.w8a8_variant().decode()
 
 
-def pack_w8a8_weight(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_w8a8_weight(q: torch.Tensor, gate_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """An int8 weight [N, K] -> (w8a8_linear()'s panels [ceil(N / 16), ceil(K / 4), 16, 4] int8, zero past N and
     K: a panel's 16 columns with 4 consecutive inputs each in one int32 lane; 128 * each padded column's sum
-    [ceil(N / 16) * 16] int32, what the VNNI variant's unsigned activations (xq + 128) add)."""
+    [ceil(N / 16) * 16] int32, what the VNNI variant's unsigned activations (xq + 128) add). ``gate_size``: ``q``
+    is a gated MLP's [gate; up] (N = 2 * gate_size, gate_size a multiple of 16), packed for w8a8_silu_gate with
+    its columns in ``gated_order`` (16 of gate, 16 of up, ...)."""
+    if gate_size:
+        q = q[gated_order(gate_size)]
     n, k = q.shape
     padded = torch.zeros(-(-n // W8A8_PANEL) * W8A8_PANEL, -(-k // 4) * 4, dtype=torch.int8)
     padded[:n, :k] = q
     panels = padded.view(-1, W8A8_PANEL, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
     return panels, (padded.sum(1, dtype=torch.int32) * 128).contiguous()
+
+
+def gated_order(gate_size: int) -> torch.Tensor:
+    """A [gate; up] weight's rows in w8a8_silu_gate's packed order: 16 gate rows, the 16 up rows of the same
+    outputs, and so on (one column block of cpu_gemm_w8a8.c holds both halves of its outputs)."""
+    if gate_size % W8A8_PANEL:
+        raise ValueError(f"a W8A8 gate_up packs for silu_gate in panels of {W8A8_PANEL} (gate size {gate_size})")
+    rows = torch.arange(2 * gate_size).view(2, -1, W8A8_PANEL)
+    return rows.transpose(0, 1).reshape(-1)
+
+
+def _w8a8_checked(x: torch.Tensor, panels: torch.Tensor, bias128: torch.Tensor, w_scale: torch.Tensor,
+                  columns: int, name: str) -> torch.Tensor:
+    """x with unit column stride, once x, the panels and the scales are known to match (``columns``: the packed
+    product's)."""
+    rows, k = x.shape
+    if (x.dtype not in DTYPE_SUFFIXES or panels.dtype != torch.int8 or panels.shape[1:] != (-(-k // 4), W8A8_PANEL, 4)
+            or panels.shape[0] * W8A8_PANEL < columns or bias128.shape != (panels.shape[0] * W8A8_PANEL,)
+            or w_scale.shape != (columns,) or w_scale.dtype != torch.float32 or rows < 1):
+        raise ValueError(f"{name}: x, the packed weight and its scales do not match")
+    return x if x.stride(1) == 1 else x.contiguous()
 
 
 def w8a8_linear(x: torch.Tensor, panels: torch.Tensor, bias128: torch.Tensor, w_scale: torch.Tensor,
@@ -270,13 +295,8 @@ def w8a8_linear(x: torch.Tensor, panels: torch.Tensor, bias128: torch.Tensor, w_
     exactly in int32, times both scales (``w_scale`` [N] float32): [M, N] in ``out_dtype`` (default x's; int32
     gives the sums themselves). ``x_scale_out`` [M] float32, where given, receives the rows' scales
     (kernels/cpu_gemm_w8a8.c)."""
+    x = _w8a8_checked(x, panels, bias128, w_scale, out_features, "w8a8_linear")
     rows, k = x.shape
-    if (x.dtype not in DTYPE_SUFFIXES or panels.dtype != torch.int8 or panels.shape[1:] != (-(-k // 4), W8A8_PANEL, 4)
-            or panels.shape[0] * W8A8_PANEL < out_features or bias128.shape != (panels.shape[0] * W8A8_PANEL,)
-            or w_scale.shape != (out_features,) or w_scale.dtype != torch.float32 or rows < 1):
-        raise ValueError("w8a8_linear: x, the packed weight and its scales do not match")
-    if x.stride(1) != 1:
-        x = x.contiguous()
     out = torch.empty(rows, out_features, dtype=out_dtype or x.dtype)
     if x_scale_out is not None and (x_scale_out.shape != (rows,) or x_scale_out.dtype != torch.float32):
         raise ValueError("w8a8_linear: x_scale_out must be [M] float32")
@@ -285,4 +305,22 @@ def w8a8_linear(x: torch.Tensor, panels: torch.Tensor, bias128: torch.Tensor, w_
                        bias128.data_ptr(), w_scale.data_ptr(), out_features, out.data_ptr(),
                        out_features, _W8A8_KIND[out.dtype], None if x_scale_out is None else x_scale_out.data_ptr()):
         raise MemoryError("w8a8_linear: the kernel refused the shapes or had no memory for its scratch")
+    return out
+
+
+def w8a8_silu_gate(x: torch.Tensor, panels: torch.Tensor, bias128: torch.Tensor, w_scale: torch.Tensor,
+                   gate_size: int, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for a [gate; up] packed by pack_w8a8_weight(q, gate_size) (``w_scale`` [2 *
+    gate_size] in the same ``gated_order``), x quantized as w8a8_linear's: [M, gate_size] in x's dtype, the
+    values of w8a8_linear then cpu_native.silu_mul, rounded where they round."""
+    x = _w8a8_checked(x, panels, bias128, w_scale, 2 * gate_size, "w8a8_silu_gate")
+    if gate_size % W8A8_PANEL or panels.shape[0] * W8A8_PANEL != 2 * gate_size:
+        raise ValueError(f"w8a8_silu_gate: the panels hold no gate_up of gate size {gate_size}")
+    rows, k = x.shape
+    out = torch.empty(rows, gate_size, dtype=x.dtype)
+    lib = lib or cpu_native.library()
+    if lib.w8a8_silu_gate(x.data_ptr(), _W8A8_KIND[x.dtype], x.stride(0), rows, k, panels.data_ptr(),
+                          bias128.data_ptr(), w_scale.data_ptr(), 2 * gate_size, out.data_ptr(), gate_size,
+                          _W8A8_KIND[x.dtype]):
+        raise MemoryError("w8a8_silu_gate: the kernel refused the shapes or had no memory for its scratch")
     return out

@@ -21,9 +21,11 @@ compressed-tensors' weight schemes here: integer weights of 4 or 8 bits, per out
 in groups along the input, symmetric or (4-bit, 8-bit weight-only) asymmetric, stored
 ``pack-quantized`` (int32 words) or ``int-quantized`` / ``naive-quantized`` (int8); activations
 unquantized (weight-only, W4A16 / W8A16) or int8 per token, dynamic and symmetric, on int8
-per-channel symmetric weights (W8A8). Everything else (floating-point formats, activation
-ordering, static activation scales, a quantized KV cache, sparsity, transforms, several
-schemes in one model) is refused in one line naming the field, as is a config that is not what
+per-channel symmetric weights (W8A8); and ``float-quantized`` FP8 (float8_e4m3fn weights with a scale per
+output channel or per tensor, symmetric), its activations unquantized, dynamic per token (the FP8_DYNAMIC
+preset) or static per tensor (FP8, an ``input_scale`` per layer). Everything else (other floating-point
+formats, activation ordering, other static activation scales, a quantized KV cache, sparsity, transforms,
+several schemes in one model) is refused in one line naming the field, as is a config that is not what
 the library writes (a corrupt one). Pure Python, no torch: ``deploy/serve_config.py`` checks a
 model before starting anything, with the shapes its tensor-parallel slices would cut.
 """
@@ -37,7 +39,7 @@ METHODS = ("compressed-tensors", "gptq", "awq")  # --quantization's choices
 # Formats a family's own loader dequantizes at load (the model then computes in its dtype): gpt-oss's
 # experts in MXFP4 (worker_proc/models/gpt_oss.py), as the hub ships them.
 DEQUANTIZED_AT_LOAD = {"mxfp4": ("GptOssForCausalLM",)}
-PACKED, INT8_FORMATS = "pack-quantized", ("int-quantized", "naive-quantized")
+PACKED, INT8_FORMATS, FLOAT8_FORMAT = "pack-quantized", ("int-quantized", "naive-quantized"), "float-quantized"
 GROUP_SIZES_INT4 = (32, 64, 128, 256)  # torch's int4 weight op takes these
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point less one (AutoGPTQ's historical offset); v2 as is
 AWQ_GEMM = "gemm"
@@ -57,9 +59,14 @@ class QuantizationSpec:
     symmetric: bool
     dynamic_int8_activations: bool  # W8A8: int8 x int8 -> int32, activations scaled per token
     act_order: bool = False  # GPTQ's desc_act: groups follow a g_idx per input, not the inputs' order
+    float8: bool = False  # FP8 (float8_e4m3fn) weights, a scale per output channel or per tensor
+    float8_activations: Optional[str] = None  # FP8 activations: "token" (dynamic) or "tensor" (static input_scale)
 
     @property
     def name(self) -> str:
+        if self.float8:
+            acts = {"token": "A8 per token", "tensor": "A8 static per tensor", None: "A16"}[self.float8_activations]
+            return f"{self.method} FP8 W8{acts} ({self.format})"
         act = "A8" if self.dynamic_int8_activations else "A16"
         group = f"g{self.group_size}" if self.group_size else "per-channel"
         order = " desc_act" if self.act_order else ""
@@ -159,8 +166,10 @@ def _compressed_tensors_spec(qc: dict) -> QuantizationSpec:
         raise _fail("the scheme quantizes no weights")
     bits, group, strategy = weights.get("num_bits"), weights.get("group_size"), weights.get("strategy")
     symmetric = weights.get("symmetric", True)
+    if weights.get("type", "int") == "float":
+        return _float8_spec(method, fmt, weights, inputs)
     if weights.get("type", "int") != "int":
-        raise _fail(f"weights of type {weights.get('type')!r} are not supported (only int)")
+        raise _fail(f"weights of type {weights.get('type')!r} are not supported (int or float)")
     if bits not in (4, 8):
         raise _fail(f"{bits!r}-bit weights are not supported (4 or 8)")
     if not isinstance(symmetric, bool):
@@ -199,6 +208,30 @@ def _compressed_tensors_spec(qc: dict) -> QuantizationSpec:
             raise _fail("int8 activations need int8 per-channel symmetric weights (W8A8)")
         dynamic = True
     return QuantizationSpec(method, fmt, bits, group if strategy == "group" else None, symmetric, dynamic)
+
+
+def _float8_spec(method: str, fmt: str, weights: dict, inputs: Optional[dict]) -> QuantizationSpec:
+    """compressed-tensors' FP8 presets: float8_e4m3fn weights, symmetric, per output channel or per tensor;
+    activations unquantized, float8 per token (dynamic) or per tensor (static)."""
+    if weights.get("num_bits") != 8:
+        raise _fail(f"{weights.get('num_bits')!r}-bit float weights are not supported (8: float8_e4m3fn)")
+    if weights.get("symmetric", True) is not True:
+        raise _fail("asymmetric float8 weights are not supported")
+    if weights.get("strategy") not in ("channel", "tensor") or weights.get("group_size") is not None:
+        raise _fail(f"float8 weights.strategy {weights.get('strategy')!r} is not supported (channel or tensor)")
+    if weights.get("dynamic"):
+        raise _fail("dynamic weight scales are not supported")
+    if fmt != FLOAT8_FORMAT:
+        raise _fail(f"format {fmt!r} does not hold float8 weights ({FLOAT8_FORMAT})")
+    activations = None
+    if inputs is not None:
+        if inputs.get("type") != "float" or inputs.get("num_bits") != 8 or inputs.get("symmetric", True) is not True:
+            raise _fail("input_activations: with float8 weights only float8, symmetric is supported")
+        activations = inputs.get("strategy")
+        if (activations, inputs.get("dynamic")) not in (("token", True), ("tensor", False)):
+            raise _fail(f"input_activations: float8 {activations!r} with dynamic {inputs.get('dynamic')!r} is not "
+                        f"supported (per token dynamic, or per tensor static)")
+    return QuantizationSpec(method, fmt, 8, None, True, False, float8=True, float8_activations=activations)
 
 
 def _field(qc: dict, key: str, kind: type, default, *aliases: str):

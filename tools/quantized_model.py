@@ -4,7 +4,9 @@ A model from ``demo_model.build_model_dir`` is quantized by round to nearest (mi
 group, channel or tensor, ``compressed_tensors``' own ``calculate_qparams``), then compressed and
 saved by ``compressed_tensors``' ``ModelCompressor`` exactly as llm-compressor saves a checkpoint:
 ``weight_packed`` (pack-quantized) or an int8 ``weight`` (int-quantized), ``weight_scale``,
-``weight_zero_point`` when asymmetric, and ``quantization_config`` in config.json. lm_head stays
+``weight_zero_point`` when asymmetric, and ``quantization_config`` in config.json. The FP8 presets
+(``FLOAT8_PRESETS``) store a float8_e4m3fn ``weight`` (float-quantized), the static one an ``input_scale`` per
+layer from the largest input a forward of random tokens gives it. lm_head stays
 in float, as llm-compressor's recipes usually leave it (``ignore: ["lm_head"]``), unless
 ``quantize_lm_head`` asks for the recipe without that line, which quantizes it too. transformers
 loads the result (it decompresses it), which is the oracle of the engine's quantized paths.
@@ -32,11 +34,19 @@ SCHEMES: dict[str, tuple[int, Optional[int], bool, bool]] = {
     "w8a16_asym": (8, None, False, False),  # asymmetric per channel
     "w8a8": (8, None, True, True),  # the W8A8 / INT8 preset: dynamic per-token activations
 }
+# name -> compressed-tensors' float8 preset: float8_e4m3fn weights per channel with activations per token
+# (dynamic), or per tensor with static activation scales (``input_scale``, calibrated on random tokens)
+FLOAT8_PRESETS = {"fp8_dynamic": "FP8_DYNAMIC", "fp8": "FP8"}
 
 
 def quantization_config(scheme: str, quantize_lm_head: bool = False) -> Any:
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 preset_name_to_scheme)
 
+    ignore = [] if quantize_lm_head else ["lm_head"]
+    if scheme in FLOAT8_PRESETS:
+        return QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(FLOAT8_PRESETS[scheme], ["Linear"])},
+                                  ignore=ignore)
     bits, group, symmetric, dynamic = SCHEMES[scheme]
     weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, group_size=group,
                                strategy="group" if group else "channel", dynamic=False)
@@ -45,7 +55,7 @@ def quantization_config(scheme: str, quantize_lm_head: bool = False) -> Any:
     return QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights,
                                                      input_activations=activations)},
-        ignore=[] if quantize_lm_head else ["lm_head"])
+        ignore=ignore)
 
 
 def _round_to_nearest(model: Any) -> None:
@@ -60,15 +70,46 @@ def _round_to_nearest(model: Any) -> None:
             continue
         args, weight = scheme.weights, module.weight.detach().float()
         rows, cols = weight.shape
-        grouped = weight.reshape(rows, cols // args.group_size, args.group_size) if args.group_size else \
-            weight.reshape(rows, 1, cols)
+        grouped = (weight.reshape(rows, cols // args.group_size, args.group_size) if args.group_size else
+                   weight.reshape(1, 1, -1) if args.strategy == "tensor" else weight.reshape(rows, 1, cols))
         scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
         with torch.no_grad():
             module.weight_scale.copy_(scale.reshape(module.weight_scale.shape).to(module.weight_scale.dtype))
             if hasattr(module, "weight_zero_point"):
-                module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape).round()
+                zero_point = zero_point.reshape(module.weight_zero_point.shape)
+                module.weight_zero_point.copy_((zero_point.round() if args.type == "int" else zero_point)
                                                .to(module.weight_zero_point.dtype))
         module.quantization_status = QuantizationStatus.FROZEN
+
+
+def _input_max(model: Any, tokens: int = 64) -> dict:
+    """max |input| of each Linear over a forward of random tokens: a static scheme's calibration."""
+    import torch
+
+    seen: dict = {}
+    hooks = [module.register_forward_pre_hook(
+        lambda m, args, name=name: seen.__setitem__(name, max(seen.get(name, 0.0), args[0].abs().max().item())))
+        for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0)))
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def _static_input_scales(model: Any, input_max: dict) -> None:
+    """Each quantized Linear's ``input_scale`` from its calibrated max |input| (compressed-tensors' qparams)."""
+    import torch
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    for name, module in model.named_modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None or scheme.input_activations is None or scheme.input_activations.dynamic:
+            continue
+        top = torch.tensor([input_max[name]])
+        scale, _ = calculate_qparams(-top, top, scheme.input_activations)
+        with torch.no_grad():
+            module.input_scale.copy_(scale.reshape(module.input_scale.shape).to(module.input_scale.dtype))
 
 
 def build_quantized_model_dir(path: str | Path, scheme: str = "w4a16", arch: str = "llama",
@@ -94,8 +135,10 @@ def quantize_model_dir(source: str | Path, path: str | Path, scheme: str, quanti
 
     source, path = Path(source), Path(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    input_max = _input_max(model) if scheme == "fp8" else {}
     apply_quantization_config(model, quantization_config(scheme, quantize_lm_head))
     _round_to_nearest(model)
+    _static_input_scales(model, input_max)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(path, safe_serialization=True)

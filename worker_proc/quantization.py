@@ -7,8 +7,10 @@ same way down the output rows) or an int8 ``weight`` (int-quantized, naive-quant
 ``weight_scale`` [out, in / group] (or [out, 1] per channel); a layer ``ignore``d by the config keeps
 its float ``weight`` and the float path. The integers are unpacked to int8 once, sliced for this
 tensor-parallel rank (output rows of q/k/v and gate/up, inputs of o_proj and down_proj, whole groups
-and packed words only), fused (q|k|v, gate|up) and handed to the op's builder; no float copy of a
-quantized weight is ever made. Anything that does not fit (a shape that does not divide into its
+and packed words only), fused (q|k|v, gate|up) and handed to the op's builder; no float copy of an
+integer weight is ever made. An FP8 checkpoint's float8_e4m3fn ``weight`` (float-quantized, a scale per channel or
+per tensor, a static scheme's ``input_scale``) is widened and dequantized at load instead (models/fp8_linear.py:
+CPUs have no float8 arithmetic). Anything that does not fit (a shape that does not divide into its
 groups, a scale of the wrong shape, a fused group half quantized) raises UnsupportedModelError in
 one line naming the tensor.
 """
@@ -27,7 +29,9 @@ from pagedserve.protocol.quantization import (PACKED, QuantizationConfigError, Q
 from pagedserve.worker_proc.gptq_awq_weights import packed_reader
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout
+from pagedserve.worker_proc.models.fp8_linear import make_fp8
 from pagedserve.worker_proc.models.quantized_linear import QuantizedStack, make_int4, make_int8, make_w8a8
+from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 
 Part = Optional[tuple[int, int]]
 
@@ -66,7 +70,17 @@ class _Reader:
     def is_quantized(self, prefix: str) -> bool:
         if prefix + ".weight_packed" in self.source:
             return True
-        return prefix + ".weight" in self.source and self.source.dtype_name(prefix + ".weight") == "I8"
+        stored = "F8_E4M3" if self.spec.float8 else "I8"
+        return prefix + ".weight" in self.source and self.source.dtype_name(prefix + ".weight") == stored
+
+    def input_scale(self, prefix: str) -> torch.Tensor:
+        """A static activation scheme's scale of ``prefix``'s input (one, per tensor)."""
+        if prefix + ".input_scale" not in self.source:
+            raise UnsupportedModelError(f"{prefix}.input_scale is missing (the scheme's activations are static)")
+        scale = self.source.get(prefix + ".input_scale")
+        if scale.numel() != 1:
+            raise UnsupportedModelError(f"{prefix}.input_scale has shape {list(scale.shape)}, not one per tensor")
+        return scale.reshape(()).float()
 
     def _values(self, prefix: str, dim: int, part: Part) -> tuple[torch.Tensor, int, int]:
         """(int8 values of this slice, out, in of the whole weight)."""
@@ -106,6 +120,10 @@ class _Reader:
             raise UnsupportedModelError(f"{prefix} has {k} inputs, not a multiple of group_size {group}")
         groups = k // group if group else 1
         scale = src.get(prefix + ".weight_scale")
+        if spec.float8:  # float8 values widened to float32 (exact); a per-tensor scale given to every row
+            q = q.float()
+            if scale.numel() == 1:
+                scale = scale.float().reshape(1, 1).expand(n, 1)
         if tuple(scale.shape) != (n, groups):
             raise UnsupportedModelError(f"{prefix}.weight_scale has shape {list(scale.shape)}, not [{n}, {groups}]")
         zero = None
@@ -159,10 +177,12 @@ def _input_order(reader, prefixes: list[str], dim: int, parts: list[Part]) -> Op
 
 def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
                     load: Callable[[torch.Tensor], torch.Tensor], bias: Optional[torch.Tensor], layout: WeightLayout,
-                    dtype: torch.dtype, device: torch.device, gate_size: int = 0) -> LinearWeight:
+                    dtype: torch.dtype, device: torch.device, gate_size: int = 0,
+                    shard: Optional[TensorParallelShard] = None) -> LinearWeight:
     """One (fused) projection: ``prefixes`` (q, k, v or gate, up, or a single one) stacked on their
     output rows, each sliced along ``dim`` by its entry of ``parts``. Float weights take
-    ``LinearWeight.of``; quantized ones a QuantizedLinear of their scheme."""
+    ``LinearWeight.of``; quantized ones a QuantizedLinear of their scheme. ``shard``: the ranks whose slices of
+    x a row-parallel layer (``dim`` 1) sees, where a scheme scales x by its whole rows (FP8 per token)."""
     reader = _reader_of(source)
     specs = [None if reader is None else reader.spec_of(p) for p in prefixes]
     if all(specs) and len(set(specs)) > 1 and reader.mixed_as_stack:  # a GGUF's parts of different quantized types
@@ -193,12 +213,31 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
             tensors = [torch.zeros(p[1].shape) if t is None else t.float() for p, t in zip(pieces, tensors)]
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
+    if spec.float8:
+        return _float8_projection(reader, spec, prefixes, pieces, bias, layout, dtype, gate_size,
+                                  shard if dim == 1 else None)
     q, scale, zero, mins = fused(0), fused(1), fused(2), fused(3)
     order = _input_order(reader, prefixes, dim, parts)
     if spec.dynamic_int8_activations:
-        layer = make_w8a8(q, scale)
+        layer = make_w8a8(q, scale, gate_size if bias is None else 0)
     elif spec.bits == 4:
         layer = make_int4(q, scale, zero, spec.group_size, dtype, order, mins=mins)
     else:
         layer = make_int8(q, scale, zero, spec.group_size, dtype, order, q8_0=spec.format == "Q8_0")
+    return LinearWeight(None, bias, out_features=layer.out_features, gate_size=gate_size, quantized=layer)
+
+
+def _float8_projection(reader: _Reader, spec: QuantizationSpec, prefixes: list[str], pieces: list, bias,
+                       layout: WeightLayout, dtype: torch.dtype, gate_size: int,
+                       shard: Optional[TensorParallelShard]) -> LinearWeight:
+    """An FP8 projection (models/fp8_linear.py): its parts fused into one layer, or, where a static scheme gives
+    them different input scales (q, k and v each calibrated apart), one layer a part side by side."""
+    activations = spec.float8_activations
+    scales = [reader.input_scale(p) for p in prefixes] if activations == "tensor" else [None] * len(prefixes)
+    if all(s is None or torch.equal(s, scales[0]) for s in scales):
+        values, weight_scale = (torch.cat([p[i] for p in pieces]) for i in (0, 1))
+        layer = make_fp8(values, weight_scale, dtype, layout, activations, scales[0], shard)
+    else:
+        layer = QuantizedStack(tuple(make_fp8(p[0], p[1], dtype, layout, activations, s, shard)
+                                     for p, s in zip(pieces, scales)))
     return LinearWeight(None, bias, out_features=layer.out_features, gate_size=gate_size, quantized=layer)

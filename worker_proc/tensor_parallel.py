@@ -77,6 +77,15 @@ class TensorParallelShard:
             dist.all_reduce(partial, group=self.group)
         return partial
 
+    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
+        """The elementwise max across ranks (no-op for one rank): a row-parallel layer's per-token max |x| over
+        the whole row, where each rank holds a slice of it (models/fp8_linear.py)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        return values
+
     def all_to_all(self, rows: torch.Tensor, receive: list[int], send: list[int]) -> torch.Tensor:
         """Rows ``send[r]`` at a time to rank r, in rank order; the rows every rank sent here
         (``receive[r]`` from rank r), in rank order."""

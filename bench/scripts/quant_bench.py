@@ -55,7 +55,7 @@ WITH_LM_HEAD = {"w4a16_lm_head": "w4a16", "w8a16_lm_head": "w8a16", "w8a8_lm_hea
 GGUF = {"gguf_q8_0": "Q8_0", "gguf_q8_0_widened": "Q8_0",  # tools/gguf_model.write_gguf's tensor type
         "gguf_q4_k_m": "Q4_K_M", "gguf_q4_k_m_float": "Q4_K_M"}
 NATIVE_BEFORE_K_QUANTS = ("Q8_0", "Q4_0")  # the GGUF types on integer kernels before Q4_K, Q6_K and Q5_0 had one
-SCHEMES = ("w8a16", "w8a16_g128", "w4a16", "w8a8", *GPTQ_AWQ, *WITH_LM_HEAD, *GGUF)
+SCHEMES = ("w8a16", "w8a16_g128", "w4a16", "w8a8", *GPTQ_AWQ, *WITH_LM_HEAD, *GGUF, "fp8_dynamic", "fp8")
 
 
 def ensure_quantized(shape: str, scheme: str) -> Path:

@@ -1,12 +1,13 @@
 """The W8A8 kernel's checks (kernels/cpu_gemm_w8a8.c), run on this CPU's build (tests/unit/test_cpu_gemm_w8a8.py)
 and on every x86-64 level's (tests/e2e/test_kernels_cpu_gemm_w8a8.py): exact int32 sums of the quantized rows,
-and the scaled result the plain-torch reference's bits."""
+the scaled result the plain-torch reference's bits, and a gate_up's SiLU gate in the epilogue the unfused path's
+bits."""
 
 from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import cpu_quantized
+from pagedserve.kernels import cpu_native, cpu_quantized
 from pagedserve.worker_proc.models.quantized_linear import make_w8a8, quantize_per_token, reference
 
 ROWS = (1, 2, 3, 5, 6, 7, 8, 13, 64, 300)
@@ -44,3 +45,24 @@ def check_reference_bits(dtype: torch.dtype) -> None:
     for rows in (1, 7, 64):
         x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype)
         assert torch.equal(layer.forward(x), reference(q, scale.reshape(n, 1), None, None, x, dynamic_int8=True))
+
+
+def check_silu_gate_bits(dtype: torch.dtype) -> None:
+    """A [gate; up] packed for the gate (make_w8a8 with gate_size): silu_gate() gives what the product then the
+    activation give, rounded where they round (half precision: cpu_native.silu_mul's bits, the same silu;
+    float32: torch's silu, whose exp is within an ulp of ours), and forward() still the product in the
+    checkpoint's column order (what an adapter's delta adds to)."""
+    k, size = 259, 48
+    q, scale = random_weight(2 * size, k, 2)
+    plain, gated = make_w8a8(q, scale.reshape(-1, 1)), make_w8a8(q, scale.reshape(-1, 1), gate_size=size)
+    assert gated.gate_size == size and plain.gate_size == 0
+    for rows in (1, 7, 64):
+        x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype)
+        gate_up = plain.forward(x)
+        assert torch.equal(gated.forward(x), gate_up)
+        got = gated.silu_gate(x)
+        if dtype == torch.float32:
+            expected = torch.nn.functional.silu(gate_up[:, :size]) * gate_up[:, size:]
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, cpu_native.silu_mul(gate_up, size)), rows

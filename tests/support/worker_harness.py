@@ -234,6 +234,33 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[l
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
+def final_states_beside_transformers(runner, model_dir, prompt: list[int],
+                                     new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(ours, transformers', our tokens): the final norm's output at each of ``new_tokens`` greedy steps of
+    ``runner`` (prefill in chunks of 4), and transformers' float32 model's over the same tokens, teacher forced
+    (one divergent argmax cannot shift every later comparison); the comparison of quantized schemes whose
+    activations round (W8A8, FP8), where greedy tokens may part at a near tie."""
+    from transformers import AutoModelForCausalLM
+
+    states = []
+    compute_logits = runner.model.compute_logits
+
+    def recording(hidden):  # records what the real method computes, changes nothing
+        states.append(runner.model.final_norm(hidden.clone()))
+        return compute_logits(hidden)
+
+    runner.model.compute_logits = recording
+    scheduler = TrivialScheduler(runner)
+    scheduler.add("a", prompt, new_tokens, prefill_chunks=[4])
+    tokens = scheduler.run()["a"]
+    runner.model.compute_logits = compute_logits
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        hf(torch.tensor([prompt]))  # a compressed checkpoint's first forward decompresses its weights (a hook)
+        theirs = hf.model(torch.tensor([prompt + tokens])).last_hidden_state[0, len(prompt) - 1:-1]
+    return torch.cat(states), theirs, tokens
+
+
 def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' own greedy tokens, one prompt at a time (no padding), float32."""
     from transformers import AutoModelForCausalLM

@@ -1,8 +1,8 @@
 """kernels/cpu_gemm_w8a8.c, this CPU's build (every x86-64 level's: tests/e2e/test_kernels_cpu_gemm_w8a8.py):
 each row of x quantized per token on entry as quantize_per_token does it and the int8 products summed exactly
 in int32, equal to torch's int64 matmul of the same integers at odd K and N and 1-300 rows; the scaled result
-the layer's plain-torch reference, bit for bit, in every dtype; the bits the same at any thread count; the
-refusals that keep its reads in bounds."""
+the layer's plain-torch reference, bit for bit, in every dtype; a gate_up's SiLU gate in the epilogue the
+unfused path's bits; the bits the same at any thread count; the refusals that keep its reads in bounds."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_native, cpu_quantized
+from pagedserve.worker_proc.models.quantized_linear import make_w8a8
 from support.thread_counts import results_at_thread_counts
-from support.w8a8_checks import DTYPES, SIZES, check_int32_sums, check_reference_bits, random_weight
+from support.w8a8_checks import (DTYPES, SIZES, check_int32_sums, check_reference_bits, check_silu_gate_bits,
+                                 random_weight)
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="native CPU kernels are not built here")
 
@@ -26,6 +28,22 @@ def test_scaled_result_is_the_references_bits(dtype):
     check_reference_bits(dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_gate_up_gives_silu_gate_times_up_from_its_epilogue(dtype):
+    check_silu_gate_bits(dtype)
+
+
+def test_a_gate_that_fills_no_whole_panel_keeps_the_unfused_layout():
+    q, scale = random_weight(2 * 40, 64, 6)
+    layer = make_w8a8(q, scale.reshape(-1, 1), gate_size=40)
+    assert layer.gate_size == 0
+    x = torch.randn(3, 64)
+    assert torch.equal(layer.forward(x), make_w8a8(q, scale.reshape(-1, 1)).forward(x))
+    packed, sums = cpu_quantized.pack_w8a8_weight(q[:64], gate_size=32)
+    with pytest.raises(ValueError):  # the panels hold a gate of 32, not 48
+        cpu_quantized.w8a8_silu_gate(x, packed, sums, scale[:96], 48)
+
+
 def test_strided_rows_are_read_in_place():
     q, scale = random_weight(80, 96, 2)
     panels, sums = cpu_quantized.pack_w8a8_weight(q)
@@ -35,11 +53,13 @@ def test_strided_rows_are_read_in_place():
 
 
 def test_the_bits_do_not_depend_on_the_thread_count():
-    q, scale = random_weight(1000, 896, 3)
+    q, scale = random_weight(1024, 896, 3)
     panels, sums = cpu_quantized.pack_w8a8_weight(q)
+    gated = make_w8a8(q, scale.reshape(-1, 1), gate_size=512)
     x = torch.randn(40, 896, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    outs = results_at_thread_counts(lambda: cpu_quantized.w8a8_linear(x, panels, sums, scale, 1000))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for product in (lambda: cpu_quantized.w8a8_linear(x, panels, sums, scale, 1024), lambda: gated.silu_gate(x)):
+        outs = results_at_thread_counts(product)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_the_variant_names_the_instructions_this_cpu_gives_it():

@@ -25,7 +25,7 @@ from pagedserve.worker_proc.model_runner import ModelRunner
 from pagedserve.worker_proc.models import quantized_linear as ql
 from pagedserve.worker_proc.models.quantized_linear import (make_int4, make_int8, make_w8a8, quantize_per_token,
                                                             reference)
-from support.worker_harness import TrivialScheduler, hf_greedy, random_prompts, staggered_greedy
+from support.worker_harness import final_states_beside_transformers, hf_greedy, random_prompts, staggered_greedy
 
 pytest.importorskip("compressed_tensors")
 from pagedserve.tools.quantized_model import build_quantized_model_dir, dequantized_model_dir  # noqa: E402
@@ -259,28 +259,13 @@ def test_w8a8_last_hidden_states_stay_close_to_the_dequantized_float_model(tmp_p
     norm's output at every sampled row keeps a cosine >= W8A8_MIN_COSINE with transformers'
     (measured 0.99988 min, 0.99991 mean over these 16 rows, weights of std 0.02: 1 - cosine
     ~8x inside the bound)."""
-    from transformers import AutoModelForCausalLM
-
     model_dir = build_quantized_model_dir(tmp_path / "m", "w8a8", "llama", initializer_range=0.02)
     runner = ModelRunner(str(model_dir))
     assert runner.model.layers[0].qkv.quantized.kind == "w8a8"
-    states = []
-    compute_logits = runner.model.compute_logits
-
-    def recording(hidden):
-        states.append(runner.model.final_norm(hidden.clone()))
-        return compute_logits(hidden)
-
-    runner.model.compute_logits = recording
+    if ql.w8a8_kernel():  # the MLP's SiLU gate in gate_up's epilogue
+        assert runner.model.layers[0].gate_up.quantized.gate_size == runner.model.layers[0].intermediate
     prompt = random_prompts([11], vocab_size=512, seed=2)[0]
-    scheduler = TrivialScheduler(runner)
-    scheduler.add("a", prompt, 16, prefill_chunks=[4])
-    tokens = scheduler.run()["a"]
-    ours = torch.cat(states)
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        hf(torch.tensor([prompt]))  # its first forward decompresses the weights (a hook on the whole model)
-        theirs = hf.model(torch.tensor([prompt + tokens])).last_hidden_state[0, len(prompt) - 1:-1]
+    ours, theirs, _ = final_states_beside_transformers(runner, model_dir, prompt, 16)
     cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
     print("w8a8 last hidden state cosine: min", cosine.min().item(), "mean", cosine.mean().item())
     assert cosine.shape == (16,)
@@ -301,7 +286,12 @@ BAD_CONFIGS = {
     "another_method": ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method 'bitsandbytes'"),
     "no_groups": ({"quantization_config": {"quant_method": "compressed-tensors"}}, "config_groups"),
     "three_bits": (_config(num_bits=3), "3-bit"),
-    "float_weights": (_config(type="float", num_bits=8), "type 'float'"),
+    "nf4_weights": (_config(type="nf4"), "type 'nf4'"),
+    "float8_in_groups": (_config(type="float", num_bits=8), "float8 weights.strategy 'group'"),
+    "float4_weights": (_config(type="float", num_bits=4, strategy="channel", group_size=None), "4-bit float"),
+    "asymmetric_float8": (_config(type="float", num_bits=8, strategy="channel", group_size=None, symmetric=False),
+                          "asymmetric float8"),
+    "float8_packed": (_config(type="float", num_bits=8, strategy="channel", group_size=None), "does not hold float8"),
     "odd_int4_group": (_config(group_size=100), "groups of 100"),
     "group_zero": (_config(group_size=0), "positive integer"),
     "tensor_strategy": (_config(strategy="tensor", group_size=None), "strategy 'tensor'"),

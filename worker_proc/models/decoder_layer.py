@@ -91,7 +91,7 @@ class DecoderLayer:
                     raise UnsupportedModelError(f"{full[0]}: a quantized checkpoint with fused projections "
                                                 "is not supported")
                 return load_projection(source, list(full), dim, list(parts), load, bias, layout, dtype, device,
-                                       gate_size)
+                                       gate_size, shard)
             weight = (_rows(source, full, ".weight", parts, sizes) if dim == 0
                       else source.get(full[0] + ".weight", dim=1, part=parts[0]))
             return LinearWeight.of(load(weight), bias, layout, gate_size=gate_size)

@@ -85,6 +85,9 @@ class QuantizedLinear:
     nibble_mins: Optional[torch.Tensor] = None  # int4_blocks of a GGUF Q4_K: W = scale * nibble - min, [out, groups]
     input_order: Optional[torch.Tensor] = None  # [in] int64: the checkpoint's input of each weight column (desc_act)
     w8a8_sums: Optional[torch.Tensor] = None  # w8a8 on the native kernel: 128 * each packed column's sum, int32
+    # w8a8 on the native kernel, a gated MLP's [gate; up]: its gate rows, the columns packed in
+    # cpu_quantized.gated_order (``weight``, ``scales``, ``w8a8_sums``) for silu_gate()
+    gate_size: int = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T: [rows, out] in x's dtype."""
@@ -118,10 +121,19 @@ class QuantizedLinear:
                 out = y if out is None else out.add_(y)
             return out
         if self.w8a8_sums is not None:
-            return cpu_quantized.w8a8_linear(x, self.weight, self.w8a8_sums, self.scales, self.out_features)
+            out = cpu_quantized.w8a8_linear(x, self.weight, self.w8a8_sums, self.scales, self.out_features)
+            if self.gate_size:  # an adapter's delta joins [gate; up] in the checkpoint's order
+                out = out.view(-1, self.gate_size // 16, 2, 16).transpose(1, 2).reshape(out.shape)
+            return out
         xq, x_scale = quantize_per_token(x)
         acc = torch._int_mm(xq, self.weight)
         return (acc.float() * x_scale * self.scales).to(x.dtype)
+
+    def silu_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up from a W8A8 gate_up made with gate_size: in the kernel's epilogue, where forward()
+        then an activation would write and read back the [rows, 2 * gate_size] product (bench/log/2026-12-07.md,
+        "W8A8: the SiLU gate in the GEMM's epilogue")."""
+        return cpu_quantized.w8a8_silu_gate(x.contiguous(), self.weight, self.w8a8_sums, self.scales, self.gate_size)
 
     def can_dequantize(self) -> bool:
         return self.kind != "int4" or (self.out_features % INT4_BLOCK_N == 0 and _int4_layout_known())
@@ -283,7 +295,7 @@ def describe_ops(layers: list) -> Optional[str]:
                     for part in w.quantized.parts})
 
     def above(kind: str) -> str:
-        if kind == "w8a8":
+        if kind in ("w8a8", "fp8"):
             return ""
         how = " in one native pass (kernels/cpu_dequantize.c)" if kind in cpu_quantized.DEQUANTIZE_FORMATS else ""
         if _never_copies(kind):
@@ -300,6 +312,9 @@ def describe_ops(layers: list) -> Optional[str]:
         if kind == "w8a8" and w8a8_kernel():
             variant = cpu_quantized.w8a8_variant()
             return f"native int8 GEMM, x quantized per token on entry ({variant}, kernels/cpu_gemm_w8a8.c)"
+        if kind == "fp8":
+            return ("float8 weights dequantized at load to the model's dtype, its float matmuls; x rounded through "
+                    "float8 as the checkpoint's activation scheme says (models/fp8_linear.py)")
         if kind == "int4_blocks":
             variant = cpu_quantized.gemv_int4_variant()
             how = "; bfloat16 x by vdpbf16ps" if variant == "avx512bf16" else ""
@@ -394,13 +409,18 @@ def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
                            input_order=input_order)
 
 
-def make_w8a8(q: torch.Tensor, scale: torch.Tensor) -> QuantizedLinear:
+def make_w8a8(q: torch.Tensor, scale: torch.Tensor, gate_size: int = 0) -> QuantizedLinear:
     """``q`` [out, in] int8, ``scale`` [out, 1]: on the native kernel (kernels/cpu_gemm_w8a8.c) where it builds,
-    the weight packed in its panels, else torch._int_mm's right operand."""
+    the weight packed in its panels, else torch._int_mm's right operand. ``gate_size``: ``q`` is a gated MLP's
+    [gate; up] with no bias, packed for silu_gate() where its gate rows fill whole panels."""
     n, k = q.shape
     if w8a8_kernel():
-        panels, sums = cpu_quantized.pack_w8a8_weight(q)
-        return QuantizedLinear("w8a8", n, k, panels, scale.reshape(n).to(torch.float32).contiguous(), w8a8_sums=sums)
+        gate_size = gate_size if gate_size and gate_size % cpu_quantized.W8A8_PANEL == 0 else 0
+        scale = scale.reshape(n).to(torch.float32)
+        panels, sums = cpu_quantized.pack_w8a8_weight(q, gate_size)
+        if gate_size:
+            scale = scale[cpu_quantized.gated_order(gate_size)]
+        return QuantizedLinear("w8a8", n, k, panels, scale.contiguous(), w8a8_sums=sums, gate_size=gate_size)
     return QuantizedLinear("w8a8", n, k, q.t().contiguous(), scale.reshape(1, n).to(torch.float32).contiguous())
 
 
