@@ -239,8 +239,8 @@ class _ServeConfigRules:
                               f"{'--model-impl transformers' if arch else 'this architecture'} runs the model "
                               f"through the transformers backend")
         spec = spec or (gguf_quantization_spec(gguf_types[0]) if gguf_types else None)
-        if spec is not None and self.device != "cpu":
-            raise ConfigError(f"quantized checkpoints ({spec.name}) run on CPU only: --device cpu")
+        if spec is not None and self.device != "cpu" and not spec.float8:  # FP8: torch._scaled_mm on a GPU
+            raise ConfigError(f"integer-quantized checkpoints ({spec.name}) run on CPU only: --device cpu")
 
     def _gguf_summary(self) -> Optional[GGUFSummary]:
         """The GGUF this model directory was made of, as serve checks it (protocol/gguf_file.py), or None."""

@@ -201,8 +201,8 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
         raise UnsupportedModelError(f"{prefixes[0].rsplit('.', 1)[0]}: a fused projection mixes quantized and "
                                     f"float weights ({mixed})")
     spec = specs[0]
-    if device.type != "cpu":
-        raise UnsupportedModelError(f"quantized checkpoints ({spec.name}) run on CPU only (--device cpu)")
+    if device.type != "cpu" and not spec.float8:
+        raise UnsupportedModelError(f"integer-quantized checkpoints ({spec.name}) run on CPU only (--device cpu)")
     pieces = [reader.read(p, dim, pt) for p, pt in zip(prefixes, parts)]
 
     def fused(i: int) -> Optional[torch.Tensor]:
@@ -214,7 +214,7 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
     if spec.float8:
-        return _float8_projection(reader, spec, prefixes, pieces, bias, layout, dtype, gate_size,
+        return _float8_projection(reader, spec, prefixes, pieces, bias, layout, dtype, device, gate_size,
                                   shard if dim == 1 else None)
     q, scale, zero, mins = fused(0), fused(1), fused(2), fused(3)
     order = _input_order(reader, prefixes, dim, parts)
@@ -228,16 +228,17 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
 
 
 def _float8_projection(reader: _Reader, spec: QuantizationSpec, prefixes: list[str], pieces: list, bias,
-                       layout: WeightLayout, dtype: torch.dtype, gate_size: int,
+                       layout: WeightLayout, dtype: torch.dtype, device: torch.device, gate_size: int,
                        shard: Optional[TensorParallelShard]) -> LinearWeight:
-    """An FP8 projection (models/fp8_linear.py): its parts fused into one layer, or, where a static scheme gives
-    them different input scales (q, k and v each calibrated apart), one layer a part side by side."""
+    """An FP8 projection (models/fp8_linear.py: dequantized at load on a CPU, torch._scaled_mm on a GPU): its
+    parts fused into one layer, or, where a static scheme gives them different input scales (q, k and v each
+    calibrated apart), one layer a part side by side."""
     activations = spec.float8_activations
     scales = [reader.input_scale(p) for p in prefixes] if activations == "tensor" else [None] * len(prefixes)
     if all(s is None or torch.equal(s, scales[0]) for s in scales):
         values, weight_scale = (torch.cat([p[i] for p in pieces]) for i in (0, 1))
-        layer = make_fp8(values, weight_scale, dtype, layout, activations, scales[0], shard)
+        layer = make_fp8(values, weight_scale, dtype, layout, activations, scales[0], shard, device)
     else:
-        layer = QuantizedStack(tuple(make_fp8(p[0], p[1], dtype, layout, activations, s, shard)
+        layer = QuantizedStack(tuple(make_fp8(p[0], p[1], dtype, layout, activations, s, shard, device)
                                      for p, s in zip(pieces, scales)))
     return LinearWeight(None, bias, out_features=layer.out_features, gate_size=gate_size, quantized=layer)

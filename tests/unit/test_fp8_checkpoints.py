@@ -1,7 +1,8 @@
 """FP8 checkpoints (compressed-tensors' FP8_DYNAMIC and FP8 presets, float-quantized, as llm-compressor writes
 them) on CPU: the weights dequantized at load (models/fp8_linear.py), each layer's input rounded through float8
 as compressed-tensors' own forward rounds it (the same bits), so the model's hidden states are transformers' on
-the same file up to the order of the sums; in bfloat16, close to float32's; the refusals of what the scheme
+the same file up to the order of the sums; in bfloat16, close to float32's; the GPU's layer, float8 products
+by torch._scaled_mm (run here on torch's CPU op), the reference of that arithmetic; the refusals of what the scheme
 does not allow are config checks (test_quantized_models.py's BAD_CONFIGS). The native rounding pass
 (kernels/cpu_fp8_round.c) gives the torch ops' bits."""
 
@@ -13,7 +14,9 @@ import torch
 from pagedserve.protocol.quantization import parse_quantization_config
 from pagedserve.worker_proc.model_runner import ModelRunner
 from pagedserve.kernels import cpu_native
-from pagedserve.worker_proc.models.fp8_linear import fake_quantize_fp8, fake_quantize_fp8_torch
+from pagedserve.worker_proc.models.fp8_linear import (FP8_MAX, fake_quantize_fp8, fake_quantize_fp8_torch, make_fp8,
+                                                     scaled_mm_serves)
+from pagedserve.worker_proc.models.linear import WeightLayout
 from pagedserve.worker_proc.models.quantized_linear import QuantizedStack
 from support.worker_harness import TrivialScheduler, final_states_beside_transformers, random_prompts
 
@@ -129,3 +132,37 @@ def test_bfloat16_logits_stay_close_to_float32s(fp8_model):
     error = (logits["bfloat16"] - logits["float32"]).abs().max() / logits["float32"].abs().max()
     print("fp8 bfloat16 against float32: max logit error / max logit", error.item())
     assert error < 0.05
+
+
+@pytest.mark.parametrize("activations", ["token", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_gpus_float8_layer_is_its_reference_and_the_cpus_within_rounding(activations, dtype):
+    """make_fp8's torch._scaled_mm form (a GPU's; torch's CPU op here, slow but the same arithmetic): x
+    quantized to float8 by the scheme's scale, the float8 products summed in float32, times both scales; and
+    the dequantized form the CPU runs gives the same up to where each rounds (the same float8 x)."""
+    gen = torch.Generator().manual_seed(8)
+    values = (torch.randn(48, 64, generator=gen) * 40).to(torch.float8_e4m3fn).float()
+    scale = torch.rand(48, 1, generator=gen) * 0.01 + 0.001
+    static = torch.tensor(0.02) if activations == "tensor" else None
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    gpu_form = make_fp8(values, scale, dtype, WeightLayout(), activations, static, scaled_mm=True)
+    cpu_form = make_fp8(values, scale, dtype, WeightLayout(), activations, static)
+    assert gpu_form.kind == "fp8_scaled_mm" and gpu_form.float8_weight.dtype == torch.float8_e4m3fn
+    assert cpu_form.kind == "fp8" and cpu_form.float8_weight is None
+    if activations == "token":
+        x_scale = (x.abs().amax(-1, keepdim=True) / FP8_MAX).float()
+        xq = (x / x_scale.to(dtype)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    else:
+        x_scale, xq = static, (x.float() / static).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    reference = ((xq.float() @ values.t()) * x_scale * scale.t()).to(dtype)
+    ours = gpu_form.forward(x)
+    torch.testing.assert_close(ours, reference, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(cpu_form.forward(x).float(), ours.float(), **tolerance)
+
+
+def test_a_cpu_never_takes_the_float8_products_and_a_gpu_takes_them_where_the_op_can():
+    assert not scaled_mm_serves(torch.device("cpu"), 64, 64, "token")
+    assert scaled_mm_serves(torch.device("cuda"), 64, 64, "token")
+    assert not scaled_mm_serves(torch.device("cuda"), 64, 60, "token")  # the op takes multiples of 16
+    assert not scaled_mm_serves(torch.device("cuda"), 64, 64, None)  # weights only: dequantized

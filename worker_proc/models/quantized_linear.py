@@ -295,7 +295,7 @@ def describe_ops(layers: list) -> Optional[str]:
                     for part in w.quantized.parts})
 
     def above(kind: str) -> str:
-        if kind in ("w8a8", "fp8"):
+        if kind in ("w8a8", "fp8", "fp8_scaled_mm"):
             return ""
         how = " in one native pass (kernels/cpu_dequantize.c)" if kind in cpu_quantized.DEQUANTIZE_FORMATS else ""
         if _never_copies(kind):
@@ -312,6 +312,8 @@ def describe_ops(layers: list) -> Optional[str]:
         if kind == "w8a8" and w8a8_kernel():
             variant = cpu_quantized.w8a8_variant()
             return f"native int8 GEMM, x quantized per token on entry ({variant}, kernels/cpu_gemm_w8a8.c)"
+        if kind == "fp8_scaled_mm":
+            return "float8 x float8 products in float32, x scaled as the checkpoint's scheme says (torch._scaled_mm)"
         if kind == "fp8":
             return ("float8 weights dequantized at load to the model's dtype, its float matmuls; x rounded through "
                     "float8 as the checkpoint's activation scheme says (models/fp8_linear.py)")
