@@ -24,8 +24,8 @@ from pagedserve.deploy.gguf_model_dir import gguf_model_dir
 from pagedserve.protocol.gguf_file import (NATIVE_TYPES, GGUFFileError, GGUFSummary, find_gguf, read_source,
                                            summarize)
 from pagedserve.protocol.gguf_file import quantization_spec as gguf_quantization_spec
-from pagedserve.protocol.quantization import (QuantizationConfigError, check_shapes, parse_quantization_config,
-                                              projection_inputs)
+from pagedserve.protocol.quantization import (QuantizationConfigError, check_shapes, gpu_serves,
+                                              parse_quantization_config, projection_inputs)
 from pagedserve.runtime.options import FRONTEND, ROUTER_KINDS, SCHEDULER, WORKER, resolve_device, resolve_dtype
 from pagedserve.protocol.zmq_io import TcpLayout, is_loopback
 
@@ -239,8 +239,9 @@ class _ServeConfigRules:
                               f"{'--model-impl transformers' if arch else 'this architecture'} runs the model "
                               f"through the transformers backend")
         spec = spec or (gguf_quantization_spec(gguf_types[0]) if gguf_types else None)
-        if spec is not None and self.device != "cpu" and not spec.float8:  # FP8: torch._scaled_mm on a GPU
-            raise ConfigError(f"integer-quantized checkpoints ({spec.name}) run on CPU only: --device cpu")
+        if spec is not None and self.device != "cpu" and not gpu_serves(spec):
+            raise ConfigError(f"{spec.name} runs on CPU only: --device cpu (a GPU serves FP8 and weight-only int4 / "
+                              f"int8 checkpoints)")
 
     def _gguf_summary(self) -> Optional[GGUFSummary]:
         """The GGUF this model directory was made of, as serve checks it (protocol/gguf_file.py), or None."""

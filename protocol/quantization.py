@@ -79,6 +79,12 @@ class QuantizationSpec:
         return self.format == PACKED or self.method == "gptq"
 
 
+def gpu_serves(spec: QuantizationSpec) -> bool:
+    """Whether a GPU runs this scheme: FP8 (torch._scaled_mm) and weight-only int4 / int8 of compressed-tensors,
+    GPTQ and AWQ (kernels/quantized_gemm.py, Triton); W8A8 int8 and GGUF's types run on CPU only."""
+    return spec.float8 or (spec.method in METHODS and not spec.dynamic_int8_activations and spec.bits in (4, 8))
+
+
 def _fail(message: str) -> QuantizationConfigError:
     return QuantizationConfigError(f"quantization_config: {message}")
 

@@ -24,13 +24,14 @@ from typing import Callable, Optional
 
 import torch
 
-from pagedserve.protocol.quantization import (PACKED, QuantizationConfigError, QuantizationSpec,
+from pagedserve.protocol.quantization import (PACKED, QuantizationConfigError, QuantizationSpec, gpu_serves,
                                               parse_quantization_config)
 from pagedserve.worker_proc.gptq_awq_weights import packed_reader
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout
 from pagedserve.worker_proc.models.fp8_linear import make_fp8
-from pagedserve.worker_proc.models.quantized_linear import QuantizedStack, make_int4, make_int8, make_w8a8
+from pagedserve.worker_proc.models.quantized_linear import (QuantizedStack, make_gpu_int, make_int4, make_int8,
+                                                            make_w8a8)
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 
 Part = Optional[tuple[int, int]]
@@ -201,8 +202,10 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
         raise UnsupportedModelError(f"{prefixes[0].rsplit('.', 1)[0]}: a fused projection mixes quantized and "
                                     f"float weights ({mixed})")
     spec = specs[0]
-    if device.type != "cpu" and not spec.float8:
-        raise UnsupportedModelError(f"integer-quantized checkpoints ({spec.name}) run on CPU only (--device cpu)")
+    gpu = device.type != "cpu"
+    if gpu and not (spec.float8 or gpu_serves(spec)):
+        raise UnsupportedModelError(f"{spec.name} runs on CPU only (--device cpu); on a GPU: FP8, or weight-only "
+                                    f"int4 / int8 (compressed-tensors, GPTQ, AWQ)")
     pieces = [reader.read(p, dim, pt) for p, pt in zip(prefixes, parts)]
 
     def fused(i: int) -> Optional[torch.Tensor]:
@@ -218,7 +221,9 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
                                   shard if dim == 1 else None)
     q, scale, zero, mins = fused(0), fused(1), fused(2), fused(3)
     order = _input_order(reader, prefixes, dim, parts)
-    if spec.dynamic_int8_activations:
+    if gpu:
+        layer = make_gpu_int(q, scale, zero, spec.group_size, spec.bits, device, order)
+    elif spec.dynamic_int8_activations:
         layer = make_w8a8(q, scale, gate_size if bias is None else 0)
     elif spec.bits == 4:
         layer = make_int4(q, scale, zero, spec.group_size, dtype, order, mins=mins)

@@ -372,3 +372,20 @@ def test_the_worker_refuses_a_corrupt_tensor_in_one_line_naming_it(tmp_path):
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="'four'-bit weights are not supported"):
         ModelRunner(str(broken))
+
+
+def test_a_gpu_serves_fp8_and_weight_only_integers_and_refuses_the_rest_before_starting(tmp_path):
+    """FP8 (torch._scaled_mm) and weight-only int4 / int8 (Triton) run on a GPU; W8A8 int8 and GGUF's types are
+    refused by serve's check, in one line, before any process starts."""
+    from pagedserve.deploy.serve_config import ConfigError, ServeConfig
+    from pagedserve.protocol.gguf_file import quantization_spec as gguf_spec
+    from pagedserve.protocol.quantization import gpu_serves
+
+    fp8 = _config(type="float", num_bits=8, strategy="channel", group_size=None)
+    fp8["quantization_config"]["format"] = "float-quantized"
+    assert gpu_serves(parse_quantization_config(fp8)) and gpu_serves(parse_quantization_config(_config()))
+    assert not gpu_serves(gguf_spec("Q4_K"))
+    ServeConfig(model=str(build_quantized_model_dir(tmp_path / "w4a16", "w4a16", "llama")), device="cuda")
+    with pytest.raises(ConfigError, match="runs on CPU only") as err:
+        ServeConfig(model=str(build_quantized_model_dir(tmp_path / "w8a8", "w8a8", "llama")), device="cuda")
+    assert "\n" not in str(err.value)

@@ -63,8 +63,9 @@ from typing import Optional
 import torch
 
 from pagedserve.kernels import cpu_native, cpu_quantized
+from pagedserve.worker_proc.model_config import UnsupportedModelError
 
-KINDS = ("int4", "int4_blocks", "int8", "int8_blocks", "q8_0", "q5_0", "int8_grouped", "w8a8")
+KINDS = ("int4", "int4_blocks", "int8", "int8_blocks", "q8_0", "q5_0", "int8_grouped", "w8a8", "gpu_int4", "gpu_int8")
 
 
 @dataclass(slots=True)
@@ -88,10 +89,17 @@ class QuantizedLinear:
     # w8a8 on the native kernel, a gated MLP's [gate; up]: its gate rows, the columns packed in
     # cpu_quantized.gated_order (``weight``, ``scales``, ``w8a8_sums``) for silu_gate()
     gate_size: int = 0
+    zero_points: Optional[torch.Tensor] = None  # gpu_int4 / gpu_int8 asymmetric: [out, groups] float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T: [rows, out] in x's dtype."""
         x = x.contiguous() if self.input_order is None else x.index_select(-1, self.input_order)
+        if self.kind in ("gpu_int4", "gpu_int8"):
+            from pagedserve.kernels import quantized_gemm  # imports triton
+
+            bits = 4 if self.kind == "gpu_int4" else 8
+            return quantized_gemm.int_weight_gemm(x, self.weight, self.scales, self.zero_points,
+                                                  self.group_size or self.in_features, bits)
         if self.kind != "w8a8" and x.shape[0] >= dequantize_min_rows(self.kind, x.dtype) and self.can_dequantize():
             return torch.nn.functional.linear(x, self.dequantized(x.dtype))
         if self.kind == "q5_0":
@@ -171,7 +179,7 @@ class QuantizedLinear:
     @property
     def nbytes(self) -> int:
         extra = sum(t.nbytes for t in (self.zero_correction, self.nibble_zeros, self.nibble_mins, self.input_order,
-                                       self.w8a8_sums) if t is not None)
+                                       self.w8a8_sums, self.zero_points) if t is not None)
         return self.weight.nbytes + self.scales.nbytes + extra
 
     @property
@@ -295,7 +303,7 @@ def describe_ops(layers: list) -> Optional[str]:
                     for part in w.quantized.parts})
 
     def above(kind: str) -> str:
-        if kind in ("w8a8", "fp8", "fp8_scaled_mm"):
+        if kind in ("w8a8", "fp8", "fp8_scaled_mm", "gpu_int4", "gpu_int8"):
             return ""
         how = " in one native pass (kernels/cpu_dequantize.c)" if kind in cpu_quantized.DEQUANTIZE_FORMATS else ""
         if _never_copies(kind):
@@ -312,6 +320,8 @@ def describe_ops(layers: list) -> Optional[str]:
         if kind == "w8a8" and w8a8_kernel():
             variant = cpu_quantized.w8a8_variant()
             return f"native int8 GEMM, x quantized per token on entry ({variant}, kernels/cpu_gemm_w8a8.c)"
+        if kind in ("gpu_int4", "gpu_int8"):
+            return "Triton GEMM, the weight dequantized in registers (kernels/quantized_gemm.py)"
         if kind == "fp8_scaled_mm":
             return "float8 x float8 products in float32, x scaled as the checkpoint's scheme says (torch._scaled_mm)"
         if kind == "fp8":
@@ -381,6 +391,24 @@ def make_int4(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
         zero = 8 * s - mins.to(torch.float32)
     scales_and_zeros = torch.stack([s.t(), zero.t()], dim=-1).to(dtype).contiguous()
     return QuantizedLinear("int4", n, k, packed, scales_and_zeros, group_size, input_order=input_order)
+
+
+def make_gpu_int(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group_size: Optional[int],
+                 bits: int, device: torch.device, input_order: Optional[torch.Tensor] = None) -> QuantizedLinear:
+    """A weight-only layer for a GPU (kernels/quantized_gemm.py, Triton: dequantized in registers): ``q`` [out, in]
+    int8 signed values of ``bits``, ``scale`` / ``zero_point`` [out, in / group] or [out, 1] (per channel)."""
+    from pagedserve.kernels import quantized_gemm  # imports triton
+
+    n, k = q.shape
+    group = group_size or k
+    if group != k and not quantized_gemm.block_k_for(group):
+        raise UnsupportedModelError(f"groups of {group} inputs are not a multiple of the GPU kernel's "
+                                    f"{quantized_gemm.BLOCK_K}")
+    stored = quantized_gemm.pack_int4(q) if bits == 4 else q.contiguous()
+    zeros = None if zero_point is None else zero_point.to(device, torch.float32).contiguous()
+    return QuantizedLinear(f"gpu_int{bits}", n, k, stored.to(device), scale.to(device, torch.float32).contiguous(),
+                           group_size=group_size or 0, zero_points=zeros,
+                           input_order=None if input_order is None else input_order.to(device))
 
 
 def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor], group_size: Optional[int],
