@@ -120,6 +120,11 @@ for s in "$@"; do
                -p no:cacheprovider -o addopts="" tests/e2e/test_kernels_cpu_half.py tests/e2e/test_kernels_cpu_linear.py; \
                for dt in bfloat16 float32; do taskset -c "$CPU_PAIR" python3 bench/scripts/step_profile.py --shape 0.5b \
                --num-prompts 32 --input-len 8 256 --output-len 32 --dtype $dt --phases --threads 2; done' ;;
+    # Issue 54's GPU goals: the Triton W4A16 / W8A16 kernel's tests compiled, then FP8 (torch._scaled_mm) at
+    # prefill's rows and W4A16 / W8A16 at one row against bfloat16, layer by layer
+    quant) PAGEDSERVE_TEST_DEVICE=cuda step qtests 150 python3 -m pytest -q -p no:cacheprovider \
+               tests/unit/test_kernels_quantized_gemm.py -o addopts="" --timeout 120
+           step quant 200 python3 bench/scripts/gpu_quant_bench.py ;;
     sweep) step sweep 240 python3 bench/scripts/attention_sweep.py ${SWEEP:+--configs $SWEEP} ;;
     qprofile) BUILD_ONLY=1 bash bench/gpu_serve_qwen3.sh && step qprofile 200 python3 bench/scripts/step_profile.py \
                "$PAGEDSERVE_BENCH_MODELS/qwen3-0.6b" --device cuda --dtype bfloat16 --num-prompts 500 \

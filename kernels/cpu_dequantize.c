@@ -1,5 +1,5 @@
 /* A quantized weight made float for one prefill product: out[N, K] (float32, bfloat16 or float16) from the layouts
- * the decode kernels read (int8 in blocks, Q8_0 and Q5_0 in panels, int4 nibbles in runs of 32).
+ * the decode kernels read (int8 or float8_e4m3fn in blocks, Q8_0 and Q5_0 in panels, int4 nibbles in runs of 32).
  *
  * From enough rows of x a layer multiplies a copy of its weight dequantized for the call, by torch's matmul,
  * instead of running the decode kernels row block by row block (worker_proc/models/quantized_linear.py,
@@ -20,7 +20,7 @@
 #include "cpu_q8_0_panels.h"
 
 /* the formats, as cpu_quantized.DEQUANTIZE_FORMATS names them */
-enum { DQ_INT8_BLOCKS = 0, DQ_Q8_0_PANELS = 1, DQ_Q5_0_PANELS = 2, DQ_INT4_BLOCKS = 3 };
+enum { DQ_INT8_BLOCKS = 0, DQ_Q8_0_PANELS = 1, DQ_Q5_0_PANELS = 2, DQ_INT4_BLOCKS = 3, DQ_FP8_BLOCKS = 4 };
 #define DQ_PARALLEL_MIN (1 << 16)  /* weights: below this a fork costs more than the rows */
 
 /* the row's scales as float32 (float16 ones widened exactly; Q8_0's and Q5_0's in panel order: [panel][block][16]) */
@@ -50,6 +50,16 @@ static void row_int8_blocks(const int8_t *restrict q, const float *restrict s, c
                             float *restrict v) {
     for (int64_t c = 0, grp = 0; c < k; c += g, grp++)
         for (int64_t t = c; t < c + g; t += 16) scale_16(q + t, s[grp], v + t);  /* g: a multiple of 16 */
+}
+
+/* float8_e4m3fn bytes in blocks, each scale times 2^120 (cpu_gemv_int8.c's load_q): a byte's bits moved into
+ * float32's are 2^-120 times its value, exactly (its subnormals too), so each product is value * scale, rounded
+ * once as compressed-tensors' float32 product is. */
+static void row_fp8_blocks(const uint8_t *restrict q, const float *restrict s, const int64_t k, const int64_t g,
+                           float *restrict v) {
+    for (int64_t c = 0, grp = 0; c < k; c += g, grp++)
+        for (int64_t t = c; t < c + g; t++)
+            v[t] = bits_to_f32((uint32_t)(q[t] & 0x7fu) << 20 | (uint32_t)(q[t] & 0x80u) << 24) * s[grp];
 }
 
 /* Panel p of a Q8_0 or Q5_0 (five) weight in panels (cpu_q8_0_panels.h) as its 16 rows' signed values, row-major in
@@ -126,9 +136,9 @@ int dequantize_weight(const int format, const void *w, const void *scales, const
                       const int out_kind) {
     if (n < 0 || k <= 0 || group <= 0 || k % group || out_kind < 0 || out_kind > 2) return -1;
     if ((format == DQ_Q8_0_PANELS || format == DQ_Q5_0_PANELS) && (group != 32 || !scales_f16)) return -1;
-    if (format == DQ_INT8_BLOCKS && group % 16) return -1;
+    if ((format == DQ_INT8_BLOCKS || format == DQ_FP8_BLOCKS) && group % 16) return -1;
     if (format == DQ_INT4_BLOCKS && (group % 32 || scales_f16 || (zeros && mins))) return -1;
-    if (format < DQ_INT8_BLOCKS || format > DQ_INT4_BLOCKS) return -1;
+    if (format < DQ_INT8_BLOCKS || format > DQ_FP8_BLOCKS) return -1;
     const int64_t groups = k / group, elem = out_kind == 0 ? 4 : 2;
     int failed = 0;
 #pragma omp parallel if (n * k >= DQ_PARALLEL_MIN) reduction(| : failed)
@@ -148,6 +158,8 @@ int dequantize_weight(const int format, const void *w, const void *scales, const
             row_scales(scales, scales_f16, panels, j, groups, s);
             if (format == DQ_INT8_BLOCKS)
                 row_int8_blocks((const int8_t *)w + j * k, s, k, group, buf);
+            else if (format == DQ_FP8_BLOCKS)
+                row_fp8_blocks((const uint8_t *)w + j * k, s, k, group, buf);
             else if (panels)
                 row_panels(w, format == DQ_Q5_0_PANELS, j, s, k, vals, &held, buf);
             else

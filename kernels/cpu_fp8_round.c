@@ -18,7 +18,9 @@ static inline float at(const void *x, int kind, int64_t i) {
     return kind == 0 ? ((const float *)x)[i] : half_to_f32(((const uint16_t *)x)[i], kind == 1);
 }
 
-static inline float in_kind(float v, int kind) { return kind == 0 ? v : half_to_f32(f32_to_half(v, kind == 1), kind == 1); }
+static inline float in_kind(float v, int kind) {
+    return kind == 0 ? v : half_to_f32(f32_to_half(v, kind == 1), kind == 1);
+}
 
 /* |v| <= 448 to the nearest float8_e4m3fn value (ties to even): 3 mantissa bits from 2^-6 up, multiples of
  * 2^-9 below (its subnormals). */

@@ -432,7 +432,8 @@ int w8a8_linear(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, co
 }
 
 /* The same product for a gate_up of n = 2 * size columns (n a multiple of 32) packed with alternating 16-column
- * gate and up panels: out [m, size] (row stride ldo, out_kind 0-2) = silu(gate) * up, rounded as the file's head says. */
+ * gate and up panels: out [m, size] (row stride ldo, out_kind 0-2) = silu(gate) * up, rounded as the file's head
+ * says. */
 int w8a8_silu_gate(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, const int8_t *w,
                    const int32_t *bias128, const float *w_scale, int64_t n, void *out, int64_t ldo, int out_kind) {
     return product(x, x_kind, ldx, m, k, w, bias128, w_scale, n, out, ldo, out_kind, NULL, 1);

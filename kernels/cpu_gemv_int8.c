@@ -1,5 +1,5 @@
-/* Decode-step products on int8 weights in blocks: out[M, N] = x[M, K] @ W^T, M = 1..8, where
- * W[j, t] = q[j, t] * scale[j, t / G], q int8 [N, K] row-major and scale float32 [N, K / G], one per
+/* Decode-step products on int8 (or float8_e4m3fn: gemv_fp8_blocks) weights in blocks: out[M, N] = x[M, K] @ W^T,
+ * M = 1..8, where W[j, t] = q[j, t] * scale[j, t / G], q int8 [N, K] row-major and scale float32 [N, K / G], one per
  * block of G inputs (GGUF's Q6_K: G = 16; compressed-tensors' int8 groups; G = K: one per output channel).
  * torch has no grouped int8 op: one _weight_int8pack_mm call per block of inputs ran a 0.5B's step 10-20x
  * slower than per-channel int8 (bench/log), and a dequantized copy per call reads the weight three times over.
@@ -24,15 +24,30 @@
 /* R x M accumulators, R weight vectors and one x vector in the vector registers (32 on AVX-512). */
 #define INT8_ROWS_PER_BLOCK(M) ((M) == 1 ? 8 : (M) == 2 ? 6 : (M) <= 5 ? 4 : 3)
 
-/* HALF_VW int8 values from p, widened to float32 exactly. */
-static inline hvec load_i8(const int8_t *p) {
+/* HALF_VW weights from p widened to float32 exactly: int8 values, or (fp8) float8_e4m3fn bytes as 2^-120 times
+ * their value: e4m3's exponent and mantissa moved into float32's (its subnormals become float32's, exactly), the
+ * sign to bit 31; the scales carry the 2^120 (gemv_fp8_blocks). */
+static inline hvec load_q(const int8_t *p, const int fp8) {
 #if HALF_VW == 16
-    return (hvec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    if (!fp8) return (hvec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    const __m512i t = _mm512_cvtepu8_epi32(b);
+    const __m512i magnitude = _mm512_slli_epi32(_mm512_and_si512(t, _mm512_set1_epi32(0x7f)), 20);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(t, _mm512_set1_epi32(0x80)), 24);
+    return (hvec)_mm512_castsi512_ps(_mm512_or_si512(magnitude, sign));
 #elif HALF_VW == 8
-    return (hvec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    if (!fp8) return (hvec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const __m256i t = _mm256_cvtepu8_epi32(b);
+    const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(t, _mm256_set1_epi32(0x7f)), 20);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(t, _mm256_set1_epi32(0x80)), 24);
+    return (hvec)_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign));
 #else
     hvec v;
-    for (int i = 0; i < HALF_VW; i++) v[i] = (float)p[i];
+    for (int i = 0; i < HALF_VW; i++) {
+        const uint32_t u = (uint8_t)p[i];
+        v[i] = fp8 ? bits_to_f32((u & 0x7fu) << 20 | (u & 0x80u) << 24) : (float)p[i];
+    }
     return v;
 #endif
 }
@@ -42,7 +57,7 @@ static inline __attribute__((always_inline)) void block_i8(const float *restrict
                                                            const int8_t *restrict q, const int64_t ldq,
                                                            const float *restrict s, const int64_t lds,
                                                            const int64_t k, const int64_t g, const int M,
-                                                           const int R, float *restrict sums) {
+                                                           const int R, float *restrict sums, const int fp8) {
     hvec acc[8][8];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -70,7 +85,7 @@ static inline __attribute__((always_inline)) void block_i8(const float *restrict
             hvec wv[8];
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                wv[r] = factored ? load_i8(q + r * ldq + c) : load_i8(q + r * ldq + c) * scale[r];
+                wv[r] = factored ? load_q(q + r * ldq + c, fp8) : load_q(q + r * ldq + c, fp8) * scale[r];
                 if ((c & 63) == 0) __builtin_prefetch(linear ? ahead + c * R + r * 64 : ahead + r * ldq + c, 0, 3);
             }
 #pragma GCC unroll 8
@@ -97,18 +112,39 @@ static inline __attribute__((always_inline)) void block_i8(const float *restrict
         for (int i = 0; i < M; i++) sums[r * M + i] = hsum(acc[r][i]);
 }
 
-/* sums of a block of rows j .. j + rows for GEMV_ROW_BLOCKS (inside gemv_int8_M, whose locals it reads) */
-#define INT8_BLOCK(M, j, rows, sums) block_i8(x, ldx, q + (j) * k, k, s + (j) * lds, lds, k, g, M, rows, sums)
+/* sums of a block of rows j .. j + rows for GEMV_ROW_BLOCKS (inside gemv_int8_M / gemv_fp8_M, whose locals it
+ * reads) */
+#define INT8_BLOCK(M, j, rows, sums) block_i8(x, ldx, q + (j) * k, k, s + (j) * lds, lds, k, g, M, rows, sums, 0)
+#define FP8_BLOCK(M, j, rows, sums) block_i8(x, ldx, q + (j) * k, k, s + (j) * lds, lds, k, g, M, rows, sums, 1)
 
-#define DEFINE_INT8_M(M)                                                                                          \
-    static void gemv_int8_##M(const float *x, int64_t ldx, int64_t k, const int8_t *q, const float *s,            \
-                              int64_t g, int64_t n, void *out, int64_t ldo, int out_kind) {                       \
+#define DEFINE_GEMV_M(NAME, BLOCK, M)                                                                             \
+    static void NAME##_##M(const float *x, int64_t ldx, int64_t k, const int8_t *q, const float *s, int64_t g,   \
+                           int64_t n, void *out, int64_t ldo, int out_kind) {                                     \
         const int R = INT8_ROWS_PER_BLOCK(M);                                                                     \
         const int64_t lds = k / g;                                                                                \
-        GEMV_ROW_BLOCKS(M, R, n, (M) * n * k, INT8_PARALLEL_MIN_MACS, out, ldo, out_kind, INT8_BLOCK);            \
+        GEMV_ROW_BLOCKS(M, R, n, (M) * n * k, INT8_PARALLEL_MIN_MACS, out, ldo, out_kind, BLOCK);                 \
     }
-DEFINE_INT8_M(1) DEFINE_INT8_M(2) DEFINE_INT8_M(3) DEFINE_INT8_M(4)
-DEFINE_INT8_M(5) DEFINE_INT8_M(6) DEFINE_INT8_M(7) DEFINE_INT8_M(8)
+#define DEFINE_GEMV(NAME, BLOCK)                                                                                  \
+    DEFINE_GEMV_M(NAME, BLOCK, 1) DEFINE_GEMV_M(NAME, BLOCK, 2) DEFINE_GEMV_M(NAME, BLOCK, 3)                     \
+    DEFINE_GEMV_M(NAME, BLOCK, 4) DEFINE_GEMV_M(NAME, BLOCK, 5) DEFINE_GEMV_M(NAME, BLOCK, 6)                     \
+    DEFINE_GEMV_M(NAME, BLOCK, 7) DEFINE_GEMV_M(NAME, BLOCK, 8)
+DEFINE_GEMV(gemv_int8, INT8_BLOCK)
+DEFINE_GEMV(gemv_fp8, FP8_BLOCK)
+
+typedef void (*gemv_rows_fn)(const float *, int64_t, int64_t, const int8_t *, const float *, int64_t, int64_t, void *,
+                             int64_t, int);
+
+static int gemv_blocks(const gemv_rows_fn *by_rows, const float *x, int64_t ldx, int64_t m, int64_t k,
+                       const int8_t *q, const float *scales, int64_t g, int64_t n, void *out, int64_t ldo,
+                       int out_kind) {
+    if (m < 1 || g < HALF_VW || g % HALF_VW || k % g) return -1;
+    const int64_t size = out_kind == 0 ? 4 : 2;
+    for (int64_t i = 0; i < m; i += INT8_GEMV_MAX_ROWS) {
+        const int64_t rows = m - i < INT8_GEMV_MAX_ROWS ? m - i : INT8_GEMV_MAX_ROWS;
+        by_rows[rows](x + i * ldx, ldx, k, q, scales, g, n, (char *)out + i * ldo * size, ldo, out_kind);
+    }
+    return 0;
+}
 
 /* x [m, k] float32 (row stride ldx), q [n, k] int8 contiguous, scales [n, k / g] float32 contiguous, out [m, n]
  * (row stride ldo) float32 (out_kind 0), bfloat16 (1) or float16 (2). More than 8 rows (a short prefill chunk)
@@ -117,14 +153,15 @@ DEFINE_INT8_M(5) DEFINE_INT8_M(6) DEFINE_INT8_M(7) DEFINE_INT8_M(8)
  * multiple of the vector width and k of g. */
 int gemv_int8_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, const int8_t *q, const float *scales,
                      int64_t g, int64_t n, void *out, int64_t ldo, int out_kind) {
-    static void (*const by_rows[INT8_GEMV_MAX_ROWS + 1])(const float *, int64_t, int64_t, const int8_t *,
-                                                         const float *, int64_t, int64_t, void *, int64_t, int) = {
+    static const gemv_rows_fn by_rows[INT8_GEMV_MAX_ROWS + 1] = {
         NULL, gemv_int8_1, gemv_int8_2, gemv_int8_3, gemv_int8_4, gemv_int8_5, gemv_int8_6, gemv_int8_7, gemv_int8_8};
-    if (m < 1 || g < HALF_VW || g % HALF_VW || k % g) return -1;
-    const int64_t size = out_kind == 0 ? 4 : 2;
-    for (int64_t i = 0; i < m; i += INT8_GEMV_MAX_ROWS) {
-        const int64_t rows = m - i < INT8_GEMV_MAX_ROWS ? m - i : INT8_GEMV_MAX_ROWS;
-        by_rows[rows](x + i * ldx, ldx, k, q, scales, g, n, (char *)out + i * ldo * size, ldo, out_kind);
-    }
-    return 0;
+    return gemv_blocks(by_rows, x, ldx, m, k, q, scales, g, n, out, ldo, out_kind);
+}
+
+/* The same for float8_e4m3fn weights (q: their bytes), each scale already multiplied by 2^120 (load_q's). */
+int gemv_fp8_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, const int8_t *q, const float *scales,
+                    int64_t g, int64_t n, void *out, int64_t ldo, int out_kind) {
+    static const gemv_rows_fn by_rows[INT8_GEMV_MAX_ROWS + 1] = {
+        NULL, gemv_fp8_1, gemv_fp8_2, gemv_fp8_3, gemv_fp8_4, gemv_fp8_5, gemv_fp8_6, gemv_fp8_7, gemv_fp8_8};
+    return gemv_blocks(by_rows, x, ldx, m, k, q, scales, g, n, out, ldo, out_kind);
 }

@@ -23,19 +23,31 @@ def gemv_int8_blocks(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, blo
                      out_dtype: Optional[torch.dtype] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """x [M, K] (M >= 1, GEMV_MAX_ROWS at a time; float32, bfloat16 or float16) @ (q [N, K] int8 * scales
     [N, K / block] float32, one per block of inputs).T: [M, N] in ``out_dtype`` (default x's), float32 sums
-    (kernels/cpu_gemv_int8.c). ``block`` a multiple of the vector width (16 suffices everywhere) dividing K."""
+    (kernels/cpu_gemv_int8.c). ``block`` a multiple of the vector width (16 suffices everywhere) dividing K.
+    ``q`` float8_e4m3fn: its values, each scale times FP8_SCALE_FACTOR (fp8_block_scales)."""
     rows, k = x.shape
     n = q.shape[0]
-    if (q.dtype != torch.int8 or q.shape != (n, k) or scales.dtype != torch.float32 or block % 16
-            or k % block or scales.shape != (n, k // block) or rows < 1):
+    if (q.dtype not in (torch.int8, torch.float8_e4m3fn) or q.shape != (n, k) or scales.dtype != torch.float32
+            or block % 16 or k % block or scales.shape != (n, k // block) or rows < 1):
         raise ValueError("gemv_int8_blocks: x, the weight and its scales do not match")
     xf = x.float().contiguous()
     out = torch.empty(rows, n, dtype=out_dtype or x.dtype)
-    if (lib or cpu_native.library()).gemv_int8_blocks(xf.data_ptr(), k, rows, k, q.contiguous().data_ptr(),
-                                           scales.contiguous().data_ptr(), block, n, out.data_ptr(), n,
-                                           GEMV_OUT_KIND[out.dtype]):
+    lib = lib or cpu_native.library()
+    kernel = lib.gemv_int8_blocks if q.dtype == torch.int8 else lib.gemv_fp8_blocks
+    if kernel(xf.data_ptr(), k, rows, k, q.contiguous().data_ptr(), scales.contiguous().data_ptr(), block, n,
+              out.data_ptr(), n, GEMV_OUT_KIND[out.dtype]):
         raise ValueError("gemv_int8_blocks: the kernel refused the shapes")
     return out
+
+
+# kernels/cpu_gemv_int8.c widens a float8_e4m3fn byte to 2^-120 times its value (its bits moved into float32's):
+# the scales it multiplies by carry the 2^120
+FP8_SCALE_FACTOR = 2.0 ** 120
+
+
+def fp8_block_scales(scales: torch.Tensor) -> torch.Tensor:
+    """A float8 weight's scales [N, K / block] as gemv_int8_blocks takes them with the float8 values."""
+    return (scales.to(torch.float32) * FP8_SCALE_FACTOR).contiguous()
 
 
 Q8_0_BLOCK = 32  # cpu_gemm_q8_0.c: the inputs of a weight block and of an activation block
@@ -201,7 +213,7 @@ def gemv_int4_variant(lib: Optional[ctypes.CDLL] = None) -> Optional[str]:
 
 
 # dequantize()'s formats, as cpu_dequantize.c numbers them: each a QuantizedLinear kind, and its packed weight's shape
-DEQUANTIZE_FORMATS = {"int8_blocks": 0, "q8_0": 1, "q5_0": 2, "int4_blocks": 3}
+DEQUANTIZE_FORMATS = {"int8_blocks": 0, "q8_0": 1, "q5_0": 2, "int4_blocks": 3, "fp8_blocks": 4}
 
 
 def _packed_shapes(kind: str, n: int, k: int, group: int) -> tuple[tuple, tuple]:
@@ -211,7 +223,7 @@ def _packed_shapes(kind: str, n: int, k: int, group: int) -> tuple[tuple, tuple]
         return (*panels, Q8_0_BLOCK // 4, Q8_0_PANEL, 4), (*panels, Q8_0_PANEL)
     if kind == "q5_0":
         return (*panels, _Q5_BLOCK_BYTES), (*panels, Q8_0_PANEL)
-    return {"int8_blocks": (n, k), "int4_blocks": (n, k // 2)}[kind], (n, k // group)
+    return {"int8_blocks": (n, k), "fp8_blocks": (n, k), "int4_blocks": (n, k // 2)}[kind], (n, k // group)
 
 
 def dequantize(kind: str, weight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,

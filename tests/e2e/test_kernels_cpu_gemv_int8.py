@@ -1,5 +1,5 @@
 """kernels/cpu_gemv_int8.c (int8 weights in blocks with a float32 scale each: compressed-tensors' int8 groups,
-GGUF's Q6_K) as built for every x86-64 level this CPU runs (tests/support/cpu_variants.py;
+GGUF's Q6_K; and float8_e4m3fn weights, FP8 checkpoints') as built for every x86-64 level this CPU runs (tests/support/cpu_variants.py;
 this CPU's own build needs no compiler run, the other levels are slow), against its torch reference in
 float64 (the dequantized weight q * scale, as the layer holds it) within float32 sums, at 1-8 rows
 and more, 8 at a time; the
@@ -49,6 +49,26 @@ def test_every_variant_is_the_dequantized_weights_product_within_float32_sums(va
     assert ((got.double() - want).abs() <= bound).all()
     rounded = cpu_quantized.gemv_int8_blocks(x, q, scales, block)  # x's dtype: the float32 result rounded once
     assert rounded.dtype == dtype and torch.equal(rounded, got.to(dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_every_variant_multiplies_float8_weights_as_their_dequantized_values(variant, rows):
+    """The same kernel on float8_e4m3fn bytes (an FP8 checkpoint, models/fp8_linear.py), subnormals and both
+    signs of zero among them: within float32 sums of the float32 weight value * scale; and the dequantized copy
+    for many rows (kernels/cpu_dequantize.c) is that weight bit for bit."""
+    n, k = 37, 896
+    gen = torch.Generator().manual_seed(rows)
+    values = torch.randn(n, k, generator=gen) * 60
+    values[0] = torch.linspace(-0.03, 0.03, k)  # float8's subnormals (below 2^-6), 0 and -0
+    q = values.clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, 1, generator=gen) * 0.001 + 1e-4
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    want, bound = reference(x, q.float(), scale, k)
+    got = cpu_quantized.gemv_int8_blocks(x, q, cpu_quantized.fp8_block_scales(scale), k, out_dtype=torch.float32)
+    assert ((got.double() - want).abs() <= bound).all()
+    dequantized = cpu_quantized.dequantize("fp8_blocks", q, cpu_quantized.fp8_block_scales(scale), n, k, k,
+                                           torch.float32)
+    assert torch.equal(dequantized, q.float() * scale)
 
 
 def test_the_bits_do_not_depend_on_the_thread_count():

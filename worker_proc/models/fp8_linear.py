@@ -2,10 +2,11 @@
 writes them): float8_e4m3fn weights with a scale per output channel or per tensor, and the layer's input rounded
 through float8 first, per token with a scale of its own (dynamic) or by the checkpoint's ``input_scale`` (static).
 
-CPUs have no float8 arithmetic (AVX512-FP16 and AMX-FP16 are not e4m3), so the weight is dequantized once at
-load, ``q * scale`` in float32 as compressed-tensors' decompressor computes it, then kept in the model's dtype
-on the float paths (models/linear.py: oneDNN's packed weight, the GEMV panels): a bfloat16 model's bytes and
-speed, which the worker log says. What the checkpoint's scheme does to the
+CPUs have no float8 arithmetic (AVX512-FP16 and AMX-FP16 are not e4m3), so where the native kernels build the
+weight stays float8, one byte a weight, and a decode's 1-47 rows take kernels/cpu_gemv_int8.c, which widens the
+bytes to float32 in registers (``q * scale``, as compressed-tensors' decompressor computes it); more rows multiply
+a dequantized copy made for the call (kernels/cpu_dequantize.c, the same values), as W8A16 does. Without the
+native kernels the weight is dequantized once at load and kept in the model's dtype on the float paths. What the checkpoint's scheme does to the
 activations is kept, ``fake_quantize_fp8`` being compressed-tensors' forward (the oracle transformers runs):
 scale = max|x| / 448 (the dtype's eps where 0), x / scale clamped to +-448, rounded to float8_e4m3fn (nearest
 even) and multiplied back, in x's dtype; a static scale computes in float32, the scale's. In float32 the layer's
@@ -19,8 +20,9 @@ from typing import Optional
 
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, cpu_quantized
 from pagedserve.worker_proc.models.linear import LinearWeight, WeightLayout, linear
+from pagedserve.worker_proc.models.quantized_linear import QuantizedLinear
 from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -77,6 +79,8 @@ class Fp8Linear:
         if self.float8_weight is not None:
             return self.float8_weight.nbytes
         w = self.weight
+        if w.quantized is not None:
+            return w.quantized.nbytes
         return min(t.nbytes for t in (w.weight, w.weight_t, w.packed, w.panels, w.gemv_panels) if t is not None)
 
     def _row_max(self, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -110,6 +114,8 @@ class Fp8Linear:
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         if self.float8_weight is not None:
             return (self.float8_weight.float() * self.weight_scale.t()).to(dtype)
+        if self.weight.quantized is not None:
+            return self.weight.quantized.dequantized(dtype)
         return self.weight.weight.to(dtype)
 
 
@@ -137,5 +143,9 @@ def make_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, layo
         return Fp8Linear(None, n, k, activations, static, shard,
                          values.to(device, torch.float8_e4m3fn).contiguous(),
                          scale.reshape(1, n).to(device, torch.float32).contiguous(), kind="fp8_scaled_mm")
+    if device.type == "cpu" and cpu_native.library() is not None and k % 16 == 0:
+        blocks = QuantizedLinear("fp8_blocks", n, k, values.to(torch.float8_e4m3fn).contiguous(),
+                                 cpu_quantized.fp8_block_scales(scale.reshape(n, 1)), group_size=k)
+        return Fp8Linear(LinearWeight(None, out_features=n, quantized=blocks), n, k, activations, static, shard)
     weight = (values * scale).to(device, dtype)
     return Fp8Linear(LinearWeight.of(weight, None, layout), n, k, activations, static, shard)

@@ -65,7 +65,8 @@ import torch
 from pagedserve.kernels import cpu_native, cpu_quantized
 from pagedserve.worker_proc.model_config import UnsupportedModelError
 
-KINDS = ("int4", "int4_blocks", "int8", "int8_blocks", "q8_0", "q5_0", "int8_grouped", "w8a8", "gpu_int4", "gpu_int8")
+KINDS = ("int4", "int4_blocks", "int8", "int8_blocks", "fp8_blocks", "q8_0", "q5_0", "int8_grouped", "w8a8",
+         "gpu_int4", "gpu_int8")
 
 
 @dataclass(slots=True)
@@ -106,7 +107,7 @@ class QuantizedLinear:
             return cpu_quantized.gemm_q5_0_panels(x, self.weight, self.scales, self.out_features)
         if self.kind == "q8_0":
             return cpu_quantized.gemm_q8_0_panels(x, self.weight, self.scales, self.out_features)
-        if self.kind == "int8_blocks":
+        if self.kind in ("int8_blocks", "fp8_blocks"):  # the kernel reads float8 weights by their dtype
             return cpu_quantized.gemv_int8_blocks(x, self.weight, self.scales, self.group_size)
         if self.kind == "int4_blocks":
             return cpu_quantized.gemv_int4_blocks(x, self.weight, self.scales, self.nibble_zeros, self.group_size,
@@ -234,10 +235,10 @@ class QuantizedStack:
 # 16 rows, 4.23 / 9.44 at 128, 15.9 / 26.2 at 512; q5_0 0.67 / 7.24 at 16, 4.17 / 12.1 at 128, 8.15 / 18.0 at 256
 # (bench/log, seventh session); a CPU with AVX2 only has no bf16 product for the copy to feed either. The plain
 # loops (no AVX2) took 10.8 ms for a gate_up at 16 rows, so they copy from 16 rows.
-DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "q8_0": 16, "q5_0": 16,
-                       "int4_blocks": 17}
+DEQUANTIZE_MIN_ROWS = {"int8": 128, "int8_grouped": 16, "int4": 128, "int8_blocks": 48, "fp8_blocks": 48, "q8_0": 16,
+                       "q5_0": 16, "int4_blocks": 17}
 _NO_COPY_WHEN_VECTORIZED = ("q8_0", "q5_0")
-_FLOAT32_X_KERNELS = ("int4_blocks", "int8_blocks")  # native GEMVs that take float32 x as it is
+_FLOAT32_X_KERNELS = ("int4_blocks", "int8_blocks", "fp8_blocks")  # native GEMVs that take float32 x as it is
 
 
 def dequantize_min_rows(kind: str, dtype: torch.dtype) -> float:
@@ -327,6 +328,8 @@ def describe_ops(layers: list) -> Optional[str]:
         if kind == "fp8":
             return ("float8 weights dequantized at load to the model's dtype, its float matmuls; x rounded through "
                     "float8 as the checkpoint's activation scheme says (models/fp8_linear.py)")
+        if kind == "fp8_blocks":
+            return "native float8 GEMV (kernels/cpu_gemv_int8.c, the bytes widened in registers)"
         if kind == "int4_blocks":
             variant = cpu_quantized.gemv_int4_variant()
             how = "; bfloat16 x by vdpbf16ps" if variant == "avx512bf16" else ""
