@@ -82,6 +82,11 @@ class _ServeConfigRules:
         self._check_max_model_len(limit, longrope_limit(model_cfg))
         self._check_step_budget()
         self._check_quantization(model_cfg)
+        if self.kv_cache_dtype != "auto" and self.device == "cpu":
+            # the CPU attention reads the model's dtype: at 12 streams of 2,000 tokens it waited on neither the
+            # cache's bytes (35% of the memory's rate) nor its arithmetic, so a float8 cache was not built there
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype} runs on a GPU (its Triton attention); on "
+                              f"CPU the KV cache keeps --dtype")
         if self.model_aliases is None:  # once: a replace() keeps what the first call found
             # vLLM serves `vllm serve /models/x` as "/models/x", and its clients (vllm bench
             # serve among them) send that name; the directory's name stays the listed one.

@@ -14,7 +14,6 @@ UNSUPPORTED_FLAGS = {
     "--pipeline-parallel-size": "pipeline parallelism is not supported; use --tensor-parallel-size "
                                 "and --data-parallel-size",
     "-pp": "pipeline parallelism is not supported; use --tensor-parallel-size and --data-parallel-size",
-    "--kv-cache-dtype": "the KV cache always has the model's --dtype",
     "--speculative-model": "vLLM's old flag: use --speculative-config '{\"method\": \"ngram\", "
                            "\"num_speculative_tokens\": 4}'",
     # LoRA: --enable-lora, --lora-modules, --max-loras, --max-lora-rank and --max-cpu-loras are served

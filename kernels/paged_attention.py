@@ -107,7 +107,8 @@ def _paged_attention_kernel(
     token = (q_begin + token_in_request).to(tl.int64)
     q_offsets = token[:, None] * query_token_stride + head[:, None] * query_head_stride + dims[None, :]
     q_mask = row_valid[:, None] & dim_valid[None, :]
-    dot_dtype = tl.float32 if DOT_IN_FP32 else k_cache_ptr.dtype.element_ty
+    # the query's dtype: a float8 cache's keys and values widen to it exactly (--kv-cache-dtype fp8)
+    dot_dtype = tl.float32 if DOT_IN_FP32 else query_ptr.dtype.element_ty
     q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0).to(dot_dtype)
     q_pos = context_len + token_in_request
 
@@ -268,7 +269,7 @@ def _launch(out, query, k_cache, v_cache, meta, scale, sliding_window, softcap, 
         k_cache.shape[1], head_dim, num_q_heads // num_kv_heads, short_len, part, part_ml, num_tokens, num_q_heads,
         SLIDING_WINDOW=sliding_window or 0, SOFTCAP=softcap is not None, SINKS=sinks is not None, SERVES=serves,
         BLOCK_Q=block_q, GROUP_PAD=group_pad,
-        BLOCK_N=keys, DIM_PAD=dim_pad, DOT_IN_FP32=_INTERPRETED and k_cache.dtype == torch.bfloat16,
+        BLOCK_N=keys, DIM_PAD=dim_pad, DOT_IN_FP32=_INTERPRETED and query.dtype == torch.bfloat16,
         NUM_SPLITS=splits, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:

@@ -60,8 +60,11 @@ def write_kv(
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k.index_copy_(0, slot_mapping.long(), key.to(k_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping.long(), value.to(v_cache.dtype))
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)  # float8: saturating at +-448, torch's cast
+    if k_cache.dtype == torch.float8_e4m3fn:  # torch has no float8 index_copy_ on CPU: copy the bytes
+        flat_k, flat_v, key, value = (t.view(torch.uint8) for t in (flat_k, flat_v, key, value))
+    flat_k.index_copy_(0, slot_mapping.long(), key)
+    flat_v.index_copy_(0, slot_mapping.long(), value)
 
 
 def paged_attention(

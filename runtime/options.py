@@ -222,9 +222,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("dtype", str, "auto", "weights and KV cache; auto: the model config's dtype, but on CPU a "
            "float16 or bfloat16 model computes in bfloat16 where oneDNN has it (AVX-512 and up), else in "
            "float32 if that fits half the free memory", choices=DTYPE_CHOICES, to=_W),
+    Option("kv_cache_dtype", str, "auto", "the KV cache's dtype: auto (--dtype's), or fp8 / fp8_e4m3: float8 e4m3 "
+           "by a saturating cast (per-tensor scales of 1.0, vLLM's default), half a 16-bit cache's bytes; a GPU's "
+           "Triton attention only, native families without a latent cache", choices=("auto", "fp8", "fp8_e4m3"),
+           to=_W),
     Option("quantization", str, None, "the checkpoint's quantization method, read from its config.json's "
-           "quantization_config (compressed-tensors: int4 / int8 weights, W8A8; gptq: 4 / 8 bits; awq: 4-bit "
-           "GEMM); given, it must match the checkpoint's (default: the checkpoint's)", choices=QUANTIZATION_METHODS, aliases=("-q",), to=_W),
+           "quantization_config (compressed-tensors: int4 / int8 weights, W8A8, FP8; gptq: 4 / 8 bits; awq: "
+           "4-bit GEMM); given, it must match the checkpoint's (default: the checkpoint's)", choices=QUANTIZATION_METHODS, aliases=("-q",), to=_W),
     Option("load_format", str, "auto", "the model's format: safetensors (an HF directory), gguf (a .gguf file, or a "
            "directory holding one: architecture, hyperparameters and tokenizer from its metadata; Q8_0 / Q4_0 "
            "run as int8 / int4 weights, other quantized types dequantized at load), or auto: gguf for a .gguf "

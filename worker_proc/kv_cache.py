@@ -91,6 +91,10 @@ def _pairs(pairs: list[tuple[int, int]] | list[list[int]]) -> torch.Tensor:
     return torch.tensor(pairs, dtype=torch.long).view(-1, 2)
 
 
+def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
 class KVCache:
     def __init__(self, num_layers: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  spec: KVCacheSpec, dtype: torch.dtype, device: torch.device, ops: ModuleType):
@@ -112,11 +116,13 @@ class KVCache:
 
     def apply_block_ops(self, swap_out: list, swap_in: list, copy: list, zero: list[int]) -> None:
         """Swap out, swap in, copy, zero, in that order."""
+        # a float8 cache (--kv-cache-dtype fp8) moves and zeroes as its bytes: torch has no float8 index ops
+        device, host = (_as_bytes(self.device_cache), _as_bytes(self.host_cache))
         if swap_out:
-            self.ops.swap_blocks(self.device_cache, self.host_cache, _pairs(swap_out))
+            self.ops.swap_blocks(device, host, _pairs(swap_out))
         if swap_in:
-            self.ops.swap_blocks(self.host_cache, self.device_cache, _pairs(swap_in))
+            self.ops.swap_blocks(host, device, _pairs(swap_in))
         if copy:
-            self.ops.copy_blocks(self.device_cache, _pairs(copy))  # the kernel moves its ids (pinned)
+            self.ops.copy_blocks(device, _pairs(copy))  # the kernel moves its ids (pinned)
         if zero:
-            self.ops.zero_blocks(self.device_cache, torch.tensor(zero, dtype=torch.long))
+            self.ops.zero_blocks(device, torch.tensor(zero, dtype=torch.long))

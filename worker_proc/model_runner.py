@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, reference
 from pagedserve.kernels.ops import select_ops
 from pagedserve.protocol.kv_groups import KVGroups, kv_groups
 from pagedserve.protocol.lora_adapter import SHARED_EXPERT_MODULES, projection_shapes
@@ -55,6 +55,10 @@ from pagedserve.worker_proc.verify_graphs import VerifyGraphs
 log = logging.getLogger("pagedserve.worker")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# --kv-cache-dtype: auto keeps the model's dtype; fp8 (vLLM's fp8 / fp8_e4m3) stores keys and values as float8 e4m3,
+# by torch's saturating cast (per-tensor scales of 1.0, vLLM's default without calibrated ones), and the Triton
+# attention widens them to the query's dtype: half a 16-bit cache's bytes, twice its blocks
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 # Activations budget kept free of KV blocks on CUDA: one step of this many tokens.
 HEADROOM_TOKENS = 8192
 HEADROOM_LOGIT_ROWS = 256
@@ -66,14 +70,16 @@ class ModelRunner:
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
                  tp_rank: int = 0, tp_size: int = 1, tp_group=None, cuda_graphs: bool = True,
                  speculative: Optional[SpeculativeConfig] = None, quantization: Optional[str] = None,
-                 model_impl: str = "auto", lora: Optional[LoRAConfig] = None, expert_parallel: bool = False):
+                 model_impl: str = "auto", lora: Optional[LoRAConfig] = None, expert_parallel: bool = False,
+                 kv_cache_dtype: str = "auto"):
         """``cuda_graphs``: on CUDA, replay decode steps from captured graphs (cuda_graphs.py);
         one GPU per replica only, for now (an all-reduce inside a graph is not yet checked).
         ``speculative``: with method draft_model, the draft is loaded beside the model.
         ``quantization``: ``--quantization``, which must name the checkpoint's own method.
         ``model_impl``: native, transformers or auto (model_impl.py).
         ``lora``: serve LoRA adapters (``--enable-lora``): the slots are allocated now.
-        ``expert_parallel``: a mixture of experts' experts whole on each rank (models/expert_parallel.py)."""
+        ``expert_parallel``: a mixture of experts' experts whole on each rank (models/expert_parallel.py).
+        ``kv_cache_dtype``: KV_CACHE_DTYPES' (fp8: the Triton attention only, a native family's, no latent cache)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
         implementation = select_implementation(model_dir, model_impl)
@@ -104,6 +110,15 @@ class ModelRunner:
                                         "--tensor-parallel-size > 1")
         self.shard = TensorParallelShard.for_rank(self.spec, tp_rank, tp_size, tp_group, expert_parallel)
         self.ops = select_ops(self.device)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; choose one of "
+                             f"{sorted(KV_CACHE_DTYPES)}")
+        self.kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or self.dtype
+        if self.kv_dtype != self.dtype and (self.ops is reference or not implementation.is_native
+                                            or self.spec.latent_cache_dim):
+            raise UnsupportedModelError(f"--kv-cache-dtype {kv_cache_dtype} runs on a GPU's Triton attention, for the "
+                                        f"native families without a latent cache (here: {self.device.type}, "
+                                        f"{implementation.description})")
         if self.device.type == "cpu":
             cpu_native.library()  # compiled (once per machine) now, not during the first decode step
         self.model = implementation.model_class(model_dir, self.spec, self.shard, self.device, self.dtype,
@@ -179,7 +194,7 @@ class ModelRunner:
     def block_bytes(self, block_size: int) -> int:
         """A block's bytes in every cache it indexes (the draft's too)."""
         draft = self.draft.block_bytes(block_size) if self.draft is not None else 0
-        return draft + block_bytes(self.cache_layers, block_size, self.cache_spec, self.dtype)
+        return draft + block_bytes(self.cache_layers, block_size, self.cache_spec, self.kv_dtype)
 
     @property
     def cache_layers(self) -> int:
@@ -208,7 +223,7 @@ class ModelRunner:
 
     def init_cache(self, init: WorkerInit) -> None:
         self._cache = KVCache(self.cache_layers, init.num_gpu_blocks, init.num_cpu_blocks, init.block_size,
-                              self.cache_spec, self.dtype, self.device, self.ops)
+                              self.cache_spec, self.kv_dtype, self.device, self.ops)
         self.model.rotary.ensure_positions(init.max_model_len)
         if self.draft is not None:
             self.draft.init_cache(init)

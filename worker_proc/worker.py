@@ -134,6 +134,7 @@ class Worker:
                                   cuda_graphs=not cfg.enforce_eager,
                                   speculative=parse_speculative_config(cfg.speculative_config),
                                   quantization=cfg.quantization, model_impl=cfg.model_impl, lora=lora,
+                                  kv_cache_dtype=cfg.kv_cache_dtype,
                                   expert_parallel=cfg.enable_expert_parallel)
         log.info("model implementation: %s", self.runner.model_impl)
         if self.runner.lora is not None:

@@ -87,7 +87,7 @@ def test_pagedserve_version_prints_the_package_version():
     assert done.returncode == 0 and done.stdout.strip() == f"pagedserve {package_version()}"
 
 
-@pytest.mark.parametrize("flag", ["--cpu-offload-gb", "--pipeline-parallel-size", "--kv-cache-dtype"])
+@pytest.mark.parametrize("flag", ["--cpu-offload-gb", "--pipeline-parallel-size", "--lora-dtype"])
 def test_a_vllm_flag_pagedserve_lacks_gets_one_line_saying_so(flag):
     done = _cli("serve", flag, "2")
     lines = done.stderr.strip().splitlines()
