@@ -1,13 +1,14 @@
-"""An FP8 checkpoint's linear layer on CPU (compressed-tensors' FP8 and FP8_DYNAMIC presets, as llm-compressor
-writes them): float8_e4m3fn weights with a scale per output channel or per tensor, and the layer's input rounded
-through float8 first, per token with a scale of its own (dynamic) or by the checkpoint's ``input_scale`` (static).
+"""An FP8 checkpoint's linear layer (compressed-tensors' FP8 and FP8_DYNAMIC presets, as llm-compressor writes
+them): float8_e4m3fn weights with a scale per output channel or per tensor, and the layer's input rounded through
+float8 first, per token with a scale of its own (dynamic) or by the checkpoint's ``input_scale`` (static).
 
-CPUs have no float8 arithmetic (AVX512-FP16 and AMX-FP16 are not e4m3), so where the native kernels build the
-weight stays float8, one byte a weight, and a decode's 1-47 rows take kernels/cpu_gemv_int8.c, which widens the
-bytes to float32 in registers (``q * scale``, as compressed-tensors' decompressor computes it); more rows multiply
-a dequantized copy made for the call (kernels/cpu_dequantize.c, the same values), as W8A16 does. Without the
-native kernels the weight is dequantized once at load and kept in the model's dtype on the float paths. What the checkpoint's scheme does to the
-activations is kept, ``fake_quantize_fp8`` being compressed-tensors' forward (the oracle transformers runs):
+On a GPU torch._scaled_mm multiplies the float8 values (``scaled_mm_serves``). CPUs have no float8 arithmetic
+(AVX512-FP16 and AMX-FP16 are not e4m3), so where the native kernels build the weight stays float8, one byte a
+weight, and a decode's 1-47 rows take kernels/cpu_gemv_int8.c, which widens the bytes to float32 in registers
+(``q * scale``, as compressed-tensors' decompressor computes it); more rows multiply a dequantized copy made for the
+call (kernels/cpu_dequantize.c, the same values), as W8A16 does. Without the native kernels the weight is
+dequantized once at load and kept in the model's dtype on the float paths. What the checkpoint's scheme does to
+the activations is kept, ``fake_quantize_fp8`` being compressed-tensors' forward (the oracle transformers runs):
 scale = max|x| / 448 (the dtype's eps where 0), x / scale clamped to +-448, rounded to float8_e4m3fn (nearest
 even) and multiplied back, in x's dtype; a static scale computes in float32, the scale's. In float32 the layer's
 products are transformers' up to the order of the sums.
@@ -55,7 +56,9 @@ def fake_quantize_fp8_torch(x: torch.Tensor, static_scale: Optional[torch.Tensor
 
 @dataclass(slots=True)
 class Fp8Linear:
-    weight: Optional[LinearWeight]  # dequantized: q * scale in the model's dtype, on the float paths
+    # on a CPU: the float8 bytes as an fp8_blocks layer (the int8 GEMV's), or without the native kernels q * scale
+    # in the model's dtype on the float paths; None where torch._scaled_mm multiplies (float8_weight)
+    weight: Optional[LinearWeight]
     out_features: int
     in_features: int
     activations: Optional[str]  # "token" (dynamic), "tensor" (static: ``input_scale``), None (unquantized)
@@ -133,7 +136,8 @@ def make_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, layo
              scaled_mm: Optional[bool] = None) -> Fp8Linear:
     """``values`` [out, in] the float8 weight widened to float32 (exact), ``scale`` [out, 1] float32; ``shard``:
     a row-parallel layer's (its input a slice of each row) under tensor parallelism. ``scaled_mm``: multiply in
-    float8 (default: where scaled_mm_serves), else the weight dequantized at load."""
+    float8 (default: where scaled_mm_serves); else, on a CPU with the native kernels, the float8 bytes on the int8
+    GEMV (``fp8_blocks``), or the weight dequantized at load."""
     n, k = values.shape
     if activations == "tensor" and input_scale is None:
         raise ValueError("a static float8 activation scheme needs the layer's input_scale")
