@@ -74,16 +74,18 @@ static inline __m512 load16(const void *row, int x_kind, int64_t t, __mmask16 ma
 #endif
 
 /* Row i of x (x_kind: 0 float32, 1 bfloat16, 2 float16) quantized into dst[0 .. k4 * 4) (+ W8A8_X_OFFSET, zero
- * past k); its scale, as quantize_per_token computes it in float32. */
-static float quantize_row(const void *x, int x_kind, int64_t ldx, int64_t i, int64_t k, int64_t k4, uint8_t *dst) {
+ * past k); its scale, as quantize_per_token computes it in float32: from the row's max |x|, or ``absmax`` where
+ * not NULL (a whole row's, of which x holds a tensor-parallel rank's slice). */
+static float quantize_row(const void *x, int x_kind, int64_t ldx, int64_t i, int64_t k, int64_t k4, uint8_t *dst,
+                          const float *absmax) {
 #if defined(__AVX512F__)
     const void *row = (const char *)x + i * ldx * (x_kind == 0 ? 4 : 2);
     __m512 vmax = _mm512_setzero_ps();
-    for (int64_t t = 0; t < k; t += 16) {
+    for (int64_t t = 0; t < k && absmax == NULL; t += 16) {
         const __mmask16 mask = k - t >= 16 ? 0xffff : (__mmask16)((1u << (k - t)) - 1);
         vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(row, x_kind, t, mask)));
     }
-    float scale = _mm512_reduce_max_ps(vmax) / 127.0f;
+    float scale = (absmax != NULL ? absmax[i] : _mm512_reduce_max_ps(vmax)) / 127.0f;
     if (scale == 0.0f) scale = 1.0f;
     const __m512 vscale = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
     const __m512i offset = _mm512_set1_epi32(W8A8_X_OFFSET);
@@ -98,14 +100,14 @@ static float quantize_row(const void *x, int x_kind, int64_t ldx, int64_t i, int
     for (int64_t t = k; t < k4 * 4; t++) dst[t] = W8A8_X_OFFSET;
     return scale;
 #else
-    float absmax = 0.0f;
+    float top = 0.0f;
     float row[k > 0 ? k : 1];
     for (int64_t t = 0; t < k; t++) {
         row[t] = half_at(x, x_kind, i * ldx + t);
         const float a = __builtin_fabsf(row[t]);
-        absmax = a > absmax ? a : absmax;
+        top = a > top ? a : top;
     }
-    float scale = absmax / 127.0f;
+    float scale = (absmax != NULL ? absmax[i] : top) / 127.0f;
     if (scale == 0.0f) scale = 1.0f;
     for (int64_t t = 0; t < k; t++) {
         float v = __builtin_rintf(row[t] / scale);  /* the default rounding: half to even, torch.round's */
@@ -392,7 +394,7 @@ static void column_block(const uint8_t *xq, int64_t ldq, int64_t m, int64_t k4, 
 
 static int product(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, const int8_t *w,
                    const int32_t *bias128, const float *w_scale, int64_t n, void *out, int64_t ldo, int out_kind,
-                   float *x_scale_out, int gated) {
+                   float *x_scale_out, const float *x_absmax, int gated) {
     if (m < 1 || k < 1 || n < 1 || k >= 65793 || x_kind < 0 || x_kind > 2 || out_kind < 0 || out_kind > 3) return -1;
     if (gated && (n % 32 || out_kind == 3)) return -1;
     const int64_t k4 = (k + 3) / 4, ldq = k4 * 4;
@@ -408,7 +410,8 @@ static int product(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k,
         int32_t rows[W8A8_MR][ldq / 4 > 0 ? ldq / 4 : 1];
         const int64_t count = m - tl * W8A8_MR < W8A8_MR ? m - tl * W8A8_MR : W8A8_MR;
         for (int64_t r = 0; r < count; r++)
-            x_scale[tl * W8A8_MR + r] = quantize_row(x, x_kind, ldx, tl * W8A8_MR + r, k, k4, (uint8_t *)rows[r]);
+            x_scale[tl * W8A8_MR + r] = quantize_row(x, x_kind, ldx, tl * W8A8_MR + r, k, k4, (uint8_t *)rows[r],
+                                                     x_absmax);
         for (int64_t t = 0; t < k4; t++)
             for (int64_t r = 0; r < count; r++) memcpy(dst + (t * W8A8_MR + r) * 4, &rows[r][t], 4);
     }
@@ -423,12 +426,13 @@ static int product(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k,
 
 /* x [m, k] (x_kind 0 float32, 1 bfloat16, 2 float16; row stride ldx) @ the packed weight (n columns) -> out [m, n]
  * (row stride ldo, out_kind as put_tile's). ``bias128`` [ceil(n / 16) * 16] int32: 128 * each column's weight sum
- * (read by the VNNI variant only); ``w_scale`` [n] float32; ``x_scale_out``, where not NULL, gets the m row scales.
+ * (read by the VNNI variant only); ``w_scale`` [n] float32; ``x_scale_out``, where not NULL, gets the m row scales;
+ * ``x_absmax`` [m] float32, where not NULL, is each row's max |x| to scale by (a whole row's, x a slice of it).
  * Returns 0, or -1 (nothing written) for a bad shape or no memory for the scratch. */
 int w8a8_linear(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, const int8_t *w,
                 const int32_t *bias128, const float *w_scale, int64_t n, void *out, int64_t ldo, int out_kind,
-                float *x_scale_out) {
-    return product(x, x_kind, ldx, m, k, w, bias128, w_scale, n, out, ldo, out_kind, x_scale_out, 0);
+                float *x_scale_out, const float *x_absmax) {
+    return product(x, x_kind, ldx, m, k, w, bias128, w_scale, n, out, ldo, out_kind, x_scale_out, x_absmax, 0);
 }
 
 /* The same product for a gate_up of n = 2 * size columns (n a multiple of 32) packed with alternating 16-column
@@ -436,5 +440,5 @@ int w8a8_linear(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, co
  * says. */
 int w8a8_silu_gate(const void *x, int x_kind, int64_t ldx, int64_t m, int64_t k, const int8_t *w,
                    const int32_t *bias128, const float *w_scale, int64_t n, void *out, int64_t ldo, int out_kind) {
-    return product(x, x_kind, ldx, m, k, w, bias128, w_scale, n, out, ldo, out_kind, NULL, 1);
+    return product(x, x_kind, ldx, m, k, w, bias128, w_scale, n, out, ldo, out_kind, NULL, NULL, 1);
 }

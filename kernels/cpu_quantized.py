@@ -301,21 +301,24 @@ def _w8a8_checked(x: torch.Tensor, panels: torch.Tensor, bias128: torch.Tensor, 
 
 def w8a8_linear(x: torch.Tensor, panels: torch.Tensor, bias128: torch.Tensor, w_scale: torch.Tensor,
                 out_features: int, out_dtype: Optional[torch.dtype] = None, x_scale_out: Optional[torch.Tensor] = None,
-                lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+                lib: Optional[ctypes.CDLL] = None, x_absmax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (float32, bfloat16 or float16; rows may be strided), each row quantized to int8 per token
     (quantize_per_token's scale and rounding) @ the int8 weight packed by pack_w8a8_weight, the products summed
     exactly in int32, times both scales (``w_scale`` [N] float32): [M, N] in ``out_dtype`` (default x's; int32
-    gives the sums themselves). ``x_scale_out`` [M] float32, where given, receives the rows' scales
+    gives the sums themselves). ``x_scale_out`` [M] float32, where given, receives the rows' scales; ``x_absmax``
+    [M] float32, where given, is each row's max |x| to scale by (a tensor-parallel rank's x is a slice of its rows)
     (kernels/cpu_gemm_w8a8.c)."""
     x = _w8a8_checked(x, panels, bias128, w_scale, out_features, "w8a8_linear")
     rows, k = x.shape
     out = torch.empty(rows, out_features, dtype=out_dtype or x.dtype)
-    if x_scale_out is not None and (x_scale_out.shape != (rows,) or x_scale_out.dtype != torch.float32):
-        raise ValueError("w8a8_linear: x_scale_out must be [M] float32")
+    for name, t in (("x_scale_out", x_scale_out), ("x_absmax", x_absmax)):
+        if t is not None and (t.numel() != rows or t.dtype != torch.float32 or not t.is_contiguous()):
+            raise ValueError(f"w8a8_linear: {name} must be [M] float32")
     lib = lib or cpu_native.library()
     if lib.w8a8_linear(x.data_ptr(), _W8A8_KIND[x.dtype], x.stride(0), rows, k, panels.data_ptr(),
                        bias128.data_ptr(), w_scale.data_ptr(), out_features, out.data_ptr(),
-                       out_features, _W8A8_KIND[out.dtype], None if x_scale_out is None else x_scale_out.data_ptr()):
+                       out_features, _W8A8_KIND[out.dtype], None if x_scale_out is None else x_scale_out.data_ptr(),
+                       None if x_absmax is None else x_absmax.data_ptr()):
         raise MemoryError("w8a8_linear: the kernel refused the shapes or had no memory for its scratch")
     return out
 

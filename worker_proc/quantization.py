@@ -224,7 +224,8 @@ def load_projection(source, prefixes: list[str], dim: int, parts: list[Part],
     if gpu:
         layer = make_gpu_int(q, scale, zero, spec.group_size, spec.bits, device, order)
     elif spec.dynamic_int8_activations:
-        layer = make_w8a8(q, scale, gate_size if bias is None else 0)
+        row_parallel = shard if dim == 1 and shard is not None and shard.size > 1 else None
+        layer = make_w8a8(q, scale, gate_size if bias is None else 0, row_parallel)
     elif spec.bits == 4:
         layer = make_int4(q, scale, zero, spec.group_size, dtype, order, mins=mins)
     else:

@@ -68,6 +68,28 @@ def test_an_fp8_checkpoint_scores_transformers_greedy_tokens_as_transformers_doe
     assert errors.max() < FP8_LOGPROB_MAX_ERROR and errors.median() < FP8_LOGPROB_MEDIAN_ERROR, errors.tolist()
 
 
+def test_w8a8_at_two_ranks_scores_tokens_as_one_rank_does(tmp_path):
+    """W8A8 rounds each token's input to int8 by its row's max |x|; o_proj's and down_proj's ranks each hold a
+    slice of that row, so they scale by the whole row's max (an all-reduce), not their slice's: the two-rank
+    prompt log-probabilities are one rank's up to the float order of the all-reduced sums (per-slice scales
+    differ by the int8 rounding of each input)."""
+    import torch
+
+    model = build_quantized_model_dir(tmp_path / "w8a8", "w8a8", "qwen2", hidden_size=256, intermediate_size=512,
+                                      num_heads=4, num_kv_heads=2, seed=3)
+    sequences = [prompt + [17, 250, 31, 88, 4, 120] for prompt in PROMPTS]
+    scored = {}
+    for tp in (1, 2):
+        with LLM(str(model), num_gpu_blocks=64, max_model_len=256, tensor_parallel_size=tp) as llm:
+            outs = llm.generate(sequences, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                                use_tqdm=False)
+        scored[tp] = torch.tensor([out.prompt_logprobs[i][s[i]].logprob for s, out in zip(sequences, outs)
+                                   for i in range(1, len(s))])
+    error = (scored[1] - scored[2]).abs().max().item()
+    print("w8a8 two ranks against one: max logprob difference", error)
+    assert error < 1e-3
+
+
 def test_a_checkpoint_the_workers_cannot_load_is_refused_at_start_in_one_line(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -44,6 +44,23 @@ def test_a_gate_that_fills_no_whole_panel_keeps_the_unfused_layout():
         cpu_quantized.w8a8_silu_gate(x, packed, sums, scale[:96], 48)
 
 
+def test_a_given_row_max_scales_the_rows_as_the_whole_rows_would():
+    """A tensor-parallel rank's x is a slice of each row: scaled by the whole row's max |x| (x_absmax), the
+    product is the reference's at that scale; given the slice's own max, it is the default's bits."""
+    q, scale = random_weight(48, 96, 7)
+    layer = make_w8a8(q, scale.reshape(-1, 1))
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(7))
+    own = x.abs().amax(-1).contiguous()
+    assert torch.equal(cpu_quantized.w8a8_linear(x, layer.weight, layer.w8a8_sums, layer.scales, 48, x_absmax=own),
+                       layer.forward(x))
+    whole = own * 3
+    row_scale = (whole / 127).reshape(-1, 1)
+    xq = torch.round(x / row_scale).clamp(-128, 127)
+    expected = ((xq.long() @ q.long().t()).float() * row_scale * scale.reshape(1, -1))
+    got = cpu_quantized.w8a8_linear(x, layer.weight, layer.w8a8_sums, layer.scales, 48, x_absmax=whole)
+    assert torch.equal(got, expected)
+
+
 def test_strided_rows_are_read_in_place():
     q, scale = random_weight(80, 96, 2)
     panels, sums = cpu_quantized.pack_w8a8_weight(q)

@@ -58,12 +58,15 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from pagedserve.kernels import cpu_native, cpu_quantized
 from pagedserve.worker_proc.model_config import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from pagedserve.worker_proc.tensor_parallel import TensorParallelShard
 
 KINDS = ("int4", "int4_blocks", "int8", "int8_blocks", "fp8_blocks", "q8_0", "q5_0", "int8_grouped", "w8a8",
          "gpu_int4", "gpu_int8")
@@ -91,6 +94,9 @@ class QuantizedLinear:
     # cpu_quantized.gated_order (``weight``, ``scales``, ``w8a8_sums``) for silu_gate()
     gate_size: int = 0
     zero_points: Optional[torch.Tensor] = None  # gpu_int4 / gpu_int8 asymmetric: [out, groups] float32
+    # w8a8, a row-parallel layer's ranks under tensor parallelism: a token's scale is its whole row's max |x|, each
+    # rank holding a slice (the checkpoint's arithmetic, as models/fp8_linear.py does)
+    shard: Optional["TensorParallelShard"] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T: [rows, out] in x's dtype."""
@@ -129,12 +135,16 @@ class QuantizedLinear:
                     y -= part.sum(-1, keepdim=True) * self.zero_correction[i]
                 out = y if out is None else out.add_(y)
             return out
+        row_max = None
+        if self.shard is not None:
+            row_max = self.shard.all_reduce_max(x.abs().amax(-1).float().contiguous())
         if self.w8a8_sums is not None:
-            out = cpu_quantized.w8a8_linear(x, self.weight, self.w8a8_sums, self.scales, self.out_features)
+            out = cpu_quantized.w8a8_linear(x, self.weight, self.w8a8_sums, self.scales, self.out_features,
+                                            x_absmax=row_max)
             if self.gate_size:  # an adapter's delta joins [gate; up] in the checkpoint's order
                 out = out.view(-1, self.gate_size // 16, 2, 16).transpose(1, 2).reshape(out.shape)
             return out
-        xq, x_scale = quantize_per_token(x)
+        xq, x_scale = quantize_per_token(x, row_max)
         acc = torch._int_mm(xq, self.weight)
         return (acc.float() * x_scale * self.scales).to(x.dtype)
 
@@ -338,11 +348,11 @@ def describe_ops(layers: list) -> Optional[str]:
     return "; ".join(f"{kind}: {op(kind)}{above(kind)}" for kind in kinds) if kinds else None
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 rows, float32 scale [rows, 1]): symmetric, scale = max|row| / 127, as compressed-tensors'
-    dynamic per-token quantization (a zero row gets scale 1)."""
+def quantize_per_token(x: torch.Tensor, row_max: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 rows, float32 scale [rows, 1]): symmetric, scale = max|row| / 127 (``row_max`` [rows] where given: a
+    whole row's), as compressed-tensors' dynamic per-token quantization (a zero row gets scale 1)."""
     xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True) / 127.0
+    scale = (xf.abs().amax(-1, keepdim=True) if row_max is None else row_max.reshape(-1, 1).float()) / 127.0
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     return torch.round(xf / scale).clamp_(-128, 127).to(torch.int8), scale
 
@@ -442,10 +452,12 @@ def make_int8(q: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.T
                            input_order=input_order)
 
 
-def make_w8a8(q: torch.Tensor, scale: torch.Tensor, gate_size: int = 0) -> QuantizedLinear:
+def make_w8a8(q: torch.Tensor, scale: torch.Tensor, gate_size: int = 0,
+              shard: Optional["TensorParallelShard"] = None) -> QuantizedLinear:
     """``q`` [out, in] int8, ``scale`` [out, 1]: on the native kernel (kernels/cpu_gemm_w8a8.c) where it builds,
     the weight packed in its panels, else torch._int_mm's right operand. ``gate_size``: ``q`` is a gated MLP's
-    [gate; up] with no bias, packed for silu_gate() where its gate rows fill whole panels."""
+    [gate; up] with no bias, packed for silu_gate() where its gate rows fill whole panels; ``shard``: a row-parallel
+    layer's ranks (more than one), whose x is a slice of each row."""
     n, k = q.shape
     if w8a8_kernel():
         gate_size = gate_size if gate_size and gate_size % cpu_quantized.W8A8_PANEL == 0 else 0
@@ -453,8 +465,10 @@ def make_w8a8(q: torch.Tensor, scale: torch.Tensor, gate_size: int = 0) -> Quant
         panels, sums = cpu_quantized.pack_w8a8_weight(q, gate_size)
         if gate_size:
             scale = scale[cpu_quantized.gated_order(gate_size)]
-        return QuantizedLinear("w8a8", n, k, panels, scale.contiguous(), w8a8_sums=sums, gate_size=gate_size)
-    return QuantizedLinear("w8a8", n, k, q.t().contiguous(), scale.reshape(1, n).to(torch.float32).contiguous())
+        return QuantizedLinear("w8a8", n, k, panels, scale.contiguous(), w8a8_sums=sums, gate_size=gate_size,
+                               shard=shard)
+    return QuantizedLinear("w8a8", n, k, q.t().contiguous(), scale.reshape(1, n).to(torch.float32).contiguous(),
+                           shard=shard)
 
 
 # ---------------------------------------------------------------- references (the tests' oracle)
