@@ -52,14 +52,12 @@ static void row_int8_blocks(const int8_t *restrict q, const float *restrict s, c
         for (int64_t t = c; t < c + g; t += 16) scale_16(q + t, s[grp], v + t);  /* g: a multiple of 16 */
 }
 
-/* float8_e4m3fn bytes in blocks, each scale times 2^120 (cpu_gemv_int8.c's load_q): a byte's bits moved into
- * float32's are 2^-120 times its value, exactly (its subnormals too), so each product is value * scale, rounded
- * once as compressed-tensors' float32 product is. */
+/* float8_e4m3fn bytes in blocks, each scale times 2^120 (cpu_half.h's fp8_e4m3_scaled): each product is value *
+ * scale, rounded once as compressed-tensors' float32 product is. */
 static void row_fp8_blocks(const uint8_t *restrict q, const float *restrict s, const int64_t k, const int64_t g,
                            float *restrict v) {
     for (int64_t c = 0, grp = 0; c < k; c += g, grp++)
-        for (int64_t t = c; t < c + g; t++)
-            v[t] = bits_to_f32((uint32_t)(q[t] & 0x7fu) << 20 | (uint32_t)(q[t] & 0x80u) << 24) * s[grp];
+        for (int64_t t = c; t < c + g; t++) v[t] = fp8_e4m3_scaled(q[t]) * s[grp];
 }
 
 /* Panel p of a Q8_0 or Q5_0 (five) weight in panels (cpu_q8_0_panels.h) as its 16 rows' signed values, row-major in

@@ -256,34 +256,6 @@ static inline float rounded_to(float v, int out_kind) {
 }
 
 #if defined(__AVX512F__)
-/* cpu_softmax_exp.h's exp_normal and silu on 16 lanes, the same operations in the same order (no fused
- * multiply-adds), so each lane's bits are the scalar function's. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
-                                   _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187e-06f)));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
-    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
-}
-
-static inline __m512 silu16(__m512 g) {
-    const __m512 e = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_sub_ps(_mm512_setzero_ps(), g));  /* NaN: -g */
-    const __mmask16 over = _mm512_cmp_ps_mask(e, _mm512_set1_ps(88.72283f), _CMP_GT_OQ),
-                    high = _mm512_cmp_ps_mask(e, _mm512_set1_ps(88.0f), _CMP_GT_OQ);
-    const __m512 top = _mm512_sub_ps(_mm512_mask_mov_ps(e, over, _mm512_set1_ps(88.0f)), _mm512_set1_ps(0.69314718f));
-    const __m512 twice = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), high, _mm512_set1_ps(2.0f));
-    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(exp16(_mm512_mask_mov_ps(e, high, top)), twice));
-    return _mm512_mask_mov_ps(_mm512_div_ps(g, d), over, _mm512_mul_ps(g, _mm512_setzero_ps()));
-}
-
 /* v rounded to out_kind (0 float32, 1 bfloat16, 2 float16) and widened back: f32_to_half's bits, 16 lanes. */
 static inline __m512 rounded16(__m512 v, int out_kind) {
     if (out_kind == 2) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -24,9 +24,8 @@
 /* R x M accumulators, R weight vectors and one x vector in the vector registers (32 on AVX-512). */
 #define INT8_ROWS_PER_BLOCK(M) ((M) == 1 ? 8 : (M) == 2 ? 6 : (M) <= 5 ? 4 : 3)
 
-/* HALF_VW weights from p widened to float32 exactly: int8 values, or (fp8) float8_e4m3fn bytes as 2^-120 times
- * their value: e4m3's exponent and mantissa moved into float32's (its subnormals become float32's, exactly), the
- * sign to bit 31; the scales carry the 2^120 (gemv_fp8_blocks). */
+/* HALF_VW weights from p widened to float32 exactly: int8 values, or (fp8) float8_e4m3fn bytes as cpu_half.h's
+ * fp8_e4m3_scaled reads them (2^-120 times their value; gemv_fp8_blocks' scales carry the 2^120), in vectors. */
 static inline hvec load_q(const int8_t *p, const int fp8) {
 #if HALF_VW == 16
     const __m128i b = _mm_loadu_si128((const __m128i *)p);
@@ -44,10 +43,7 @@ static inline hvec load_q(const int8_t *p, const int fp8) {
     return (hvec)_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign));
 #else
     hvec v;
-    for (int i = 0; i < HALF_VW; i++) {
-        const uint32_t u = (uint8_t)p[i];
-        v[i] = fp8 ? bits_to_f32((u & 0x7fu) << 20 | (u & 0x80u) << 24) : (float)p[i];
-    }
+    for (int i = 0; i < HALF_VW; i++) v[i] = fp8 ? fp8_e4m3_scaled((uint8_t)p[i]) : (float)p[i];
     return v;
 #endif
 }

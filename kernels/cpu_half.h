@@ -72,6 +72,13 @@ static inline uint16_t f32_to_f16(float f) {
 #endif
 }
 
+/* A float8_e4m3fn byte as 2^-120 times its value, exactly (its subnormals become float32's): its exponent and
+ * mantissa moved into float32's bits, the sign to bit 31. The int8 GEMV and the dequantize pass read FP8 weights so,
+ * their scales carrying the 2^120 (cpu_quantized.fp8_block_scales). */
+static inline float fp8_e4m3_scaled(uint8_t b) {
+    return bits_to_f32((uint32_t)(b & 0x7fu) << 20 | (uint32_t)(b & 0x80u) << 24);
+}
+
 static inline float half_to_f32(uint16_t h, int bf16) { return bf16 ? bf16_to_f32(h) : f16_to_f32(h); }
 static inline uint16_t f32_to_half(float f, int bf16) { return bf16 ? f32_to_bf16(f) : f32_to_f16(f); }
 

@@ -1,5 +1,6 @@
 /* What the native attention kernels share: their softmax, the decode kernels' sum of eight
- * keys' scores, their prefetch of the next block and their thread count; and the SiLU gates' silu.
+ * keys' scores, their prefetch of the next block and their thread count; and the SiLU gates' silu (scalar, and
+ * on 16 AVX-512 lanes).
  *
  * exp(x) for -87 <= x <= 88 (a normal result): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, and a
  * degree-6 polynomial (error < 2 ulp). Written so the compiler vectorizes the loops that call it. */
@@ -46,6 +47,40 @@ static inline float silu(float g) {
     const float d = 1.0f + exp_normal(high ? (over ? 88.0f : e) - 0.69314718f : e) * (high ? 2.0f : 1.0f);
     return over ? g * 0.0f : g / d;
 }
+
+#if defined(__AVX512F__)
+/* exp_normal and silu on 16 lanes (cpu_gemm_w8a8.c's SiLU gate), the same operations in the same order, so each
+ * lane's bits are the scalar function's where the caller is compiled with -ffp-contract=off (no fused
+ * multiply-adds; cpu_native.py's SOURCES). */
+static inline __m512 exp16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
+                                   _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187e-06f)));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+
+static inline __m512 silu16(__m512 g) {
+    const __m512 e = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_sub_ps(_mm512_setzero_ps(), g));  /* NaN: -g */
+    const __mmask16 over = _mm512_cmp_ps_mask(e, _mm512_set1_ps(88.72283f), _CMP_GT_OQ),
+                    high = _mm512_cmp_ps_mask(e, _mm512_set1_ps(88.0f), _CMP_GT_OQ);
+    const __m512 top =
+        _mm512_sub_ps(_mm512_mask_mov_ps(e, over, _mm512_set1_ps(88.0f)), _mm512_set1_ps(0.69314718f));
+    const __m512 twice = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), high, _mm512_set1_ps(2.0f));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                   _mm512_mul_ps(exp16(_mm512_mask_mov_ps(e, high, top)), twice));
+    return _mm512_mask_mov_ps(_mm512_div_ps(g, d), over, _mm512_mul_ps(g, _mm512_setzero_ps()));
+}
+
+#endif
 
 /* exp(x) for the x <= 0 of a softmax: 0 below -87. */
 static inline float softmax_exp(float x) { return x < -87.0f ? 0.0f : exp_normal(x); }

@@ -77,9 +77,10 @@ class TensorParallelShard:
             dist.all_reduce(partial, group=self.group)
         return partial
 
-    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
-        """The elementwise max across ranks (no-op for one rank): a row-parallel layer's per-token max |x| over
-        the whole row, where each rank holds a slice of it (models/fp8_linear.py)."""
+    def row_absmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's max |x| over the whole row, float32 [rows], where this rank's x [rows, in] is a row-parallel
+        layer's slice of it: a token's scale in schemes that quantize it per token (W8A8, FP8)."""
+        values = x.abs().amax(-1).float().contiguous()
         if self.size > 1:
             import torch.distributed as dist
 

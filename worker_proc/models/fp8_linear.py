@@ -46,12 +46,19 @@ def fake_quantize_fp8_torch(x: torch.Tensor, static_scale: Optional[torch.Tensor
                             row_max: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fake_quantize_fp8 in torch's ops (compressed-tensors' own arithmetic): any device, and the native pass's
     reference."""
+    q, scale = quantize_fp8(x, static_scale, row_max)
+    return q.to(scale.dtype).mul_(scale).to(x.dtype)
+
+
+def quantize_fp8(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None,
+                 row_max: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in float8_e4m3fn, its scale): per token, max|row| / 448 in x's dtype ([rows, 1]; ``row_max`` where
+    given; the dtype's eps where 0), or the static float32 scalar, x divided by it in float32."""
     if static_scale is None:
         scale = (x.abs().amax(-1, keepdim=True) if row_max is None else row_max) / FP8_MAX
         scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
-        return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype).mul_(scale)
-    rounded = (x.float() / static_scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    return rounded.mul_(static_scale).to(x.dtype)
+        return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    return (x.float() / static_scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), static_scale
 
 
 @dataclass(slots=True)
@@ -89,7 +96,7 @@ class Fp8Linear:
     def _row_max(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         if self.shard is None or self.activations != "token":
             return None
-        return self.shard.all_reduce_max(x.abs().amax(-1, keepdim=True).float()).to(x.dtype)
+        return self.shard.row_absmax(x).reshape(-1, 1).to(x.dtype)  # exact: a max of x's own values
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float8_weight is not None:
@@ -102,15 +109,8 @@ class Fp8Linear:
         """x quantized to float8 (the scheme's scale: compressed-tensors' per token, or the static one), the
         float8 products summed in float32 and both scales applied by torch._scaled_mm (row-wise scales)."""
         x = x.contiguous()
-        rows = x.shape[0]
-        if self.activations == "tensor":
-            x_scale = self.input_scale.reshape(1, 1).expand(rows, 1).contiguous()
-            xq = (x.float() / self.input_scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        else:
-            row_max = self._row_max(x)
-            scale = (x.abs().amax(-1, keepdim=True) if row_max is None else row_max) / FP8_MAX
-            scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
-            xq, x_scale = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.float()
+        xq, scale = quantize_fp8(x, self.input_scale, self._row_max(x))
+        x_scale = scale.float().reshape(-1, 1).expand(x.shape[0], 1).contiguous()  # static: one for every row
         return torch._scaled_mm(xq, self.float8_weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
                                 out_dtype=x.dtype)
 

@@ -245,7 +245,7 @@ def silu_gate(x: torch.Tensor, w: LinearWeight, ew: "Elementwise") -> torch.Tens
     pages and a fused SiLU gate"), else linear() then ``ew.silu_mul``. ``w``: made with gate_size."""
     if _on_panels(x, w):
         return _in_float32(cpu_native.silu_gate, x, w.panels, w.gate_size, w.bias)
-    if w.quantized is not None and getattr(w.quantized, "gate_size", 0):  # W8A8: the gate in the GEMM's epilogue
+    if w.quantized is not None and w.quantized.gate_size:  # a W8A8 gate_up: the gate in the GEMM's epilogue
         return w.quantized.silu_gate(x)
     return ew.silu_mul(linear(x, w), w.gate_size)
 

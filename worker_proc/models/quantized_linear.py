@@ -135,9 +135,7 @@ class QuantizedLinear:
                     y -= part.sum(-1, keepdim=True) * self.zero_correction[i]
                 out = y if out is None else out.add_(y)
             return out
-        row_max = None
-        if self.shard is not None:
-            row_max = self.shard.all_reduce_max(x.abs().amax(-1).float().contiguous())
+        row_max = None if self.shard is None else self.shard.row_absmax(x)
         if self.w8a8_sums is not None:
             out = cpu_quantized.w8a8_linear(x, self.weight, self.w8a8_sums, self.scales, self.out_features,
                                             x_absmax=row_max)
@@ -205,6 +203,7 @@ class QuantizedStack:
     side, the fused layer's output, so no part is read in float."""
     parts: tuple[QuantizedLinear, ...]
     kind: str = "stack"
+    gate_size: int = 0  # no fused SiLU gate (models/linear.py silu_gate)
 
     @property
     def out_features(self) -> int:
@@ -336,8 +335,10 @@ def describe_ops(layers: list) -> Optional[str]:
         if kind == "fp8_scaled_mm":
             return "float8 x float8 products in float32, x scaled as the checkpoint's scheme says (torch._scaled_mm)"
         if kind == "fp8":
-            return ("float8 weights dequantized at load to the model's dtype, its float matmuls; x rounded through "
-                    "float8 as the checkpoint's activation scheme says (models/fp8_linear.py)")
+            how = ("the bytes on the native float8 GEMV (kernels/cpu_gemv_int8.c) up to 47 rows, a dequantized copy "
+                   "above" if w8a8_kernel() else "dequantized at load to the model's dtype, its float matmuls")
+            return (f"float8 weights: {how}; x rounded through float8 as the checkpoint's activation scheme says "
+                    f"(models/fp8_linear.py)")
         if kind == "fp8_blocks":
             return "native float8 GEMV (kernels/cpu_gemv_int8.c, the bytes widened in registers)"
         if kind == "int4_blocks":
